@@ -1,0 +1,1 @@
+"""One module per ``kvstate`` command; see kvstate.cli."""

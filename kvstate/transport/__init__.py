@@ -1,0 +1,19 @@
+"""Transports: explicit registration of backends that share one VMM-shaped interface.
+
+Nothing registers itself at import. A worker builds a :class:`Registry`, registers the
+backends it means to use, and publishes their capabilities. Importing this package
+imports no backend module: ``kvstate.transport.host`` (cffi), ``.cuda`` (cuda-python) and
+``.nixl`` are imported by the caller, and a missing optional dependency surfaces as
+:class:`kvstate.errors.BackendUnavailable` only when that backend is asked for.
+"""
+
+from kvstate.transport.base import (
+    Access,
+    Capabilities,
+    MemoryKind,
+    Registry,
+    Scope,
+    Transport,
+)
+
+__all__ = ["Access", "Capabilities", "MemoryKind", "Registry", "Scope", "Transport"]

@@ -1,0 +1,1 @@
+"""The normative transition tables, shipped inside kvstate as the package kvstate.tables."""

@@ -1,0 +1,72 @@
+"""The loader accepts the real tables and refuses malformed ones, naming file and entry."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstate.errors import SpecError
+from kvstate.spec import load_spec, parse_machine
+
+MINIMAL = """
+[machine]
+name = "m"
+title = "M"
+initial = "a"
+terminal = ["b"]
+doc = "d"
+
+[states]
+a = "A"
+b = "B"
+
+[events]
+go = { doc = "go" }
+
+[guards]
+ok = "ok"
+
+[effects]
+act = "act"
+
+[[transitions]]
+trigger = "go"
+source = "a"
+dest = "b"
+guards = ["ok"]
+effects = ["act"]
+"""
+
+
+def test_real_tables_load() -> None:
+    spec = load_spec()
+    assert set(spec.machines) == {"bank", "group", "part", "op"}
+    assert "INV-GROUP-COMPLETE" in spec.invariants
+
+
+def test_minimal_table_parses() -> None:
+    m = parse_machine(MINIMAL, "mini.toml")
+    assert m.state_names == ("a", "b") and m.terminal == frozenset({"b"})
+
+
+@pytest.mark.parametrize(("old", "new", "entry", "problem"), [
+    ('dest = "b"', 'dest = "b"\ncolour = "red"', "transitions[0]", "unknown key"),
+    ('dest = "b"', 'dest = "nowhere"', "transitions[0] (go)", "undeclared dest state 'nowhere'"),
+    ('trigger = "go"', 'trigger = "stop"', "transitions[0] (stop)", "undeclared trigger 'stop'"),
+    ('guards = ["ok"]', 'guards = ["ok", "maybe"]', "transitions[0] (go)", "undeclared guard 'maybe'"),
+    ('effects = ["act"]', 'effects = ["jump"]', "transitions[0] (go)", "undeclared effect 'jump'"),
+    ('initial = "a"', 'initial = "z"', "machine.initial", "undeclared state 'z'"),
+    ('ok = "ok"', 'ok = "ok"\nunused = "u"', "guards.unused", "used by no transition"),
+    ('source = "a"', 'source = "b"', "transitions[0] (go)", "terminal state 'b' cannot be a source"),
+])
+def test_malformed_tables_name_file_and_entry(old: str, new: str, entry: str, problem: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_machine(MINIMAL.replace(old, new, 1), "mini.toml")
+    assert info.value.source == "mini.toml"
+    assert info.value.entry == entry
+    assert problem in info.value.problem
+
+
+def test_shadowed_row_is_refused() -> None:
+    text = MINIMAL.replace('guards = ["ok"]\n', "") + '\n[[transitions]]\ntrigger = "go"\nsource = "a"\ndest = "a"\n'
+    with pytest.raises(SpecError, match="unreachable"):
+        parse_machine(text, "mini.toml")
