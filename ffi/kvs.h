@@ -147,7 +147,7 @@ int kvs_submit_copy(uint64_t src_region, uint64_t src_addr, uint64_t src_size, u
 int kvs_cancel(int64_t op);
 int kvs_op_info_get(int64_t op, kvs_op_info *out);
 int kvs_wait(int64_t op, int64_t timeout_ns); /* 0 polls; KVS_E_TIMEOUT if not finished */
-int kvs_reap(int64_t op, kvs_op_info *out);
+int kvs_reap(int64_t op, kvs_op_info *out); /* out: the state it ended in */
 
 /* -- the generated op table, for the Python side's consistency check ---------------- */
 

@@ -431,9 +431,11 @@ int kvs_wait(int64_t id, int64_t timeout_ns) {
 int kvs_reap(int64_t id, kvs_op_info *out) {
     lock();
     struct kvs_op *op = find(id);
+    kvs_op_info before = {0};
+    if (op) info(op, &before); /* the caller learns how it ended: done, failed, cancelled */
     int rc = op ? kvs_op_step(op, KVS_OP_EV_REAP) : KVS_E_NOENT;
     if (rc == KVS_OK) {
-        if (out) info(op, out);
+        if (out) *out = before;
         kvs_slots_del(&E.ops, (uint64_t)id);
         free_op(op);
     }
