@@ -111,3 +111,130 @@ class GroupRejected(KvStateError):
     @property
     def reasons(self) -> frozenset[Any]:
         return frozenset(p.reason for p in self.problems)
+
+
+# -- native layer --------------------------------------------------------------------
+
+
+class NativeError(KvStateError):
+    """The native layer refused a call. ``code`` is the C ``KVS_E_*`` value, ``call`` the function."""
+
+    def __init__(self, call: str, code: int, detail: str) -> None:
+        self.call = call
+        self.code = code
+        self.detail = detail
+        super().__init__(f"{call}: {detail}")
+
+
+class NativeInvalidArgument(NativeError):
+    """An argument was malformed: zero or unaligned size, bad flag, buffer address 0."""
+
+
+class NativeOSError(NativeError):
+    """A system call inside the native layer failed; ``errno`` says which way."""
+
+    def __init__(self, call: str, code: int, detail: str, errno: int) -> None:
+        self.errno = errno
+        super().__init__(call, code, detail)
+
+
+class NativeNoMemory(NativeError):
+    """The native layer could not allocate its bookkeeping."""
+
+
+class UnknownNativeObject(NativeError):
+    """No allocation, reservation, region or op has that id (any more)."""
+
+
+class RegionPinned(NativeError):
+    """Unmap, release or a lowering of access was refused: native ops or leases pin the region."""
+
+
+class StillMapped(NativeError):
+    """Release of an allocation, or freeing of a reservation, refused while mappings remain."""
+
+
+class OutOfRange(NativeError):
+    """An offset or length falls outside its region, buffer or reservation."""
+
+
+class MappingOverlap(NativeError):
+    """A mapping would overlap another mapping in the same reservation."""
+
+
+class ImportRefused(NativeError):
+    """A received fd was refused before anything was mapped."""
+
+
+class FdWrongSize(ImportRefused):
+    """The received fd's size (fstat) is not the size the descriptor announced."""
+
+
+class FdUnsealed(ImportRefused):
+    """The received fd lacks F_SEAL_SHRINK, F_SEAL_GROW or F_SEAL_SEAL."""
+
+
+class FdNotMemfd(ImportRefused):
+    """The received fd is not a memfd."""
+
+
+class FdIdentityMismatch(ImportRefused):
+    """The received fd's (st_dev, st_ino) differs from the handle bytes of its descriptor."""
+
+
+class OpWaitTimeout(NativeError):
+    """A wait on a native op ended before the op finished. The op is untouched."""
+
+
+class OpFailed(NativeError):
+    """A native op ended in ``failed``; ``reason`` is the error the worker reported."""
+
+    def __init__(self, call: str, code: int, detail: str, op: int) -> None:
+        self.op = op
+        super().__init__(call, code, detail)
+
+
+class EngineBusy(NativeError):
+    """The op engine cannot be reconfigured while ops are queued or running."""
+
+
+# -- control channel -----------------------------------------------------------------
+
+
+class ChannelError(KvStateError):
+    """Base of the control channel's errors."""
+
+
+class ChannelClosed(ChannelError):
+    """The peer closed the connection (EOF), or it was closed here."""
+
+
+class PeerDied(ChannelClosed):
+    """The peer process exited (its pidfd became readable)."""
+
+
+class ChannelTimeout(ChannelError):
+    """A blocking step of the control channel did not complete within its timeout."""
+
+
+class PeerRejected(ChannelError):
+    """The peer's credentials (SO_PEERCRED) are not among the allowed uids."""
+
+    def __init__(self, pid: int, uid: int, allowed: frozenset[int]) -> None:
+        self.pid = pid
+        self.uid = uid
+        self.allowed = allowed
+        super().__init__(f"peer pid {pid} uid {uid} is not allowed (allowed uids: {sorted(allowed)})")
+
+
+class UnsafeSocketPath(ChannelError):
+    """The socket path or its directory is a symlink, foreign-owned or too open."""
+
+    def __init__(self, path: str, why: str) -> None:
+        self.path = path
+        self.why = why
+        super().__init__(f"unsafe socket path {path!r}: {why}")
+
+
+class FrameError(ChannelError):
+    """A message broke the framing rules: too large, truncated, malformed or too many fds."""
