@@ -238,3 +238,39 @@ class UnsafeSocketPath(ChannelError):
 
 class FrameError(ChannelError):
     """A message broke the framing rules: too large, truncated, malformed or too many fds."""
+
+
+# -- exporter and importer lifecycles ------------------------------------------------
+
+
+class RegistrationFailed(KvStateError):
+    """Registering a bank with its transport failed at ``step``; every earlier step was
+    rolled back and the bank keeps its previous owner and state (INV-REGISTER-ATOMIC)."""
+
+    def __init__(self, step: str, cause: BaseException) -> None:
+        self.step = step
+        super().__init__(f"bank registration failed at {step}: {cause}")
+
+
+class LeaseRefused(KvStateError):
+    """The exporter refused a lease. ``code`` says why (e.g. stale, draining, unknown_rank)."""
+
+    def __init__(self, code: str, detail: str) -> None:
+        self.code = code
+        super().__init__(f"lease refused ({code}): {detail}")
+
+
+class ImportFailed(KvStateError):
+    """Importing one rank part failed; the whole group was rolled back and is failed."""
+
+    def __init__(self, rank: int, cause: BaseException) -> None:
+        self.rank = rank
+        super().__init__(f"import of rank {rank} failed: {cause}")
+
+
+class LoadFailed(KvStateError):
+    """A prefix load did not complete; nothing it wrote may be used."""
+
+
+class DrainTimeout(KvStateError):
+    """Quiescence was not reported within the allowed time; nothing was released."""
