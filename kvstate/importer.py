@@ -320,6 +320,8 @@ def _cancel(ops: list[Op]) -> None:
 class Importer:
     """A prefill worker's importing side: validates, imports, watches, loads."""
 
+    group_class: type[Group] = Group
+
     def __init__(self, config: ImportConfig, transport: Transport, *, observers: Iterable[Observer] = ()) -> None:
         self.config = config
         self.transport = transport
@@ -344,7 +346,7 @@ class Importer:
     def import_group(self, wire: Sequence[bytes], **expect: Any) -> Group:
         """Validate the whole group, then import every part; see the module docstring."""
         self._count += 1
-        group = Group(self, f"group#{self._count}", self.observers)
+        group = self.group_class(self, f"group#{self._count}", self.observers)
         self.groups = [g for g in self.groups if not g.is_terminal] + [group]
         descriptors: list[Descriptor] = []
         problems: list[DescriptorRejected] = []

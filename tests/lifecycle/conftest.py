@@ -28,10 +28,12 @@ def pattern(rank: int, nbytes: int, salt: int = 0) -> bytes:
 
 
 def make_exporter(tp: int, transport: object, name: str = "exporter", lease_timeout_s: float = 30.0,
-                  source: bytes | None = None) -> Exporter:
-    d = Path(tempfile.mkdtemp(prefix="kvs-life-"))
-    os.chmod(d, 0o700)
-    ex = Exporter(ExportConfig(DEPLOYMENT, d / "sock", source or os.urandom(16), tp,
+                  source: bytes | None = None, socket_dir: Path | None = None) -> Exporter:
+    if socket_dir is None:
+        d = Path(tempfile.mkdtemp(prefix="kvs-life-"))
+        os.chmod(d, 0o700)
+        socket_dir = d / "sock"
+    ex = Exporter(ExportConfig(DEPLOYMENT, socket_dir, source or os.urandom(16), tp,
                                lease_timeout_s=lease_timeout_s), transport, name=name)  # type: ignore[arg-type]
     for r in range(tp):
         bank = ex.add_bank(r, GEOMETRY)
