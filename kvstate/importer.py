@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from typing import Any
 
@@ -242,16 +242,26 @@ class Group(Lifecycle):
 
     # -- what the engine calls --------------------------------------------------------
 
-    def load_prefix(self, blocks: Sequence[int], destinations: Sequence[Any], *, timeout: float = 30.0) -> LoadResult:
-        """Gather ``blocks`` of every rank into ``destinations[rank]`` (in block order).
+    def load_prefix(self, blocks: Sequence[int], destinations: Sequence[Any] | Mapping[int, Any], *,
+                    timeout: float = 30.0) -> LoadResult:
+        """Gather ``blocks`` (in order) of each rank into its destination buffer.
 
-        Each destination must hold ``len(blocks) * block_bytes`` bytes. Raises LoadFailed
-        (and the data must not be used) if any op fails or times out.
+        ``destinations`` is one buffer per rank (a sequence of tp buffers), or a mapping
+        from rank to buffer to load only some ranks (a TP worker loading its own share).
+        Each holds at least ``len(blocks) * block_bytes`` bytes. Raises LoadFailed, and
+        the data must not be used, if any op fails or times out.
         """
-        if len(destinations) != self.tp:
+        if isinstance(destinations, Mapping):
+            targets = dict(destinations)
+        elif len(destinations) == self.tp:
+            targets = dict(enumerate(destinations))
+        else:
             raise LoadFailed(f"{len(destinations)} destination(s) for a group of tp {self.tp}")
+        if not targets or not set(targets) <= set(range(self.tp)):
+            raise LoadFailed(f"destinations name ranks {sorted(targets)} outside 0..{self.tp - 1}")
         plan = []
-        for part, dst in zip(self.parts, destinations):
+        for rank, dst in sorted(targets.items()):
+            part = self.parts[rank]
             g = part.descriptor.geometry
             extents: list[tuple[int, int, int]] = []
             pos = 0
@@ -259,8 +269,8 @@ class Group(Lifecycle):
                 for off, length in g.block_extents(b):
                     extents.append((off, pos, length))
                     pos += length
-            if len(memoryview(dst).cast("B")) < pos:
-                raise LoadFailed(f"destination of rank {part.rank} holds fewer than {pos} bytes")
+            if memoryview(dst).nbytes < pos:
+                raise LoadFailed(f"destination of rank {rank} holds fewer than {pos} bytes")
             plan.append((part, dst, extents))
         start = time.monotonic()
         self.fire("load", plan=plan)

@@ -142,7 +142,7 @@ def test_restarted_exporter_makes_old_descriptors_stale(transport: HostTransport
         with pytest.raises(ImportFailed, match="stale_incarnation"):
             importer.import_group(old)
         with pytest.raises(GroupRejected) as info:
-            importer.import_group(old, incarnation=ex.incarnation.value)
+            importer.import_group(old, incarnations={0: ex.incarnation.value, 1: ex.incarnation.value})
         assert info.value.reasons == {Reason.INCARNATION}
     finally:
         ex.stop()
