@@ -16,8 +16,10 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
+import random
 import signal
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -60,12 +62,7 @@ class ClusterSpec:
 
 def kv_pattern(rank: int, block: int, nbytes: int, seed: int) -> bytes:
     """Deterministic bytes of one block of one rank, distinct per (seed, rank, block)."""
-    out = bytearray()
-    counter = 0
-    while len(out) < nbytes:
-        out += hashlib.blake2b(f"{seed}:{rank}:{block}:{counter}".encode(), digest_size=64).digest()
-        counter += 1
-    return bytes(out[:nbytes])
+    return random.Random(f"kvstate:{seed}:{rank}:{block}").randbytes(nbytes)
 
 
 def expected_checksum(spec: ClusterSpec, rank: int) -> str:
@@ -158,6 +155,8 @@ def importer_main(conn: multiprocessing.connection.Connection, spec_json: str, k
     def state() -> str | None:
         return im.groups[-1].state if im.groups else None
 
+    loader: threading.Thread | None = None
+
     while True:
         cmd = _recv(conn, 3600)
         try:
@@ -166,17 +165,33 @@ def importer_main(conn: multiprocessing.connection.Connection, spec_json: str, k
                 _send(conn, state=state())
             elif cmd["cmd"] == "load":
                 group = im.groups[-1]
+
+                def load(group: Any = group, blocks: list[int] = cmd["blocks"]) -> None:
+                    dst = bytearray(len(blocks) * group.parts[rank].descriptor.geometry.block_bytes)
+                    try:
+                        result = group.load_prefix(blocks, {rank: dst}, timeout=spec.timeout_s)
+                        _send(conn, checksum=hashlib.blake2b(dst, digest_size=16).hexdigest(),
+                              seconds=result.seconds, bytes=result.bytes, state=state())
+                    except KvStateError as exc:
+                        _send(conn, error=f"{type(exc).__name__}: {exc}", state=state())
+
                 if cmd.get("stall"):
-                    t.native.pause(True)  # the load stays in flight until the drain (or a kill)
+                    # The load stays in flight (its ops queued and pinning the parts) until
+                    # the next command, a drain, lets the engine run again.
+                    t.native.pause(True)
+                    loader = threading.Thread(target=load)
+                    loader.start()
+                    while not group.ops:
+                        time.sleep(0.001)
                     _send(conn, loading=True)
-                dst = bytearray(len(cmd["blocks"]) * group.parts[rank].descriptor.geometry.block_bytes)
-                result = group.load_prefix(cmd["blocks"], {rank: dst}, timeout=spec.timeout_s)
-                _send(conn, checksum=hashlib.blake2b(dst, digest_size=16).hexdigest(),
-                      seconds=result.seconds, bytes=result.bytes, state=state())
+                else:
+                    load()
             elif cmd["cmd"] == "drain":
                 t.native.pause(False)
                 last = im.groups[-1] if im.groups else None
                 waited = 0.0 if last is None or last.is_terminal else last.drain(timeout=spec.timeout_s)
+                if loader is not None:
+                    loader.join(spec.timeout_s)  # its reply goes out before the drain's
                 _send(conn, quiescent_s=waited, state=state(), states=["advertised", *states])
             elif cmd["cmd"] == "exit":
                 im.close()
