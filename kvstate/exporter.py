@@ -250,13 +250,16 @@ class Exporter:
         self._expiry.start()
 
     def stop(self) -> None:
+        """Stop serving (idempotent). Live leases stay until drained or their peers go."""
         self._stopping.set()
-        if self._server is not None:
-            self._server.close()
-        if self._watcher is not None:
-            self._watcher.close()
-        if self._expiry is not None:
-            self._expiry.join(2.0)
+        server, watcher, expiry = self._server, self._watcher, self._expiry
+        self._server = self._watcher = self._expiry = None
+        if server is not None:
+            server.close()
+        if watcher is not None:
+            watcher.close()
+        if expiry is not None:
+            expiry.join(2.0)
 
     def _serve(self, ch: chan.Channel) -> None:
         assert self._watcher is not None
@@ -343,6 +346,8 @@ class Exporter:
                 bank.fire("drain")
         waited = 0.0
         for bank in self.banks.values():
+            if bank.is_terminal:
+                continue
             if bank.state == "allocated":
                 bank.fire("release")
                 continue

@@ -41,7 +41,24 @@ def make_exporter(tp: int, transport: object, name: str = "exporter", lease_time
         bank.view()[:GEOMETRY.nbytes] = pattern(r, GEOMETRY.nbytes)
         bank.fire("advertise")
     ex.start()
+    _created.append(ex)
     return ex
+
+
+_created: list[Exporter] = []
+
+
+@pytest.fixture(autouse=True)
+def release_exporters() -> Iterator[None]:
+    """Every exporter a test made is drained (its leases ended by then) and stopped."""
+    yield
+    while _created:
+        ex = _created.pop()
+        ex.stop()
+        for bank in ex.banks.values():
+            for lease in list(bank.leases.values()):
+                lease.channel.close()
+        ex.drain(5.0)
 
 
 @pytest.fixture

@@ -8,6 +8,8 @@ mappings in any surviving process (from /proc).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvstate.cluster import PHASES, ROLES, ClusterSpec, run_scenario
@@ -23,7 +25,7 @@ def test_reuse_across_processes(tp: int) -> None:
     assert report["import_states"] == ["ready"] * tp
     assert report["verified"] == [(r, True) for r in range(tp)]
     assert report["exporter_states"][-3:] == ["draining", "quiescent", "released"]
-    assert report["ok"], report
+    assert report["ok"], json.dumps(report)
 
 
 @pytest.mark.parametrize("phase", PHASES)
@@ -32,7 +34,7 @@ def test_sigkill_in_every_phase(role: str, phase: str) -> None:
     """INV-GROUP-COMPLETE under process death: no importer is ready without every part."""
     spec = ClusterSpec(tp=2, **SMALL)  # type: ignore[arg-type]
     report = run_scenario(spec, (role, phase))
-    assert report["ok"], report
+    assert report["ok"], json.dumps(report)
     assert set(report["import_states"]) <= {"ready", "failed"}
     if role == "exporter" and phase == "advertised":
         assert report["import_states"] == ["failed", "failed"]  # a rank is gone: never ready

@@ -47,6 +47,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     @initialize()
     def start(self) -> None:
         self.transport = HostTransport(granularity=GRANULARITY)
+        self.baseline = self.transport.native.stats()
         self.faulty = FaultyTransport(self.transport)
         self.changes: list[StateChange] = []
         self.exporters = {tp: make_exporter(tp, self.transport, name=f"tp{tp}") for tp in TPS}
@@ -74,8 +75,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         for ex in self.exporters.values():
             ex.drain(5.0)
             ex.stop()
-        stats = self.transport.native.stats()
-        assert (stats.allocations, stats.reservations, stats.regions, stats.pins) == (0, 0, 0, 0), stats
+        s, b = self.transport.native.stats(), self.baseline
+        assert (s.allocations, s.reservations, s.regions, s.pins) == \
+            (b.allocations, b.reservations, b.regions, b.pins), "leaked native objects"
 
     def live(self, state: str) -> list[Group]:
         return [g for g in self.importer.groups if g.state == state]
