@@ -501,7 +501,15 @@ def choose_transfer_source(target_prefix_blocks: int, candidates: Iterable[Candi
     exhausted = False
     skipped: list[tuple[Candidate, Reason]] = []
     best: tuple[Candidate, SavingTerms] | None = None
-    for cand in candidates:
+    pending = iter(candidates)
+    while True:
+        if clock() - start > budget_s:
+            exhausted = True  # do not start another lookup
+            break
+        try:
+            cand = next(pending)
+        except StopIteration:
+            break
         if clock() - start > budget_s:
             exhausted = True  # this one arrived too late; stop reading
             break
