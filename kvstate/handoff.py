@@ -148,6 +148,8 @@ def resolve_child_engine(engine_id: str, advertised: Iterable[str], *, dp_rank: 
     """
     if not isinstance(engine_id, str) or not engine_id:
         raise ChildEngineMissing(f"engine id must be a non-empty string, got {engine_id!r}")
+    if isinstance(advertised, str):
+        raise ChildEngineMissing("advertised engine ids must be a collection of strings, not one string")
     known = sorted(set(advertised))
     if dp_rank is not None:
         if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or dp_rank < 0:

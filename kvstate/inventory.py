@@ -304,11 +304,10 @@ class Inventory:
         """End a lease. Releasing an unknown or already released lease is an error."""
         lease_id = grant.lease_id if isinstance(grant, LeaseGrant) else grant
         with self._lock:
-            held = self._leases.pop(lease_id, None) if isinstance(lease_id, int) else None
+            held = self._leases.get(lease_id) if isinstance(lease_id, int) else None
             if held is None or (isinstance(grant, LeaseGrant) and held != grant):
-                if held is not None:
-                    self._leases[lease_id] = held
                 raise UnknownLease(f"lease {lease_id!r} is not held")
+            del self._leases[lease_id]
             g = self._groups[held.group]
             for h in held.hashes:
                 g.blocks[h].leases -= 1

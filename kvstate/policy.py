@@ -350,9 +350,23 @@ def gate(enabled: bool, gpu_enabled: bool, gpu_admitted: bool, gpu_source: bool,
 # -- candidates, terms and decisions ---------------------------------------------------
 
 
-def _check_blocks(inst: object, attribute: attrs.Attribute[int], value: object) -> None:
+def _require_blocks(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_BLOCKS:
-        raise PolicyInputError(f"{attribute.name} must be an integer in 0..{MAX_BLOCKS}, got {value!r}")
+        raise PolicyInputError(f"{name} must be an integer in 0..{MAX_BLOCKS}, got {value!r}")
+
+
+def _require_block_tokens(value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BLOCK_TOKENS:
+        raise PolicyInputError(f"block_tokens must be an integer in 1..{MAX_BLOCK_TOKENS}, got {value!r}")
+
+
+def _require_memory(value: object) -> None:
+    if not isinstance(value, MemoryKind):
+        raise PolicyInputError(f"memory must be a MemoryKind, got {value!r}")
+
+
+def _check_blocks(inst: object, attribute: attrs.Attribute[int], value: object) -> None:
+    _require_blocks(attribute.name, value)
 
 
 def _check_source_id(inst: object, attribute: attrs.Attribute[str], value: object) -> None:
@@ -361,8 +375,7 @@ def _check_source_id(inst: object, attribute: attrs.Attribute[str], value: objec
 
 
 def _check_memory(inst: object, attribute: attrs.Attribute[MemoryKind], value: object) -> None:
-    if not isinstance(value, MemoryKind):
-        raise PolicyInputError(f"memory must be a MemoryKind, got {value!r}")
+    _require_memory(value)
 
 
 @attrs.frozen
@@ -394,9 +407,9 @@ class SavingTerms:
 def estimate_ttft_saving(saved_blocks: int, *, block_tokens: int, memory: MemoryKind,
                          settings: ReuseSettings) -> SavingTerms:
     """The saving, with its terms, of loading ``saved_blocks`` from a source in ``memory``."""
-    _check_blocks(None, _FIELD_SAVED_BLOCKS, saved_blocks)
-    _check_block_tokens(block_tokens)
-    _check_memory(None, _FIELD_MEMORY, memory)
+    _require_blocks("saved_blocks", saved_blocks)
+    _require_block_tokens(block_tokens)
+    _require_memory(memory)
     block_us = (settings.transfer_source_gpu_estimated_block_us if memory is MemoryKind.DEVICE
                 else settings.transfer_source_estimated_block_us)
     lookup_ms = settings.transfer_source_lookup_budget_ms
@@ -411,15 +424,6 @@ def estimate_ttft_saving(saved_blocks: int, *, block_tokens: int, memory: Memory
                                       block_us, lookup_ms),
         memory=memory,
     )
-
-
-_FIELD_SAVED_BLOCKS = attrs.fields(SavingTerms).saved_blocks
-_FIELD_MEMORY = attrs.fields(SavingTerms).memory
-
-
-def _check_block_tokens(value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BLOCK_TOKENS:
-        raise PolicyInputError(f"block_tokens must be an integer in 1..{MAX_BLOCK_TOKENS}, got {value!r}")
 
 
 @attrs.frozen
@@ -478,8 +482,8 @@ def choose_transfer_source(target_prefix_blocks: int, candidates: Iterable[Candi
     :func:`kvstate.profile.admit` for the declared deployment profile; without an admitted
     profile that allows GPU reuse, GPU-resident sources are not eligible.
     """
-    _check_blocks(None, attrs.fields(Candidate).prefix_blocks, target_prefix_blocks)
-    _check_block_tokens(block_tokens)
+    _require_blocks("target_prefix_blocks", target_prefix_blocks)
+    _require_block_tokens(block_tokens)
     minimum_blocks = settings.minimum_transfer_prefix_blocks
     minimum_saving = settings.minimum_estimated_ttft_saving_ms
 
