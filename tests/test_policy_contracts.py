@@ -19,7 +19,7 @@ def test_policy_contracts_hold() -> None:
 
 def test_crosshair_catches_planted_policy_bugs() -> None:
     """Self-test: broken copies with the same contracts must each get a counterexample."""
-    result = crosshair(["planted.policy_bugs"], per_condition_timeout=4.0, wall_timeout=120.0)
+    result = crosshair(["planted.policy_bugs"], per_condition_timeout=10.0, wall_timeout=120.0)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "estimated_saving_ms(" in result.stdout  # INV-POLICY-MONOTONE broken
     assert "gate(" in result.stdout  # INV-POLICY-GPU-GATED broken
