@@ -1,1 +1,1 @@
-"""Deliberately broken copies of kvstate functions, for the checkers' self-tests. Never import from kvstate."""
+"""Deliberately broken code and tables: each checker must fail on these (self-tests)."""
