@@ -34,15 +34,20 @@ from typing import Any
 
 import attrs
 
+from kvstate.descriptor import VERSION as PROTOCOL_VERSION
 from kvstate.errors import CapabilitiesIncomplete, CapabilitiesInvalid, UnknownProfile
 from kvstate.handles import HandleKind
+from kvstate.identity import UUID_BYTES as DEVICE_UUID_BYTES
 from kvstate.transport.base import Capabilities, MemoryKind, Scope
 
-#: The kvstate wire protocol version, defined here once. Peers must publish the same.
-PROTOCOL_VERSION = 1
+__all__ = ["PROTOCOL_VERSION", "Admitted", "DeploymentProfile", "FabricTrial", "PublishedCapabilities",
+           "Refusal", "Refused", "Rule", "TransportCapabilities", "admit", "parse_capabilities"]
 
-DEVICE_UUID_BYTES = 16
-GEOMETRY_FINGERPRINT_MAX_BYTES = 64
+#: The kvstate wire protocol version is defined once, by kvstate.descriptor (the version
+#: of the descriptor wire format); capability publication carries the same number.
+
+#: ``kvstate.geometry.Geometry.fingerprint()`` is 16 bytes.
+GEOMETRY_FINGERPRINT_BYTES = 16
 
 
 class FabricTrial(enum.Enum):
@@ -115,9 +120,8 @@ def _check(inst: PublishedCapabilities) -> None:
         raise CapabilitiesInvalid("handle_kinds", f"no transport carries {', '.join(extra)}")
     if HandleKind.FABRIC in inst.handle_kinds and inst.fabric_trial is not FabricTrial.PASSED:
         raise CapabilitiesInvalid("handle_kinds", "fabric is published but the FABRIC trial did not pass")
-    if not isinstance(inst.geometry_fingerprint, bytes) or not 1 <= len(inst.geometry_fingerprint) <= \
-            GEOMETRY_FINGERPRINT_MAX_BYTES:
-        raise CapabilitiesInvalid("geometry_fingerprint", f"must be 1..{GEOMETRY_FINGERPRINT_MAX_BYTES} bytes")
+    if not isinstance(inst.geometry_fingerprint, bytes) or len(inst.geometry_fingerprint) != GEOMETRY_FINGERPRINT_BYTES:
+        raise CapabilitiesInvalid("geometry_fingerprint", f"must be {GEOMETRY_FINGERPRINT_BYTES} bytes")
     if isinstance(inst.protocol_version, bool) or not isinstance(inst.protocol_version, int) \
             or inst.protocol_version < 1:
         raise CapabilitiesInvalid("protocol_version", "must be a positive integer")

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from kvstate import policy, profile
 from kvstate.errors import InvalidSetting, KvStateError, PolicyInputError, UnknownSetting
+from kvstate.geometry import DType, Geometry, Layout
 from kvstate.handles import HandleKind
 from kvstate.policy import Candidate, Reason, ReuseSettings, choose_transfer_source, estimate_ttft_saving
 from kvstate.transport.base import Capabilities, MemoryKind, Scope
@@ -48,6 +49,19 @@ def test_every_default_is_documented() -> None:
         default = getattr(ReuseSettings(), name)
         assert f"{name} = {default}" in doc, name
         assert f"`{name}`" in page and f"`{default}`".lower() in page.lower(), name
+
+
+def test_cost_defaults_follow_from_the_cited_figures() -> None:
+    """The arithmetic behind the defaults (docs/policy.md), on kvstate's own Geometry."""
+    block = Geometry(layers=32, kv_heads=8, head_dim=128, block_tokens=16, dtype=DType.BF16,
+                     layout=Layout.BLOCK_MAJOR, num_blocks=1).block_bytes  # Llama-3-8B, vLLM block size
+    assert block == 2 * 2**20
+    d = ReuseSettings()
+    pcie4_x16, h100_nvlink, h100_bf16, llama3_8b_params = 31.5e9, 450e9, 989e12, 8.03e9
+    assert d.transfer_source_estimated_block_us == 5 * math.ceil(block / (0.5 * pcie4_x16) * 1e6 / 5)
+    assert d.transfer_source_gpu_estimated_block_us == math.ceil(block / (0.5 * h100_nvlink) * 1e6)
+    assert d.transfer_source_prefill_token_us == math.floor(2 * llama3_8b_params / h100_bf16 * 1e6)
+    assert d.transfer_source_lookup_budget_ms == d.minimum_estimated_ttft_saving_ms / 5
 
 
 def test_mapping_env_and_cli_load_strictly() -> None:
@@ -147,17 +161,21 @@ def test_a_transfer_dearer_than_recompute_saves_nothing() -> None:
     assert t.saving_ms == -dear.transfer_source_lookup_budget_ms
 
 
-amounts = st.floats(min_value=0, max_value=2000, allow_nan=False, allow_infinity=False)
+def amounts(top: int) -> st.SearchStrategy[float]:
+    """Round figures like the ones operators set, and arbitrary floats."""
+    return st.one_of(st.integers(0, top).map(float), st.floats(0, top))
+
+
 settings_st = st.builds(
     ReuseSettings,
     enable_decode_to_prefill_reuse=st.booleans(),
     enable_decode_to_prefill_gpu_reuse=st.booleans(),
-    minimum_estimated_ttft_saving_ms=st.floats(0, 50),
+    minimum_estimated_ttft_saving_ms=st.one_of(st.just(0.0), amounts(50)),
     minimum_transfer_prefix_blocks=st.integers(0, 64),
-    transfer_source_estimated_block_us=amounts,
-    transfer_source_gpu_estimated_block_us=amounts,
-    transfer_source_lookup_budget_ms=st.floats(0, 10),
-    transfer_source_prefill_token_us=st.floats(0, 100),
+    transfer_source_estimated_block_us=amounts(2000),
+    transfer_source_gpu_estimated_block_us=amounts(2000),
+    transfer_source_lookup_budget_ms=st.one_of(st.just(0.0), amounts(3)),
+    transfer_source_prefill_token_us=amounts(100),
 )
 
 
@@ -191,9 +209,16 @@ HOST_ADMITTED = profile.admit(profile.DeploymentProfile.HOST_LOCAL, _caps("host"
 assert isinstance(GPU_ADMITTED, profile.Admitted) and GPU_ADMITTED.gpu_reuse_allowed
 assert isinstance(HOST_ADMITTED, profile.Admitted) and not HOST_ADMITTED.gpu_reuse_allowed
 
-candidates_st = st.lists(st.builds(Candidate, source_id=st.sampled_from(["d0", "d1", "d2", "d3"]),
-                                   prefix_blocks=st.integers(0, 400), memory=st.sampled_from(list(MemoryKind))),
-                         max_size=6)
+@st.composite
+def scenarios(draw: st.DrawFn) -> tuple[int, list[Candidate]]:
+    """A target prefix and candidates near it, so that every gate is often the deciding one."""
+    target = draw(st.integers(0, 200))
+    near = st.integers(max(0, target - 4), target + 80)
+    cands = draw(st.lists(st.builds(Candidate, source_id=st.sampled_from(["d0", "d1", "d2", "d3"]),
+                                    prefix_blocks=near, memory=st.sampled_from(list(MemoryKind))), max_size=6))
+    return target, cands
+
+
 admitted_st = st.sampled_from([None, GPU_ADMITTED, HOST_ADMITTED])
 
 
@@ -227,20 +252,20 @@ def check_policy_properties(choose: Callable[..., policy.Decision], s: ReuseSett
     assert d.recommended == passes  # the gates are the only reason left to refuse
 
 
-@given(settings_st, st.integers(0, 200), candidates_st, st.integers(1, 64), admitted_st)
-def test_choice_properties(s: ReuseSettings, target: int, cands: list[Candidate], block_tokens: int,
+@given(settings_st, scenarios(), st.integers(1, 64), admitted_st)
+def test_choice_properties(s: ReuseSettings, scenario: tuple[int, list[Candidate]], block_tokens: int,
                            admitted: Any) -> None:
-    check_policy_properties(choose_transfer_source, s, target, cands, block_tokens, admitted)
+    check_policy_properties(choose_transfer_source, s, *scenario, block_tokens, admitted)
 
 
 def test_property_check_catches_a_planted_chooser_bug() -> None:
     """Self-test: the same property check must fail on a chooser that skips a gate."""
     from planted import policy_bugs
 
-    @settings(max_examples=1000, derandomize=True, database=None, phases=[Phase.generate])
-    @given(settings_st, st.integers(0, 200), candidates_st, st.integers(1, 64), admitted_st)
-    def prop(s: ReuseSettings, target: int, cands: list[Candidate], block_tokens: int, admitted: Any) -> None:
-        check_policy_properties(policy_bugs.choose_transfer_source, s, target, cands, block_tokens, admitted)
+    @settings(max_examples=5000, derandomize=True, database=None, phases=[Phase.generate])
+    @given(settings_st, scenarios(), st.integers(1, 64), admitted_st)
+    def prop(s: ReuseSettings, scenario: tuple[int, list[Candidate]], block_tokens: int, admitted: Any) -> None:
+        check_policy_properties(policy_bugs.choose_transfer_source, s, *scenario, block_tokens, admitted)
 
     with pytest.raises(AssertionError):
         prop()

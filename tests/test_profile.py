@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 from kvstate import profile
 from kvstate.errors import CapabilitiesIncomplete, CapabilitiesInvalid, CapabilitiesRejected, UnknownProfile
+from kvstate.descriptor import VERSION
+from kvstate.geometry import DType, Geometry, Layout
 from kvstate.handles import HandleKind
 from kvstate.profile import (
     PROTOCOL_VERSION,
@@ -34,6 +36,9 @@ def transport(name: str, kinds: set[HandleKind], memory: set[MemoryKind], scopes
     return TransportCapabilities(name, Capabilities(frozenset(kinds), frozenset(memory), frozenset(scopes)))
 
 
+GEOMETRY = Geometry(layers=32, kv_heads=8, head_dim=128, block_tokens=16, dtype=DType.BF16,
+                    layout=Layout.BLOCK_MAJOR, num_blocks=1024)
+
 HOST = transport("host", {HandleKind.MEMFD}, {MemoryKind.HOST}, {Scope.SAME_NODE})
 CUDA = transport("cuda", {HandleKind.POSIX_FD, HandleKind.FABRIC}, {MemoryKind.DEVICE}, {Scope.SAME_NODE})
 NIXL = transport("nixl", {HandleKind.NIXL}, {MemoryKind.HOST, MemoryKind.DEVICE}, {Scope.CROSS_NODE})
@@ -46,11 +51,15 @@ def caps(*transports: TransportCapabilities, trial: FabricTrial = FabricTrial.PA
         carried.discard(HandleKind.FABRIC)
     return PublishedCapabilities(device_uuids=(b"\x11" * 16, b"\x22" * 16),
                                  handle_kinds=frozenset(carried if kinds is None else kinds), fabric_trial=trial,
-                                 transports=tuple(transports), geometry_fingerprint=bytes(range(32)),
+                                 transports=tuple(transports), geometry_fingerprint=GEOMETRY.fingerprint(),
                                  protocol_version=version)
 
 
 FULL = caps(HOST, CUDA, NIXL)
+
+
+def test_one_protocol_version() -> None:
+    assert PROTOCOL_VERSION == VERSION  # defined once, by the descriptor wire format
 
 
 def test_wire_round_trip() -> None:
@@ -95,7 +104,7 @@ def test_every_missing_field_is_named() -> None:
     lambda w: w["transports"][0].update(colour="blue"),
     lambda w: w["transports"].append(dict(w["transports"][0])),
     lambda w: w.update(geometry_fingerprint=""),
-    lambda w: w.update(geometry_fingerprint="00" * 65),
+    lambda w: w.update(geometry_fingerprint="00" * 32),
     lambda w: w.update(protocol_version=0),
     lambda w: w.update(protocol_version=True),
     lambda w: w.update(protocol_version="1"),
