@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,14 @@ import pytest
 from kvstate.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _no_policy_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command reads KVSTATE_POLICY_* variables; these tests set their own."""
+    for name in list(os.environ):
+        if name.startswith("KVSTATE_POLICY_"):
+            monkeypatch.delenv(name)
 
 
 def test_explain_prints_decision_terms_and_gates(capsys: pytest.CaptureFixture[str],
@@ -75,3 +84,12 @@ def test_pure_modules_import_no_native_or_optional_code() -> None:
             "print(bad)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_documented_example_is_what_the_command_prints(capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVSTATE_POLICY_ENABLE_DECODE_TO_PREFILL_REUSE", raising=False)
+    assert main(["policy", "explain", "--target-blocks", "8", "--candidate", "d0:host:200",
+                 "--enable-decode-to-prefill-reuse", "true"]) == 0
+    page = (ROOT / "docs" / "policy.md").read_text(encoding="utf-8")
+    assert capsys.readouterr().out in page, "docs/policy.md's explain example is stale"
