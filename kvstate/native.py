@@ -330,7 +330,7 @@ class Native:
             return ep, 0, 0, None
         try:
             cbuf = self.ffi.from_buffer(ep, require_writable=writable)
-        except TypeError as exc:
+        except (TypeError, BufferError) as exc:
             raise errors.NativeInvalidArgument("kvs_submit", -1, f"not a usable buffer: {exc}") from None
         addr = int(self.ffi.cast("uintptr_t", cbuf))
         return 0, addr, len(cbuf), cbuf
@@ -366,12 +366,15 @@ class Native:
         dr, da, ds, dk = self._endpoint(dst, True)
         ffi = self.ffi
         if isinstance(blocks, (list, tuple)):
-            cblocks = ffi.new("kvs_block[]", [tuple(b) for b in blocks])
+            try:
+                cblocks = ffi.new("kvs_block[]", [tuple(b) for b in blocks])
+            except (TypeError, OverflowError, ValueError) as exc:
+                raise errors.NativeInvalidArgument("kvs_submit", -1, f"blocks: {exc}") from None
             n = len(blocks)
         else:
             try:
                 cblocks = ffi.from_buffer("kvs_block[]", blocks)
-            except TypeError as exc:
+            except (TypeError, BufferError, ValueError) as exc:
                 raise errors.NativeInvalidArgument("kvs_submit", -1, f"blocks: {exc}") from None
             n = len(cblocks)
         s = ffi.new("kvs_endpoint *", (sr, sa, ss))
