@@ -91,39 +91,56 @@ def build_variant(out: Path, module: str, *, defines: Sequence[tuple[str, str | 
 # -- peer processes ---------------------------------------------------------------------
 
 
-def peer(role: str, *args: str) -> subprocess.Popen[str]:
-    """Start ``tests/native/peers.py ROLE ARGS`` with line-buffered pipes."""
+def peer(role: str, *args: str) -> subprocess.Popen[bytes]:
+    """Start ``tests/native/peers.py ROLE ARGS`` with unbuffered pipes."""
     return subprocess.Popen([sys.executable, str(PEERS), role, *args], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0)
 
 
-def expect_line(proc: subprocess.Popen[str], want: str, timeout: float = 20.0) -> str:
-    """Read the peer's next stdout line (bounded) and check it starts with ``want``."""
+_pending: dict[int, bytes] = {}
+
+
+def expect_line(proc: subprocess.Popen[bytes], want: str, timeout: float = 20.0) -> str:
+    """Read the peer's next stdout line (bounded) and check it starts with ``want``.
+
+    Reads the pipe with os.read and keeps what follows the line for the next call: a
+    buffered reader could hold the next line where select() cannot see it."""
     import select
+    import time
 
     assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    if not ready:
-        proc.kill()
-        raise AssertionError(f"peer printed nothing within {timeout} s; stderr: {_stderr(proc)}")
-    line = proc.stdout.readline().strip()
-    assert line.startswith(want), f"peer said {line!r}, expected {want!r}; stderr: {_stderr(proc)}"
-    return line
+    fd = proc.stdout.fileno()
+    buf = _pending.pop(proc.pid, b"")
+    deadline = time.monotonic() + timeout
+    while b"\n" not in buf:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        chunk = os.read(fd, 4096) if ready else b""
+        if not chunk:
+            proc.kill()
+            raise AssertionError(f"peer said {buf!r} and then nothing within {timeout} s "
+                                 f"(or exited); stderr: {_stderr(proc)}")
+        buf += chunk
+    line, rest = buf.split(b"\n", 1)
+    _pending[proc.pid] = rest
+    text = line.decode().strip()
+    assert text.startswith(want), f"peer said {text!r}, expected {want!r}; stderr: {_stderr(proc)}"
+    return text
 
 
-def _stderr(proc: subprocess.Popen[str]) -> str:
+def _stderr(proc: subprocess.Popen[bytes]) -> str:
     if proc.poll() is None or proc.stderr is None:
         return "(still running)"
-    return proc.stderr.read()
+    return proc.stderr.read().decode(errors="replace")
 
 
-def reap(proc: subprocess.Popen[str], timeout: float = 20.0) -> int:
+def reap(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> int:
     """Wait for a peer (bounded), close its pipes, return its exit status."""
     try:
         proc.wait(timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout)
+    _pending.pop(proc.pid, None)
     for pipe in (proc.stdin, proc.stdout, proc.stderr):
         if pipe is not None:
             pipe.close()

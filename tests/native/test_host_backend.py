@@ -107,7 +107,8 @@ def test_sizes_and_offsets_follow_the_granularity(t: HostTransport) -> None:
 def test_touch_before_set_access_faults(mode: str) -> None:
     """As on CUDA, a mapping is unusable until set_access: the touch dies with SIGSEGV."""
     proc = peer("touch", mode)
-    out, err = proc.communicate(timeout=60)
+    out_b, err_b = proc.communicate(timeout=60)
+    out, err = out_b.decode(), err_b.decode()
     assert "touching" in out and "survived" not in out, (out, err)
     assert proc.returncode == -signal.SIGSEGV, (proc.returncode, err)
     assert PEERS.is_file()

@@ -92,17 +92,16 @@ def test_exporter_killed_mid_import(sock: Path, importer: Importer, fork_child: 
     child = 0
     try:
         expect_line(proc, "ready")
-        ch = channel.connect(sock, timeout=20)
-        assert importer.take(ch) == 0
-        if fork_child == "fork":
-            child = int(expect_line(proc, "child").split()[1])
-        expect_line(proc, "held 1")
-        proc.send_signal(signal.SIGKILL)
-        assert reap(proc) == -signal.SIGKILL
-        with pytest.raises(PeerDied if fork_child == "fork" else ChannelClosed):
-            ch.recv(timeout=20)
-        assert not ch.peer_alive()
-        ch.close()
+        with channel.connect(sock, timeout=20) as ch:
+            assert importer.take(ch) == 0
+            if fork_child == "fork":
+                child = int(expect_line(proc, "child").split()[1])
+            expect_line(proc, "held 1")
+            proc.send_signal(signal.SIGKILL)
+            assert reap(proc) == -signal.SIGKILL
+            with pytest.raises(PeerDied if fork_child == "fork" else ChannelClosed):
+                ch.recv(timeout=20)
+            assert not ch.peer_alive()
         importer.check(0, 0)  # the exporter is gone; its memory is still readable here
     finally:
         if proc.poll() is None:
