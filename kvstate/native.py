@@ -449,9 +449,13 @@ def default() -> Native:
                 try:
                     from kvstate import _native  # type: ignore[attr-defined]
                 except ModuleNotFoundError as exc:
-                    if exc.name not in ("kvstate._native", "_cffi_backend"):
+                    if exc.name == "_cffi_backend":
+                        raise BackendUnavailable("host", "cffi is not installed; install "
+                                                 "'kvstate[native]'") from None
+                    if exc.name != "kvstate._native":
                         raise
-                    raise BackendUnavailable("host", f"the native module is not built ({exc}); "
-                                             "reinstall kvstate with a C compiler") from None
+                    raise BackendUnavailable("host", "the native module kvstate._native was not "
+                                             "built; reinstall kvstate where a C compiler is "
+                                             "available") from None
                 _default = Native(_native.ffi, _native.lib)
     return _default
