@@ -43,7 +43,7 @@ static struct {
     pthread_once_t once;
     pthread_cond_t work_cv, done_cv;
     pthread_t threads[KVS_MAX_WORKERS];
-    uint32_t nthreads, want;
+    uint32_t nthreads, want, idle;
     int stopping, paused, reconfiguring;
     struct kvs_op *qhead, *qtail;
     struct kvs_slots ops;
@@ -140,14 +140,60 @@ static int kvs_op_step(struct kvs_op *op, int event) {
 
 /* -- workers -------------------------------------------------------------------------- */
 
+#if defined(__x86_64__) && defined(__SSE2__)
+#include <emmintrin.h>
+#include <xmmintrin.h>
+#define KVS_NT_MIN (UINT64_C(16) << 10)
+
+/* Blocks of KV cache are copied once and not read again by this thread, so large ones are
+ * written with streaming (non-temporal) stores: no read-for-ownership of the destination
+ * and no cache pollution. glibc's memcpy does the same only above a threshold of several
+ * MiB, so a gather of 64 KiB blocks would otherwise pay for the extra destination reads. */
+static void copy_block(char *dst, const char *src, uint64_t len) {
+    if (len < KVS_NT_MIN) {
+        memcpy(dst, src, len);
+        return;
+    }
+    uint64_t head = (uint64_t)(-(uintptr_t)dst & 15);
+    memcpy(dst, src, head);
+    dst += head, src += head, len -= head;
+    uint64_t n = len / 64;
+    for (uint64_t i = 0; i < n; i++, dst += 64, src += 64) {
+        _mm_prefetch(src + 1024, _MM_HINT_NTA);
+        __m128i a = _mm_loadu_si128((const __m128i *)src);
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
+        _mm_stream_si128((__m128i *)dst, a);
+        _mm_stream_si128((__m128i *)(dst + 16), b);
+        _mm_stream_si128((__m128i *)(dst + 32), c);
+        _mm_stream_si128((__m128i *)(dst + 48), d);
+    }
+    memcpy(dst, src, len % 64);
+}
+
+static void copy_fence(void) { _mm_sfence(); }
+
+/* The next block starts elsewhere (gathers jump around): start fetching its head early. */
+static void copy_prefetch(const char *src) {
+    for (int i = 0; i < 1024; i += 64) _mm_prefetch(src + i, _MM_HINT_NTA);
+}
+#else
+static void copy_prefetch(const char *src) { (void)src; }
+static void copy_block(char *dst, const char *src, uint64_t len) { memcpy(dst, src, len); }
+static void copy_fence(void) {}
+#endif
+
 static int run_part(const struct kvs_op *op, uint32_t part) {
     if (op->flags & KVS_OPF_FAIL) return KVS_E_INJECTED;
     uint64_t lo = op->nblocks * part / op->nparts, hi = op->nblocks * (part + 1) / op->nparts;
     for (uint64_t i = lo; i < hi; i++) {
         const kvs_block *b = &op->blocks[i];
-        memcpy((void *)(uintptr_t)(op->dst_base + b->dst_off),
-               (const void *)(uintptr_t)(op->src_base + b->src_off), b->len);
+        if (i + 1 < hi) copy_prefetch((const char *)(uintptr_t)(op->src_base + op->blocks[i + 1].src_off));
+        copy_block((char *)(uintptr_t)(op->dst_base + b->dst_off),
+                   (const char *)(uintptr_t)(op->src_base + b->src_off), b->len);
     }
+    copy_fence(); /* streaming stores are visible before the op is reported finished */
     return KVS_OK;
 }
 
@@ -175,7 +221,11 @@ static void *worker(void *arg) {
     (void)arg;
     lock();
     for (;;) {
-        while (!E.stopping && (E.paused || !E.qhead)) pthread_cond_wait(&E.work_cv, &kvs_g.mu);
+        while (!E.stopping && (E.paused || !E.qhead)) {
+            E.idle++;
+            pthread_cond_wait(&E.work_cv, &kvs_g.mu);
+            E.idle--;
+        }
         if (E.stopping) break;
         struct kvs_op *op = E.qhead;
         if (op->next_part == 0) {
@@ -333,9 +383,12 @@ int kvs_submit(const kvs_endpoint *src, const kvs_endpoint *dst, const kvs_block
     E.qtail = op;
     E.queued++;
     E.submitted++;
-    pthread_cond_signal(&E.work_cv);
-    if (op->nparts > 1) pthread_cond_broadcast(&E.work_cv);
+    /* Wake workers only when one is idle and may run it: a futex wake per submit to a
+     * paused or busy pool is the largest part of submit cost otherwise. */
+    int wake = E.idle && !E.paused ? (op->nparts > 1 ? 2 : 1) : 0;
     unlock();
+    if (wake == 1) pthread_cond_signal(&E.work_cv);
+    if (wake == 2) pthread_cond_broadcast(&E.work_cv);
     *out = (int64_t)id;
     return KVS_OK;
 fail:

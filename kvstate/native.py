@@ -154,8 +154,13 @@ class Native:
         self._errors = self._error_map()
         # Caller buffers an op reads or writes stay referenced until the op is reaped.
         self._keep: dict[int, tuple[Any, ...]] = {}
-        self._keep_lock = threading.Lock()
         self.page_size: int = int(lib.kvs_page_size())
+        # Bound once: the submit path is measured in microseconds.
+        self._from_buffer = ffi.from_buffer
+        self._cast = ffi.cast
+        self._new = ffi.new
+        self._submit_copy = lib.kvs_submit_copy
+        self._fail_flag = int(lib.KVS_OPF_FAIL)
 
     # -- plumbing ----------------------------------------------------------------------
 
@@ -326,36 +331,32 @@ class Native:
 
     def _endpoint(self, ep: Endpoint, writable: bool) -> tuple[int, int, int, Any]:
         """(region, addr, size, keepalive) for a region id or a caller buffer."""
-        if isinstance(ep, int):
+        if ep.__class__ is int:
             return ep, 0, 0, None
+        if isinstance(ep, int):
+            return int(ep), 0, 0, None
         try:
-            cbuf = self.ffi.from_buffer(ep, require_writable=writable)
+            cbuf = self._from_buffer(ep, require_writable=writable)
         except (TypeError, BufferError) as exc:
             raise errors.NativeInvalidArgument("kvs_submit", -1, f"not a usable buffer: {exc}") from None
-        addr = int(self.ffi.cast("uintptr_t", cbuf))
-        return 0, addr, len(cbuf), cbuf
-
-    def _flags(self, fail: bool) -> int:
-        return int(self.lib.KVS_OPF_FAIL) if fail else 0
-
-    def _track(self, op_id: int, keep: tuple[Any, ...]) -> Op:
-        if keep:
-            with self._keep_lock:
-                self._keep[op_id] = keep
-        return Op(self, op_id)
+        return 0, int(self._cast("uintptr_t", cbuf)), len(cbuf), cbuf
 
     def submit_copy(self, src: Endpoint, dst: Endpoint, length: int, *, src_off: int = 0,
                     dst_off: int = 0, fail: bool = False) -> Op:
-        """Copy ``length`` bytes; each end is a region id or a buffer. ``fail`` injects a fault."""
+        """Copy ``length`` bytes; each end is a region id or a buffer. ``fail`` injects a fault.
+
+        This is the hot path (one call per small op), so it is kept flat."""
         sr, sa, ss, sk = self._endpoint(src, False)
         dr, da, ds, dk = self._endpoint(dst, True)
-        out = self.ffi.new("int64_t *")
-        rc = self.lib.kvs_submit_copy(sr, sa, ss, src_off, dr, da, ds, dst_off, length,
-                                      self._flags(fail), out)
+        out = self._new("int64_t *")
+        rc = self._submit_copy(sr, sa, ss, src_off, dr, da, ds, dst_off, length,
+                               self._fail_flag if fail else 0, out)
         if rc:
             self._raise("kvs_submit_copy", rc, f"copy of {length} bytes", "created", "submit")
-        keep = tuple(k for k in (sk, dk) if k is not None)
-        return self._track(int(out[0]), keep)
+        op_id = int(out[0])
+        if sk is not None or dk is not None:
+            self._keep[op_id] = (sk, dk)  # a dict store is atomic under the GIL
+        return Op(self, op_id)
 
     def submit_gather(self, src: Endpoint, dst: Endpoint, blocks: Sequence[Block] | Any, *,
                       fail: bool = False) -> Op:
@@ -380,11 +381,13 @@ class Native:
         s = ffi.new("kvs_endpoint *", (sr, sa, ss))
         d = ffi.new("kvs_endpoint *", (dr, da, ds))
         out = ffi.new("int64_t *")
-        rc = self.lib.kvs_submit(s, d, cblocks, n, self._flags(fail), out)
+        rc = self.lib.kvs_submit(s, d, cblocks, n, self._fail_flag if fail else 0, out)
         if rc:
             self._raise("kvs_submit", rc, f"gather of {n} blocks", "created", "submit")
-        keep = tuple(k for k in (sk, dk) if k is not None)
-        return self._track(int(out[0]), keep)
+        op_id = int(out[0])
+        if sk is not None or dk is not None:
+            self._keep[op_id] = (sk, dk)
+        return Op(self, op_id)
 
     def op_info(self, op: int) -> OpInfo:
         out = self.ffi.new("kvs_op_info *")
@@ -414,8 +417,7 @@ class Native:
         rc = self.lib.kvs_reap(op, out)
         if rc:
             self._raise("kvs_reap", rc, f"op {op}", self._state_or_unknown(op), "reap")
-        with self._keep_lock:
-            self._keep.pop(op, None)
+        self._keep.pop(op, None)
         return OpInfo(op, self.op_states[out.state], out.error, out.bytes, out.nblocks)
 
     def _state_or_unknown(self, op: int) -> str:
