@@ -138,6 +138,21 @@ static int kvs_op_step(struct kvs_op *op, int event) {
     return refused;
 }
 
+/* The engine itself fires submit (created), start (queued), finish and fail (running) and
+ * cannot take a refusal there once work has begun. A table that does not declare those
+ * rows unguarded is unusable: every submit is refused rather than the engine aborting. */
+static int row_unguarded(int state, int event) {
+    int first = kvs_op_first[state][event];
+    return first >= 0 && !kvs_op_rows[first].guards && !kvs_op_rows[first].unless;
+}
+
+static int table_usable(void) {
+    return kvs_op_first[KVS_OP_INITIAL][KVS_OP_EV_SUBMIT] >= 0 &&
+           row_unguarded(KVS_OP_QUEUED, KVS_OP_EV_START) &&
+           row_unguarded(KVS_OP_RUNNING, KVS_OP_EV_FINISH) &&
+           row_unguarded(KVS_OP_RUNNING, KVS_OP_EV_FAIL);
+}
+
 /* -- workers -------------------------------------------------------------------------- */
 
 #if defined(__x86_64__) && defined(__SSE2__)
@@ -324,6 +339,7 @@ int kvs_submit(const kvs_endpoint *src, const kvs_endpoint *dst, const kvs_block
     if (!src || !dst || !blocks || nblocks == 0 || (flags & ~KVS_OPF_FAIL) ||
         nblocks > (UINT64_MAX >> 8) / sizeof(kvs_block))
         return KVS_E_INVAL;
+    if (!table_usable()) return KVS_E_ILLEGAL;
     struct kvs_op *op = calloc(1, sizeof *op);
     if (!op) return KVS_E_NOMEM;
     op->state = KVS_OP_INITIAL;
@@ -412,7 +428,11 @@ static struct kvs_op *find(int64_t id) {
 int kvs_cancel(int64_t id) {
     lock();
     struct kvs_op *op = find(id);
-    int rc = op ? kvs_op_step(op, KVS_OP_EV_CANCEL) : KVS_E_NOENT;
+    int rc = !op ? KVS_E_NOENT
+             /* whatever a table allows, a worker that took part of the op is never cut
+              * short: dropping its pins mid-copy would let its memory be freed under it */
+             : op->next_part > 0 ? KVS_E_ILLEGAL
+             : kvs_op_step(op, KVS_OP_EV_CANCEL);
     if (rc == KVS_OK) {
         struct kvs_op **p = &E.qhead, *prev = NULL;
         while (*p && *p != op) {

@@ -134,7 +134,8 @@ class Op:
     def result(self, timeout: float) -> OpInfo:
         """Wait up to ``timeout`` s, reap, and raise :class:`OpFailed` if the op failed."""
         if not self.wait(timeout):
-            raise errors.OpWaitTimeout("kvs_wait", -13, f"op {self.id} still running after {timeout} s")
+            raise errors.OpWaitTimeout("kvs_wait", int(self._native.lib.KVS_E_TIMEOUT),
+                                       f"op {self.id} still running after {timeout} s")
         info = self.reap()
         if info.state == "failed":
             raise errors.OpFailed("kvs_reap", info.error, f"op {self.id} failed: "

@@ -29,7 +29,7 @@ from functools import cache
 import attrs
 
 from kvstate import handles
-from kvstate.errors import FdIdentityMismatch, KvStateError, NativeInvalidArgument
+from kvstate.errors import FdIdentityMismatch, ImportRefused, KvStateError, NativeInvalidArgument
 from kvstate.handles import HandleKind
 from kvstate.native import (
     ACCESS_NONE,
@@ -157,7 +157,11 @@ class HostTransport:
         if len(handle.identity) != handles.FD_IDENTITY_BYTES:
             raise FdIdentityMismatch("import", -1, f"handle bytes are {len(handle.identity)} long, "
                                      f"expected {handles.FD_IDENTITY_BYTES}")
-        if fd_identity_of(handle.fd) != handle.identity:
+        try:
+            identity = fd_identity_of(handle.fd)
+        except OSError as exc:
+            raise ImportRefused("import", -1, f"fd {handle.fd} cannot be examined: {exc.strerror}") from None
+        if identity != handle.identity:
             raise FdIdentityMismatch("import", -1, f"fd {handle.fd} is not the file its descriptor names")
         return HostAllocation(self._native.import_fd(handle.fd, size), size, imported=True)
 

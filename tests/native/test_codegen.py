@@ -68,3 +68,23 @@ def test_a_changed_table_changes_the_c_engine(tmp_path: Path) -> None:
     nat.unmap(region)
     nat.release(alloc)
     nat.free_reservation(res)
+
+
+def test_module_from_another_table_is_refused_and_an_unusable_table_refuses_submits(tmp_path: Path) -> None:
+    """A module built from a table other than spec/op.toml is refused by the wrapper
+    (SpecError); and a table without the engine's own `start` row makes every submit
+    refused in C instead of leaving ops stuck or aborting."""
+    from kvstate.errors import SpecError
+    from kvstate.spec import StateSpec
+
+    m = load_machine("op")
+    variant = attrs.evolve(m, states=(*m.states, StateSpec("parked", "a state C never enters", False)),
+                           transitions=tuple(t for t in m.transitions if t.trigger != "start"))
+    ffi, lib = build_variant_lib(tmp_path, "kvs_table_unusable", op_table_header=codegen.op_header(variant))
+    with pytest.raises(SpecError, match="another op table"):
+        Native(ffi, lib)
+    buf = ffi.new("char[]", 8)
+    out = ffi.new("int64_t *")
+    rc = lib.kvs_submit_copy(0, int(ffi.cast("uintptr_t", buf)), 8, 0, 0, int(ffi.cast("uintptr_t", buf)), 8, 0,
+                             8, 0, out)
+    assert rc == lib.KVS_E_ILLEGAL

@@ -206,3 +206,20 @@ def test_explicit_pins_block_unmap_release_and_access_revocation(t: HostTranspor
     t.unmap(m)
     t.release(a)
     t.free(r)
+
+
+def test_bad_arguments_are_typed_errors(t: HostTransport) -> None:
+    with pytest.raises(errors.NativeInvalidArgument):
+        t.native.reserve(BANK, 0)
+    with pytest.raises(errors.NativeInvalidArgument):
+        t.native.reserve(BANK, 3 * 4096)
+    with pytest.raises(errors.NativeInvalidArgument):
+        t.native.create(100)
+    r, w = os.pipe()
+    os.close(r)
+    os.close(w)
+    with pytest.raises(errors.ImportRefused):
+        t.import_(HostHandle(r, bytes(16)), BANK)
+    with pytest.raises(errors.UnknownNativeObject):
+        t.native.region_stats(0)
+    assert t.native.stats().allocations == 0
