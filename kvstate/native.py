@@ -36,6 +36,7 @@ from kvstate.errors import (
     NativeError,
     SpecError,
 )
+from kvstate.optional import is_missing, require
 from kvstate.spec import load_machine
 
 #: Access levels as the C layer numbers them.
@@ -449,13 +450,11 @@ def default() -> Native:
     if _default is None:
         with _default_lock:
             if _default is None:
+                require("_cffi_backend", "host", hint="install 'kvstate[native]'")
                 try:
                     from kvstate import _native  # type: ignore[attr-defined]
                 except ModuleNotFoundError as exc:
-                    if exc.name == "_cffi_backend":
-                        raise BackendUnavailable("host", "cffi is not installed; install "
-                                                 "'kvstate[native]'") from None
-                    if exc.name != "kvstate._native":
+                    if not is_missing(exc, "kvstate._native"):
                         raise
                     raise BackendUnavailable("host", "the native module kvstate._native was not "
                                              "built; reinstall kvstate where a C compiler is "

@@ -1,6 +1,7 @@
 """Real exporter and importer processes: memfds over SCM_RIGHTS, and SIGKILL at each side.
 
-INV-LOAD-BYTES: what the importer reads through its mappings is what the exporter wrote.
+What the importer reads through its mappings is what the exporter wrote (the native half
+of the load-bytes invariant, whose checker reads through a ready group).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class Importer:
         return int(body["bank"])
 
     def check(self, index: int, bank: int) -> None:
-        assert bytes(self.t.view(self.maps[index])) == pattern(bank, BANK), "INV-LOAD-BYTES"
+        assert bytes(self.t.view(self.maps[index])) == pattern(bank, BANK), "imported bytes differ from the exporter's"
 
     def close(self) -> None:
         for m in self.maps:
