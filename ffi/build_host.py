@@ -126,6 +126,7 @@ int kvs_wait(int64_t op, int64_t timeout_ns);
 int kvs_reap(int64_t op, kvs_op_info *out);
 
 int32_t kvs_op_nstates(void);
+const char *kvs_op_table_digest(void);
 int32_t kvs_op_nevents(void);
 const char *kvs_op_state_name(int32_t state);
 const char *kvs_op_event_name(int32_t event);

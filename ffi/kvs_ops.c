@@ -532,6 +532,7 @@ void kvs_ops_global(kvs_global_info *out) {
 }
 
 int32_t kvs_op_nstates(void) { return KVS_OP_NSTATES; }
+const char *kvs_op_table_digest(void) { return KVS_OP_TABLE_DIGEST; }
 int32_t kvs_op_nevents(void) { return KVS_OP_NEVENTS; }
 
 const char *kvs_op_state_name(int32_t state) {

@@ -29,6 +29,7 @@ from typing import Any, Final
 import attrs
 
 from kvstate import errors
+from kvstate.codegen import table_digest
 from kvstate.errors import (
     BackendUnavailable,
     GuardRejected,
@@ -147,10 +148,12 @@ class Op:
 class Native:
     """The native layer behind one cffi module (normally ``kvstate._native``)."""
 
-    def __init__(self, ffi: Any, lib: Any) -> None:
+    def __init__(self, ffi: Any, lib: Any, *, check_table: bool = True) -> None:
+        """``check_table=False`` is for tests that build a module from another table on purpose."""
         self.ffi = ffi
         self.lib = lib
-        self._check_table()
+        if check_table:
+            self._check_table()
         self.op_states: tuple[str, ...] = tuple(
             ffi.string(lib.kvs_op_state_name(i)).decode() for i in range(lib.kvs_op_nstates()))
         self._errors = self._error_map()
@@ -172,10 +175,12 @@ class Native:
         lib, ffi = self.lib, self.ffi
         states = tuple(ffi.string(lib.kvs_op_state_name(i)).decode() for i in range(lib.kvs_op_nstates()))
         events = tuple(ffi.string(lib.kvs_op_event_name(i)).decode() for i in range(lib.kvs_op_nevents()))
-        if states != m.state_names or events != m.event_names:
+        built = ffi.string(lib.kvs_op_table_digest()).decode()
+        if states != m.state_names or events != m.event_names or built != table_digest(m):
             raise SpecError("ffi/kvs_op_table.h", "op table",
-                            f"the native module was built from another op table (states {states}, "
-                            f"events {events}); rebuild it after `python -m kvstate.codegen`")
+                            f"the native module was built from another op table (digest {built}, "
+                            f"states {states}, events {events}); run `python -m kvstate.codegen` "
+                            "and rebuild (`make`)")
 
     def _error_map(self) -> dict[int, type[NativeError]]:
         lib = self.lib

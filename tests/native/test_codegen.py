@@ -53,7 +53,9 @@ def test_a_changed_table_changes_the_c_engine(tmp_path: Path) -> None:
     """Built from a table where cancel applies only to running ops, the engine refuses to
     cancel a queued op; the committed table lets it."""
     ffi, lib = build_variant_lib(tmp_path, "kvs_table_variant", op_table_header=_cancel_only_when_running())
-    nat = Native(ffi, lib)
+    with pytest.raises(errors.SpecError, match="another op table"):
+        Native(ffi, lib)  # same names, other rows: the digest tells them apart
+    nat = Native(ffi, lib, check_table=False)
     page = nat.page_size
     alloc = nat.create(page)
     res, _ = nat.reserve(page, page)

@@ -22,7 +22,7 @@ from kvstate.transport.host import (
     fd_identity_of,
     host_device_uuid,
 )
-from native.helpers import PEERS, peer, reap
+from native.helpers import PEERS, peer
 
 BANK = 2 << 20
 
