@@ -2,7 +2,8 @@
 
 The engine is paused between ``run_all`` steps, so the model knows exactly which ops are
 queued (and pinning) at every step. Random submits (some with injected failures),
-cancels, reaps, polls, completions, unmaps, releases, remaps and access changes are
+cancels, reaps, polls, completions, leases (explicit pins) taken and ended, unmaps,
+releases, remaps and access changes are
 checked against the model; after every step the native layer's own observation (pins,
 ops in flight, live and queued ops) must equal the model's.
 
@@ -77,6 +78,7 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
             self.access: dict[str, int] = {}
             self.ops: dict[int, ModelOp] = {}
             self.reaped: list[int] = []
+            self.leases: dict[str, int] = {}      # explicit pins (leases) per region
             self.res = 0
 
         @initialize()
@@ -98,9 +100,13 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
             if fresh and name != "c":
                 self.nat.view(region)[:] = pattern(name)
             self.regions[name], self.mapped[name], self.access[name] = region, True, ACCESS_READ_WRITE
+            self.leases[name] = 0
+
+        def inflight(self, name: str) -> int:
+            return sum(1 for o in self.ops.values() if o.state == "queued" and name in o.touches)
 
         def pins(self, name: str) -> int:
-            return sum(1 for o in self.ops.values() if o.state == "queued" and name in o.touches)
+            return self.inflight(name) + self.leases.get(name, 0)
 
         # -- rules ------------------------------------------------------------------------
 
@@ -184,6 +190,27 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
             if got is None:
                 self.access[name] = level
 
+        @rule(name=st.sampled_from(NAMES))
+        def lease(self, name: str) -> None:
+            want = None if self.mapped[name] else errors.UnknownNativeObject
+            got = outcome(lambda: self.nat.pin(self.regions[name]))
+            assert got is want, f"pin {name}: expected {want}, got {got}"
+            if got is None:
+                self.leases[name] += 1
+
+        @rule(name=st.sampled_from(NAMES))
+        def end_lease(self, name: str) -> None:
+            if not self.mapped[name]:
+                want: type[KvStateError] | None = errors.UnknownNativeObject
+            elif not self.leases[name]:
+                want = errors.NativeInvalidArgument  # an op's pin is never dropped by hand
+            else:
+                want = None
+            got = outcome(lambda: self.nat.unpin(self.regions[name]))
+            assert got is want, f"unpin {name}: expected {want}, got {got}"
+            if got is None:
+                self.leases[name] -= 1
+
         @precondition(lambda self: bool(self.ops))
         @rule(data=st.data())
         def cancel(self, data: st.DataObject) -> None:
@@ -245,8 +272,10 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
             for name in NAMES:
                 if self.mapped[name]:
                     s = self.nat.region_stats(self.regions[name])
-                    assert s.pins == s.inflight == self.pins(name), \
-                        f"INV-OP-PINS: {name} reports pins {s.pins}, in flight {s.inflight}, model {self.pins(name)}"
+                    assert (s.pins, s.inflight, s.explicit_pins) == \
+                        (self.pins(name), self.inflight(name), self.leases[name]), \
+                        f"INV-OP-PINS: {name} reports pins {s.pins}, in flight {s.inflight}, leases " \
+                        f"{s.explicit_pins}; model {self.pins(name)}, {self.inflight(name)}, {self.leases[name]}"
             g = self.nat.stats()
             assert g.ops_live == len(self.ops)
             assert g.ops_queued == sum(1 for o in self.ops.values() if o.state == "queued")
@@ -259,6 +288,8 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
                 outcome(op.op.reap)
             self.nat.pause(False)
             for name in self.regions:
+                for _ in range(self.leases.get(name, 0)):
+                    outcome(lambda: self.nat.unpin(self.regions[name]))
                 if self.mapped.get(name):
                     outcome(lambda: self.nat.unmap(self.regions[name]))
                 alloc = self.allocs.get(name)
