@@ -353,8 +353,15 @@ class Native:
         """Copy ``length`` bytes; each end is a region id or a buffer. ``fail`` injects a fault.
 
         This is the hot path (one call per small op), so it is kept flat."""
-        sr, sa, ss, sk = self._endpoint(src, False)
-        dr, da, ds, dk = self._endpoint(dst, True)
+        # Region ids (the common case) skip the buffer plumbing entirely.
+        if src.__class__ is int:
+            sr, sa, ss, sk = src, 0, 0, None
+        else:
+            sr, sa, ss, sk = self._endpoint(src, False)
+        if dst.__class__ is int:
+            dr, da, ds, dk = dst, 0, 0, None
+        else:
+            dr, da, ds, dk = self._endpoint(dst, True)
         out = self._new("int64_t *")
         rc = self._submit_copy(sr, sa, ss, src_off, dr, da, ds, dst_off, length,
                                self._fail_flag if fail else 0, out)
