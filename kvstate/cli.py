@@ -18,11 +18,13 @@ from kvstate.errors import KvStateError
 COMMANDS = {
     "demo": "demo",
     "spec": "spec",
+    "policy": "policy",
 }
 
 _HELP = {
     "demo": "run the decode-to-prefill reuse demo",
     "spec": "show, render or check the lifecycle tables",
+    "policy": "explain the reuse policy's decision for given inputs",
 }
 
 

@@ -238,3 +238,153 @@ class UnsafeSocketPath(ChannelError):
 
 class FrameError(ChannelError):
     """A message broke the framing rules: too large, truncated, malformed or too many fds."""
+
+
+# -- exporter and importer lifecycles ------------------------------------------------
+
+
+class RegistrationFailed(KvStateError):
+    """Registering a bank with its transport failed at ``step``; every earlier step was
+    rolled back and the bank keeps its previous owner and state (INV-REGISTER-ATOMIC)."""
+
+    def __init__(self, step: str, cause: BaseException) -> None:
+        self.step = step
+        super().__init__(f"bank registration failed at {step}: {cause}")
+
+
+class LeaseRefused(KvStateError):
+    """The exporter refused a lease. ``code`` says why (e.g. stale, draining, unknown_rank)."""
+
+    def __init__(self, code: str, detail: str) -> None:
+        self.code = code
+        super().__init__(f"lease refused ({code}): {detail}")
+
+
+class ImportFailed(KvStateError):
+    """Importing one rank part failed; the whole group was rolled back and is failed."""
+
+    def __init__(self, rank: int, cause: BaseException) -> None:
+        self.rank = rank
+        super().__init__(f"import of rank {rank} failed: {cause}")
+
+
+class ReuseStale(ImportFailed):
+    """The decode worker no longer holds the requested blocks (old epoch, evicted): the
+    retained inventory is advisory. Nothing was granted; recompute the prefix."""
+
+
+class LoadFailed(KvStateError):
+    """A prefix load did not complete; nothing it wrote may be used."""
+
+
+class DrainTimeout(KvStateError):
+    """Quiescence was not reported within the allowed time; nothing was released."""
+
+
+# -- policy and profile --------------------------------------------------------------
+
+
+class SettingsError(KvStateError):
+    """A reuse setting could not be loaded. ``source`` says where it came from."""
+
+
+class UnknownSetting(SettingsError):
+    """A setting name that kvstate does not know. Nothing was loaded."""
+
+    def __init__(self, name: str, source: str, known: Sequence[str]) -> None:
+        self.name = name
+        self.source = source
+        super().__init__(f"{source}: unknown setting {name!r}; known: {', '.join(known)}")
+
+
+class InvalidSetting(SettingsError):
+    """A known setting with a value it may not take (wrong type, negative, non-finite)."""
+
+    def __init__(self, name: str, value: object, problem: str, source: str = "value") -> None:
+        self.name = name
+        self.value = value
+        self.problem = problem
+        self.source = source
+        super().__init__(f"{source}: setting {name!r} = {value!r}: {problem}")
+
+
+class PolicyInputError(KvStateError):
+    """An input to the reuse policy (a candidate, a block count) is malformed."""
+
+
+class InventoryError(KvStateError):
+    """Base of the errors the retained inventory raises. The inventory is unchanged."""
+
+
+class InvalidBlockHash(InventoryError):
+    """A block hash that is not an unsigned 64-bit integer."""
+
+
+class BlockBusy(InventoryError):
+    """Removing or clearing blocks that are pinned or under lease. Nothing was removed."""
+
+    def __init__(self, group: str, hashes: Sequence[int]) -> None:
+        self.group = group
+        self.hashes = tuple(hashes)
+        shown = ", ".join(f"{h:#018x}" for h in self.hashes[:4])
+        more = "" if len(self.hashes) <= 4 else f" (+{len(self.hashes) - 4} more)"
+        super().__init__(f"group {group!r}: block(s) {shown}{more} are pinned or under lease")
+
+
+class UnknownLease(InventoryError):
+    """Releasing a lease the inventory did not grant, or one already released."""
+
+
+class NotPinned(InventoryError):
+    """Unpinning a block that holds no engine pin."""
+
+
+class CapabilitiesRejected(KvStateError):
+    """A capability publication was refused whole: nothing of it was accepted."""
+
+
+class CapabilitiesIncomplete(CapabilitiesRejected):
+    """A capability publication lacks fields. Every missing field is named."""
+
+    def __init__(self, missing: Sequence[str]) -> None:
+        self.missing = tuple(missing)
+        super().__init__("partial capability set refused; missing: " + ", ".join(self.missing))
+
+
+class CapabilitiesInvalid(CapabilitiesRejected):
+    """A capability publication has a malformed, unknown or inconsistent field."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        self.field = field
+        self.problem = problem
+        super().__init__(f"capability {field!r}: {problem}")
+
+
+class UnknownProfile(KvStateError):
+    """A deployment profile name kvstate does not define."""
+
+
+class HandoffError(KvStateError):
+    """Base of the errors about the engine's decode handoff and its engine ids."""
+
+
+class ChildEngineMissing(HandoffError):
+    """No advertised engine matches the engine id kvstate must load from."""
+
+
+class ChildEngineAmbiguous(HandoffError):
+    """Several advertised child engines match and nothing says which one to use."""
+
+    def __init__(self, engine_id: str, matches: Sequence[str]) -> None:
+        self.engine_id = engine_id
+        self.matches = tuple(matches)
+        super().__init__(f"engine id {engine_id!r} is ambiguous: it matches {', '.join(self.matches)}; "
+                         "name the child engine (or its data-parallel rank)")
+
+
+class HandoffParamsUnsupported(HandoffError):
+    """The handoff parameters hold a value kvstate cannot fingerprint to prove it untouched."""
+
+
+class HandoffParamsModified(HandoffError):
+    """The decode handoff parameters changed during a prefix load. This is a kvstate bug."""

@@ -15,7 +15,7 @@ class Reason(enum.Enum):
     TP_SIZE = "tp_size"                        # tp outside 1..max_tp, or not the group's tp
     DUPLICATE_RANK = "duplicate_rank"          # two descriptors for one rank
     MISSING_RANK = "missing_rank"              # a rank of 0..tp-1 has no descriptor
-    MIXED_GROUP = "mixed_group"                # parts of different sources or incarnations
+    MIXED_GROUP = "mixed_group"                # parts of different sources
     GEOMETRY = "geometry"                      # fingerprint differs in the group or from expectation
     DEVICE_UUID = "device_uuid"                # device not acceptable to this importer
     HOST = "host"                              # same-node handle from another host or boot

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import attrs
 
@@ -150,7 +150,7 @@ class Expectation:
     uid: int
     geometry_fingerprint: bytes | None = None     # None: any, but the group must agree
     device_uuids: frozenset[bytes] | None = None  # None: any device
-    incarnation: bytes | None = None              # the exporter's current one, when known
+    incarnations: Mapping[int, bytes] | None = None  # rank -> its exporter's current incarnation
     min_generation: int = 0
     max_tp: int = 64
     check_socket: bool = True
@@ -172,8 +172,8 @@ def descriptor_problems(d: Descriptor, expect: Expectation) -> list[DescriptorRe
         found.append((Reason.GEOMETRY, "geometry fingerprint differs from the importer's"))
     if expect.device_uuids is not None and d.device_uuid not in expect.device_uuids:
         found.append((Reason.DEVICE_UUID, f"device {d.device_uuid.hex()} not acceptable"))
-    if expect.incarnation is not None and d.incarnation != expect.incarnation:
-        found.append((Reason.INCARNATION, "exporter incarnation is not the current one"))
+    if expect.incarnations is not None and expect.incarnations.get(d.rank) != d.incarnation:
+        found.append((Reason.INCARNATION, "the exporter of this rank restarted since"))
     if d.fabric.kind is FabricKind.NODE and d.host_boot_id != expect.host_boot_id:
         found.append((Reason.HOST, "same-node handle from another host or boot"))
     if d.handle_kind in FD_KINDS and expect.check_socket:
@@ -208,8 +208,8 @@ def validate_group(descriptors: Iterable[Descriptor], expect: Expectation) -> Va
     for d in parts[1:]:
         if d.tp != first.tp:
             problems.append(DescriptorRejected(Reason.TP_SIZE, f"tp {d.tp} differs from {first.tp}", d.rank))
-        if (d.source_id, d.incarnation) != (first.source_id, first.incarnation):
-            problems.append(DescriptorRejected(Reason.MIXED_GROUP, "parts of different sources or incarnations", d.rank))
+        if d.source_id != first.source_id:
+            problems.append(DescriptorRejected(Reason.MIXED_GROUP, "parts of different sources", d.rank))
         if d.geometry.fingerprint() != first.geometry.fingerprint() or d.geometry.num_blocks != first.geometry.num_blocks:
             problems.append(DescriptorRejected(Reason.GEOMETRY, "geometry differs within the group", d.rank))
         if d.generation != first.generation:

@@ -132,6 +132,14 @@ def reasons(parts: list, **expect: object) -> frozenset[Reason]:  # type: ignore
     return info.value.reasons
 
 
+def reasons_or_none(parts: list, **expect: object) -> frozenset[Reason]:  # type: ignore[type-arg]
+    try:
+        validate_group(parts, expectation(**expect))
+    except GroupRejected as exc:
+        return exc.reasons
+    return frozenset()
+
+
 def test_valid_group_is_accepted_sorted(sock: str) -> None:
     parts = group(4, sock)
     g = validate_group(list(reversed(parts)), expectation())
@@ -158,9 +166,10 @@ def test_geometry_rules(sock: str) -> None:
 def test_identity_rules(sock: str) -> None:
     parts = group(2, sock)
     assert reasons(parts, device_uuids=frozenset({bytes(16)})) == {Reason.DEVICE_UUID}
-    assert reasons(parts, incarnation=bytes(16)) == {Reason.INCARNATION}
+    assert reasons(parts, incarnations={0: parts[0].incarnation, 1: bytes(16)}) == {Reason.INCARNATION}
+    assert not reasons_or_none(parts, incarnations={0: parts[0].incarnation, 1: parts[1].incarnation})
     assert reasons(parts, host_boot_id=bytes(16)) == {Reason.HOST}
-    assert Reason.MIXED_GROUP in reasons([parts[0], attrs.evolve(parts[1], incarnation=bytes(16))])
+    assert Reason.MIXED_GROUP in reasons([parts[0], attrs.evolve(parts[1], source_id=bytes(16))])
     assert reasons([attrs.evolve(p, deployment_id=bytes(16)) for p in parts]) == {Reason.DOMAIN}
 
 
