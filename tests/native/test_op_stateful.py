@@ -80,9 +80,12 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
             self.reaped: list[int] = []
             self.leases: dict[str, int] = {}      # explicit pins (leases) per region
             self.res = 0
+            self.base_live = self.base_queued = 0
 
         @initialize()
         def setup(self) -> None:
+            base = self.nat.stats()  # the native layer is process-global: count from here
+            self.base_live, self.base_queued = base.ops_live, base.ops_queued
             self.nat.pause(True)
             self.res, _ = self.nat.reserve(len(NAMES) * SIZE, PAGE)
             for name in NAMES:
@@ -277,8 +280,8 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
                         f"INV-OP-PINS: {name} reports pins {s.pins}, in flight {s.inflight}, leases " \
                         f"{s.explicit_pins}; model {self.pins(name)}, {self.inflight(name)}, {self.leases[name]}"
             g = self.nat.stats()
-            assert g.ops_live == len(self.ops)
-            assert g.ops_queued == sum(1 for o in self.ops.values() if o.state == "queued")
+            assert g.ops_live - self.base_live == len(self.ops)
+            assert g.ops_queued - self.base_queued == sum(1 for o in self.ops.values() if o.state == "queued")
             assert g.ops_running == 0 and g.paused
 
         def teardown(self) -> None:
