@@ -22,14 +22,12 @@ does not. The transport is registered explicitly (``Registry.register(HostTransp
 
 from __future__ import annotations
 
-import hashlib
 import os
-from functools import cache
 
 import attrs
 
-from kvstate import handles
-from kvstate.errors import FdIdentityMismatch, KvStateError, NativeInvalidArgument
+from kvstate import handles, identity
+from kvstate.errors import FdIdentityMismatch, ImportRefused, KvStateError, NativeInvalidArgument
 from kvstate.handles import HandleKind
 from kvstate.native import (
     ACCESS_NONE,
@@ -89,20 +87,12 @@ def fd_identity_of(fd: int) -> bytes:
     return handles.fd_identity(st.st_dev, st.st_ino)
 
 
-@cache
 def host_device_uuid() -> bytes:
-    """16 bytes naming this host's memfd space: the kernel boot id and the device number of
-    the kernel's internal shmem mount that backs memfds. Two processes can share a memfd
-    bank only when both values agree. Pure stdlib; no native code."""
-    with open("/proc/sys/kernel/random/boot_id", "rb") as f:
-        boot_id = f.read().strip()
-    fd = os.memfd_create("kvstate-identity", os.MFD_CLOEXEC)
-    try:
-        dev = os.fstat(fd).st_dev
-    finally:
-        os.close(fd)
-    h = hashlib.blake2b(boot_id + b"\0" + str(dev).encode(), digest_size=16, person=b"kvstate-hostdev")
-    return h.digest()
+    """16 bytes naming host memory on this boot of this host (:mod:`kvstate.identity`).
+
+    memfds are kernel objects: any two processes on one running kernel can share one over
+    SCM_RIGHTS, whatever their namespaces, so the kernel's boot id is the whole identity."""
+    return identity.host_device_uuid(identity.host_boot_id()).value
 
 
 class HostTransport:
@@ -157,7 +147,11 @@ class HostTransport:
         if len(handle.identity) != handles.FD_IDENTITY_BYTES:
             raise FdIdentityMismatch("import", -1, f"handle bytes are {len(handle.identity)} long, "
                                      f"expected {handles.FD_IDENTITY_BYTES}")
-        if fd_identity_of(handle.fd) != handle.identity:
+        try:
+            identity = fd_identity_of(handle.fd)
+        except OSError as exc:
+            raise ImportRefused("import", -1, f"fd {handle.fd} cannot be examined: {exc.strerror}") from None
+        if identity != handle.identity:
             raise FdIdentityMismatch("import", -1, f"fd {handle.fd} is not the file its descriptor names")
         return HostAllocation(self._native.import_fd(handle.fd, size), size, imported=True)
 
