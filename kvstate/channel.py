@@ -490,7 +490,10 @@ class Server:
             else:
                 return Channel(conn, limits=self.limits, allowed_uids=self.allowed_uids)
             p = select.poll()
-            p.register(self._sock, select.POLLIN)
+            try:
+                p.register(self._sock, select.POLLIN)
+            except ValueError:  # closed by another thread since the accept above
+                raise ChannelClosed("the server was closed") from None
             if not p.poll(_remaining_ms(deadline)):
                 if self._closed:
                     raise ChannelClosed("the server was closed")

@@ -231,6 +231,8 @@ class Exporter:
         self._watcher: chan.Watcher | None = None
         self._expiry: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._handlers = 0
+        self._handlers_done = threading.Condition()
 
     # -- banks --------------------------------------------------------------------------
 
@@ -269,10 +271,17 @@ class Exporter:
             watcher.close()
         if expiry is not None:
             expiry.join(2.0)
+        with self._handlers_done:  # connection handlers notice within one recv poll
+            self._handlers_done.wait_for(lambda: self._handlers == 0, timeout=2.0)
 
     def _serve(self, ch: chan.Channel) -> None:
-        assert self._watcher is not None
-        self._watcher.watch(ch, self._connection_closed)
+        watcher = self._watcher
+        if watcher is None:  # stopped while this connection was being accepted
+            ch.close()
+            return
+        with self._handlers_done:
+            self._handlers += 1
+        watcher.watch(ch, self._connection_closed)
         try:
             while not self._stopping.is_set():
                 try:
@@ -294,6 +303,9 @@ class Exporter:
         finally:
             self._connection_closed(ch)
             ch.close()
+            with self._handlers_done:
+                self._handlers -= 1
+                self._handlers_done.notify_all()
 
     def _refuse(self, code: str, detail: str) -> tuple[dict[str, Any], tuple[int, ...]]:
         return {"ok": False, "code": code, "detail": detail}, ()
