@@ -197,7 +197,7 @@ def coalesce(blocks: Sequence[tuple[int, int, int]], src_size: int, dst_size: in
 
 # -- device UUIDs ------------------------------------------------------------------------
 
-_UUID_TEXT = re.compile(r"^(?:GPU-|MIG-)?([0-9a-f]{8})-([0-9a-f]{4})-([0-9a-f]{4})-([0-9a-f]{4})-([0-9a-f]{12})$")
+_UUID_TEXT = re.compile(r"^(?:GPU-|MIG-)?([0-9a-f]{8})-([0-9a-f]{4})-([0-9a-f]{4})-([0-9a-f]{4})-([0-9a-f]{12})$", re.IGNORECASE)
 
 
 def format_uuid(uuid: bytes) -> str:
@@ -214,7 +214,7 @@ def parse_uuid(uuid: bytes | str) -> bytes:
         if len(uuid) != 16:
             raise errors.CudaDeviceNotFound(f"a device UUID is 16 bytes, not {len(uuid)}")
         return uuid
-    m = _UUID_TEXT.match(uuid.strip().lower())
+    m = _UUID_TEXT.match(uuid.strip())
     if m is None:
         raise errors.CudaDeviceNotFound(f"{uuid!r} is not a device UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)")
-    return bytes.fromhex("".join(m.groups()))
+    return bytes.fromhex("".join(m.groups()).lower())
