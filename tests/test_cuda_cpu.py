@@ -211,6 +211,34 @@ def test_coalesced_gather_copies_the_same_bytes(spec: list[tuple[int, int]]) -> 
     assert got == want and len(runs) <= len(blocks)
 
 
+@given(st.lists(st.tuples(st.integers(0, 15), st.integers(1, 4)), min_size=1, max_size=20),
+       st.sampled_from([16, 64, 1 << 20]))
+def test_copy_plan_moves_the_same_bytes_without_overlapping_rows(spec: list[tuple[int, int]], max_pitch: int) -> None:
+    runs, pos = [], 0
+    for start, n in spec:
+        runs.append((start * 8, pos, n * 4))
+        pos += n * 4
+    plan = rules.plan_copies(runs, max_pitch)
+    assert [r for c in plan for r in c.rows()] == runs
+    assert all(c.height == 1 or c.width <= min(c.src_pitch, c.dst_pitch) <= max(c.src_pitch, c.dst_pitch)
+               <= max_pitch for c in plan)
+
+
+def test_a_layer_major_gather_is_one_2d_copy_per_block() -> None:
+    from kvstate.geometry import DType, Geometry, Layout
+
+    g = Geometry(layers=32, kv_heads=8, head_dim=128, block_tokens=16, dtype=DType.BF16,
+                 layout=Layout.LAYER_MAJOR, num_blocks=64)
+    blocks, pos = [], 0
+    for b in (3, 9, 10):
+        for off, n in g.block_extents(b):
+            blocks.append((off, pos, n))
+            pos += n
+    plan = rules.plan_copies(rules.coalesce(blocks, g.nbytes, pos))
+    assert [(c.height, c.width, c.src_pitch, c.dst_pitch) for c in plan] == [
+        (32, g.layer_block_bytes, 64 * g.layer_block_bytes, g.layer_block_bytes)] * 3
+
+
 # -- device UUIDs ---------------------------------------------------------------------------
 
 def test_device_uuid_text_round_trip() -> None:

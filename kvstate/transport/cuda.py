@@ -22,8 +22,9 @@ device_uuid()   ``cuDeviceGetUuid``: devices are chosen and named by UUID, never
 Pins and ops. The C op engine counts pins only on mappings it made itself (host memfds),
 so this backend keeps a Python-side pin table with the same observation shape
 (:class:`kvstate.native.RegionStats`): explicit pins for leases, one pin per in-flight
-gather on every mapping it touches. A gather is a list of ``cuMemcpyDtoDAsync`` on the
-transport's stream followed by an event; the op's pins drop, and its bytes count, only
+gather on every mapping it touches. A gather is a list of ``cuMemcpyDtoDAsync`` and
+(for extents at a constant stride, as in a layer-major bank) ``cuMemcpy2DAsync`` on the
+transport's stream, followed by an event; the op's pins drop, and its bytes count, only
 when ``cuEventQuery`` reports the event complete (or failed). Completion is observed
 whenever anyone looks (``stats``, ``pins``, ``wait``), so a drain that polls
 ``stats().pins`` sees zero only after the device finished, as on the host backend.
@@ -350,6 +351,8 @@ class CudaTransport:
         self._ops: dict[int, CudaOp] = {}
         err, self._stream = driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING.value)
         _check(driver, "cuStreamCreate", err)
+        self._max_pitch = int(self._call("cuDeviceGetAttribute",
+                                         driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_PITCH, dev))
         vmm_kind = HandleKind.POSIX_FD if kind is HandleKind.CUDA_IPC else kind
         if kind is not HandleKind.CUDA_IPC:
             self._require_attribute("VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED", "VMM")
@@ -706,19 +709,22 @@ class CudaTransport:
         with self._lock:
             s_addr, s_size, s_map = self._endpoint(src, False)
             d_addr, d_size, d_map = self._endpoint(dst, True)
-            runs = rules.coalesce(blocks, s_size, d_size)
+            plan = rules.plan_copies(rules.coalesce(blocks, s_size, d_size), self._max_pitch)
             regions = tuple(m for m in (s_map, d_map) if m is not None)
             self._enter()
             d = self._d
             event = self._call("cuEventCreate", d.CUevent_flags.CU_EVENT_DISABLE_TIMING.value)
             for m in regions:
                 m.inflight += 1
-            op = CudaOp(self, next(self._ids), event, regions, sum(n for _, _, n in runs), len(blocks))
+            op = CudaOp(self, next(self._ids), event, regions, sum(c.width * c.height for c in plan), len(blocks))
             self._ops[op.id] = op
             try:
-                for so, do, n in runs:
-                    self._call("cuMemcpyDtoDAsync", d.CUdeviceptr(d_addr + do), d.CUdeviceptr(s_addr + so),
-                               n, self._stream)
+                for c in plan:
+                    if c.height == 1:
+                        self._call("cuMemcpyDtoDAsync", d.CUdeviceptr(d_addr + c.dst),
+                                   d.CUdeviceptr(s_addr + c.src), c.width, self._stream)
+                    else:
+                        self._call("cuMemcpy2DAsync", self._copy2d(s_addr, d_addr, c), self._stream)
             finally:
                 # Pins drop only when the device says so, even when enqueueing failed midway.
                 (err,) = d.cuEventRecord(event, self._stream)
@@ -729,6 +735,15 @@ class CudaTransport:
                         m.failed += 1
                     op.state, op.error = "failed", int(err)
         return op
+
+    def _copy2d(self, s_addr: int, d_addr: int, c: rules.Copy) -> Any:
+        d = self._d
+        p = d.CUDA_MEMCPY2D()
+        p.srcMemoryType = p.dstMemoryType = d.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        p.srcDevice, p.srcPitch = d.CUdeviceptr(s_addr + c.src), c.src_pitch
+        p.dstDevice, p.dstPitch = d.CUdeviceptr(d_addr + c.dst), c.dst_pitch
+        p.WidthInBytes, p.Height = c.width, c.height
+        return p
 
     def submit_copy(self, src: CudaMapping | DeviceBuffer, dst: CudaMapping | DeviceBuffer, length: int, *,
                     src_off: int = 0, dst_off: int = 0) -> CudaOp:

@@ -195,6 +195,49 @@ def coalesce(blocks: Sequence[tuple[int, int, int]], src_size: int, dst_size: in
     return runs
 
 
+@attrs.frozen
+class Copy:
+    """``height`` rows of ``width`` bytes; row ``i`` goes from ``src + i * src_pitch`` to
+    ``dst + i * dst_pitch``. One row is a plain 1D copy; more is one cuMemcpy2DAsync."""
+
+    src: int
+    dst: int
+    width: int
+    height: int = 1
+    src_pitch: int = 0
+    dst_pitch: int = 0
+
+    def rows(self) -> Iterable[tuple[int, int, int]]:
+        for i in range(self.height):
+            yield self.src + i * self.src_pitch, self.dst + i * self.dst_pitch, self.width
+
+
+def plan_copies(runs: Sequence[tuple[int, int, int]], max_pitch: int = (1 << 31) - 1) -> list[Copy]:
+    """Fold runs of equal length at constant source and destination strides into 2D copies.
+
+    A layer-major KV bank stores one block as ``layers`` equal extents a layer apart; a
+    gather writes them back to back. That is one 2D copy per block instead of one copy
+    per extent, which keeps the number of driver calls (each costs microseconds from
+    Python) independent of the layer count. Pitches must be at least the width (rows
+    never overlap) and at most the device's maximum pitch.
+    """
+    plan: list[Copy] = []
+    for s, d, n in runs:
+        if plan:
+            c = plan[-1]
+            if c.width == n:
+                if c.height == 1:
+                    sp, dp = s - c.src, d - c.dst
+                    if n <= sp <= max_pitch and n <= dp <= max_pitch:
+                        plan[-1] = Copy(c.src, c.dst, n, 2, sp, dp)
+                        continue
+                elif s == c.src + c.height * c.src_pitch and d == c.dst + c.height * c.dst_pitch:
+                    plan[-1] = attrs.evolve(c, height=c.height + 1)
+                    continue
+        plan.append(Copy(s, d, n))
+    return plan
+
+
 # -- device UUIDs ------------------------------------------------------------------------
 
 _UUID_TEXT = re.compile(r"^(?:GPU-|MIG-)?([0-9a-f]{8})-([0-9a-f]{4})-([0-9a-f]{4})-([0-9a-f]{4})-([0-9a-f]{12})$", re.IGNORECASE)
