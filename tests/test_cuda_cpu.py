@@ -346,3 +346,21 @@ def test_host_receive_handle_checks_kind_and_fd_count() -> None:
     for fds in ([], [7, 8]):
         with pytest.raises(HandleFdsMismatch):
             t.receive_handle(HandleKind.MEMFD, b"x" * 16, fds)
+
+
+# -- the GPU suite and the GPU check skip loudly here ------------------------------------------
+
+@pytest.mark.skipif(_driver_present(), reason="a CUDA driver is installed here: the GPU suite really runs")
+def test_gpu_suite_and_check_skip_loudly_never_pass_without_a_gpu() -> None:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    suite = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                            os.path.join(root, "tests", "cuda")], capture_output=True, text=True, timeout=120,
+                           cwd=root)
+    assert suite.returncode == 0, suite.stdout + suite.stderr
+    summary = suite.stdout.strip().splitlines()[-1]
+    assert "skipped" in summary and "passed" not in summary and "failed" not in summary, summary
+    assert "NO GPU: the GPU suite did not run" in suite.stdout
+    check = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "gpu_check.py")],
+                           capture_output=True, text=True, timeout=120)
+    assert check.returncode == 2 and check.stdout == ""
+    assert check.stderr.startswith("GPU CHECK NOT RUN: transport backend 'cuda' is unavailable")

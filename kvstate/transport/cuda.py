@@ -376,6 +376,11 @@ class CudaTransport:
         return self._d
 
     @property
+    def device(self) -> Any:
+        """The driver's CUdevice of the device found by UUID."""
+        return self._dev
+
+    @property
     def device_ordinal(self) -> int:
         """The driver's ordinal of the device found by UUID (for CUmemLocation only)."""
         return self._ordinal
