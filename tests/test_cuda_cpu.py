@@ -334,6 +334,26 @@ def test_bad_constructor_arguments_are_refused_before_the_driver_is_touched() ->
         CudaTransport(bytes(16), kind=HandleKind.MEMFD)
 
 
+# -- one interface --------------------------------------------------------------------------
+
+def test_cuda_and_host_transports_offer_the_same_operations_with_the_same_parameters() -> None:
+    """Both implement the Transport protocol and what the lifecycle code uses beyond it."""
+    import inspect
+
+    from kvstate.transport.base import Transport
+    from kvstate.transport.cuda import CudaTransport
+    from kvstate.transport.host import HostTransport
+
+    members = [n for n in dir(Transport) if not n.startswith("_")] + [
+        "free", "stats", "pin", "unpin", "receive_handle", "submit_gather"]
+    for n in members:
+        h, c = getattr(HostTransport, n), getattr(CudaTransport, n)
+        if callable(h):
+            assert len(inspect.signature(h).parameters) == len(inspect.signature(c).parameters), n
+        else:
+            assert isinstance(c, type(h)), n
+
+
 # -- the host backend's side of the generalised hand-off ------------------------------------
 
 def test_host_receive_handle_checks_kind_and_fd_count() -> None:

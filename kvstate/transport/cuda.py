@@ -494,10 +494,10 @@ class CudaTransport:
             return CudaHandle(kind, _struct_bytes(shared, CUDA_HANDLE_BYTES))
         capable = self._call("cuPointerGetAttribute",
                              d.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
-                             allocation.ptr)
+                             d.CUdeviceptr(allocation.ptr))
         if not capable:
             raise LegacyIpcRefused(f"allocation {allocation.id} is not legacy-IPC capable memory")
-        data = _struct_bytes(self._call("cuIpcGetMemHandle", allocation.ptr), CUDA_HANDLE_BYTES)
+        data = _struct_bytes(self._call("cuIpcGetMemHandle", d.CUdeviceptr(allocation.ptr)), CUDA_HANDLE_BYTES)
         with _EXPORTED_IPC_LOCK:
             _EXPORTED_IPC.add(data)
         return CudaHandle(kind, data)
@@ -550,7 +550,7 @@ class CudaTransport:
         if self._kind is HandleKind.CUDA_IPC:
             return CudaReservation(next(self._ids), 0, size)  # legacy memory maps where it opens
         self._enter()
-        addr = self._call("cuMemAddressReserve", size, self._granularity, 0, 0)
+        addr = self._call("cuMemAddressReserve", size, self._granularity, self._d.CUdeviceptr(0), 0)
         return CudaReservation(next(self._ids), int(addr), size)
 
     def free(self, reservation: CudaReservation) -> None:

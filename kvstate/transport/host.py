@@ -209,6 +209,13 @@ class HostTransport:
         """A native gather out of ``mapping`` into ``dst``; it pins the mapping until done."""
         return self._native.submit_gather(mapping.region, dst, blocks)
 
+    def pin(self, mapping: HostMapping) -> None:
+        """An explicit pin (a lease's): unmap and release refuse until :meth:`unpin`."""
+        self._native.pin(mapping.region)
+
+    def unpin(self, mapping: HostMapping) -> None:
+        self._native.unpin(mapping.region)
+
     def stats(self, mapping: HostMapping) -> RegionStats:
         """Pins, ops in flight, completed and failed ops and bytes of one mapping."""
         return self._native.region_stats(mapping.region)
