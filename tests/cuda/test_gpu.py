@@ -112,7 +112,7 @@ def test_fabric_only_after_a_passing_trial(device: bytes) -> None:
 
 
 def test_tp1_group_lifecycle_to_quiescent_over_cuda(device: bytes) -> None:
-    """INV-RELEASE-QUIESCENT, INV-DRAIN-QUIESCES, INV-LOAD-BYTES with the real Exporter (in
+    """INV-RELEASE-QUIESCENT and INV-LOAD-BYTES with the real Exporter (in
     a child process) and Importer over the cuda backend."""
     r = gpucheck.lifecycle_tp1(device, rounds=3)
     assert r["load_ok"] and r["group_states"] == ["closed"]
