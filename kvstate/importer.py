@@ -360,8 +360,16 @@ class Importer:
         self._count = 0
         #: Groups this importer made and that have not reached a terminal state.
         self.groups: list[Group] = []
+        self._stopping = threading.Event()
+        self._expiry = threading.Thread(target=self._expire_loop, name="kvstate-importer-expiry", daemon=True)
+        self._expiry.start()
 
     def close(self) -> None:
+        """Stop watching and expiring (idempotent). Groups stay as they are."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        self._expiry.join(2.0)
         self._watcher.close()
 
     def expectation(self, **overrides: Any) -> Expectation:
@@ -434,6 +442,13 @@ class Importer:
                 part.group.fault("peer_died")
             except TransitionError:
                 pass  # a concurrent transition already moved the group on
+
+    def _expire_loop(self) -> None:
+        while not self._stopping.wait(0.05):
+            try:
+                self.expire_leases([g for g in self.groups if g.state == "ready"])
+            except TransitionError:
+                pass  # the group moved on concurrently; the next round looks again
 
     def expire_leases(self, groups: Iterable[Group]) -> list[Group]:
         """Fire ``expired`` on every group holding a lease past its expiry; return them."""
