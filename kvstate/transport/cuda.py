@@ -342,6 +342,16 @@ class CudaTransport:
         self._uuid = want
         err, self._ctx = driver.cuDevicePrimaryCtxRetain(dev)
         _check(driver, "cuDevicePrimaryCtxRetain", err)
+        try:
+            self._setup(kind, legacy_ipc, fabric)
+        except BaseException:
+            if getattr(self, "_stream", None) is not None:
+                driver.cuStreamDestroy(self._stream)
+            driver.cuDevicePrimaryCtxRelease(dev)  # nothing else was kept
+            raise
+
+    def _setup(self, kind: HandleKind, legacy_ipc: bool, fabric: bool) -> None:
+        driver, dev = self._d, self._dev
         self._enter()
         self._kind = kind
         self._legacy = legacy_ipc
