@@ -65,6 +65,7 @@ class ExportConfig:
     descriptor_ttl_s: float = 300.0
     max_leases: int = 64             # per bank
     request_timeout_s: float = 5.0
+    handle_kind: HandleKind = HandleKind.MEMFD  # what the banks are exported as (the transport's kind)
 
 
 @attrs.define
@@ -143,7 +144,7 @@ class Bank(Lifecycle):
                 step = "set_access"
                 t.set_access(mapping, Access.READ_WRITE)
                 step = "export"
-                handle = t.export(self.allocation, HandleKind.MEMFD)
+                handle = t.export(self.allocation, self.exporter.config.handle_kind)
             except (KvStateError, OSError) as exc:
                 raise RegistrationFailed(step, exc) from exc
             undo.pop_all()
@@ -167,7 +168,7 @@ class Bank(Lifecycle):
             deployment_id=ex.config.deployment.id, source_id=ex.config.source_id,
             fabric=FabricDomain(FabricKind.NODE, ex.node), host_boot_id=ex.boot_id,
             device_uuid=self.transport.device_uuid(), incarnation=ex.incarnation.value, pid=os.getpid(),
-            rank=self.rank, tp=ex.config.tp, geometry=self.geometry, handle_kind=HandleKind.MEMFD,
+            rank=self.rank, tp=ex.config.tp, geometry=self.geometry, handle_kind=self.handle.kind,
             handle=self.handle.identity, size=self.size, granularity=self.transport.granularity(),
             generation=self.generation, expires_at_ns=self.descriptor_expires_ns,
             socket_path=str(ex.socket_path), inventory_epoch=self.inventory_epoch,
@@ -335,7 +336,8 @@ class Exporter:
                 return self._refuse("not_leasing", str(exc))
             lease = bank.leases[lease_id]
             remaining = lease.expires_at - time.monotonic()
-            return {"ok": True, "lease": lease_id, "expires_in_s": remaining}, (bank.handle.fd,)
+            fds = () if bank.handle.fd is None else (bank.handle.fd,)  # FABRIC and CUDA_IPC carry bytes only
+            return {"ok": True, "lease": lease_id, "expires_in_s": remaining}, fds
         held = bank.leases.get(req.get("lease", -1))
         if held is None or held.channel is not ch:
             return self._refuse("unknown_lease", f"no live lease {req.get('lease')!r} on this connection")

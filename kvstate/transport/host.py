@@ -23,17 +23,21 @@ does not. The transport is registered explicitly (``Registry.register(HostTransp
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import attrs
 
 from kvstate import handles, identity
-from kvstate.errors import FdIdentityMismatch, ImportRefused, KvStateError, NativeInvalidArgument
+from kvstate.errors import FdIdentityMismatch, HandleFdsMismatch, ImportRefused, KvStateError, NativeInvalidArgument
 from kvstate.handles import HandleKind
 from kvstate.native import (
     ACCESS_NONE,
     ACCESS_READ,
     ACCESS_READ_WRITE,
+    Block,
+    Endpoint,
     Native,
+    Op,
     RegionStats,
     default,
 )
@@ -139,6 +143,15 @@ class HostTransport:
         fd = self._native.export_fd(allocation.id)
         return HostHandle(fd, fd_identity_of(fd))
 
+    def receive_handle(self, kind: HandleKind, data: bytes, fds: Sequence[int]) -> HostHandle:
+        """The handle a descriptor names, with the one fd received with it (borrowed: the
+        caller still closes it). Checked again, against the fd itself, by import_."""
+        if kind is not HandleKind.MEMFD:
+            raise HandleKindUnsupported(f"the host backend imports only memfd handles, not {kind.value}")
+        if len(fds) != 1:
+            raise HandleFdsMismatch(f"expected one memfd, got {len(fds)} fd(s)")
+        return HostHandle(fds[0], data)
+
     def import_(self, handle: HostHandle, size: int) -> HostAllocation:
         """Check and adopt a received memfd. The caller still owns (and closes) ``handle.fd``."""
         if handle.kind is not HandleKind.MEMFD:
@@ -185,6 +198,17 @@ class HostTransport:
     def view(self, mapping: HostMapping) -> memoryview:
         """The mapping's bytes. Touching them before set_access faults (SIGSEGV)."""
         return self._native.view(mapping.region)
+
+    def submit_gather(self, mapping: HostMapping, dst: Endpoint, blocks: Sequence[Block]) -> Op:
+        """A native gather out of ``mapping`` into ``dst``; it pins the mapping until done."""
+        return self._native.submit_gather(mapping.region, dst, blocks)
+
+    def pin(self, mapping: HostMapping) -> None:
+        """An explicit pin (a lease's): unmap and release refuse until :meth:`unpin`."""
+        self._native.pin(mapping.region)
+
+    def unpin(self, mapping: HostMapping) -> None:
+        self._native.unpin(mapping.region)
 
     def stats(self, mapping: HostMapping) -> RegionStats:
         """Pins, ops in flight, completed and failed ops and bytes of one mapping."""
