@@ -18,11 +18,13 @@ from kvstate.errors import KvStateError
 COMMANDS = {
     "demo": "demo",
     "spec": "spec",
+    "bench": "bench",
 }
 
 _HELP = {
     "demo": "run the decode-to-prefill reuse demo",
     "spec": "show, render or check the lifecycle tables",
+    "bench": "run the benchmarks against peers, side by side",
 }
 
 
