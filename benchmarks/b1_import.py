@@ -57,7 +57,7 @@ def _shm_exporter(conn: Connection, p: dict[str, Any]) -> None:
 
 
 def _shm_importer(conn: Connection, p: dict[str, Any]) -> tuple[float, ...]:
-    from multiprocessing import resource_tracker, shared_memory
+    from multiprocessing import shared_memory
     names = conn.recv()
     samples = []
     for i in range(p["repeats"] + 1):
@@ -65,9 +65,8 @@ def _shm_importer(conn: Connection, p: dict[str, Any]) -> tuple[float, ...]:
         attached = [shared_memory.SharedMemory(name=n) for n in names]
         t1 = time.perf_counter()
         assert all(a.size >= p["bank_bytes"] and a.buf[0] == 1 for a in attached)
-        for a in attached:
-            a.close()
-            resource_tracker.unregister(a._name, "shared_memory")  # noqa: SLF001 (3.11 tracks attaches)
+        for a in attached:  # (both processes share the bench's resource tracker: the
+            a.close()         # exporter's unlink is the one unregistration)
         if i:  # the first round is a warm-up
             samples.append(t1 - t0)
     conn.send("done")
@@ -153,6 +152,8 @@ def _nixl_exporter(conn: Connection, p: dict[str, Any]) -> None:
     conn.send((agent.get_agent_metadata(), regions))
     conn.recv()
     agent.deregister_memory(reg)
+    conn.send("bye")
+    conn.recv()  # the importer is gone: no reconnects towards a closed peer
 
 
 def _nixl_importer(conn: Connection, p: dict[str, Any]) -> tuple[float, ...]:
@@ -178,6 +179,9 @@ def _nixl_importer(conn: Connection, p: dict[str, Any]) -> tuple[float, ...]:
         if i:
             samples.append(t1 - t0)
     conn.send("done")
+    conn.recv()
+    del agent
+    conn.send("gone")
     return tuple(samples)
 
 

@@ -97,8 +97,8 @@ def _nixl_importer(conn: Connection, p: dict[str, Any]) -> tuple[float, ...]:
     samples = timed(lambda: t.load(remote, dst, idx, block_bytes=p["block_bytes"], lease=lease), p["repeats"])
     _check(view, idx, p["block_bytes"])
     del view
+    t.close()  # before the exporter goes: no reconnects to a closed peer
     conn.send("done")
-    t.close()
     return samples
 
 

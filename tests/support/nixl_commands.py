@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from kvstate.handles import HandleKind
+from kvstate.transport import Registry
 from kvstate.transport.nixl import Lease, NixlTransport
 from kvstate.transport.nixl_handle import decode
 
@@ -39,6 +40,7 @@ def second_agent(state: State) -> str:
 
 def unsupported(state: State) -> list[str]:
     t: NixlTransport = state["t"]
+    Registry().register(t)  # it is a Transport: the explicit registry accepts it
     refused = []
     for name, call in [("reserve", lambda: t.reserve(4096)), ("map", lambda: t.map(None, 0, None)),
                        ("set_access", lambda: t.set_access(None, None)),  # type: ignore[arg-type]
