@@ -194,6 +194,49 @@ def test_one_agent_per_process_and_no_mapping() -> None:
                                             "export_memfd:NixlUnsupported"]
 
 
+def _stop(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until it is really stopped (kill returns before that)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.01)
+
+
+@needs_nixl
+def test_hung_exporter_load_times_out_and_recovers() -> None:
+    """Every wait has a timeout: a READ from a stopped exporter raises NixlTimeout, the
+    transfer is released, and loads work again once the exporter runs."""
+    with peers(CMDS, 2) as (exporter, importer):
+        exporter.call("start")
+        importer.call("start")
+        handle = exporter.call("export_bank", blocks=BLOCKS, block_bytes=BLOCK, seed=5, generation=1)
+        importer.call("import_bank", handle=handle, size=SIZE, generation=1)
+        assert importer.call("load", blocks=[1], block_bytes=BLOCK, seed=5, generation=1)["matches"] is True
+        _stop(exporter.process.pid)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(PeerError) as hung:
+                importer.call("load", blocks=list(range(BLOCKS)), block_bytes=BLOCK, seed=None, generation=1,
+                              timeout=1.0)
+            assert hung.value.kind == "kvstate.errors.NixlTimeout"
+            assert time.monotonic() - t0 < 10
+        finally:
+            os.kill(exporter.process.pid, signal.SIGCONT)
+        assert importer.call("load", blocks=[2, 3], block_bytes=BLOCK, seed=5, generation=1)["matches"] is True
+
+
+@needs_nixl
+def test_vram_path_on_a_machine_without_gpu() -> None:
+    """Device memory is offered only when asked for; forced onto host memory, NIXL refuses
+    the VRAM registration with a typed error (this machine has no GPU)."""
+    with peers(CMDS, 2) as (plain, device):
+        plain.call("start")
+        device.call("start", device_memory=True)
+        assert plain.call("register_vram") == ["host", "BackendUnavailable"]
+        assert device.call("register_vram") == ["device,host", "NixlOperationFailed"]
+
+
 # -- optional-dependency rules (no NIXL needed) --------------------------------------
 
 

@@ -231,7 +231,7 @@ class NixlTransport:
         self.agent_name = agent_name
         mem_types = set(self._agent.get_backend_mem_types(BACKEND))
         kinds = {MemoryKind.HOST}
-        if device_memory and "VRAM" in mem_types:
+        if device_memory and mem_types & {"VRAM", "VRAM_SEG"}:
             kinds.add(MemoryKind.DEVICE)
         self._capabilities = Capabilities(
             handle_kinds=frozenset({HandleKind.NIXL}),
@@ -397,8 +397,13 @@ class NixlTransport:
                      local_list, dst_idx.astype(np.int32), remote_list, src.astype(np.int32))
         try:
             self._wait(xfer, timeout)
-        finally:
-            _call("release_xfer_handle", self._agent.release_xfer_handle, xfer)
+        except BaseException as exc:
+            try:  # releasing an unfinished transfer asks NIXL to cancel it
+                _call("release_xfer_handle", self._agent.release_xfer_handle, xfer)
+            except NixlOperationFailed as release_exc:
+                exc.add_note(f"releasing the transfer also failed: {release_exc}")
+            raise
+        _call("release_xfer_handle", self._agent.release_xfer_handle, xfer)
 
     def _wait(self, xfer: Any, timeout: float) -> None:
         state = _call("transfer", self._agent.transfer, xfer)

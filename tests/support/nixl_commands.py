@@ -28,8 +28,8 @@ def pattern(seed: int, block_ids: np.ndarray, block_bytes: int) -> np.ndarray:
     return (rows % np.uint64(251)).astype(np.uint8)
 
 
-def start(state: State) -> str:
-    state["t"] = NixlTransport()
+def start(state: State, device_memory: bool = False) -> str:
+    state["t"] = NixlTransport(device_memory=device_memory)
     return str(state["t"].agent_name)
 
 
@@ -133,3 +133,24 @@ def close(state: State) -> None:
 
 def decode_only(state: State, handle: bytes, generation: int) -> str:
     return decode(handle, generation=generation).agent_name
+
+
+
+def register_vram(state: State) -> list[str]:
+    """Register host memory as VRAM: what a machine with no GPU says to the device path."""
+    from kvstate.transport.base import MemoryKind
+    t: NixlTransport = state["t"]
+    host = t.create(4096)
+    kinds = ",".join(sorted(k.value for k in t.capabilities.memory_kinds))
+    try:
+        t.register(host.addr, 4096, MemoryKind.DEVICE, 0)
+    except Exception as exc:
+        return [kinds, type(exc).__name__]
+    return [kinds, "registered"]
+
+
+def freeze(state: State) -> None:
+    """Stop this process (SIGSTOP): a hung exporter, as an importer sees it."""
+    import os
+    import signal
+    os.kill(os.getpid(), signal.SIGSTOP)

@@ -54,11 +54,12 @@ class Peer:
         self.process.start()
         child.close()
 
-    def call(self, name: str, timeout: float = 30.0, **kwargs: Any) -> Any:
+    def call(self, name: str, /, *, wait: float = 30.0, **kwargs: Any) -> Any:
+        """Run command ``name`` with ``kwargs`` in the peer; ``wait`` bounds the answer."""
         self._conn.send((name, kwargs))
-        if not self._conn.poll(timeout):
+        if not self._conn.poll(wait):
             self.kill()
-            raise TimeoutError(f"peer command {name!r} gave no answer within {timeout} s")
+            raise TimeoutError(f"peer command {name!r} gave no answer within {wait} s")
         try:
             reply = self._conn.recv()
         except EOFError:
