@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from benchmarks.framework import Figure
+from benchmarks.framework import Figure, no_gc
 from kvstate.machine import Lifecycle, StateChange, effect, guard
 from kvstate.spec import load_machine
 
@@ -165,11 +165,12 @@ def bank_transition(p: dict[str, Any]) -> Figure:
     samples = []
     for _ in range(p["repeats"]):
         banks = [BenchBank() for _ in range(p["cycles"])]
-        t0 = time.perf_counter()
-        for bank in banks:
-            for event in BANK_CYCLE:
-                bank.fire(event)
-        samples.append((time.perf_counter() - t0) / (p["cycles"] * len(BANK_CYCLE)))
+        with no_gc():
+            t0 = time.perf_counter()
+            for bank in banks:
+                for event in BANK_CYCLE:
+                    bank.fire(event)
+            samples.append((time.perf_counter() - t0) / (p["cycles"] * len(BANK_CYCLE)))
         assert all(b.state == "released" for b in banks)
     return Figure(tuple(samples), note=f"{len(BANK_CYCLE)}-transition bank cycle; goal <= 15 us")
 
@@ -179,18 +180,19 @@ def group_transition(p: dict[str, Any]) -> Figure:
     samples = []
     for _ in range(p["repeats"]):
         groups = [BenchGroup(1) for _ in range(p["cycles"])]
-        t0 = time.perf_counter()
-        for g in groups:
-            g.fire("begin_import")
-        timed_s = time.perf_counter() - t0
-        for g in groups:  # rank part import: not a group transition
-            g.parts[0].fire("validate")
-            g.parts[0].fire("open")
-        t0 = time.perf_counter()
-        for g in groups:
-            for event in GROUP_CYCLE[1:]:
-                g.fire(event)
-        timed_s += time.perf_counter() - t0
+        with no_gc():
+            t0 = time.perf_counter()
+            for g in groups:
+                g.fire("begin_import")
+            timed_s = time.perf_counter() - t0
+            for g in groups:  # rank part import: not a group transition
+                g.parts[0].fire("validate")
+                g.parts[0].fire("open")
+            t0 = time.perf_counter()
+            for g in groups:
+                for event in GROUP_CYCLE[1:]:
+                    g.fire(event)
+            timed_s += time.perf_counter() - t0
         samples.append(timed_s / (p["cycles"] * len(GROUP_CYCLE)))
         assert all(g.state == "closed" and g.loads == 2 for g in groups)
     return Figure(tuple(samples), note=f"{len(GROUP_CYCLE)}-transition group cycle; goal <= 15 us")
@@ -206,10 +208,11 @@ def readiness(tp: int) -> Any:
                 for part in g.parts:
                     part.fire("validate")
                     part.fire("open")
-            t0 = time.perf_counter()
-            for g in groups:
-                g.fire("complete")
-            samples.append((time.perf_counter() - t0) / p["groups"])
+            with no_gc():
+                t0 = time.perf_counter()
+                for g in groups:
+                    g.fire("complete")
+                samples.append((time.perf_counter() - t0) / p["groups"])
             assert all(g.state == "ready" for g in groups)
         return Figure(tuple(samples), note=f"one readiness check (complete) at tp={tp}")
     return run

@@ -13,9 +13,11 @@ skipped, the fastest measured row of the suite is the reference, and the report 
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,15 +96,30 @@ class SuiteResult:
         return ref.figure.median / row.figure.median
 
 
+@contextmanager
+def no_gc() -> Iterator[None]:
+    """Collect, then keep the cyclic GC off while timing (as timeit does): a collection
+    of objects made by an earlier row must not be billed to this one."""
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def timed(fn: Callable[[], Any], repeats: int, *, warmup: int = 1) -> tuple[float, ...]:
     """Run ``fn`` ``warmup`` times untimed, then ``repeats`` times timed."""
     for _ in range(warmup):
         fn()
     out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
+    with no_gc():
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
     return tuple(out)
 
 

@@ -34,7 +34,9 @@ def machine() -> str:
     except OSError:
         pass
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
-    return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, Linux {platform.release()}, "
+    load = os.getloadavg()[0]
+    return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, 1-min load average {load:.1f} at the end of the run, "
+            f"Linux {platform.release()}, "
             f"Python {platform.python_version()}, numpy {_version('numpy')}, nixl-cu12 {_version('nixl-cu12')}, "
             f"torch {_version('torch')}")
 
