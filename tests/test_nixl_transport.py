@@ -164,6 +164,21 @@ def test_stale_generation_rejected() -> None:
 
 
 @needs_nixl
+def test_metadata_of_another_agent_is_rejected() -> None:
+    """A record naming one agent but carrying another's metadata is refused, and the
+    metadata NIXL loaded for the check is dropped again: the real import still works."""
+    with peers(CMDS, 2) as (exporter, importer):
+        exporter.call("start")
+        importer.call("start")
+        handle = exporter.call("export_bank", blocks=BLOCKS, block_bytes=BLOCK, seed=6, generation=1)
+        with pytest.raises(PeerError) as forged:
+            importer.call("import_renamed", handle=handle, size=SIZE, generation=1, name="someone-else")
+        assert forged.value.kind == "kvstate.errors.NixlHandleRejected" and "agent_name" in str(forged.value)
+        importer.call("import_bank", handle=handle, size=SIZE, generation=1)
+        assert importer.call("load", blocks=[9], block_bytes=BLOCK, seed=6, generation=1)["matches"] is True
+
+
+@needs_nixl
 def test_teardown_order_and_closed_views() -> None:
     """Teardown in NIXL's order leaves both agents clean, and a closed view loads nothing."""
     with peers(CMDS, 2) as (exporter, importer):

@@ -209,7 +209,8 @@ _process_agent: tuple[int, str] | None = None  # (pid, agent name) of this proce
 
 
 class NixlTransport:
-    """The ``nixl`` transport. One per process; see the module docstring."""
+    """The ``nixl`` transport. One per process, for the life of the process (a closed
+    transport is not replaced); see the module docstring."""
 
     name = "nixl"
 
@@ -326,7 +327,8 @@ class NixlTransport:
         loaded = _call("add_remote_agent", self._agent.add_remote_agent, h.metadata)
         loaded_name = loaded.decode("ascii", "replace") if isinstance(loaded, bytes) else str(loaded)
         if loaded_name != h.agent_name:
-            _call("remove_remote_agent", self._agent.remove_remote_agent, loaded_name)
+            if loaded_name not in self._remotes:  # never drop another view's metadata
+                _call("remove_remote_agent", self._agent.remove_remote_agent, loaded_name)
             raise NixlHandleRejected(Reason.AGENT_NAME,
                                      f"metadata is for agent {loaded_name!r}, the handle names {h.agent_name!r}")
         remote = NixlRemote(handle=h, agent_name=loaded_name)
