@@ -113,6 +113,276 @@ class GroupRejected(KvStateError):
         return frozenset(p.reason for p in self.problems)
 
 
+# -- native layer --------------------------------------------------------------------
+
+
+class NativeError(KvStateError):
+    """The native layer refused a call. ``code`` is the C ``KVS_E_*`` value, ``call`` the function."""
+
+    def __init__(self, call: str, code: int, detail: str) -> None:
+        self.call = call
+        self.code = code
+        self.detail = detail
+        super().__init__(f"{call}: {detail}")
+
+
+class NativeInvalidArgument(NativeError):
+    """An argument was malformed: zero or unaligned size, bad flag, buffer address 0."""
+
+
+class NativeOSError(NativeError):
+    """A system call inside the native layer failed; ``errno`` says which way."""
+
+    def __init__(self, call: str, code: int, detail: str, errno: int) -> None:
+        self.errno = errno
+        super().__init__(call, code, detail)
+
+
+class NativeNoMemory(NativeError):
+    """The native layer could not allocate its bookkeeping."""
+
+
+class UnknownNativeObject(NativeError):
+    """No allocation, reservation, region or op has that id (any more)."""
+
+
+class RegionPinned(NativeError):
+    """Unmap, release or a lowering of access was refused: native ops or leases pin the region."""
+
+
+class StillMapped(NativeError):
+    """Release of an allocation, or freeing of a reservation, refused while mappings remain."""
+
+
+class OutOfRange(NativeError):
+    """An offset or length falls outside its region, buffer or reservation."""
+
+
+class MappingOverlap(NativeError):
+    """A mapping would overlap another mapping in the same reservation."""
+
+
+class ImportRefused(NativeError):
+    """A received fd was refused before anything was mapped."""
+
+
+class FdWrongSize(ImportRefused):
+    """The received fd's size (fstat) is not the size the descriptor announced."""
+
+
+class FdUnsealed(ImportRefused):
+    """The received fd lacks F_SEAL_SHRINK, F_SEAL_GROW or F_SEAL_SEAL."""
+
+
+class FdNotMemfd(ImportRefused):
+    """The received fd is not a memfd."""
+
+
+class FdIdentityMismatch(ImportRefused):
+    """The received fd's (st_dev, st_ino) differs from the handle bytes of its descriptor."""
+
+
+class OpWaitTimeout(NativeError):
+    """A wait on a native op ended before the op finished. The op is untouched."""
+
+
+class OpFailed(NativeError):
+    """A native op ended in ``failed``; ``reason`` is the error the worker reported."""
+
+    def __init__(self, call: str, code: int, detail: str, op: int) -> None:
+        self.op = op
+        super().__init__(call, code, detail)
+
+
+class EngineBusy(NativeError):
+    """The op engine cannot be reconfigured while ops are queued or running."""
+
+
+# -- control channel -----------------------------------------------------------------
+
+
+class ChannelError(KvStateError):
+    """Base of the control channel's errors."""
+
+
+class ChannelClosed(ChannelError):
+    """The peer closed the connection (EOF), or it was closed here."""
+
+
+class PeerDied(ChannelClosed):
+    """The peer process exited (its pidfd became readable)."""
+
+
+class ChannelTimeout(ChannelError):
+    """A blocking step of the control channel did not complete within its timeout."""
+
+
+class PeerRejected(ChannelError):
+    """The peer's credentials (SO_PEERCRED) are not among the allowed uids."""
+
+    def __init__(self, pid: int, uid: int, allowed: frozenset[int]) -> None:
+        self.pid = pid
+        self.uid = uid
+        self.allowed = allowed
+        super().__init__(f"peer pid {pid} uid {uid} is not allowed (allowed uids: {sorted(allowed)})")
+
+
+class UnsafeSocketPath(ChannelError):
+    """The socket path or its directory is a symlink, foreign-owned or too open."""
+
+    def __init__(self, path: str, why: str) -> None:
+        self.path = path
+        self.why = why
+        super().__init__(f"unsafe socket path {path!r}: {why}")
+
+
+class FrameError(ChannelError):
+    """A message broke the framing rules: too large, truncated, malformed or too many fds."""
+
+
+# -- exporter and importer lifecycles ------------------------------------------------
+
+
+class RegistrationFailed(KvStateError):
+    """Registering a bank with its transport failed at ``step``; every earlier step was
+    rolled back and the bank keeps its previous owner and state (INV-REGISTER-ATOMIC)."""
+
+    def __init__(self, step: str, cause: BaseException) -> None:
+        self.step = step
+        super().__init__(f"bank registration failed at {step}: {cause}")
+
+
+class LeaseRefused(KvStateError):
+    """The exporter refused a lease. ``code`` says why (e.g. stale, draining, unknown_rank)."""
+
+    def __init__(self, code: str, detail: str) -> None:
+        self.code = code
+        super().__init__(f"lease refused ({code}): {detail}")
+
+
+class ImportFailed(KvStateError):
+    """Importing one rank part failed; the whole group was rolled back and is failed."""
+
+    def __init__(self, rank: int, cause: BaseException) -> None:
+        self.rank = rank
+        super().__init__(f"import of rank {rank} failed: {cause}")
+
+
+class LoadFailed(KvStateError):
+    """A prefix load did not complete; nothing it wrote may be used."""
+
+
+class DrainTimeout(KvStateError):
+    """Quiescence was not reported within the allowed time; nothing was released."""
+
+
+# -- policy and profile --------------------------------------------------------------
+
+
+class SettingsError(KvStateError):
+    """A reuse setting could not be loaded. ``source`` says where it came from."""
+
+
+class UnknownSetting(SettingsError):
+    """A setting name that kvstate does not know. Nothing was loaded."""
+
+    def __init__(self, name: str, source: str, known: Sequence[str]) -> None:
+        self.name = name
+        self.source = source
+        super().__init__(f"{source}: unknown setting {name!r}; known: {', '.join(known)}")
+
+
+class InvalidSetting(SettingsError):
+    """A known setting with a value it may not take (wrong type, negative, non-finite)."""
+
+    def __init__(self, name: str, value: object, problem: str, source: str = "value") -> None:
+        self.name = name
+        self.value = value
+        self.problem = problem
+        self.source = source
+        super().__init__(f"{source}: setting {name!r} = {value!r}: {problem}")
+
+
+class PolicyInputError(KvStateError):
+    """An input to the reuse policy (a candidate, a block count) is malformed."""
+
+
+class InventoryError(KvStateError):
+    """Base of the errors the retained inventory raises. The inventory is unchanged."""
+
+
+class InvalidBlockHash(InventoryError):
+    """A block hash that is not an unsigned 64-bit integer."""
+
+
+class BlockBusy(InventoryError):
+    """Removing or clearing blocks that are pinned or under lease. Nothing was removed."""
+
+    def __init__(self, group: str, hashes: Sequence[int]) -> None:
+        self.group = group
+        self.hashes = tuple(hashes)
+        shown = ", ".join(f"{h:#018x}" for h in self.hashes[:4])
+        more = "" if len(self.hashes) <= 4 else f" (+{len(self.hashes) - 4} more)"
+        super().__init__(f"group {group!r}: block(s) {shown}{more} are pinned or under lease")
+
+
+class UnknownLease(InventoryError):
+    """Releasing a lease the inventory did not grant, or one already released."""
+
+
+class NotPinned(InventoryError):
+    """Unpinning a block that holds no engine pin."""
+
+
+class CapabilitiesRejected(KvStateError):
+    """A capability publication was refused whole: nothing of it was accepted."""
+
+
+class CapabilitiesIncomplete(CapabilitiesRejected):
+    """A capability publication lacks fields. Every missing field is named."""
+
+    def __init__(self, missing: Sequence[str]) -> None:
+        self.missing = tuple(missing)
+        super().__init__("partial capability set refused; missing: " + ", ".join(self.missing))
+
+
+class CapabilitiesInvalid(CapabilitiesRejected):
+    """A capability publication has a malformed, unknown or inconsistent field."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        self.field = field
+        self.problem = problem
+        super().__init__(f"capability {field!r}: {problem}")
+
+
+class UnknownProfile(KvStateError):
+    """A deployment profile name kvstate does not define."""
+
+
+class HandoffError(KvStateError):
+    """Base of the errors about the engine's decode handoff and its engine ids."""
+
+
+class ChildEngineMissing(HandoffError):
+    """No advertised engine matches the engine id kvstate must load from."""
+
+
+class ChildEngineAmbiguous(HandoffError):
+    """Several advertised child engines match and nothing says which one to use."""
+
+    def __init__(self, engine_id: str, matches: Sequence[str]) -> None:
+        self.engine_id = engine_id
+        self.matches = tuple(matches)
+        super().__init__(f"engine id {engine_id!r} is ambiguous: it matches {', '.join(self.matches)}; "
+                         "name the child engine (or its data-parallel rank)")
+
+
+class HandoffParamsUnsupported(HandoffError):
+    """The handoff parameters hold a value kvstate cannot fingerprint to prove it untouched."""
+
+
+class HandoffParamsModified(HandoffError):
+    """The decode handoff parameters changed during a prefix load. This is a kvstate bug."""
 # -- nixl ----------------------------------------------------------------------------
 
 

@@ -139,12 +139,13 @@ def _run_effects(fns: tuple[Callable[..., Any], ...], event_data: Any) -> None:
 
 def _bindings(cls: type, spec: MachineSpec, attr: str, kind: str,
               declared: Iterable[str]) -> dict[str, Callable[..., Any]]:
+    # Resolve by attribute name, so a subclass can drop a binding by shadowing it.
     found: dict[str, Callable[..., Any]] = {}
-    for klass in reversed(cls.__mro__):
-        for value in vars(klass).values():
-            name = getattr(value, attr, None)
-            if name is not None:
-                found[name] = value
+    for attr_name in dir(cls):
+        value = getattr(cls, attr_name, None)
+        name = getattr(value, attr, None)
+        if isinstance(name, str):
+            found[name] = value  # type: ignore[assignment]
     declared = set(declared)
     for name in sorted(declared - set(found)):
         raise BindingError(spec.source, f"{kind}.{name}", f"{cls.__qualname__} implements no {kind[:-1]} {name!r}")

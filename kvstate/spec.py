@@ -261,7 +261,7 @@ def parse_invariants(text: str, source: str, machines: Iterable[str]) -> dict[st
         _keys(source, entry, row, {"id", "statement", "machines"}, set())
         inv_id = _text(source, entry, row["id"])
         if not inv_id.startswith("INV-") or inv_id != inv_id.upper():
-            raise SpecError(source, entry, f"id {inv_id!r} must look like INV-UPPER-CASE")
+            raise SpecError(source, entry, f"id {inv_id!r} must be 'INV-' then upper-case words")
         if inv_id in out:
             raise SpecError(source, entry, f"duplicate id {inv_id!r}")
         out[inv_id] = InvariantSpec(

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvstate.errors import BackendUnavailable
+from support.peers import PeerError, peers
 
 ROOT = Path(__file__).resolve().parents[1]
 CMDS = "support.nixl_commands"
@@ -42,9 +43,6 @@ needs_nixl = pytest.mark.usefixtures("_nixl")
 @pytest.fixture
 def _nixl() -> None:
     _nixl_or_skip()
-
-
-from support.peers import PeerError, peers  # noqa: E402
 
 
 @needs_nixl
@@ -285,6 +283,7 @@ def test_importing_kvstate_loads_no_nixl() -> None:
 def test_missing_nixl_is_backend_unavailable() -> None:
     r = _python(textwrap.dedent(HIDE_NIXL) + textwrap.dedent("""
         from kvstate.errors import BackendUnavailable
+from support.peers import PeerError, peers
         from kvstate.transport.nixl import NixlTransport
         try:
             NixlTransport()

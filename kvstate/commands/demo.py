@@ -1,26 +1,101 @@
-"""``kvstate demo``: the main job.
+"""``kvstate demo``: decode-to-prefill KV reuse across real processes on the host backend.
 
-Until the multi-process decode-to-prefill demo lands, the demo checks the specification
-and prints its tables.
+A decode engine of ``--tp`` exporter processes fills its banks with a deterministic KV
+pattern and advertises them; a prefill engine of ``--tp`` importer processes validates
+and imports the rank group, loads a prefix and verifies checksums; then everything is
+drained to quiescence and released. ``--kill ROLE:PHASE`` SIGKILLs one process at a
+phase to show the failure handling; ``--json`` prints the report as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from collections.abc import Callable
 
-from kvstate import render
-from kvstate.spec import load_spec
+from kvstate.cluster import PHASES, ROLES, ClusterSpec, run_scenario
 
 help = "run the decode-to-prefill reuse demo"
 
 
+def _kill(value: str) -> tuple[str, str]:
+    role, _, phase = value.partition(":")
+    if role not in ROLES or phase not in PHASES:
+        raise argparse.ArgumentTypeError(
+            f"expected ROLE:PHASE with ROLE one of {', '.join(ROLES)} and PHASE one of {', '.join(PHASES)}")
+    return role, phase
+
+
+def _positive(limit: int) -> Callable[[str], int]:
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+        if not 1 <= n <= limit:
+            raise argparse.ArgumentTypeError(f"must be between 1 and {limit}")
+        return n
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    del parser
+    parser.add_argument("--tp", type=_positive(16), default=4, help="ranks on each side (default 4)")
+    parser.add_argument("--layers", type=_positive(512), default=8, help="model layers (default 8)")
+    parser.add_argument("--blocks", type=_positive(1 << 16), default=256, help="KV blocks per bank (default 256)")
+    parser.add_argument("--prefix-blocks", type=_positive(1 << 16), default=64,
+                        help="blocks of the reused prefix (default 64)")
+    parser.add_argument("--kill", type=_kill, metavar="ROLE:PHASE",
+                        help=f"SIGKILL one process: ROLE in {{{','.join(ROLES)}}}, PHASE in {{{','.join(PHASES)}}}")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON only")
 
 
 def run(args: argparse.Namespace) -> int:
-    spec = load_spec()
-    for m in spec.machines.values():
-        print(render.terminal_table(m))
-    print(f"spec ok: {len(spec.machines)} machines, {len(spec.invariants)} invariants")
-    return 0
+    if args.prefix_blocks > args.blocks:
+        print(f"kvstate demo: error: --prefix-blocks {args.prefix_blocks} exceeds --blocks {args.blocks}",
+              file=sys.stderr)
+        return 2
+    spec = ClusterSpec(tp=args.tp, layers=args.layers, num_blocks=args.blocks, prefix_blocks=args.prefix_blocks)
+    def log(line: str) -> None:
+        if not args.json:
+            print(line, flush=True)
+
+    g = spec.geometry()
+    log(f"kvstate demo: tp={spec.tp}, {g.layers} layers, {g.kv_heads} KV heads/rank, head dim {g.head_dim}, "
+        f"{g.block_tokens}-token blocks of {g.block_bytes // 1024} KiB, {g.num_blocks} blocks/bank"
+        + (f", kill {args.kill[0]} at {args.kill[1]}" if args.kill else ""))
+    report = run_scenario(spec, args.kill, log=log)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(summary(report))
+    return 0 if report["ok"] else 1
+
+
+def summary(r: dict[str, object]) -> str:
+    t = r["timings_s"]
+    assert isinstance(t, dict)
+    verified = r["verified"]
+    assert isinstance(verified, list)
+    leaks = r["leaks"]
+    assert isinstance(leaks, list)
+    rows = [
+        ("scenario", f"tp={r['tp']}" + (f", SIGKILL {r['kill']}" if r["kill"] else ", no faults")),
+        ("importer group states", " -> ".join(map(str, r["importer_states"])) or "-"),  # type: ignore[call-overload]
+        ("exporter bank states", " -> ".join(_dedupe(r["exporter_states"])) or "-"),  # type: ignore[arg-type]
+        ("import result per rank", ", ".join(map(str, r["import_states"]))),  # type: ignore[call-overload]
+        ("prefix bytes loaded", f"{int(r['load_bytes']) / 2**20:.1f} MiB"),  # type: ignore[call-overload]
+        ("checksums", f"{sum(ok for _, ok in verified)}/{len(verified)} ranks verified"),
+        ("exporter time to quiescent", f"{float(r['exporter_quiescent_s']) * 1e3:.1f} ms"),  # type: ignore[arg-type]
+        ("leaked fds / memfd maps", f"{sum(x['fds'] for x in leaks)} / {sum(x['memfd_maps'] for x in leaks)}"),
+        ("timings", ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in t.items())),
+        ("verdict", "OK: reuse verified, nothing partial, nothing leaked" if r["ok"] and not r["kill"]
+         else "OK: clean failure and recovery" if r["ok"] else "FAILED"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    line = "-" * min(100, width + 2 + max(len(v) for _, v in rows))
+    return "\n".join([line, *(f"{k.ljust(width)}  {v}" for k, v in rows), line])
+
+
+def _dedupe(states: list[str]) -> list[str]:
+    return [s for i, s in enumerate(states) if i == 0 or s != states[i - 1]]

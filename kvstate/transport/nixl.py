@@ -61,6 +61,7 @@ from kvstate.errors import (
     NixlUnsupported,
 )
 from kvstate.handles import HandleKind
+from kvstate.optional import is_missing, require
 from kvstate.transport.base import Access, Capabilities, MemoryKind, Scope
 from kvstate.transport.nixl_handle import NixlHandle, Reason, RemoteRegion, decode
 
@@ -89,7 +90,7 @@ def load_nixl() -> ModuleType:
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
-            if exc.name not in _OPTIONAL:
+            if not any(is_missing(exc, dependency) for dependency in _OPTIONAL):
                 raise
             missing.append(f"{name} (missing {exc.name})")
             continue
@@ -101,12 +102,7 @@ def load_nixl() -> ModuleType:
 
 
 def _numpy() -> ModuleType:
-    try:
-        return importlib.import_module("numpy")
-    except ModuleNotFoundError as exc:
-        if exc.name != "numpy":
-            raise
-        raise BackendUnavailable("nixl", f"numpy is missing; install with: {INSTALL_HINT}") from None
+    return require("numpy", "nixl", hint=f"install with: {INSTALL_HINT}")
 
 
 def _host_uuid() -> bytes:

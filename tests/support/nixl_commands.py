@@ -43,7 +43,7 @@ def unsupported(state: State) -> list[str]:
     Registry().register(t)  # it is a Transport: the explicit registry accepts it
     refused = []
     for name, call in [("reserve", lambda: t.reserve(4096)), ("map", lambda: t.map(None, 0, None)),
-                       ("set_access", lambda: t.set_access(None, None)),  # type: ignore[arg-type]
+                       ("set_access", lambda: t.set_access(None, None)),
                        ("unmap", lambda: t.unmap(None)),
                        ("export_memfd", lambda: t.export(t.create(4096), HandleKind.MEMFD))]:
         try:

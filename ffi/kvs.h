@@ -1,0 +1,162 @@
+/* kvstate native layer: host memory with CUDA-VMM semantics, a pin table, an op engine.
+ *
+ * Theory of operation
+ * -------------------
+ * Four kinds of object live in process-global tables behind one mutex, each named by a
+ * 64-bit id (never 0, never reused while the process lives):
+ *
+ *   allocation   a sealed memfd (created here, or imported from a received fd after its
+ *                size, seals and memfd-ness were checked). Like a CUmemGenericAllocationHandle.
+ *   reservation  PROT_NONE anonymous address space, aligned. Like cuMemAddressReserve.
+ *   region       one allocation mapped MAP_SHARED|MAP_FIXED inside a reservation, with no
+ *                access until kvs_set_access() (mprotect). Like cuMemMap + cuMemSetAccess:
+ *                touching a region before access is granted faults.
+ *   op           a copy or gather between regions and caller buffers, run by a pthread
+ *                pool. Its lifecycle is the table generated from spec/op.toml
+ *                (kvs_op_table.h); every state change goes through kvs_op_step().
+ *
+ * Ownership: a submitted op takes one pin on every region it touches and drops it when it
+ * leaves queued/running (spec effects pin_regions/unpin_regions). Unmap, release and any
+ * lowering of access refuse with KVS_E_PINNED while pins are held, so no memory is freed
+ * or revoked under an in-flight copy. Release refuses while the allocation is mapped.
+ * Holders other than ops (leases) may take explicit pins with kvs_region_pin().
+ *
+ * Every function returns KVS_OK (0) or a negative KVS_E_* code; on KVS_E_SYS, errno is
+ * left set by the failing system call. Every wait takes a timeout. Types across the
+ * boundary are exact: uint64_t addresses, sizes and ids, int64_t op ids and nanoseconds.
+ */
+#ifndef KVS_H
+#define KVS_H
+
+#include <stdint.h>
+
+#include "kvs_op_table.h"
+
+/* Error codes. Python maps each one to a typed error in kvstate.errors. */
+#define KVS_OK 0
+#define KVS_E_INVAL (-1)      /* malformed argument (alignment, zero size, bad flag) */
+#define KVS_E_SYS (-2)        /* a system call failed; errno says which way */
+#define KVS_E_NOENT (-3)      /* no object with that id */
+#define KVS_E_PINNED (-4)     /* the region (or a region of the allocation) holds pins */
+#define KVS_E_MAPPED (-5)     /* the allocation or reservation still has mappings */
+#define KVS_E_ACCESS (-6)     /* guard regions_mapped refused: no access for this use */
+#define KVS_E_RANGE (-7)      /* an offset or length falls outside its region or buffer */
+#define KVS_E_OVERLAP (-8)    /* the mapping would overlap another in the reservation */
+#define KVS_E_SIZE (-9)       /* a received fd has the wrong size */
+#define KVS_E_SEALS (-10)     /* a received fd lacks the required seals */
+#define KVS_E_NOTMEMFD (-11)  /* a received fd is not a memfd */
+#define KVS_E_ILLEGAL (-12)   /* the op table declares no such (state, event) pair */
+#define KVS_E_TIMEOUT (-13)   /* the wait ended before the op finished */
+#define KVS_E_BUSY (-14)      /* the engine has live ops (reconfigure) */
+#define KVS_E_NOMEM (-15)     /* allocation of bookkeeping memory failed */
+#define KVS_E_INJECTED (-16)  /* the op failed because KVS_OPF_FAIL asked it to */
+
+/* Access rights, ordered: each includes the previous. */
+#define KVS_ACCESS_NONE 0
+#define KVS_ACCESS_READ 1
+#define KVS_ACCESS_READ_WRITE 2
+
+/* Op flags. */
+#define KVS_OPF_FAIL 1u   /* fault injection: the worker fails the op instead of copying */
+
+/* One block of a gather: copy len bytes from src+src_off to dst+dst_off. */
+typedef struct kvs_block {
+    uint64_t src_off;
+    uint64_t dst_off;
+    uint64_t len;
+} kvs_block;
+
+/* One end of a copy: a region (region != 0; addr and size are ignored) or a caller
+ * buffer (region == 0) that the caller keeps alive until the op is collectable. */
+typedef struct kvs_endpoint {
+    uint64_t region;
+    uint64_t addr;
+    uint64_t size;
+} kvs_endpoint;
+
+typedef struct kvs_region_info {
+    uint64_t addr;
+    uint64_t size;
+    uint64_t allocation;
+    uint64_t reservation;
+    int32_t access;
+    uint64_t pins;        /* all pins: ops in flight plus explicit (lease) pins */
+    uint64_t explicit_pins;
+    uint64_t inflight;    /* ops queued or running that touch the region */
+    uint64_t completed;   /* ops that finished touching the region */
+    uint64_t failed;      /* ops that failed touching the region */
+    uint64_t bytes;       /* bytes moved by completed ops touching the region */
+} kvs_region_info;
+
+typedef struct kvs_global_info {
+    uint64_t allocations;
+    uint64_t reservations;
+    uint64_t regions;
+    uint64_t pins;        /* sum of pins over every region */
+    uint64_t ops_live;    /* ops not yet reaped */
+    uint64_t ops_queued;
+    uint64_t ops_running;
+    uint64_t submitted;
+    uint64_t completed;
+    uint64_t failed;
+    uint64_t cancelled;
+    uint64_t bytes;
+    uint64_t workers;
+    int32_t paused;
+} kvs_global_info;
+
+typedef struct kvs_op_info {
+    int32_t state;        /* enum kvs_op_state */
+    int32_t error;        /* KVS_OK or the reason the op failed */
+    uint64_t bytes;       /* bytes the op moves */
+    uint64_t nblocks;
+} kvs_op_info;
+
+/* -- host backend ------------------------------------------------------------------- */
+
+uint64_t kvs_page_size(void);
+int kvs_create(uint64_t size, uint64_t *allocation);
+int kvs_export_fd(uint64_t allocation, int32_t *fd);        /* borrowed: do not close */
+int kvs_import_fd(int32_t fd, uint64_t size, uint64_t *allocation); /* dups fd */
+int kvs_allocation_size(uint64_t allocation, uint64_t *size);
+int kvs_release(uint64_t allocation);
+int kvs_reserve(uint64_t size, uint64_t align, uint64_t *reservation, uint64_t *addr);
+int kvs_free_reservation(uint64_t reservation);
+int kvs_map(uint64_t reservation, uint64_t offset, uint64_t allocation, uint64_t *region,
+            uint64_t *addr);
+int kvs_set_access(uint64_t region, int32_t access);
+int kvs_unmap(uint64_t region);
+
+/* -- pins and observation ----------------------------------------------------------- */
+
+int kvs_region_pin(uint64_t region);
+int kvs_region_unpin(uint64_t region);
+int kvs_region_info_get(uint64_t region, kvs_region_info *out);
+void kvs_global_info_get(kvs_global_info *out);
+
+/* -- op engine ---------------------------------------------------------------------- */
+
+int kvs_engine_configure(uint32_t workers); /* refuses with KVS_E_BUSY while ops are live */
+int kvs_engine_pause(int32_t paused);       /* paused workers take no new op */
+int kvs_submit(const kvs_endpoint *src, const kvs_endpoint *dst, const kvs_block *blocks,
+               uint64_t nblocks, uint32_t flags, int64_t *op);
+/* One contiguous copy, without building endpoint structs (the cheap path). */
+int kvs_submit_copy(uint64_t src_region, uint64_t src_addr, uint64_t src_size, uint64_t src_off,
+                    uint64_t dst_region, uint64_t dst_addr, uint64_t dst_size, uint64_t dst_off,
+                    uint64_t len, uint32_t flags, int64_t *op);
+int kvs_cancel(int64_t op);
+int kvs_op_info_get(int64_t op, kvs_op_info *out);
+int kvs_wait(int64_t op, int64_t timeout_ns); /* 0 polls; KVS_E_TIMEOUT if not finished */
+int kvs_reap(int64_t op, kvs_op_info *out); /* out: the state it ended in */
+
+/* -- the generated op table, for the Python side's consistency check ---------------- */
+
+int32_t kvs_op_nstates(void);
+int32_t kvs_op_nevents(void);
+const char *kvs_op_state_name(int32_t state);
+const char *kvs_op_event_name(int32_t event);
+int32_t kvs_op_collectable(int32_t state);  /* the table lets the caller reap it */
+int32_t kvs_planted_bug(void);  /* 1 only in the test build with a planted bug */
+const char *kvs_strerror(int32_t code);
+
+#endif /* KVS_H */

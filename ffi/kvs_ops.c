@@ -1,0 +1,470 @@
+/* The op engine: a pthread pool copying between regions and caller buffers.
+ *
+ * Every change of an op's state goes through kvs_op_step(), which fires only the rows of
+ * the table generated from spec/op.toml (kvs_op_table.h): an undeclared (state, event)
+ * pair is refused with KVS_E_ILLEGAL, guards are evaluated by name, effects run in the
+ * row's order (undone in reverse if one fails) and the state is committed last. Pins
+ * therefore follow the table: pin_regions on submit, unpin_regions on finish, fail and
+ * cancel (INV-OP-PINS).
+ *
+ * One mutex (kvs_g.mu) guards the tables, the queue and every op's state; workers copy
+ * with it released. A large op is split into parts that several workers copy at once:
+ * the first part taken fires `start`, the last part finished fires `finish` or `fail`.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kvs_internal.h"
+
+#define KVS_DEFAULT_WORKERS 2
+#define KVS_MAX_WORKERS 64
+#define KVS_PART_MIN (UINT64_C(1) << 20) /* split ops of at least 1 MiB across workers */
+
+struct kvs_op {
+    uint64_t id; /* first: slot-table id; the public op id is this value as int64_t */
+    int32_t state;
+    int32_t error;
+    uint32_t flags;
+    uint64_t src_region, dst_region; /* 0 for caller buffers */
+    uint64_t src_base, dst_base;     /* resolved addresses */
+    kvs_block *blocks;
+    uint64_t nblocks;
+    uint64_t bytes;
+    uint32_t nparts, next_part, parts_done;
+    int32_t part_error;
+    struct kvs_op *qnext;
+    kvs_block inline_blocks[KVS_MAX_WORKERS]; /* small ops need no second malloc */
+};
+
+static struct {
+    pthread_once_t once;
+    pthread_cond_t work_cv, done_cv;
+    pthread_t threads[KVS_MAX_WORKERS];
+    uint32_t nthreads, want;
+    int stopping, paused, reconfiguring;
+    struct kvs_op *qhead, *qtail;
+    struct kvs_slots ops;
+    uint64_t queued, running, submitted, completed, failed, cancelled, bytes;
+} E = {.once = PTHREAD_ONCE_INIT, .want = KVS_DEFAULT_WORKERS};
+
+static void init_once(void) {
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&E.work_cv, &ca);
+    pthread_cond_init(&E.done_cv, &ca);
+    pthread_condattr_destroy(&ca);
+}
+
+static void lock(void) {
+    pthread_once(&E.once, init_once);
+    pthread_mutex_lock(&kvs_g.mu);
+}
+
+static void unlock(void) { pthread_mutex_unlock(&kvs_g.mu); }
+
+/* -- the table-driven step ------------------------------------------------------------ */
+
+static struct kvs_region *region(uint64_t id) { return id ? kvs_slots_get(&kvs_g.regions, id) : NULL; }
+
+static int guard_holds(const struct kvs_op *op, uint32_t guard) {
+    switch (guard) {
+    case KVS_OP_GUARD_REGIONS_MAPPED: {
+        const struct kvs_region *s = region(op->src_region), *d = region(op->dst_region);
+        if (op->src_region && (!s || s->access < KVS_ACCESS_READ)) return 0;
+        if (op->dst_region && (!d || d->access < KVS_ACCESS_READ_WRITE)) return 0;
+        return 1;
+    }
+    default:
+        return 0; /* a guard this engine does not implement never holds */
+    }
+}
+
+static int guard_error(uint32_t guard) {
+    return guard == KVS_OP_GUARD_REGIONS_MAPPED ? KVS_E_ACCESS : KVS_E_ILLEGAL;
+}
+
+static void pin(struct kvs_op *op, int delta) {
+    uint64_t ids[2] = {op->src_region, op->dst_region == op->src_region ? 0 : op->dst_region};
+    for (int i = 0; i < 2; i++) {
+        struct kvs_region *g = region(ids[i]);
+        if (!g) continue;
+        g->pins += (uint64_t)(int64_t)delta;
+        g->inflight += (uint64_t)(int64_t)delta;
+    }
+}
+
+/* Run (or, with undo, reverse) one effect. */
+static int effect(struct kvs_op *op, uint32_t fx, int undo) {
+    switch (fx) {
+    case KVS_OP_FX_PIN_REGIONS: pin(op, undo ? -1 : 1); return KVS_OK;
+    case KVS_OP_FX_UNPIN_REGIONS: pin(op, undo ? 1 : -1); return KVS_OK;
+    default: return KVS_E_ILLEGAL; /* an effect this engine does not implement refuses */
+    }
+}
+
+/* Fire `event` on `op`, under kvs_g.mu. Nothing changes unless KVS_OK is returned. */
+static int kvs_op_step(struct kvs_op *op, int event) {
+    if (op->state < 0 || op->state >= KVS_OP_NSTATES || event < 0 || event >= KVS_OP_NEVENTS)
+        return KVS_E_ILLEGAL;
+    int first = kvs_op_first[op->state][event];
+    if (first < 0) return KVS_E_ILLEGAL;
+    int refused = KVS_E_ILLEGAL;
+    for (int i = first; i < first + kvs_op_count[op->state][event]; i++) {
+        const struct kvs_op_row *row = &kvs_op_rows[i];
+        uint32_t failing = 0;
+        for (uint32_t b = 0; b < 32; b++) {
+            uint32_t g = UINT32_C(1) << b;
+            if ((row->guards & g) && !guard_holds(op, g)) failing |= g;
+            if ((row->unless & g) && guard_holds(op, g)) failing |= g;
+        }
+        if (failing) {
+            refused = guard_error(failing & -failing);
+            continue;
+        }
+        for (int k = 0; k < row->neffects; k++) {
+            int rc = effect(op, row->effects[k], 0);
+            if (rc != KVS_OK) {
+                while (k-- > 0) effect(op, row->effects[k], 1);
+                return rc;
+            }
+        }
+        op->state = row->dest;
+        return KVS_OK;
+    }
+    return refused;
+}
+
+/* -- workers -------------------------------------------------------------------------- */
+
+static int run_part(const struct kvs_op *op, uint32_t part) {
+    if (op->flags & KVS_OPF_FAIL) return KVS_E_INJECTED;
+    uint64_t lo = op->nblocks * part / op->nparts, hi = op->nblocks * (part + 1) / op->nparts;
+    for (uint64_t i = lo; i < hi; i++) {
+        const kvs_block *b = &op->blocks[i];
+        memcpy((void *)(uintptr_t)(op->dst_base + b->dst_off),
+               (const void *)(uintptr_t)(op->src_base + b->src_off), b->len);
+    }
+    return KVS_OK;
+}
+
+static void account(struct kvs_op *op) {
+    uint64_t ids[2] = {op->src_region, op->dst_region == op->src_region ? 0 : op->dst_region};
+    for (int i = 0; i < 2; i++) {
+        struct kvs_region *g = region(ids[i]);
+        if (!g) continue;
+        if (op->state == KVS_OP_DONE) {
+            g->completed++;
+            g->bytes += op->bytes;
+        } else {
+            g->failed++;
+        }
+    }
+    if (op->state == KVS_OP_DONE) {
+        E.completed++;
+        E.bytes += op->bytes;
+    } else {
+        E.failed++;
+    }
+}
+
+static void *worker(void *arg) {
+    (void)arg;
+    lock();
+    for (;;) {
+        while (!E.stopping && (E.paused || !E.qhead)) pthread_cond_wait(&E.work_cv, &kvs_g.mu);
+        if (E.stopping) break;
+        struct kvs_op *op = E.qhead;
+        if (op->next_part == 0) {
+            if (kvs_op_step(op, KVS_OP_EV_START) != KVS_OK) abort(); /* queued -> running */
+            E.queued--;
+            E.running++;
+        }
+        uint32_t part = op->next_part++;
+        if (op->next_part == op->nparts) {
+            E.qhead = op->qnext;
+            if (!E.qhead) E.qtail = NULL;
+            op->qnext = NULL;
+        }
+        unlock();
+        int rc = run_part(op, part);
+        lock();
+        if (rc != KVS_OK) op->part_error = rc;
+        if (++op->parts_done == op->nparts) {
+            int ev = op->part_error ? KVS_OP_EV_FAIL : KVS_OP_EV_FINISH;
+            if (kvs_op_step(op, ev) != KVS_OK) abort(); /* the table must allow it */
+            op->error = op->part_error;
+            E.running--;
+            account(op);
+            pthread_cond_broadcast(&E.done_cv);
+        }
+    }
+    unlock();
+    return NULL;
+}
+
+/* Start the pool if it is not running; under the lock. */
+static int ensure_workers(void) {
+    while (E.nthreads < E.want) {
+        if (pthread_create(&E.threads[E.nthreads], NULL, worker, NULL) != 0)
+            return E.nthreads ? KVS_OK : KVS_E_SYS;
+        E.nthreads++;
+    }
+    return KVS_OK;
+}
+
+int kvs_engine_configure(uint32_t workers) {
+    if (workers < 1 || workers > KVS_MAX_WORKERS) return KVS_E_INVAL;
+    lock();
+    if (E.queued || E.running || E.reconfiguring) {
+        unlock();
+        return KVS_E_BUSY;
+    }
+    E.reconfiguring = 1;
+    E.stopping = 1;
+    pthread_cond_broadcast(&E.work_cv);
+    uint32_t n = E.nthreads;
+    unlock();
+    for (uint32_t i = 0; i < n; i++) pthread_join(E.threads[i], NULL);
+    lock();
+    E.nthreads = 0;
+    E.stopping = 0;
+    E.want = workers;
+    E.reconfiguring = 0;
+    unlock();
+    return KVS_OK;
+}
+
+int kvs_engine_pause(int32_t paused) {
+    lock();
+    E.paused = paused != 0;
+    pthread_cond_broadcast(&E.work_cv);
+    unlock();
+    return KVS_OK;
+}
+
+/* -- submit, cancel, wait, reap ------------------------------------------------------- */
+
+static int resolve(const kvs_endpoint *ep, uint64_t *base, uint64_t *size) {
+    if (ep->region) {
+        struct kvs_region *g = region(ep->region);
+        if (!g) return KVS_E_NOENT;
+        *base = g->addr;
+        *size = g->size;
+    } else {
+        if (!ep->addr) return KVS_E_INVAL;
+        *base = ep->addr;
+        *size = ep->size;
+    }
+    return KVS_OK;
+}
+
+static int within(uint64_t off, uint64_t len, uint64_t size) { return off <= size && len <= size - off; }
+
+static void free_op(struct kvs_op *op) {
+    if (op->blocks != op->inline_blocks) free(op->blocks);
+    free(op);
+}
+
+int kvs_submit(const kvs_endpoint *src, const kvs_endpoint *dst, const kvs_block *blocks,
+               uint64_t nblocks, uint32_t flags, int64_t *out) {
+    if (!src || !dst || !blocks || nblocks == 0 || (flags & ~KVS_OPF_FAIL) ||
+        nblocks > (UINT64_MAX >> 8) / sizeof(kvs_block))
+        return KVS_E_INVAL;
+    struct kvs_op *op = calloc(1, sizeof *op);
+    if (!op) return KVS_E_NOMEM;
+    op->state = KVS_OP_INITIAL;
+    op->flags = flags;
+    op->src_region = src->region;
+    op->dst_region = dst->region;
+    lock();
+    uint64_t ssize = 0, dsize = 0, bytes = 0;
+    int rc = resolve(src, &op->src_base, &ssize);
+    if (rc == KVS_OK) rc = resolve(dst, &op->dst_base, &dsize);
+    for (uint64_t i = 0; rc == KVS_OK && i < nblocks; i++) {
+        const kvs_block *b = &blocks[i];
+        if (!within(b->src_off, b->len, ssize) || !within(b->dst_off, b->len, dsize) ||
+            bytes + b->len < bytes)
+            rc = KVS_E_RANGE;
+        bytes += b->len;
+    }
+    if (rc != KVS_OK) goto fail;
+    op->bytes = bytes;
+    uint32_t workers = E.want;
+    /* One big block is cut into one piece per worker, so a contiguous copy runs wide too. */
+    uint64_t pieces = (nblocks == 1 && workers > 1 && bytes >= KVS_PART_MIN) ? workers : 1;
+    op->nblocks = nblocks * pieces;
+    if (op->nblocks <= KVS_MAX_WORKERS) {
+        op->blocks = op->inline_blocks;
+    } else if (!(op->blocks = malloc(op->nblocks * sizeof(kvs_block)))) {
+        rc = KVS_E_NOMEM;
+        goto fail;
+    }
+    if (pieces > 1) {
+        uint64_t step = (bytes / pieces + 4095) & ~UINT64_C(4095), off = 0;
+        for (uint64_t p = 0; p < pieces; p++) {
+            uint64_t len = off >= bytes ? 0 : (bytes - off < step ? bytes - off : step);
+            op->blocks[p] = (kvs_block){blocks[0].src_off + off, blocks[0].dst_off + off, len};
+            off += len;
+        }
+    } else {
+        memcpy(op->blocks, blocks, nblocks * sizeof(kvs_block));
+    }
+    op->nparts = (bytes >= KVS_PART_MIN && workers > 1)
+                     ? (uint32_t)(op->nblocks < workers ? op->nblocks : workers)
+                     : 1;
+    uint64_t id;
+    if ((rc = kvs_slots_put(&E.ops, op, &id)) != KVS_OK) goto fail;
+    if ((rc = kvs_op_step(op, KVS_OP_EV_SUBMIT)) != KVS_OK) { /* created -> queued */
+        kvs_slots_del(&E.ops, id);
+        goto fail;
+    }
+    if ((rc = ensure_workers()) != KVS_OK) {
+        /* no worker could start: cancel it so its pins drop, and report the failure */
+        kvs_op_step(op, KVS_OP_EV_CANCEL);
+        kvs_slots_del(&E.ops, id);
+        goto fail;
+    }
+    if (E.qtail) E.qtail->qnext = op;
+    else E.qhead = op;
+    E.qtail = op;
+    E.queued++;
+    E.submitted++;
+    pthread_cond_signal(&E.work_cv);
+    if (op->nparts > 1) pthread_cond_broadcast(&E.work_cv);
+    unlock();
+    *out = (int64_t)id;
+    return KVS_OK;
+fail:
+    unlock();
+    free_op(op);
+    return rc;
+}
+
+int kvs_submit_copy(uint64_t src_region, uint64_t src_addr, uint64_t src_size, uint64_t src_off,
+                    uint64_t dst_region, uint64_t dst_addr, uint64_t dst_size, uint64_t dst_off,
+                    uint64_t len, uint32_t flags, int64_t *op) {
+    kvs_endpoint s = {src_region, src_addr, src_size}, d = {dst_region, dst_addr, dst_size};
+    kvs_block b = {src_off, dst_off, len};
+    return kvs_submit(&s, &d, &b, 1, flags, op);
+}
+
+static struct kvs_op *find(int64_t id) {
+    return id > 0 ? kvs_slots_get(&E.ops, (uint64_t)id) : NULL;
+}
+
+int kvs_cancel(int64_t id) {
+    lock();
+    struct kvs_op *op = find(id);
+    int rc = op ? kvs_op_step(op, KVS_OP_EV_CANCEL) : KVS_E_NOENT;
+    if (rc == KVS_OK) {
+        struct kvs_op **p = &E.qhead, *prev = NULL;
+        while (*p && *p != op) {
+            prev = *p;
+            p = &(*p)->qnext;
+        }
+        if (*p) {
+            *p = op->qnext;
+            if (E.qtail == op) E.qtail = prev;
+        }
+        op->qnext = NULL;
+        E.queued--;
+        E.cancelled++;
+        pthread_cond_broadcast(&E.done_cv);
+    }
+    unlock();
+    return rc;
+}
+
+static void info(const struct kvs_op *op, kvs_op_info *out) {
+    *out = (kvs_op_info){.state = op->state, .error = op->error, .bytes = op->bytes,
+                         .nblocks = op->nblocks};
+}
+
+int kvs_op_info_get(int64_t id, kvs_op_info *out) {
+    lock();
+    struct kvs_op *op = find(id);
+    if (op) info(op, out);
+    unlock();
+    return op ? KVS_OK : KVS_E_NOENT;
+}
+
+int32_t kvs_op_collectable(int32_t state) {
+    return state >= 0 && state < KVS_OP_NSTATES && kvs_op_first[state][KVS_OP_EV_REAP] >= 0;
+}
+
+int kvs_wait(int64_t id, int64_t timeout_ns) {
+    if (timeout_ns < 0) return KVS_E_INVAL; /* no unbounded waits */
+    struct timespec deadline;
+    clock_gettime(CLOCK_MONOTONIC, &deadline);
+    deadline.tv_sec += timeout_ns / 1000000000;
+    deadline.tv_nsec += timeout_ns % 1000000000;
+    if (deadline.tv_nsec >= 1000000000) {
+        deadline.tv_sec++;
+        deadline.tv_nsec -= 1000000000;
+    }
+    lock();
+    int rc;
+    for (;;) {
+        struct kvs_op *op = find(id); /* looked up again: another thread may have reaped it */
+        if (!op) {
+            rc = KVS_E_NOENT;
+            break;
+        }
+        if (kvs_op_collectable(op->state)) {
+            rc = KVS_OK;
+            break;
+        }
+        if (timeout_ns == 0 || pthread_cond_timedwait(&E.done_cv, &kvs_g.mu, &deadline) == ETIMEDOUT) {
+            op = find(id);
+            rc = !op ? KVS_E_NOENT : kvs_op_collectable(op->state) ? KVS_OK : KVS_E_TIMEOUT;
+            break;
+        }
+    }
+    unlock();
+    return rc;
+}
+
+int kvs_reap(int64_t id, kvs_op_info *out) {
+    lock();
+    struct kvs_op *op = find(id);
+    kvs_op_info before = {0};
+    if (op) info(op, &before); /* the caller learns how it ended: done, failed, cancelled */
+    int rc = op ? kvs_op_step(op, KVS_OP_EV_REAP) : KVS_E_NOENT;
+    if (rc == KVS_OK) {
+        if (out) *out = before;
+        kvs_slots_del(&E.ops, (uint64_t)id);
+        free_op(op);
+    }
+    unlock();
+    return rc;
+}
+
+/* -- observation ---------------------------------------------------------------------- */
+
+void kvs_ops_global(kvs_global_info *out) {
+    out->ops_live = E.ops.live;
+    out->ops_queued = E.queued;
+    out->ops_running = E.running;
+    out->submitted = E.submitted;
+    out->completed = E.completed;
+    out->failed = E.failed;
+    out->cancelled = E.cancelled;
+    out->bytes = E.bytes;
+    out->workers = E.want;
+    out->paused = E.paused;
+}
+
+int32_t kvs_op_nstates(void) { return KVS_OP_NSTATES; }
+int32_t kvs_op_nevents(void) { return KVS_OP_NEVENTS; }
+
+const char *kvs_op_state_name(int32_t state) {
+    return state >= 0 && state < KVS_OP_NSTATES ? kvs_op_state_names[state] : NULL;
+}
+
+const char *kvs_op_event_name(int32_t event) {
+    return event >= 0 && event < KVS_OP_NEVENTS ? kvs_op_event_names[event] : NULL;
+}

@@ -1,0 +1,197 @@
+"""The host backend: sealed memfds with the semantics of CUDA VMM.
+
+==============  =====================================================================
+create(size)    a memfd of ``size`` bytes (a multiple of the granularity), sealed
+                against shrinking, growing and further sealing
+export(a, k)    a :class:`HostHandle`: the (borrowed) fd plus its identity bytes,
+                ``handles.fd_identity(st_dev, st_ino)``; only ``HandleKind.MEMFD``
+import_(h, n)   check the received fd before anything is mapped: its (dev, ino) must
+                equal the handle bytes, it must be a memfd of exactly ``n`` bytes and
+                carry the seals; the transport keeps its own duplicate of the fd
+reserve(n)      PROT_NONE address space aligned to the granularity
+map(r, off, a)  MAP_SHARED | MAP_FIXED inside the reservation, still PROT_NONE: a touch
+                before set_access faults, exactly as on CUDA
+set_access      mprotect to read or read-write (lowering is refused while pinned)
+unmap, release  refuse with RegionPinned while native ops (or leases) pin the region;
+                release also refuses while the allocation is still mapped
+==============  =====================================================================
+
+Constructing a :class:`HostTransport` loads the native module; importing this module
+does not. The transport is registered explicitly (``Registry.register(HostTransport())``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from functools import cache
+
+import attrs
+
+from kvstate import handles
+from kvstate.errors import FdIdentityMismatch, KvStateError, NativeInvalidArgument
+from kvstate.handles import HandleKind
+from kvstate.native import (
+    ACCESS_NONE,
+    ACCESS_READ,
+    ACCESS_READ_WRITE,
+    Native,
+    RegionStats,
+    default,
+)
+from kvstate.transport.base import Access, Capabilities, MemoryKind, Scope
+
+DEFAULT_GRANULARITY = 2 << 20
+
+_ACCESS = {Access.NONE: ACCESS_NONE, Access.READ: ACCESS_READ, Access.READ_WRITE: ACCESS_READ_WRITE}
+
+
+class HandleKindUnsupported(KvStateError):
+    """The host backend exports and imports only ``HandleKind.MEMFD``."""
+
+
+@attrs.frozen
+class HostHandle:
+    """A memfd handle: the fd (exported: borrowed from the allocation; received: owned by
+    whoever received it) and its identity bytes as carried in a descriptor."""
+
+    fd: int
+    identity: bytes
+    kind: HandleKind = HandleKind.MEMFD
+
+
+@attrs.frozen
+class HostAllocation:
+    id: int
+    size: int
+    imported: bool
+
+
+@attrs.frozen
+class HostReservation:
+    id: int
+    addr: int
+    size: int
+
+
+@attrs.frozen
+class HostMapping:
+    region: int
+    addr: int
+    size: int
+    allocation: HostAllocation
+    reservation: HostReservation
+
+
+def fd_identity_of(fd: int) -> bytes:
+    """The handle bytes of ``fd``: its (st_dev, st_ino) as :func:`handles.fd_identity`."""
+    st = os.fstat(fd)
+    return handles.fd_identity(st.st_dev, st.st_ino)
+
+
+@cache
+def host_device_uuid() -> bytes:
+    """16 bytes naming this host's memfd space: the kernel boot id and the device number of
+    the kernel's internal shmem mount that backs memfds. Two processes can share a memfd
+    bank only when both values agree. Pure stdlib; no native code."""
+    with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+        boot_id = f.read().strip()
+    fd = os.memfd_create("kvstate-identity", os.MFD_CLOEXEC)
+    try:
+        dev = os.fstat(fd).st_dev
+    finally:
+        os.close(fd)
+    h = hashlib.blake2b(boot_id + b"\0" + str(dev).encode(), digest_size=16, person=b"kvstate-hostdev")
+    return h.digest()
+
+
+class HostTransport:
+    """Host memory with VMM semantics. See the module docstring."""
+
+    name = "host"
+
+    def __init__(self, *, granularity: int = DEFAULT_GRANULARITY, native: Native | None = None) -> None:
+        self._native = native or default()
+        page = self._native.page_size
+        if granularity <= 0 or granularity % page or granularity & (granularity - 1):
+            raise NativeInvalidArgument("HostTransport", -1,
+                                        f"granularity {granularity} must be a power of two multiple of {page}")
+        self._granularity = granularity
+
+    @property
+    def native(self) -> Native:
+        return self._native
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(handle_kinds=frozenset({HandleKind.MEMFD}),
+                            memory_kinds=frozenset({MemoryKind.HOST}),
+                            scopes=frozenset({Scope.SAME_NODE}))
+
+    def granularity(self) -> int:
+        return self._granularity
+
+    def device_uuid(self) -> bytes:
+        return host_device_uuid()
+
+    def _sized(self, what: str, size: int) -> None:
+        if size <= 0 or size % self._granularity:
+            raise NativeInvalidArgument(what, -1, f"size {size} is not a positive multiple of the "
+                                        f"granularity {self._granularity}")
+
+    def create(self, size: int) -> HostAllocation:
+        self._sized("create", size)
+        return HostAllocation(self._native.create(size), size, imported=False)
+
+    def export(self, allocation: HostAllocation, kind: HandleKind) -> HostHandle:
+        if kind is not HandleKind.MEMFD:
+            raise HandleKindUnsupported(f"the host backend exports only memfd handles, not {kind.value}")
+        fd = self._native.export_fd(allocation.id)
+        return HostHandle(fd, fd_identity_of(fd))
+
+    def import_(self, handle: HostHandle, size: int) -> HostAllocation:
+        """Check and adopt a received memfd. The caller still owns (and closes) ``handle.fd``."""
+        if handle.kind is not HandleKind.MEMFD:
+            raise HandleKindUnsupported(f"the host backend imports only memfd handles, not {handle.kind.value}")
+        self._sized("import", size)
+        if len(handle.identity) != handles.FD_IDENTITY_BYTES:
+            raise FdIdentityMismatch("import", -1, f"handle bytes are {len(handle.identity)} long, "
+                                     f"expected {handles.FD_IDENTITY_BYTES}")
+        if fd_identity_of(handle.fd) != handle.identity:
+            raise FdIdentityMismatch("import", -1, f"fd {handle.fd} is not the file its descriptor names")
+        return HostAllocation(self._native.import_fd(handle.fd, size), size, imported=True)
+
+    def reserve(self, size: int) -> HostReservation:
+        self._sized("reserve", size)
+        rid, addr = self._native.reserve(size, self._granularity)
+        return HostReservation(rid, addr, size)
+
+    def free(self, reservation: HostReservation) -> None:
+        """Return a reservation's address space (cuMemAddressFree); refused while mapped."""
+        self._native.free_reservation(reservation.id)
+
+    def map(self, reservation: HostReservation, offset: int, allocation: HostAllocation) -> HostMapping:
+        if offset < 0 or offset % self._granularity:
+            raise NativeInvalidArgument("map", -1, f"offset {offset} is not a multiple of the "
+                                        f"granularity {self._granularity}")
+        region, addr = self._native.map(reservation.id, offset, allocation.id)
+        return HostMapping(region, addr, allocation.size, allocation, reservation)
+
+    def set_access(self, mapping: HostMapping, access: Access) -> None:
+        self._native.set_access(mapping.region, _ACCESS[access])
+
+    def unmap(self, mapping: HostMapping) -> None:
+        self._native.unmap(mapping.region)
+
+    def release(self, allocation: HostAllocation) -> None:
+        self._native.release(allocation.id)
+
+    # -- beyond the interface: what the lifecycle code and tests observe -------------------
+
+    def view(self, mapping: HostMapping) -> memoryview:
+        """The mapping's bytes. Touching them before set_access faults (SIGSEGV)."""
+        return self._native.view(mapping.region)
+
+    def stats(self, mapping: HostMapping) -> RegionStats:
+        """Pins, ops in flight, completed and failed ops and bytes of one mapping."""
+        return self._native.region_stats(mapping.region)

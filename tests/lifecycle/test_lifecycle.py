@@ -1,0 +1,212 @@
+"""Exporter and importer end to end in one process: real sockets, fds, memfds, native ops."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import attrs
+import pytest
+
+from conftest import DEPLOYMENT, GEOMETRY, expected_blocks, make_exporter
+from kvstate.descriptor import decode, encode
+from kvstate.errors import DrainTimeout, GroupRejected, ImportFailed, RegistrationFailed
+from kvstate.identity import Incarnation
+from kvstate.importer import ImportConfig, Importer
+from kvstate.machine import StateChange
+from kvstate.reasons import Reason
+from kvstate.transport.host import HostTransport
+from support.faults import FaultyTransport
+
+
+def buffers(tp: int, nblocks: int) -> list[bytearray]:
+    return [bytearray(nblocks * GEOMETRY.block_bytes) for _ in range(tp)]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_import_load_drain_release(tp: int, transport: HostTransport, importer: Importer) -> None:
+    """INV-LOAD-BYTES and INV-RELEASE-QUIESCENT on the real path."""
+    ex = make_exporter(tp, transport)
+    try:
+        group = importer.import_group([ex.descriptor(r) for r in range(tp)])
+        assert group.state == "ready" and [b.state for b in ex.banks.values()] == ["ready"] * tp
+        blocks = [7, 0, 31, 3]
+        dst = buffers(tp, len(blocks))
+        result = group.load_prefix(blocks, dst)
+        assert result.bytes == tp * len(blocks) * GEOMETRY.block_bytes
+        for r in range(tp):
+            assert bytes(dst[r]) == expected_blocks(r, blocks)
+        group.drain()
+        assert group.state == "closed" and all(p.mapping is None for p in group.parts)
+        ex.drain(5.0)
+        assert all(b.state == "released" for b in ex.banks.values())
+    finally:
+        ex.stop()
+
+
+def test_rejected_group_opens_nothing(transport: HostTransport, importer: Importer) -> None:
+    """INV-REJECT-BEFORE-OPEN: one bad descriptor, no lease asked, nothing mapped."""
+    ex = make_exporter(2, transport)
+    try:
+        before = transport.native.stats()
+        good = ex.descriptor(0)
+        bad = encode(attrs.evolve(decode(ex.descriptor(1), DEPLOYMENT), rank=5), DEPLOYMENT)
+        with pytest.raises(GroupRejected) as info:
+            importer.import_group([good, bad])
+        assert Reason.RANK_RANGE in info.value.reasons
+        with pytest.raises(GroupRejected) as info:
+            importer.import_group([good, b"garbage"])
+        assert Reason.MALFORMED in info.value.reasons
+        assert all(not b.leases and b.state == "advertised" for b in ex.banks.values())
+        after = transport.native.stats()
+        assert (after.allocations, after.regions) == (before.allocations, before.regions)
+    finally:
+        ex.stop()
+
+
+@pytest.mark.parametrize("failing_rank", [0, 1, 2])
+@pytest.mark.parametrize("step", ["import_", "reserve", "map", "set_access"])
+def test_part_import_failure_rolls_back_every_part(step: str, failing_rank: int, transport: HostTransport) -> None:
+    """INV-ROLLBACK-COMPLETE: any part failing leaves nothing mapped and no lease behind."""
+    ex = make_exporter(3, transport)
+    faulty = FaultyTransport(transport)
+    importer = Importer(ImportConfig(DEPLOYMENT), faulty)  # type: ignore[arg-type]
+    try:
+        before = transport.native.stats()
+        faulty.fail(step, after=failing_rank)
+        with pytest.raises(ImportFailed) as info:
+            importer.import_group([ex.descriptor(r) for r in range(3)])
+        assert info.value.rank == failing_rank
+        after = transport.native.stats()
+        assert (after.allocations, after.reservations, after.regions) == \
+            (before.allocations, before.reservations, before.regions)
+        deadline = time.monotonic() + 2
+        while any(b.leases for b in ex.banks.values()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert all(not b.leases and b.state == "advertised" for b in ex.banks.values())
+    finally:
+        importer.close()
+        ex.stop()
+
+
+@pytest.mark.parametrize("step", ["reserve", "map", "set_access", "export"])
+def test_registration_failure_preserves_owner_and_leaves_nothing(step: str, transport: HostTransport) -> None:
+    """INV-REGISTER-ATOMIC: a failure at any registration step restores owner and state."""
+    from kvstate.exporter import Exporter, ExportConfig
+    import tempfile
+    from pathlib import Path
+    faulty = FaultyTransport(transport)
+    ex = Exporter(ExportConfig(DEPLOYMENT, Path(tempfile.mkdtemp()) / "s", bytes(16), 1), faulty)  # type: ignore[arg-type]
+    bank = ex.add_bank(0, GEOMETRY)
+    before = transport.native.stats()
+    faulty.fail(step)
+    with pytest.raises(RegistrationFailed) as info:
+        bank.fire("register")
+    assert info.value.step == step
+    assert (bank.state, bank.owner, bank.mapping, bank.reservation) == ("allocated", "engine", None, None)
+    after = transport.native.stats()
+    assert (after.reservations, after.regions) == (before.reservations, before.regions)
+    bank.fire("register_failed")
+    bank.fire("register")
+    assert bank.owner == "kvstate"
+    ex.drain(1.0)
+    assert bank.state == "released"
+
+
+def test_peer_death_after_ready_drains_group(transport: HostTransport, importer: Importer) -> None:
+    ex = make_exporter(2, transport)
+    group = importer.import_group([ex.descriptor(r) for r in range(2)])
+    for bank in ex.banks.values():  # the exporter's side of every connection goes away
+        for lease in list(bank.leases.values()):
+            lease.channel.close()
+    deadline = time.monotonic() + 3
+    while group.state == "ready" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert group.state == "draining"
+    dst = buffers(2, 1)
+    with pytest.raises(Exception):
+        group.load_prefix([0], dst)
+    # Mappings of a dead exporter stay readable until unmapped.
+    assert bytes(transport.view(group.parts[1].mapping)[:64]) == expected_blocks(1, [0])[:64]
+    group.drain()
+    assert group.state == "closed"
+    ex.stop()
+
+
+def test_restarted_exporter_makes_old_descriptors_stale(transport: HostTransport, importer: Importer) -> None:
+    """INV-STALE-REJECTED at lease time: a new incarnation refuses old descriptors."""
+    ex = make_exporter(2, transport)
+    try:
+        old = [ex.descriptor(r) for r in range(2)]
+        ex.incarnation = Incarnation.new()
+        with pytest.raises(ImportFailed, match="stale_incarnation"):
+            importer.import_group(old)
+        with pytest.raises(GroupRejected) as info:
+            importer.import_group(old, incarnations={0: ex.incarnation.value, 1: ex.incarnation.value})
+        assert info.value.reasons == {Reason.INCARNATION}
+    finally:
+        ex.stop()
+
+
+def test_lease_expiry_ends_leases_and_drains_group(transport: HostTransport, importer: Importer) -> None:
+    ex = make_exporter(1, transport, lease_timeout_s=0.2)
+    try:
+        group = importer.import_group([ex.descriptor(0)])
+        deadline = time.monotonic() + 3
+        while ex.banks[0].leases and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not ex.banks[0].leases and ex.banks[0].state == "advertised"
+        assert importer.expire_leases([group]) == [group]
+        assert group.state == "draining"
+        group.drain()
+    finally:
+        ex.stop()
+
+
+def test_drain_during_import_fails_group_and_rolls_back(transport: HostTransport) -> None:
+    """Drain arrives after rank 0 is imported and before rank 1 is: the group fails and
+    rank 0 is rolled back (INV-ROLLBACK-COMPLETE)."""
+
+    def drain_after_rank0(change: StateChange) -> None:
+        if change.machine == "part" and change.dest == "imported" and change.label.endswith("part[0]"):
+            importer.groups[-1].fault("drain")
+
+    ex = make_exporter(3, transport)
+    importer = Importer(ImportConfig(DEPLOYMENT), transport, observers=[drain_after_rank0])
+    try:
+        with pytest.raises(ImportFailed, match="failed during import"):
+            importer.import_group([ex.descriptor(r) for r in range(3)])
+        group = importer.groups[-1]
+        assert group.state == "failed"
+        assert [p.state for p in group.parts] == ["closed", "closed", "closed"]
+        assert all(p.mapping is None for p in group.parts)
+    finally:
+        importer.close()
+        ex.stop()
+
+
+def test_drain_during_load_waits_for_native_ops(transport: HostTransport, importer: Importer) -> None:
+    """INV-NO-UNMAP-PINNED: a drain never unmaps under an in-flight op."""
+    ex = make_exporter(2, transport)
+    try:
+        group = importer.import_group([ex.descriptor(r) for r in range(2)])
+        dst = buffers(2, 4)
+        transport.native.pause(True)
+        loader = threading.Thread(target=group.load_prefix, args=([1, 2, 3, 4], dst))
+        loader.start()
+        deadline = time.monotonic() + 3
+        while not group.ops and time.monotonic() < deadline:
+            time.sleep(0.001)
+        with pytest.raises(DrainTimeout):
+            group.drain(timeout=0.05)
+        assert group.state == "draining" and all(p.mapping is not None for p in group.parts)
+        assert sum(p.pins() for p in group.parts) > 0
+        transport.native.pause(False)
+        loader.join(5)
+        for r in range(2):
+            assert bytes(dst[r]) == expected_blocks(r, [1, 2, 3, 4])
+        group.drain()
+        assert group.state == "closed"
+    finally:
+        transport.native.pause(False)
+        ex.stop()

@@ -1,0 +1,45 @@
+"""A real transport with faults injected at chosen calls: every other call goes through."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvstate.errors import NativeOSError
+
+
+class InjectedFault(NativeOSError):
+    def __init__(self, method: str) -> None:
+        super().__init__(method, -5, f"injected fault in {method}", 5)
+
+
+class FaultyTransport:
+    """Wraps a transport; ``fail(method, after=n)`` makes the (n+1)-th next call raise."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self._plan: dict[str, int] = {}
+        self.name = inner.name
+
+    def fail(self, method: str, after: int = 0) -> None:
+        self._plan[method] = after
+
+    def clear(self) -> None:
+        self._plan.clear()
+
+    def __getattr__(self, method: str) -> Any:
+        target = getattr(self._inner, method)
+        if not callable(target):
+            return target
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if method in self._plan:
+                if self._plan[method] == 0:
+                    del self._plan[method]
+                    raise InjectedFault(method)
+                self._plan[method] -= 1
+            return target(*args, **kwargs)
+        return call
+
+    @property
+    def capabilities(self) -> Any:
+        return self._inner.capabilities

@@ -1,0 +1,245 @@
+"""Hypothesis stateful test: the group machine, built from spec/group.toml, against a
+plain Python model of the same lifecycle written by hand.
+
+The system under test is the real runtime machine (kvstate.machine) bound to simple real
+state: a set of imported ranks, a pin count, failing effects. The model is written
+independently of the table. A guided rule draws events legal in the model's current
+state; an illegal-event rule draws the others. Invariants are named by id.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+
+from kvstate.errors import GuardRejected, IllegalTransition
+from kvstate.machine import Lifecycle, effect, guard
+from kvstate.spec import MachineSpec, load_machine, parse_machine
+
+GROUP = load_machine("group")
+EVENTS = GROUP.event_names
+
+
+class Injected(RuntimeError):
+    pass
+
+
+class GroupUnderTest(Lifecycle):
+    """The group machine over simple real state."""
+
+    table = GROUP
+
+    def __init__(self, tp: int) -> None:
+        super().__init__(label=f"group-tp{tp}")
+        self.tp = tp
+        self.validated = False
+        self.imported: set[int] = set()
+        self.pins = 0
+        self.loads_open = True
+        self.failing: str | None = None
+
+    def _maybe_fail(self, name: str) -> None:
+        if self.failing == name:
+            raise Injected(name)
+
+    @guard("group_validated")
+    def _validated(self, **kw: Any) -> bool:
+        return self.validated
+
+    @guard("all_parts_imported")
+    def _all_imported(self, **kw: Any) -> bool:
+        return self.imported == set(range(self.tp))
+
+    @guard("parts_compatible")
+    def _compatible(self, **kw: Any) -> bool:
+        return True
+
+    @guard("native_quiescent")
+    def _quiescent(self, **kw: Any) -> bool:
+        return self.pins == 0
+
+    @effect("rollback_parts")
+    def _rollback(self, **kw: Any) -> None:
+        self._maybe_fail("rollback_parts")
+        self.imported.clear()
+
+    @effect("submit_load")
+    def _submit(self, **kw: Any) -> Any:
+        self.pins += 1
+        self._maybe_fail("submit_load")  # fails after taking the pin: the undo must drop it
+
+        def undo() -> None:
+            self.pins -= 1
+        return undo
+
+    @effect("stop_loads")
+    def _stop(self, **kw: Any) -> Any:
+        self.loads_open = False
+        self._maybe_fail("stop_loads")
+        return None
+
+    @effect("unmap_parts")
+    def _unmap(self, **kw: Any) -> None:
+        assert self.pins == 0, "INV-NO-UNMAP-PINNED: unmap under pins"
+        self._maybe_fail("unmap_parts")
+        self.imported.clear()
+
+
+class GroupModel:
+    """The lifecycle as plain Python, independent of the table: the oracle."""
+
+    def __init__(self, tp: int) -> None:
+        self.tp, self.state, self.validated = tp, "advertised", False
+        self.imported: set[int] = set()
+        self.pins = 0
+
+    def outcome(self, event: str) -> str | None:
+        """The next state, "refused" (guard), or None (not declared here)."""
+        s = self.state
+        fault = event in ("part_failed", "peer_died", "incarnation_changed", "expired")
+        if s == "advertised":
+            if event == "begin_import":
+                return "importing" if self.validated else "refused"
+            if event == "reject" or (fault and event != "part_failed"):
+                return "rejected"
+            return "closed" if event == "close" else None
+        if s == "importing":
+            if event == "complete":
+                return "ready" if self.imported == set(range(self.tp)) else "refused"
+            return "failed" if fault or event == "drain" else None
+        if s == "ready":
+            if event == "load":
+                return "ready"
+            return "draining" if event == "drain" or (fault and event != "part_failed") else None
+        if s == "draining":
+            if event == "quiesce":
+                return "quiescent" if self.pins == 0 else "refused"
+            return "draining" if event == "drain" or (fault and event != "part_failed") else None
+        if s == "quiescent":
+            if event == "close":
+                return "closed"
+            return "quiescent" if fault and event != "part_failed" else None
+        return None  # terminal
+
+    def apply(self, event: str, dest: str) -> None:
+        if event == "load":
+            self.pins += 1
+        if dest == "failed" or event == "close":
+            self.imported.clear()
+        self.state = dest
+
+
+def bind(table: MachineSpec) -> type[GroupUnderTest]:
+    """GroupUnderTest bound to ``table``, dropping implementations the table does not declare."""
+    ns: dict[str, Any] = {"table": table}
+    for attr in dir(GroupUnderTest):
+        value = getattr(GroupUnderTest, attr)
+        name = getattr(value, "__kvstate_guard__", None) or getattr(value, "__kvstate_effect__", None)
+        if name is not None and name not in table.guards and name not in table.effects:
+            ns[attr] = None
+    return type(f"GroupUnderTest[{table.source}]", (GroupUnderTest,), ns)
+
+
+def group_machine(table: MachineSpec) -> type[RuleBasedStateMachine]:
+    Sut = bind(table)
+
+    class GroupStateful(RuleBasedStateMachine):
+        @initialize(tp=st.integers(1, 4))
+        def start(self, tp: int) -> None:
+            self.sut = Sut(tp)
+            self.model = GroupModel(tp)
+
+        @rule()
+        def validation_passes(self) -> None:
+            self.sut.validated = self.model.validated = True
+
+        @precondition(lambda self: self.model.state == "importing")
+        @rule(data=st.data())
+        def part_imported(self, data: st.DataObject) -> None:
+            rank = data.draw(st.integers(0, self.model.tp - 1))
+            self.sut.imported.add(rank)
+            self.model.imported.add(rank)
+
+        @precondition(lambda self: self.model.pins > 0)
+        @rule()
+        def native_op_completes(self) -> None:
+            self.sut.pins -= 1
+            self.model.pins -= 1
+
+        @rule(data=st.data())
+        def legal_event(self, data: st.DataObject) -> None:
+            """Guided: an event the model declares in its current state."""
+            legal = [e for e in EVENTS if self.model.outcome(e) is not None]
+            if not legal:
+                return
+            event = data.draw(st.sampled_from(legal))
+            fail = data.draw(st.sampled_from([None, *table.effects]))
+            expected = self.model.outcome(event)
+            source = self.sut.state
+            self.sut.failing = fail
+            try:
+                got = self.sut.fire(event)
+            except GuardRejected:
+                got = "refused"
+            except Injected:
+                got = "injected"
+            finally:
+                self.sut.failing = None
+            self.spec_invariants()
+            if got == "injected":
+                assert self.sut.state == source, "INV-EFFECT-ATOMIC: state moved on a failing effect"
+                return
+            assert got == expected, f"{event} in {source}: machine gave {got}, model {expected}"
+            if got != "refused":
+                self.model.apply(event, got)
+            assert self.sut.pins == self.model.pins
+
+        @rule(data=st.data())
+        def illegal_event(self, data: st.DataObject) -> None:
+            """INV-EVENT-DECLARED: an event the model does not declare changes nothing."""
+            illegal = [e for e in EVENTS if self.model.outcome(e) is None] + ["no_such_event"]
+            event = data.draw(st.sampled_from(illegal))
+            before = self.sut.state
+            with pytest.raises(IllegalTransition):
+                self.sut.fire(event)
+            assert self.sut.state == before
+
+        def spec_invariants(self) -> None:
+            if self.sut.state == "ready":
+                assert self.sut.imported == set(range(self.sut.tp)), "INV-GROUP-COMPLETE: partial group is ready"
+            if self.sut.state == "failed":
+                assert not self.sut.imported, "INV-ROLLBACK-COMPLETE: failed group holds parts"
+
+        @invariant()
+        def matches_model(self) -> None:
+            self.spec_invariants()
+            assert self.sut.state == self.model.state
+
+    return GroupStateful
+
+
+TestGroupStateful = group_machine(GROUP).TestCase
+TestGroupStateful.settings = settings(TestGroupStateful.settings, stateful_step_count=40)
+
+
+def broken_group_table() -> MachineSpec:
+    """The group table with the completeness guard removed from `complete`."""
+    raw = (Path(__file__).resolve().parents[1] / "spec" / "group.toml").read_text(encoding="utf-8")
+    broken = raw.replace('guards = ["all_parts_imported", "parts_compatible"]', 'guards = ["parts_compatible"]')
+    broken = broken.replace('all_parts_imported = "Every rank 0..tp-1 has a part in state imported."\n', "")
+    assert broken.count("all_parts_imported") == 0
+    return parse_machine(broken, "planted/group-without-completeness.toml")
+
+
+def test_self_test_stateful_catches_missing_completeness_guard() -> None:
+    """The planted bug (no all_parts_imported guard) must be found and named by id."""
+
+    machine = group_machine(broken_group_table())
+    with pytest.raises(AssertionError, match="INV-GROUP-COMPLETE"):
+        run_state_machine_as_test(machine, settings=settings(max_examples=200, stateful_step_count=40,
+                                                             derandomize=True, database=None))

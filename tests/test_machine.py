@@ -1,0 +1,163 @@
+"""The runtime machine mechanism: bindings, effects, guards, reentrancy, observers, threads."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from kvstate.errors import BindingError, GuardRejected, IllegalTransition, ReentrantTransition
+from kvstate.machine import Lifecycle, StateChange, effect, guard
+from kvstate.spec import load_machine, parse_machine
+from support.harness import harness_class
+
+OP = load_machine("op")
+
+
+def test_binding_missing_guard_names_table_and_entry() -> None:
+    with pytest.raises(BindingError) as info:
+        class Incomplete(Lifecycle):  # noqa: F841 - the class statement is the test
+            table = OP
+
+            @effect("pin_regions")
+            def _pin(self, **kw: Any) -> None: ...
+
+            @effect("unpin_regions")
+            def _unpin(self, **kw: Any) -> None: ...
+    assert info.value.source == "spec/op.toml" and info.value.entry == "guards.regions_mapped"
+
+
+def test_binding_undeclared_effect_is_refused() -> None:
+    base = harness_class(OP)
+    with pytest.raises(BindingError, match="does not declare"):
+        class Extra(base):  # type: ignore[valid-type,misc]
+            @effect("launch_rockets")
+            def _rockets(self, **kw: Any) -> None: ...
+
+
+def test_effects_run_before_commit_and_see_the_source_state() -> None:
+    seen: list[str] = []
+
+    class Op(harness_class(OP)):  # type: ignore[misc]
+        def _effect(self, name: str) -> Any:
+            seen.append(self.state)
+            return None
+
+    op = Op()
+    op.fire("submit")
+    assert seen == ["created"] and op.state == "queued"
+
+
+def test_event_kwargs_reach_guards_and_effects() -> None:
+    got: dict[str, Any] = {}
+
+    class Op(Lifecycle):
+        table = OP
+
+        @guard("regions_mapped")
+        def _mapped(self, *, regions: tuple[int, ...], **kw: Any) -> bool:
+            return all(r >= 0 for r in regions)
+
+        @effect("pin_regions")
+        def _pin(self, *, regions: tuple[int, ...], **kw: Any) -> None:
+            got["pinned"] = regions
+
+        @effect("unpin_regions")
+        def _unpin(self, **kw: Any) -> None: ...
+
+    op = Op()
+    with pytest.raises(GuardRejected, match="regions_mapped"):
+        op.fire("submit", regions=(1, -1))
+    op.fire("submit", regions=(1, 2))
+    assert got == {"pinned": (1, 2)}
+
+
+def test_reentrant_fire_is_detected_not_deadlocked() -> None:
+    class Op(harness_class(OP)):  # type: ignore[misc]
+        def _effect(self, name: str) -> Any:
+            self.fire("start")
+
+    op = Op()
+    with pytest.raises(ReentrantTransition):
+        op.fire("submit")
+    assert op.state == "created"
+
+
+def test_observers_receive_structured_changes_and_cannot_break_commit() -> None:
+    changes: list[StateChange] = []
+    op = harness_class(OP)()
+    op.observe(changes.append)
+    op.observe(lambda c: 1 / 0)
+    op.fire("submit")
+    op.fire("start")
+    assert [(c.machine, c.event, c.source, c.dest) for c in changes] == [
+        ("op", "submit", "created", "queued"), ("op", "start", "queued", "running")]
+    assert op.state == "running"
+
+
+def test_objects_never_join_the_shared_machine() -> None:
+    """Creation is O(1): no add_model, whose list membership test is quadratic overall."""
+    cls = harness_class(OP)
+    objs = [cls() for _ in range(1000)]
+    for o in objs[:10]:
+        o.fire("submit")
+    assert cls._kv_compiled.machine.models == []
+
+
+def test_concurrent_events_on_one_object_are_serialised() -> None:
+    """Many threads race to move one op; exactly one wins each step, none is lost."""
+    counter = parse_machine("""
+[machine]
+name = "counter"
+title = "Counter"
+initial = "s0"
+terminal = ["s8"]
+doc = "steps"
+[states]
+s0 = "0"
+s1 = "1"
+s2 = "2"
+s3 = "3"
+s4 = "4"
+s5 = "5"
+s6 = "6"
+s7 = "7"
+s8 = "8"
+[events]
+step = { doc = "step" }
+[effects]
+count = "count"
+""" + "".join(f'[[transitions]]\ntrigger = "step"\nsource = "s{i}"\ndest = "s{i+1}"\neffects = ["count"]\n'
+              for i in range(8)), "counter.toml")
+
+    class Counter(Lifecycle):
+        table = counter
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        @effect("count")
+        def _count(self, **kw: Any) -> None:
+            n = self.count
+            threading.Event().wait(0.0005)  # widen the race window
+            self.count = n + 1
+
+    c = Counter()
+    wins: list[str] = []
+    errors: list[Exception] = []
+
+    def worker() -> None:
+        try:
+            wins.append(c.fire("step"))
+        except IllegalTransition as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert c.state == "s8" and c.count == 8
+    assert sorted(wins) == [f"s{i}" for i in range(1, 9)] and len(errors) == 8

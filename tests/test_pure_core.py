@@ -1,0 +1,214 @@
+"""Identity, geometry, descriptors and validation: one test per rule, with real files."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import attrs
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvstate.descriptor import MAX_DESCRIPTOR_BYTES, decode, encode
+from kvstate.errors import DescriptorRejected, GroupRejected
+from kvstate.geometry import DType, Geometry, Layout
+from kvstate.handles import HandleKind
+from kvstate.identity import Deployment, FabricDomain, FabricKind, Purpose, digest
+from kvstate.reasons import Reason
+from kvstate.validate import validate_group
+from support.descriptors import DEPLOYMENT, GEOMETRY, descriptor, expectation, group, socket_dir
+
+
+def test_digests_are_domain_separated_and_keyed() -> None:
+    data = b"same bytes"
+    assert digest(Purpose.GEOMETRY, data) != digest(Purpose.HOST, data)
+    assert digest(Purpose.DESCRIPTOR_MAC, data, key=b"k1") != digest(Purpose.DESCRIPTOR_MAC, data, key=b"k2")
+
+
+def test_deployment_repr_hides_key() -> None:
+    assert DEPLOYMENT.key.hex() not in repr(DEPLOYMENT)
+
+
+def test_geometry_fingerprint_is_stable_and_ignores_capacity() -> None:
+    other = attrs.evolve(GEOMETRY, num_blocks=999)
+    assert GEOMETRY.fingerprint() == other.fingerprint()
+    # Same itemsize, different dtype: still incompatible.
+    assert GEOMETRY.fingerprint() != attrs.evolve(GEOMETRY, dtype=DType.FP16).fingerprint()
+    # Pinned value: the fingerprint is part of the wire contract and must not drift.
+    assert GEOMETRY.canonical() == "layers=2;kv_heads=2;head_dim=8;block_tokens=4;dtype=bf16;layout=block_major"
+
+
+@pytest.mark.parametrize("layout", list(Layout))
+def test_block_extents_tile_the_bank_exactly(layout: Layout) -> None:
+    g = attrs.evolve(GEOMETRY, layout=layout)
+    extents = sorted(e for b in range(g.num_blocks) for e in g.block_extents(b))
+    pos = 0
+    for off, length in extents:
+        assert off == pos
+        pos += length
+    assert pos == g.nbytes
+    with pytest.raises(IndexError):
+        g.block_extents(g.num_blocks)
+
+
+def test_geometry_rejects_zero_dimensions() -> None:
+    with pytest.raises(ValueError):
+        Geometry(layers=0, kv_heads=1, head_dim=1, block_tokens=1, dtype=DType.FP16,
+                 layout=Layout.BLOCK_MAJOR, num_blocks=1)
+
+
+def test_descriptor_roundtrip() -> None:
+    d = descriptor()
+    assert decode(encode(d, DEPLOYMENT), DEPLOYMENT) == d
+
+
+@given(st.integers(0, 2**32 - 1), st.integers(1, 2**32 - 1), st.binary(min_size=0, max_size=64),
+       st.integers(0, 2**64 - 1), st.text(max_size=40))
+def test_descriptor_roundtrip_any_values(rank: int, tp: int, handle: bytes, gen: int, fabric: str) -> None:
+    d = descriptor(rank=rank, tp=tp, handle=handle, generation=gen, fabric=FabricDomain(FabricKind.NVLINK, fabric))
+    assert decode(encode(d, DEPLOYMENT), DEPLOYMENT) == d
+
+
+def test_tampered_descriptor_fails_authentication() -> None:
+    wire = bytearray(encode(descriptor(), DEPLOYMENT))
+    i = wire.index(b'"rank":0') + 7
+    wire[i] = ord("1")
+    with pytest.raises(DescriptorRejected) as info:
+        decode(bytes(wire), DEPLOYMENT)
+    assert info.value.reason is Reason.AUTHENTICATION
+
+
+def test_other_deployment_fails_authentication() -> None:
+    other = Deployment("test-deployment", bytes(32))
+    with pytest.raises(DescriptorRejected) as info:
+        decode(encode(descriptor(), DEPLOYMENT), other)
+    assert info.value.reason is Reason.AUTHENTICATION
+
+
+def test_right_key_but_foreign_domain_is_rejected() -> None:
+    other = Deployment("another", DEPLOYMENT.key)
+    with pytest.raises(DescriptorRejected) as info:
+        decode(encode(descriptor(), DEPLOYMENT), other)
+    assert info.value.reason is Reason.DOMAIN
+
+
+@pytest.mark.parametrize(("wire", "reason"), [
+    (b"", Reason.MALFORMED),
+    (b"x" * (MAX_DESCRIPTOR_BYTES + 1), Reason.OVERSIZE),
+    (b"NOPE" + bytes(40), Reason.MALFORMED),
+])
+def test_garbage_is_rejected_with_a_reason(wire: bytes, reason: Reason) -> None:
+    with pytest.raises(DescriptorRejected) as info:
+        decode(wire, DEPLOYMENT)
+    assert info.value.reason is reason
+
+
+def test_wrong_version_is_rejected() -> None:
+    wire = bytearray(encode(descriptor(), DEPLOYMENT))
+    wire[4] = 9
+    with pytest.raises(DescriptorRejected) as info:
+        decode(bytes(wire), DEPLOYMENT)
+    assert info.value.reason is Reason.VERSION
+
+
+@given(st.binary(max_size=512))
+def test_decode_never_crashes_on_bytes(data: bytes) -> None:
+    with pytest.raises(DescriptorRejected):
+        decode(data, DEPLOYMENT)
+
+
+# -- group validation: one test per rule --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sock() -> str:
+    return socket_dir()[1]
+
+
+def reasons(parts: list, **expect: object) -> frozenset[Reason]:  # type: ignore[type-arg]
+    with pytest.raises(GroupRejected) as info:
+        validate_group(parts, expectation(**expect))
+    return info.value.reasons
+
+
+def reasons_or_none(parts: list, **expect: object) -> frozenset[Reason]:  # type: ignore[type-arg]
+    try:
+        validate_group(parts, expectation(**expect))
+    except GroupRejected as exc:
+        return exc.reasons
+    return frozenset()
+
+
+def test_valid_group_is_accepted_sorted(sock: str) -> None:
+    parts = group(4, sock)
+    g = validate_group(list(reversed(parts)), expectation())
+    assert [d.rank for d in g.parts] == [0, 1, 2, 3] and g.tp == 4
+
+
+def test_rank_rules(sock: str) -> None:
+    parts = group(4, sock)
+    assert reasons(parts[:3]) == {Reason.MISSING_RANK}
+    assert Reason.DUPLICATE_RANK in reasons([*parts, parts[1]])
+    assert Reason.RANK_RANGE in reasons([*parts[:3], attrs.evolve(parts[3], rank=7)])
+    assert Reason.TP_SIZE in reasons(group(4, sock), max_tp=2)
+    assert Reason.TP_SIZE in reasons([*parts[:3], attrs.evolve(parts[3], tp=8)])
+    assert reasons([]) == {Reason.MISSING_RANK}
+
+
+def test_geometry_rules(sock: str) -> None:
+    parts = group(2, sock)
+    odd = attrs.evolve(parts[1], geometry=attrs.evolve(GEOMETRY, head_dim=16))
+    assert Reason.GEOMETRY in reasons([parts[0], odd])
+    assert Reason.GEOMETRY in reasons(parts, geometry_fingerprint=bytes(16))
+
+
+def test_identity_rules(sock: str) -> None:
+    parts = group(2, sock)
+    assert reasons(parts, device_uuids=frozenset({bytes(16)})) == {Reason.DEVICE_UUID}
+    assert reasons(parts, incarnations={0: parts[0].incarnation, 1: bytes(16)}) == {Reason.INCARNATION}
+    assert not reasons_or_none(parts, incarnations={0: parts[0].incarnation, 1: parts[1].incarnation})
+    assert reasons(parts, host_boot_id=bytes(16)) == {Reason.HOST}
+    assert Reason.MIXED_GROUP in reasons([parts[0], attrs.evolve(parts[1], source_id=bytes(16))])
+    assert reasons([attrs.evolve(p, deployment_id=bytes(16)) for p in parts]) == {Reason.DOMAIN}
+
+
+def test_staleness_rules(sock: str) -> None:
+    """INV-STALE-REJECTED: old generation and expiry."""
+    parts = group(2, sock)
+    assert reasons(parts, min_generation=4) == {Reason.GENERATION}
+    assert reasons(parts, now_ns=time.time_ns() + 3600 * 10**9) == {Reason.EXPIRED}
+    assert Reason.GENERATION in reasons([parts[0], attrs.evolve(parts[1], generation=9)])
+
+
+def test_handle_and_size_rules(sock: str) -> None:
+    parts = group(1, sock)
+    assert reasons([attrs.evolve(parts[0], handle=bytes(15))]) == {Reason.HANDLE_SIZE}
+    assert reasons(parts, handle_kinds=frozenset({HandleKind.FABRIC})) == {Reason.HANDLE_KIND}
+    assert reasons([attrs.evolve(parts[0], size=parts[0].size + 4096)]) == {Reason.TOTAL_SIZE}
+    assert reasons([attrs.evolve(parts[0], granularity=3000)]) == {Reason.TOTAL_SIZE}
+
+
+def test_socket_path_rules() -> None:
+    d, path = socket_dir()
+    link = d.parent / f"{d.name}-link"
+    link.symlink_to(d)
+    try:
+        assert reasons(group(1, str(link / "export.sock"))) == {Reason.SOCKET_SYMLINK}
+        assert reasons(group(1, str(d / "absent.sock"))) == {Reason.SOCKET_PATH}
+        assert reasons(group(1, "relative/export.sock")) == {Reason.SOCKET_PATH}
+        assert reasons(group(1, path), uid=os.getuid() + 1) == {Reason.SOCKET_DIR_OWNER}
+        d.chmod(0o750)
+        assert reasons(group(1, path)) == {Reason.SOCKET_DIR_MODE}
+    finally:
+        d.chmod(0o700)
+        link.unlink()
+
+
+def test_group_rejection_lists_every_problem(sock: str) -> None:
+    """INV-GROUP-ATOMIC: one bad part rejects the whole group, and every problem is reported."""
+    parts = group(3, sock)
+    bad = [parts[0], attrs.evolve(parts[1], handle=b""), attrs.evolve(parts[2], generation=0)]
+    with pytest.raises(GroupRejected) as info:
+        validate_group(bad, expectation(min_generation=2))
+    assert {(p.reason, p.rank) for p in info.value.problems} >= {(Reason.HANDLE_SIZE, 1), (Reason.GENERATION, 2)}
