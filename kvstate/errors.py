@@ -268,6 +268,11 @@ class ImportFailed(KvStateError):
         super().__init__(f"import of rank {rank} failed: {cause}")
 
 
+class ReuseStale(ImportFailed):
+    """The decode worker no longer holds the requested blocks (old epoch, evicted): the
+    retained inventory is advisory. Nothing was granted; recompute the prefix."""
+
+
 class LoadFailed(KvStateError):
     """A prefix load did not complete; nothing it wrote may be used."""
 

@@ -41,6 +41,7 @@ from kvstate.errors import (
     ChannelError,
     ChannelTimeout,
     DrainTimeout,
+    InventoryError,
     KvStateError,
     RegistrationFailed,
     TransitionError,
@@ -48,6 +49,7 @@ from kvstate.errors import (
 from kvstate.geometry import Geometry
 from kvstate.handles import HandleKind
 from kvstate.identity import Deployment, FabricDomain, FabricKind, Incarnation, host_boot_id
+from kvstate.inventory import Inventory, LeaseGrant, Stale
 from kvstate.machine import Lifecycle, Observer, effect, guard
 from kvstate.spec import load_machine
 from kvstate.transport.base import Access, Transport
@@ -70,6 +72,7 @@ class Lease:
     id: int
     channel: chan.Channel
     expires_at: float                # time.monotonic()
+    blocks: LeaseGrant | None = None  # the inventory blocks this lease pins, if any
     mapped: bool = False
 
 
@@ -176,8 +179,10 @@ class Bank(Lifecycle):
         return undo
 
     @effect("grant_lease")
-    def _grant(self, *, lease_id: int, channel: chan.Channel, **kw: Any) -> Callable[[], None]:
-        self.leases[lease_id] = Lease(lease_id, channel, time.monotonic() + self.exporter.config.lease_timeout_s)
+    def _grant(self, *, lease_id: int, channel: chan.Channel, blocks: LeaseGrant | None = None,
+               **kw: Any) -> Callable[[], None]:
+        self.leases[lease_id] = Lease(lease_id, channel, time.monotonic() + self.exporter.config.lease_timeout_s,
+                                      blocks)
 
         def undo() -> None:
             self.leases.pop(lease_id, None)
@@ -185,7 +190,9 @@ class Bank(Lifecycle):
 
     @effect("end_lease")
     def _end(self, *, lease_id: int, **kw: Any) -> None:
-        self.leases.pop(lease_id)
+        lease = self.leases.pop(lease_id)
+        if lease.blocks is not None and self.exporter.inventory is not None:
+            self.exporter.inventory.release(lease.blocks)  # the blocks may be evicted again
 
     @effect("stop_new_leases")
     def _stop(self, **kw: Any) -> Callable[[], None]:
@@ -207,9 +214,11 @@ class Exporter:
     """A decode worker's exporting side: banks, the control server, lease bookkeeping."""
 
     def __init__(self, config: ExportConfig, transport: Transport, *, name: str = "exporter",
-                 observers: Iterable[Observer] = ()) -> None:
+                 inventory: Inventory | None = None, observers: Iterable[Observer] = ()) -> None:
         self.config = config
         self.transport = transport
+        #: The retained inventory (advisory); a lease naming blocks pins them atomically.
+        self.inventory = inventory
         self.incarnation = Incarnation.new()
         self.boot_id = host_boot_id()
         self.node = os.uname().nodename
@@ -299,10 +308,18 @@ class Exporter:
                 return self._refuse("stale_incarnation", "this exporter restarted since that descriptor")
             if req.get("generation") != bank.generation:
                 return self._refuse("stale_generation", f"current generation is {bank.generation}")
+            blocks = None
+            if req.get("blocks") is not None:
+                granted = self._lease_blocks(req["blocks"])
+                if not isinstance(granted, LeaseGrant):
+                    return granted
+                blocks = granted
             lease_id = next(self._lease_ids)
             try:
-                bank.fire("grant_lease", lease_id=lease_id, channel=ch)
+                bank.fire("grant_lease", lease_id=lease_id, channel=ch, blocks=blocks)
             except TransitionError as exc:
+                if blocks is not None and self.inventory is not None:
+                    self.inventory.release(blocks)
                 return self._refuse("not_leasing", str(exc))
             lease = bank.leases[lease_id]
             remaining = lease.expires_at - time.monotonic()
@@ -318,6 +335,19 @@ class Exporter:
             bank.fire("release_lease", lease_id=held.id)
             return {"ok": True}, ()
         return self._refuse("bad_request", f"unknown op {op!r}")
+
+    def _lease_blocks(self, want: Any) -> LeaseGrant | tuple[dict[str, Any], tuple[int, ...]]:
+        """Re-validate and pin the requested inventory blocks in one step, or a refusal."""
+        if self.inventory is None:
+            return self._refuse("no_inventory", "this exporter keeps no retained inventory")
+        try:
+            result = self.inventory.lease(want["group"], want["epoch"], want["hashes"])
+        except (InventoryError, KeyError, TypeError) as exc:
+            return self._refuse("bad_request", f"blocks: {exc}")
+        if isinstance(result, Stale):
+            return self._refuse("stale_inventory", f"{result.reason.value} (epoch {result.current_epoch}, "
+                                f"{len(result.missing)} block(s) gone): recompute")
+        return result
 
     def _end_leases(self, event: str, select: Callable[[Lease], bool]) -> None:
         for bank in list(self.banks.values()):

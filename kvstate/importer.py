@@ -47,6 +47,7 @@ from kvstate.errors import (
     KvStateError,
     LeaseRefused,
     LoadFailed,
+    ReuseStale,
     TransitionError,
 )
 from kvstate.handles import HandleKind
@@ -57,6 +58,15 @@ from kvstate.spec import load_machine
 from kvstate.transport.base import Access, Transport
 from kvstate.transport.host import HostHandle
 from kvstate.validate import Expectation, ValidatedGroup, group_complete, validate_group
+
+
+@attrs.frozen
+class BlockRequest:
+    """Inventory blocks a lease must pin, as the decode worker advertised them."""
+
+    group: str
+    epoch: int
+    hashes: tuple[int, ...]
 
 
 @attrs.frozen
@@ -104,8 +114,12 @@ class Part(Lifecycle):
         with ExitStack() as undo:
             ch = chan.connect(d.socket_path, timeout=timeout)
             undo.callback(ch.close)
+            blocks = self.group.blocks
             ch.send(chan.encode({"op": "lease", "rank": d.rank, "generation": d.generation,
-                                 "incarnation": d.incarnation.hex()}), timeout=timeout)
+                                 "incarnation": d.incarnation.hex(),
+                                 "blocks": None if blocks is None else {
+                                     "group": blocks.group, "epoch": blocks.epoch, "hashes": list(blocks.hashes)}}),
+                    timeout=timeout)
             with ch.recv(timeout=timeout) as msg:
                 reply = chan.decode(msg.payload)
                 if not reply.get("ok"):
@@ -175,6 +189,7 @@ class Group(Lifecycle):
         self.importer = importer
         self.observers = tuple(observers)
         self.validated: ValidatedGroup | None = None
+        self.blocks: BlockRequest | None = None
         self.parts: list[Part] = []
         self.ops: list[Op] = []
         self._ops_lock = threading.Lock()
@@ -353,8 +368,13 @@ class Importer:
                         device_uuids=self.config.device_uuids, max_tp=self.config.max_tp)
         return attrs.evolve(e, **overrides)
 
-    def import_group(self, wire: Sequence[bytes], **expect: Any) -> Group:
-        """Validate the whole group, then import every part; see the module docstring."""
+    def import_group(self, wire: Sequence[bytes], *, blocks: BlockRequest | None = None, **expect: Any) -> Group:
+        """Validate the whole group, then import every part; see the module docstring.
+
+        ``blocks`` names inventory blocks every part's lease must pin; if the decode
+        worker no longer holds them (the inventory is advisory) this raises ReuseStale
+        and the caller recomputes. ``expect`` overrides fields of the Expectation.
+        """
         self._count += 1
         group = self.group_class(self, f"group#{self._count}", self.observers)
         self.groups = [g for g in self.groups if not g.is_terminal] + [group]
@@ -374,6 +394,7 @@ class Importer:
             group.fire("reject")
             raise
         group.validated = validated
+        group.blocks = blocks
         group.parts = [Part(group, d) for d in validated.parts]
         group.fire("begin_import")
         for part in group.parts:
@@ -384,6 +405,8 @@ class Importer:
             except (KvStateError, OSError) as exc:
                 part.fire("import_failed")
                 group.fault("part_failed")
+                if isinstance(exc, LeaseRefused) and exc.code == "stale_inventory":
+                    raise ReuseStale(part.rank, exc) from exc
                 raise ImportFailed(part.rank, exc) from exc
             if group.state != "importing":  # a fault arrived while importing
                 raise ImportFailed(part.rank, KvStateError(f"group {group.state} during import"))

@@ -1,0 +1,59 @@
+"""The retained inventory wired to bank leases: pin on lease, stale means recompute."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from conftest import make_exporter
+from kvstate.errors import ImportFailed, ReuseStale
+from kvstate.importer import BlockRequest, Importer
+from kvstate.inventory import Inventory
+from kvstate.transport.host import HostTransport
+
+
+def exporter_with_inventory(transport: HostTransport, budget: int = 8):  # type: ignore[no-untyped-def]
+    ex = make_exporter(2, transport)
+    ex.inventory = Inventory(budget)
+    ex.inventory.store("prefix-a", [11, 12, 13])
+    return ex
+
+
+def test_lease_pins_blocks_until_the_group_closes(transport: HostTransport, importer: Importer) -> None:
+    """INV-LEASE-ATOMIC on the real lease path: every part's lease pins every block."""
+    ex = exporter_with_inventory(transport)
+    inv = ex.inventory
+    assert inv is not None
+    epoch = inv.epoch("prefix-a")
+    assert epoch is not None
+    group = importer.import_group([ex.descriptor(r) for r in range(2)],
+                                  blocks=BlockRequest("prefix-a", epoch, (11, 13)))
+    assert group.state == "ready"
+    assert inv.busy("prefix-a", 11) == (0, 2) and inv.busy("prefix-a", 12) == (0, 0)
+    # Leased blocks are never evicted (INV-INVENTORY-EVICTION): fill past the budget.
+    inv.store("other", list(range(100, 110)))
+    assert {11, 13} <= inv.hashes("prefix-a")
+    group.drain()
+    deadline = time.monotonic() + 2
+    while inv.busy("prefix-a", 11) != (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert inv.busy("prefix-a", 11) == (0, 0) and not inv.active_leases()
+
+
+@pytest.mark.parametrize("stale", ["epoch", "evicted", "unknown_group"])
+def test_stale_request_is_refused_whole_and_says_recompute(stale: str, transport: HostTransport,
+                                                           importer: Importer) -> None:
+    ex = exporter_with_inventory(transport)
+    inv = ex.inventory
+    assert inv is not None
+    epoch = inv.epoch("prefix-a")
+    assert epoch is not None
+    request = {"epoch": BlockRequest("prefix-a", epoch + 1, (11,)),
+               "evicted": BlockRequest("prefix-a", epoch, (11, 99)),
+               "unknown_group": BlockRequest("nope", 1, (11,))}[stale]
+    with pytest.raises(ReuseStale, match="recompute") as info:
+        importer.import_group([ex.descriptor(r) for r in range(2)], blocks=request)
+    assert isinstance(info.value, ImportFailed) and importer.groups[-1].state == "failed"
+    assert not inv.active_leases() and inv.busy("prefix-a", 11) == (0, 0)
+    assert all(not b.leases for b in ex.banks.values())
