@@ -283,7 +283,6 @@ def test_importing_kvstate_loads_no_nixl() -> None:
 def test_missing_nixl_is_backend_unavailable() -> None:
     r = _python(textwrap.dedent(HIDE_NIXL) + textwrap.dedent("""
         from kvstate.errors import BackendUnavailable
-from support.peers import PeerError, peers
         from kvstate.transport.nixl import NixlTransport
         try:
             NixlTransport()
