@@ -6,12 +6,20 @@ VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test spec docs check clean
+.PHONY: demo test spec docs check clean bench
+
+# NIXL: the nixl-cu12 wheel bundles its UCX and plugins but declares torch (a CUDA build,
+# several GB) as a dependency it does not need for DRAM transfers, so it is installed
+# apart with --no-deps, pinned to the version whose API the nixl transport was checked
+# against; numpy, its one real dependency, comes from the nixl extra. `make test` then
+# requires the NIXL tests to run (KVSTATE_REQUIRE_NIXL=1) instead of skipping.
+NIXL_WHEEL := nixl-cu12==1.5.1
 
 $(STAMP): pyproject.toml setup.py $(wildcard ffi/*.c ffi/*.h ffi/*.py)
 	$(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q -e '.[test]'
+	$(VPY) -m pip install -q -e '.[test,nixl,bench]'
+	$(VPY) -m pip install -q --no-deps '$(NIXL_WHEEL)'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -19,10 +27,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VPY) -m mypy
-	$(VPY) -m pytest
+	KVSTATE_REQUIRE_NIXL=1 $(VPY) -m pytest
 
 spec: $(STAMP)
 	$(VPY) -m kvstate spec show
+
+bench: $(STAMP)
+	$(VPY) -m kvstate bench
 
 docs: $(STAMP)
 	$(VPY) -m kvstate spec render

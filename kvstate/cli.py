@@ -19,12 +19,14 @@ COMMANDS = {
     "demo": "demo",
     "spec": "spec",
     "policy": "policy",
+    "bench": "bench",
 }
 
 _HELP = {
     "demo": "run the decode-to-prefill reuse demo",
     "spec": "show, render or check the lifecycle tables",
     "policy": "explain the reuse policy's decision for given inputs",
+    "bench": "run the benchmarks against peers, side by side",
 }
 
 
