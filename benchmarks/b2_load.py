@@ -37,13 +37,42 @@ def _check(dst: Any, idx: Any, block_bytes: int) -> None:
         raise RuntimeError("loaded bytes differ from the bank's: the row would be measuring a wrong copy")
 
 
-def kvstate_op_gather(params: dict[str, Any]) -> Figure:
-    """kvstate's row: the op engine's gather of the block list into the local buffer.
+def kvstate_op_gather(p: dict[str, Any]) -> Figure:
+    """kvstate's row: the op engine gathers the blocks out of an *imported* bank (exported
+    as a memfd, imported, mapped read-only) into the local buffer."""
+    import numpy as np
 
-    This branch has no op engine yet (it lands with the native layer); the row is
-    reported as skipped, never as a number, until this function measures it.
-    """
-    raise Skipped("kvstate host backend not built on this branch")
+    from kvstate.handles import HandleKind
+    from kvstate.transport.base import Access
+    from kvstate.transport.host import HostHandle, HostTransport
+
+    bb = p["block_bytes"]
+    t = HostTransport()
+    size = -(-p["bank_blocks"] * bb // t.granularity()) * t.granularity()
+    own = t.create(size)
+    res_w = t.reserve(size)
+    map_w = t.map(res_w, 0, own)
+    t.set_access(map_w, Access.READ_WRITE)
+    _fill(np.frombuffer(t.view(map_w), dtype=np.uint8)[: p["bank_blocks"] * bb], bb)
+    exported = t.export(own, HandleKind.MEMFD)
+    imported = t.import_(HostHandle(exported.fd, exported.identity), size)
+    res_r = t.reserve(size)
+    bank = t.map(res_r, 0, imported)
+    t.set_access(bank, Access.READ)
+    dst = np.empty(p["n_blocks"] * bb, dtype=np.uint8)
+    idx = _blocks(p)
+    blocks = np.stack([idx * bb, np.arange(len(idx)) * bb, np.full(len(idx), bb)], axis=1).astype(np.uint64)
+    native = t.native
+    try:
+        samples = timed(lambda: native.submit_gather(bank.region, dst, blocks).result(60.0), p["repeats"])
+        _check(dst, idx, bb)
+    finally:
+        for m, r in ((bank, res_r), (map_w, res_w)):
+            t.unmap(m)
+            t.free(r)
+        t.release(imported)
+        t.release(own)
+    return Figure(samples, p["n_blocks"] * bb, f"op engine gather, {native.stats().workers} workers")
 
 
 def numpy_gather(p: dict[str, Any]) -> Figure:

@@ -130,8 +130,8 @@ class Part(Lifecycle):
             undo.callback(t.unmap, mapping)
             t.set_access(mapping, Access.READ)
             lease_id = int(reply["lease"])
+            # A notification (no answer awaited): the bank moves from importing to ready.
             ch.send(chan.encode({"op": "mapped", "rank": d.rank, "lease": lease_id}), timeout=timeout)
-            _expect_ok(ch, timeout)
             undo.pop_all()
         self.channel, self.lease_id = ch, lease_id
         self.lease_expires_at = time.monotonic() + float(reply["expires_in_s"])
