@@ -18,11 +18,13 @@ from kvstate.errors import KvStateError
 COMMANDS = {
     "demo": "demo",
     "spec": "spec",
+    "check": "check",
 }
 
 _HELP = {
     "demo": "run the decode-to-prefill reuse demo",
     "spec": "show, render or check the lifecycle tables",
+    "check": "model-check the tables with Spin, or regenerate models/",
 }
 
 

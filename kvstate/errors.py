@@ -111,3 +111,18 @@ class GroupRejected(KvStateError):
     @property
     def reasons(self) -> frozenset[Any]:
         return frozenset(p.reason for p in self.problems)
+
+
+# -- model checking (kvstate.models, kvstate.modelcheck) -----------------------------
+
+
+class ModelGenerationError(SpecError):
+    """A table names a guard, effect or event that the Promela generator has no meaning for."""
+
+
+class ModelCheckError(KvStateError):
+    """Spin or the C compiler failed, or pan's output could not be read. Nothing was verified."""
+
+
+class SpinUnavailable(ModelCheckError):
+    """The ``spin`` executable (or a C compiler for pan) is not installed."""
