@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PLANTED = sorted((ROOT / "tests" / "planted").glob("spec_*.toml"))
 
 
-def variant(tmp_path: Path, patch: Path | None = None, extra: list[tuple[str, str, str]] = ()) -> Path:  # type: ignore[assignment]
+def variant(tmp_path: Path, patch: Path | None = None, extra: tuple[tuple[str, str, str], ...] = ()) -> Path:
     """A copy of spec/ with the patch's replacements applied (each must match exactly once)."""
     out = tmp_path / "spec"
     shutil.copytree(ROOT / "spec", out)
@@ -50,10 +50,10 @@ def test_a_changed_table_makes_the_committed_models_stale(tmp_path: Path) -> Non
 
 
 def test_unknown_guard_is_a_clear_error(tmp_path: Path) -> None:
-    spec = load_spec(variant(tmp_path, extra=[
+    spec = load_spec(variant(tmp_path, extra=(
         ("group.toml", 'guards = ["all_parts_imported", "parts_compatible"]',
          'guards = ["all_parts_imported", "parts_compatible", "moon_is_full"]'),
-        ("group.toml", "[effects]", 'moon_is_full = "An unknown guard."\n\n[effects]')]))
+        ("group.toml", "[effects]", 'moon_is_full = "An unknown guard."\n\n[effects]'))))
     with pytest.raises(ModelGenerationError) as info:
         models.generate(spec, models.PER_RANK, 2)
     assert info.value.entry == "guards.moon_is_full" and info.value.source.endswith("group.toml")
@@ -61,10 +61,10 @@ def test_unknown_guard_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_unknown_effect_is_a_clear_error(tmp_path: Path) -> None:
-    spec = load_spec(variant(tmp_path, extra=[
+    spec = load_spec(variant(tmp_path, extra=(
         ("op.toml", 'effects = ["pin_regions"]', 'effects = ["pin_regions", "warp_drive"]'),
         ("op.toml", 'unpin_regions = "Drop the op\'s pins."',
-         'unpin_regions = "Drop the op\'s pins."\nwarp_drive = "Unknown."')]))
+         'unpin_regions = "Drop the op\'s pins."\nwarp_drive = "Unknown."'))))
     with pytest.raises(ModelGenerationError, match="warp_drive"):
         models.generate(spec, models.COUNTING)
 
