@@ -17,7 +17,7 @@ import pytest
 from kvstate import modelcheck, models
 from kvstate.errors import GuardRejected, ModelGenerationError
 from kvstate.spec import load_spec
-from support.harness import build
+from support.model_harness import build
 from support.spin import require_spin
 
 ROOT = Path(__file__).resolve().parents[1]
