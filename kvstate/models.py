@@ -40,8 +40,9 @@ invalid-end-state check finds every deadlock.
 
 Two models:
 
-* **per-rank** (``models/per_rank_tp{2,3,4}.pml``): every rank has its own bank (exporter
-  side, with leases and pins) and its own part (importer side); every fault. The ranks
+* **per-rank** (``models/per_rank_tp{2,3,4}.pml``): every rank has its own part (importer
+  side) and pinned region; rank 0 also has its bank (exporter side, leases, pins), whose
+  lease holder is the group's importer (see :data:`BANKS`); every fault. The ranks
   are unrolled into one command per (row, rank), so tp is fixed per file: a ``#define TP``
   form would need a loop inside the atomic step to pick a rank, which either breaks the
   atomicity of a table event or adds interleaving states that stand for nothing.
@@ -79,8 +80,8 @@ OP_SLOTS = 1
 #: banks modelled in the per-rank model: rank 0's. A bank has no guard across ranks and
 #: the exporter's ranks are symmetric, so one bank coupled to its rank's part checks every
 #: bank property; tp independent banks only multiply interleavings (measured: tp=3 with a
-#: bank per rank stores 5.2M states where one bank stores far fewer, and tp=4 would not fit
-#: the 30 s goal).
+#: bank per rank stored 5.2M states in 63 s, with one bank 26k states; tp=4 with a bank
+#: per rank would be ~40x more again).
 BANKS = 1
 
 #: machines each model contains, in declaration order
