@@ -20,6 +20,7 @@ COMMANDS = {
     "spec": "spec",
     "policy": "policy",
     "bench": "bench",
+    "check": "check",
 }
 
 _HELP = {
@@ -27,6 +28,7 @@ _HELP = {
     "spec": "show, render or check the lifecycle tables",
     "policy": "explain the reuse policy's decision for given inputs",
     "bench": "run the benchmarks against peers, side by side",
+    "check": "model-check the tables with Spin, or regenerate models/",
 }
 
 

@@ -504,3 +504,18 @@ class LeaseEnded(KvStateError):
         self.bank = bank
         self.why = why
         super().__init__(f"lease on {bank} has ended ({why}); the load was not started")
+
+
+# -- model checking (kvstate.models, kvstate.modelcheck) -----------------------------
+
+
+class ModelGenerationError(SpecError):
+    """A table names a guard, effect or event that the Promela generator has no meaning for."""
+
+
+class ModelCheckError(KvStateError):
+    """Spin or the C compiler failed, or pan's output could not be read. Nothing was verified."""
+
+
+class SpinUnavailable(ModelCheckError):
+    """The ``spin`` executable (or a C compiler for pan) is not installed."""
