@@ -199,6 +199,21 @@ class Lifecycle:
         self.label = label or f"{compiled.spec.name}@{id(self):x}"
         self._observers: tuple[Observer, ...] = tuple(observers)
 
+    @classmethod
+    def bound_to(cls, table: MachineSpec) -> type[Lifecycle]:
+        """A subclass driven by ``table`` instead of the class's own (a variant of the spec,
+        such as a deliberately broken one in a self-test). Implementations of guards and
+        effects that ``table`` does not declare are dropped, so the binding check passes
+        exactly when the variant only removes names."""
+        ns: dict[str, Any] = {"table": table}
+        for attr in dir(cls):
+            value = getattr(cls, attr, None)
+            guard_name, effect_name = getattr(value, _GUARD_ATTR, None), getattr(value, _EFFECT_ATTR, None)
+            if (isinstance(guard_name, str) and guard_name not in table.guards) or \
+                    (isinstance(effect_name, str) and effect_name not in table.effects):
+                ns[attr] = None
+        return type(f"{cls.__name__}[{table.source}]", (cls,), ns)
+
     @property
     def state(self) -> str:
         return self._kv_state

@@ -138,19 +138,8 @@ class GroupModel:
         self.state = dest
 
 
-def bind(table: MachineSpec) -> type[GroupUnderTest]:
-    """GroupUnderTest bound to ``table``, dropping implementations the table does not declare."""
-    ns: dict[str, Any] = {"table": table}
-    for attr in dir(GroupUnderTest):
-        value = getattr(GroupUnderTest, attr)
-        name = getattr(value, "__kvstate_guard__", None) or getattr(value, "__kvstate_effect__", None)
-        if name is not None and name not in table.guards and name not in table.effects:
-            ns[attr] = None
-    return type(f"GroupUnderTest[{table.source}]", (GroupUnderTest,), ns)
-
-
 def group_machine(table: MachineSpec) -> type[RuleBasedStateMachine]:
-    Sut = bind(table)
+    Sut = GroupUnderTest.bound_to(table)
 
     class GroupStateful(RuleBasedStateMachine):
         @initialize(tp=st.integers(1, 4))

@@ -132,3 +132,49 @@ def test_counterexample_replays_against_lifecycle_machines(tmp_path: Path) -> No
         modelcheck.replay(result.trace, fixed.objects)
     assert info.value.machine == "group" and info.value.event == "complete"
     assert "all_parts_imported" in info.value.failed
+
+
+def test_counterexample_replays_against_the_real_exporter_and_importer(tmp_path: Path) -> None:
+    """Trace to test on the real implementation. The real Bank, Group and Part classes,
+    bound to the broken table (`Lifecycle.bound_to`), follow Spin's trail step by step up
+    to `complete`; there the real `parts_compatible` guard, which also requires every part
+    to be mapped, refuses it: defence in depth that the model abstracts away (the Python
+    harness test above reproduces the violation itself). With the real tables the same
+    trail is refused by `all_parts_imported` (INV-GROUP-COMPLETE)."""
+    from kvstate.exporter import Bank, Exporter, ExportConfig
+    from kvstate.importer import Group, ImportConfig, Importer, Part
+    from kvstate.transport.host import HostTransport
+    from kvstate.validate import validate_group
+    from support.descriptors import DEPLOYMENT, GEOMETRY, expectation, group as descriptors
+
+    require_spin()
+    broken = load_spec(variant(tmp_path, ROOT / "tests" / "planted" / "spec_ready_missing_part.toml"))
+    trace = modelcheck.check(models.PER_RANK, 2, spec=broken).trace
+    assert trace is not None and "INV-GROUP-COMPLETE" in trace.violated
+
+    transport = HostTransport(granularity=4096)
+    importer = Importer(ImportConfig(DEPLOYMENT), transport)
+    banks: list[Bank] = []
+
+    def real_objects(group_cls: type[Group]) -> dict[str, object]:
+        bank = Exporter(ExportConfig(DEPLOYMENT, tmp_path / "sock", bytes(16), 2), transport).add_bank(0, GEOMETRY)
+        banks.append(bank)
+        group = group_cls(importer, "replayed", ())
+        group.validated = validate_group(descriptors(2, "/nonexistent/export.sock"), expectation(check_socket=False))
+        group.parts = [Part(group, d) for d in group.validated.parts]
+        return {"group[0]": group, "part[0]": group.parts[0], "part[1]": group.parts[1], "bank[0]": bank}
+
+    try:
+        with pytest.raises(GuardRejected) as info:
+            modelcheck.replay(trace, real_objects(Group.bound_to(broken["group"])))  # type: ignore[arg-type]
+        assert (info.value.machine, info.value.event, info.value.failed) == ("group", "complete", ("parts_compatible",))
+
+        with pytest.raises(GuardRejected) as info:
+            modelcheck.replay(trace, real_objects(Group))  # type: ignore[arg-type]
+        assert info.value.machine == "group" and "all_parts_imported" in info.value.failed
+    finally:
+        importer.close()
+        for bank in banks:
+            if bank.state == "draining":
+                bank.fire("quiesce")
+            bank.fire("release")
