@@ -222,3 +222,71 @@ def readiness(tp: int) -> Any:
             assert all(g.state == "ready" for g in groups)
         return Figure(tuple(samples), note=f"one readiness check (complete) at tp={tp}; CPU time")
     return run
+
+
+def real_group_readiness(tp: int) -> Any:
+    """The real ``kvstate.importer.Group`` guards (recomputed from its parts' states on every
+    check, O(tp) by design: a safety guard reads the truth, not a counter). Its parts are
+    real ``Part`` machines whose native import effect is replaced by a stand-in mapping,
+    so the row times the machine and guards only."""
+    import attrs
+
+    from kvstate.importer import Group, ImportConfig, Importer, Part
+    from kvstate.machine import effect
+    from kvstate.validate import ValidatedGroup
+    from kvstate.identity import Deployment
+
+    @attrs.frozen
+    class Mapped:
+        size: int
+
+    class StandInPart(Part):
+        @effect("native_import")
+        def _import(self, **_: Any) -> None:
+            self.mapping = Mapped(self.descriptor.size)
+
+    def run(p: dict[str, Any]) -> Figure:
+        descriptors = _descriptors(tp)
+        importer = Importer(ImportConfig(Deployment("bench", bytes(32))), transport=None)  # type: ignore[arg-type]
+        samples = []
+        try:
+            for _ in range(p["repeats"]):
+                groups = []
+                for _ in range(p["groups"]):
+                    g = Group(importer, "bench", ())
+                    g.validated = ValidatedGroup(descriptors)
+                    g.parts = [StandInPart(g, d) for d in descriptors]
+                    g.fire("begin_import")
+                    for part in g.parts:
+                        part.fire("validate")
+                        part.fire("open")
+                    groups.append(g)
+                with no_gc():
+                    t0 = clock()
+                    for g in groups:
+                        g.fire("complete")
+                    samples.append((clock() - t0) / p["groups"])
+                assert all(g.state == "ready" for g in groups)
+        finally:
+            importer.close()
+        return Figure(tuple(samples), note=f"importer.Group complete at tp={tp}, guards recomputed; CPU time")
+    return run
+
+
+def _descriptors(tp: int) -> tuple[Any, ...]:
+    import os
+    import time as _time
+
+    from kvstate.descriptor import Descriptor
+    from kvstate.geometry import DType, Geometry, Layout
+    from kvstate.handles import HandleKind
+    from kvstate.identity import FabricDomain, FabricKind
+
+    g = Geometry(layers=2, kv_heads=2, head_dim=64, block_tokens=16, dtype=DType.BF16,
+                 layout=Layout.BLOCK_MAJOR, num_blocks=64)
+    return tuple(Descriptor(
+        deployment_id=bytes(16), source_id=bytes(16), fabric=FabricDomain(FabricKind.NODE, "n"),
+        host_boot_id=bytes(16), device_uuid=bytes(16), incarnation=bytes(16), pid=os.getpid(), rank=r, tp=tp,
+        geometry=g, handle_kind=HandleKind.MEMFD, handle=bytes(16), size=g.bank_size(4096), granularity=4096,
+        generation=1, expires_at_ns=_time.time_ns() + 10**12, socket_path="/x", inventory_epoch=0,
+    ) for r in range(tp))

@@ -41,5 +41,7 @@ def suites(quick: bool = False, repeats: int | None = None) -> list[Suite]:
                   Case("bank transition", b3_lifecycle.bank_transition, kvstate=True),
                   Case("group transition", b3_lifecycle.group_transition, kvstate=True),
                   *(Case(f"readiness check tp={tp}", b3_lifecycle.readiness(tp), kvstate=True) for tp in tps),
+                  *(Case(f"importer.Group readiness tp={tp}", b3_lifecycle.real_group_readiness(tp), kvstate=True)
+                    for tp in tps),
               ), b3),
     ]
