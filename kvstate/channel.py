@@ -57,6 +57,7 @@ from kvstate.errors import (
     ChannelClosed,
     ChannelError,
     ChannelTimeout,
+    ConnectionLimit,
     FrameError,
     PeerDied,
     PeerRejected,
@@ -72,6 +73,7 @@ HARD_MAX_PAYLOAD = 1 << 20
 DEFAULT_MAX_FDS = 16
 HARD_MAX_FDS = 253  # SCM_MAX_FD
 DEFAULT_TIMEOUT = 5.0
+DEFAULT_MAX_CONNECTIONS = 128
 _SUN_PATH_MAX = 107
 _PEERCRED = struct.Struct("3i")
 
@@ -421,9 +423,13 @@ class Server:
     """A listening socket in a private directory. Accept from any thread; close to stop."""
 
     def __init__(self, path: str | os.PathLike[str], *, allowed_uids: Iterable[int] | None = None,
-                 limits: Limits = Limits(), backlog: int = 64) -> None:
+                 limits: Limits = Limits(), backlog: int = 64,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
+        if max_connections < 1:
+            raise ValueError("max_connections must be at least 1")
         self.path = Path(path)
         self.limits = limits
+        self.max_connections = max_connections
         self.allowed_uids = frozenset(allowed_uids) if allowed_uids is not None else frozenset({os.getuid()})
         _check_socket_path(self.path)
         self._remove_stale()
@@ -495,7 +501,13 @@ class Server:
     def serve_in_thread(self, handler: Callable[[Channel], None], *, poll_interval: float = 0.1,
                         name: str = "kvstate-accept") -> threading.Thread:
         """Accept until closed, running ``handler(channel)`` in a thread per connection.
-        Rejected peers are logged and skipped. The handler owns (and closes) the channel."""
+        Rejected peers are logged and skipped. The handler owns (and closes) the channel.
+
+        At most ``max_connections`` handlers run at once: a connection beyond that gets
+        one refusal frame (``{"ok": false, "code": "ConnectionLimit", ...}``, the shape of
+        every refusal on this channel) and is closed, so a flood of connections costs a
+        bounded number of threads."""
+        slots = threading.BoundedSemaphore(self.max_connections)
 
         def run_one(ch: Channel) -> None:
             try:
@@ -503,6 +515,17 @@ class Server:
             except Exception:
                 log.exception("channel handler failed for %r", ch)
                 ch.close()
+            finally:
+                slots.release()
+
+        def refuse(ch: Channel) -> None:
+            exc = ConnectionLimit(self.max_connections)
+            log.warning("%s (peer pid %d)", exc, ch.peer.pid)
+            try:
+                ch.send(encode({"ok": False, "code": "ConnectionLimit", "detail": str(exc)}), timeout=0)
+            except ChannelError:
+                pass  # best effort: the close below tells the peer anyway
+            ch.close()
 
         def loop() -> None:
             while not self._closed:
@@ -515,7 +538,14 @@ class Server:
                     continue
                 except ChannelClosed:
                     return
-                threading.Thread(target=run_one, args=(ch,), name=f"{name}-{ch.peer.pid}", daemon=True).start()
+                if not slots.acquire(blocking=False):
+                    refuse(ch)
+                    continue
+                try:
+                    threading.Thread(target=run_one, args=(ch,), name=f"{name}-{ch.peer.pid}", daemon=True).start()
+                except RuntimeError:  # the interpreter cannot start another thread
+                    slots.release()
+                    refuse(ch)
 
         t = threading.Thread(target=loop, name=name, daemon=True)
         t.start()

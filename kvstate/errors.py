@@ -388,3 +388,15 @@ class HandoffParamsUnsupported(HandoffError):
 
 class HandoffParamsModified(HandoffError):
     """The decode handoff parameters changed during a prefix load. This is a kvstate bug."""
+
+
+# -- hardening -----------------------------------------------------------------------
+
+
+class ConnectionLimit(ChannelError):
+    """A server already runs its cap of concurrent connection handlers; the new
+    connection was refused (closed) instead of spawning another thread."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        super().__init__(f"connection refused: {limit} connection handler(s) already running")

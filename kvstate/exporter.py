@@ -64,6 +64,7 @@ class ExportConfig:
     lease_timeout_s: float = 30.0
     descriptor_ttl_s: float = 300.0
     max_leases: int = 64             # per bank
+    max_connections: int = chan.DEFAULT_MAX_CONNECTIONS  # concurrent importer connections
     request_timeout_s: float = 5.0
 
 
@@ -252,7 +253,7 @@ class Exporter:
     def start(self) -> None:
         """Listen for importers, watch their connections and expire their leases."""
         chan.make_socket_dir(self.config.socket_dir)
-        self._server = chan.Server(self.socket_path)
+        self._server = chan.Server(self.socket_path, max_connections=self.config.max_connections)
         self._watcher = chan.Watcher(name="kvstate-exporter-watch")
         self._server.serve_in_thread(self._serve, name="kvstate-exporter")
         self._expiry = threading.Thread(target=self._expire_loop, name="kvstate-lease-expiry", daemon=True)
