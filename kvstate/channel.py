@@ -178,7 +178,7 @@ def decode(data: bytes) -> dict[str, Any]:
 
     try:
         value = json.loads(data.decode("utf-8"), object_pairs_hook=pairs, parse_constant=bad_constant)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: also an int of >4300 digits
         raise FrameError(f"malformed message: {exc}") from None
     if not isinstance(value, dict):
         raise FrameError("a message must be a JSON object")

@@ -41,6 +41,7 @@ from kvstate.errors import (
     ChannelError,
     ChannelTimeout,
     DrainTimeout,
+    FrameError,
     InventoryError,
     KvStateError,
     RegistrationFailed,
@@ -75,6 +76,10 @@ class Lease:
     expires_at: float                # time.monotonic()
     blocks: LeaseGrant | None = None  # the inventory blocks this lease pins, if any
     mapped: bool = False
+
+
+#: The type of each scalar request field; ``blocks`` is checked by the inventory.
+_REQUEST_FIELDS: dict[str, type] = {"op": str, "rank": int, "lease": int, "generation": int, "incarnation": str}
 
 
 class Bank(Lifecycle):
@@ -300,6 +305,9 @@ class Exporter:
         return {"ok": False, "code": code, "detail": detail}, ()
 
     def _handle(self, ch: chan.Channel, req: dict[str, Any]) -> tuple[dict[str, Any], tuple[int, ...]]:
+        for key, kind in _REQUEST_FIELDS.items():  # a peer's JSON may hold any type anywhere
+            if key in req and type(req[key]) is not kind:
+                raise FrameError(f"request field {key!r} must be {kind.__name__}, not {type(req[key]).__name__}")
         op = req.get("op")
         bank = self.banks.get(req.get("rank", -1))
         if bank is None:
