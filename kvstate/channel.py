@@ -200,6 +200,8 @@ def _no_symlinks(path: Path) -> None:
             st = os.lstat(current)
         except FileNotFoundError:
             return
+        except OSError as exc:  # e.g. EACCES: a directory on the way is not ours to search
+            raise UnsafeSocketPath(str(path), f"cannot inspect {current}: {exc.strerror}") from None
         if stat.S_ISLNK(st.st_mode):
             raise UnsafeSocketPath(str(path), f"{current} is a symlink")
 
@@ -214,6 +216,8 @@ def check_socket_dir(directory: str | os.PathLike[str], uid: int | None = None) 
         st = os.lstat(path)
     except FileNotFoundError:
         raise UnsafeSocketPath(str(path), "the directory does not exist") from None
+    except OSError as exc:
+        raise UnsafeSocketPath(str(path), f"cannot inspect the directory: {exc.strerror}") from None
     if not stat.S_ISDIR(st.st_mode):
         raise UnsafeSocketPath(str(path), "not a directory")
     if st.st_uid != uid:
@@ -413,6 +417,9 @@ def connect(path: str | os.PathLike[str], *, timeout: float = DEFAULT_TIMEOUT,
     except (FileNotFoundError, ConnectionRefusedError) as exc:
         sock.close()
         raise ChannelClosed(f"no server at {p}: {exc.strerror}") from None
+    except OSError as exc:  # e.g. EACCES on the socket itself
+        sock.close()
+        raise ChannelError(f"cannot connect to {p}: {exc.strerror}") from None
     except BaseException:
         sock.close()
         raise
