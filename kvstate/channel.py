@@ -37,6 +37,7 @@ Received fds belong to the receiver: close them (``Message.close()``) once impor
 from __future__ import annotations
 
 import base64
+import collections
 import errno
 import json
 import logging
@@ -74,6 +75,8 @@ DEFAULT_MAX_FDS = 16
 HARD_MAX_FDS = 253  # SCM_MAX_FD
 DEFAULT_TIMEOUT = 5.0
 DEFAULT_MAX_CONNECTIONS = 128
+_REFUSAL_LINGER_S = 1.0
+_MAX_LINGERING = 64
 _SUN_PATH_MAX = 107
 _PEERCRED = struct.Struct("3i")
 
@@ -515,6 +518,9 @@ class Server:
         every refusal on this channel) and is closed, so a flood of connections costs a
         bounded number of threads."""
         slots = threading.BoundedSemaphore(self.max_connections)
+        # Refused channels linger half-closed for a moment, so the refusal is read before a
+        # close with the peer's request unread turns into a reset. Bounded: oldest first.
+        lingering: collections.deque[tuple[float, Channel]] = collections.deque()
 
         def run_one(ch: Channel) -> None:
             try:
@@ -530,12 +536,27 @@ class Server:
             log.warning("%s (peer pid %d)", exc, ch.peer.pid)
             try:
                 ch.send(encode({"ok": False, "code": "ConnectionLimit", "detail": str(exc)}), timeout=0)
-            except ChannelError:
-                pass  # best effort: the close below tells the peer anyway
-            ch.close()
+                ch._sock.shutdown(socket.SHUT_WR)
+            except (ChannelError, OSError):
+                ch.close()  # best effort: the close tells the peer anyway
+                return
+            lingering.append((time.monotonic() + _REFUSAL_LINGER_S, ch))
+            while len(lingering) > _MAX_LINGERING:
+                lingering.popleft()[1].close()
+
+        def close_lingering(everything: bool) -> None:
+            while lingering and (everything or lingering[0][0] <= time.monotonic()):
+                lingering.popleft()[1].close()
 
         def loop() -> None:
+            try:
+                accept_loop()
+            finally:
+                close_lingering(everything=True)
+
+        def accept_loop() -> None:
             while not self._closed:
+                close_lingering(everything=False)
                 try:
                     ch = self.accept(poll_interval)
                 except ChannelTimeout:

@@ -9,7 +9,7 @@ exporter for requests) and checks the contract of an input boundary:
 - it keeps nothing: fds received with a refused frame are closed.
 
 The targets are shared by the Hypothesis tests (``test_fuzz.py``), the corpus replay and
-the atheris driver (``atheris_main.py``). :data:`CASES` counts the inputs each ran.
+the coverage-guided atheris driver behind ``make fuzz`` (``atheris_main.py``). :data:`CASES` counts the inputs each ran.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def _watchdog() -> Iterator[None]:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+        signal.signal(signal.SIGALRM, old if old is not None else signal.SIG_DFL)  # None: set outside Python
 
 
 def run(name: str, fn: Callable[[], object]) -> object:

@@ -11,6 +11,7 @@ import json
 import os
 import struct
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 from kvstate import channel as chan
 from kvstate.channel import HEADER, MAGIC
 from kvstate.descriptor import encode
+from kvstate.errors import FrameError
 from kvstate.exporter import Exporter, ExportConfig
 from kvstate.geometry import DType, Geometry, Layout
 from kvstate.policy import SETTING_NAMES, cli_flag, env_var
@@ -246,3 +248,21 @@ def test_corpus_replays(path: Path) -> None:
 
 def test_corpus_covers_every_target() -> None:
     assert {p.parent.name for p in corpus()} == set(REPLAY)
+
+
+# -- the harness itself catches what it claims to -------------------------------------------
+
+
+def test_harness_fails_an_untyped_exception() -> None:
+    with pytest.raises(targets.Untyped):
+        targets.run("planted", lambda: int("not a number"))
+
+
+def test_harness_fails_a_hang(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(targets, "HANG_S", 0.05)
+    with pytest.raises(targets.Hang):
+        targets.run("planted", lambda: time.sleep(5))
+
+
+def test_harness_passes_typed_rejections() -> None:
+    assert isinstance(targets.run("planted", lambda: chan.decode(b"[")), FrameError)
