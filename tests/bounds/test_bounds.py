@@ -263,3 +263,13 @@ def test_capability_caps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
         err = capsys.readouterr().err
         assert "--capabilities" in err and ("larger than" in err or "recursion" in err), err
     assert json.dumps(attrs.asdict(chan.Limits()))  # the default caps are plain data
+
+
+def test_a_huge_tp_is_rejected_without_listing_every_missing_rank() -> None:
+    """Found by fuzzing: a descriptor claiming tp 2**32-1 made validation list billions of
+    missing ranks (memory without bound, then the fuzz watchdog's hang)."""
+    start = time.monotonic()
+    with pytest.raises(GroupRejected) as info:
+        validate_group([descriptor(rank=0, tp=2**32 - 1)], expectation(check_socket=False))
+    assert time.monotonic() - start < 1.0
+    assert {p.reason for p in info.value.problems} == {Reason.TP_SIZE}
