@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test spec docs check clean fuzz soak
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py $(wildcard ffi/*.c ffi/*.h ffi/*.py)
 	$(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q -e '.[test]'

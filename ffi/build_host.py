@@ -126,6 +126,7 @@ int kvs_wait(int64_t op, int64_t timeout_ns);
 int kvs_reap(int64_t op, kvs_op_info *out);
 
 int32_t kvs_op_nstates(void);
+const char *kvs_op_table_digest(void);
 int32_t kvs_op_nevents(void);
 const char *kvs_op_state_name(int32_t state);
 const char *kvs_op_event_name(int32_t event);
@@ -135,12 +136,13 @@ const char *kvs_strerror(int32_t code);
 """
 
 
-def builder(module: str = "kvstate._native", defines: Sequence[tuple[str, str | None]] = ()) -> FFI:
+def builder(module: str = "kvstate._native", defines: Sequence[tuple[str, str | None]] = (),
+            src_dir: Path | None = None) -> FFI:
     ffi = FFI()
     ffi.cdef(CDEF)
-    # Relative paths keep setuptools happy (it refuses absolute source paths in a wheel
-    # build); the planted-bug build passes absolute ones through HERE instead.
-    root = Path("ffi") if Path("ffi/kvs.h").is_file() and not defines else HERE
+    # setuptools wants source paths relative to the project (pip runs this from there);
+    # a test-only variant build passes the absolute directory of its copied sources.
+    root = src_dir if src_dir is not None else Path("ffi") if Path("ffi/kvs.h").is_file() else HERE
     ffi.set_source(
         module,
         '#include "kvs.h"\n',

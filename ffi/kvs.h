@@ -152,6 +152,7 @@ int kvs_reap(int64_t op, kvs_op_info *out); /* out: the state it ended in */
 /* -- the generated op table, for the Python side's consistency check ---------------- */
 
 int32_t kvs_op_nstates(void);
+const char *kvs_op_table_digest(void); /* codegen.table_digest() of the table built in */
 int32_t kvs_op_nevents(void);
 const char *kvs_op_state_name(int32_t state);
 const char *kvs_op_event_name(int32_t event);

@@ -204,7 +204,7 @@ int kvs_release(uint64_t allocation) {
 
 int kvs_reserve(uint64_t size, uint64_t align, uint64_t *reservation, uint64_t *addr) {
     uint64_t ps = page_size();
-    if (size == 0 || !aligned(size, ps) || !aligned(align, ps) || (align & (align - 1)) ||
+    if (size == 0 || !aligned(size, ps) || align < ps || !aligned(align, ps) || (align & (align - 1)) ||
         size > (uint64_t)INT64_MAX / 2 || align > (uint64_t)INT64_MAX / 2)
         return KVS_E_INVAL;
     /* Over-reserve by align and trim both ends so the start is aligned. */

@@ -5,6 +5,8 @@
 
 #include <stdint.h>
 
+#define KVS_OP_TABLE_DIGEST "4f45cf7bca87b0c24787f9da28a7418b"
+
 enum kvs_op_state {
     KVS_OP_CREATED = 0,
     KVS_OP_QUEUED = 1,

@@ -43,7 +43,7 @@ static struct {
     pthread_once_t once;
     pthread_cond_t work_cv, done_cv;
     pthread_t threads[KVS_MAX_WORKERS];
-    uint32_t nthreads, want;
+    uint32_t nthreads, want, idle;
     int stopping, paused, reconfiguring;
     struct kvs_op *qhead, *qtail;
     struct kvs_slots ops;
@@ -138,16 +138,77 @@ static int kvs_op_step(struct kvs_op *op, int event) {
     return refused;
 }
 
+/* The engine itself fires submit (created), start (queued), finish and fail (running) and
+ * cannot take a refusal there once work has begun. A table that does not declare those
+ * rows unguarded is unusable: every submit is refused rather than the engine aborting. */
+static int row_unguarded(int state, int event) {
+    int first = kvs_op_first[state][event];
+    return first >= 0 && !kvs_op_rows[first].guards && !kvs_op_rows[first].unless;
+}
+
+static int table_usable(void) {
+    return kvs_op_first[KVS_OP_INITIAL][KVS_OP_EV_SUBMIT] >= 0 &&
+           row_unguarded(KVS_OP_QUEUED, KVS_OP_EV_START) &&
+           row_unguarded(KVS_OP_RUNNING, KVS_OP_EV_FINISH) &&
+           row_unguarded(KVS_OP_RUNNING, KVS_OP_EV_FAIL);
+}
+
 /* -- workers -------------------------------------------------------------------------- */
+
+#if defined(__x86_64__) && defined(__SSE2__)
+#include <emmintrin.h>
+#include <xmmintrin.h>
+#define KVS_NT_MIN (UINT64_C(16) << 10)
+
+/* Blocks of KV cache are copied once and not read again by this thread, so large ones are
+ * written with streaming (non-temporal) stores: no read-for-ownership of the destination
+ * and no cache pollution. glibc's memcpy does the same only above a threshold of several
+ * MiB, so a gather of 64 KiB blocks would otherwise pay for the extra destination reads. */
+static void copy_block(char *dst, const char *src, uint64_t len) {
+    if (len < KVS_NT_MIN) {
+        memcpy(dst, src, len);
+        return;
+    }
+    uint64_t head = (uint64_t)(-(uintptr_t)dst & 15);
+    memcpy(dst, src, head);
+    dst += head, src += head, len -= head;
+    uint64_t n = len / 64;
+    for (uint64_t i = 0; i < n; i++, dst += 64, src += 64) {
+        _mm_prefetch(src + 1024, _MM_HINT_NTA);
+        __m128i a = _mm_loadu_si128((const __m128i *)src);
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
+        _mm_stream_si128((__m128i *)dst, a);
+        _mm_stream_si128((__m128i *)(dst + 16), b);
+        _mm_stream_si128((__m128i *)(dst + 32), c);
+        _mm_stream_si128((__m128i *)(dst + 48), d);
+    }
+    memcpy(dst, src, len % 64);
+}
+
+static void copy_fence(void) { _mm_sfence(); }
+
+/* The next block starts elsewhere (gathers jump around): start fetching its head early. */
+static void copy_prefetch(const char *src) {
+    for (int i = 0; i < 1024; i += 64) _mm_prefetch(src + i, _MM_HINT_NTA);
+}
+#else
+static void copy_prefetch(const char *src) { (void)src; }
+static void copy_block(char *dst, const char *src, uint64_t len) { memcpy(dst, src, len); }
+static void copy_fence(void) {}
+#endif
 
 static int run_part(const struct kvs_op *op, uint32_t part) {
     if (op->flags & KVS_OPF_FAIL) return KVS_E_INJECTED;
     uint64_t lo = op->nblocks * part / op->nparts, hi = op->nblocks * (part + 1) / op->nparts;
     for (uint64_t i = lo; i < hi; i++) {
         const kvs_block *b = &op->blocks[i];
-        memcpy((void *)(uintptr_t)(op->dst_base + b->dst_off),
-               (const void *)(uintptr_t)(op->src_base + b->src_off), b->len);
+        if (i + 1 < hi) copy_prefetch((const char *)(uintptr_t)(op->src_base + op->blocks[i + 1].src_off));
+        copy_block((char *)(uintptr_t)(op->dst_base + b->dst_off),
+                   (const char *)(uintptr_t)(op->src_base + b->src_off), b->len);
     }
+    copy_fence(); /* streaming stores are visible before the op is reported finished */
     return KVS_OK;
 }
 
@@ -175,7 +236,11 @@ static void *worker(void *arg) {
     (void)arg;
     lock();
     for (;;) {
-        while (!E.stopping && (E.paused || !E.qhead)) pthread_cond_wait(&E.work_cv, &kvs_g.mu);
+        while (!E.stopping && (E.paused || !E.qhead)) {
+            E.idle++;
+            pthread_cond_wait(&E.work_cv, &kvs_g.mu);
+            E.idle--;
+        }
         if (E.stopping) break;
         struct kvs_op *op = E.qhead;
         if (op->next_part == 0) {
@@ -274,6 +339,7 @@ int kvs_submit(const kvs_endpoint *src, const kvs_endpoint *dst, const kvs_block
     if (!src || !dst || !blocks || nblocks == 0 || (flags & ~KVS_OPF_FAIL) ||
         nblocks > (UINT64_MAX >> 8) / sizeof(kvs_block))
         return KVS_E_INVAL;
+    if (!table_usable()) return KVS_E_ILLEGAL;
     struct kvs_op *op = calloc(1, sizeof *op);
     if (!op) return KVS_E_NOMEM;
     op->state = KVS_OP_INITIAL;
@@ -333,9 +399,12 @@ int kvs_submit(const kvs_endpoint *src, const kvs_endpoint *dst, const kvs_block
     E.qtail = op;
     E.queued++;
     E.submitted++;
-    pthread_cond_signal(&E.work_cv);
-    if (op->nparts > 1) pthread_cond_broadcast(&E.work_cv);
+    /* Wake workers only when one is idle and may run it: a futex wake per submit to a
+     * paused or busy pool is the largest part of submit cost otherwise. */
+    int wake = E.idle && !E.paused ? (op->nparts > 1 ? 2 : 1) : 0;
     unlock();
+    if (wake == 1) pthread_cond_signal(&E.work_cv);
+    if (wake == 2) pthread_cond_broadcast(&E.work_cv);
     *out = (int64_t)id;
     return KVS_OK;
 fail:
@@ -359,7 +428,11 @@ static struct kvs_op *find(int64_t id) {
 int kvs_cancel(int64_t id) {
     lock();
     struct kvs_op *op = find(id);
-    int rc = op ? kvs_op_step(op, KVS_OP_EV_CANCEL) : KVS_E_NOENT;
+    int rc = !op ? KVS_E_NOENT
+             /* whatever a table allows, a worker that took part of the op is never cut
+              * short: dropping its pins mid-copy would let its memory be freed under it */
+             : op->next_part > 0 ? KVS_E_ILLEGAL
+             : kvs_op_step(op, KVS_OP_EV_CANCEL);
     if (rc == KVS_OK) {
         struct kvs_op **p = &E.qhead, *prev = NULL;
         while (*p && *p != op) {
@@ -459,6 +532,7 @@ void kvs_ops_global(kvs_global_info *out) {
 }
 
 int32_t kvs_op_nstates(void) { return KVS_OP_NSTATES; }
+const char *kvs_op_table_digest(void) { return KVS_OP_TABLE_DIGEST; }
 int32_t kvs_op_nevents(void) { return KVS_OP_NEVENTS; }
 
 const char *kvs_op_state_name(int32_t state) {

@@ -265,8 +265,12 @@ class Channel:
         self.limits = limits
         self._closed = False
         self._close_lock = threading.Lock()
-        sock.setblocking(False)
-        self.peer = _peercred(sock)
+        try:
+            sock.setblocking(False)
+            self.peer = _peercred(sock)
+        except BaseException:
+            sock.close()
+            raise
         allowed = frozenset(allowed_uids) if allowed_uids is not None else frozenset({os.getuid()})
         if self.peer.uid not in allowed:
             sock.close()
@@ -502,7 +506,10 @@ class Server:
             else:
                 return Channel(conn, limits=self.limits, allowed_uids=self.allowed_uids)
             p = select.poll()
-            p.register(self._sock, select.POLLIN)
+            try:
+                p.register(self._sock, select.POLLIN)
+            except ValueError:  # closed by another thread since the accept above
+                raise ChannelClosed("the server was closed") from None
             if not p.poll(_remaining_ms(deadline)):
                 if self._closed:
                     raise ChannelClosed("the server was closed")
@@ -635,11 +642,12 @@ class Watcher:
             p.register(self._wake_r, select.POLLIN)
             owners: dict[int, tuple[Channel, Callable[[Channel], None]]] = {}
             for ch, cb in watched:
-                if ch.closed:
+                fd = ch.fileno()
+                if ch.closed or fd < 0:  # closed here: that ends its leases too
                     owners[-1 - len(owners)] = (ch, cb)
                     continue
-                p.register(ch.fileno(), select.POLLRDHUP)
-                owners[ch.fileno()] = (ch, cb)
+                p.register(fd, select.POLLRDHUP)
+                owners[fd] = (ch, cb)
                 if ch.pidfd is not None:
                     p.register(ch.pidfd, select.POLLIN)
                     owners[ch.pidfd] = (ch, cb)

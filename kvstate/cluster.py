@@ -65,6 +65,14 @@ def kv_pattern(rank: int, block: int, nbytes: int, seed: int) -> bytes:
     return random.Random(f"kvstate:{seed}:{rank}:{block}").randbytes(nbytes)
 
 
+INVENTORY_GROUP = "demo-prefix"
+
+
+def block_hash(spec: ClusterSpec, block: int) -> int:
+    """The 64-bit hash a decode engine would publish for one block of the prefix."""
+    return int.from_bytes(hashlib.blake2b(f"{spec.seed}:{block}".encode(), digest_size=8).digest(), "little")
+
+
 def expected_checksum(spec: ClusterSpec, rank: int) -> str:
     g = spec.geometry()
     h = hashlib.blake2b(digest_size=16)
@@ -97,6 +105,7 @@ def _recv(conn: multiprocessing.connection.Connection, timeout: float) -> dict[s
 def exporter_main(conn: multiprocessing.connection.Connection, spec_json: str, key_hex: str,
                   socket_dir: str, rank: int, source_hex: str) -> None:
     from kvstate.exporter import Exporter, ExportConfig
+    from kvstate.inventory import Inventory
     from kvstate.transport.host import HostTransport
 
     spec = ClusterSpec(**json.loads(spec_json))
@@ -104,7 +113,8 @@ def exporter_main(conn: multiprocessing.connection.Connection, spec_json: str, k
     t = HostTransport(granularity=spec.granularity)
     config = ExportConfig(Deployment("kvstate-demo", bytes.fromhex(key_hex)), Path(socket_dir),
                           bytes.fromhex(source_hex), spec.tp, lease_timeout_s=spec.lease_timeout_s)
-    ex = Exporter(config, t, name=f"decode-rank{rank}")
+    inventory = Inventory(budget_blocks=spec.num_blocks)
+    ex = Exporter(config, t, name=f"decode-rank{rank}", inventory=inventory)
     g = spec.geometry()
     bank = ex.add_bank(rank, g)
     states = [bank.state]
@@ -114,8 +124,9 @@ def exporter_main(conn: multiprocessing.connection.Connection, spec_json: str, k
     for b in range(g.num_blocks):
         view[b * g.block_bytes:(b + 1) * g.block_bytes] = kv_pattern(rank, b, g.block_bytes, spec.seed)
     bank.fire("advertise")
+    inventory.store(INVENTORY_GROUP, [block_hash(spec, b) for b in spec.prefix()])
     ex.start()
-    _send(conn, descriptor=ex.descriptor(rank).hex(), epoch=bank.inventory_epoch, pid=os.getpid())
+    _send(conn, descriptor=ex.descriptor(rank).hex(), epoch=inventory.epoch(INVENTORY_GROUP), pid=os.getpid())
     while True:
         cmd = _recv(conn, 3600)
         if cmd["cmd"] == "drain":
@@ -137,7 +148,7 @@ def _leaks(baseline: dict[str, int]) -> dict[str, int]:
 
 
 def importer_main(conn: multiprocessing.connection.Connection, spec_json: str, key_hex: str, rank: int) -> None:
-    from kvstate.importer import ImportConfig, Importer
+    from kvstate.importer import BlockRequest, ImportConfig, Importer
     from kvstate.machine import StateChange
     from kvstate.transport.host import HostTransport
 
@@ -161,7 +172,8 @@ def importer_main(conn: multiprocessing.connection.Connection, spec_json: str, k
         cmd = _recv(conn, 3600)
         try:
             if cmd["cmd"] == "import":
-                im.import_group([bytes.fromhex(w) for w in cmd["wire"]])
+                blocks = BlockRequest(INVENTORY_GROUP, cmd["epoch"], tuple(block_hash(spec, b) for b in spec.prefix()))
+                im.import_group([bytes.fromhex(w) for w in cmd["wire"]], blocks=blocks)
                 _send(conn, state=state())
             elif cmd["cmd"] == "load":
                 group = im.groups[-1]
@@ -234,6 +246,7 @@ class Cluster:
         self.socket_dir = d / "sockets"
         self.source = os.urandom(16)
         self.exporters: list[Worker] = []
+        self.inventory_epoch = 0
         self.importers: list[Worker] = []
         self._ctx = multiprocessing.get_context("spawn")
 
@@ -258,6 +271,7 @@ class Cluster:
         self.exporters = [self._start("exporter", r, exporter_main, spec_json, self.key.hex(),
                                       str(self.socket_dir), r, self.source.hex()) for r in range(self.spec.tp)]
         replies = [_recv(w.conn, self.spec.timeout_s) for w in self.exporters]
+        self.inventory_epoch = int(replies[0]["epoch"])
         return [bytes.fromhex(r["descriptor"]) for r in replies]
 
     def start_prefill(self) -> None:
@@ -293,14 +307,15 @@ def run_scenario(spec: ClusterSpec, kill: tuple[str, str] | None = None, *,
 
         wire = c.start_decode()
         timings["advertise"] = time.monotonic() - t0
-        log(f"decode engine: {spec.tp} exporter processes registered, filled and advertised their banks")
+        log(f"decode engine: {spec.tp} exporter processes registered, filled and advertised their banks; "
+            f"retained inventory: {len(spec.prefix())} block hashes, epoch {c.inventory_epoch}")
         c.start_prefill()
         maybe_kill("advertised")
 
         t = time.monotonic()
         live = [w for w in c.importers if not w.killed]
         for w in live:
-            _send(w.conn, cmd="import", wire=[d.hex() for d in wire])
+            _send(w.conn, cmd="import", wire=[d.hex() for d in wire], epoch=c.inventory_epoch)
         maybe_kill("importing")
         imports = [_recv(w.conn, spec.timeout_s) for w in live if not w.killed]
         timings["import"] = time.monotonic() - t

@@ -14,6 +14,8 @@ Pure: this module reads the tables and writes text. It imports no native code.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,6 +35,22 @@ def _mask(names: Sequence[str], declared: Sequence[str], prefix: str) -> str:
     return " | ".join(f"{prefix}{_ident(n)}" for n in names if n in declared) or "0u"
 
 
+def table_digest(m: MachineSpec) -> str:
+    """A digest of everything in the table that the C engine obeys. The header carries it,
+    and :class:`kvstate.native.Native` compares it with the installed tables on load, so a
+    module built from an older table is refused instead of silently obeying it."""
+    canon = json.dumps({
+        "initial": m.initial,
+        "states": [[s.name, s.terminal] for s in m.states],
+        "events": list(m.event_names),
+        "guards": list(m.guards),
+        "effects": list(m.effects),
+        "transitions": [[t.trigger, t.source, t.dest, list(t.guards), list(t.unless), list(t.effects)]
+                        for t in m.transitions],
+    }, separators=(",", ":"))
+    return hashlib.blake2b(canon.encode(), digest_size=16, person=b"kvstate/op-table").hexdigest()
+
+
 def op_header(m: MachineSpec | None = None) -> str:
     """The full text of ``ffi/kvs_op_table.h`` for the op table ``m``."""
     m = m or load_machine("op")
@@ -48,6 +66,8 @@ def op_header(m: MachineSpec | None = None) -> str:
         "#define KVS_OP_TABLE_H",
         "",
         "#include <stdint.h>",
+        "",
+        f'#define KVS_OP_TABLE_DIGEST "{table_digest(m)}"',
         "",
         "enum kvs_op_state {",
         *(f"    KVS_OP_{_ident(s)} = {i}," for i, s in enumerate(states)),

@@ -390,6 +390,68 @@ class HandoffParamsModified(HandoffError):
     """The decode handoff parameters changed during a prefix load. This is a kvstate bug."""
 
 
+# -- cuda backend --------------------------------------------------------------------
+
+
+class HandleRefused(KvStateError):
+    """A received handle does not match its descriptor (kind, size or fds); nothing was opened."""
+
+
+class HandleWrongSize(HandleRefused):
+    """Handle bytes of the wrong length for their kind (FABRIC and CUDA_IPC are exactly 64)."""
+
+
+class HandleFdsMismatch(HandleRefused):
+    """An fd kind arrived without exactly one fd, or a byte kind arrived with fds."""
+
+
+class CudaError(KvStateError):
+    """A CUDA driver call failed. ``result`` is the CUresult value, ``name`` its name."""
+
+    def __init__(self, call: str, result: int, name: str, detail: str = "") -> None:
+        self.call = call
+        self.result = result
+        self.name = name
+        super().__init__(f"{call}: {name} ({result}){': ' + detail if detail else ''}")
+
+
+class CudaInvalidArgument(CudaError):
+    """The driver refused an argument (CUDA_ERROR_INVALID_VALUE, INVALID_HANDLE, ...)."""
+
+
+class CudaOutOfMemory(CudaError):
+    """The device (or the driver's bookkeeping) is out of memory."""
+
+
+class CudaNotSupported(CudaError):
+    """The device, driver or system does not support this (handle type, VMM, peer access)."""
+
+
+class CudaNotPermitted(CudaError):
+    """The driver forbids this here (for example opening a legacy IPC handle in its own process)."""
+
+
+class CudaContextError(CudaError):
+    """No usable context: not initialised, deinitialised, or the wrong context."""
+
+
+class CudaDeviceFault(CudaError):
+    """A sticky, asynchronous fault (illegal address, launch failure): the context is lost."""
+
+
+class CudaDeviceNotFound(KvStateError):
+    """No visible CUDA device has the requested UUID (devices are named by UUID, never ordinal)."""
+
+
+class FabricUnavailable(KvStateError):
+    """FABRIC handles were asked for, but this worker's trial export and import did not pass."""
+
+
+class LegacyIpcRefused(KvStateError):
+    """A legacy cuIpc constraint was violated: VMM (not cuMemAlloc) memory, an open in the
+    exporting process itself, or legacy IPC not requested when the transport was built."""
+
+
 # -- hardening -----------------------------------------------------------------------
 
 

@@ -67,6 +67,7 @@ class ExportConfig:
     max_leases: int = 64             # per bank
     max_connections: int = chan.DEFAULT_MAX_CONNECTIONS  # concurrent importer connections
     request_timeout_s: float = 5.0
+    handle_kind: HandleKind = HandleKind.MEMFD  # what the banks are exported as (the transport's kind)
 
 
 @attrs.define
@@ -149,7 +150,7 @@ class Bank(Lifecycle):
                 step = "set_access"
                 t.set_access(mapping, Access.READ_WRITE)
                 step = "export"
-                handle = t.export(self.allocation, HandleKind.MEMFD)
+                handle = t.export(self.allocation, self.exporter.config.handle_kind)
             except (KvStateError, OSError) as exc:
                 raise RegistrationFailed(step, exc) from exc
             undo.pop_all()
@@ -173,7 +174,7 @@ class Bank(Lifecycle):
             deployment_id=ex.config.deployment.id, source_id=ex.config.source_id,
             fabric=FabricDomain(FabricKind.NODE, ex.node), host_boot_id=ex.boot_id,
             device_uuid=self.transport.device_uuid(), incarnation=ex.incarnation.value, pid=os.getpid(),
-            rank=self.rank, tp=ex.config.tp, geometry=self.geometry, handle_kind=HandleKind.MEMFD,
+            rank=self.rank, tp=ex.config.tp, geometry=self.geometry, handle_kind=self.handle.kind,
             handle=self.handle.identity, size=self.size, granularity=self.transport.granularity(),
             generation=self.generation, expires_at_ns=self.descriptor_expires_ns,
             socket_path=str(ex.socket_path), inventory_epoch=self.inventory_epoch,
@@ -237,6 +238,8 @@ class Exporter:
         self._watcher: chan.Watcher | None = None
         self._expiry: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._handlers = 0
+        self._handlers_done = threading.Condition()
 
     # -- banks --------------------------------------------------------------------------
 
@@ -275,10 +278,17 @@ class Exporter:
             watcher.close()
         if expiry is not None:
             expiry.join(2.0)
+        with self._handlers_done:  # connection handlers notice within one recv poll
+            self._handlers_done.wait_for(lambda: self._handlers == 0, timeout=2.0)
 
     def _serve(self, ch: chan.Channel) -> None:
-        assert self._watcher is not None
-        self._watcher.watch(ch, self._connection_closed)
+        watcher = self._watcher
+        if watcher is None:  # stopped while this connection was being accepted
+            ch.close()
+            return
+        with self._handlers_done:
+            self._handlers += 1
+        watcher.watch(ch, self._connection_closed)
         try:
             while not self._stopping.is_set():
                 try:
@@ -300,6 +310,9 @@ class Exporter:
         finally:
             self._connection_closed(ch)
             ch.close()
+            with self._handlers_done:
+                self._handlers -= 1
+                self._handlers_done.notify_all()
 
     def _refuse(self, code: str, detail: str) -> tuple[dict[str, Any], tuple[int, ...]]:
         return {"ok": False, "code": code, "detail": detail}, ()
@@ -332,7 +345,8 @@ class Exporter:
                 return self._refuse("not_leasing", str(exc))
             lease = bank.leases[lease_id]
             remaining = lease.expires_at - time.monotonic()
-            return {"ok": True, "lease": lease_id, "expires_in_s": remaining}, (bank.handle.fd,)
+            fds = () if bank.handle.fd is None else (bank.handle.fd,)  # FABRIC and CUDA_IPC carry bytes only
+            return {"ok": True, "lease": lease_id, "expires_in_s": remaining}, fds
         held = bank.leases.get(req.get("lease", -1))
         if held is None or held.channel is not ch:
             return self._refuse("unknown_lease", f"no live lease {req.get('lease')!r} on this connection")

@@ -50,13 +50,10 @@ from kvstate.errors import (
     ReuseStale,
     TransitionError,
 )
-from kvstate.handles import HandleKind
 from kvstate.identity import Deployment, host_boot_id
 from kvstate.machine import Lifecycle, Observer, effect, guard
-from kvstate.native import Op
 from kvstate.spec import load_machine
-from kvstate.transport.base import Access, Transport
-from kvstate.transport.host import HostHandle
+from kvstate.transport.base import Access, PendingOp, Transport
 from kvstate.validate import Expectation, ValidatedGroup, group_complete, validate_group
 
 
@@ -125,9 +122,8 @@ class Part(Lifecycle):
                 if not reply.get("ok"):
                     raise LeaseRefused(str(reply.get("code")), str(reply.get("detail")))
                 lease_id, expires_in_s = _grant_fields(reply, d.rank)
-                if len(msg.fds) != 1 or d.handle_kind is not HandleKind.MEMFD:
-                    raise ImportFailed(d.rank, KvStateError(f"expected one memfd, got {len(msg.fds)} fd(s)"))
-                allocation = t.import_(HostHandle(msg.fds[0], d.handle), d.size)
+                handle = t.receive_handle(d.handle_kind, d.handle, msg.fds)  # type: ignore[attr-defined]
+                allocation = t.import_(handle, d.size)
             undo.callback(t.release, allocation)
             reservation = t.reserve(d.size)
             undo.callback(t.free, reservation)  # type: ignore[attr-defined]
@@ -200,7 +196,7 @@ class Group(Lifecycle):
         self.validated: ValidatedGroup | None = None
         self.blocks: BlockRequest | None = None
         self.parts: list[Part] = []
-        self.ops: list[Op] = []
+        self.ops: list[PendingOp] = []
         self._ops_lock = threading.Lock()
 
     @property
@@ -248,11 +244,11 @@ class Group(Lifecycle):
 
     @effect("submit_load")
     def _submit(self, *, plan: Sequence[tuple[Part, Any, list[tuple[int, int, int]]]], **kw: Any) -> Callable[[], None]:
-        native = self.importer.transport.native  # type: ignore[attr-defined]
-        ops: list[Op] = []
+        transport = self.importer.transport
+        ops: list[PendingOp] = []
         try:
             for part, dst, blocks in plan:
-                ops.append(native.submit_gather(part.mapping.region, dst, blocks))
+                ops.append(transport.submit_gather(part.mapping, dst, blocks))  # type: ignore[attr-defined]
         except BaseException:
             _cancel(ops)
             raise
@@ -293,7 +289,7 @@ class Group(Lifecycle):
                 for off, length in g.block_extents(b):
                     extents.append((off, pos, length))
                     pos += length
-            if memoryview(dst).nbytes < pos:
+            if _nbytes(dst) < pos:
                 raise LoadFailed(f"destination of rank {rank} holds fewer than {pos} bytes")
             plan.append((part, dst, extents))
         start = time.monotonic()
@@ -310,7 +306,7 @@ class Group(Lifecycle):
             self._forget(mine)
         return LoadResult(len(blocks), total, time.monotonic() - start)
 
-    def _forget(self, ops: list[Op]) -> None:
+    def _forget(self, ops: list[PendingOp]) -> None:
         with self._ops_lock:
             self.ops = [o for o in self.ops if o not in ops]
 
@@ -343,7 +339,14 @@ class Group(Lifecycle):
         return waited
 
 
-def _cancel(ops: list[Op]) -> None:
+def _nbytes(buf: Any) -> int:
+    """A destination's size: ``nbytes`` where it has one (memoryview, numpy, a device
+    buffer), else its buffer protocol view's."""
+    n = getattr(buf, "nbytes", None)
+    return int(n) if isinstance(n, int) else memoryview(buf).nbytes
+
+
+def _cancel(ops: list[PendingOp]) -> None:
     for op in ops:
         try:
             op.cancel()
@@ -366,13 +369,21 @@ class Importer:
         self._count = 0
         #: Groups this importer made and that have not reached a terminal state.
         self.groups: list[Group] = []
+        self._stopping = threading.Event()
+        self._expiry = threading.Thread(target=self._expire_loop, name="kvstate-importer-expiry", daemon=True)
+        self._expiry.start()
 
     def close(self) -> None:
+        """Stop watching and expiring (idempotent). Groups stay as they are."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        self._expiry.join(2.0)
         self._watcher.close()
 
     def expectation(self, **overrides: Any) -> Expectation:
         e = Expectation(deployment=self.config.deployment, now_ns=time.time_ns(),
-                        handle_kinds=frozenset({HandleKind.MEMFD}), host_boot_id=self.boot_id, uid=os.getuid(),
+                        handle_kinds=self.transport.capabilities.handle_kinds, host_boot_id=self.boot_id, uid=os.getuid(),
                         geometry_fingerprint=self.config.geometry_fingerprint,
                         device_uuids=self.config.device_uuids, max_tp=self.config.max_tp)
         return attrs.evolve(e, **overrides)
@@ -440,6 +451,13 @@ class Importer:
                 part.group.fault("peer_died")
             except TransitionError:
                 pass  # a concurrent transition already moved the group on
+
+    def _expire_loop(self) -> None:
+        while not self._stopping.wait(0.05):
+            try:
+                self.expire_leases([g for g in self.groups if g.state == "ready"])
+            except TransitionError:
+                pass  # the group moved on concurrently; the next round looks again
 
     def expire_leases(self, groups: Iterable[Group]) -> list[Group]:
         """Fire ``expired`` on every group holding a lease past its expiry; return them."""

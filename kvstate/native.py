@@ -29,6 +29,7 @@ from typing import Any, Final
 import attrs
 
 from kvstate import errors
+from kvstate.codegen import table_digest
 from kvstate.errors import (
     BackendUnavailable,
     GuardRejected,
@@ -36,6 +37,7 @@ from kvstate.errors import (
     NativeError,
     SpecError,
 )
+from kvstate.optional import is_missing, require
 from kvstate.spec import load_machine
 
 #: Access levels as the C layer numbers them.
@@ -134,7 +136,8 @@ class Op:
     def result(self, timeout: float) -> OpInfo:
         """Wait up to ``timeout`` s, reap, and raise :class:`OpFailed` if the op failed."""
         if not self.wait(timeout):
-            raise errors.OpWaitTimeout("kvs_wait", -13, f"op {self.id} still running after {timeout} s")
+            raise errors.OpWaitTimeout("kvs_wait", int(self._native.lib.KVS_E_TIMEOUT),
+                                       f"op {self.id} still running after {timeout} s")
         info = self.reap()
         if info.state == "failed":
             raise errors.OpFailed("kvs_reap", info.error, f"op {self.id} failed: "
@@ -145,17 +148,24 @@ class Op:
 class Native:
     """The native layer behind one cffi module (normally ``kvstate._native``)."""
 
-    def __init__(self, ffi: Any, lib: Any) -> None:
+    def __init__(self, ffi: Any, lib: Any, *, check_table: bool = True) -> None:
+        """``check_table=False`` is for tests that build a module from another table on purpose."""
         self.ffi = ffi
         self.lib = lib
-        self._check_table()
+        if check_table:
+            self._check_table()
         self.op_states: tuple[str, ...] = tuple(
             ffi.string(lib.kvs_op_state_name(i)).decode() for i in range(lib.kvs_op_nstates()))
         self._errors = self._error_map()
         # Caller buffers an op reads or writes stay referenced until the op is reaped.
         self._keep: dict[int, tuple[Any, ...]] = {}
-        self._keep_lock = threading.Lock()
         self.page_size: int = int(lib.kvs_page_size())
+        # Bound once: the submit path is measured in microseconds.
+        self._from_buffer = ffi.from_buffer
+        self._cast = ffi.cast
+        self._new = ffi.new
+        self._submit_copy = lib.kvs_submit_copy
+        self._fail_flag = int(lib.KVS_OPF_FAIL)
 
     # -- plumbing ----------------------------------------------------------------------
 
@@ -165,10 +175,12 @@ class Native:
         lib, ffi = self.lib, self.ffi
         states = tuple(ffi.string(lib.kvs_op_state_name(i)).decode() for i in range(lib.kvs_op_nstates()))
         events = tuple(ffi.string(lib.kvs_op_event_name(i)).decode() for i in range(lib.kvs_op_nevents()))
-        if states != m.state_names or events != m.event_names:
+        built = ffi.string(lib.kvs_op_table_digest()).decode()
+        if states != m.state_names or events != m.event_names or built != table_digest(m):
             raise SpecError("ffi/kvs_op_table.h", "op table",
-                            f"the native module was built from another op table (states {states}, "
-                            f"events {events}); rebuild it after `python -m kvstate.codegen`")
+                            f"the native module was built from another op table (digest {built}, "
+                            f"states {states}, events {events}); run `python -m kvstate.codegen` "
+                            "and rebuild (`make`)")
 
     def _error_map(self) -> dict[int, type[NativeError]]:
         lib = self.lib
@@ -326,36 +338,39 @@ class Native:
 
     def _endpoint(self, ep: Endpoint, writable: bool) -> tuple[int, int, int, Any]:
         """(region, addr, size, keepalive) for a region id or a caller buffer."""
-        if isinstance(ep, int):
+        if ep.__class__ is int:
             return ep, 0, 0, None
+        if isinstance(ep, int):
+            return int(ep), 0, 0, None
         try:
-            cbuf = self.ffi.from_buffer(ep, require_writable=writable)
-        except TypeError as exc:
+            cbuf = self._from_buffer(ep, require_writable=writable)
+        except (TypeError, BufferError) as exc:
             raise errors.NativeInvalidArgument("kvs_submit", -1, f"not a usable buffer: {exc}") from None
-        addr = int(self.ffi.cast("uintptr_t", cbuf))
-        return 0, addr, len(cbuf), cbuf
-
-    def _flags(self, fail: bool) -> int:
-        return int(self.lib.KVS_OPF_FAIL) if fail else 0
-
-    def _track(self, op_id: int, keep: tuple[Any, ...]) -> Op:
-        if keep:
-            with self._keep_lock:
-                self._keep[op_id] = keep
-        return Op(self, op_id)
+        return 0, int(self._cast("uintptr_t", cbuf)), len(cbuf), cbuf
 
     def submit_copy(self, src: Endpoint, dst: Endpoint, length: int, *, src_off: int = 0,
                     dst_off: int = 0, fail: bool = False) -> Op:
-        """Copy ``length`` bytes; each end is a region id or a buffer. ``fail`` injects a fault."""
-        sr, sa, ss, sk = self._endpoint(src, False)
-        dr, da, ds, dk = self._endpoint(dst, True)
-        out = self.ffi.new("int64_t *")
-        rc = self.lib.kvs_submit_copy(sr, sa, ss, src_off, dr, da, ds, dst_off, length,
-                                      self._flags(fail), out)
+        """Copy ``length`` bytes; each end is a region id or a buffer. ``fail`` injects a fault.
+
+        This is the hot path (one call per small op), so it is kept flat."""
+        # Region ids (the common case) skip the buffer plumbing entirely.
+        if src.__class__ is int:
+            sr, sa, ss, sk = src, 0, 0, None
+        else:
+            sr, sa, ss, sk = self._endpoint(src, False)
+        if dst.__class__ is int:
+            dr, da, ds, dk = dst, 0, 0, None
+        else:
+            dr, da, ds, dk = self._endpoint(dst, True)
+        out = self._new("int64_t *")
+        rc = self._submit_copy(sr, sa, ss, src_off, dr, da, ds, dst_off, length,
+                               self._fail_flag if fail else 0, out)
         if rc:
             self._raise("kvs_submit_copy", rc, f"copy of {length} bytes", "created", "submit")
-        keep = tuple(k for k in (sk, dk) if k is not None)
-        return self._track(int(out[0]), keep)
+        op_id = int(out[0])
+        if sk is not None or dk is not None:
+            self._keep[op_id] = (sk, dk)  # a dict store is atomic under the GIL
+        return Op(self, op_id)
 
     def submit_gather(self, src: Endpoint, dst: Endpoint, blocks: Sequence[Block] | Any, *,
                       fail: bool = False) -> Op:
@@ -366,22 +381,27 @@ class Native:
         dr, da, ds, dk = self._endpoint(dst, True)
         ffi = self.ffi
         if isinstance(blocks, (list, tuple)):
-            cblocks = ffi.new("kvs_block[]", [tuple(b) for b in blocks])
+            try:
+                cblocks = ffi.new("kvs_block[]", [tuple(b) for b in blocks])
+            except (TypeError, OverflowError, ValueError) as exc:
+                raise errors.NativeInvalidArgument("kvs_submit", -1, f"blocks: {exc}") from None
             n = len(blocks)
         else:
             try:
                 cblocks = ffi.from_buffer("kvs_block[]", blocks)
-            except TypeError as exc:
+            except (TypeError, BufferError, ValueError) as exc:
                 raise errors.NativeInvalidArgument("kvs_submit", -1, f"blocks: {exc}") from None
             n = len(cblocks)
         s = ffi.new("kvs_endpoint *", (sr, sa, ss))
         d = ffi.new("kvs_endpoint *", (dr, da, ds))
         out = ffi.new("int64_t *")
-        rc = self.lib.kvs_submit(s, d, cblocks, n, self._flags(fail), out)
+        rc = self.lib.kvs_submit(s, d, cblocks, n, self._fail_flag if fail else 0, out)
         if rc:
             self._raise("kvs_submit", rc, f"gather of {n} blocks", "created", "submit")
-        keep = tuple(k for k in (sk, dk) if k is not None)
-        return self._track(int(out[0]), keep)
+        op_id = int(out[0])
+        if sk is not None or dk is not None:
+            self._keep[op_id] = (sk, dk)
+        return Op(self, op_id)
 
     def op_info(self, op: int) -> OpInfo:
         out = self.ffi.new("kvs_op_info *")
@@ -411,8 +431,7 @@ class Native:
         rc = self.lib.kvs_reap(op, out)
         if rc:
             self._raise("kvs_reap", rc, f"op {op}", self._state_or_unknown(op), "reap")
-        with self._keep_lock:
-            self._keep.pop(op, None)
+        self._keep.pop(op, None)
         return OpInfo(op, self.op_states[out.state], out.error, out.bytes, out.nblocks)
 
     def _state_or_unknown(self, op: int) -> str:
@@ -443,12 +462,14 @@ def default() -> Native:
     if _default is None:
         with _default_lock:
             if _default is None:
+                require("_cffi_backend", "host", hint="install 'kvstate[native]'")
                 try:
                     from kvstate import _native  # type: ignore[attr-defined]
                 except ModuleNotFoundError as exc:
-                    if exc.name not in ("kvstate._native", "_cffi_backend"):
+                    if not is_missing(exc, "kvstate._native"):
                         raise
-                    raise BackendUnavailable("host", f"the native module is not built ({exc}); "
-                                             "reinstall kvstate with a C compiler") from None
+                    raise BackendUnavailable("host", "the native module kvstate._native was not "
+                                             "built; reinstall kvstate where a C compiler is "
+                                             "available") from None
                 _default = Native(_native.ffi, _native.lib)
     return _default

@@ -71,7 +71,11 @@ class GroupUnderTest(Lifecycle):
     @effect("submit_load")
     def _submit(self, **kw: Any) -> Any:
         self.pins += 1
-        self._maybe_fail("submit_load")  # fails after taking the pin: the undo must drop it
+        try:
+            self._maybe_fail("submit_load")
+        except Injected:
+            self.pins -= 1  # an effect that raises leaves nothing half done
+            raise
 
         def undo() -> None:
             self.pins -= 1

@@ -81,7 +81,7 @@ def summary(r: dict[str, object]) -> str:
     assert isinstance(leaks, list)
     rows = [
         ("scenario", f"tp={r['tp']}" + (f", SIGKILL {r['kill']}" if r["kill"] else ", no faults")),
-        ("importer group states", " -> ".join(map(str, r["importer_states"])) or "-"),  # type: ignore[call-overload]
+        ("importer group states", " -> ".join(_dedupe(r["importer_states"])) or "-"),  # type: ignore[arg-type]
         ("exporter bank states", " -> ".join(_dedupe(r["exporter_states"])) or "-"),  # type: ignore[arg-type]
         ("import result per rank", ", ".join(map(str, r["import_states"]))),  # type: ignore[call-overload]
         ("prefix bytes loaded", f"{int(r['load_bytes']) / 2**20:.1f} MiB"),  # type: ignore[call-overload]

@@ -16,6 +16,12 @@ granularity()   the allocation and mapping granularity in bytes
 device_uuid()   16 bytes naming the memory's device (a host identity for host memory)
 ==============  =====================================================================
 
+Beyond the protocol, the lifecycle code uses these on every backend it drives (host,
+cuda): ``free(r)`` (return a reservation), ``stats(m)`` (a mapping's pins, as
+:class:`kvstate.native.RegionStats`), ``receive_handle(kind, bytes, fds)`` (the backend's
+handle for a descriptor's handle bytes and the fds received with it, checked, nothing
+opened) and ``submit_gather(m, dst, blocks)`` (a :class:`PendingOp`).
+
 Handles, allocations, reservations and mappings are backend objects; callers treat
 them as opaque and hand them back to the backend that made them.
 """
@@ -85,6 +91,22 @@ class Transport(Protocol):
     def unmap(self, mapping: Any) -> None: ...
 
     def release(self, allocation: Any) -> None: ...
+
+
+class OpResult(Protocol):
+    """What a finished op reports; the lifecycle code reads only its byte count."""
+
+    @property
+    def bytes(self) -> int: ...
+
+
+class PendingOp(Protocol):
+    """A submitted copy or gather (:class:`kvstate.native.Op` on the host backend,
+    ``CudaOp`` on the cuda backend). It pins what it touches until it finishes."""
+
+    def result(self, timeout: float) -> OpResult: ...
+
+    def cancel(self) -> None: ...
 
 
 class DuplicateTransport(KvStateError):

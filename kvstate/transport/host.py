@@ -22,20 +22,22 @@ does not. The transport is registered explicitly (``Registry.register(HostTransp
 
 from __future__ import annotations
 
-import hashlib
 import os
-from functools import cache
+from collections.abc import Sequence
 
 import attrs
 
-from kvstate import handles
-from kvstate.errors import FdIdentityMismatch, KvStateError, NativeInvalidArgument
+from kvstate import handles, identity
+from kvstate.errors import FdIdentityMismatch, HandleFdsMismatch, ImportRefused, KvStateError, NativeInvalidArgument
 from kvstate.handles import HandleKind
 from kvstate.native import (
     ACCESS_NONE,
     ACCESS_READ,
     ACCESS_READ_WRITE,
+    Block,
+    Endpoint,
     Native,
+    Op,
     RegionStats,
     default,
 )
@@ -89,20 +91,12 @@ def fd_identity_of(fd: int) -> bytes:
     return handles.fd_identity(st.st_dev, st.st_ino)
 
 
-@cache
 def host_device_uuid() -> bytes:
-    """16 bytes naming this host's memfd space: the kernel boot id and the device number of
-    the kernel's internal shmem mount that backs memfds. Two processes can share a memfd
-    bank only when both values agree. Pure stdlib; no native code."""
-    with open("/proc/sys/kernel/random/boot_id", "rb") as f:
-        boot_id = f.read().strip()
-    fd = os.memfd_create("kvstate-identity", os.MFD_CLOEXEC)
-    try:
-        dev = os.fstat(fd).st_dev
-    finally:
-        os.close(fd)
-    h = hashlib.blake2b(boot_id + b"\0" + str(dev).encode(), digest_size=16, person=b"kvstate-hostdev")
-    return h.digest()
+    """16 bytes naming host memory on this boot of this host (:mod:`kvstate.identity`).
+
+    memfds are kernel objects: any two processes on one running kernel can share one over
+    SCM_RIGHTS, whatever their namespaces, so the kernel's boot id is the whole identity."""
+    return identity.host_device_uuid(identity.host_boot_id()).value
 
 
 class HostTransport:
@@ -149,6 +143,15 @@ class HostTransport:
         fd = self._native.export_fd(allocation.id)
         return HostHandle(fd, fd_identity_of(fd))
 
+    def receive_handle(self, kind: HandleKind, data: bytes, fds: Sequence[int]) -> HostHandle:
+        """The handle a descriptor names, with the one fd received with it (borrowed: the
+        caller still closes it). Checked again, against the fd itself, by import_."""
+        if kind is not HandleKind.MEMFD:
+            raise HandleKindUnsupported(f"the host backend imports only memfd handles, not {kind.value}")
+        if len(fds) != 1:
+            raise HandleFdsMismatch(f"expected one memfd, got {len(fds)} fd(s)")
+        return HostHandle(fds[0], data)
+
     def import_(self, handle: HostHandle, size: int) -> HostAllocation:
         """Check and adopt a received memfd. The caller still owns (and closes) ``handle.fd``."""
         if handle.kind is not HandleKind.MEMFD:
@@ -157,7 +160,11 @@ class HostTransport:
         if len(handle.identity) != handles.FD_IDENTITY_BYTES:
             raise FdIdentityMismatch("import", -1, f"handle bytes are {len(handle.identity)} long, "
                                      f"expected {handles.FD_IDENTITY_BYTES}")
-        if fd_identity_of(handle.fd) != handle.identity:
+        try:
+            identity = fd_identity_of(handle.fd)
+        except OSError as exc:
+            raise ImportRefused("import", -1, f"fd {handle.fd} cannot be examined: {exc.strerror}") from None
+        if identity != handle.identity:
             raise FdIdentityMismatch("import", -1, f"fd {handle.fd} is not the file its descriptor names")
         return HostAllocation(self._native.import_fd(handle.fd, size), size, imported=True)
 
@@ -191,6 +198,17 @@ class HostTransport:
     def view(self, mapping: HostMapping) -> memoryview:
         """The mapping's bytes. Touching them before set_access faults (SIGSEGV)."""
         return self._native.view(mapping.region)
+
+    def submit_gather(self, mapping: HostMapping, dst: Endpoint, blocks: Sequence[Block]) -> Op:
+        """A native gather out of ``mapping`` into ``dst``; it pins the mapping until done."""
+        return self._native.submit_gather(mapping.region, dst, blocks)
+
+    def pin(self, mapping: HostMapping) -> None:
+        """An explicit pin (a lease's): unmap and release refuse until :meth:`unpin`."""
+        self._native.pin(mapping.region)
+
+    def unpin(self, mapping: HostMapping) -> None:
+        self._native.unpin(mapping.region)
 
     def stats(self, mapping: HostMapping) -> RegionStats:
         """Pins, ops in flight, completed and failed ops and bytes of one mapping."""

@@ -183,8 +183,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         group = data.draw(st.sampled_from(self.live("ready")))
         for part in group.parts:
             part.lease_expires_at = 0.0
-        assert self.importer.expire_leases([group]) == [group]
-        assert group.state == "draining"
+        assert wait_until(lambda: group.state == "draining"), "expired lease not noticed"
 
     @precondition(lambda self: bool(self.live("ready") or self.live("draining")))
     @rule(data=st.data())

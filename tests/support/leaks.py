@@ -31,8 +31,8 @@ class Snapshot:
     fds: Mapping[int, str]              # fd -> readlink target
     memfd_maps: int                     # lines of /proc/self/maps backed by a memfd
     children: frozenset[int]            # pids of direct children (all threads)
-    threads: frozenset[int]             # Python thread idents alive
-    tasks: int                          # OS threads (/proc/self/task)
+    threads: frozenset[int]             # Python thread idents alive (the native engine's
+                                        # worker pthreads are process-global and reused: not counted)
     native: Mapping[str, int]           # native engine counters, if the library is loaded
 
 
@@ -67,12 +67,12 @@ def _native() -> dict[str, int]:
     if native is None or getattr(native, "_default", None) is None:
         return {}  # never loaded: nothing native can be held
     stats = native._default.stats()
-    return {k: int(getattr(stats, k)) for k in (*NATIVE_COUNTERS, "workers")}
+    return {k: int(getattr(stats, k)) for k in NATIVE_COUNTERS}
 
 
 def snapshot() -> Snapshot:
     return Snapshot(_fds(), _memfd_maps(), _children(), frozenset(t.ident or 0 for t in threading.enumerate()),
-                    len(os.listdir("/proc/self/task")), _native())
+                    _native())
 
 
 def _helpers() -> tuple[set[int], set[int]]:
@@ -106,12 +106,6 @@ def leaks(before: Snapshot, after: Snapshot) -> list[str]:
     found += [f"child process {pid}" for pid in sorted(after.children - before.children - helper_pids)]
     alive = {t.ident: t.name for t in threading.enumerate()}
     found += [f"thread {alive.get(t, t)!r}" for t in sorted(after.threads - before.threads)]
-    # OS threads that are not Python threads: the native engine starts its workers lazily
-    # (up to its configured count) and keeps them, so they may appear during any test.
-    native_before, native_after = before.tasks - len(before.threads), after.tasks - len(after.threads)
-    allowed = max(native_before, after.native.get("workers", 0))
-    if native_after > allowed:
-        found.append(f"{native_after - allowed} non-Python OS thread(s) beyond the native workers")
     for key in NATIVE_COUNTERS:
         if after.native.get(key, 0) > before.native.get(key, 0):
             found.append(f"native {key}: {before.native.get(key, 0)} -> {after.native[key]}")

@@ -1,0 +1,119 @@
+"""The cuda backend on a real GPU: devices by UUID, VMM and legacy IPC across processes,
+pins and ops, the FABRIC trial, and a tp=1 group through its whole lifecycle."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstate import errors, gpucheck
+from kvstate.handles import HandleKind
+from kvstate.profile import FabricTrial
+from kvstate.transport.base import Access
+from kvstate.transport.cuda import CudaTransport, visible_devices
+from kvstate.transport.cuda_rules import format_uuid
+
+
+def test_devices_are_chosen_by_uuid_never_ordinal(device: bytes) -> None:
+    uuids = visible_devices()
+    assert len(set(uuids)) == len(uuids) and all(len(u) == 16 for u in uuids)
+    t = CudaTransport(format_uuid(device))
+    assert t.device_uuid() == device
+    t.close()
+    unknown = bytes(16) if device != bytes(16) else b"\xff" * 16
+    with pytest.raises(errors.CudaDeviceNotFound):
+        CudaTransport(unknown)
+
+
+def test_granularity_and_sizes(device: bytes) -> None:
+    t = CudaTransport(device)
+    g = t.granularity()
+    assert g > 0 and g & (g - 1) == 0 and g % t.min_granularity == 0
+    with pytest.raises(errors.NativeInvalidArgument):
+        t.create(g + 1)
+    t.close()
+
+
+def test_vmm_posix_fd_across_two_processes(device: bytes) -> None:
+    r = gpucheck.two_process_vmm(device)
+    assert r["pattern_ok"] and r["exporter_released"] and r["exporter_exit"] == 0
+
+
+def test_legacy_ipc_constraints_across_two_processes(device: bytes) -> None:
+    r = gpucheck.two_process_legacy_ipc(device)
+    assert r == {**r, "handle_bytes": 64, "pattern_ok": True, "own_open_refused": True, "importer_exit": 0}
+
+
+def test_legacy_ipc_only_on_request_and_only_for_cumemalloc_memory(device: bytes) -> None:
+    t = CudaTransport(device)
+    a = t.create(t.granularity())
+    with pytest.raises(errors.LegacyIpcRefused):
+        t.export(a, HandleKind.CUDA_IPC)
+    with pytest.raises(errors.LegacyIpcRefused):
+        CudaTransport(device, kind=HandleKind.CUDA_IPC)
+    t.release(a)
+    t.close()
+
+
+def test_no_unmap_or_release_while_pinned_or_mapped_and_ops_report_into_pins(device: bytes) -> None:
+    """INV-NO-UNMAP-PINNED and INV-OP-PINS on the Python-side pin table."""
+    t = CudaTransport(device)
+    size = t.granularity()
+    a = t.create(size)
+    r = t.reserve(size)
+    m = t.map(r, 0, a)
+    dst = t.alloc_buffer(size)
+    with pytest.raises(errors.GuardRejected):  # no access yet: ops are refused
+        t.submit_copy(m, dst, 16)
+    t.set_access(m, Access.READ_WRITE)
+    t.write(m, gpucheck.pattern(size, 5))
+    t.pin(m)
+    with pytest.raises(errors.RegionPinned):
+        t.unmap(m)
+    with pytest.raises(errors.RegionPinned):
+        t.set_access(m, Access.READ)
+    t.unpin(m)
+    op = t.submit_gather(m, dst, [(0, size // 2, size // 2), (size // 2, 0, size // 2)])
+    with pytest.raises(errors.IllegalTransition):
+        op.cancel()
+    info = op.result(30.0)
+    assert info.bytes == size
+    st = t.stats(m)
+    assert (st.pins, st.inflight, st.completed, st.bytes) == (0, 0, 1, size)
+    src = gpucheck.pattern(size, 5)
+    assert t.read(dst, size) == src[size // 2:] + src[:size // 2]
+    with pytest.raises(errors.StillMapped):
+        t.release(a)
+    with pytest.raises(errors.StillMapped):
+        t.free(r)
+    t.unmap(m)
+    t.free(r)
+    t.release(a)
+    t.free_buffer(dst)
+    t.close()
+
+
+def test_fabric_only_after_a_passing_trial(device: bytes) -> None:
+    t = CudaTransport(device, fabric=True)
+    assert t.fabric_trial in (FabricTrial.PASSED, FabricTrial.FAILED), t.fabric_decision
+    t.close()
+    if t.fabric_trial is FabricTrial.FAILED:
+        with pytest.raises(errors.FabricUnavailable):
+            CudaTransport(device, kind=HandleKind.FABRIC)
+        return
+    f = CudaTransport(device, kind=HandleKind.FABRIC)
+    size = f.granularity()
+    a = f.create(size)
+    h = f.export(a, HandleKind.FABRIC)
+    assert h.fd is None and len(h.identity) == 64
+    b = f.import_(f.receive_handle(HandleKind.FABRIC, h.identity, []), size)
+    f.release(b)
+    f.release(a)
+    f.close()
+
+
+def test_tp1_group_lifecycle_to_quiescent_over_cuda(device: bytes) -> None:
+    """INV-RELEASE-QUIESCENT and INV-LOAD-BYTES with the real Exporter (in
+    a child process) and Importer over the cuda backend."""
+    r = gpucheck.lifecycle_tp1(device, rounds=3)
+    assert r["load_ok"] and r["group_states"] == ["closed"]
+    assert r["exporter"]["bank_state"] == "released" and r["exporter_exit"] == 0

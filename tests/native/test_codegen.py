@@ -1,0 +1,92 @@
+"""ffi/kvs_op_table.h is generated from spec/op.toml, is fresh, and drives the C engine.
+
+INV-EVENT-DECLARED: the C engine fires only the (state, event) pairs the table declares,
+so changing the table changes what C accepts.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import attrs
+import pytest
+
+from kvstate import codegen, errors
+from kvstate.native import Native
+from kvstate.spec import load_machine
+from native.helpers import ROOT, build_variant_lib
+
+
+def test_committed_header_is_fresh() -> None:
+    committed = (ROOT / "ffi" / codegen.HEADER_NAME).read_text(encoding="utf-8")
+    assert committed == codegen.op_header(), "ffi/kvs_op_table.h is stale: run `python -m kvstate.codegen`"
+
+
+def test_check_command_passes_on_fresh_and_fails_on_stale_header(tmp_path: Path) -> None:
+    fresh = tmp_path / "fresh.h"
+    fresh.write_text(codegen.op_header(), encoding="utf-8")
+    stale = tmp_path / "stale.h"
+    stale.write_text(codegen.op_header().replace("KVS_OP_CANCELLED, 0u, 0u, 1", "KVS_OP_DONE, 0u, 0u, 1"),
+                     encoding="utf-8")
+    for path, code in ((fresh, 0), (stale, 1), (tmp_path / "missing.h", 1)):
+        done = subprocess.run([sys.executable, "-m", "kvstate.codegen", "check", "--out", str(path)],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == code, done.stderr
+
+
+def _cancel_only_when_running() -> str:
+    """The op table with its cancel row moved from queued to running."""
+    m = load_machine("op")
+    rows = tuple(attrs.evolve(t, source="running") if t.trigger == "cancel" else t for t in m.transitions)
+    return codegen.op_header(attrs.evolve(m, transitions=rows))
+
+
+def test_header_follows_the_table() -> None:
+    header = _cancel_only_when_running()
+    assert header != codegen.op_header()
+    assert "/* 4: cancel: running -> cancelled */" in header
+
+
+def test_a_changed_table_changes_the_c_engine(tmp_path: Path) -> None:
+    """Built from a table where cancel applies only to running ops, the engine refuses to
+    cancel a queued op; the committed table lets it."""
+    ffi, lib = build_variant_lib(tmp_path, "kvs_table_variant", op_table_header=_cancel_only_when_running())
+    with pytest.raises(errors.SpecError, match="another op table"):
+        Native(ffi, lib)  # same names, other rows: the digest tells them apart
+    nat = Native(ffi, lib, check_table=False)
+    page = nat.page_size
+    alloc = nat.create(page)
+    res, _ = nat.reserve(page, page)
+    region, _ = nat.map(res, 0, alloc)
+    nat.set_access(region, 2)
+    nat.pause(True)
+    op = nat.submit_copy(region, bytearray(8), 8)
+    with pytest.raises(errors.IllegalTransition):
+        op.cancel()
+    nat.pause(False)
+    assert op.result(10).state == "done"
+    nat.unmap(region)
+    nat.release(alloc)
+    nat.free_reservation(res)
+
+
+def test_module_from_another_table_is_refused_and_an_unusable_table_refuses_submits(tmp_path: Path) -> None:
+    """A module built from a table other than spec/op.toml is refused by the wrapper
+    (SpecError); and a table without the engine's own `start` row makes every submit
+    refused in C instead of leaving ops stuck or aborting."""
+    from kvstate.errors import SpecError
+    from kvstate.spec import StateSpec
+
+    m = load_machine("op")
+    variant = attrs.evolve(m, states=(*m.states, StateSpec("parked", "a state C never enters", False)),
+                           transitions=tuple(t for t in m.transitions if t.trigger != "start"))
+    ffi, lib = build_variant_lib(tmp_path, "kvs_table_unusable", op_table_header=codegen.op_header(variant))
+    with pytest.raises(SpecError, match="another op table"):
+        Native(ffi, lib)
+    buf = ffi.new("char[]", 8)
+    out = ffi.new("int64_t *")
+    rc = lib.kvs_submit_copy(0, int(ffi.cast("uintptr_t", buf)), 8, 0, 0, int(ffi.cast("uintptr_t", buf)), 8, 0,
+                             8, 0, out)
+    assert rc == lib.KVS_E_ILLEGAL

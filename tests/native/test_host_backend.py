@@ -1,0 +1,227 @@
+"""The host backend keeps CUDA-VMM semantics, and refuses bad fds before mapping them."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import sys
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+
+from kvstate import errors, handles
+from kvstate.handles import HandleKind
+from kvstate.transport import Transport
+from kvstate.transport.base import Access, MemoryKind, Scope
+from kvstate.transport.host import (
+    HandleKindUnsupported,
+    HostHandle,
+    HostTransport,
+    fd_identity_of,
+    host_device_uuid,
+)
+from native.helpers import PEERS, peer
+
+BANK = 2 << 20
+
+
+@pytest.fixture
+def t() -> HostTransport:
+    return HostTransport()
+
+
+def test_native_module_loads_only_when_asked() -> None:
+    """Importing kvstate and its transports loads no native code (fresh interpreter)."""
+    code = ("import sys, kvstate, kvstate.transport, kvstate.channel, kvstate.native, kvstate.codegen\n"
+            "assert 'kvstate._native' not in sys.modules, 'loaded at import'\n"
+            "from kvstate.transport.host import HostTransport\n"
+            "assert 'kvstate._native' not in sys.modules, 'loaded by importing the backend'\n"
+            "HostTransport()\n"
+            "assert 'kvstate._native' in sys.modules\n")
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def test_transport_interface_and_identity(t: HostTransport) -> None:
+    assert isinstance(t, Transport)
+    assert t.name == "host" and t.granularity() == 2 << 20
+    assert t.capabilities.handle_kinds == {HandleKind.MEMFD}
+    assert t.capabilities.memory_kinds == {MemoryKind.HOST}
+    assert t.capabilities.scopes == {Scope.SAME_NODE}
+    uuid = t.device_uuid()
+    assert len(uuid) == 16 and uuid == host_device_uuid()
+    assert HostTransport(granularity=4 << 20).granularity() == 4 << 20
+    with pytest.raises(errors.NativeInvalidArgument):
+        HostTransport(granularity=3 << 20)
+
+
+def test_create_map_access_pattern_roundtrip(t: HostTransport) -> None:
+    a = t.create(2 * BANK)
+    r = t.reserve(4 * BANK)
+    assert r.addr % t.granularity() == 0
+    m = t.map(r, BANK, a)
+    assert m.addr == r.addr + BANK and m.size == 2 * BANK
+    assert t.stats(m).access == 0
+    t.set_access(m, Access.READ_WRITE)
+    view = t.view(m)
+    view[: 1 << 16] = bytes(range(256)) * 256
+    assert bytes(view[:256]) == bytes(range(256))
+    del view
+    t.unmap(m)
+    t.release(a)
+    t.free(r)
+
+
+def test_sizes_and_offsets_follow_the_granularity(t: HostTransport) -> None:
+    with pytest.raises(errors.NativeInvalidArgument):
+        t.create(BANK + 4096)
+    with pytest.raises(errors.NativeInvalidArgument):
+        t.reserve(0)
+    a = t.create(BANK)
+    r = t.reserve(2 * BANK)
+    try:
+        with pytest.raises(errors.NativeInvalidArgument):
+            t.map(r, 4096, a)
+        with pytest.raises(errors.OutOfRange):
+            t.map(r, 2 * BANK, a)
+        m = t.map(r, 0, a)
+        with pytest.raises(errors.MappingOverlap):
+            t.map(r, 0, a)
+        with pytest.raises(errors.StillMapped):
+            t.release(a)
+        with pytest.raises(errors.StillMapped):
+            t.free(r)
+        t.unmap(m)
+        with pytest.raises(errors.UnknownNativeObject):
+            t.unmap(m)
+    finally:
+        t.release(a)
+        t.free(r)
+
+
+@pytest.mark.parametrize("mode", ["write", "read", "read-only-write"])
+def test_touch_before_set_access_faults(mode: str) -> None:
+    """As on CUDA, a mapping is unusable until set_access: the touch dies with SIGSEGV."""
+    proc = peer("touch", mode)
+    out_b, err_b = proc.communicate(timeout=60)
+    out, err = out_b.decode(), err_b.decode()
+    assert "touching" in out and "survived" not in out, (out, err)
+    assert proc.returncode == -signal.SIGSEGV, (proc.returncode, err)
+    assert PEERS.is_file()
+
+
+def test_export_import_in_process(t: HostTransport) -> None:
+    a = t.create(BANK)
+    h = t.export(a, HandleKind.MEMFD)
+    assert h.identity == fd_identity_of(h.fd) and len(h.identity) == handles.FD_IDENTITY_BYTES
+    b = t.import_(h, BANK)
+    assert b.imported and b.id != a.id
+    with pytest.raises(HandleKindUnsupported):
+        t.export(a, HandleKind.FABRIC)
+    t.release(b)
+    t.release(a)
+
+
+@pytest.fixture
+def sealed_memfd() -> Iterator[int]:
+    fd = os.memfd_create("kvstate-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, BANK)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    yield fd
+    os.close(fd)
+
+
+def test_import_refuses_wrong_size(t: HostTransport, sealed_memfd: int) -> None:
+    before = t.native.stats().allocations
+    with pytest.raises(errors.FdWrongSize):
+        t.import_(HostHandle(sealed_memfd, fd_identity_of(sealed_memfd)), 2 * BANK)
+    assert t.native.stats().allocations == before
+
+
+def test_import_refuses_unsealed_memfd(t: HostTransport) -> None:
+    fd = os.memfd_create("kvstate-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, BANK)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)  # can still be unsealed
+        with pytest.raises(errors.FdUnsealed):
+            t.import_(HostHandle(fd, fd_identity_of(fd)), BANK)
+    finally:
+        os.close(fd)
+    fd = os.memfd_create("kvstate-test", os.MFD_CLOEXEC)  # no sealing at all
+    try:
+        os.ftruncate(fd, BANK)
+        with pytest.raises(errors.FdUnsealed):
+            t.import_(HostHandle(fd, fd_identity_of(fd)), BANK)
+    finally:
+        os.close(fd)
+
+
+def test_import_refuses_what_is_not_a_memfd(t: HostTransport) -> None:
+    with tempfile.TemporaryFile() as f:
+        f.truncate(BANK)
+        with pytest.raises(errors.FdNotMemfd):
+            t.import_(HostHandle(f.fileno(), fd_identity_of(f.fileno())), BANK)
+    r, w = os.pipe()
+    try:
+        with pytest.raises(errors.FdNotMemfd):
+            t.import_(HostHandle(r, fd_identity_of(r)), BANK)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_import_refuses_an_fd_its_descriptor_does_not_name(t: HostTransport, sealed_memfd: int) -> None:
+    other = t.create(BANK)
+    try:
+        wrong = fd_identity_of(t.export(other, HandleKind.MEMFD).fd)
+        with pytest.raises(errors.FdIdentityMismatch):
+            t.import_(HostHandle(sealed_memfd, wrong), BANK)
+        with pytest.raises(errors.FdIdentityMismatch):
+            t.import_(HostHandle(sealed_memfd, b"short"), BANK)
+    finally:
+        t.release(other)
+
+
+def test_explicit_pins_block_unmap_release_and_access_revocation(t: HostTransport) -> None:
+    """INV-NO-UNMAP-PINNED: a lease's explicit pin holds the region like an op's."""
+    a = t.create(BANK)
+    r = t.reserve(BANK)
+    m = t.map(r, 0, a)
+    t.set_access(m, Access.READ_WRITE)
+    t.native.pin(m.region)
+    assert t.stats(m).pins == 1 and t.stats(m).explicit_pins == 1 and not t.stats(m).quiescent
+    with pytest.raises(errors.RegionPinned):
+        t.unmap(m)
+    with pytest.raises(errors.RegionPinned):
+        t.release(a)
+    with pytest.raises(errors.RegionPinned):
+        t.set_access(m, Access.READ)
+    t.native.unpin(m.region)
+    with pytest.raises(errors.NativeInvalidArgument):
+        t.native.unpin(m.region)
+    t.set_access(m, Access.NONE)
+    t.unmap(m)
+    t.release(a)
+    t.free(r)
+
+
+def test_bad_arguments_are_typed_errors(t: HostTransport) -> None:
+    before = t.native.stats().allocations
+    with pytest.raises(errors.NativeInvalidArgument):
+        t.native.reserve(BANK, 0)
+    with pytest.raises(errors.NativeInvalidArgument):
+        t.native.reserve(BANK, 3 * 4096)
+    with pytest.raises(errors.NativeInvalidArgument):
+        t.native.create(100)
+    r, w = os.pipe()
+    os.close(r)
+    os.close(w)
+    with pytest.raises(errors.ImportRefused):
+        t.import_(HostHandle(r, bytes(16)), BANK)
+    with pytest.raises(errors.UnknownNativeObject):
+        t.native.region_stats(0)
+    assert t.native.stats().allocations == before

@@ -1,0 +1,331 @@
+"""Hypothesis stateful test of the op engine against a Python model, and its self-test.
+
+The engine is paused between ``run_all`` steps, so the model knows exactly which ops are
+queued (and pinning) at every step. Random submits (some with injected failures),
+cancels, reaps, polls, completions, leases (explicit pins) taken and ended, unmaps,
+releases, remaps and access changes are
+checked against the model; after every step the native layer's own observation (pins,
+ops in flight, live and queued ops) must equal the model's.
+
+Invariants: INV-NO-UNMAP-PINNED, INV-OP-PINS, INV-EVENT-DECLARED.
+
+The self-test builds a test-only module with a planted bug (unmap and release ignore
+pins) and asserts that this same machine fails on it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from kvstate import errors
+from kvstate.errors import KvStateError
+from kvstate.native import ACCESS_NONE, ACCESS_READ, ACCESS_READ_WRITE, Native, Op, default
+from native.helpers import build_variant
+
+PAGE = 4096
+SIZE = 16 * PAGE
+NAMES = ("a", "b", "c")   # a, b: sources (never written); c: a sink
+SOURCES = ("a", "b", "buf")
+SINKS = ("c", "buf")
+
+
+def outcome(fn: Callable[[], Any]) -> type[KvStateError] | None:
+    try:
+        fn()
+    except KvStateError as exc:
+        return type(exc)
+    return None
+
+
+def pattern(name: str) -> bytes:
+    return random.Random(name).randbytes(SIZE)
+
+
+class ModelOp:
+    def __init__(self, op: Op, touches: frozenset[str], fail: bool, dst: bytearray | None,
+                 expect: bytes | None) -> None:
+        self.op = op
+        self.touches = touches
+        self.fail = fail
+        self.dst = dst
+        self.expect = expect
+        self.state = "queued"
+
+
+def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
+    class OpEngine(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.nat = nat
+            self.regions: dict[str, int] = {}     # current (or stale, once unmapped) region id
+            self.mapped: dict[str, bool] = {}
+            self.allocs: dict[str, int | None] = {}
+            self.access: dict[str, int] = {}
+            self.ops: dict[int, ModelOp] = {}
+            self.reaped: list[int] = []
+            self.leases: dict[str, int] = {}      # explicit pins (leases) per region
+            self.res = 0
+            self.base_live = self.base_queued = 0
+
+        @initialize()
+        def setup(self) -> None:
+            base = self.nat.stats()  # the native layer is process-global: count from here
+            self.base_live, self.base_queued = base.ops_live, base.ops_queued
+            self.nat.pause(True)
+            self.res, _ = self.nat.reserve(len(NAMES) * SIZE, PAGE)
+            for name in NAMES:
+                self.allocs[name] = None
+                self._map(name)
+
+        def _map(self, name: str) -> None:
+            fresh = self.allocs[name] is None
+            if fresh:
+                self.allocs[name] = self.nat.create(SIZE)
+            alloc = self.allocs[name]
+            assert alloc is not None
+            region, _ = self.nat.map(self.res, NAMES.index(name) * SIZE, alloc)
+            self.nat.set_access(region, ACCESS_READ_WRITE)
+            if fresh and name != "c":
+                self.nat.view(region)[:] = pattern(name)
+            self.regions[name], self.mapped[name], self.access[name] = region, True, ACCESS_READ_WRITE
+            self.leases[name] = 0
+
+        def inflight(self, name: str) -> int:
+            return sum(1 for o in self.ops.values() if o.state == "queued" and name in o.touches)
+
+        def pins(self, name: str) -> int:
+            return self.inflight(name) + self.leases.get(name, 0)
+
+        # -- rules ------------------------------------------------------------------------
+
+        @rule(src=st.sampled_from(SOURCES), dst=st.sampled_from(SINKS), nblocks=st.integers(1, 4),
+              seed=st.integers(0, 2**16), fail=st.booleans())
+        def submit(self, src: str, dst: str, nblocks: int, seed: int, fail: bool) -> None:
+            rng = random.Random(seed)
+            blocks, expect, dst_off = [], bytearray(), 0
+            src_bytes = pattern(src) if src != "buf" else rng.randbytes(SIZE)
+            for _ in range(nblocks):
+                length = rng.randint(1, PAGE)
+                off = rng.randrange(0, SIZE - length)
+                blocks.append((off, dst_off, length))
+                expect += src_bytes[off:off + length]
+                dst_off += length
+            src_ep: Any = self.regions[src] if src != "buf" else bytearray(src_bytes)
+            dst_buf = bytearray(dst_off) if dst == "buf" else None
+            dst_ep: Any = self.regions[dst] if dst_buf is None else dst_buf
+            touches = frozenset(n for n in (src, dst) if n != "buf")
+
+            if any(not self.mapped[n] for n in touches):
+                want: type[KvStateError] | None = errors.UnknownNativeObject
+            elif (src != "buf" and self.access[src] < ACCESS_READ) or (
+                    dst != "buf" and self.access[dst] < ACCESS_READ_WRITE):
+                want = errors.GuardRejected
+            else:
+                want = None
+            ops: list[Op] = []
+            got = outcome(lambda: ops.append(self.nat.submit_gather(src_ep, dst_ep, blocks, fail=fail)))
+            assert got is want, f"submit {src}->{dst}: expected {want}, got {got}"
+            if ops:
+                self.ops[ops[0].id] = ModelOp(ops[0], touches, fail, dst_buf, bytes(expect))
+
+        @rule(name=st.sampled_from(NAMES))
+        def unmap(self, name: str) -> None:
+            if not self.mapped[name]:
+                want: type[KvStateError] | None = errors.UnknownNativeObject
+            elif self.pins(name):
+                want = errors.RegionPinned
+            else:
+                want = None
+            got = outcome(lambda: self.nat.unmap(self.regions[name]))
+            assert got is want, f"INV-NO-UNMAP-PINNED: unmap of {name} with {self.pins(name)} pins: " \
+                                f"expected {want}, got {got}"
+            if got is None:
+                self.mapped[name] = False
+
+        @rule(name=st.sampled_from(NAMES))
+        def release(self, name: str) -> None:
+            alloc = self.allocs[name]
+            if alloc is None:
+                return
+            if self.mapped[name] and self.pins(name):
+                want: type[KvStateError] | None = errors.RegionPinned
+            elif self.mapped[name]:
+                want = errors.StillMapped
+            else:
+                want = None
+            got = outcome(lambda: self.nat.release(alloc))
+            assert got is want, f"INV-NO-UNMAP-PINNED: release of {name} with {self.pins(name)} pins: " \
+                                f"expected {want}, got {got}"
+            if got is None:
+                self.allocs[name] = None
+
+        @precondition(lambda self: not all(self.mapped.values()))
+        @rule(name=st.sampled_from(NAMES))
+        def remap(self, name: str) -> None:
+            if not self.mapped[name]:
+                self._map(name)
+
+        @rule(name=st.sampled_from(NAMES), level=st.sampled_from([ACCESS_NONE, ACCESS_READ, ACCESS_READ_WRITE]))
+        def set_access(self, name: str, level: int) -> None:
+            if not self.mapped[name]:
+                want: type[KvStateError] | None = errors.UnknownNativeObject
+            elif level < self.access[name] and self.pins(name):
+                want = errors.RegionPinned
+            else:
+                want = None
+            got = outcome(lambda: self.nat.set_access(self.regions[name], level))
+            assert got is want, f"set_access {name} {level}: expected {want}, got {got}"
+            if got is None:
+                self.access[name] = level
+
+        @rule(name=st.sampled_from(NAMES))
+        def lease(self, name: str) -> None:
+            want = None if self.mapped[name] else errors.UnknownNativeObject
+            got = outcome(lambda: self.nat.pin(self.regions[name]))
+            assert got is want, f"pin {name}: expected {want}, got {got}"
+            if got is None:
+                self.leases[name] += 1
+
+        @rule(name=st.sampled_from(NAMES))
+        def end_lease(self, name: str) -> None:
+            if not self.mapped[name]:
+                want: type[KvStateError] | None = errors.UnknownNativeObject
+            elif not self.leases[name]:
+                want = errors.NativeInvalidArgument  # an op's pin is never dropped by hand
+            else:
+                want = None
+            got = outcome(lambda: self.nat.unpin(self.regions[name]))
+            assert got is want, f"unpin {name}: expected {want}, got {got}"
+            if got is None:
+                self.leases[name] -= 1
+
+        @precondition(lambda self: bool(self.ops))
+        @rule(data=st.data())
+        def cancel(self, data: st.DataObject) -> None:
+            op = self.ops[data.draw(st.sampled_from(sorted(self.ops)))]
+            want = None if op.state == "queued" else errors.IllegalTransition
+            got = outcome(op.op.cancel)
+            assert got is want, f"INV-EVENT-DECLARED: cancel in {op.state}: expected {want}, got {got}"
+            if got is None:
+                op.state = "cancelled"
+
+        @precondition(lambda self: bool(self.ops))
+        @rule(data=st.data())
+        def reap(self, data: st.DataObject) -> None:
+            key = data.draw(st.sampled_from(sorted(self.ops)))
+            op = self.ops[key]
+            if op.state == "queued":
+                assert outcome(op.op.reap) is errors.IllegalTransition, "INV-EVENT-DECLARED: reap of a queued op"
+                return
+            info = op.op.reap()
+            assert info.state == op.state
+            if op.state == "done" and op.dst is not None:
+                assert bytes(op.dst) == op.expect, "gathered bytes differ from the source"
+            del self.ops[key]
+            self.reaped.append(key)
+
+        @precondition(lambda self: bool(self.ops))
+        @rule(data=st.data())
+        def poll(self, data: st.DataObject) -> None:
+            op = self.ops[data.draw(st.sampled_from(sorted(self.ops)))]
+            assert op.op.wait(0.0 if op.state != "queued" else 0.001) is (op.state != "queued")
+
+        @precondition(lambda self: bool(self.reaped))
+        @rule(data=st.data())
+        def stale_op(self, data: st.DataObject) -> None:
+            key = data.draw(st.sampled_from(self.reaped))
+            assert outcome(lambda: self.nat.reap(key)) is errors.UnknownNativeObject
+            assert outcome(lambda: self.nat.cancel(key)) is errors.UnknownNativeObject
+
+        @precondition(lambda self: any(o.state == "queued" for o in self.ops.values()))
+        @rule()
+        def run_all(self) -> None:
+            queued = [o for o in self.ops.values() if o.state == "queued"]
+            self.nat.pause(False)
+            try:
+                for o in queued:
+                    assert o.op.wait(10.0), "a queued op did not finish within 10 s"
+            finally:
+                self.nat.pause(True)
+            for o in queued:
+                o.state = "failed" if o.fail else "done"
+
+        # -- invariants -------------------------------------------------------------------
+
+        @invariant()
+        def native_observation_matches_model(self) -> None:
+            """INV-OP-PINS: a region's pins are exactly the queued or running ops touching it."""
+            if not self.regions:
+                return
+            for name in NAMES:
+                if self.mapped[name]:
+                    s = self.nat.region_stats(self.regions[name])
+                    assert (s.pins, s.inflight, s.explicit_pins) == \
+                        (self.pins(name), self.inflight(name), self.leases[name]), \
+                        f"INV-OP-PINS: {name} reports pins {s.pins}, in flight {s.inflight}, leases " \
+                        f"{s.explicit_pins}; model {self.pins(name)}, {self.inflight(name)}, {self.leases[name]}"
+            g = self.nat.stats()
+            assert g.ops_live - self.base_live == len(self.ops)
+            assert g.ops_queued - self.base_queued == sum(1 for o in self.ops.values() if o.state == "queued")
+            assert g.ops_running == 0 and g.paused
+
+        def teardown(self) -> None:
+            for key, op in list(self.ops.items()):
+                if op.state == "queued":
+                    outcome(op.op.cancel)
+                outcome(op.op.reap)
+            self.nat.pause(False)
+            for name in self.regions:
+                for _ in range(self.leases.get(name, 0)):
+                    outcome(lambda: self.nat.unpin(self.regions[name]))
+                if self.mapped.get(name):
+                    outcome(lambda: self.nat.unmap(self.regions[name]))
+                alloc = self.allocs.get(name)
+                if alloc is not None:
+                    outcome(lambda: self.nat.release(alloc))
+            if self.res:
+                outcome(lambda: self.nat.free_reservation(self.res))
+
+    return OpEngine
+
+
+TestOpEngine = machine_for(default()).TestCase
+TestOpEngine.settings = settings(TestOpEngine.settings, stateful_step_count=30)
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory: pytest.TempPathFactory) -> Native:
+    nat = build_variant(Path(tmp_path_factory.mktemp("planted")), "kvs_planted",
+                        defines=[("KVS_PLANT_RELEASE_IGNORES_PINS", None)])
+    assert nat.planted_bug
+    return nat
+
+
+def test_production_module_has_no_planted_bug() -> None:
+    assert default().planted_bug is False
+
+
+def test_stateful_machine_catches_unmap_and_release_ignoring_pins(planted: Native) -> None:
+    """Self-test: the machine above fails on a build whose unmap/release ignore pins."""
+    with pytest.raises(AssertionError, match="INV-NO-UNMAP-PINNED"):
+        run_state_machine_as_test(
+            machine_for(planted),
+            settings=settings(max_examples=300, stateful_step_count=30, derandomize=True,
+                              database=None, deadline=None, phases=[Phase.generate]),
+        )
+    assert planted.stats().pins == 0 and planted.stats().ops_live == 0
