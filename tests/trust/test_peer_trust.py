@@ -395,3 +395,19 @@ def test_channel_close_is_seen_as_closed_not_data() -> None:
         with pytest.raises(ChannelClosed):
             ch.recv(timeout=1.0)
     time.sleep(0)
+
+
+@pytest.mark.parametrize("request_", [{"op": "lease", "rank": [0]}, {"op": "lease", "rank": {"a": 1}},
+                                      {"op": ["lease"], "rank": 0}, {"op": "release", "rank": 0, "lease": {}},
+                                      {"op": "lease", "rank": 0, "generation": True}])
+def test_mistyped_request_fields_get_a_typed_refusal(exporter: Exporter, request_: dict[str, object]) -> None:
+    """Found by fuzzing: an unhashable rank or lease crashed the connection handler with a
+    TypeError. Now every field is type-checked first, and the connection stays usable."""
+    with chan.connect(exporter.socket_path) as ch:
+        ch.send(chan.encode(request_))
+        with ch.recv() as msg:
+            reply = chan.decode(msg.payload)
+        assert reply["ok"] is False and reply["code"] == "FrameError"
+        ch.send(chan.encode({"op": "nothing", "rank": 0, "lease": 1}))
+        with ch.recv() as msg:
+            assert chan.decode(msg.payload)["code"] == "unknown_lease"
