@@ -19,12 +19,16 @@ COMMANDS = {
     "demo": "demo",
     "spec": "spec",
     "policy": "policy",
+    "bench": "bench",
+    "check": "check",
 }
 
 _HELP = {
     "demo": "run the decode-to-prefill reuse demo",
     "spec": "show, render or check the lifecycle tables",
     "policy": "explain the reuse policy's decision for given inputs",
+    "bench": "run the benchmarks against peers, side by side",
+    "check": "model-check the tables with Spin, or regenerate models/",
 }
 
 

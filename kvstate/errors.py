@@ -452,6 +452,75 @@ class LegacyIpcRefused(KvStateError):
     exporting process itself, or legacy IPC not requested when the transport was built."""
 
 
+# -- nixl ----------------------------------------------------------------------------
+
+
+class NixlError(KvStateError):
+    """Base of the errors of the NIXL transport (kvstate.transport.nixl)."""
+
+
+class NixlHandleRejected(NixlError):
+    """NIXL handle bytes failed a rule; ``reason`` is a :class:`kvstate.transport.nixl_handle.Reason`.
+
+    Raised before anything is handed to NIXL: the bytes are malformed, oversize, of an
+    unknown version, or do not match the descriptor that carries them.
+    """
+
+    def __init__(self, reason: Any, detail: str) -> None:
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"nixl handle rejected: {reason.value}: {detail}")
+
+
+class NixlStaleGeneration(NixlHandleRejected):
+    """The handle (or the remote view) belongs to an older generation of the bank."""
+
+
+class NixlOperationFailed(NixlError):
+    """A NIXL call or transfer failed. ``op`` names the step; the NIXL error is chained."""
+
+    def __init__(self, op: str, detail: str) -> None:
+        self.op = op
+        self.detail = detail
+        super().__init__(f"nixl {op} failed: {detail}")
+
+
+class NixlTimeout(NixlOperationFailed):
+    """A transfer did not complete within its timeout; it was released (cancelled)."""
+
+
+class NixlUnsupported(NixlError):
+    """The operation has no meaning for NIXL (imports are read, never mapped)."""
+
+
+class LeaseEnded(KvStateError):
+    """A load was refused because the importer's lease on the bank has ended or expired.
+
+    NIXL deregistration does not revoke a peer's access, so this gate, not NIXL, is
+    what keeps a peer off memory the owner may already be reusing.
+    """
+
+    def __init__(self, bank: str, why: str) -> None:
+        self.bank = bank
+        self.why = why
+        super().__init__(f"lease on {bank} has ended ({why}); the load was not started")
+
+
+# -- model checking (kvstate.models, kvstate.modelcheck) -----------------------------
+
+
+class ModelGenerationError(SpecError):
+    """A table names a guard, effect or event that the Promela generator has no meaning for."""
+
+
+class ModelCheckError(KvStateError):
+    """Spin or the C compiler failed, or pan's output could not be read. Nothing was verified."""
+
+
+class SpinUnavailable(ModelCheckError):
+    """The ``spin`` executable (or a C compiler for pan) is not installed."""
+
+
 # -- hardening -----------------------------------------------------------------------
 
 

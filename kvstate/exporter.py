@@ -298,11 +298,14 @@ class Exporter:
                 except ChannelClosed:
                     break
                 msg.close()  # importers send no fds
+                request: dict[str, Any] = {}
                 try:
                     request = chan.decode(msg.payload)
                     reply, fds = self._handle(ch, request)
                 except KvStateError as exc:
                     reply, fds = {"ok": False, "code": type(exc).__name__, "detail": str(exc)}, ()
+                if request.get("op") == "mapped":
+                    continue  # a notification: the importer does not wait for an answer
                 try:
                     ch.send(chan.encode(reply), fds, timeout=self.config.request_timeout_s)
                 except ChannelError:

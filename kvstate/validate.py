@@ -156,8 +156,12 @@ class Expectation:
     check_socket: bool = True
 
 
-def descriptor_problems(d: Descriptor, expect: Expectation) -> list[DescriptorRejected]:
-    """Every rule one descriptor breaks on its own. Empty means it passes."""
+def descriptor_problems(d: Descriptor, expect: Expectation,
+                        socket_reasons: dict[str, Reason | None] | None = None) -> list[DescriptorRejected]:
+    """Every rule one descriptor breaks on its own. Empty means it passes.
+
+    ``socket_reasons`` caches the socket path rule per path across one group's parts.
+    """
     found: list[tuple[Reason | None, str]] = [
         (Reason.DOMAIN if d.deployment_id != expect.deployment.id else None, "names another deployment"),
         (rank_reason(d.rank, d.tp, min(expect.max_tp, MAX_TP)), f"rank {d.rank} of tp {d.tp} (max tp {expect.max_tp})"),
@@ -177,7 +181,10 @@ def descriptor_problems(d: Descriptor, expect: Expectation) -> list[DescriptorRe
     if d.fabric.kind is FabricKind.NODE and d.host_boot_id != expect.host_boot_id:
         found.append((Reason.HOST, "same-node handle from another host or boot"))
     if d.handle_kind in FD_KINDS and expect.check_socket:
-        found.append((socket_path_reason(d.socket_path, expect.uid), f"socket path {d.socket_path!r}"))
+        cache = {} if socket_reasons is None else socket_reasons
+        if d.socket_path not in cache:
+            cache[d.socket_path] = socket_path_reason(d.socket_path, expect.uid)
+        found.append((cache[d.socket_path], f"socket path {d.socket_path!r}"))
     return [DescriptorRejected(reason, detail, d.rank) for reason, detail in found if reason is not None]
 
 
@@ -203,7 +210,8 @@ def validate_group(descriptors: Iterable[Descriptor], expect: Expectation) -> Va
         raise GroupRejected([DescriptorRejected(Reason.MISSING_RANK, "empty group")])
     if len(parts) > min(expect.max_tp, MAX_TP):
         raise GroupRejected([DescriptorRejected(Reason.TP_SIZE, f"{len(parts)} descriptors > max tp {expect.max_tp}")])
-    problems = [p for d in parts for p in descriptor_problems(d, expect)]
+    socket_reasons: dict[str, Reason | None] = {}
+    problems = [p for d in parts for p in descriptor_problems(d, expect, socket_reasons)]
     first = parts[0]
     for d in parts[1:]:
         if d.tp != first.tp:

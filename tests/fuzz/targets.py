@@ -185,6 +185,12 @@ def request(ch: chan.Channel, payload: bytes) -> dict[str, Any]:
     refusal (or a grant, whose fd is closed), and the connection must stay usable."""
     def go() -> dict[str, Any]:
         ch.send(payload, timeout=2.0)
+        try:
+            notification = chan.decode(payload).get("op") == "mapped"
+        except KvStateError:
+            notification = False
+        if notification:  # "mapped" is a notification: the exporter sends no answer
+            return {"ok": None, "code": "notification"}
         with ch.recv(timeout=2.0) as msg:
             reply = chan.decode(msg.payload)
         if reply.get("ok") is not True and not isinstance(reply.get("code"), str):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from kvstate.errors import NativeOSError
@@ -18,6 +19,7 @@ class FaultyTransport:
     def __init__(self, inner: Any) -> None:
         self._inner = inner
         self._plan: dict[str, int] = {}
+        self._lock = threading.Lock()  # parts are opened from several threads
         self.name = inner.name
 
     def fail(self, method: str, after: int = 0) -> None:
@@ -32,11 +34,14 @@ class FaultyTransport:
             return target
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            if method in self._plan:
-                if self._plan[method] == 0:
+            with self._lock:
+                fail = self._plan.get(method) == 0
+                if fail:
                     del self._plan[method]
-                    raise InjectedFault(method)
-                self._plan[method] -= 1
+                elif method in self._plan:
+                    self._plan[method] -= 1
+            if fail:
+                raise InjectedFault(method)
             return target(*args, **kwargs)
         return call
 

@@ -26,7 +26,8 @@ BAD_GRANTS: list[Any] = [
     {"ok": True, "lease": 1, "expires_in_s": "5"},
     {"ok": True, "lease": 1, "expires_in_s": 1e300},
     {"ok": True, "lease": True, "expires_in_s": 5},
-    {"ok": True, "lease": 1, "expires_in_s": 5},  # well-formed, then no answer to "mapped"
+    {"ok": True, "lease": 1, "expires_in_s": -1},
+    b'{"ok":true,"lease":1,"expires_in_s":1e999}',  # JSON that parses to infinity
     b"not json",
     b"[1]",
 ]

@@ -1,0 +1,68 @@
+"""``kvstate bench``: every suite side by side in one run (see benchmarks/).
+
+Prints ratios and absolute figures, and writes ``bench.md`` (a Markdown table) and
+``bench.png`` (a plot; skipped with a message when matplotlib is absent) to ``--out``.
+The suites live in the repository's ``benchmarks/`` package, next to ``kvstate/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib
+import sys
+from pathlib import Path
+from typing import Any
+
+help = "run the benchmarks against peers, side by side"
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of seconds")
+    parser.add_argument("--suite", action="append", choices=["B1", "B2", "B3"],
+                        help="run only this suite (repeatable); default: all")
+    parser.add_argument("--repeats", type=int, help="timed repeats per row (default 7, quick 2)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/out"), help="where bench.md and bench.png go")
+    parser.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
+
+
+def _benchmarks() -> tuple[Any, Any, Any]:
+    if (REPO / "benchmarks" / "suites.py").is_file() and str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    try:
+        return (importlib.import_module("benchmarks.framework"), importlib.import_module("benchmarks.suites"),
+                importlib.import_module("benchmarks.report"))
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not exc.name.startswith("benchmarks"):
+            raise
+        raise SystemExit(f"kvstate bench: the benchmarks/ package is not next to {REPO / 'kvstate'}; "
+                         "run it from a source checkout") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.repeats is not None and args.repeats < 1:
+        print("kvstate bench: --repeats must be at least 1", file=sys.stderr)
+        return 2
+    framework, suites, report = _benchmarks()
+    chosen = [s for s in suites.suites(quick=args.quick, repeats=args.repeats)
+              if not args.suite or s.key in args.suite]
+    results = framework.run_suites(chosen, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(report.terminal(results))
+    args.out.mkdir(parents=True, exist_ok=True)
+    command = "kvstate bench" + (" --quick" if args.quick else "") + "".join(f" --suite {s}" for s in args.suite or [])
+    md = args.out / "bench.md"
+    md.write_text(report.markdown(results, when=dt.datetime.now(dt.timezone.utc), command=command), encoding="utf-8")
+    print(f"\nwrote {md}")
+    if args.no_plot:
+        print("plot skipped: --no-plot")
+    else:
+        png = args.out / "bench.png"
+        why = report.plot(results, png)
+        print(f"wrote {png}" if why is None else f"plot skipped: {why}")
+    failed = [r.name for res in results for r in res.rows if r.failed]
+    if failed:
+        print(f"kvstate bench: {len(failed)} row(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,163 @@
+"""Commands a NIXL peer process runs (see tests/support/peers.py); one agent per peer.
+
+Banks are filled with a pattern that depends on (seed, block, byte), so a loaded block
+is checked against what the exporter wrote without shipping the bytes back.
+"""
+
+from __future__ import annotations
+
+import mmap
+import time
+from typing import Any
+
+import numpy as np
+
+from kvstate.handles import HandleKind
+from kvstate.transport import Registry
+from kvstate.transport.nixl import Lease, NixlTransport
+from kvstate.transport.nixl_handle import decode
+
+State = dict[str, Any]
+
+
+def pattern(seed: int, block_ids: np.ndarray, block_bytes: int) -> np.ndarray:
+    """The bytes of blocks ``block_ids`` of a bank filled with ``seed``: one row per block."""
+    col = np.arange(block_bytes, dtype=np.uint64)
+    rows = (block_ids.astype(np.uint64)[:, None] * np.uint64(2654435761) + col * np.uint64(40503)
+            + np.uint64(seed * 977))
+    return (rows % np.uint64(251)).astype(np.uint8)
+
+
+def start(state: State, device_memory: bool = False) -> str:
+    state["t"] = NixlTransport(device_memory=device_memory)
+    return str(state["t"].agent_name)
+
+
+def second_agent(state: State) -> str:
+    NixlTransport()  # must refuse: one agent per process
+    return "created"
+
+
+def unsupported(state: State) -> list[str]:
+    t: NixlTransport = state["t"]
+    Registry().register(t)  # it is a Transport: the explicit registry accepts it
+    refused = []
+    for name, call in [("reserve", lambda: t.reserve(4096)), ("map", lambda: t.map(None, 0, None)),
+                       ("set_access", lambda: t.set_access(None, None)),
+                       ("unmap", lambda: t.unmap(None)),
+                       ("export_memfd", lambda: t.export(t.create(4096), HandleKind.MEMFD))]:
+        try:
+            call()
+        except Exception as exc:
+            refused.append(f"{name}:{type(exc).__name__}")
+    return refused
+
+
+def export_bank(state: State, blocks: int, block_bytes: int, seed: int, generation: int,
+                owned_by_test: bool = False) -> bytes:
+    """Create (or, with ``owned_by_test``, mmap and register) a bank, fill it, export it."""
+    t: NixlTransport = state["t"]
+    size = blocks * block_bytes
+    if owned_by_test:
+        buf = mmap.mmap(-1, size)
+        arr = np.frombuffer(buf, dtype=np.uint8)
+        state["buf"] = buf
+        alloc = t.register(int(arr.ctypes.data), size)
+    else:
+        alloc = t.create(size)
+        arr = np.frombuffer(alloc.view(), dtype=np.uint8)
+    arr.reshape(blocks, block_bytes)[:] = pattern(seed, np.arange(blocks), block_bytes)
+    del arr
+    state["bank"] = alloc
+    return t.export(alloc, generation=generation)
+
+
+def fill_bank(state: State, seed: int, blocks: int, block_bytes: int) -> None:
+    """Overwrite the bank's memory (also after deregistration: the owner reuses it)."""
+    buf = state["buf"] if "buf" in state else state["bank"].view()
+    np.frombuffer(buf, dtype=np.uint8).reshape(blocks, block_bytes)[:] = pattern(seed, np.arange(blocks), block_bytes)
+
+
+def release_bank(state: State) -> None:
+    state["t"].release(state.pop("bank"))
+
+
+def unmap_bank(state: State) -> None:
+    """The owner frees the memory it had registered (after deregistering it)."""
+    state.pop("buf").close()
+
+
+def import_bank(state: State, handle: bytes, size: int, generation: int, lease_s: float = 60.0) -> dict[str, Any]:
+    t: NixlTransport = state["t"]
+    requested = time.monotonic_ns()
+    remote = t.import_(handle, size, generation=generation)
+    state.setdefault("remotes", {})[generation] = remote
+    state["lease"] = Lease(remote.agent_name, requested_at_ns=requested, duration_s=lease_s)
+    if "dst" not in state:
+        state["dst"] = t.create(size)
+    return {"agent": remote.agent_name, "generation": remote.generation, "size": remote.size}
+
+
+def load(state: State, blocks: list[int], block_bytes: int, seed: int | None, generation: int,
+         timeout: float = 20.0) -> dict[str, Any]:
+    """Load ``blocks`` into dst blocks 0..n-1; report whether they equal the seed's pattern."""
+    t: NixlTransport = state["t"]
+    dst = state["dst"]
+    view = np.frombuffer(dst.view(), dtype=np.uint8)
+    view[:] = 0xEE  # a sentinel no pattern byte equals (pattern bytes are < 251)
+    t.load(state["remotes"][generation], dst, blocks, block_bytes=block_bytes, lease=state["lease"], timeout=timeout)
+    got = view[:len(blocks) * block_bytes].reshape(len(blocks), block_bytes)
+    return {"matches": None if seed is None else bool(np.array_equal(got, pattern(seed, np.array(blocks), block_bytes))),
+            "untouched": bool((view == 0xEE).all())}
+
+
+def dst_untouched(state: State) -> bool:
+    return bool((np.frombuffer(state["dst"].view(), dtype=np.uint8) == 0xEE).all())
+
+
+def end_lease(state: State, why: str) -> None:
+    state["lease"].end(why)
+
+
+def short_lease(state: State, agent: str, seconds: float) -> None:
+    state["lease"] = Lease(agent, requested_at_ns=time.monotonic_ns(), duration_s=seconds)
+
+
+def close_remote(state: State, generation: int) -> None:
+    state["t"].close_remote(state["remotes"][generation])
+
+
+def close(state: State) -> None:
+    state["t"].close()
+
+
+def decode_only(state: State, handle: bytes, generation: int) -> str:
+    return decode(handle, generation=generation).agent_name
+
+
+
+def register_vram(state: State) -> list[str]:
+    """Register host memory as VRAM: what a machine with no GPU says to the device path."""
+    from kvstate.transport.base import MemoryKind
+    t: NixlTransport = state["t"]
+    host = t.create(4096)
+    kinds = ",".join(sorted(k.value for k in t.capabilities.memory_kinds))
+    try:
+        t.register(host.addr, 4096, MemoryKind.DEVICE, 0)
+    except Exception as exc:
+        return [kinds, type(exc).__name__]
+    return [kinds, "registered"]
+
+
+def freeze(state: State) -> None:
+    """Stop this process (SIGSTOP): a hung exporter, as an importer sees it."""
+    import os
+    import signal
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def import_renamed(state: State, handle: bytes, size: int, generation: int, name: str) -> None:
+    """Import a well-formed record whose agent name is not the one inside its metadata."""
+    import attrs
+    forged = attrs.evolve(decode(handle), agent_name=name).encode()
+    state["t"].import_(forged, size, generation=generation)

@@ -1,0 +1,22 @@
+"""Spin availability for the model tests: skip loudly where it cannot run, never in CI."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+
+from kvstate.errors import SpinUnavailable
+from kvstate.modelcheck import INSTALL_HINT, tools
+
+
+def require_spin() -> None:
+    try:
+        tools()
+    except SpinUnavailable as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI is set, so the model tests may not skip: {exc}")
+        message = f"MODEL CHECKING SKIPPED: Spin is not installed. {INSTALL_HINT}"
+        warnings.warn(message, stacklevel=2)
+        pytest.skip(message)

@@ -1,0 +1,47 @@
+"""`kvstate bench --quick`: a seconds-long smoke run that writes the table and the plot.
+
+Not a timing test: it asserts that every suite ran or said why not, that kvstate's
+own rows are measured (a row that cannot run says skipped, never a number), and that the files exist.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_quick_bench_writes_table_and_plot(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the bench extra (matplotlib) is not installed")
+    r = subprocess.run([sys.executable, "-m", "kvstate", "bench", "--quick", "--out", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    table = (tmp_path / "bench.md").read_text()
+    for suite in ("B1", "B2", "B3"):
+        assert f"**{suite}:" in table
+    for row in ("kvstate host import", "kvstate op engine gather"):  # measured, not skipped
+        assert f"| {row} |" in table and f"| {row} | skipped |" not in table
+    assert "| contiguous memcpy |" in table and "| numpy gather |" in table
+    assert "| readiness check tp=4 |" in table
+    assert "FAILED" not in table
+    png = (tmp_path / "bench.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+
+
+def test_plot_is_skipped_with_a_message_without_matplotlib(tmp_path: Path) -> None:
+    hide = ("import sys, importlib.abc\n"
+            "class H(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] == 'matplotlib':\n"
+            "            raise ModuleNotFoundError(name=name)\n"
+            "sys.meta_path.insert(0, H())\n"
+            "from kvstate.cli import main\n"
+            f"sys.exit(main(['bench', '--quick', '--suite', 'B3', '--out', {str(tmp_path)!r}]))\n")
+    r = subprocess.run([sys.executable, "-c", hide], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "plot skipped: matplotlib is not installed (pip install -e '.[bench]')" in r.stdout
+    assert (tmp_path / "bench.md").is_file() and not (tmp_path / "bench.png").exists()
