@@ -29,7 +29,8 @@ import pytest  # noqa: E402
 
 from support import leaks as _leaks  # noqa: E402
 
-LEAK_CHECKED_DIRS = ("native", "lifecycle", "soak", "trust", "fuzz", "bounds")
+LEAK_CHECKED_DIRS = ("native", "lifecycle", "soak", "trust", "fuzz", "bounds", "cuda")
+LEAK_CHECKED_FILES = ("test_nixl_transport.py", "test_cuda_cpu.py")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -43,7 +44,7 @@ def _leak_checked(item: pytest.Item) -> bool:
     if item.get_closest_marker("leakcheck"):
         return True
     rel = Path(str(item.path)).resolve().relative_to(Path(__file__).resolve().parent)
-    return len(rel.parts) > 1 and rel.parts[0] in LEAK_CHECKED_DIRS
+    return (len(rel.parts) > 1 and rel.parts[0] in LEAK_CHECKED_DIRS) or rel.name in LEAK_CHECKED_FILES
 
 
 @pytest.fixture(autouse=True)

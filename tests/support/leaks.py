@@ -13,6 +13,7 @@ them: they are excluded by identity, not by name patterns.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import threading
@@ -119,4 +120,5 @@ def settled_leaks(before: Snapshot, grace_s: float = 5.0) -> list[str]:
         found = leaks(before, snapshot())
         if not found or time.monotonic() >= deadline:
             return found
+        gc.collect()  # objects in reference cycles (agents, channels) close their fds when collected
         time.sleep(0.02)
