@@ -49,11 +49,11 @@ bench: $(STAMP)
 docs: $(STAMP)
 	$(VPY) -m kvstate spec render
 
-# Long hardening runs (the bounded versions run in `make test`). `fuzz` runs the Hypothesis
-# `fuzz` profile over every fuzz target and prints the case count; `soak` runs
-# SOAK_CYCLES import-load-drain-release cycles with random SIGKILLs and prints the figures.
-# With atheris (coverage-guided, installed here on demand) `fuzz` runs FUZZ_RUNS cases per
-# target; where atheris does not install it falls back to the Hypothesis `fuzz` profile.
+# Long hardening runs (the bounded versions run in `make test`). `fuzz` runs FUZZ_RUNS
+# coverage-guided atheris cases per fuzz target (atheris is installed here on demand) and
+# prints the case counts; where atheris does not install it runs the Hypothesis `fuzz`
+# profile instead. `soak` runs SOAK_CYCLES import-load-drain-release cycles with random
+# SIGKILLs and prints cycles, kills per phase and the worst time to quiescent.
 SOAK_CYCLES ?= 2000
 FUZZ_RUNS ?= 25000
 fuzz: $(STAMP)
