@@ -6,7 +6,7 @@ VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test spec docs check clean bench spin bench-models
+.PHONY: demo test spec docs check clean bench spin bench-models fuzz soak
 
 # Spin for the model tests: installed from Debian when we can (root or sudo); otherwise the
 # model tests skip loudly (and fail when CI is set).
@@ -48,6 +48,24 @@ bench: $(STAMP)
 
 docs: $(STAMP)
 	$(VPY) -m kvstate spec render
+
+# Long hardening runs (the bounded versions run in `make test`). `fuzz` runs FUZZ_RUNS
+# coverage-guided atheris cases per fuzz target (atheris is installed here on demand) and
+# prints the case counts; where atheris does not install it runs the Hypothesis `fuzz`
+# profile instead. `soak` runs SOAK_CYCLES import-load-drain-release cycles with random
+# SIGKILLs and prints cycles, kills per phase and the worst time to quiescent.
+SOAK_CYCLES ?= 2000
+FUZZ_RUNS ?= 25000
+fuzz: $(STAMP)
+	@if $(VPY) -m pip install -q atheris >/dev/null 2>&1 && $(VPY) -c 'import atheris' 2>/dev/null; then \
+	    $(VPY) tests/fuzz/atheris_main.py all $(FUZZ_RUNS); \
+	else \
+	    echo "atheris unavailable: running the Hypothesis fuzz profile"; \
+	    HYPOTHESIS_PROFILE=fuzz $(VPY) -m pytest tests/fuzz -q -p no:cacheprovider; \
+	fi
+
+soak: $(STAMP)
+	$(VPY) -c 'import sys; from kvstate.soak import main; sys.exit(main(sys.argv[1:]))' --cycles $(SOAK_CYCLES)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .hypothesis

@@ -37,6 +37,7 @@ Received fds belong to the receiver: close them (``Message.close()``) once impor
 from __future__ import annotations
 
 import base64
+import collections
 import errno
 import json
 import logging
@@ -57,6 +58,7 @@ from kvstate.errors import (
     ChannelClosed,
     ChannelError,
     ChannelTimeout,
+    ConnectionLimit,
     FrameError,
     PeerDied,
     PeerRejected,
@@ -72,6 +74,9 @@ HARD_MAX_PAYLOAD = 1 << 20
 DEFAULT_MAX_FDS = 16
 HARD_MAX_FDS = 253  # SCM_MAX_FD
 DEFAULT_TIMEOUT = 5.0
+DEFAULT_MAX_CONNECTIONS = 128
+_REFUSAL_LINGER_S = 1.0
+_MAX_LINGERING = 64
 _SUN_PATH_MAX = 107
 _PEERCRED = struct.Struct("3i")
 
@@ -176,7 +181,7 @@ def decode(data: bytes) -> dict[str, Any]:
 
     try:
         value = json.loads(data.decode("utf-8"), object_pairs_hook=pairs, parse_constant=bad_constant)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: also an int of >4300 digits
         raise FrameError(f"malformed message: {exc}") from None
     if not isinstance(value, dict):
         raise FrameError("a message must be a JSON object")
@@ -198,6 +203,8 @@ def _no_symlinks(path: Path) -> None:
             st = os.lstat(current)
         except FileNotFoundError:
             return
+        except OSError as exc:  # e.g. EACCES: a directory on the way is not ours to search
+            raise UnsafeSocketPath(str(path), f"cannot inspect {current}: {exc.strerror}") from None
         if stat.S_ISLNK(st.st_mode):
             raise UnsafeSocketPath(str(path), f"{current} is a symlink")
 
@@ -212,6 +219,8 @@ def check_socket_dir(directory: str | os.PathLike[str], uid: int | None = None) 
         st = os.lstat(path)
     except FileNotFoundError:
         raise UnsafeSocketPath(str(path), "the directory does not exist") from None
+    except OSError as exc:
+        raise UnsafeSocketPath(str(path), f"cannot inspect the directory: {exc.strerror}") from None
     if not stat.S_ISDIR(st.st_mode):
         raise UnsafeSocketPath(str(path), "not a directory")
     if st.st_uid != uid:
@@ -415,6 +424,9 @@ def connect(path: str | os.PathLike[str], *, timeout: float = DEFAULT_TIMEOUT,
     except (FileNotFoundError, ConnectionRefusedError) as exc:
         sock.close()
         raise ChannelClosed(f"no server at {p}: {exc.strerror}") from None
+    except OSError as exc:  # e.g. EACCES on the socket itself
+        sock.close()
+        raise ChannelError(f"cannot connect to {p}: {exc.strerror}") from None
     except BaseException:
         sock.close()
         raise
@@ -425,9 +437,13 @@ class Server:
     """A listening socket in a private directory. Accept from any thread; close to stop."""
 
     def __init__(self, path: str | os.PathLike[str], *, allowed_uids: Iterable[int] | None = None,
-                 limits: Limits = Limits(), backlog: int = 64) -> None:
+                 limits: Limits = Limits(), backlog: int = 64,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
+        if max_connections < 1:
+            raise ValueError("max_connections must be at least 1")
         self.path = Path(path)
         self.limits = limits
+        self.max_connections = max_connections
         self.allowed_uids = frozenset(allowed_uids) if allowed_uids is not None else frozenset({os.getuid()})
         _check_socket_path(self.path)
         self._remove_stale()
@@ -502,7 +518,16 @@ class Server:
     def serve_in_thread(self, handler: Callable[[Channel], None], *, poll_interval: float = 0.1,
                         name: str = "kvstate-accept") -> threading.Thread:
         """Accept until closed, running ``handler(channel)`` in a thread per connection.
-        Rejected peers are logged and skipped. The handler owns (and closes) the channel."""
+        Rejected peers are logged and skipped. The handler owns (and closes) the channel.
+
+        At most ``max_connections`` handlers run at once: a connection beyond that gets
+        one refusal frame (``{"ok": false, "code": "ConnectionLimit", ...}``, the shape of
+        every refusal on this channel) and is closed, so a flood of connections costs a
+        bounded number of threads."""
+        slots = threading.BoundedSemaphore(self.max_connections)
+        # Refused channels linger half-closed for a moment, so the refusal is read before a
+        # close with the peer's request unread turns into a reset. Bounded: oldest first.
+        lingering: collections.deque[tuple[float, Channel]] = collections.deque()
 
         def run_one(ch: Channel) -> None:
             try:
@@ -510,9 +535,35 @@ class Server:
             except Exception:
                 log.exception("channel handler failed for %r", ch)
                 ch.close()
+            finally:
+                slots.release()
+
+        def refuse(ch: Channel) -> None:
+            exc = ConnectionLimit(self.max_connections)
+            log.warning("%s (peer pid %d)", exc, ch.peer.pid)
+            try:
+                ch.send(encode({"ok": False, "code": "ConnectionLimit", "detail": str(exc)}), timeout=0)
+                ch._sock.shutdown(socket.SHUT_WR)
+            except (ChannelError, OSError):
+                ch.close()  # best effort: the close tells the peer anyway
+                return
+            lingering.append((time.monotonic() + _REFUSAL_LINGER_S, ch))
+            while len(lingering) > _MAX_LINGERING:
+                lingering.popleft()[1].close()
+
+        def close_lingering(everything: bool) -> None:
+            while lingering and (everything or lingering[0][0] <= time.monotonic()):
+                lingering.popleft()[1].close()
 
         def loop() -> None:
+            try:
+                accept_loop()
+            finally:
+                close_lingering(everything=True)
+
+        def accept_loop() -> None:
             while not self._closed:
+                close_lingering(everything=False)
                 try:
                     ch = self.accept(poll_interval)
                 except ChannelTimeout:
@@ -522,7 +573,14 @@ class Server:
                     continue
                 except ChannelClosed:
                     return
-                threading.Thread(target=run_one, args=(ch,), name=f"{name}-{ch.peer.pid}", daemon=True).start()
+                if not slots.acquire(blocking=False):
+                    refuse(ch)
+                    continue
+                try:
+                    threading.Thread(target=run_one, args=(ch,), name=f"{name}-{ch.peer.pid}", daemon=True).start()
+                except RuntimeError:  # the interpreter cannot start another thread
+                    slots.release()
+                    refuse(ch)
 
         t = threading.Thread(target=loop, name=name, daemon=True)
         t.start()

@@ -112,7 +112,7 @@ def decode(data: bytes, deployment: Deployment) -> Descriptor:
         raise DescriptorRejected(Reason.AUTHENTICATION, "MAC does not verify with this deployment's key")
     try:
         body = json.loads(signed[_HEAD.size:].decode("ascii"), parse_constant=_no_constants)
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: deep nesting
         raise DescriptorRejected(Reason.MALFORMED, f"body is not canonical JSON: {exc}") from None
     desc = _from_body(body)
     if desc.deployment_id != deployment.id:

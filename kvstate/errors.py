@@ -519,3 +519,15 @@ class ModelCheckError(KvStateError):
 
 class SpinUnavailable(ModelCheckError):
     """The ``spin`` executable (or a C compiler for pan) is not installed."""
+
+
+# -- hardening -----------------------------------------------------------------------
+
+
+class ConnectionLimit(ChannelError):
+    """A server already runs its cap of concurrent connection handlers; the new
+    connection was refused (closed) instead of spawning another thread."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        super().__init__(f"connection refused: {limit} connection handler(s) already running")

@@ -41,6 +41,7 @@ from kvstate.errors import (
     ChannelError,
     ChannelTimeout,
     DrainTimeout,
+    FrameError,
     InventoryError,
     KvStateError,
     RegistrationFailed,
@@ -64,6 +65,7 @@ class ExportConfig:
     lease_timeout_s: float = 30.0
     descriptor_ttl_s: float = 300.0
     max_leases: int = 64             # per bank
+    max_connections: int = chan.DEFAULT_MAX_CONNECTIONS  # concurrent importer connections
     request_timeout_s: float = 5.0
     handle_kind: HandleKind = HandleKind.MEMFD  # what the banks are exported as (the transport's kind)
 
@@ -75,6 +77,10 @@ class Lease:
     expires_at: float                # time.monotonic()
     blocks: LeaseGrant | None = None  # the inventory blocks this lease pins, if any
     mapped: bool = False
+
+
+#: The type of each scalar request field; ``blocks`` is checked by the inventory.
+_REQUEST_FIELDS: dict[str, type] = {"op": str, "rank": int, "lease": int, "generation": int, "incarnation": str}
 
 
 class Bank(Lifecycle):
@@ -255,7 +261,7 @@ class Exporter:
     def start(self) -> None:
         """Listen for importers, watch their connections and expire their leases."""
         chan.make_socket_dir(self.config.socket_dir)
-        self._server = chan.Server(self.socket_path)
+        self._server = chan.Server(self.socket_path, max_connections=self.config.max_connections)
         self._watcher = chan.Watcher(name="kvstate-exporter-watch")
         self._server.serve_in_thread(self._serve, name="kvstate-exporter")
         self._expiry = threading.Thread(target=self._expire_loop, name="kvstate-lease-expiry", daemon=True)
@@ -315,6 +321,9 @@ class Exporter:
         return {"ok": False, "code": code, "detail": detail}, ()
 
     def _handle(self, ch: chan.Channel, req: dict[str, Any]) -> tuple[dict[str, Any], tuple[int, ...]]:
+        for key, kind in _REQUEST_FIELDS.items():  # a peer's JSON may hold any type anywhere
+            if key in req and type(req[key]) is not kind:
+                raise FrameError(f"request field {key!r} must be {kind.__name__}, not {type(req[key]).__name__}")
         op = req.get("op")
         bank = self.banks.get(req.get("rank", -1))
         if bank is None:

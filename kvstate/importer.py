@@ -123,6 +123,7 @@ class Part(Lifecycle):
                 reply = chan.decode(msg.payload)
                 if not reply.get("ok"):
                     raise LeaseRefused(str(reply.get("code")), str(reply.get("detail")))
+                lease_id, expires_in_s = _grant_fields(reply, d.rank)
                 handle = t.receive_handle(d.handle_kind, d.handle, msg.fds)  # type: ignore[attr-defined]
                 allocation = t.import_(handle, d.size)
             undo.callback(t.release, allocation)
@@ -131,12 +132,11 @@ class Part(Lifecycle):
             mapping = t.map(reservation, 0, allocation)
             undo.callback(t.unmap, mapping)
             t.set_access(mapping, Access.READ)
-            lease_id = int(reply["lease"])
             # A notification (no answer awaited): the bank moves from importing to ready.
             ch.send(chan.encode({"op": "mapped", "rank": d.rank, "lease": lease_id}), timeout=timeout)
             undo.pop_all()
         self.channel, self.lease_id = ch, lease_id
-        self.lease_expires_at = time.monotonic() + float(reply["expires_in_s"])
+        self.lease_expires_at = time.monotonic() + expires_in_s
         self.allocation, self.reservation, self.mapping = allocation, reservation, mapping
         self.group.importer.watch(self)
         return self._teardown
@@ -161,6 +161,15 @@ class Part(Lifecycle):
             except (ChannelError, LeaseRefused):
                 pass  # exporter gone or lease already ended: closing the channel ends it too
             ch.close()
+
+
+def _grant_fields(reply: dict[str, Any], rank: int) -> tuple[int, float]:
+    """The lease id and seconds to expiry of a grant, checked: the exporter is a peer."""
+    lease: Any = reply.get("lease")
+    expires: Any = reply.get("expires_in_s")
+    if type(lease) is not int or type(expires) not in (int, float) or not 0 <= expires < 1e9:
+        raise ImportFailed(rank, KvStateError(f"malformed lease grant {reply!r:.200}"))
+    return lease, float(expires)
 
 
 def _expect_ok(ch: chan.Channel, timeout: float) -> None:

@@ -65,6 +65,8 @@ ENV_PREFIX = "KVSTATE_POLICY_"
 #: Upper bounds on counts, so arithmetic stays in float range. No KV cache is this large.
 MAX_BLOCKS = 2**40
 MAX_BLOCK_TOKENS = 2**20
+#: Longest setting value accepted as text (a number or boolean needs far fewer).
+MAX_SETTING_TEXT = 64
 
 
 # -- settings ------------------------------------------------------------------------
@@ -251,6 +253,8 @@ _TRUE = {"true": True, "1": True, "false": False, "0": False}
 def _parse_value(name: str, value: object, source: str) -> object:
     if not isinstance(value, str):
         return value  # typed values are checked by the class validators
+    if len(value) > MAX_SETTING_TEXT:
+        raise InvalidSetting(name, value[:32] + "...", f"longer than {MAX_SETTING_TEXT} characters", source)
     text = value.strip()
     if name in _BOOL_SETTINGS:
         if text.lower() not in _TRUE:

@@ -159,6 +159,10 @@ class PublishedCapabilities:
 
 
 FIELDS: tuple[str, ...] = tuple(a.name for a in attrs.fields(PublishedCapabilities))
+#: Size caps of a published capability set (far above any real node).
+MAX_DEVICES = 1024
+MAX_TRANSPORTS = 64
+MAX_CAPABILITIES_BYTES = 1 << 20
 _TRANSPORT_FIELDS = ("name", "handle_kinds", "memory_kinds", "scopes")
 
 _E = Any  # an enum class
@@ -198,8 +202,12 @@ def parse_capabilities(wire: Mapping[str, Any]) -> PublishedCapabilities:
         raise CapabilitiesInvalid(str(unknown[0]), "unknown capability field")
     if not isinstance(wire["device_uuids"], list):
         raise CapabilitiesInvalid("device_uuids", "must be a list of hex UUIDs")
+    if len(wire["device_uuids"]) > MAX_DEVICES:
+        raise CapabilitiesInvalid("device_uuids", f"more than {MAX_DEVICES} devices")
     if not isinstance(wire["transports"], list):
         raise CapabilitiesInvalid("transports", "must be a list")
+    if len(wire["transports"]) > MAX_TRANSPORTS:
+        raise CapabilitiesInvalid("transports", f"more than {MAX_TRANSPORTS} transports")
     transports = []
     for i, raw in enumerate(wire["transports"]):
         where = f"transports[{i}]"

@@ -222,8 +222,10 @@ def validate_group(descriptors: Iterable[Descriptor], expect: Expectation) -> Va
             problems.append(DescriptorRejected(Reason.GEOMETRY, "geometry differs within the group", d.rank))
         if d.generation != first.generation:
             problems.append(DescriptorRejected(Reason.GENERATION, "generations differ within the group", d.rank))
-    problems += [DescriptorRejected(reason, f"rank {rank}", rank)
-                 for reason, rank in rank_set_problems(first.tp, [d.rank for d in parts])]
+    if 1 <= first.tp <= min(expect.max_tp, MAX_TP):  # else TP_SIZE is reported per part already;
+        # listing every missing rank of a tp of 2**32 would take memory without bound
+        problems += [DescriptorRejected(reason, f"rank {rank}", rank)
+                     for reason, rank in rank_set_problems(first.tp, [d.rank for d in parts])]
     if problems:
         raise GroupRejected(problems)
     return ValidatedGroup(tuple(sorted(parts, key=lambda d: d.rank)))

@@ -59,8 +59,12 @@ def run(args: argparse.Namespace) -> int:
     if args.profile is not None:
         declared = profile.DeploymentProfile.parse(args.profile)
         try:
-            wire = json.loads(args.capabilities.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
+            with open(args.capabilities, "rb") as f:
+                text = f.read(profile.MAX_CAPABILITIES_BYTES + 1)
+            if len(text) > profile.MAX_CAPABILITIES_BYTES:
+                raise ValueError(f"larger than {profile.MAX_CAPABILITIES_BYTES} bytes")
+            wire = json.loads(text.decode("utf-8"))
+        except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nesting too deep
             raise PolicyInputError(f"--capabilities {args.capabilities}: {exc}") from None
         outcome = profile.admit(declared, profile.parse_capabilities(wire))
         if isinstance(outcome, profile.Refused):

@@ -212,10 +212,11 @@ class LifecycleMachine(RuleBasedStateMachine):
         """INV-EVENT-DECLARED on live objects: an undeclared event changes nothing."""
         objs: list[Any] = [*self.importer.groups] + [b for ex in self.exporters.values() for b in ex.banks.values()]
         obj = data.draw(st.sampled_from(objs))
-        illegal = [e for e in obj.table.event_names if not obj.may(e)]
-        if not illegal:
+        # Draw from every event, not from the ones illegal right now: the live state can
+        # change between Hypothesis replays (watchers, expiry), and generation must not.
+        event = data.draw(st.sampled_from(sorted(obj.table.event_names)))
+        if obj.may(event):
             return
-        event = data.draw(st.sampled_from(illegal))
         before = obj.state
         with pytest.raises(IllegalTransition):
             obj.fire(event)
@@ -226,9 +227,8 @@ class LifecycleMachine(RuleBasedStateMachine):
     def guided_fault(self, data: st.DataObject) -> None:
         """Guided: a fault event legal in the group's current state, through the real API."""
         group = data.draw(st.sampled_from(self.importer.groups))
-        legal = [e for e in ("peer_died", "expired", "incarnation_changed") if group.may(e)]
-        if legal:
-            event = data.draw(st.sampled_from(legal))
+        event = data.draw(st.sampled_from(("peer_died", "expired", "incarnation_changed")))
+        if group.may(event):  # drawn before looking at the live state (see illegal_event)
             before = group.state
             try:
                 group.fault(event)
@@ -277,6 +277,7 @@ class LeakyImporter(Importer):
     group_class = LeakyGroup
 
 
+@pytest.mark.no_leakcheck  # the planted bug leaks part mappings on purpose
 def test_self_test_stateful_catches_rollback_that_leaks_parts() -> None:
     class Planted(LifecycleMachine):
         importer_class = LeakyImporter

@@ -1,0 +1,124 @@
+"""Leak detection from /proc: fds, memfd mappings, child processes, threads, native objects.
+
+:func:`snapshot` records what this process holds; :func:`leaks` compares a later
+snapshot with an earlier one and names everything that is new (or, for native counters,
+larger). :func:`settled_leaks` retries for a short grace period, because daemon threads
+of a stopped server or watcher exit on their next poll and a SIGKILLed child is reaped
+by its parent asynchronously.
+
+Long-lived helpers that multiprocessing starts once per process (the resource tracker,
+the forkserver) and their pipe fds are not leaks of the test that happened to start
+them: they are excluded by identity, not by name patterns.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+#: Native counters that must return to their value before the test.
+NATIVE_COUNTERS = ("allocations", "reservations", "regions", "pins", "ops_live")
+
+
+@attrs.frozen
+class Snapshot:
+    fds: Mapping[int, str]              # fd -> readlink target
+    memfd_maps: int                     # lines of /proc/self/maps backed by a memfd
+    children: frozenset[int]            # pids of direct children (all threads)
+    threads: frozenset[int]             # Python thread idents alive (the native engine's
+                                        # worker pthreads are process-global and reused: not counted)
+    native: Mapping[str, int]           # native engine counters, if the library is loaded
+
+
+def _fds() -> dict[int, str]:
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            pass  # the fd listdir itself used, already closed
+    return out
+
+
+def _memfd_maps() -> int:
+    with open("/proc/self/maps", encoding="utf-8") as f:
+        return sum(1 for line in f if "/memfd:" in line)
+
+
+def _children() -> frozenset[int]:
+    pids: set[int] = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/children", encoding="ascii") as f:
+                pids.update(int(p) for p in f.read().split())
+        except OSError:
+            pass  # the thread exited meanwhile
+    return frozenset(pids)
+
+
+def _native() -> dict[str, int]:
+    native = sys.modules.get("kvstate.native")
+    if native is None or getattr(native, "_default", None) is None:
+        return {}  # never loaded: nothing native can be held
+    stats = native._default.stats()
+    return {k: int(getattr(stats, k)) for k in NATIVE_COUNTERS}
+
+
+def snapshot() -> Snapshot:
+    return Snapshot(_fds(), _memfd_maps(), _children(), frozenset(t.ident or 0 for t in threading.enumerate()),
+                    _native())
+
+
+def _helpers() -> tuple[set[int], set[int]]:
+    """(pids, fds) of multiprocessing's per-process helpers, which outlive any one test."""
+    pids: set[int] = set()
+    fds: set[int] = set()
+    rt = sys.modules.get("multiprocessing.resource_tracker")
+    tracker: Any = getattr(rt, "_resource_tracker", None)
+    if tracker is not None:
+        if getattr(tracker, "_pid", None):
+            pids.add(tracker._pid)
+        if getattr(tracker, "_fd", None) is not None:
+            fds.add(tracker._fd)
+    fs = sys.modules.get("multiprocessing.forkserver")
+    server: Any = getattr(fs, "_forkserver", None)
+    if server is not None:
+        if getattr(server, "_forkserver_pid", None):
+            pids.add(server._forkserver_pid)
+        if getattr(server, "_forkserver_alive_fd", None) is not None:
+            fds.add(server._forkserver_alive_fd)
+    return pids, fds
+
+
+def leaks(before: Snapshot, after: Snapshot) -> list[str]:
+    """Everything ``after`` holds that ``before`` did not, one line each."""
+    helper_pids, helper_fds = _helpers()
+    found = [f"fd {fd} -> {target}" for fd, target in sorted(after.fds.items())
+             if before.fds.get(fd) != target and fd not in helper_fds]
+    if after.memfd_maps > before.memfd_maps:
+        found.append(f"{after.memfd_maps - before.memfd_maps} memfd mapping(s)")
+    found += [f"child process {pid}" for pid in sorted(after.children - before.children - helper_pids)]
+    alive = {t.ident: t.name for t in threading.enumerate()}
+    found += [f"thread {alive.get(t, t)!r}" for t in sorted(after.threads - before.threads)]
+    for key in NATIVE_COUNTERS:
+        if after.native.get(key, 0) > before.native.get(key, 0):
+            found.append(f"native {key}: {before.native.get(key, 0)} -> {after.native[key]}")
+    return found
+
+
+def settled_leaks(before: Snapshot, grace_s: float = 5.0) -> list[str]:
+    """:func:`leaks` after waiting up to ``grace_s`` for asynchronous teardown to finish."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        found = leaks(before, snapshot())
+        if not found or time.monotonic() >= deadline:
+            return found
+        gc.collect()  # objects in reference cycles (agents, channels) close their fds when collected
+        time.sleep(0.02)
