@@ -315,7 +315,7 @@ class Group(Lifecycle):
     def fault(self, event: str) -> bool:
         """Report a fault event; False when it is not declared in the current state (for
         example a terminal one). Check and transition are one atomic step."""
-        with self._kv_lock:
+        with self.locked():
             if not self.may(event):
                 return False
             self.fire(event)

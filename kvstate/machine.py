@@ -194,7 +194,7 @@ class Lifecycle:
     def __init__(self, *, label: str = "", observers: Iterable[Observer] = ()) -> None:
         compiled = type(self)._kv_compiled
         self._kv_state: str = compiled.spec.initial
-        self._kv_lock = threading.RLock()
+        self._kv_lock: threading.RLock = threading.RLock()
         self._kv_firing = False
         self.label = label or f"{compiled.spec.name}@{id(self):x}"
         self._observers: tuple[Observer, ...] = tuple(observers)
@@ -221,6 +221,15 @@ class Lifecycle:
     @property
     def is_terminal(self) -> bool:
         return self._kv_state in type(self)._kv_compiled.spec.terminal
+
+    def locked(self) -> threading.RLock:
+        """The object's lock, to make a check and a fire one atomic step::
+
+            with obj.locked():
+                if obj.may("drain"):
+                    obj.fire("drain")
+        """
+        return self._kv_lock
 
     def may(self, event: str) -> bool:
         """Whether ``event`` is declared in the current state (guards not evaluated)."""
