@@ -326,23 +326,21 @@ def run_scenario(spec: ClusterSpec, kill: tuple[str, str] | None = None, *,
 
         ready = [w for w in c.importers if not w.killed]
         loads: list[dict[str, Any]] = []
+        drains_early = False
         if all(s == "ready" for s in report["import_states"]):
             t = time.monotonic()
             stall = bool(kill and kill[1] == "loading")
             for w in ready:
                 _send(w.conn, cmd="load", blocks=spec.prefix(), stall=stall)
             if stall:
-                [_recv(w.conn, spec.timeout_s) for w in ready]
+                for w in ready:
+                    _recv(w.conn, spec.timeout_s)  # "loading": the ops are queued and pinning
                 maybe_kill("loading")
                 for w in [w for w in ready if not w.killed]:  # the drain lets the stalled load finish
                     _send(w.conn, cmd="drain")
                 drains_early = True
-            else:
-                drains_early = False
             loads = [_recv(w.conn, spec.timeout_s) for w in ready if not w.killed]
             timings["load"] = time.monotonic() - t
-        else:
-            drains_early = False
         report["verified"] = [
             (w.rank, r.get("checksum") == expected_checksum(spec, w.rank))
             for w, r in zip([w for w in ready if not w.killed], loads) if "checksum" in r]
