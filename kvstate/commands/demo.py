@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from kvstate.cluster import PHASES, ROLES, ClusterSpec, run_scenario
 
@@ -72,23 +73,19 @@ def run(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
-def summary(r: dict[str, object]) -> str:
-    t = r["timings_s"]
-    assert isinstance(t, dict)
-    verified = r["verified"]
-    assert isinstance(verified, list)
-    leaks = r["leaks"]
-    assert isinstance(leaks, list)
+def summary(r: dict[str, Any]) -> str:
+    """The report of :func:`kvstate.cluster.run_scenario` as a two-column table."""
+    verified, leaks = r["verified"], r["leaks"]
     rows = [
         ("scenario", f"tp={r['tp']}" + (f", SIGKILL {r['kill']}" if r["kill"] else ", no faults")),
-        ("importer group states", " -> ".join(_dedupe(r["importer_states"])) or "-"),  # type: ignore[arg-type]
-        ("exporter bank states", " -> ".join(_dedupe(r["exporter_states"])) or "-"),  # type: ignore[arg-type]
-        ("import result per rank", ", ".join(map(str, r["import_states"]))),  # type: ignore[call-overload]
-        ("prefix bytes loaded", f"{int(r['load_bytes']) / 2**20:.1f} MiB"),  # type: ignore[call-overload]
+        ("importer group states", " -> ".join(_dedupe(r["importer_states"])) or "-"),
+        ("exporter bank states", " -> ".join(_dedupe(r["exporter_states"])) or "-"),
+        ("import result per rank", ", ".join(map(str, r["import_states"]))),
+        ("prefix bytes loaded", f"{r['load_bytes'] / 2**20:.1f} MiB"),
         ("checksums", f"{sum(ok for _, ok in verified)}/{len(verified)} ranks verified"),
-        ("exporter time to quiescent", f"{float(r['exporter_quiescent_s']) * 1e3:.1f} ms"),  # type: ignore[arg-type]
+        ("exporter time to quiescent", f"{r['exporter_quiescent_s'] * 1e3:.1f} ms"),
         ("leaked fds / memfd maps", f"{sum(x['fds'] for x in leaks)} / {sum(x['memfd_maps'] for x in leaks)}"),
-        ("timings", ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in t.items())),
+        ("timings", ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in r["timings_s"].items())),
         ("verdict", "OK: reuse verified, nothing partial, nothing leaked" if r["ok"] and not r["kill"]
          else "OK: clean failure and recovery" if r["ok"] else "FAILED"),
     ]

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import DEPLOYMENT, GEOMETRY, expected_blocks, make_exporter
 from kvstate.descriptor import decode, encode
-from kvstate.errors import DrainTimeout, GroupRejected, ImportFailed, RegistrationFailed
+from kvstate.errors import DrainTimeout, GroupRejected, IllegalTransition, ImportFailed, RegistrationFailed
 from kvstate.identity import Incarnation
 from kvstate.importer import ImportConfig, Importer
 from kvstate.machine import StateChange
@@ -128,7 +128,7 @@ def test_peer_death_after_ready_drains_group(transport: HostTransport, importer:
         time.sleep(0.01)
     assert group.state == "draining"
     dst = buffers(2, 1)
-    with pytest.raises(Exception):
+    with pytest.raises(IllegalTransition):  # INV-DRAIN-NO-NEW: no load after peer death
         group.load_prefix([0], dst)
     # Mappings of a dead exporter stay readable until unmapped.
     assert bytes(transport.view(group.parts[1].mapping)[:64]) == expected_blocks(1, [0])[:64]
