@@ -65,7 +65,7 @@ fuzz: $(STAMP)
 	fi
 
 soak: $(STAMP)
-	$(VPY) -c 'import sys; from kvstate.soak import main; sys.exit(main(sys.argv[1:]))' --cycles $(SOAK_CYCLES)
+	$(VPY) -c 'import sys; from kvstate.harness.soak import main; sys.exit(main(sys.argv[1:]))' --cycles $(SOAK_CYCLES)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .hypothesis

@@ -29,8 +29,8 @@ import time
 
 import numpy as np
 
-from kvstate.handles import HandleKind
-from kvstate.transport.base import Access
+from kvstate.core.handles import HandleKind
+from kvstate.core.capabilities import Access
 from kvstate.transport.host import HostTransport
 
 

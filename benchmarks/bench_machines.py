@@ -21,8 +21,8 @@ from typing import Any
 from transitions import Machine
 from transitions.extensions import LockedMachine
 
-from kvstate.machine import Lifecycle, effect, guard
-from kvstate.spec import load_machine
+from kvstate.core.machine import Lifecycle, effect, guard
+from kvstate.core.spec import load_machine
 
 GROUP = load_machine("group")
 BANK = load_machine("bank")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from kvstate.cli import main
+from kvstate.commands.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["check", "--all", "--table"]))

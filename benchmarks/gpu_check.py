@@ -1,4 +1,4 @@
-"""The GPU check of the cuda backend, in one run (see kvstate/gpucheck.py for what it does).
+"""The GPU check of the cuda backend, in one run (see kvstate/harness/gpucheck.py for what it does).
 
     python benchmarks/gpu_check.py [--device GPU-...] [--rounds 50] [--repeats 20] [--json] [--strict]
 
@@ -8,7 +8,7 @@ Exit status: 0 checks passed (goals printed as MET or MISSED), 1 a check failed 
 
 import sys
 
-from kvstate.gpucheck import main
+from kvstate.harness.gpucheck import main
 
 if __name__ == "__main__":
     sys.exit(main())

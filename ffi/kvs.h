@@ -32,7 +32,7 @@
 
 #include "kvs_op_table.h"
 
-/* Error codes. Python maps each one to a typed error in kvstate.errors. */
+/* Error codes. Python maps each one to a typed error in kvstate.core.errors. */
 #define KVS_OK 0
 #define KVS_E_INVAL (-1)      /* malformed argument (alignment, zero size, bad flag) */
 #define KVS_E_SYS (-2)        /* a system call failed; errno says which way */

@@ -5,7 +5,7 @@ Importing this package loads no native code and no CUDA module: the pure core
 plain Python. Transports are imported, and registered, explicitly.
 """
 
-from kvstate.errors import (
+from kvstate.core.errors import (
     BackendUnavailable,
     DescriptorRejected,
     GroupRejected,

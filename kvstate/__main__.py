@@ -1,3 +1,3 @@
-from kvstate.cli import main
+from kvstate.commands.cli import main
 
 raise SystemExit(main())

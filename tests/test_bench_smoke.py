@@ -39,7 +39,7 @@ def test_plot_is_skipped_with_a_message_without_matplotlib(tmp_path: Path) -> No
             "        if name.split('.')[0] == 'matplotlib':\n"
             "            raise ModuleNotFoundError(name=name)\n"
             "sys.meta_path.insert(0, H())\n"
-            "from kvstate.cli import main\n"
+            "from kvstate.commands.cli import main\n"
             f"sys.exit(main(['bench', '--quick', '--suite', 'B3', '--out', {str(tmp_path)!r}]))\n")
     r = subprocess.run([sys.executable, "-c", hide], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 def test_validators_and_geometry_contracts_hold() -> None:
     """INV-GROUP-COMPLETE (group_complete), INV-REJECT-BEFORE-OPEN and INV-STALE-REJECTED
     (the rules never accept what they reject), checked symbolically."""
-    result = crosshair(["kvstate/validate.py", "kvstate/geometry.py"])
+    result = crosshair(["kvstate/core/validate.py", "kvstate/core/geometry.py"])
     assert result.returncode == 0, result.stdout + result.stderr
 
 

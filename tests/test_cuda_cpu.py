@@ -18,12 +18,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstate import errors
-from kvstate.errors import BackendUnavailable, HandleFdsMismatch, HandleRefused, HandleWrongSize, OutOfRange
-from kvstate.handles import HANDLE_BYTES, HandleKind
-from kvstate.profile import FabricTrial
-from kvstate.transport import cuda_rules as rules
-from kvstate.transport.base import Access
+from kvstate.core import errors
+from kvstate.core.errors import BackendUnavailable, HandleFdsMismatch, HandleRefused, HandleWrongSize, OutOfRange
+from kvstate.core.handles import HANDLE_BYTES, HandleKind
+from kvstate.core.capabilities import FabricTrial
+from kvstate.transport.cuda import rules
+from kvstate.core.capabilities import Access
 
 driver = pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is a test dependency; install .[test]")
 
@@ -66,7 +66,7 @@ def test_other_backends_kinds_are_refused(kind: HandleKind) -> None:
 
 @pytest.mark.parametrize("cls", ["CUmemFabricHandle", "CUipcMemHandle"])
 def test_handle_bytes_round_trip_through_real_driver_structs(cls: str) -> None:
-    from kvstate.transport.cuda import _struct_bytes, _struct_from
+    from kvstate.transport.cuda.driver import struct_bytes as _struct_bytes, struct_from as _struct_from
 
     data = os.urandom(64)
     obj = _struct_from(getattr(driver, cls), data)
@@ -79,7 +79,7 @@ def test_handle_bytes_round_trip_through_real_driver_structs(cls: str) -> None:
 
 def test_allocation_prop_fields_as_the_driver_reads_them() -> None:
     """CUmemAllocationProp begins {type, requestedHandleTypes, location{type, id}} (cuda.h)."""
-    from kvstate.transport.cuda import allocation_prop
+    from kvstate.transport.cuda.driver import allocation_prop
 
     for kind, handle_type in ((HandleKind.POSIX_FD, 1), (HandleKind.FABRIC, 8)):
         prop = allocation_prop(driver, rules.allocation_fields(3, [kind]))
@@ -93,7 +93,7 @@ def test_allocation_prop_fields_as_the_driver_reads_them() -> None:
 
 @pytest.mark.parametrize("access,flags", [(Access.READ, 1), (Access.READ_WRITE, 3)])
 def test_access_desc_fields(access: Access, flags: int) -> None:
-    from kvstate.transport.cuda import access_desc
+    from kvstate.transport.cuda.driver import access_desc
 
     desc = access_desc(driver, 5, access)
     assert int(desc.flags) == flags == rules.access_flags(access)
@@ -225,7 +225,7 @@ def test_copy_plan_moves_the_same_bytes_without_overlapping_rows(spec: list[tupl
 
 
 def test_a_layer_major_gather_is_one_2d_copy_per_block() -> None:
-    from kvstate.geometry import DType, Geometry, Layout
+    from kvstate.core.geometry import DType, Geometry, Layout
 
     g = Geometry(layers=32, kv_heads=8, head_dim=128, block_tokens=16, dtype=DType.BF16,
                  layout=Layout.LAYER_MAJOR, num_blocks=64)
@@ -260,7 +260,7 @@ def _run(code: str) -> subprocess.CompletedProcess[str]:
 def test_importing_the_cuda_backend_module_loads_no_cuda() -> None:
     out = _run("""
         import sys
-        import kvstate.transport.cuda, kvstate.transport.cuda_rules
+        import kvstate.transport.cuda.transport, kvstate.transport.cuda.rules
         print(sorted(m for m in sys.modules if m.split('.')[0] == 'cuda'))
     """)
     assert out.returncode == 0, out.stderr
@@ -273,7 +273,7 @@ def test_without_cuda_python_the_backend_is_unavailable() -> None:
     out = _run("""
         import sys
         sys.modules['cuda'] = None
-        from kvstate.errors import BackendUnavailable
+        from kvstate.core.errors import BackendUnavailable
         from kvstate.transport.cuda import CudaTransport
         try:
             CudaTransport(bytes(16))
@@ -294,8 +294,8 @@ def test_other_import_errors_of_cuda_python_propagate() -> None:
                     raise ModuleNotFoundError("No module named 'cuda_bindings_internal'",
                                               name='cuda_bindings_internal')
         sys.meta_path.insert(0, Broken())
-        from kvstate.errors import BackendUnavailable
-        from kvstate.transport.cuda import load_driver
+        from kvstate.core.errors import BackendUnavailable
+        from kvstate.transport.cuda.driver import load_driver
         try:
             load_driver()
         except BackendUnavailable:
@@ -340,7 +340,7 @@ def test_cuda_and_host_transports_offer_the_same_operations_with_the_same_parame
     """Both implement the Transport protocol and what the lifecycle code uses beyond it."""
     import inspect
 
-    from kvstate.transport.base import Transport
+    from kvstate.transport.protocol import Transport
     from kvstate.transport.cuda import CudaTransport
     from kvstate.transport.host import HostTransport
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvstate import render
-from kvstate.cli import main
-from kvstate.spec import load_spec
+from kvstate.derive import docs as render
+from kvstate.commands.cli import main
+from kvstate.core.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 

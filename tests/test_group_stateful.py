@@ -1,7 +1,7 @@
 """Hypothesis stateful test: the group machine, built from spec/group.toml, against a
 plain Python model of the same lifecycle written by hand.
 
-The system under test is the real runtime machine (kvstate.machine) bound to simple real
+The system under test is the real runtime machine (kvstate.core.machine) bound to simple real
 state: a set of imported ranks, a pin count, failing effects. The model is written
 independently of the table. A guided rule draws events legal in the model's current
 state; an illegal-event rule draws the others. Invariants are named by id.
@@ -17,9 +17,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
-from kvstate.errors import GuardRejected, IllegalTransition
-from kvstate.machine import Lifecycle, effect, guard
-from kvstate.spec import MachineSpec, load_machine, parse_machine
+from kvstate.core.errors import GuardRejected, IllegalTransition
+from kvstate.core.machine import Lifecycle, effect, guard
+from kvstate.core.spec import MachineSpec, load_machine, parse_machine
 
 GROUP = load_machine("group")
 EVENTS = GROUP.event_names

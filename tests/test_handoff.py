@@ -25,18 +25,18 @@ from typing import Any
 
 import pytest
 
-from kvstate import handoff
-from kvstate.errors import (
+from kvstate.reuse import handoff
+from kvstate.core.errors import (
     ChildEngineAmbiguous,
     ChildEngineMissing,
     HandoffParamsModified,
     HandoffParamsUnsupported,
     KvStateError,
 )
-from kvstate.handoff import PrefixLoaded, fingerprint, load_prefix, resolve_child_engine
-from kvstate.inventory import Inventory, LeaseGrant
-from kvstate.policy import Candidate, ReuseSettings, choose_transfer_source
-from kvstate.transport.base import MemoryKind
+from kvstate.reuse.handoff import PrefixLoaded, fingerprint, load_prefix, resolve_child_engine
+from kvstate.reuse.inventory import Inventory, LeaseGrant
+from kvstate.reuse.policy import Candidate, ReuseSettings, choose_transfer_source
+from kvstate.core.capabilities import MemoryKind
 
 NIXL_PARAMS: dict[str, Any] = {
     "do_remote_prefill": True,

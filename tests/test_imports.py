@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from kvstate.errors import BackendUnavailable
-from kvstate.optional import require
+from kvstate.core.errors import BackendUnavailable
+from kvstate.core.optional import require
 
-PURE = ["kvstate", "kvstate.spec", "kvstate.machine", "kvstate.validate", "kvstate.descriptor",
-        "kvstate.transport", "kvstate.cli"]
+PURE = ["kvstate", "kvstate.core.spec", "kvstate.core.machine", "kvstate.core.validate", "kvstate.core.descriptor",
+        "kvstate.transport", "kvstate.commands.cli"]
 
 
 def test_import_kvstate_loads_no_native_or_cuda_module() -> None:

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstate.errors import BlockBusy, InvalidBlockHash, InventoryError, KvStateError, NotPinned, UnknownLease
-from kvstate.inventory import (
+from kvstate.core.errors import BlockBusy, InvalidBlockHash, InventoryError, KvStateError, NotPinned, UnknownLease
+from kvstate.reuse.inventory import (
     BlocksRemoved,
     BlocksStored,
     GroupCleared,

@@ -21,8 +21,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvstate.errors import BlockBusy, InventoryError, NotPinned, UnknownLease
-from kvstate.inventory import (
+from kvstate.core.errors import BlockBusy, InventoryError, NotPinned, UnknownLease
+from kvstate.reuse.inventory import (
     BlocksRemoved,
     BlocksStored,
     Event,

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from kvstate.errors import BindingError, GuardRejected, IllegalTransition, ReentrantTransition
-from kvstate.machine import Lifecycle, StateChange, effect, guard
-from kvstate.spec import load_machine, parse_machine
+from kvstate.core.errors import BindingError, GuardRejected, IllegalTransition, ReentrantTransition
+from kvstate.core.machine import Lifecycle, StateChange, effect, guard
+from kvstate.core.spec import load_machine, parse_machine
 from support.harness import harness_class
 
 OP = load_machine("op")

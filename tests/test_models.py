@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from kvstate import modelcheck, models
-from kvstate.errors import GuardRejected, ModelGenerationError
-from kvstate.spec import load_spec
+from kvstate.harness import modelcheck
+
+from kvstate.derive import promela as models
+from kvstate.core.errors import GuardRejected, ModelGenerationError
+from kvstate.core.spec import load_spec
 from support.model_harness import build
 from support.spin import require_spin
 
@@ -141,10 +143,10 @@ def test_counterexample_replays_against_the_real_exporter_and_importer(tmp_path:
     to be mapped, refuses it: defence in depth that the model abstracts away (the Python
     harness test above reproduces the violation itself). With the real tables the same
     trail is refused by `all_parts_imported` (INV-GROUP-COMPLETE)."""
-    from kvstate.exporter import Bank, Exporter, ExportConfig
-    from kvstate.importer import Group, ImportConfig, Importer, Part
+    from kvstate.share.exporter import Bank, Exporter, ExportConfig
+    from kvstate.share.importer import Group, ImportConfig, Importer, Part
     from kvstate.transport.host import HostTransport
-    from kvstate.validate import validate_group
+    from kvstate.core.validate import validate_group
     from support.descriptors import DEPLOYMENT, GEOMETRY, expectation, group as descriptors
 
     require_spin()

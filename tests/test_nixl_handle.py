@@ -12,15 +12,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstate.errors import KvStateError, NixlHandleRejected, NixlStaleGeneration
-from kvstate.handles import NIXL_HANDLE_MAX_BYTES
-from kvstate.transport.base import MemoryKind
-from kvstate.transport.nixl_handle import (
+from kvstate.core.errors import KvStateError, NixlHandleRejected, NixlStaleGeneration
+from kvstate.core.handles import NIXL_HANDLE_MAX_BYTES
+from kvstate.core.capabilities import MemoryKind
+from kvstate.transport.nixl.handle import (
     HEADER_BYTES,
     MAX_AGENT_NAME,
     MAX_REGIONS,
     NixlHandle,
-    Reason,
+    HandleDefect,
     RemoteRegion,
     decode,
     encode,
@@ -30,7 +30,7 @@ GOOD = NixlHandle(agent_name="kvstate-12-ab", metadata=b"nixlSerDes|Agent...",
                   regions=(RemoteRegion(0x7F00_0000_0000, 1 << 26),), generation=5)
 
 
-def _reason(data: bytes, **kw: int) -> Reason:
+def _reason(data: bytes, **kw: int) -> HandleDefect:
     with pytest.raises(NixlHandleRejected) as exc:
         decode(data, **kw)
     return exc.value.reason  # type: ignore[no-any-return]
@@ -66,8 +66,8 @@ def test_round_trip_is_canonical(h: NixlHandle) -> None:
 def test_every_strict_prefix_and_any_suffix_is_rejected(h: NixlHandle, data: st.DataObject) -> None:
     raw = encode(h)
     cut = data.draw(st.integers(0, len(raw) - 1))
-    assert _reason(raw[:cut]) is Reason.TRUNCATED
-    assert _reason(raw + data.draw(st.binary(min_size=1, max_size=16))) is Reason.TRAILING
+    assert _reason(raw[:cut]) is HandleDefect.TRUNCATED
+    assert _reason(raw + data.draw(st.binary(min_size=1, max_size=16))) is HandleDefect.TRAILING
 
 
 @given(handles(), st.data())
@@ -100,16 +100,16 @@ def test_each_rule_has_its_reason() -> None:
         fields.update(changes)
         return struct.pack("<4sBBHQHII", *fields.values()) + raw[HEADER_BYTES:]
 
-    assert _reason(with_header(magic=b"KVNY")) is Reason.MAGIC
-    assert _reason(with_header(version=2)) is Reason.VERSION
-    assert _reason(with_header(memory=2)) is Reason.MEMORY_KIND
-    assert _reason(with_header(flags=1)) is Reason.FLAGS
-    assert _reason(with_header(md=0)) is Reason.METADATA
-    assert _reason(with_header(n=0)) is Reason.REGIONS
-    assert _reason(with_header(n=MAX_REGIONS + 1)) is Reason.REGIONS
-    assert _reason(b"\0" * (NIXL_HANDLE_MAX_BYTES + 1)) is Reason.TOO_LONG
-    assert _reason(raw[:HEADER_BYTES - 1]) is Reason.TRUNCATED
-    assert _reason(raw, generation=4) is Reason.GENERATION  # newer than its descriptor says
+    assert _reason(with_header(magic=b"KVNY")) is HandleDefect.MAGIC
+    assert _reason(with_header(version=2)) is HandleDefect.VERSION
+    assert _reason(with_header(memory=2)) is HandleDefect.MEMORY_KIND
+    assert _reason(with_header(flags=1)) is HandleDefect.FLAGS
+    assert _reason(with_header(md=0)) is HandleDefect.METADATA
+    assert _reason(with_header(n=0)) is HandleDefect.REGIONS
+    assert _reason(with_header(n=MAX_REGIONS + 1)) is HandleDefect.REGIONS
+    assert _reason(b"\0" * (NIXL_HANDLE_MAX_BYTES + 1)) is HandleDefect.TOO_LONG
+    assert _reason(raw[:HEADER_BYTES - 1]) is HandleDefect.TRUNCATED
+    assert _reason(raw, generation=4) is HandleDefect.GENERATION  # newer than its descriptor says
     with pytest.raises(NixlStaleGeneration):
         decode(raw, generation=6)  # a record older than the descriptor's generation
 
@@ -138,4 +138,4 @@ def test_region_rules_apply_to_decoded_bytes() -> None:
     """Overlapping regions smuggled past encode (packed by hand) are refused on decode."""
     raw = bytearray(encode(NixlHandle("a", b"m", (RemoteRegion(100, 10), RemoteRegion(200, 10)), 0)))
     struct.pack_into("<Q", raw, len(raw) - 20, 105)  # second region now starts inside the first
-    assert _reason(bytes(raw)) is Reason.REGIONS
+    assert _reason(bytes(raw)) is HandleDefect.REGIONS

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstate.errors import BackendUnavailable
+from kvstate.core.errors import BackendUnavailable
 from support.peers import PeerError, peers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,7 +91,7 @@ def test_deregistration_does_not_revoke_access_but_the_lease_gate_does() -> None
         importer.call("end_lease", why="revoked by the exporter")
         with pytest.raises(PeerError) as refused:
             importer.call("load", blocks=blocks, block_bytes=BLOCK, seed=None, generation=1)
-        assert refused.value.kind == "kvstate.errors.LeaseEnded" and "revoked by the exporter" in str(refused.value)
+        assert refused.value.kind == "kvstate.core.errors.LeaseEnded" and "revoked by the exporter" in str(refused.value)
         assert importer.call("dst_untouched") is True
 
 
@@ -108,7 +108,7 @@ def test_expired_lease_refuses_loads() -> None:
         time.sleep(0.3)
         with pytest.raises(PeerError) as refused:
             importer.call("load", blocks=[1, 2], block_bytes=BLOCK, seed=None, generation=1)
-        assert refused.value.kind == "kvstate.errors.LeaseEnded" and "expired" in str(refused.value)
+        assert refused.value.kind == "kvstate.core.errors.LeaseEnded" and "expired" in str(refused.value)
         assert importer.call("dst_untouched") is True
 
 
@@ -127,7 +127,7 @@ def test_read_after_owner_unmaps_kills_the_owner() -> None:
         exporter.call("unmap_bank")
         with pytest.raises(PeerError) as failed:
             importer.call("load", blocks=[0, 1], block_bytes=BLOCK, seed=None, generation=1, timeout=10.0)
-        assert failed.value.kind in {"kvstate.errors.NixlOperationFailed", "kvstate.errors.NixlTimeout"}
+        assert failed.value.kind in {"kvstate.core.errors.NixlOperationFailed", "kvstate.core.errors.NixlTimeout"}
         exporter.process.join(10)
         assert exporter.process.exitcode == -signal.SIGSEGV
 
@@ -146,19 +146,19 @@ def test_stale_generation_rejected() -> None:
         # the gen-1 record inside a gen-2 descriptor: refused by the decoder, before NIXL
         with pytest.raises(PeerError) as stale:
             importer.call("decode_only", handle=gen1, generation=2)
-        assert stale.value.kind == "kvstate.errors.NixlStaleGeneration"
+        assert stale.value.kind == "kvstate.core.errors.NixlStaleGeneration"
 
         importer.call("import_bank", handle=gen2, size=SIZE, generation=2)
         assert importer.call("load", blocks=[3, 9], block_bytes=BLOCK, seed=2, generation=2)["matches"] is True
         with pytest.raises(PeerError) as retired:  # the superseded view no longer loads
             importer.call("load", blocks=[3], block_bytes=BLOCK, seed=None, generation=1)
-        assert retired.value.kind == "kvstate.errors.NixlStaleGeneration"
+        assert retired.value.kind == "kvstate.core.errors.NixlStaleGeneration"
         with pytest.raises(PeerError) as older:  # a well-formed gen-1 descriptor after gen 2 was seen
             importer.call("import_bank", handle=gen1, size=SIZE, generation=1)
-        assert older.value.kind == "kvstate.errors.NixlStaleGeneration"
+        assert older.value.kind == "kvstate.core.errors.NixlStaleGeneration"
         with pytest.raises(PeerError) as wrong_size:
             importer.call("import_bank", handle=gen2, size=SIZE * 2, generation=2)
-        assert wrong_size.value.kind == "kvstate.errors.NixlHandleRejected"
+        assert wrong_size.value.kind == "kvstate.core.errors.NixlHandleRejected"
 
 
 @needs_nixl
@@ -171,7 +171,7 @@ def test_metadata_of_another_agent_is_rejected() -> None:
         handle = exporter.call("export_bank", blocks=BLOCKS, block_bytes=BLOCK, seed=6, generation=1)
         with pytest.raises(PeerError) as forged:
             importer.call("import_renamed", handle=handle, size=SIZE, generation=1, name="someone-else")
-        assert forged.value.kind == "kvstate.errors.NixlHandleRejected" and "agent_name" in str(forged.value)
+        assert forged.value.kind == "kvstate.core.errors.NixlHandleRejected" and "agent_name" in str(forged.value)
         importer.call("import_bank", handle=handle, size=SIZE, generation=1)
         assert importer.call("load", blocks=[9], block_bytes=BLOCK, seed=6, generation=1)["matches"] is True
 
@@ -188,7 +188,7 @@ def test_teardown_order_and_closed_views() -> None:
         importer.call("close_remote", generation=1)
         with pytest.raises(PeerError) as closed:
             importer.call("load", blocks=[7], block_bytes=BLOCK, seed=None, generation=1)
-        assert closed.value.kind == "kvstate.errors.NixlStaleGeneration"
+        assert closed.value.kind == "kvstate.core.errors.NixlStaleGeneration"
         importer.call("close")
         exporter.call("release_bank")
         exporter.call("close")
@@ -201,7 +201,7 @@ def test_one_agent_per_process_and_no_mapping() -> None:
         peer.call("start")
         with pytest.raises(PeerError) as second:
             peer.call("second_agent")
-        assert second.value.kind == "kvstate.errors.NixlError" and "one agent per process" in str(second.value)
+        assert second.value.kind == "kvstate.core.errors.NixlError" and "one agent per process" in str(second.value)
         assert peer.call("unsupported") == ["reserve:NixlUnsupported", "map:NixlUnsupported",
                                             "set_access:NixlUnsupported", "unmap:NixlUnsupported",
                                             "export_memfd:NixlUnsupported"]
@@ -232,7 +232,7 @@ def test_hung_exporter_load_times_out_and_recovers() -> None:
             with pytest.raises(PeerError) as hung:
                 importer.call("load", blocks=list(range(BLOCKS)), block_bytes=BLOCK, seed=None, generation=1,
                               timeout=1.0)
-            assert hung.value.kind == "kvstate.errors.NixlTimeout"
+            assert hung.value.kind == "kvstate.core.errors.NixlTimeout"
             assert time.monotonic() - t0 < 10
         finally:
             os.kill(exporter.process.pid, signal.SIGCONT)
@@ -272,7 +272,7 @@ HIDE_NIXL = """
 
 def test_importing_kvstate_loads_no_nixl() -> None:
     r = _python("""
-        import sys, kvstate, kvstate.transport, kvstate.transport.nixl, kvstate.transport.nixl_handle
+        import sys, kvstate, kvstate.transport, kvstate.transport.nixl.transport, kvstate.transport.nixl.handle
         loaded = sorted(m for m in sys.modules if m.split(".")[0] in {"nixl", "nixl_cu12", "nixl_cu13", "numpy"})
         print(loaded)
     """)
@@ -282,7 +282,7 @@ def test_importing_kvstate_loads_no_nixl() -> None:
 
 def test_missing_nixl_is_backend_unavailable() -> None:
     r = _python(textwrap.dedent(HIDE_NIXL) + textwrap.dedent("""
-        from kvstate.errors import BackendUnavailable
+        from kvstate.core.errors import BackendUnavailable
         from kvstate.transport.nixl import NixlTransport
         try:
             NixlTransport()

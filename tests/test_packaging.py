@@ -22,7 +22,7 @@ def test_installed_wheel_loads_its_own_tables(tmp_path: Path) -> None:
     assert {"kvstate/py.typed", "kvstate/tables/group.toml", "kvstate/tables/invariants.toml"} <= set(names)
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
                    check=True, capture_output=True)
-    code = ("import kvstate, kvstate.spec as s; from importlib import resources;"
+    code = ("import kvstate, kvstate.core.spec as s; from importlib import resources;"
             "print(kvstate.__file__); print(resources.files('kvstate.tables'));"
             "print(sorted(s.load_spec().machines))")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True, capture_output=True, text=True,

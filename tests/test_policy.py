@@ -17,12 +17,12 @@ import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from kvstate import policy, profile
-from kvstate.errors import InvalidSetting, KvStateError, PolicyInputError, UnknownSetting
-from kvstate.geometry import DType, Geometry, Layout
-from kvstate.handles import HandleKind
-from kvstate.policy import Candidate, Reason, ReuseSettings, choose_transfer_source, estimate_ttft_saving
-from kvstate.transport.base import Capabilities, MemoryKind, Scope
+from kvstate.reuse import policy, profile
+from kvstate.core.errors import InvalidSetting, KvStateError, PolicyInputError, UnknownSetting
+from kvstate.core.geometry import DType, Geometry, Layout
+from kvstate.core.handles import HandleKind
+from kvstate.reuse.policy import Candidate, DecisionReason, ReuseSettings, choose_transfer_source, estimate_ttft_saving
+from kvstate.core.capabilities import Capabilities, MemoryKind, Scope
 
 # -- settings ------------------------------------------------------------------------
 
@@ -238,10 +238,10 @@ def check_policy_properties(choose: Callable[..., policy.Decision], s: ReuseSett
         assert d.terms.saved_blocks >= s.minimum_transfer_prefix_blocks  # INV-POLICY-MINIMUMS
         assert d.terms.saving_ms >= s.minimum_estimated_ttft_saving_ms  # INV-POLICY-MINIMUMS
     if not s.enable_decode_to_prefill_reuse:
-        assert d.reason is Reason.REUSE_DISABLED
+        assert d.reason is DecisionReason.REUSE_DISABLED
         return
     if not eligible:
-        assert d.reason is Reason.NO_ELIGIBLE_SOURCE and d.source is None
+        assert d.reason is DecisionReason.NO_ELIGIBLE_SOURCE and d.source is None
         return
     assert d.source is not None and d.terms is not None
     assert d.source.prefix_blocks == max(c.prefix_blocks for c in eligible)  # the longest prefix wins
@@ -276,9 +276,9 @@ def test_gpu_needs_enabled_and_admitted_profile() -> None:
     both = attrs.evolve(ON, enable_decode_to_prefill_gpu_reuse=True)
     d = choose_transfer_source(0, cands, both, block_tokens=16, admitted=GPU_ADMITTED, clock=_frozen_clock())
     assert d.recommended and d.source is not None and d.source.source_id == "gpu"
-    for settings, admitted, why in [(ON, GPU_ADMITTED, Reason.GPU_REUSE_DISABLED),
-                                    (both, None, Reason.GPU_PROFILE_NOT_ADMITTED),
-                                    (both, HOST_ADMITTED, Reason.GPU_PROFILE_NOT_ADMITTED)]:
+    for settings, admitted, why in [(ON, GPU_ADMITTED, DecisionReason.GPU_REUSE_DISABLED),
+                                    (both, None, DecisionReason.GPU_PROFILE_NOT_ADMITTED),
+                                    (both, HOST_ADMITTED, DecisionReason.GPU_PROFILE_NOT_ADMITTED)]:
         d = choose_transfer_source(0, cands, settings, block_tokens=16, admitted=admitted, clock=_frozen_clock())
         assert d.source is not None and d.source.source_id == "host"
         assert d.skipped == ((cands[0], why),)
@@ -290,7 +290,7 @@ def test_disabled_policy_reads_no_candidate() -> None:
         yield  # pragma: no cover
 
     d = choose_transfer_source(0, never(), ReuseSettings(), block_tokens=16)
-    assert d.reason is Reason.REUSE_DISABLED and not d.recommended
+    assert d.reason is DecisionReason.REUSE_DISABLED and not d.recommended
 
 
 def test_lookup_stops_within_its_budget() -> None:
@@ -316,11 +316,11 @@ def test_lookup_stops_within_its_budget() -> None:
 
 def test_rejections_say_why() -> None:
     few = choose_transfer_source(10, [Candidate("d", 12, MemoryKind.HOST)], ON, block_tokens=16)
-    assert few.reason is Reason.BELOW_MINIMUM_BLOCKS and not few.recommended
+    assert few.reason is DecisionReason.BELOW_MINIMUM_BLOCKS and not few.recommended
     small = choose_transfer_source(0, [Candidate("d", 20, MemoryKind.HOST)], ON, block_tokens=16)
-    assert small.reason is Reason.BELOW_MINIMUM_SAVING
+    assert small.reason is DecisionReason.BELOW_MINIMUM_SAVING
     none = choose_transfer_source(50, [Candidate("d", 20, MemoryKind.HOST)], ON, block_tokens=16)
-    assert none.reason is Reason.NO_ELIGIBLE_SOURCE and none.skipped[0][1] is Reason.NO_LONGER_PREFIX
+    assert none.reason is DecisionReason.NO_ELIGIBLE_SOURCE and none.skipped[0][1] is DecisionReason.NO_LONGER_PREFIX
     for d in (few, small, none):
         assert d.reason.value in d.explain()
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstate.cli import main
+from kvstate.commands.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,7 +77,7 @@ def test_explain_bad_input_is_a_clear_error(args: list[str], message: str, capsy
 
 
 def test_pure_modules_import_no_native_or_optional_code() -> None:
-    code = ("import sys, kvstate.policy, kvstate.inventory, kvstate.profile, kvstate.handoff, "
+    code = ("import sys, kvstate.reuse.policy, kvstate.reuse.inventory, kvstate.reuse.profile, kvstate.reuse.handoff, "
             "kvstate.commands.policy\n"
             "bad = [m for m in sys.modules if m.split('.')[0] in "
             "{'cffi', '_cffi_backend', 'cuda', 'nixl', 'numpy', 'crosshair', 'hypothesis'}]\n"

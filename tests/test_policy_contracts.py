@@ -1,14 +1,14 @@
 """crosshair checks the policy's PEP 316 contracts, and fails on a planted bug.
 
-INV-POLICY-DISABLED, INV-POLICY-GPU-GATED, INV-POLICY-MINIMUMS (``kvstate.policy.gate``)
-and INV-POLICY-MONOTONE (``kvstate.policy.estimated_saving_ms``).
+INV-POLICY-DISABLED, INV-POLICY-GPU-GATED, INV-POLICY-MINIMUMS (``kvstate.reuse.policy.gate``)
+and INV-POLICY-MONOTONE (``kvstate.reuse.policy.estimated_saving_ms``).
 """
 
 from __future__ import annotations
 
 from support.crosshair import crosshair
 
-TARGETS = ["kvstate.policy.estimated_saving_ms", "kvstate.policy.gate"]
+TARGETS = ["kvstate.reuse.policy.estimated_saving_ms", "kvstate.reuse.policy.gate"]
 
 
 def test_policy_contracts_hold() -> None:
@@ -29,8 +29,7 @@ def test_contracts_are_on_the_functions_the_policy_uses() -> None:
     """The checked functions must be the ones choose_transfer_source calls, with contracts."""
     import inspect
 
-    from kvstate import policy
-
+    from kvstate.reuse import policy
     source = inspect.getsource(policy.choose_transfer_source) + inspect.getsource(policy.estimate_ttft_saving)
     assert "gate(" in source and "estimated_saving_ms(" in source
     for fn in (policy.gate, policy.estimated_saving_ms):

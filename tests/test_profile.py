@@ -12,12 +12,12 @@ import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from kvstate import profile
-from kvstate.errors import CapabilitiesIncomplete, CapabilitiesInvalid, CapabilitiesRejected, UnknownProfile
-from kvstate.descriptor import VERSION
-from kvstate.geometry import DType, Geometry, Layout
-from kvstate.handles import HandleKind
-from kvstate.profile import (
+from kvstate.reuse import profile
+from kvstate.core.errors import CapabilitiesIncomplete, CapabilitiesInvalid, CapabilitiesRejected, UnknownProfile
+from kvstate.core.descriptor import VERSION
+from kvstate.core.geometry import DType, Geometry, Layout
+from kvstate.core.handles import HandleKind
+from kvstate.reuse.profile import (
     PROTOCOL_VERSION,
     Admitted,
     DeploymentProfile,
@@ -29,7 +29,7 @@ from kvstate.profile import (
     admit,
     parse_capabilities,
 )
-from kvstate.transport.base import Capabilities, MemoryKind, Scope
+from kvstate.core.capabilities import Capabilities, MemoryKind, Scope
 
 
 def transport(name: str, kinds: set[HandleKind], memory: set[MemoryKind], scopes: set[Scope]) -> TransportCapabilities:

@@ -10,13 +10,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstate.descriptor import MAX_DESCRIPTOR_BYTES, decode, encode
-from kvstate.errors import DescriptorRejected, GroupRejected
-from kvstate.geometry import DType, Geometry, Layout
-from kvstate.handles import HandleKind
-from kvstate.identity import Deployment, FabricDomain, FabricKind, Purpose, digest
-from kvstate.reasons import Reason
-from kvstate.validate import validate_group
+from kvstate.core.descriptor import MAX_DESCRIPTOR_BYTES, decode, encode
+from kvstate.core.errors import DescriptorRejected, GroupRejected
+from kvstate.core.geometry import DType, Geometry, Layout
+from kvstate.core.handles import HandleKind
+from kvstate.core.identity import Deployment, FabricDomain, FabricKind, Purpose, digest
+from kvstate.core.reasons import RejectReason
+from kvstate.core.validate import validate_group
 from support.descriptors import DEPLOYMENT, GEOMETRY, descriptor, expectation, group, socket_dir
 
 
@@ -76,29 +76,29 @@ def test_tampered_descriptor_fails_authentication() -> None:
     wire[i] = ord("1")
     with pytest.raises(DescriptorRejected) as info:
         decode(bytes(wire), DEPLOYMENT)
-    assert info.value.reason is Reason.AUTHENTICATION
+    assert info.value.reason is RejectReason.AUTHENTICATION
 
 
 def test_other_deployment_fails_authentication() -> None:
     other = Deployment("test-deployment", bytes(32))
     with pytest.raises(DescriptorRejected) as info:
         decode(encode(descriptor(), DEPLOYMENT), other)
-    assert info.value.reason is Reason.AUTHENTICATION
+    assert info.value.reason is RejectReason.AUTHENTICATION
 
 
 def test_right_key_but_foreign_domain_is_rejected() -> None:
     other = Deployment("another", DEPLOYMENT.key)
     with pytest.raises(DescriptorRejected) as info:
         decode(encode(descriptor(), DEPLOYMENT), other)
-    assert info.value.reason is Reason.DOMAIN
+    assert info.value.reason is RejectReason.DOMAIN
 
 
 @pytest.mark.parametrize(("wire", "reason"), [
-    (b"", Reason.MALFORMED),
-    (b"x" * (MAX_DESCRIPTOR_BYTES + 1), Reason.OVERSIZE),
-    (b"NOPE" + bytes(40), Reason.MALFORMED),
+    (b"", RejectReason.MALFORMED),
+    (b"x" * (MAX_DESCRIPTOR_BYTES + 1), RejectReason.OVERSIZE),
+    (b"NOPE" + bytes(40), RejectReason.MALFORMED),
 ])
-def test_garbage_is_rejected_with_a_reason(wire: bytes, reason: Reason) -> None:
+def test_garbage_is_rejected_with_a_reason(wire: bytes, reason: RejectReason) -> None:
     with pytest.raises(DescriptorRejected) as info:
         decode(wire, DEPLOYMENT)
     assert info.value.reason is reason
@@ -109,7 +109,7 @@ def test_wrong_version_is_rejected() -> None:
     wire[4] = 9
     with pytest.raises(DescriptorRejected) as info:
         decode(bytes(wire), DEPLOYMENT)
-    assert info.value.reason is Reason.VERSION
+    assert info.value.reason is RejectReason.VERSION
 
 
 @given(st.binary(max_size=512))
@@ -126,13 +126,13 @@ def sock() -> str:
     return socket_dir()[1]
 
 
-def reasons(parts: list, **expect: object) -> frozenset[Reason]:  # type: ignore[type-arg]
+def reasons(parts: list, **expect: object) -> frozenset[RejectReason]:  # type: ignore[type-arg]
     with pytest.raises(GroupRejected) as info:
         validate_group(parts, expectation(**expect))
     return info.value.reasons
 
 
-def reasons_or_none(parts: list, **expect: object) -> frozenset[Reason]:  # type: ignore[type-arg]
+def reasons_or_none(parts: list, **expect: object) -> frozenset[RejectReason]:  # type: ignore[type-arg]
     try:
         validate_group(parts, expectation(**expect))
     except GroupRejected as exc:
@@ -148,45 +148,45 @@ def test_valid_group_is_accepted_sorted(sock: str) -> None:
 
 def test_rank_rules(sock: str) -> None:
     parts = group(4, sock)
-    assert reasons(parts[:3]) == {Reason.MISSING_RANK}
-    assert Reason.DUPLICATE_RANK in reasons([*parts, parts[1]])
-    assert Reason.RANK_RANGE in reasons([*parts[:3], attrs.evolve(parts[3], rank=7)])
-    assert Reason.TP_SIZE in reasons(group(4, sock), max_tp=2)
-    assert Reason.TP_SIZE in reasons([*parts[:3], attrs.evolve(parts[3], tp=8)])
-    assert reasons([]) == {Reason.MISSING_RANK}
+    assert reasons(parts[:3]) == {RejectReason.MISSING_RANK}
+    assert RejectReason.DUPLICATE_RANK in reasons([*parts, parts[1]])
+    assert RejectReason.RANK_RANGE in reasons([*parts[:3], attrs.evolve(parts[3], rank=7)])
+    assert RejectReason.TP_SIZE in reasons(group(4, sock), max_tp=2)
+    assert RejectReason.TP_SIZE in reasons([*parts[:3], attrs.evolve(parts[3], tp=8)])
+    assert reasons([]) == {RejectReason.MISSING_RANK}
 
 
 def test_geometry_rules(sock: str) -> None:
     parts = group(2, sock)
     odd = attrs.evolve(parts[1], geometry=attrs.evolve(GEOMETRY, head_dim=16))
-    assert Reason.GEOMETRY in reasons([parts[0], odd])
-    assert Reason.GEOMETRY in reasons(parts, geometry_fingerprint=bytes(16))
+    assert RejectReason.GEOMETRY in reasons([parts[0], odd])
+    assert RejectReason.GEOMETRY in reasons(parts, geometry_fingerprint=bytes(16))
 
 
 def test_identity_rules(sock: str) -> None:
     parts = group(2, sock)
-    assert reasons(parts, device_uuids=frozenset({bytes(16)})) == {Reason.DEVICE_UUID}
-    assert reasons(parts, incarnations={0: parts[0].incarnation, 1: bytes(16)}) == {Reason.INCARNATION}
+    assert reasons(parts, device_uuids=frozenset({bytes(16)})) == {RejectReason.DEVICE_UUID}
+    assert reasons(parts, incarnations={0: parts[0].incarnation, 1: bytes(16)}) == {RejectReason.INCARNATION}
     assert not reasons_or_none(parts, incarnations={0: parts[0].incarnation, 1: parts[1].incarnation})
-    assert reasons(parts, host_boot_id=bytes(16)) == {Reason.HOST}
-    assert Reason.MIXED_GROUP in reasons([parts[0], attrs.evolve(parts[1], source_id=bytes(16))])
-    assert reasons([attrs.evolve(p, deployment_id=bytes(16)) for p in parts]) == {Reason.DOMAIN}
+    assert reasons(parts, host_boot_id=bytes(16)) == {RejectReason.HOST}
+    assert RejectReason.MIXED_GROUP in reasons([parts[0], attrs.evolve(parts[1], source_id=bytes(16))])
+    assert reasons([attrs.evolve(p, deployment_id=bytes(16)) for p in parts]) == {RejectReason.DOMAIN}
 
 
 def test_staleness_rules(sock: str) -> None:
     """INV-STALE-REJECTED: old generation and expiry."""
     parts = group(2, sock)
-    assert reasons(parts, min_generation=4) == {Reason.GENERATION}
-    assert reasons(parts, now_ns=time.time_ns() + 3600 * 10**9) == {Reason.EXPIRED}
-    assert Reason.GENERATION in reasons([parts[0], attrs.evolve(parts[1], generation=9)])
+    assert reasons(parts, min_generation=4) == {RejectReason.GENERATION}
+    assert reasons(parts, now_ns=time.time_ns() + 3600 * 10**9) == {RejectReason.EXPIRED}
+    assert RejectReason.GENERATION in reasons([parts[0], attrs.evolve(parts[1], generation=9)])
 
 
 def test_handle_and_size_rules(sock: str) -> None:
     parts = group(1, sock)
-    assert reasons([attrs.evolve(parts[0], handle=bytes(15))]) == {Reason.HANDLE_SIZE}
-    assert reasons(parts, handle_kinds=frozenset({HandleKind.FABRIC})) == {Reason.HANDLE_KIND}
-    assert reasons([attrs.evolve(parts[0], size=parts[0].size + 4096)]) == {Reason.TOTAL_SIZE}
-    assert reasons([attrs.evolve(parts[0], granularity=3000)]) == {Reason.TOTAL_SIZE}
+    assert reasons([attrs.evolve(parts[0], handle=bytes(15))]) == {RejectReason.HANDLE_SIZE}
+    assert reasons(parts, handle_kinds=frozenset({HandleKind.FABRIC})) == {RejectReason.HANDLE_KIND}
+    assert reasons([attrs.evolve(parts[0], size=parts[0].size + 4096)]) == {RejectReason.TOTAL_SIZE}
+    assert reasons([attrs.evolve(parts[0], granularity=3000)]) == {RejectReason.TOTAL_SIZE}
 
 
 def test_socket_path_rules() -> None:
@@ -194,12 +194,12 @@ def test_socket_path_rules() -> None:
     link = d.parent / f"{d.name}-link"
     link.symlink_to(d)
     try:
-        assert reasons(group(1, str(link / "export.sock"))) == {Reason.SOCKET_SYMLINK}
-        assert reasons(group(1, str(d / "absent.sock"))) == {Reason.SOCKET_PATH}
-        assert reasons(group(1, "relative/export.sock")) == {Reason.SOCKET_PATH}
-        assert reasons(group(1, path), uid=os.getuid() + 1) == {Reason.SOCKET_DIR_OWNER}
+        assert reasons(group(1, str(link / "export.sock"))) == {RejectReason.SOCKET_SYMLINK}
+        assert reasons(group(1, str(d / "absent.sock"))) == {RejectReason.SOCKET_PATH}
+        assert reasons(group(1, "relative/export.sock")) == {RejectReason.SOCKET_PATH}
+        assert reasons(group(1, path), uid=os.getuid() + 1) == {RejectReason.SOCKET_DIR_OWNER}
         d.chmod(0o750)
-        assert reasons(group(1, path)) == {Reason.SOCKET_DIR_MODE}
+        assert reasons(group(1, path)) == {RejectReason.SOCKET_DIR_MODE}
     finally:
         d.chmod(0o700)
         link.unlink()
@@ -211,4 +211,4 @@ def test_group_rejection_lists_every_problem(sock: str) -> None:
     bad = [parts[0], attrs.evolve(parts[1], handle=b""), attrs.evolve(parts[2], generation=0)]
     with pytest.raises(GroupRejected) as info:
         validate_group(bad, expectation(min_generation=2))
-    assert {(p.reason, p.rank) for p in info.value.problems} >= {(Reason.HANDLE_SIZE, 1), (Reason.GENERATION, 2)}
+    assert {(p.reason, p.rank) for p in info.value.problems} >= {(RejectReason.HANDLE_SIZE, 1), (RejectReason.GENERATION, 2)}

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvstate.errors import GuardRejected, IllegalTransition
-from kvstate.spec import load_spec
+from kvstate.core.errors import GuardRejected, IllegalTransition
+from kvstate.core.spec import load_spec
 from support.harness import EffectFailed, HarnessBase, harness_class
 
 SPEC = load_spec()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvstate.errors import SpecError
-from kvstate.spec import load_spec, parse_machine
+from kvstate.core.errors import SpecError
+from kvstate.core.spec import load_spec, parse_machine
 
 MINIMAL = """
 [machine]

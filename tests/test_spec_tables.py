@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstate.errors import GuardRejected, IllegalTransition
-from kvstate.spec import MACHINE_NAMES, load_spec
+from kvstate.core.errors import GuardRejected, IllegalTransition
+from kvstate.core.spec import MACHINE_NAMES, load_spec
 from support.harness import EffectFailed, drive_to, harness_class, paths_to_states
 
 SPEC = load_spec()

@@ -1,1 +1,1 @@
-"""One module per ``kvstate`` command; see kvstate.cli."""
+"""One module per ``kvstate`` command; see kvstate.commands.cli."""

@@ -1,23 +1,19 @@
-"""``kvstate bench``: every suite side by side in one run (see benchmarks/).
+"""``kvstate bench``: every suite side by side in one run (see kvstate.harness.bench).
 
 Prints ratios and absolute figures, and writes ``bench.md`` (a Markdown table) and
 ``bench.png`` (a plot; skipped with a message when matplotlib is absent) to ``--out``.
-The suites live in the repository's ``benchmarks/`` package, next to ``kvstate/``.
+The suites live in :mod:`kvstate.harness.bench`.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-import importlib
 import sys
 from pathlib import Path
 from typing import Any
 
 help = "run the benchmarks against peers, side by side"
-
-REPO = Path(__file__).resolve().parents[2]
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of seconds")
@@ -29,16 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _benchmarks() -> tuple[Any, Any, Any]:
-    if (REPO / "benchmarks" / "suites.py").is_file() and str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
-    try:
-        return (importlib.import_module("benchmarks.framework"), importlib.import_module("benchmarks.suites"),
-                importlib.import_module("benchmarks.report"))
-    except ModuleNotFoundError as exc:
-        if exc.name is None or not exc.name.startswith("benchmarks"):
-            raise
-        raise SystemExit(f"kvstate bench: the benchmarks/ package is not next to {REPO / 'kvstate'}; "
-                         "run it from a source checkout") from None
+    # Imported here, not at the top: the suites pull in numpy and the peers' libraries.
+    from kvstate.harness.bench import framework, report, suites
+    return framework, suites, report
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""``kvstate check``: model-check the lifecycle tables with Spin (see kvstate.modelcheck)."""
+"""``kvstate check``: model-check the lifecycle tables with Spin (see kvstate.harness.modelcheck)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvstate import modelcheck, models
-from kvstate.spec import load_spec
+from kvstate.harness import modelcheck
+
+from kvstate.derive import promela as models
+from kvstate.core.spec import load_spec
 
 help = "model-check the tables with Spin (safety, liveness), or regenerate models/"
 

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from kvstate.cluster import PHASES, ROLES, ClusterSpec, run_scenario
+from kvstate.harness.cluster import PHASES, ROLES, ClusterSpec, run_scenario
 
 help = "run the decode-to-prefill reuse demo"
 
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def summary(r: dict[str, Any]) -> str:
-    """The report of :func:`kvstate.cluster.run_scenario` as a two-column table."""
+    """The report of :func:`kvstate.harness.cluster.run_scenario` as a two-column table."""
     verified, leaks = r["verified"], r["leaks"]
     rows = [
         ("scenario", f"tp={r['tp']}" + (f", SIGKILL {r['kill']}" if r["kill"] else ", no faults")),

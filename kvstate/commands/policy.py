@@ -18,9 +18,9 @@ import json
 import sys
 from pathlib import Path
 
-from kvstate import policy, profile
-from kvstate.errors import PolicyInputError
-from kvstate.transport.base import MemoryKind
+from kvstate.reuse import policy, profile
+from kvstate.core.errors import PolicyInputError
+from kvstate.core.capabilities import MemoryKind
 
 help = "explain the reuse policy's decision for given inputs"
 

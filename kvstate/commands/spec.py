@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvstate import render
-from kvstate.spec import load_spec
+from kvstate.derive import docs as render
+from kvstate.core.spec import load_spec
 
 help = "show, render or check the lifecycle tables"
 

@@ -4,16 +4,10 @@ Nothing registers itself at import. A worker builds a :class:`Registry`, registe
 backends it means to use, and publishes their capabilities. Importing this package
 imports no backend module: ``kvstate.transport.host`` (cffi), ``.cuda`` (cuda-python) and
 ``.nixl`` are imported by the caller, and a missing optional dependency surfaces as
-:class:`kvstate.errors.BackendUnavailable` only when that backend is asked for.
+:class:`kvstate.core.errors.BackendUnavailable` only when that backend is asked for.
 """
 
-from kvstate.transport.base import (
-    Access,
-    Capabilities,
-    MemoryKind,
-    Registry,
-    Scope,
-    Transport,
-)
+from kvstate.core.capabilities import Access, Capabilities, MemoryKind, Scope
+from kvstate.transport.protocol import Registry, Transport
 
 __all__ = ["Access", "Capabilities", "MemoryKind", "Registry", "Scope", "Transport"]

@@ -27,10 +27,10 @@ from collections.abc import Sequence
 
 import attrs
 
-from kvstate import handles, identity
-from kvstate.errors import FdIdentityMismatch, HandleFdsMismatch, ImportRefused, KvStateError, NativeInvalidArgument
-from kvstate.handles import HandleKind
-from kvstate.native import (
+from kvstate.core import handles, identity
+from kvstate.core.errors import FdIdentityMismatch, HandleFdsMismatch, ImportRefused, KvStateError, NativeInvalidArgument
+from kvstate.core.handles import HandleKind
+from kvstate.transport.native import (
     ACCESS_NONE,
     ACCESS_READ,
     ACCESS_READ_WRITE,
@@ -41,7 +41,7 @@ from kvstate.native import (
     RegionStats,
     default,
 )
-from kvstate.transport.base import Access, Capabilities, MemoryKind, Scope
+from kvstate.core.capabilities import Access, Capabilities, MemoryKind, Scope
 
 DEFAULT_GRANULARITY = 2 << 20
 
@@ -92,7 +92,7 @@ def fd_identity_of(fd: int) -> bytes:
 
 
 def host_device_uuid() -> bytes:
-    """16 bytes naming host memory on this boot of this host (:mod:`kvstate.identity`).
+    """16 bytes naming host memory on this boot of this host (:mod:`kvstate.core.identity`).
 
     memfds are kernel objects: any two processes on one running kernel can share one over
     SCM_RIGHTS, whatever their namespaces, so the kernel's boot id is the whole identity."""

@@ -16,11 +16,12 @@ import attrs
 import pytest
 
 from kvstate import channel as chan
-from kvstate import profile
-from kvstate.descriptor import MAX_DESCRIPTOR_BYTES, decode, encode
-from kvstate.errors import (
+from kvstate.reuse import profile
+from kvstate.core.descriptor import MAX_DESCRIPTOR_BYTES, decode, encode
+from kvstate.core.errors import (
     CapabilitiesInvalid,
     ChannelClosed,
+    ChannelTimeout,
     ConnectionLimit,
     DescriptorRejected,
     FrameError,
@@ -30,15 +31,15 @@ from kvstate.errors import (
     LeaseRefused,
     NativeInvalidArgument,
 )
-from kvstate.exporter import Exporter, ExportConfig
-from kvstate.geometry import DType, Geometry, Layout
-from kvstate.handles import HandleKind
-from kvstate.importer import ImportConfig, Importer
-from kvstate.inventory import Inventory
-from kvstate.policy import MAX_SETTING_TEXT, ReuseSettings
-from kvstate.reasons import Reason
+from kvstate.share.exporter import Exporter, ExportConfig
+from kvstate.core.geometry import DType, Geometry, Layout
+from kvstate.core.handles import HandleKind
+from kvstate.share.importer import ImportConfig, Importer
+from kvstate.reuse.inventory import Inventory
+from kvstate.reuse.policy import MAX_SETTING_TEXT, ReuseSettings
+from kvstate.core.reasons import RejectReason
 from kvstate.transport.host import HostTransport
-from kvstate.validate import MAX_TP, validate_group
+from kvstate.core.validate import MAX_TP, validate_group
 
 from support.descriptors import DEPLOYMENT, descriptor, expectation
 
@@ -177,7 +178,7 @@ def test_every_channel_wait_has_a_timeout() -> None:
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with chan.Channel(a) as ch:
         start = time.monotonic()
-        with pytest.raises(chan.ChannelTimeout):
+        with pytest.raises(ChannelTimeout):
             ch.recv(timeout=0.05)
         assert time.monotonic() - start < 1.0
         with pytest.raises(ValueError):
@@ -191,20 +192,20 @@ def test_every_channel_wait_has_a_timeout() -> None:
 def test_descriptor_size_cap() -> None:
     with pytest.raises(DescriptorRejected) as info:
         decode(b"K" * (MAX_DESCRIPTOR_BYTES + 1), DEPLOYMENT)
-    assert info.value.reason is Reason.OVERSIZE
+    assert info.value.reason is RejectReason.OVERSIZE
     huge = descriptor(handle_kind=HandleKind.NIXL, handle=b"h" * (MAX_DESCRIPTOR_BYTES // 2 + 1))
     with pytest.raises(DescriptorRejected) as info:
         encode(huge, DEPLOYMENT)
-    assert info.value.reason is Reason.OVERSIZE
+    assert info.value.reason is RejectReason.OVERSIZE
 
 
 def test_tp_cap() -> None:
     with pytest.raises(GroupRejected) as info:
         validate_group([descriptor(rank=r, tp=65) for r in range(65)], expectation(check_socket=False))
-    assert {p.reason for p in info.value.problems} == {Reason.TP_SIZE}
+    assert {p.reason for p in info.value.problems} == {RejectReason.TP_SIZE}
     with pytest.raises(GroupRejected) as info:
         validate_group([descriptor(rank=0, tp=MAX_TP + 1)], expectation(check_socket=False, max_tp=MAX_TP * 2))
-    assert Reason.TP_SIZE in {p.reason for p in info.value.problems}
+    assert RejectReason.TP_SIZE in {p.reason for p in info.value.problems}
 
 
 def test_importer_keeps_no_terminal_groups() -> None:
@@ -252,7 +253,7 @@ def test_capability_caps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     wire = {**wire, "device_uuids": ["11" * 16], "transports": [{}] * (profile.MAX_TRANSPORTS + 1)}
     with pytest.raises(CapabilitiesInvalid, match="more than"):
         profile.parse_capabilities(wire)
-    from kvstate.cli import main
+    from kvstate.commands.cli import main
 
     for name, text in [("big.json", " " * (profile.MAX_CAPABILITIES_BYTES + 1)),
                        ("deep.json", "[" * 100_000 + "]" * 100_000)]:
@@ -272,4 +273,4 @@ def test_a_huge_tp_is_rejected_without_listing_every_missing_rank() -> None:
     with pytest.raises(GroupRejected) as info:
         validate_group([descriptor(rank=0, tp=2**32 - 1)], expectation(check_socket=False))
     assert time.monotonic() - start < 1.0
-    assert {p.reason for p in info.value.problems} == {Reason.TP_SIZE}
+    assert {p.reason for p in info.value.problems} == {RejectReason.TP_SIZE}

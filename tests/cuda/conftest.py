@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstate.errors import BackendUnavailable
+from kvstate.core.errors import BackendUnavailable
 
 
 @pytest.fixture(scope="session")

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvstate import errors, gpucheck
-from kvstate.handles import HandleKind
-from kvstate.profile import FabricTrial
-from kvstate.transport.base import Access
+from kvstate.core import errors
+
+from kvstate.harness import gpucheck
+from kvstate.core.handles import HandleKind
+from kvstate.core.capabilities import FabricTrial
+from kvstate.core.capabilities import Access
 from kvstate.transport.cuda import CudaTransport, visible_devices
-from kvstate.transport.cuda_rules import format_uuid
+from kvstate.transport.cuda.rules import format_uuid
 
 
 def test_devices_are_chosen_by_uuid_never_ordinal(device: bytes) -> None:

@@ -3,7 +3,7 @@
 Each target feeds one input to real code (real socketpairs for the channel, a real
 exporter for requests) and checks the contract of an input boundary:
 
-- it returns or raises a :class:`~kvstate.errors.KvStateError` subclass, never anything
+- it returns or raises a :class:`~kvstate.core.errors.KvStateError` subclass, never anything
   else (an untyped exception is a crash);
 - it finishes within :data:`HANG_S` (a SIGALRM watchdog turns a hang into a failure);
 - it keeps nothing: fds received with a refused frame are closed.
@@ -25,12 +25,12 @@ from contextlib import contextmanager
 from typing import Any
 
 from kvstate import channel as chan
-from kvstate.descriptor import MAC_BYTES, MAGIC, VERSION, decode
-from kvstate.errors import KvStateError
-from kvstate.identity import Purpose, digest
-from kvstate.policy import ReuseSettings
-from kvstate.profile import parse_capabilities
-from kvstate.validate import validate_group
+from kvstate.core.descriptor import MAC_BYTES, MAGIC, VERSION, decode
+from kvstate.core.errors import KvStateError
+from kvstate.core.identity import Purpose, digest
+from kvstate.reuse.policy import ReuseSettings
+from kvstate.reuse.profile import parse_capabilities
+from kvstate.core.validate import validate_group
 
 from support.descriptors import DEPLOYMENT, expectation
 

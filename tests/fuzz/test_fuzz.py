@@ -22,12 +22,12 @@ from hypothesis import strategies as st
 
 from kvstate import channel as chan
 from kvstate.channel import HEADER, MAGIC
-from kvstate.descriptor import encode
-from kvstate.errors import FrameError
-from kvstate.exporter import Exporter, ExportConfig
-from kvstate.geometry import DType, Geometry, Layout
-from kvstate.policy import SETTING_NAMES, cli_flag, env_var
-from kvstate.profile import PROTOCOL_VERSION
+from kvstate.core.descriptor import encode
+from kvstate.core.errors import FrameError
+from kvstate.share.exporter import Exporter, ExportConfig
+from kvstate.core.geometry import DType, Geometry, Layout
+from kvstate.reuse.policy import SETTING_NAMES, cli_flag, env_var
+from kvstate.reuse.profile import PROTOCOL_VERSION
 from kvstate.transport.host import HostTransport
 
 from fuzz import targets

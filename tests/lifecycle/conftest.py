@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from kvstate.exporter import Exporter, ExportConfig
-from kvstate.geometry import DType, Geometry, Layout
-from kvstate.identity import Deployment
-from kvstate.importer import ImportConfig, Importer
+from kvstate.share.exporter import Exporter, ExportConfig
+from kvstate.core.geometry import DType, Geometry, Layout
+from kvstate.core.identity import Deployment
+from kvstate.share.importer import ImportConfig, Importer
 from kvstate.transport.host import HostTransport
 
 DEPLOYMENT = Deployment("lifecycle-tests", bytes(range(32)))

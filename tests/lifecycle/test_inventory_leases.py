@@ -7,9 +7,9 @@ import time
 import pytest
 
 from conftest import make_exporter
-from kvstate.errors import ImportFailed, ReuseStale
-from kvstate.importer import BlockRequest, Importer
-from kvstate.inventory import Inventory
+from kvstate.core.errors import ImportFailed, ReuseStale
+from kvstate.share.importer import BlockRequest, Importer
+from kvstate.reuse.inventory import Inventory
 from kvstate.transport.host import HostTransport
 
 

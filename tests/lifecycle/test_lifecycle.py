@@ -9,12 +9,12 @@ import attrs
 import pytest
 
 from conftest import DEPLOYMENT, GEOMETRY, expected_blocks, make_exporter
-from kvstate.descriptor import decode, encode
-from kvstate.errors import DrainTimeout, GroupRejected, IllegalTransition, ImportFailed, RegistrationFailed
-from kvstate.identity import Incarnation
-from kvstate.importer import ImportConfig, Importer
-from kvstate.machine import StateChange
-from kvstate.reasons import Reason
+from kvstate.core.descriptor import decode, encode
+from kvstate.core.errors import DrainTimeout, GroupRejected, IllegalTransition, ImportFailed, RegistrationFailed
+from kvstate.core.identity import Incarnation
+from kvstate.share.importer import ImportConfig, Importer
+from kvstate.core.machine import StateChange
+from kvstate.core.reasons import RejectReason
 from kvstate.transport.host import HostTransport
 from support.faults import FaultyTransport
 
@@ -57,10 +57,10 @@ def test_rejected_group_opens_nothing(transport: HostTransport, importer: Import
         bad = encode(attrs.evolve(decode(ex.descriptor(1), DEPLOYMENT), rank=5), DEPLOYMENT)
         with pytest.raises(GroupRejected) as info:
             importer.import_group([good, bad])
-        assert Reason.RANK_RANGE in info.value.reasons
+        assert RejectReason.RANK_RANGE in info.value.reasons
         with pytest.raises(GroupRejected) as info:
             importer.import_group([good, b"garbage"])
-        assert Reason.MALFORMED in info.value.reasons
+        assert RejectReason.MALFORMED in info.value.reasons
         assert all(not b.leases and b.state == "advertised" for b in ex.banks.values())
         after = transport.native.stats()
         assert (after.allocations, after.regions) == (before.allocations, before.regions)
@@ -96,7 +96,7 @@ def test_part_import_failure_rolls_back_every_part(step: str, failing_rank: int,
 @pytest.mark.parametrize("step", ["reserve", "map", "set_access", "export"])
 def test_registration_failure_preserves_owner_and_leaves_nothing(step: str, transport: HostTransport) -> None:
     """INV-REGISTER-ATOMIC: a failure at any registration step restores owner and state."""
-    from kvstate.exporter import Exporter, ExportConfig
+    from kvstate.share.exporter import Exporter, ExportConfig
     import tempfile
     from pathlib import Path
     faulty = FaultyTransport(transport)
@@ -147,7 +147,7 @@ def test_restarted_exporter_makes_old_descriptors_stale(transport: HostTransport
             importer.import_group(old)
         with pytest.raises(GroupRejected) as info:
             importer.import_group(old, incarnations={0: ex.incarnation.value, 1: ex.incarnation.value})
-        assert info.value.reasons == {Reason.INCARNATION}
+        assert info.value.reasons == {RejectReason.INCARNATION}
     finally:
         ex.stop()
 

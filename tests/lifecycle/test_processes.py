@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from kvstate.cluster import PHASES, ROLES, ClusterSpec, run_scenario
+from kvstate.harness.cluster import PHASES, ROLES, ClusterSpec, run_scenario
 
 SMALL = dict(layers=2, kv_heads=2, head_dim=64, block_tokens=16, num_blocks=64, prefix_blocks=16,
              lease_timeout_s=3.0, timeout_s=10.0)

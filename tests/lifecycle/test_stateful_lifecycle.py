@@ -20,12 +20,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
 from conftest import DEPLOYMENT, GEOMETRY, GRANULARITY, expected_blocks, make_exporter
-from kvstate.errors import (DrainTimeout, GroupRejected, IllegalTransition, ImportFailed, KvStateError,
+from kvstate.core.errors import (DrainTimeout, GroupRejected, IllegalTransition, ImportFailed, KvStateError,
                             LoadFailed, RegistrationFailed, TransitionError)
-from kvstate.exporter import Exporter, ExportConfig
-from kvstate.identity import Incarnation
-from kvstate.importer import Group, ImportConfig, Importer
-from kvstate.machine import StateChange, effect
+from kvstate.share.exporter import Exporter, ExportConfig
+from kvstate.core.identity import Incarnation
+from kvstate.share.importer import Group, ImportConfig, Importer
+from kvstate.core.machine import StateChange, effect
 from kvstate.transport.host import HostTransport
 from support.faults import FaultyTransport
 

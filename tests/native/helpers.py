@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from kvstate.native import Native
+from kvstate.transport.native import Native
 
 ROOT = Path(__file__).resolve().parents[2]
 FFI = ROOT / "ffi"

@@ -11,8 +11,8 @@ import sys
 import time
 
 from kvstate import channel
-from kvstate.handles import HandleKind
-from kvstate.transport.base import Access
+from kvstate.core.handles import HandleKind
+from kvstate.core.capabilities import Access
 from kvstate.transport.host import HostHandle, HostTransport
 
 BANK = 2 << 20

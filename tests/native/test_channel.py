@@ -13,7 +13,7 @@ import pytest
 
 from kvstate import channel
 from kvstate.channel import HEADER, MAGIC, Channel, Limits, Server, Watcher, connect
-from kvstate.errors import (
+from kvstate.core.errors import (
     ChannelClosed,
     ChannelError,
     ChannelTimeout,

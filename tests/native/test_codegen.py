@@ -13,15 +13,17 @@ from pathlib import Path
 import attrs
 import pytest
 
-from kvstate import codegen, errors
-from kvstate.native import Native
-from kvstate.spec import load_machine
+from kvstate.derive import header as codegen
+
+from kvstate.core import errors
+from kvstate.transport.native import Native
+from kvstate.core.spec import load_machine
 from native.helpers import ROOT, build_variant_lib
 
 
 def test_committed_header_is_fresh() -> None:
     committed = (ROOT / "ffi" / codegen.HEADER_NAME).read_text(encoding="utf-8")
-    assert committed == codegen.op_header(), "ffi/kvs_op_table.h is stale: run `python -m kvstate.codegen`"
+    assert committed == codegen.op_header(), "ffi/kvs_op_table.h is stale: run `python -m kvstate.derive.header`"
 
 
 def test_check_command_passes_on_fresh_and_fails_on_stale_header(tmp_path: Path) -> None:
@@ -31,7 +33,7 @@ def test_check_command_passes_on_fresh_and_fails_on_stale_header(tmp_path: Path)
     stale.write_text(codegen.op_header().replace("KVS_OP_CANCELLED, 0u, 0u, 1", "KVS_OP_DONE, 0u, 0u, 1"),
                      encoding="utf-8")
     for path, code in ((fresh, 0), (stale, 1), (tmp_path / "missing.h", 1)):
-        done = subprocess.run([sys.executable, "-m", "kvstate.codegen", "check", "--out", str(path)],
+        done = subprocess.run([sys.executable, "-m", "kvstate.derive.header", "check", "--out", str(path)],
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == code, done.stderr
 
@@ -76,8 +78,8 @@ def test_module_from_another_table_is_refused_and_an_unusable_table_refuses_subm
     """A module built from a table other than spec/op.toml is refused by the wrapper
     (SpecError); and a table without the engine's own `start` row makes every submit
     refused in C instead of leaving ops stuck or aborting."""
-    from kvstate.errors import SpecError
-    from kvstate.spec import StateSpec
+    from kvstate.core.errors import SpecError
+    from kvstate.core.spec import StateSpec
 
     m = load_machine("op")
     variant = attrs.evolve(m, states=(*m.states, StateSpec("parked", "a state C never enters", False)),

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvstate import errors, handles
-from kvstate.handles import HandleKind
+from kvstate.core import errors, handles
+from kvstate.core.handles import HandleKind
 from kvstate.transport import Transport
-from kvstate.transport.base import Access, MemoryKind, Scope
+from kvstate.core.capabilities import Access, MemoryKind, Scope
 from kvstate.transport.host import (
     HandleKindUnsupported,
     HostHandle,
@@ -34,7 +34,7 @@ def t() -> HostTransport:
 
 def test_native_module_loads_only_when_asked() -> None:
     """Importing kvstate and its transports loads no native code (fresh interpreter)."""
-    code = ("import sys, kvstate, kvstate.transport, kvstate.channel, kvstate.native, kvstate.codegen\n"
+    code = ("import sys, kvstate, kvstate.transport, kvstate.channel, kvstate.transport.native, kvstate.derive.header\n"
             "assert 'kvstate._native' not in sys.modules, 'loaded at import'\n"
             "from kvstate.transport.host import HostTransport\n"
             "assert 'kvstate._native' not in sys.modules, 'loaded by importing the backend'\n"

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from kvstate import channel
-from kvstate.errors import ChannelClosed, PeerDied
-from kvstate.handles import HandleKind
-from kvstate.transport.base import Access
+from kvstate.core.errors import ChannelClosed, PeerDied
+from kvstate.core.handles import HandleKind
+from kvstate.core.capabilities import Access
 from kvstate.transport.host import HostAllocation, HostHandle, HostMapping, HostTransport
 from native.helpers import expect_line, peer, reap
 from native.peers import BANK, pattern

@@ -32,9 +32,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvstate import errors
-from kvstate.errors import KvStateError
-from kvstate.native import ACCESS_NONE, ACCESS_READ, ACCESS_READ_WRITE, Native, Op, default
+from kvstate.core import errors
+from kvstate.core.errors import KvStateError
+from kvstate.transport.native import ACCESS_NONE, ACCESS_READ, ACCESS_READ_WRITE, Native, Op, default
 from native.helpers import build_variant
 
 PAGE = 4096

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvstate import errors
-from kvstate.native import Native
-from kvstate.transport.base import Access
+from kvstate.core import errors
+from kvstate.transport.native import Native
+from kvstate.core.capabilities import Access
 from kvstate.transport.host import HostAllocation, HostMapping, HostReservation, HostTransport
 
 BANK = 2 << 20

@@ -1,6 +1,6 @@
 """Planted bug for the crosshair self-test: an empty group counted as complete.
 
-Same contract as kvstate.validate.group_complete; the body forgets that tp must be >= 1
+Same contract as kvstate.core.validate.group_complete; the body forgets that tp must be >= 1
 and that a rank may appear only once.
 """
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvstate.inventory import Inventory, LeaseGrant, Stale
+from kvstate.reuse.inventory import Inventory, LeaseGrant, Stale
 
 
 class EvictsLeasedBlocks(Inventory):

@@ -1,7 +1,7 @@
 """Deliberately broken copies of the policy's pure core, with the real contracts.
 
 The contract self-test asserts that crosshair reports a counterexample for each. Keep the
-docstring contracts identical to ``kvstate.policy``; only the bodies are wrong.
+docstring contracts identical to ``kvstate.reuse.policy``; only the bodies are wrong.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import Any
 
 import attrs
 
-from kvstate.policy import Decision, Reason, ReuseSettings
-from kvstate.policy import choose_transfer_source as _real_choose
+from kvstate.reuse.policy import Decision, DecisionReason, ReuseSettings
+from kvstate.reuse.policy import choose_transfer_source as _real_choose
 
-__all__ = ["Reason", "choose_transfer_source", "estimated_saving_ms", "gate", "math"]
+__all__ = ["DecisionReason", "choose_transfer_source", "estimated_saving_ms", "gate", "math"]
 
 
 def estimated_saving_ms(saved_blocks: int, block_tokens: int, prefill_token_us: float,
@@ -33,24 +33,24 @@ def estimated_saving_ms(saved_blocks: int, block_tokens: int, prefill_token_us: 
 
 
 def gate(enabled: bool, gpu_enabled: bool, gpu_admitted: bool, gpu_source: bool,
-         saved_blocks: int, saving_ms: float, minimum_blocks: int, minimum_saving_ms: float) -> Reason:
+         saved_blocks: int, saving_ms: float, minimum_blocks: int, minimum_saving_ms: float) -> DecisionReason:
     """Planted bug: a GPU source passes when GPU reuse is enabled but no profile is admitted.
 
     pre: saved_blocks >= 0 and minimum_blocks >= 0
-    post: __return__ != Reason.CHOSEN or enabled
-    post: __return__ != Reason.CHOSEN or not gpu_source or (gpu_enabled and gpu_admitted)
-    post: __return__ != Reason.CHOSEN or saved_blocks >= minimum_blocks
-    post: __return__ != Reason.CHOSEN or saving_ms >= minimum_saving_ms
+    post: __return__ != DecisionReason.CHOSEN or enabled
+    post: __return__ != DecisionReason.CHOSEN or not gpu_source or (gpu_enabled and gpu_admitted)
+    post: __return__ != DecisionReason.CHOSEN or saved_blocks >= minimum_blocks
+    post: __return__ != DecisionReason.CHOSEN or saving_ms >= minimum_saving_ms
     """
     if not enabled:
-        return Reason.REUSE_DISABLED
+        return DecisionReason.REUSE_DISABLED
     if gpu_source and not gpu_enabled:
-        return Reason.GPU_REUSE_DISABLED
+        return DecisionReason.GPU_REUSE_DISABLED
     if saved_blocks < minimum_blocks:
-        return Reason.BELOW_MINIMUM_BLOCKS
+        return DecisionReason.BELOW_MINIMUM_BLOCKS
     if not saving_ms >= minimum_saving_ms:
-        return Reason.BELOW_MINIMUM_SAVING
-    return Reason.CHOSEN
+        return DecisionReason.BELOW_MINIMUM_SAVING
+    return DecisionReason.CHOSEN
 
 
 def choose_transfer_source(target_prefix_blocks: int, candidates: Any, settings: ReuseSettings,

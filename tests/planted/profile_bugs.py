@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from kvstate import profile
-from kvstate.handles import HandleKind
-from kvstate.profile import Admitted, DeploymentProfile, PublishedCapabilities, Refused, Rule
-from kvstate.transport.base import MemoryKind
+from kvstate.reuse import profile
+from kvstate.core.handles import HandleKind
+from kvstate.reuse.profile import Admitted, DeploymentProfile, PublishedCapabilities, Refused, Rule
+from kvstate.core.capabilities import MemoryKind
 
 
 def admit(declared: DeploymentProfile, capabilities: PublishedCapabilities) -> Admitted | Refused:

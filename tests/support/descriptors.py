@@ -11,11 +11,11 @@ from typing import Any
 
 import attrs
 
-from kvstate.descriptor import Descriptor
-from kvstate.geometry import DType, Geometry, Layout
-from kvstate.handles import HandleKind
-from kvstate.identity import Deployment, FabricDomain, FabricKind, host_boot_id
-from kvstate.validate import Expectation
+from kvstate.core.descriptor import Descriptor
+from kvstate.core.geometry import DType, Geometry, Layout
+from kvstate.core.handles import HandleKind
+from kvstate.core.identity import Deployment, FabricDomain, FabricKind, host_boot_id
+from kvstate.core.validate import Expectation
 
 DEPLOYMENT = Deployment("test-deployment", bytes(range(32)))
 GEOMETRY = Geometry(layers=2, kv_heads=2, head_dim=8, block_tokens=4, dtype=DType.BF16,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from kvstate.errors import NativeOSError
+from kvstate.core.errors import NativeOSError
 
 
 class InjectedFault(NativeOSError):

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from kvstate.machine import Lifecycle, effect, guard
-from kvstate.spec import MachineSpec, TransitionSpec
+from kvstate.core.machine import Lifecycle, effect, guard
+from kvstate.core.spec import MachineSpec, TransitionSpec
 
 
 class EffectFailed(RuntimeError):

@@ -64,7 +64,7 @@ def _children() -> frozenset[int]:
 
 
 def _native() -> dict[str, int]:
-    native = sys.modules.get("kvstate.native")
+    native = sys.modules.get("kvstate.transport.native")
     if native is None or getattr(native, "_default", None) is None:
         return {}  # never loaded: nothing native can be held
     stats = native._default.stats()

@@ -1,11 +1,11 @@
 """Lifecycle-based stand-ins for the exporter/importer classes, for replaying Spin trails.
 
-Each machine is a real :class:`kvstate.machine.Lifecycle` subclass bound to a given
+Each machine is a real :class:`kvstate.core.machine.Lifecycle` subclass bound to a given
 (possibly broken) table; its guards and effects work over simple real state (part
 states, pin counts, lease counts) with the same meaning as the Promela registry in
-:mod:`kvstate.models`. A class implements exactly the guards and effects its table
+:mod:`kvstate.derive.promela`. A class implements exactly the guards and effects its table
 declares, so a table with a guard removed yields the matching broken implementation.
-When the real exporter/importer classes land, point :func:`kvstate.modelcheck.replay`
+When the real exporter/importer classes land, point :func:`kvstate.harness.modelcheck.replay`
 at them instead.
 """
 
@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvstate.errors import GuardRejected
-from kvstate.machine import Lifecycle, effect, guard
-from kvstate.models import BANKS, MAX_LEASES, OP_SLOTS
-from kvstate.spec import MachineSpec, Spec
+from kvstate.core.errors import GuardRejected
+from kvstate.core.machine import Lifecycle, effect, guard
+from kvstate.derive.promela import BANKS, MAX_LEASES, OP_SLOTS
+from kvstate.core.spec import MachineSpec, Spec
 
 
 class World:

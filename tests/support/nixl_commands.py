@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from kvstate.handles import HandleKind
+from kvstate.core.handles import HandleKind
 from kvstate.transport import Registry
-from kvstate.transport.nixl import Lease, NixlTransport
-from kvstate.transport.nixl_handle import decode
+from kvstate.transport.nixl import LeaseGate, NixlTransport
+from kvstate.transport.nixl.handle import decode
 
 State = dict[str, Any]
 
@@ -92,7 +92,7 @@ def import_bank(state: State, handle: bytes, size: int, generation: int, lease_s
     requested = time.monotonic_ns()
     remote = t.import_(handle, size, generation=generation)
     state.setdefault("remotes", {})[generation] = remote
-    state["lease"] = Lease(remote.agent_name, requested_at_ns=requested, duration_s=lease_s)
+    state["lease"] = LeaseGate(remote.agent_name, requested_at_ns=requested, duration_s=lease_s)
     if "dst" not in state:
         state["dst"] = t.create(size)
     return {"agent": remote.agent_name, "generation": remote.generation, "size": remote.size}
@@ -120,7 +120,7 @@ def end_lease(state: State, why: str) -> None:
 
 
 def short_lease(state: State, agent: str, seconds: float) -> None:
-    state["lease"] = Lease(agent, requested_at_ns=time.monotonic_ns(), duration_s=seconds)
+    state["lease"] = LeaseGate(agent, requested_at_ns=time.monotonic_ns(), duration_s=seconds)
 
 
 def close_remote(state: State, generation: int) -> None:
@@ -138,7 +138,7 @@ def decode_only(state: State, handle: bytes, generation: int) -> str:
 
 def register_vram(state: State) -> list[str]:
     """Register host memory as VRAM: what a machine with no GPU says to the device path."""
-    from kvstate.transport.base import MemoryKind
+    from kvstate.core.capabilities import MemoryKind
     t: NixlTransport = state["t"]
     host = t.create(4096)
     kinds = ",".join(sorted(k.value for k in t.capabilities.memory_kinds))

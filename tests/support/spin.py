@@ -7,8 +7,8 @@ import warnings
 
 import pytest
 
-from kvstate.errors import SpinUnavailable
-from kvstate.modelcheck import INSTALL_HINT, tools
+from kvstate.core.errors import SpinUnavailable
+from kvstate.harness.modelcheck import INSTALL_HINT, tools
 
 
 def require_spin() -> None:

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from kvstate import channel as chan
-from kvstate.descriptor import encode
-from kvstate.errors import ImportFailed, KvStateError
-from kvstate.handles import HandleKind
-from kvstate.importer import ImportConfig, Importer
+from kvstate.core.descriptor import encode
+from kvstate.core.errors import ChannelTimeout, ImportFailed, KvStateError
+from kvstate.core.handles import HandleKind
+from kvstate.share.importer import ImportConfig, Importer
 from kvstate.transport.host import HostTransport
 
 from support.descriptors import DEPLOYMENT, GRANULARITY, descriptor
@@ -42,7 +42,7 @@ def _serve_once(server: chan.Server, reply: Any, fd: int, stop: threading.Event)
             while not stop.is_set():  # answer nothing more; the importer gives up or closes
                 try:
                     ch.recv(timeout=0.05).close()
-                except chan.ChannelTimeout:
+                except ChannelTimeout:
                     continue
                 except KvStateError:
                     return

@@ -21,8 +21,8 @@ import attrs
 import pytest
 
 from kvstate import channel as chan
-from kvstate.descriptor import decode, encode
-from kvstate.errors import (
+from kvstate.core.descriptor import decode, encode
+from kvstate.core.errors import (
     ChannelClosed,
     DescriptorRejected,
     FrameError,
@@ -33,13 +33,13 @@ from kvstate.errors import (
     PeerRejected,
     UnsafeSocketPath,
 )
-from kvstate.exporter import Exporter, ExportConfig
-from kvstate.geometry import DType, Geometry, Layout
-from kvstate.identity import Deployment
-from kvstate.importer import ImportConfig, Importer
-from kvstate.reasons import Reason
+from kvstate.share.exporter import Exporter, ExportConfig
+from kvstate.core.geometry import DType, Geometry, Layout
+from kvstate.core.identity import Deployment
+from kvstate.share.importer import ImportConfig, Importer
+from kvstate.core.reasons import RejectReason
 from kvstate.transport.host import HostTransport
-from kvstate.validate import socket_path_reason
+from kvstate.core.validate import socket_path_reason
 
 from support.descriptors import DEPLOYMENT, descriptor
 
@@ -237,14 +237,14 @@ def test_descriptor_socket_path_checks() -> None:
         s.bind(str(d / "x.sock"))
         uid = os.getuid()
         assert socket_path_reason(str(d / "x.sock"), uid) is None
-        assert socket_path_reason(str(d / "x.sock"), uid + 1) is Reason.SOCKET_DIR_OWNER
+        assert socket_path_reason(str(d / "x.sock"), uid + 1) is RejectReason.SOCKET_DIR_OWNER
         d.chmod(0o750)
-        assert socket_path_reason(str(d / "x.sock"), uid) is Reason.SOCKET_DIR_MODE
+        assert socket_path_reason(str(d / "x.sock"), uid) is RejectReason.SOCKET_DIR_MODE
         d.chmod(0o700)
         (d / "link.sock").symlink_to(d / "x.sock")
-        assert socket_path_reason(str(d / "link.sock"), uid) is Reason.SOCKET_SYMLINK
-        assert socket_path_reason("relative/x.sock", uid) is Reason.SOCKET_PATH
-        assert socket_path_reason(str(d / "missing.sock"), uid) is Reason.SOCKET_PATH
+        assert socket_path_reason(str(d / "link.sock"), uid) is RejectReason.SOCKET_SYMLINK
+        assert socket_path_reason("relative/x.sock", uid) is RejectReason.SOCKET_PATH
+        assert socket_path_reason(str(d / "missing.sock"), uid) is RejectReason.SOCKET_PATH
         s.close()
     finally:
         shutil.rmtree(d, ignore_errors=True)
@@ -257,7 +257,7 @@ def test_descriptor_from_another_deployment_key_is_rejected() -> None:
     wire = encode(descriptor(), Deployment(DEPLOYMENT.name, os.urandom(32)))
     with pytest.raises(DescriptorRejected) as info:
         decode(wire, DEPLOYMENT)
-    assert info.value.reason is Reason.AUTHENTICATION
+    assert info.value.reason is RejectReason.AUTHENTICATION
 
 
 def test_descriptor_naming_another_deployment_is_rejected() -> None:
@@ -266,7 +266,7 @@ def test_descriptor_naming_another_deployment_is_rejected() -> None:
     wire = encode(descriptor(deployment_id=other.id), DEPLOYMENT)
     with pytest.raises(DescriptorRejected) as info:
         decode(wire, DEPLOYMENT)
-    assert info.value.reason is Reason.DOMAIN
+    assert info.value.reason is RejectReason.DOMAIN
 
 
 def test_every_tampered_byte_is_rejected() -> None:
@@ -298,7 +298,7 @@ def test_replayed_old_generation_is_rejected_at_validation(exporter: Exporter) -
     old = encode(attrs.evolve(current, generation=current.generation - 1), DEPLOYMENT)
     with pytest.raises(GroupRejected) as info:
         _import(exporter, old, min_generation=current.generation)
-    assert {p.reason for p in info.value.problems} == {Reason.GENERATION}
+    assert {p.reason for p in info.value.problems} == {RejectReason.GENERATION}
     assert exporter.banks[0].leases == {}
 
 

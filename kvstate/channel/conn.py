@@ -1,0 +1,200 @@
+"""One connected control channel, and the client side that opens it.
+
+Both ends read the peer's credentials (SO_PEERCRED) and refuse a uid outside
+``allowed_uids`` (default: our own) with :class:`PeerRejected`. Each end opens a pidfd
+for the peer's pid at connect time, so a peer that dies is noticed even when a child it
+forked still holds the socket open (:class:`PeerDied`). Sockets are non-blocking and
+every blocking step polls with a timeout, so one thread may ``recv`` while another
+``send``\\ s on the same channel.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import attrs
+
+from kvstate.channel.framing import (
+    DEFAULT_TIMEOUT,
+    HEADER,
+    Limits,
+    Message,
+    check_timeout,
+    close_quietly,
+    pack,
+    remaining_ms,
+    unpack,
+)
+from kvstate.channel.paths import check_socket_path
+from kvstate.core.errors import ChannelClosed, ChannelError, ChannelTimeout, PeerDied, PeerRejected
+
+_PEERCRED = struct.Struct("3i")
+
+
+@attrs.frozen
+class PeerCred:
+    """The peer's credentials at connect time (SO_PEERCRED)."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+def _peercred(sock: socket.socket) -> PeerCred:
+    pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return PeerCred(pid, uid, gid)
+
+
+class Channel:
+    """One connected SOCK_SEQPACKET socket. Thread-safe for one sender and one receiver."""
+
+    def __init__(self, sock: socket.socket, *, limits: Limits = Limits(),
+                 allowed_uids: Iterable[int] | None = None) -> None:
+        self._sock = sock
+        self.limits = limits
+        self._closed = False
+        self._close_lock = threading.Lock()
+        try:
+            sock.setblocking(False)
+            self.peer = _peercred(sock)
+        except BaseException:
+            sock.close()
+            raise
+        allowed = frozenset(allowed_uids) if allowed_uids is not None else frozenset({os.getuid()})
+        if self.peer.uid not in allowed:
+            sock.close()
+            raise PeerRejected(self.peer.pid, self.peer.uid, allowed)
+        try:
+            self._pidfd: int | None = os.pidfd_open(self.peer.pid)
+        except ProcessLookupError:
+            self._pidfd = None  # already gone: the socket reports EOF, and peer_alive says so
+
+    def __repr__(self) -> str:
+        return f"<Channel peer pid={self.peer.pid} uid={self.peer.uid}{' closed' if self._closed else ''}>"
+
+    def __enter__(self) -> Channel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    @property
+    def pidfd(self) -> int | None:
+        """A pidfd of the peer process (readable once it exited), or None if it was gone."""
+        return self._pidfd
+
+    def peer_alive(self) -> bool:
+        """Whether the peer process still runs (pidfd not readable)."""
+        if self._pidfd is None:
+            return False
+        return not select.select([self._pidfd], [], [], 0)[0]
+
+    def close(self) -> None:
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._sock.close()
+            if self._pidfd is not None:
+                close_quietly(self._pidfd)
+
+    def _live(self) -> None:
+        if self._closed:
+            raise ChannelClosed("the channel was closed here")
+
+    def send(self, payload: bytes, fds: Sequence[int] = (), *, timeout: float = DEFAULT_TIMEOUT) -> None:
+        """Send one message with ``fds`` attached (they are duplicated; the caller keeps its own)."""
+        self._live()
+        check_timeout(timeout)
+        frame = pack(payload, len(fds), self.limits)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if fds:
+                    socket.send_fds(self._sock, [frame], list(fds))
+                else:
+                    self._sock.send(frame)
+                return
+            except BlockingIOError:
+                pass
+            except (BrokenPipeError, ConnectionResetError):
+                raise ChannelClosed("the peer closed the connection") from None
+            except OSError as exc:
+                if exc.errno == errno.EBADF and self._closed:
+                    raise ChannelClosed("the channel was closed here") from None
+                raise
+            p = select.poll()
+            p.register(self._sock, select.POLLOUT)
+            if not p.poll(remaining_ms(deadline)):
+                raise ChannelTimeout(f"send did not complete within {timeout} s")
+
+    def recv(self, timeout: float = DEFAULT_TIMEOUT) -> Message:
+        """The next message. Raises ChannelClosed on EOF, PeerDied when the peer process is
+        gone and nothing is left to read, ChannelTimeout, or FrameError (fds closed)."""
+        self._live()
+        check_timeout(timeout)
+        deadline = time.monotonic() + timeout
+        cap = HEADER.size + self.limits.max_payload
+        while True:
+            try:
+                data, fds, flags, _ = socket.recv_fds(self._sock, cap, max(1, self.limits.max_fds),
+                                                      socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
+            except BlockingIOError:
+                pass
+            except ConnectionResetError:
+                raise ChannelClosed("the peer reset the connection") from None
+            except OSError as exc:
+                if exc.errno == errno.EBADF and self._closed:
+                    raise ChannelClosed("the channel was closed here") from None
+                raise
+            else:
+                return unpack(data, fds, flags, self.limits)
+            p = select.poll()
+            p.register(self._sock, select.POLLIN)
+            if self._pidfd is not None:
+                p.register(self._pidfd, select.POLLIN)
+            ready = dict(p.poll(remaining_ms(deadline)))
+            if not ready:
+                raise ChannelTimeout(f"no message within {timeout} s")
+            if self._sock.fileno() not in ready and self._pidfd is not None and self._pidfd in ready:
+                raise PeerDied(f"peer process {self.peer.pid} exited")
+
+
+def connect(path: str | os.PathLike[str], *, timeout: float = DEFAULT_TIMEOUT,
+            allowed_uids: Iterable[int] | None = None, limits: Limits = Limits()) -> Channel:
+    """Connect to a server's socket after checking its directory and the server's uid."""
+    check_timeout(timeout)
+    p = Path(path)
+    check_socket_path(p, must_exist=False)  # a missing socket is "no server" (ChannelClosed)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(str(p))
+    except TimeoutError:
+        sock.close()
+        raise ChannelTimeout(f"connect to {p} did not complete within {timeout} s") from None
+    except (FileNotFoundError, ConnectionRefusedError) as exc:
+        sock.close()
+        raise ChannelClosed(f"no server at {p}: {exc.strerror}") from None
+    except OSError as exc:  # e.g. EACCES on the socket itself
+        sock.close()
+        raise ChannelError(f"cannot connect to {p}: {exc.strerror}") from None
+    except BaseException:
+        sock.close()
+        raise
+    return Channel(sock, limits=limits, allowed_uids=allowed_uids)

@@ -1,0 +1,275 @@
+"""Runtime machines: the tables of ``spec/`` driving real objects.
+
+Theory of operation
+-------------------
+
+A class that derives from :class:`Lifecycle` names its table (``table = load_machine(..)``)
+and implements every guard and effect the table declares, marked with :func:`guard` and
+:func:`effect`. When the class is created, the table is compiled once into a
+``transitions.Machine`` shared by every instance of the class; a binding that misses a
+declared guard or effect, or implements one the table does not declare, is a
+:class:`~kvstate.core.errors.BindingError` naming the table file and the entry.
+
+Objects are driven only through :meth:`Lifecycle.fire`:
+
+1. The event must be declared for the current state, else :class:`IllegalTransition`
+   (naming machine, state and event) and nothing changes. ``transitions`` never sees
+   undeclared events, and it never ignores an invalid trigger.
+2. The rows for (event, state) are tried in table order; the first whose guards hold
+   fires. If none holds, :class:`GuardRejected` lists the guards that refused.
+3. The row's effects run in order *before* the state is committed. An effect may return
+   an undo callable. If a later effect raises, the undos of the earlier ones run in
+   reverse order and the exception propagates with the state unchanged
+   (INV-EFFECT-ATOMIC). An effect that raises must itself leave nothing half done.
+4. The state is committed and a :class:`StateChange` is delivered to the observers.
+
+Concurrency: each object carries its own ``threading.RLock`` and ``fire`` holds it for
+the whole transition, so a transition is atomic with respect to other threads driving
+the same object while different objects never contend. The lock is reentrant only so
+that a guard or effect firing on its own object is *detected* (ReentrantTransition)
+instead of deadlocking.
+
+Scale: objects are never added to the shared machine with ``Machine.add_model``, whose
+membership test on a list makes creating N models cost O(N^2). Triggers are called on
+the shared machine's ``Event`` objects with the model passed in, and the initial state
+is set directly, so creating an object is O(1).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from functools import partial
+from typing import Any, ClassVar, TypeVar
+
+import attrs
+import transitions
+
+from kvstate.core.errors import (
+    BindingError,
+    GuardRejected,
+    IllegalTransition,
+    ReentrantTransition,
+)
+from kvstate.core.spec import MachineSpec, TransitionSpec
+
+log = logging.getLogger(__name__)
+
+Undo = Callable[[], None]
+F = TypeVar("F", bound=Callable[..., Any])
+
+_GUARD_ATTR = "__kvstate_guard__"
+_EFFECT_ATTR = "__kvstate_effect__"
+
+
+def guard(name: str) -> Callable[[F], F]:
+    """Mark a method as the implementation of the table guard ``name``.
+
+    A guard is called as ``method(self, **event_kwargs)`` and returns a bool. It must not
+    change anything.
+    """
+
+    def mark(fn: F) -> F:
+        setattr(fn, _GUARD_ATTR, name)
+        return fn
+
+    return mark
+
+
+def effect(name: str) -> Callable[[F], F]:
+    """Mark a method as the implementation of the table effect ``name``.
+
+    An effect is called as ``method(self, **event_kwargs)`` before the state is committed.
+    It returns ``None`` or an undo callable that reverses it, used if a later effect of
+    the same transition raises.
+    """
+
+    def mark(fn: F) -> F:
+        setattr(fn, _EFFECT_ATTR, name)
+        return fn
+
+    return mark
+
+
+@attrs.frozen
+class StateChange:
+    """One committed transition, as structured data for logs, metrics and tests."""
+
+    machine: str
+    label: str
+    event: str
+    source: str
+    dest: str
+    monotonic_ns: int
+
+
+Observer = Callable[[StateChange], None]
+
+
+@attrs.frozen
+class _Compiled:
+    spec: MachineSpec
+    machine: Any  # transitions.Machine; untyped library
+    declared: frozenset[tuple[str, str]]
+    guards: dict[str, Callable[..., Any]]
+
+
+def _call_guard(fn: Callable[..., Any], event_data: Any) -> bool:
+    return bool(fn(event_data.model, **event_data.kwargs))
+
+
+def _run_effects(fns: tuple[Callable[..., Any], ...], event_data: Any) -> None:
+    model = event_data.model
+    undos: list[Undo] = []
+    try:
+        for fn in fns:
+            undo = fn(model, **event_data.kwargs)
+            if undo is not None:
+                undos.append(undo)
+    except BaseException as exc:
+        for undo in reversed(undos):
+            try:
+                undo()
+            except Exception as undo_exc:  # keep the original error; report the second
+                exc.add_note(f"rollback step {undo!r} also failed: {undo_exc!r}")
+        raise
+
+
+def _bindings(cls: type, spec: MachineSpec, attr: str, kind: str,
+              declared: Iterable[str]) -> dict[str, Callable[..., Any]]:
+    # Resolve by attribute name, so a subclass can drop a binding by shadowing it.
+    found: dict[str, Callable[..., Any]] = {}
+    for attr_name in dir(cls):
+        value = getattr(cls, attr_name, None)
+        name = getattr(value, attr, None)
+        if isinstance(name, str):
+            found[name] = value  # type: ignore[assignment]
+    declared = set(declared)
+    for name in sorted(declared - set(found)):
+        raise BindingError(spec.source, f"{kind}.{name}", f"{cls.__qualname__} implements no {kind[:-1]} {name!r}")
+    for name in sorted(set(found) - declared):
+        raise BindingError(spec.source, f"{kind}.{name}",
+                           f"{cls.__qualname__} implements {kind[:-1]} {name!r}, which the table does not declare")
+    return found
+
+
+def compile_table(cls: type, spec: MachineSpec) -> _Compiled:
+    """Build the shared ``transitions.Machine`` for ``cls`` from its table."""
+    guards = _bindings(cls, spec, _GUARD_ATTR, "guards", spec.guards)
+    effects = _bindings(cls, spec, _EFFECT_ATTR, "effects", spec.effects)
+    machine = transitions.Machine(
+        model=None,
+        states=list(spec.state_names),
+        initial=spec.initial,
+        auto_transitions=False,
+        ignore_invalid_triggers=False,
+        send_event=True,
+        model_attribute="_kv_state",
+        name=spec.name,
+    )
+    for row in spec.transitions:
+        machine.add_transition(
+            row.trigger, row.source, row.dest,
+            conditions=[partial(_call_guard, guards[g]) for g in row.guards],
+            unless=[partial(_call_guard, guards[g]) for g in row.unless],
+            before=[partial(_run_effects, tuple(effects[e] for e in row.effects))] if row.effects else [],
+        )
+    declared = frozenset((t.trigger, t.source) for t in spec.transitions)
+    return _Compiled(spec=spec, machine=machine, declared=declared, guards=guards)
+
+
+class Lifecycle:
+    """Base of every object whose state a table drives. See the module docstring."""
+
+    table: ClassVar[MachineSpec]
+    _kv_compiled: ClassVar[_Compiled]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if hasattr(cls, "table"):
+            cls._kv_compiled = compile_table(cls, cls.table)
+
+    def __init__(self, *, label: str = "", observers: Iterable[Observer] = ()) -> None:
+        compiled = type(self)._kv_compiled
+        self._kv_state: str = compiled.spec.initial
+        self._kv_lock: threading.RLock = threading.RLock()
+        self._kv_firing = False
+        self.label = label or f"{compiled.spec.name}@{id(self):x}"
+        self._observers: tuple[Observer, ...] = tuple(observers)
+
+    @classmethod
+    def bound_to(cls, table: MachineSpec) -> type[Lifecycle]:
+        """A subclass driven by ``table`` instead of the class's own (a variant of the spec,
+        such as a deliberately broken one in a self-test). Implementations of guards and
+        effects that ``table`` does not declare are dropped, so the binding check passes
+        exactly when the variant only removes names."""
+        ns: dict[str, Any] = {"table": table}
+        for attr in dir(cls):
+            value = getattr(cls, attr, None)
+            guard_name, effect_name = getattr(value, _GUARD_ATTR, None), getattr(value, _EFFECT_ATTR, None)
+            if (isinstance(guard_name, str) and guard_name not in table.guards) or \
+                    (isinstance(effect_name, str) and effect_name not in table.effects):
+                ns[attr] = None
+        return type(f"{cls.__name__}[{table.source}]", (cls,), ns)
+
+    @property
+    def state(self) -> str:
+        return self._kv_state
+
+    @property
+    def is_terminal(self) -> bool:
+        return self._kv_state in type(self)._kv_compiled.spec.terminal
+
+    def locked(self) -> threading.RLock:
+        """The object's lock, to make a check and a fire one atomic step::
+
+            with obj.locked():
+                if obj.may("drain"):
+                    obj.fire("drain")
+        """
+        return self._kv_lock
+
+    def may(self, event: str) -> bool:
+        """Whether ``event`` is declared in the current state (guards not evaluated)."""
+        return (event, self._kv_state) in type(self)._kv_compiled.declared
+
+    def observe(self, observer: Observer) -> None:
+        with self._kv_lock:
+            self._observers = (*self._observers, observer)
+
+    def fire(self, event: str, **kwargs: Any) -> str:
+        """Apply ``event``; return the new state. See the module docstring for the rules."""
+        compiled = type(self)._kv_compiled
+        spec = compiled.spec
+        with self._kv_lock:
+            source = self._kv_state
+            if self._kv_firing:
+                raise ReentrantTransition(spec.name, source, event)
+            if (event, source) not in compiled.declared:
+                raise IllegalTransition(spec.name, source, event)
+            self._kv_firing = True
+            try:
+                fired = compiled.machine.events[event].trigger(self, **kwargs)
+            finally:
+                self._kv_firing = False
+            if not fired:
+                raise GuardRejected(spec.name, source, event, self._refusing_guards(spec.rows(event, source), kwargs))
+            dest = self._kv_state
+            if self._observers:
+                change = StateChange(spec.name, self.label, event, source, dest, time.monotonic_ns())
+                for observer in self._observers:
+                    try:
+                        observer(change)
+                    except Exception:  # an observer must never undo a committed transition
+                        log.exception("observer %r failed on %s", observer, change)
+        return dest
+
+    def _refusing_guards(self, rows: tuple[TransitionSpec, ...], kwargs: dict[str, Any]) -> list[str]:
+        guards = type(self)._kv_compiled.guards
+        refused: list[str] = []
+        for row in rows:
+            refused += [g for g in row.guards if not guards[g](self, **kwargs)]
+            refused += [f"not {g}" for g in row.unless if guards[g](self, **kwargs)]
+        return refused

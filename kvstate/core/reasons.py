@@ -1,0 +1,31 @@
+"""Why a descriptor or group was rejected: one reason code per validation rule."""
+
+from __future__ import annotations
+
+import enum
+
+
+class RejectReason(enum.Enum):
+    OVERSIZE = "oversize"                      # input larger than its cap
+    MALFORMED = "malformed"                    # not a well-formed descriptor
+    VERSION = "version"                        # wire version this build does not speak
+    AUTHENTICATION = "authentication"          # MAC does not verify with the deployment key
+    DOMAIN = "domain"                          # names another deployment
+    RANK_RANGE = "rank_range"                  # rank outside 0..tp-1
+    TP_SIZE = "tp_size"                        # tp outside 1..max_tp, or not the group's tp
+    DUPLICATE_RANK = "duplicate_rank"          # two descriptors for one rank
+    MISSING_RANK = "missing_rank"              # a rank of 0..tp-1 has no descriptor
+    MIXED_GROUP = "mixed_group"                # parts of different sources
+    GEOMETRY = "geometry"                      # fingerprint differs in the group or from expectation
+    DEVICE_UUID = "device_uuid"                # device not acceptable to this importer
+    HOST = "host"                              # same-node handle from another host or boot
+    INCARNATION = "incarnation"                # exporter restarted since
+    GENERATION = "generation"                  # older than a generation already seen
+    EXPIRED = "expired"                        # past its expiry
+    HANDLE_KIND = "handle_kind"                # unknown, or not accepted by this importer
+    HANDLE_SIZE = "handle_size"                # handle bytes not exact for the kind
+    TOTAL_SIZE = "total_size"                  # size does not match geometry and granularity
+    SOCKET_PATH = "socket_path"                # not an absolute path to a socket
+    SOCKET_SYMLINK = "socket_symlink"          # a component of the path is a symlink
+    SOCKET_DIR_OWNER = "socket_dir_owner"      # directory not owned by the expected uid
+    SOCKET_DIR_MODE = "socket_dir_mode"        # directory accessible to group or others

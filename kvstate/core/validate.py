@@ -1,0 +1,212 @@
+"""Reject before import: every rule a descriptor and a group must pass. Pure.
+
+Validation runs completely before any handle is opened. Each rule is a small pure
+function returning ``None`` (passes) or a :class:`RejectReason`; the rules carry PEP 316
+contracts that ``crosshair`` checks (``tests/test_contracts.py``): a validator never
+accepts what its rule rejects. :func:`validate_group` applies every rule to every part,
+collects *all* problems, and accepts the group whole or not at all (INV-GROUP-ATOMIC).
+
+The socket path rule reads the filesystem (``lstat``) but opens nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import attrs
+
+from kvstate.core.descriptor import Descriptor
+from kvstate.core.errors import DescriptorRejected, GroupRejected
+from kvstate.core.geometry import round_up
+from kvstate.core.handles import FD_KINDS, HANDLE_BYTES, NIXL_HANDLE_MAX_BYTES, HandleKind
+from kvstate.core.identity import Deployment, FabricKind
+from kvstate.core.paths import socket_path_problem
+from kvstate.core.reasons import RejectReason
+
+#: Largest tensor-parallel group kvstate accepts at all; an Expectation may lower it.
+MAX_TP = 1024
+
+# -- pure rules (contract-checked) -----------------------------------------------------
+
+
+def rank_reason(rank: int, tp: int, max_tp: int) -> RejectReason | None:
+    """tp within 1..max_tp and rank within 0..tp-1.
+
+    pre: 1 <= max_tp <= 1024
+    post: __return__ is not None or (1 <= tp <= max_tp and 0 <= rank < tp)
+    """
+    if not 1 <= tp <= max_tp:
+        return RejectReason.TP_SIZE
+    if not 0 <= rank < tp:
+        return RejectReason.RANK_RANGE
+    return None
+
+
+def handle_reason(kind: HandleKind, length: int, accepted: frozenset[HandleKind]) -> RejectReason | None:
+    """An accepted kind, with handle bytes of exactly its size (bounded when variable).
+
+    post: __return__ is not None or kind in accepted
+    post: __return__ is not None or HANDLE_BYTES[kind] in (None, length)
+    post: __return__ is not None or 0 < length <= NIXL_HANDLE_MAX_BYTES
+    """
+    if kind not in accepted:
+        return RejectReason.HANDLE_KIND
+    exact = HANDLE_BYTES[kind]
+    if exact is None:
+        return None if 0 < length <= NIXL_HANDLE_MAX_BYTES else RejectReason.HANDLE_SIZE
+    return None if length == exact else RejectReason.HANDLE_SIZE
+
+
+def size_reason(size: int, nbytes: int, granularity: int) -> RejectReason | None:
+    """The bank size is the geometry's bytes rounded up to a power-of-two granularity.
+
+    pre: nbytes >= 1
+    post: __return__ is not None or (granularity > 0 and size % granularity == 0)
+    post: __return__ is not None or nbytes <= size < nbytes + granularity
+    """
+    if granularity <= 0 or granularity & (granularity - 1):
+        return RejectReason.TOTAL_SIZE
+    return None if size == round_up(nbytes, granularity) else RejectReason.TOTAL_SIZE
+
+
+def freshness_reason(generation: int, min_generation: int, expires_at_ns: int, now_ns: int) -> RejectReason | None:
+    """Not older than a generation already seen, and not expired.
+
+    post: __return__ is not None or generation >= min_generation
+    post: __return__ is not None or now_ns < expires_at_ns
+    """
+    if generation < min_generation:
+        return RejectReason.GENERATION
+    if now_ns >= expires_at_ns:
+        return RejectReason.EXPIRED
+    return None
+
+
+def group_complete(tp: int, ranks: Sequence[int]) -> bool:
+    """Every rank 0..tp-1 present exactly once (INV-GROUP-COMPLETE).
+
+    post: not __return__ or (tp >= 1 and len(ranks) == tp)
+    post: not __return__ or all(0 <= r < tp for r in ranks)
+    post: not __return__ or len(set(ranks)) == len(ranks)
+    """
+    return tp >= 1 and len(ranks) == tp and sorted(ranks) == list(range(tp))
+
+
+def rank_set_problems(tp: int, ranks: Sequence[int]) -> list[tuple[RejectReason, int]]:
+    """(reason, rank) for every duplicate and every missing rank of a group.
+
+    post: (len(__return__) == 0) == (len(set(ranks)) == len(ranks) and set(range(tp)) <= set(ranks))
+    """
+    seen: set[int] = set()
+    problems: list[tuple[RejectReason, int]] = []
+    for r in ranks:
+        if r in seen:
+            problems.append((RejectReason.DUPLICATE_RANK, r))
+        seen.add(r)
+    problems += [(RejectReason.MISSING_RANK, r) for r in range(tp) if r not in seen]
+    return problems
+
+
+# -- socket path -------------------------------------------------------------------------
+
+
+def socket_path_reason(path: str, uid: int, lstat: Callable[[str], os.stat_result] = os.lstat) -> RejectReason | None:
+    """The reason ``path`` fails the socket-path rule (:mod:`kvstate.core.paths`), or None."""
+    problem = socket_path_problem(path, uid, must_exist=True, lstat=lstat)
+    return None if problem is None else problem[0]
+
+
+# -- descriptors and groups ----------------------------------------------------------------
+
+
+@attrs.frozen
+class Expectation:
+    """What an importer accepts. Built by the importer from its own identity and config."""
+
+    deployment: Deployment
+    now_ns: int
+    handle_kinds: frozenset[HandleKind]
+    host_boot_id: bytes
+    uid: int
+    geometry_fingerprint: bytes | None = None     # None: any, but the group must agree
+    device_uuids: frozenset[bytes] | None = None  # None: any device
+    incarnations: Mapping[int, bytes] | None = None  # rank -> its exporter's current incarnation
+    min_generation: int = 0
+    max_tp: int = 64
+    check_socket: bool = True
+
+
+def descriptor_problems(d: Descriptor, expect: Expectation,
+                        socket_reasons: dict[str, RejectReason | None] | None = None) -> list[DescriptorRejected]:
+    """Every rule one descriptor breaks on its own. Empty means it passes.
+
+    ``socket_reasons`` caches the socket path rule per path across one group's parts.
+    """
+    found: list[tuple[RejectReason | None, str]] = [
+        (RejectReason.DOMAIN if d.deployment_id != expect.deployment.id else None, "names another deployment"),
+        (rank_reason(d.rank, d.tp, min(expect.max_tp, MAX_TP)), f"rank {d.rank} of tp {d.tp} (max tp {expect.max_tp})"),
+        (handle_reason(d.handle_kind, len(d.handle), expect.handle_kinds),
+         f"{d.handle_kind.value} handle of {len(d.handle)} bytes"),
+        (size_reason(d.size, d.geometry.nbytes, d.granularity),
+         f"size {d.size} for {d.geometry.nbytes} bytes at granularity {d.granularity}"),
+        (freshness_reason(d.generation, expect.min_generation, d.expires_at_ns, expect.now_ns),
+         f"generation {d.generation} (min {expect.min_generation}), expires {d.expires_at_ns} (now {expect.now_ns})"),
+    ]
+    if expect.geometry_fingerprint is not None and d.geometry.fingerprint() != expect.geometry_fingerprint:
+        found.append((RejectReason.GEOMETRY, "geometry fingerprint differs from the importer's"))
+    if expect.device_uuids is not None and d.device_uuid not in expect.device_uuids:
+        found.append((RejectReason.DEVICE_UUID, f"device {d.device_uuid.hex()} not acceptable"))
+    if expect.incarnations is not None and expect.incarnations.get(d.rank) != d.incarnation:
+        found.append((RejectReason.INCARNATION, "the exporter of this rank restarted since"))
+    if d.fabric.kind is FabricKind.NODE and d.host_boot_id != expect.host_boot_id:
+        found.append((RejectReason.HOST, "same-node handle from another host or boot"))
+    if d.handle_kind in FD_KINDS and expect.check_socket:
+        cache = {} if socket_reasons is None else socket_reasons
+        if d.socket_path not in cache:
+            cache[d.socket_path] = socket_path_reason(d.socket_path, expect.uid)
+        found.append((cache[d.socket_path], f"socket path {d.socket_path!r}"))
+    return [DescriptorRejected(reason, detail, d.rank) for reason, detail in found if reason is not None]
+
+
+@attrs.frozen
+class ValidatedGroup:
+    """A group that passed every rule together. Only :func:`validate_group` makes one."""
+
+    parts: tuple[Descriptor, ...]  # sorted by rank, exactly ranks 0..tp-1
+
+    @property
+    def tp(self) -> int:
+        return len(self.parts)
+
+    @property
+    def source_id(self) -> bytes:
+        return self.parts[0].source_id
+
+
+def validate_group(descriptors: Iterable[Descriptor], expect: Expectation) -> ValidatedGroup:
+    """Accept the group whole or raise GroupRejected listing every problem."""
+    parts = list(descriptors)
+    if not parts:
+        raise GroupRejected([DescriptorRejected(RejectReason.MISSING_RANK, "empty group")])
+    if len(parts) > min(expect.max_tp, MAX_TP):
+        raise GroupRejected([DescriptorRejected(RejectReason.TP_SIZE, f"{len(parts)} descriptors > max tp {expect.max_tp}")])
+    socket_reasons: dict[str, RejectReason | None] = {}
+    problems = [p for d in parts for p in descriptor_problems(d, expect, socket_reasons)]
+    first = parts[0]
+    for d in parts[1:]:
+        if d.tp != first.tp:
+            problems.append(DescriptorRejected(RejectReason.TP_SIZE, f"tp {d.tp} differs from {first.tp}", d.rank))
+        if d.source_id != first.source_id:
+            problems.append(DescriptorRejected(RejectReason.MIXED_GROUP, "parts of different sources", d.rank))
+        if d.geometry.fingerprint() != first.geometry.fingerprint() or d.geometry.num_blocks != first.geometry.num_blocks:
+            problems.append(DescriptorRejected(RejectReason.GEOMETRY, "geometry differs within the group", d.rank))
+        if d.generation != first.generation:
+            problems.append(DescriptorRejected(RejectReason.GENERATION, "generations differ within the group", d.rank))
+    if 1 <= first.tp <= min(expect.max_tp, MAX_TP):  # else TP_SIZE is reported per part already;
+        # listing every missing rank of a tp of 2**32 would take memory without bound
+        problems += [DescriptorRejected(reason, f"rank {rank}", rank)
+                     for reason, rank in rank_set_problems(first.tp, [d.rank for d in parts])]
+    if problems:
+        raise GroupRejected(problems)
+    return ValidatedGroup(tuple(sorted(parts, key=lambda d: d.rank)))

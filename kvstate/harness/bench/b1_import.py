@@ -1,0 +1,248 @@
+"""B1, group import: the importer side of a tp-rank group, one bank per rank.
+
+Every row runs a real exporter process that owns ``tp`` banks of ``bank_bytes`` and an
+importer process that times, per repeat, what it must do before the group is usable:
+
+- kvstate host backend: validate descriptors, receive fds, map, ready (the lead's row);
+- ``multiprocessing.shared_memory``: attach every segment by name (shm_open + mmap);
+- torch.multiprocessing fd sharing: receive the shared tensors (fds over a unix socket,
+  rebuilt and mapped), when torch is installed;
+- NIXL: register the importer's destination memory, load the exporter's agent metadata
+  and prepare the remote and local descriptor lists.
+
+Untimed work (creating banks, tearing down after each repeat) stays outside the clock.
+"""
+
+from __future__ import annotations
+
+import importlib
+import mmap
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from kvstate.harness.bench.framework import Figure, Skipped
+from kvstate.harness.bench.procs import run_pair
+
+LOOPBACK = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN", "UCX_LOG_LEVEL": "error"}
+
+
+# -- kvstate -------------------------------------------------------------------------
+
+
+def _geometry(bank_bytes: int) -> Any:
+    from kvstate.core.geometry import DType, Geometry, Layout
+    block = 64 * 1024  # 1 layer x 1 head x 128 dim x 128 tokens x K,V x bf16
+    return Geometry(layers=1, kv_heads=1, head_dim=128, block_tokens=128, dtype=DType.BF16,
+                    layout=Layout.BLOCK_MAJOR, num_blocks=bank_bytes // block)
+
+
+_DEPLOYMENT_KEY = bytes(range(32))
+
+
+def _kvstate_exporter(conn: Connection, p: dict[str, Any]) -> None:
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from kvstate.share.exporter import Exporter, ExportConfig
+    from kvstate.core.identity import Deployment
+    from kvstate.transport.host import HostTransport
+
+    d = Path(tempfile.mkdtemp(prefix="kvs-bench-"))
+    ex = Exporter(ExportConfig(Deployment("bench", _DEPLOYMENT_KEY), d / "s", os.urandom(16), p["tp"]),
+                  HostTransport(), name="bench")
+    for r in range(p["tp"]):
+        bank = ex.add_bank(r, _geometry(p["bank_bytes"]))
+        bank.fire("register")
+        bank.view()[:: mmap.PAGESIZE] = b"\1" * len(range(0, bank.size, mmap.PAGESIZE))  # touch every page
+        bank.fire("advertise")
+    ex.start()
+    conn.send([ex.descriptor(r) for r in range(p["tp"])])
+    conn.recv()
+    ex.drain(30.0)
+    ex.stop()
+
+
+def _kvstate_importer(conn: Connection, p: dict[str, Any]) -> tuple[float, ...]:
+    from kvstate.core.identity import Deployment
+    from kvstate.share.importer import ImportConfig, Importer
+    from kvstate.transport.host import HostTransport
+
+    wire = conn.recv()
+    im = Importer(ImportConfig(Deployment("bench", _DEPLOYMENT_KEY)), HostTransport())
+    samples = []
+    try:
+        for i in range(p["repeats"] + 1):
+            t0 = time.perf_counter()
+            group = im.import_group(wire)  # decode, validate whole, lease, receive fds, map, ready
+            t1 = time.perf_counter()
+            assert group.state == "ready"
+            assert all(im.transport.view(part.mapping)[0] == 1 for part in group.parts)  # type: ignore[attr-defined]
+            group.drain()
+            if i:  # the first round is a warm-up
+                samples.append(t1 - t0)
+    finally:
+        im.close()
+        conn.send("done")
+    return tuple(samples)
+
+
+def kvstate_host_import(params: dict[str, Any]) -> Figure:
+    """kvstate's row: decode and validate every descriptor, lease, receive the fds over the
+    control channel, check and map them, set access, ready (the group machine's guard)."""
+    samples = run_pair(_kvstate_exporter, _kvstate_importer, params)
+    return Figure(tuple(samples), note=f"validate + lease + SCM_RIGHTS + map of {params['tp']} banks")
+
+
+# -- multiprocessing.shared_memory -----------------------------------------------------
+
+
+def _shm_exporter(conn: Connection, p: dict[str, Any]) -> None:
+    from multiprocessing import shared_memory
+    segments = [shared_memory.SharedMemory(create=True, size=p["bank_bytes"]) for _ in range(p["tp"])]
+    try:
+        for s in segments:
+            assert s.buf is not None
+            s.buf[:: mmap.PAGESIZE] = b"\1" * len(range(0, p["bank_bytes"], mmap.PAGESIZE))  # touch every page
+        conn.send([s.name for s in segments])
+        conn.recv()
+    finally:
+        for s in segments:
+            s.close()
+            s.unlink()
+
+
+def _shm_importer(conn: Connection, p: dict[str, Any]) -> tuple[float, ...]:
+    from multiprocessing import shared_memory
+    names = conn.recv()
+    samples = []
+    for i in range(p["repeats"] + 1):
+        t0 = time.perf_counter()
+        attached = [shared_memory.SharedMemory(name=n) for n in names]
+        t1 = time.perf_counter()
+        assert all(a.size >= p["bank_bytes"] and a.buf is not None and a.buf[0] == 1 for a in attached)
+        for a in attached:  # (both processes share the bench's resource tracker: the
+            a.close()         # exporter's unlink is the one unregistration)
+        if i:  # the first round is a warm-up
+            samples.append(t1 - t0)
+    conn.send("done")
+    return tuple(samples)
+
+
+def shm_attach(params: dict[str, Any]) -> Figure:
+    samples = run_pair(_shm_exporter, _shm_importer, params)
+    return Figure(tuple(samples), note=f"shm_open + mmap of {params['tp']} segments")
+
+
+# -- torch.multiprocessing -----------------------------------------------------------
+
+
+def _torch() -> Any:
+    try:
+        return importlib.import_module("torch.multiprocessing")
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
+            raise
+        raise Skipped("torch is not installed (optional; CPU wheel: pip install torch==2.13.0)") from None
+
+
+def _torch_exporter(conn: Connection, p: dict[str, Any]) -> None:
+    tmp = _torch()
+    import torch
+    tmp.set_sharing_strategy("file_descriptor")
+    tensors = [torch.ones(p["bank_bytes"], dtype=torch.uint8).share_memory_() for _ in range(p["tp"])]
+    conn.send("ready")
+    while conn.recv() == "go":
+        conn.send(tensors)
+    conn.send("bye")
+
+
+def _torch_importer(conn: Connection, p: dict[str, Any]) -> tuple[float, ...]:
+    tmp = _torch()
+    tmp.set_sharing_strategy("file_descriptor")
+    conn.recv()
+    samples = []
+    for i in range(p["repeats"] + 1):
+        t0 = time.perf_counter()
+        conn.send("go")
+        tensors = conn.recv()
+        t1 = time.perf_counter()
+        assert len(tensors) == p["tp"] and all(int(t[0]) == 1 and t.numel() == p["bank_bytes"] for t in tensors)
+        del tensors
+        if i:
+            samples.append(t1 - t0)
+    conn.send("stop")
+    conn.recv()
+    return tuple(samples)
+
+
+def torch_fd_sharing(params: dict[str, Any]) -> Figure:
+    _torch()  # skip here, before starting processes, when torch is absent
+    samples = run_pair(_torch_exporter, _torch_importer, params)
+    return Figure(tuple(samples), note="request + receive shared tensors (file_descriptor strategy)")
+
+
+# -- NIXL ------------------------------------------------------------------------------
+
+
+def _nixl() -> Any:
+    from kvstate.core.errors import BackendUnavailable
+    from kvstate.transport.nixl import load_nixl
+    try:
+        return load_nixl()
+    except BackendUnavailable as exc:
+        raise Skipped(str(exc)) from None
+
+
+def _nixl_exporter(conn: Connection, p: dict[str, Any]) -> None:
+    import numpy as np
+    nixl = _nixl()
+    agent = nixl.nixl_agent("b1-exporter", nixl.nixl_agent_config(backends=["UCX"]))
+    banks = [mmap.mmap(-1, p["bank_bytes"]) for _ in range(p["tp"])]
+    regions = []
+    for b in banks:
+        arr = np.frombuffer(b, dtype=np.uint8)
+        arr[:: mmap.PAGESIZE] = 1
+        regions.append((int(arr.ctypes.data), p["bank_bytes"], 0))
+    reg = agent.register_memory([(*r, "") for r in regions], "DRAM")
+    conn.send((agent.get_agent_metadata(), regions))
+    conn.recv()
+    agent.deregister_memory(reg)
+    conn.send("bye")
+    conn.recv()  # the importer is gone: no reconnects towards a closed peer
+
+
+def _nixl_importer(conn: Connection, p: dict[str, Any]) -> tuple[float, ...]:
+    import numpy as np
+    nixl = _nixl()
+    agent = nixl.nixl_agent("b1-importer", nixl.nixl_agent_config(backends=["UCX"]))
+    metadata, regions = conn.recv()
+    local = [mmap.mmap(-1, p["bank_bytes"]) for _ in range(p["tp"])]
+    local_regions = [(int(np.frombuffer(b, dtype=np.uint8).ctypes.data), p["bank_bytes"], 0) for b in local]
+    samples = []
+    for i in range(p["repeats"] + 1):
+        t0 = time.perf_counter()
+        reg = agent.register_memory([(*r, "") for r in local_regions], "DRAM")
+        name = agent.add_remote_agent(metadata)
+        remote = agent.prep_xfer_dlist(name.decode() if isinstance(name, bytes) else name, regions, "DRAM")
+        mine = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local_regions, "DRAM")
+        t1 = time.perf_counter()
+        # teardown in NIXL's order, off the clock
+        agent.release_dlist_handle(mine)
+        agent.release_dlist_handle(remote)
+        agent.remove_remote_agent(name.decode() if isinstance(name, bytes) else name)
+        agent.deregister_memory(reg)
+        if i:
+            samples.append(t1 - t0)
+    conn.send("done")
+    conn.recv()
+    del agent
+    conn.send("gone")
+    return tuple(samples)
+
+
+def nixl_register_and_load(params: dict[str, Any]) -> Figure:
+    _nixl()
+    samples = run_pair(_nixl_exporter, _nixl_importer, params, env=LOOPBACK)
+    return Figure(tuple(samples), note="register destinations + add_remote_agent + prep lists (UCX, lo)")

@@ -1,0 +1,66 @@
+"""Exporter/importer process pairs for benchmarks: real processes, bounded waits.
+
+``run_pair(exporter, importer, params)`` spawns both, joined by a pipe; the importer
+returns its timings (a tuple of seconds) to this process. Both functions are top-level
+functions (spawn pickles them by name). A pair that does not finish within ``timeout``
+is killed and reported as an error, never as a number.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from kvstate.harness.bench.framework import Skipped
+
+Side = Callable[[Connection, dict[str, Any]], Any]
+
+
+def _exporter_main(fn: Side, conn: Connection, params: dict[str, Any], env: dict[str, str]) -> None:
+    os.environ.update(env)
+    fn(conn, params)
+
+
+def _importer_main(fn: Side, conn: Connection, out: Connection, params: dict[str, Any], env: dict[str, str]) -> None:
+    os.environ.update(env)
+    try:
+        out.send(("ok", fn(conn, params)))
+    except Skipped as exc:
+        out.send(("skip", str(exc)))
+    except BaseException as exc:
+        out.send(("err", f"{type(exc).__name__}: {exc}"))
+
+
+def run_pair(exporter: Side, importer: Side, params: dict[str, Any], *, env: dict[str, str] | None = None,
+             timeout: float = 300.0) -> Any:
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    result_r, result_w = ctx.Pipe(duplex=False)
+    env = env or {}
+    pe = ctx.Process(target=_exporter_main, args=(exporter, a, params, env), daemon=True)
+    pi = ctx.Process(target=_importer_main, args=(importer, b, result_w, params, env), daemon=True)
+    pe.start()
+    pi.start()
+    for end in (a, b, result_w):  # the children hold their own copies
+        end.close()
+    try:
+        if not result_r.poll(timeout):
+            raise RuntimeError(f"benchmark pair gave no result within {timeout} s")
+        try:
+            status, value = result_r.recv()
+        except EOFError:
+            raise RuntimeError(f"benchmark importer died (exit code {pi.exitcode})") from None
+    finally:
+        for p in (pi, pe):
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    if status == "skip":
+        raise Skipped(value)
+    if status == "err":
+        raise RuntimeError(f"benchmark importer failed: {value}")
+    return value

@@ -1,0 +1,345 @@
+"""The retained inventory of one decode worker: which KV blocks it still holds.
+
+Theory of operation
+-------------------
+
+A decode worker keeps finished requests' KV blocks while it can, so that a prefill worker
+may load a prefix instead of computing it. The inventory records those blocks as 64-bit
+block hashes per *group* (one KV source, for example one rank group's bank), each group
+with an *epoch*. The epoch names a generation of the group's contents: :meth:`clear`
+starts a new one, and a lease names the epoch it expects, so nothing from an older
+generation is ever granted.
+
+The inventory is **advisory**. What it publishes (the :data:`Event` values returned by
+:meth:`Inventory.store`, :meth:`Inventory.remove` and :meth:`Inventory.clear`) may be stale
+by the time an importer acts on it. So an importer never trusts it: it asks for a lease,
+and :meth:`Inventory.lease` re-validates and pins every requested block in **one atomic
+step** (under the inventory's lock):
+
+- every block present in the named group and epoch: a :class:`LeaseGrant`, with a lease
+  id; every block now carries one more lease and cannot be evicted or removed until
+  :meth:`Inventory.release`;
+- otherwise: a :class:`Stale` result (old epoch, unknown group, or the blocks that were
+  evicted or removed). It grants nothing; the caller recomputes. There is never a partial
+  grant (INV-LEASE-ATOMIC).
+
+Retention budget: the inventory holds at most ``budget_blocks`` blocks in all groups. A
+store that would exceed it evicts the least recently used blocks (stores and lease grants
+count as use) that are neither pinned by the engine (:meth:`Inventory.pin`) nor under
+lease (INV-INVENTORY-EVICTION). If nothing can be evicted, the new block is not retained
+and :attr:`StoreOutcome.not_retained` says so; the budget is never exceeded
+(INV-INVENTORY-BUDGET).
+
+The API the exporter wires to its bank leases is small: ``lease(group, epoch, hashes)``
+-> ``LeaseGrant | Stale``, and ``release(grant)``. All methods are thread-safe and never
+block except on the inventory's own short critical sections.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+from kvstate.core.errors import BlockBusy, InvalidBlockHash, InventoryError, NotPinned, UnknownLease
+
+HASH_LIMIT = 2**64
+
+
+def _hashes(values: Iterable[int], *, allow_empty: bool = False) -> tuple[int, ...]:
+    if isinstance(values, (str, bytes)):
+        raise InvalidBlockHash(f"block hashes must be a sequence of integers, got {values!r}")
+    out = tuple(values)
+    for h in out:
+        if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < HASH_LIMIT:
+            raise InvalidBlockHash(f"block hash must be an unsigned 64-bit integer, got {h!r}")
+    if not out and not allow_empty:
+        raise InvalidBlockHash("no block hashes given")
+    if len(set(out)) != len(out):
+        raise InvalidBlockHash("repeated block hash in one request")
+    return out
+
+
+def _group(group: object) -> str:
+    if not isinstance(group, str) or not group:
+        raise InventoryError(f"group must be a non-empty string, got {group!r}")
+    return group
+
+
+# -- events: plain data for the engine to publish ----------------------------------------
+
+
+@attrs.frozen
+class BlocksStored:
+    group: str
+    epoch: int
+    hashes: tuple[int, ...]
+
+
+@attrs.frozen
+class BlocksRemoved:
+    """Blocks no longer held: removed by the engine or evicted for the budget."""
+
+    group: str
+    epoch: int
+    hashes: tuple[int, ...]
+    evicted: bool
+
+
+@attrs.frozen
+class GroupCleared:
+    """Every block of ``group`` is gone; ``epoch`` is the new epoch now in force."""
+
+    group: str
+    epoch: int
+
+
+Event = BlocksStored | BlocksRemoved | GroupCleared
+
+
+@attrs.frozen
+class StoreOutcome:
+    events: tuple[Event, ...]
+    #: hashes not retained because every other block is pinned or leased
+    not_retained: tuple[int, ...]
+
+
+# -- leases -----------------------------------------------------------------------------
+
+
+@attrs.frozen
+class LeaseGrant:
+    """Every requested block is pinned until :meth:`Inventory.release` of this grant."""
+
+    lease_id: int
+    group: str
+    epoch: int
+    hashes: tuple[int, ...]
+
+    granted = True
+
+
+class StaleReason(enum.Enum):
+    UNKNOWN_GROUP = "unknown_group"
+    EPOCH = "epoch"  # the request names another epoch than the current one
+    MISSING_BLOCKS = "missing_blocks"  # evicted, removed or never stored
+
+
+@attrs.frozen
+class Stale:
+    """Nothing was granted: the inventory the caller saw is out of date. Recompute."""
+
+    reason: StaleReason
+    group: str
+    requested_epoch: int
+    current_epoch: int | None
+    missing: tuple[int, ...] = ()
+
+    granted = False
+
+
+@attrs.define
+class _Block:
+    pins: int = 0
+    leases: int = 0
+
+    @property
+    def busy(self) -> bool:
+        return self.pins > 0 or self.leases > 0
+
+
+@attrs.define
+class _Group:
+    epoch: int
+    blocks: dict[int, _Block] = attrs.Factory(dict)
+
+
+class Inventory:
+    """The retained inventory of one decode worker. See the module docstring."""
+
+    def __init__(self, budget_blocks: int) -> None:
+        if isinstance(budget_blocks, bool) or not isinstance(budget_blocks, int) or budget_blocks < 0:
+            raise InventoryError(f"budget_blocks must be a non-negative integer, got {budget_blocks!r}")
+        self._budget = budget_blocks
+        self._lock = threading.Lock()
+        self._groups: dict[str, _Group] = {}
+        self._lru: OrderedDict[tuple[str, int], None] = OrderedDict()  # oldest first
+        self._leases: dict[int, LeaseGrant] = {}
+        self._ids = itertools.count(1)
+
+    @property
+    def budget_blocks(self) -> int:
+        return self._budget
+
+    # -- engine side --
+
+    def store(self, group: str, hashes: Sequence[int]) -> StoreOutcome:
+        """Record blocks as retained in the current epoch of ``group`` (created at epoch 0).
+
+        Storing a block already held refreshes its recency.
+        """
+        group, hashes = _group(group), _hashes(hashes)
+        with self._lock:
+            g = self._groups.setdefault(group, _Group(epoch=0))
+            stored: list[int] = []
+            not_retained: list[int] = []
+            evicted: dict[str, list[int]] = {}
+            for h in hashes:
+                key = (group, h)
+                if h in g.blocks:
+                    self._lru.move_to_end(key)
+                    continue
+                if len(self._lru) >= self._budget and not self._evict_one(evicted, protect=group, hashes=hashes):
+                    not_retained.append(h)
+                    continue
+                g.blocks[h] = _Block()
+                self._lru[key] = None
+                stored.append(h)
+            events: list[Event] = [BlocksRemoved(name, self._groups[name].epoch, tuple(hs), evicted=True)
+                                   for name, hs in evicted.items()]
+            if stored:
+                events.append(BlocksStored(group, g.epoch, tuple(stored)))
+            return StoreOutcome(tuple(events), tuple(not_retained))
+
+    def _evict_one(self, evicted: dict[str, list[int]], *, protect: str, hashes: tuple[int, ...]) -> bool:
+        """Evict the least recently used idle block, not one of the batch being stored."""
+        batch = set(hashes)
+        for key in self._lru:
+            name, h = key
+            if self._groups[name].blocks[h].busy or (name == protect and h in batch):
+                continue
+            del self._lru[key]
+            del self._groups[name].blocks[h]
+            evicted.setdefault(name, []).append(h)
+            return True
+        return False
+
+    def remove(self, group: str, hashes: Sequence[int]) -> tuple[Event, ...]:
+        """The engine no longer holds these blocks. Unknown hashes are ignored.
+
+        Raises :class:`BlockBusy`, removing nothing, if any of them is pinned or leased.
+        """
+        group, hashes = _group(group), _hashes(hashes)
+        with self._lock:
+            g = self._groups.get(group)
+            if g is None:
+                return ()
+            present = [h for h in hashes if h in g.blocks]
+            busy = [h for h in present if g.blocks[h].busy]
+            if busy:
+                raise BlockBusy(group, busy)
+            for h in present:
+                del g.blocks[h]
+                del self._lru[(group, h)]
+            return (BlocksRemoved(group, g.epoch, tuple(present), evicted=False),) if present else ()
+
+    def clear(self, group: str) -> tuple[Event, ...]:
+        """Forget every block of ``group`` and start a new epoch.
+
+        Raises :class:`BlockBusy`, changing nothing, if any block is pinned or leased.
+        """
+        group = _group(group)
+        with self._lock:
+            g = self._groups.setdefault(group, _Group(epoch=0))
+            busy = [h for h, b in g.blocks.items() if b.busy]
+            if busy:
+                raise BlockBusy(group, busy)
+            for h in g.blocks:
+                del self._lru[(group, h)]
+            g.blocks.clear()
+            g.epoch += 1
+            return (GroupCleared(group, g.epoch),)
+
+    def pin(self, group: str, hashes: Sequence[int]) -> None:
+        """Keep these blocks from eviction until :meth:`unpin`. All must be held."""
+        group, hashes = _group(group), _hashes(hashes)
+        with self._lock:
+            g = self._groups.get(group)
+            missing = [h for h in hashes if g is None or h not in g.blocks]
+            if g is None or missing:
+                raise InventoryError(f"group {group!r}: cannot pin blocks it does not hold: "
+                                     + ", ".join(f"{h:#018x}" for h in missing[:4]))
+            for h in hashes:
+                g.blocks[h].pins += 1
+
+    def unpin(self, group: str, hashes: Sequence[int]) -> None:
+        group, hashes = _group(group), _hashes(hashes)
+        with self._lock:
+            g = self._groups.get(group)
+            unpinned = [h for h in hashes if g is None or h not in g.blocks or g.blocks[h].pins == 0]
+            if g is None or unpinned:
+                raise NotPinned(f"group {group!r}: block(s) not pinned: "
+                                + ", ".join(f"{h:#018x}" for h in unpinned[:4]))
+            for h in hashes:
+                g.blocks[h].pins -= 1
+
+    # -- importer side --
+
+    def lease(self, group: str, epoch: int, hashes: Sequence[int]) -> LeaseGrant | Stale:
+        """Re-validate and pin every block in one step: a grant, or Stale and nothing pinned."""
+        group, hashes = _group(group), _hashes(hashes)
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise InventoryError(f"epoch must be a non-negative integer, got {epoch!r}")
+        with self._lock:
+            g = self._groups.get(group)
+            if g is None:
+                return Stale(StaleReason.UNKNOWN_GROUP, group, epoch, None)
+            if epoch != g.epoch:
+                return Stale(StaleReason.EPOCH, group, epoch, g.epoch)
+            missing = tuple(h for h in hashes if h not in g.blocks)
+            if missing:
+                return Stale(StaleReason.MISSING_BLOCKS, group, epoch, g.epoch, missing)
+            for h in hashes:
+                g.blocks[h].leases += 1
+                self._lru.move_to_end((group, h))
+            grant = LeaseGrant(next(self._ids), group, epoch, hashes)
+            self._leases[grant.lease_id] = grant
+            return grant
+
+    def release(self, grant: LeaseGrant | int) -> None:
+        """End a lease. Releasing an unknown or already released lease is an error."""
+        lease_id = grant.lease_id if isinstance(grant, LeaseGrant) else grant
+        with self._lock:
+            held = self._leases.get(lease_id) if isinstance(lease_id, int) else None
+            if held is None or (isinstance(grant, LeaseGrant) and held != grant):
+                raise UnknownLease(f"lease {lease_id!r} is not held")
+            del self._leases[lease_id]
+            g = self._groups[held.group]
+            for h in held.hashes:
+                g.blocks[h].leases -= 1
+
+    # -- views (for publication, tests and debugging) --
+
+    def epoch(self, group: str) -> int | None:
+        with self._lock:
+            g = self._groups.get(group)
+            return None if g is None else g.epoch
+
+    def hashes(self, group: str) -> frozenset[int]:
+        with self._lock:
+            g = self._groups.get(group)
+            return frozenset() if g is None else frozenset(g.blocks)
+
+    def lru_order(self) -> tuple[tuple[str, int], ...]:
+        """Every held block, least recently used first."""
+        with self._lock:
+            return tuple(self._lru)
+
+    def busy(self, group: str, block_hash: int) -> tuple[int, int]:
+        """(engine pins, leases) on one held block; (0, 0) if it is not held."""
+        with self._lock:
+            g = self._groups.get(group)
+            b = None if g is None else g.blocks.get(block_hash)
+            return (0, 0) if b is None else (b.pins, b.leases)
+
+    def active_leases(self) -> tuple[LeaseGrant, ...]:
+        with self._lock:
+            return tuple(self._leases.values())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._lru)

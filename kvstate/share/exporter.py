@@ -1,0 +1,421 @@
+"""The exporter: a decode worker's banks, driven by ``spec/bank.toml``.
+
+Theory of operation
+-------------------
+
+One :class:`Exporter` per process. It has an incarnation (random, new per process, so a
+restart makes every old descriptor stale), a control-channel server in a private socket
+directory, and one :class:`Bank` per rank it owns (usually one).
+
+A bank starts ``allocated``: the memory exists and the engine owns it. ``register``
+reserves address space, maps, sets access and exports the handle; if any step fails,
+the earlier steps are undone in reverse and the bank stays ``allocated`` with its owner
+unchanged (INV-REGISTER-ATOMIC). ``advertise`` bumps the generation and signs a
+descriptor. Importers then ask for leases over the channel; a lease is granted only
+when the request names the current incarnation and generation, and it is bound to the
+requesting connection: when the importer closes it or dies, its leases end
+(``peer_died``); a lease that outlives ``lease_timeout_s`` ends too (``lease_expired``).
+
+``drain`` refuses new leases; the bank becomes ``quiescent`` only when it has no lease
+and the native layer reports zero pins on its mapping, and only a quiescent bank is
+released (INV-RELEASE-QUIESCENT).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from kvstate import channel as chan
+from kvstate.core.descriptor import Descriptor, encode
+from kvstate.core.errors import (
+    ChannelClosed,
+    ChannelError,
+    ChannelTimeout,
+    DrainTimeout,
+    FrameError,
+    InventoryError,
+    KvStateError,
+    RegistrationFailed,
+    TransitionError,
+)
+from kvstate.core.geometry import Geometry
+from kvstate.core.handles import HandleKind
+from kvstate.core.identity import Deployment, FabricDomain, FabricKind, Incarnation, host_boot_id
+from kvstate.reuse.inventory import Inventory, LeaseGrant, Stale
+from kvstate.core.machine import Lifecycle, Observer, effect, guard
+from kvstate.core.spec import load_machine
+from kvstate.core.capabilities import Access
+from kvstate.transport.protocol import Transport
+
+
+@attrs.frozen
+class ExportConfig:
+    deployment: Deployment
+    socket_dir: Path
+    source_id: bytes                 # the logical KV source (this decode engine's group)
+    tp: int
+    lease_timeout_s: float = 30.0
+    descriptor_ttl_s: float = 300.0
+    max_leases: int = 64             # per bank
+    max_connections: int = chan.DEFAULT_MAX_CONNECTIONS  # concurrent importer connections
+    request_timeout_s: float = 5.0
+    handle_kind: HandleKind = HandleKind.MEMFD  # what the banks are exported as (the transport's kind)
+
+
+@attrs.define
+class BankLease:
+    id: int
+    channel: chan.Channel
+    expires_at: float                # time.monotonic()
+    blocks: LeaseGrant | None = None  # the inventory blocks this lease pins, if any
+    mapped: bool = False
+
+
+#: The type of each scalar request field; ``blocks`` is checked by the inventory.
+_REQUEST_FIELDS: dict[str, type] = {"op": str, "rank": int, "lease": int, "generation": int, "incarnation": str}
+
+
+class Bank(Lifecycle):
+    """One rank's bank. Driven by spec/bank.toml; see the module docstring."""
+
+    table = load_machine("bank")
+
+    def __init__(self, exporter: Exporter, rank: int, geometry: Geometry, *,
+                 observers: Iterable[Observer] = ()) -> None:
+        super().__init__(label=f"bank[rank {rank}]", observers=observers)
+        self.exporter = exporter
+        self.transport = exporter.transport
+        self.rank = rank
+        self.geometry = geometry
+        self.size = geometry.bank_size(self.transport.granularity())
+        self.allocation: Any = self.transport.create(self.size)
+        self.owner = "engine"
+        self.reservation: Any = None
+        self.mapping: Any = None
+        self.handle: Any = None
+        self.generation = 0
+        self.descriptor: bytes | None = None
+        self.descriptor_expires_ns = 0
+        self.inventory_epoch = 0
+        self.leases: dict[int, BankLease] = {}
+        self.accepting = True
+
+    # -- what the engine uses -------------------------------------------------------
+
+    def view(self) -> memoryview:
+        """The exporter's own read-write view of the bank (after registration)."""
+        if self.mapping is None:
+            raise KvStateError(f"{self.label} is not registered")
+        return self.transport.view(self.mapping)  # type: ignore[attr-defined,no-any-return]
+
+    def pins(self) -> int:
+        return 0 if self.mapping is None else int(self.transport.stats(self.mapping).pins)  # type: ignore[attr-defined]
+
+    # -- guards -----------------------------------------------------------------------
+
+    @guard("accepting_leases")
+    def _accepting(self, **kw: Any) -> bool:
+        return (self.accepting and len(self.leases) < self.exporter.config.max_leases
+                and time.time_ns() < self.descriptor_expires_ns)
+
+    @guard("last_lease")
+    def _last_lease(self, *, lease_id: int, **kw: Any) -> bool:
+        return set(self.leases) == {lease_id}
+
+    @guard("native_quiescent")
+    def _quiescent(self, **kw: Any) -> bool:
+        return not self.leases and self.pins() == 0
+
+    # -- effects ----------------------------------------------------------------------
+
+    @effect("native_register")
+    def _register(self, **kw: Any) -> Callable[[], None]:
+        t = self.transport
+        with ExitStack() as undo:
+            step = "reserve"
+            try:
+                reservation = t.reserve(self.size)
+                undo.callback(t.free, reservation)  # type: ignore[attr-defined]
+                step = "map"
+                mapping = t.map(reservation, 0, self.allocation)
+                undo.callback(t.unmap, mapping)
+                step = "set_access"
+                t.set_access(mapping, Access.READ_WRITE)
+                step = "export"
+                handle = t.export(self.allocation, self.exporter.config.handle_kind)
+            except (KvStateError, OSError) as exc:
+                raise RegistrationFailed(step, exc) from exc
+            undo.pop_all()
+        self.reservation, self.mapping, self.handle, self.owner = reservation, mapping, handle, "kvstate"
+        return self._unregister
+
+    def _unregister(self) -> None:
+        self.transport.unmap(self.mapping)
+        self.transport.free(self.reservation)  # type: ignore[attr-defined]
+        self.reservation = self.mapping = self.handle = None
+        self.owner = "engine"
+
+    @effect("publish_descriptor")
+    def _publish(self, **kw: Any) -> Callable[[], None]:
+        before = (self.generation, self.descriptor, self.descriptor_expires_ns, self.inventory_epoch)
+        ex = self.exporter
+        self.generation += 1
+        self.inventory_epoch += 1
+        self.descriptor_expires_ns = time.time_ns() + int(ex.config.descriptor_ttl_s * 1e9)
+        desc = Descriptor(
+            deployment_id=ex.config.deployment.id, source_id=ex.config.source_id,
+            fabric=FabricDomain(FabricKind.NODE, ex.node), host_boot_id=ex.boot_id,
+            device_uuid=self.transport.device_uuid(), incarnation=ex.incarnation.value, pid=os.getpid(),
+            rank=self.rank, tp=ex.config.tp, geometry=self.geometry, handle_kind=self.handle.kind,
+            handle=self.handle.identity, size=self.size, granularity=self.transport.granularity(),
+            generation=self.generation, expires_at_ns=self.descriptor_expires_ns,
+            socket_path=str(ex.socket_path), inventory_epoch=self.inventory_epoch,
+        )
+        self.descriptor = encode(desc, ex.config.deployment)
+
+        def undo() -> None:
+            self.generation, self.descriptor, self.descriptor_expires_ns, self.inventory_epoch = before
+        return undo
+
+    @effect("grant_lease")
+    def _grant(self, *, lease_id: int, channel: chan.Channel, blocks: LeaseGrant | None = None,
+               **kw: Any) -> Callable[[], None]:
+        self.leases[lease_id] = BankLease(lease_id, channel, time.monotonic() + self.exporter.config.lease_timeout_s,
+                                      blocks)
+
+        def undo() -> None:
+            self.leases.pop(lease_id, None)
+        return undo
+
+    @effect("end_lease")
+    def _end(self, *, lease_id: int, **kw: Any) -> None:
+        lease = self.leases.pop(lease_id)
+        if lease.blocks is not None and self.exporter.inventory is not None:
+            self.exporter.inventory.release(lease.blocks)  # the blocks may be evicted again
+
+    @effect("stop_new_leases")
+    def _stop(self, **kw: Any) -> Callable[[], None]:
+        self.accepting = False
+
+        def undo() -> None:
+            self.accepting = True
+        return undo
+
+    @effect("native_release")
+    def _release(self, **kw: Any) -> None:
+        if self.mapping is not None:
+            self._unregister()
+        self.transport.release(self.allocation)
+        self.owner = "released"
+
+
+class Exporter:
+    """A decode worker's exporting side: banks, the control server, lease bookkeeping."""
+
+    def __init__(self, config: ExportConfig, transport: Transport, *, name: str = "exporter",
+                 inventory: Inventory | None = None, observers: Iterable[Observer] = ()) -> None:
+        self.config = config
+        self.transport = transport
+        #: The retained inventory (advisory); a lease naming blocks pins them atomically.
+        self.inventory = inventory
+        self.incarnation = Incarnation.new()
+        self.boot_id = host_boot_id()
+        self.node = os.uname().nodename
+        self.socket_path = Path(config.socket_dir) / f"{name}.sock"
+        self.banks: dict[int, Bank] = {}
+        self._observers = tuple(observers)
+        self._lease_ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._server: chan.Server | None = None
+        self._watcher: chan.Watcher | None = None
+        self._expiry: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._handlers = 0
+        self._handlers_done = threading.Condition()
+
+    # -- banks --------------------------------------------------------------------------
+
+    def add_bank(self, rank: int, geometry: Geometry) -> Bank:
+        if rank in self.banks:
+            raise KvStateError(f"rank {rank} already has a bank in this exporter")
+        bank = Bank(self, rank, geometry, observers=self._observers)
+        self.banks[rank] = bank
+        return bank
+
+    def descriptor(self, rank: int) -> bytes:
+        d = self.banks[rank].descriptor
+        if d is None:
+            raise KvStateError(f"bank of rank {rank} is not advertised")
+        return d
+
+    # -- serving ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Listen for importers, watch their connections and expire their leases."""
+        chan.make_socket_dir(self.config.socket_dir)
+        self._server = chan.Server(self.socket_path, max_connections=self.config.max_connections)
+        self._watcher = chan.Watcher(name="kvstate-exporter-watch")
+        self._server.serve_in_thread(self._serve, name="kvstate-exporter")
+        self._expiry = threading.Thread(target=self._expire_loop, name="kvstate-lease-expiry", daemon=True)
+        self._expiry.start()
+
+    def stop(self) -> None:
+        """Stop serving (idempotent). Live leases stay until drained or their peers go."""
+        self._stopping.set()
+        server, watcher, expiry = self._server, self._watcher, self._expiry
+        self._server = self._watcher = self._expiry = None
+        if server is not None:
+            server.close()
+        if watcher is not None:
+            watcher.close()
+        if expiry is not None:
+            expiry.join(2.0)
+        with self._handlers_done:  # connection handlers notice within one recv poll
+            self._handlers_done.wait_for(lambda: self._handlers == 0, timeout=2.0)
+
+    def _serve(self, ch: chan.Channel) -> None:
+        watcher = self._watcher
+        if watcher is None:  # stopped while this connection was being accepted
+            ch.close()
+            return
+        with self._handlers_done:
+            self._handlers += 1
+        watcher.watch(ch, self._connection_closed)
+        try:
+            while not self._stopping.is_set():
+                try:
+                    msg = ch.recv(timeout=0.25)
+                except ChannelTimeout:
+                    continue
+                except ChannelClosed:
+                    break
+                msg.close()  # importers send no fds
+                request: dict[str, Any] = {}
+                try:
+                    request = chan.decode(msg.payload)
+                    reply, fds = self._handle(ch, request)
+                except KvStateError as exc:
+                    reply, fds = {"ok": False, "code": type(exc).__name__, "detail": str(exc)}, ()
+                if request.get("op") == "mapped":
+                    continue  # a notification: the importer does not wait for an answer
+                try:
+                    ch.send(chan.encode(reply), fds, timeout=self.config.request_timeout_s)
+                except ChannelError:
+                    break
+        finally:
+            self._connection_closed(ch)
+            ch.close()
+            with self._handlers_done:
+                self._handlers -= 1
+                self._handlers_done.notify_all()
+
+    def _refuse(self, code: str, detail: str) -> tuple[dict[str, Any], tuple[int, ...]]:
+        return {"ok": False, "code": code, "detail": detail}, ()
+
+    def _handle(self, ch: chan.Channel, req: dict[str, Any]) -> tuple[dict[str, Any], tuple[int, ...]]:
+        for key, kind in _REQUEST_FIELDS.items():  # a peer's JSON may hold any type anywhere
+            if key in req and type(req[key]) is not kind:
+                raise FrameError(f"request field {key!r} must be {kind.__name__}, not {type(req[key]).__name__}")
+        op = req.get("op")
+        bank = self.banks.get(req.get("rank", -1))
+        if bank is None:
+            return self._refuse("unknown_rank", f"no bank for rank {req.get('rank')!r}")
+        if op == "lease":
+            if req.get("incarnation") != self.incarnation.value.hex():
+                return self._refuse("stale_incarnation", "this exporter restarted since that descriptor")
+            if req.get("generation") != bank.generation:
+                return self._refuse("stale_generation", f"current generation is {bank.generation}")
+            blocks = None
+            if req.get("blocks") is not None:
+                granted = self._lease_blocks(req["blocks"])
+                if not isinstance(granted, LeaseGrant):
+                    return granted
+                blocks = granted
+            lease_id = next(self._lease_ids)
+            try:
+                bank.fire("grant_lease", lease_id=lease_id, channel=ch, blocks=blocks)
+            except TransitionError as exc:
+                if blocks is not None and self.inventory is not None:
+                    self.inventory.release(blocks)
+                return self._refuse("not_leasing", str(exc))
+            lease = bank.leases[lease_id]
+            remaining = lease.expires_at - time.monotonic()
+            fds = () if bank.handle.fd is None else (bank.handle.fd,)  # FABRIC and CUDA_IPC carry bytes only
+            return {"ok": True, "lease": lease_id, "expires_in_s": remaining}, fds
+        held = bank.leases.get(req.get("lease", -1))
+        if held is None or held.channel is not ch:
+            return self._refuse("unknown_lease", f"no live lease {req.get('lease')!r} on this connection")
+        if op == "mapped":
+            held.mapped = True
+            bank.fire("lease_mapped")
+            return {"ok": True}, ()
+        if op == "release":
+            bank.fire("release_lease", lease_id=held.id)
+            return {"ok": True}, ()
+        return self._refuse("bad_request", f"unknown op {op!r}")
+
+    def _lease_blocks(self, want: Any) -> LeaseGrant | tuple[dict[str, Any], tuple[int, ...]]:
+        """Re-validate and pin the requested inventory blocks in one step, or a refusal."""
+        if self.inventory is None:
+            return self._refuse("no_inventory", "this exporter keeps no retained inventory")
+        try:
+            result = self.inventory.lease(want["group"], want["epoch"], want["hashes"])
+        except (InventoryError, KeyError, TypeError) as exc:
+            return self._refuse("bad_request", f"blocks: {exc}")
+        if isinstance(result, Stale):
+            return self._refuse("stale_inventory", f"{result.reason.value} (epoch {result.current_epoch}, "
+                                f"{len(result.missing)} block(s) gone): recompute")
+        return result
+
+    def _end_leases(self, event: str, select: Callable[[BankLease], bool]) -> None:
+        for bank in list(self.banks.values()):
+            for lease in [lease for lease in list(bank.leases.values()) if select(lease)]:
+                try:
+                    bank.fire(event, lease_id=lease.id)
+                except (TransitionError, KeyError):
+                    pass  # already ended by another path (release, expiry, death)
+
+    def _connection_closed(self, ch: chan.Channel) -> None:
+        self._end_leases("peer_died", lambda lease: lease.channel is ch)
+
+    def _expire_loop(self) -> None:
+        while not self._stopping.wait(0.05):
+            now = time.monotonic()
+            self._end_leases("lease_expired", lambda lease: lease.expires_at <= now)
+
+    # -- draining -----------------------------------------------------------------------
+
+    def drain(self, timeout: float) -> float:
+        """Drain every bank, wait for native quiescence, release. Returns seconds to quiescent."""
+        start = time.monotonic()
+        deadline = start + timeout
+        for bank in self.banks.values():
+            if bank.may("drain"):
+                bank.fire("drain")
+        waited = 0.0
+        for bank in self.banks.values():
+            if bank.is_terminal:
+                continue
+            if bank.state == "allocated":
+                bank.fire("release")
+                continue
+            while bank.state == "draining":
+                try:
+                    bank.fire("quiesce")
+                except TransitionError:
+                    if time.monotonic() >= deadline:
+                        raise DrainTimeout(f"{bank.label}: {len(bank.leases)} lease(s), {bank.pins()} pin(s) "
+                                           f"after {timeout} s; nothing released") from None
+                    time.sleep(0.005)
+            waited = time.monotonic() - start
+            bank.fire("release")
+        return waited

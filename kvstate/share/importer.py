@@ -1,0 +1,497 @@
+"""The importer: a prefill worker's rank groups, driven by ``spec/group.toml`` and
+``spec/part.toml``.
+
+Theory of operation
+-------------------
+
+:meth:`Importer.import_group` takes the wire descriptors of one group (one per rank).
+Every descriptor is decoded and the whole group validated *before* any connection is
+made or handle opened (INV-REJECT-BEFORE-OPEN, INV-GROUP-ATOMIC); a rejected group ends
+``rejected`` and nothing was touched. Then each rank part is imported: lease requested
+over the exporter's channel, fd received and checked, address reserved, mapped, read
+access set. If any part fails, every part imported so far is unmapped and closed and
+the group ends ``failed`` (INV-ROLLBACK-COMPLETE). The group becomes ``ready`` only when
+every rank 0..tp-1 has an imported, compatible part (INV-GROUP-COMPLETE).
+
+:meth:`Group.load_prefix` gathers blocks out of every part into caller buffers through
+native ops, which pin the part mappings until they finish, so a drain or close never
+unmaps memory under a copy (INV-NO-UNMAP-PINNED). :meth:`Group.drain` refuses new
+loads, waits until the native layer reports zero pins and ops, then closes.
+
+Faults reported by the environment (:meth:`Group.fault`): the exporter's connection
+closing or its process exiting (``peer_died``, detected by a watcher on every part's
+channel), a lease reaching its expiry (``expired``), a restart seen elsewhere
+(``incarnation_changed``). Before ready they fail the group and roll back; after ready
+they drain it: existing mappings stay readable until unmapped, but nothing new starts.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import ExitStack
+from typing import Any
+
+import attrs
+
+from kvstate import channel as chan
+from kvstate.core.descriptor import Descriptor, decode
+from kvstate.core.errors import (
+    ChannelError,
+    DescriptorRejected,
+    DrainTimeout,
+    GroupRejected,
+    ImportFailed,
+    KvStateError,
+    LeaseRefused,
+    LoadFailed,
+    ReuseStale,
+    TransitionError,
+)
+from kvstate.core.identity import Deployment, host_boot_id
+from kvstate.core.machine import Lifecycle, Observer, effect, guard
+from kvstate.core.spec import load_machine
+from kvstate.core.capabilities import Access
+from kvstate.transport.protocol import PendingOp, Transport
+from kvstate.core.validate import Expectation, ValidatedGroup, group_complete, validate_group
+
+
+@attrs.frozen
+class BlockRequest:
+    """Inventory blocks a lease must pin, as the decode worker advertised them."""
+
+    group: str
+    epoch: int
+    hashes: tuple[int, ...]
+
+
+@attrs.frozen
+class ImportConfig:
+    deployment: Deployment
+    request_timeout_s: float = 5.0
+    max_tp: int = 64
+    max_parallel_imports: int = 8    # threads opening rank parts at once
+    geometry_fingerprint: bytes | None = None
+    device_uuids: frozenset[bytes] | None = None
+
+
+class Part(Lifecycle):
+    """One rank part, driven by spec/part.toml."""
+
+    table = load_machine("part")
+
+    def __init__(self, group: Group, descriptor: Descriptor) -> None:
+        super().__init__(label=f"{group.label}/part[{descriptor.rank}]", observers=group.observers)
+        self.group = group
+        self.transport = group.importer.transport
+        self.descriptor = descriptor
+        self.rank = descriptor.rank
+        self.channel: chan.Channel | None = None
+        self.lease_id: int | None = None
+        self.lease_expires_at = 0.0
+        self.allocation: Any = None
+        self.reservation: Any = None
+        self.mapping: Any = None
+
+    def pins(self) -> int:
+        return 0 if self.mapping is None else int(self.transport.stats(self.mapping).pins)  # type: ignore[attr-defined]
+
+    @guard("group_admitted")
+    def _admitted(self, **kw: Any) -> bool:
+        return self.group.state == "importing" and self.group.validated is not None
+
+    @guard("part_unpinned")
+    def _unpinned(self, **kw: Any) -> bool:
+        return self.pins() == 0
+
+    @effect("native_import")
+    def _import(self, **kw: Any) -> Callable[[], None]:
+        d, t = self.descriptor, self.transport
+        timeout = self.group.importer.config.request_timeout_s
+        with ExitStack() as undo:
+            ch = chan.connect(d.socket_path, timeout=timeout)
+            undo.callback(ch.close)
+            blocks = self.group.blocks
+            ch.send(chan.encode({"op": "lease", "rank": d.rank, "generation": d.generation,
+                                 "incarnation": d.incarnation.hex(),
+                                 "blocks": None if blocks is None else {
+                                     "group": blocks.group, "epoch": blocks.epoch, "hashes": list(blocks.hashes)}}),
+                    timeout=timeout)
+            with ch.recv(timeout=timeout) as msg:
+                reply = chan.decode(msg.payload)
+                if not reply.get("ok"):
+                    raise LeaseRefused(str(reply.get("code")), str(reply.get("detail")))
+                lease_id, expires_in_s = _grant_fields(reply, d.rank)
+                handle = t.receive_handle(d.handle_kind, d.handle, msg.fds)  # type: ignore[attr-defined]
+                allocation = t.import_(handle, d.size)
+            undo.callback(t.release, allocation)
+            reservation = t.reserve(d.size)
+            undo.callback(t.free, reservation)  # type: ignore[attr-defined]
+            mapping = t.map(reservation, 0, allocation)
+            undo.callback(t.unmap, mapping)
+            t.set_access(mapping, Access.READ)
+            # A notification (no answer awaited): the bank moves from importing to ready.
+            ch.send(chan.encode({"op": "mapped", "rank": d.rank, "lease": lease_id}), timeout=timeout)
+            undo.pop_all()
+        self.channel, self.lease_id = ch, lease_id
+        self.lease_expires_at = time.monotonic() + expires_in_s
+        self.allocation, self.reservation, self.mapping = allocation, reservation, mapping
+        self.group.importer.watch(self)
+        return self._teardown
+
+    @effect("unmap_close")
+    def _unmap_close(self, **kw: Any) -> None:
+        self._teardown()
+
+    def _teardown(self) -> None:
+        """Unmap and release first (pins were checked by the guard), then return the lease."""
+        t = self.transport
+        t.unmap(self.mapping)
+        t.free(self.reservation)  # type: ignore[attr-defined]
+        t.release(self.allocation)
+        self.mapping = self.reservation = self.allocation = None
+        ch, self.channel = self.channel, None
+        if ch is not None:
+            self.group.importer.unwatch(ch)
+            try:
+                ch.send(chan.encode({"op": "release", "rank": self.rank, "lease": self.lease_id}), timeout=1.0)
+                _expect_ok(ch, 1.0)
+            except (ChannelError, LeaseRefused):
+                pass  # exporter gone or lease already ended: closing the channel ends it too
+            ch.close()
+
+
+def _grant_fields(reply: dict[str, Any], rank: int) -> tuple[int, float]:
+    """The lease id and seconds to expiry of a grant, checked: the exporter is a peer."""
+    lease: Any = reply.get("lease")
+    expires: Any = reply.get("expires_in_s")
+    if type(lease) is not int or type(expires) not in (int, float) or not 0 <= expires < 1e9:
+        raise ImportFailed(rank, KvStateError(f"malformed lease grant {reply!r:.200}"))
+    return lease, float(expires)
+
+
+def _expect_ok(ch: chan.Channel, timeout: float) -> None:
+    with ch.recv(timeout=timeout) as msg:
+        reply = chan.decode(msg.payload)
+    if not reply.get("ok"):
+        raise LeaseRefused(str(reply.get("code")), str(reply.get("detail")))
+
+
+@attrs.frozen
+class LoadResult:
+    blocks: int
+    bytes: int
+    seconds: float
+
+
+class Group(Lifecycle):
+    """One rank group on the importer side, driven by spec/group.toml."""
+
+    table = load_machine("group")
+
+    def __init__(self, importer: Importer, label: str, observers: Iterable[Observer]) -> None:
+        super().__init__(label=label, observers=observers)
+        self.importer = importer
+        self.observers = tuple(observers)
+        self.validated: ValidatedGroup | None = None
+        self.blocks: BlockRequest | None = None
+        self.parts: list[Part] = []
+        self.ops: list[PendingOp] = []
+        self._ops_lock = threading.Lock()
+
+    @property
+    def tp(self) -> int:
+        return len(self.parts)
+
+    # -- guards -----------------------------------------------------------------------
+
+    @guard("group_validated")
+    def _validated(self, **kw: Any) -> bool:
+        return self.validated is not None and len(self.parts) == self.validated.tp
+
+    @guard("all_parts_imported")
+    def _all_imported(self, **kw: Any) -> bool:
+        return self.validated is not None and group_complete(
+            self.validated.tp, [p.rank for p in self.parts if p.state == "imported"])
+
+    @guard("parts_compatible")
+    def _compatible(self, **kw: Any) -> bool:
+        first = self.parts[0].descriptor
+        return all(p.descriptor.geometry == first.geometry and p.descriptor.tp == first.tp
+                   and p.descriptor.generation == first.generation and p.mapping is not None
+                   and p.mapping.size == p.descriptor.size for p in self.parts)
+
+    @guard("native_quiescent")
+    def _quiescent(self, **kw: Any) -> bool:
+        with self._ops_lock:
+            busy = bool(self.ops)
+        return not busy and all(p.pins() == 0 for p in self.parts)
+
+    # -- effects ----------------------------------------------------------------------
+
+    @effect("rollback_parts")
+    def _rollback(self, **kw: Any) -> None:
+        self._close_parts()
+
+    @effect("unmap_parts")
+    def _unmap(self, **kw: Any) -> None:
+        self._close_parts()
+
+    def _close_parts(self) -> None:
+        for p in self.parts:
+            if p.may("close"):
+                p.fire("close")
+
+    @effect("submit_load")
+    def _submit(self, *, plan: Sequence[tuple[Part, Any, list[tuple[int, int, int]]]], **kw: Any) -> Callable[[], None]:
+        transport = self.importer.transport
+        ops: list[PendingOp] = []
+        try:
+            for part, dst, blocks in plan:
+                ops.append(transport.submit_gather(part.mapping, dst, blocks))  # type: ignore[attr-defined]
+        except BaseException:
+            _cancel(ops)
+            raise
+        with self._ops_lock:
+            self.ops.extend(ops)
+        return lambda: _cancel(ops)
+
+    @effect("stop_loads")
+    def _stop(self, **kw: Any) -> None:
+        pass  # the state itself refuses `load` from now on
+
+    # -- what the engine calls --------------------------------------------------------
+
+    def load_prefix(self, blocks: Sequence[int], destinations: Sequence[Any] | Mapping[int, Any], *,
+                    timeout: float = 30.0) -> LoadResult:
+        """Gather ``blocks`` (in order) of each rank into its destination buffer.
+
+        ``destinations`` is one buffer per rank (a sequence of tp buffers), or a mapping
+        from rank to buffer to load only some ranks (a TP worker loading its own share).
+        Each holds at least ``len(blocks) * block_bytes`` bytes. Raises LoadFailed, and
+        the data must not be used, if any op fails or times out.
+        """
+        if isinstance(destinations, Mapping):
+            targets = dict(destinations)
+        elif len(destinations) == self.tp:
+            targets = dict(enumerate(destinations))
+        else:
+            raise LoadFailed(f"{len(destinations)} destination(s) for a group of tp {self.tp}")
+        if not targets or not set(targets) <= set(range(self.tp)):
+            raise LoadFailed(f"destinations name ranks {sorted(targets)} outside 0..{self.tp - 1}")
+        plan = []
+        for rank, dst in sorted(targets.items()):
+            part = self.parts[rank]
+            g = part.descriptor.geometry
+            extents: list[tuple[int, int, int]] = []
+            pos = 0
+            for b in blocks:
+                for off, length in g.block_extents(b):
+                    extents.append((off, pos, length))
+                    pos += length
+            if _nbytes(dst) < pos:
+                raise LoadFailed(f"destination of rank {rank} holds fewer than {pos} bytes")
+            plan.append((part, dst, extents))
+        start = time.monotonic()
+        self.fire("load", plan=plan)
+        with self._ops_lock:
+            mine = self.ops[-len(plan):]
+        total = 0
+        try:
+            for op in mine:
+                total += op.result(timeout).bytes
+        except KvStateError as exc:
+            raise LoadFailed(f"prefix load failed: {exc}") from exc
+        finally:
+            self._forget(mine)
+        return LoadResult(len(blocks), total, time.monotonic() - start)
+
+    def _forget(self, ops: list[PendingOp]) -> None:
+        with self._ops_lock:
+            self.ops = [o for o in self.ops if o not in ops]
+
+    def fault(self, event: str) -> bool:
+        """Report a fault event; False when it is not declared in the current state (for
+        example a terminal one). Check and transition are one atomic step."""
+        with self.locked():
+            if not self.may(event):
+                return False
+            self.fire(event)
+            return True
+
+    def drain(self, timeout: float = 30.0) -> float:
+        """Refuse new loads, wait for native quiescence, close. Returns seconds to quiescent."""
+        start = time.monotonic()
+        if self.may("drain"):
+            self.fire("drain")
+        if self.state != "draining":
+            return 0.0  # an import in progress was aborted (failed), or already quiescent/closed
+        while True:
+            try:
+                self.fire("quiesce")
+                break
+            except TransitionError:
+                if time.monotonic() - start > timeout:
+                    raise DrainTimeout(f"{self.label}: pins still held after {timeout} s; nothing unmapped") from None
+                time.sleep(0.002)
+        waited = time.monotonic() - start
+        self.fire("close")
+        return waited
+
+
+def _nbytes(buf: Any) -> int:
+    """A destination's size: ``nbytes`` where it has one (memoryview, numpy, a device
+    buffer), else its buffer protocol view's."""
+    n = getattr(buf, "nbytes", None)
+    return int(n) if isinstance(n, int) else memoryview(buf).nbytes
+
+
+def _cancel(ops: list[PendingOp]) -> None:
+    for op in ops:
+        try:
+            op.cancel()
+        except KvStateError:
+            pass  # already running: it finishes and drops its pins on its own
+
+
+class Importer:
+    """A prefill worker's importing side: validates, imports, watches, loads."""
+
+    group_class: type[Group] = Group
+
+    def __init__(self, config: ImportConfig, transport: Transport, *, observers: Iterable[Observer] = ()) -> None:
+        self.config = config
+        self.transport = transport
+        self.observers = tuple(observers)
+        self.boot_id = host_boot_id()
+        self._watcher = chan.Watcher(name="kvstate-importer-watch")
+        self._owners: dict[int, Part] = {}
+        self._count = 0
+        #: Groups this importer made and that have not reached a terminal state.
+        self.groups: list[Group] = []
+        self._executor: ThreadPoolExecutor | None = None
+        self._stopping = threading.Event()
+        self._expiry = threading.Thread(target=self._expire_loop, name="kvstate-importer-expiry", daemon=True)
+        self._expiry.start()
+
+    def close(self) -> None:
+        """Stop watching and expiring (idempotent). Groups stay as they are."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        self._expiry.join(2.0)
+        self._watcher.close()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+
+    def expectation(self, **overrides: Any) -> Expectation:
+        e = Expectation(deployment=self.config.deployment, now_ns=time.time_ns(),
+                        handle_kinds=self.transport.capabilities.handle_kinds, host_boot_id=self.boot_id, uid=os.getuid(),
+                        geometry_fingerprint=self.config.geometry_fingerprint,
+                        device_uuids=self.config.device_uuids, max_tp=self.config.max_tp)
+        return attrs.evolve(e, **overrides)
+
+    def import_group(self, wire: Sequence[bytes], *, blocks: BlockRequest | None = None, **expect: Any) -> Group:
+        """Validate the whole group, then import every part; see the module docstring.
+
+        ``blocks`` names inventory blocks every part's lease must pin; if the decode
+        worker no longer holds them (the inventory is advisory) this raises ReuseStale
+        and the caller recomputes. ``expect`` overrides fields of the Expectation.
+        """
+        self._count += 1
+        group = self.group_class(self, f"group#{self._count}", self.observers)
+        self.groups = [g for g in self.groups if not g.is_terminal] + [group]
+        descriptors: list[Descriptor] = []
+        problems: list[DescriptorRejected] = []
+        for i, data in enumerate(wire):
+            try:
+                descriptors.append(decode(data, self.config.deployment))
+            except DescriptorRejected as exc:
+                exc.rank = i if exc.rank is None else exc.rank
+                problems.append(exc)
+        try:
+            if problems:
+                raise GroupRejected(problems)
+            validated = validate_group(descriptors, self.expectation(**expect))
+        except GroupRejected:
+            group.fire("reject")
+            raise
+        group.validated = validated
+        group.blocks = blocks
+        group.parts = [Part(group, d) for d in validated.parts]
+        group.fire("begin_import")
+        for part in group.parts:
+            part.fire("validate")
+        failures = self._open_parts(group.parts)
+        for rank in sorted(failures):
+            part = group.parts[rank]
+            if part.may("import_failed"):
+                part.fire("import_failed")
+            group.fault("part_failed")  # rolls back every part imported so far
+        if failures:
+            first, cause = min(failures.items())
+            if isinstance(cause, LeaseRefused) and cause.code == "stale_inventory":
+                raise ReuseStale(first, cause) from cause
+            raise ImportFailed(first, cause) from cause
+        if group.state != "importing":  # a fault arrived while importing
+            raise ImportFailed(0, KvStateError(f"group {group.state} during import"))
+        group.fire("complete")
+        return group
+
+    def _open_parts(self, parts: Sequence[Part]) -> dict[int, BaseException]:
+        """Open every part, concurrently: each waits on its own exporter's channel, so the
+        group's import costs about one round trip, not tp of them. Returns failures by rank."""
+        failures: dict[int, BaseException] = {}
+
+        def open_one(part: Part) -> None:
+            try:
+                part.fire("open")
+            except (KvStateError, OSError) as exc:
+                failures[part.rank] = exc
+
+        if len(parts) == 1:
+            open_one(parts[0])
+        else:
+            list(self._pool().map(open_one, parts))
+        return failures
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=self.config.max_parallel_imports,
+                                                thread_name_prefix="kvstate-import")
+        return self._executor
+
+    # -- fault detection ------------------------------------------------------------------
+
+    def watch(self, part: Part) -> None:
+        assert part.channel is not None
+        self._owners[id(part.channel)] = part
+        self._watcher.watch(part.channel, self._peer_closed)
+
+    def unwatch(self, ch: chan.Channel) -> None:
+        self._owners.pop(id(ch), None)
+        self._watcher.unwatch(ch)
+
+    def _peer_closed(self, ch: chan.Channel) -> None:
+        part = self._owners.pop(id(ch), None)
+        if part is not None:
+            try:
+                part.group.fault("peer_died")
+            except TransitionError:
+                pass  # a concurrent transition already moved the group on
+
+    def _expire_loop(self) -> None:
+        while not self._stopping.wait(0.05):
+            try:
+                self.expire_leases([g for g in self.groups if g.state == "ready"])
+            except TransitionError:
+                pass  # the group moved on concurrently; the next round looks again
+
+    def expire_leases(self, groups: Iterable[Group]) -> list[Group]:
+        """Fire ``expired`` on every group holding a lease past its expiry; return them."""
+        now = time.monotonic()
+        hit = [g for g in groups if any(p.lease_id is not None and p.lease_expires_at <= now for p in g.parts)]
+        return [g for g in hit if g.fault("expired")]

@@ -1,0 +1,9 @@
+"""The cross-node backend: NIXL READs of a peer's registered bank, gated by kvstate leases.
+
+Importing this package loads no NIXL module; constructing a :class:`NixlTransport` does
+(``BackendUnavailable`` where NIXL is not installed).
+"""
+
+from kvstate.transport.nixl.transport import LeaseGate, NixlTransport, load_nixl
+
+__all__ = ["LeaseGate", "NixlTransport", "load_nixl"]
