@@ -41,16 +41,19 @@ def variant(tmp_path: Path, patch: Path | None = None, extra: tuple[tuple[str, s
 # -- generation (no Spin needed) ------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_committed_models_match_the_tables() -> None:
     stale = models.stale_models(ROOT / "models")
     assert not stale, f"models/ is stale: {stale}; run `kvstate check --regenerate`"
 
 
+@pytest.mark.unit
 def test_a_changed_table_makes_the_committed_models_stale(tmp_path: Path) -> None:
     spec = load_spec(variant(tmp_path, PLANTED[0]))
     assert models.stale_models(ROOT / "models", spec)
 
 
+@pytest.mark.unit
 def test_unknown_guard_is_a_clear_error(tmp_path: Path) -> None:
     spec = load_spec(variant(tmp_path, extra=(
         ("group.toml", 'guards = ["all_parts_imported", "parts_compatible"]',
@@ -62,6 +65,7 @@ def test_unknown_guard_is_a_clear_error(tmp_path: Path) -> None:
     assert "REGISTRY" in info.value.problem
 
 
+@pytest.mark.unit
 def test_unknown_effect_is_a_clear_error(tmp_path: Path) -> None:
     spec = load_spec(variant(tmp_path, extra=(
         ("op.toml", 'effects = ["pin_regions"]', 'effects = ["pin_regions", "warp_drive"]'),
@@ -136,6 +140,8 @@ def test_counterexample_replays_against_lifecycle_machines(tmp_path: Path) -> No
     assert "all_parts_imported" in info.value.failed
 
 
+@pytest.mark.models
+@pytest.mark.native
 def test_counterexample_replays_against_the_real_exporter_and_importer(tmp_path: Path) -> None:
     """Trace to test on the real implementation. The real Bank, Group and Part classes,
     bound to the broken table (`Lifecycle.bound_to`), follow Spin's trail step by step up

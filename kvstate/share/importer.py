@@ -44,6 +44,7 @@ from kvstate.core.errors import (
     DescriptorRejected,
     DrainTimeout,
     GroupRejected,
+    IllegalTransition,
     ImportFailed,
     KvStateError,
     LeaseRefused,
@@ -259,10 +260,6 @@ class Group(Lifecycle):
             self.ops.extend(ops)
         return lambda: _cancel(ops)
 
-    @effect("stop_loads")
-    def _stop(self, **kw: Any) -> None:
-        pass  # the state itself refuses `load` from now on
-
     # -- what the engine calls --------------------------------------------------------
 
     def load_prefix(self, blocks: Sequence[int], destinations: Sequence[Any] | Mapping[int, Any], *,
@@ -449,6 +446,11 @@ class Importer:
         def open_one(part: Part) -> None:
             try:
                 part.fire("open")
+            except IllegalTransition as exc:
+                if exc.state != "closed":
+                    failures[part.rank] = exc
+                # else a fault (drain, peer death) rolled the group back before this part
+                # began: not this part's failure; import_group reports the group's fault
             except (KvStateError, OSError) as exc:
                 failures[part.rank] = exc
 

@@ -26,6 +26,8 @@ def test_committed_header_is_fresh() -> None:
     assert committed == codegen.op_header(), "ffi/kvs_op_table.h is stale: run `python -m kvstate.derive.header`"
 
 
+@pytest.mark.native
+@pytest.mark.multiproc
 def test_check_command_passes_on_fresh_and_fails_on_stale_header(tmp_path: Path) -> None:
     fresh = tmp_path / "fresh.h"
     fresh.write_text(codegen.op_header(), encoding="utf-8")
