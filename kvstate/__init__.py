@@ -11,7 +11,7 @@ even the state machines. Transports are imported, and registered, explicitly.
 
 from __future__ import annotations
 
-import importlib
+import importlib as _importlib
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
@@ -108,7 +108,7 @@ def _load(name: str) -> object:
     module = _HOME.get(name)
     if module is None:
         raise AttributeError(f"module 'kvstate' has no attribute {name!r}")
-    value: object = getattr(importlib.import_module(module), name)
+    value: object = getattr(_importlib.import_module(module), name)
     globals()[name] = value
     return value
 
