@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from kvstate.core.spec import MachineSpec, Spec
-from kvstate.derive.codemap import Binding, CodeMap, Fire, Site
+from kvstate.derive.sites import Binding, CodeMap, Fire, Site
 from kvstate.derive.header import ident
 
 SOURCES = "ffi"

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import attrs
 
-from kvstate.derive.codemap import Binding, CodeMap, Fire, Site
+from kvstate.derive.sites import Binding, CodeMap, Fire, Site
 
 PACKAGE = "kvstate"
 SKIP = ("harness",)
