@@ -465,7 +465,10 @@ class Importer:
         for group in list(self.groups):
             if any(current.get((p.descriptor.source_id, p.rank), p.descriptor.incarnation)
                    != p.descriptor.incarnation for p in group.parts):
-                group.fault("incarnation_changed")
+                try:
+                    group.fault("incarnation_changed")
+                except TransitionError:
+                    pass  # a concurrent transition already moved the group on
 
     def _open_parts(self, parts: Sequence[Part]) -> dict[int, BaseException]:
         """Open every part, concurrently: each waits on its own exporter's channel, so the
