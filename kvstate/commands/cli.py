@@ -21,6 +21,7 @@ COMMANDS = {
     "policy": "policy",
     "bench": "bench",
     "check": "check",
+    "generate": "generate",
 }
 
 

@@ -38,9 +38,11 @@ DEFAULTS: Mapping[str, tuple[str, ...]] = {
     "trust/test_threat_model_doc.py": ("unit",),
     # files at the top of tests/
     "test_bench_smoke.py": ("multiproc", "slow"),
+    "test_codemap.py": ("unit",),
     "test_contracts.py": ("unit", "slow"),  # crosshair
     "test_cuda_cpu.py": ("native",),
     "test_docs.py": ("unit",),
+    "test_generate.py": ("unit",),
     "test_group_stateful.py": ("stateful",),
     "test_handoff.py": ("unit",),
     "test_imports.py": ("unit",),
