@@ -128,6 +128,7 @@ def test_catches_a_leaked_native_allocation() -> None:
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # a child pytest: make test runs it, the edit loop need not
 def test_the_fixture_fails_exactly_the_checked_tests_that_leak() -> None:
     """tests/planted/leaky_tests.py in a child pytest: the native and multiproc tests that
     leak fail, naming what leaked; a clean one, a unit one and an opted-out one do not."""

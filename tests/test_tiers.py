@@ -47,6 +47,7 @@ def test_declared_kinds_replace_the_default_and_slow_adds() -> None:
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # a child pytest: make test runs it, the edit loop need not
 def test_no_collected_test_is_without_a_kind() -> None:
     """The conftest hook applied the tiers: selecting everything that has no kind finds nothing."""
     no_kind = " and ".join(f"not {k}" for k in tiers.KINDS)
