@@ -118,7 +118,6 @@ uint64_t kvs_page_size(void);
 int kvs_create(uint64_t size, uint64_t *allocation);
 int kvs_export_fd(uint64_t allocation, int32_t *fd);        /* borrowed: do not close */
 int kvs_import_fd(int32_t fd, uint64_t size, uint64_t *allocation); /* dups fd */
-int kvs_allocation_size(uint64_t allocation, uint64_t *size);
 int kvs_release(uint64_t allocation);
 int kvs_reserve(uint64_t size, uint64_t align, uint64_t *reservation, uint64_t *addr);
 int kvs_free_reservation(uint64_t reservation);
@@ -156,7 +155,7 @@ const char *kvs_op_table_digest(void); /* codegen.table_digest() of the table bu
 int32_t kvs_op_nevents(void);
 const char *kvs_op_state_name(int32_t state);
 const char *kvs_op_event_name(int32_t event);
-int32_t kvs_op_collectable(int32_t state);  /* the table lets the caller reap it */
+int32_t kvs_op_collectable(int32_t state);  /* the table lets the caller reap it (kvs_wait) */
 int32_t kvs_planted_bug(void);  /* 1 only in the test build with a planted bug */
 const char *kvs_strerror(int32_t code);
 
