@@ -21,6 +21,11 @@
  * or revoked under an in-flight copy. Release refuses while the allocation is mapped.
  * Holders other than ops (leases) may take explicit pins with kvs_region_pin().
  *
+ * Files: kvs_slots.c holds the slot tables, the lock, regions and their pins (shared);
+ * kvs_host.c the memory objects (allocations, reservations, mapping and unmapping);
+ * kvs_ops.c the op engine. The last two build on kvs_slots.h and on nothing of each
+ * other. Python declares this header to cffi by deriving from it (ffi/build_host.py).
+ *
  * Every function returns KVS_OK (0) or a negative KVS_E_* code; on KVS_E_SYS, errno is
  * left set by the failing system call. Every wait takes a timeout. Types across the
  * boundary are exact: uint64_t addresses, sizes and ids, int64_t op ids and nanoseconds.

@@ -14,6 +14,9 @@ map(r, off, a)  MAP_SHARED | MAP_FIXED inside the reservation, still PROT_NONE: 
 set_access      mprotect to read or read-write (lowering is refused while pinned)
 unmap, release  refuse with RegionPinned while native ops (or leases) pin the region;
                 release also refuses while the allocation is still mapped
+pin, unpin      a lease's explicit pin on a mapping; stats(m) reports every pin
+view(m)         the mapping's bytes (HostView); submit_gather: a gather on the C op
+                engine between mappings and caller buffers
 ==============  =====================================================================
 
 Constructing a :class:`HostTransport` loads the native module; importing this module

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
 
 from kvstate.core import errors
 from kvstate.core.capabilities import Access
@@ -26,17 +27,22 @@ from kvstate.transport.cuda import rules
 from kvstate.transport.cuda.objects import ACCESS_LEVEL, CudaMapping, CudaOp, DeviceBuffer
 from kvstate.transport.optable import FAIL, FINISH, OPS, START, SUBMIT, OpStepper
 
-if TYPE_CHECKING:
-    from kvstate.transport.cuda.transport import CudaTransport
-
-
 class CudaOps:
-    """The ops of one :class:`CudaTransport`, on its stream."""
+    """The ops of one ``CudaTransport``, on its stream.
 
-    def __init__(self, transport: CudaTransport, stream: Any, max_pitch: int) -> None:
-        self._t = transport
-        self._d = transport.driver
-        self._lock: threading.RLock = transport._lock
+    From the transport it takes the driver module, the lock that also guards the mappings'
+    pin counts, and three calls: ``call(name, *args)`` (a driver call whose error becomes a
+    typed CudaError), ``enter()`` (make the device's context current) and
+    ``live(mapping, what)`` (refuse a mapping that is gone)."""
+
+    def __init__(self, driver: ModuleType, stream: Any, max_pitch: int, lock: threading.RLock, *,
+                 call: Callable[..., Any], enter: Callable[[], None],
+                 live: Callable[[CudaMapping, str], None]) -> None:
+        self._d = driver
+        self._lock = lock
+        self._call = call
+        self._enter = enter
+        self._live = live
         self._stream = stream
         self._max_pitch = max_pitch
         self._ids = itertools.count(1)
@@ -54,7 +60,7 @@ class CudaOps:
         ``fail``, which drops its pins: the native observation the drain waits for."""
         if not self._live_ops:
             return
-        self._t._enter()
+        self._enter()
         for op in [o for o in self._live_ops.values() if OPS.may(o.state, FINISH)]:
             (err,) = self._d.cuEventQuery(op.event)
             code = int(err)
@@ -100,7 +106,7 @@ class CudaOps:
 
     def _endpoint(self, ep: CudaMapping | DeviceBuffer) -> tuple[int, int, CudaMapping | None]:
         if isinstance(ep, CudaMapping):
-            self._t._live(ep, "gather")
+            self._live(ep, "gather")
             return ep.addr, ep.size, ep
         if isinstance(ep, DeviceBuffer):
             return ep.ptr, ep.nbytes, None
@@ -116,9 +122,9 @@ class CudaOps:
             s_addr, s_size, s_map = self._endpoint(src)
             d_addr, d_size, d_map = self._endpoint(dst)
             plan = rules.plan_copies(rules.coalesce(blocks, s_size, d_size), self._max_pitch)
-            self._t._enter()
+            self._enter()
             d = self._d
-            event = self._t._call("cuEventCreate", d.CUevent_flags.CU_EVENT_DISABLE_TIMING.value)
+            event = self._call("cuEventCreate", d.CUevent_flags.CU_EVENT_DISABLE_TIMING.value)
             op = CudaOp(self, next(self._ids), event, s_map, d_map, sum(c.width * c.height for c in plan),
                         len(blocks))
             try:
@@ -131,10 +137,10 @@ class CudaOps:
             try:
                 for c in plan:
                     if c.height == 1:
-                        self._t._call("cuMemcpyDtoDAsync", d.CUdeviceptr(d_addr + c.dst),
-                                      d.CUdeviceptr(s_addr + c.src), c.width, self._stream)
+                        self._call("cuMemcpyDtoDAsync", d.CUdeviceptr(d_addr + c.dst),
+                                   d.CUdeviceptr(s_addr + c.src), c.width, self._stream)
                     else:
-                        self._t._call("cuMemcpy2DAsync", self._copy2d(s_addr, d_addr, c), self._stream)
+                        self._call("cuMemcpy2DAsync", self._copy2d(s_addr, d_addr, c), self._stream)
             finally:
                 # Pins drop only when the device says so, even when enqueueing failed midway.
                 (err,) = d.cuEventRecord(event, self._stream)

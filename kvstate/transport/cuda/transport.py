@@ -165,7 +165,8 @@ class CudaTransport:
         check(driver, "cuStreamCreate", err)
         max_pitch = int(self._call("cuDeviceGetAttribute",
                                    driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_PITCH, dev))
-        self._engine = CudaOps(self, self._stream, max_pitch)
+        self._engine = CudaOps(driver, self._stream, max_pitch, self._lock, call=self._call, enter=self._enter,
+                               live=self._live)
         vmm_kind = HandleKind.POSIX_FD if kind is HandleKind.CUDA_IPC else kind
         if kind is not HandleKind.CUDA_IPC:
             self._require_attribute("VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED", "VMM")
