@@ -47,12 +47,12 @@ def test_every_row_of_the_table_and_only_those_fire() -> None:
             thing = Thing(state)
             rows = spec.rows(event, state)
             if rows:
-                steps.fire(thing, event)
+                steps.step(thing, event)
                 assert thing.state == rows[0].dest
                 assert thing.log == [e.removesuffix("_regions") for e in rows[0].effects]
             else:
                 with pytest.raises(IllegalTransition) as info:
-                    steps.fire(thing, event)
+                    steps.step(thing, event)
                 assert (info.value.machine, info.value.state, info.value.event) == ("op", state, event)
                 assert thing == Thing(state), "an illegal step changed the object"
 
@@ -60,23 +60,23 @@ def test_every_row_of_the_table_and_only_those_fire() -> None:
 def test_a_guard_refusal_changes_nothing_and_names_the_guard() -> None:
     thing = Thing(OPS.initial, ok=False)
     with pytest.raises(GuardRejected) as info:
-        stepper().fire(thing, SUBMIT)
+        stepper().step(thing, SUBMIT)
     assert info.value.failed == ("regions_mapped",) and thing == Thing(OPS.initial, ok=False)
 
 
 def test_a_gather_lifecycle_pins_exactly_while_in_flight() -> None:
     steps, thing = stepper(), Thing(OPS.initial)
     for event, pins in ((SUBMIT, 1), (START, 1), (FINISH, 0), (REAP, 0)):
-        steps.fire(thing, event)
+        steps.step(thing, event)
         assert thing.pins == pins, event
     assert thing.state in load_machine("op").terminal
     failed = Thing(OPS.initial)
     for event in (SUBMIT, START, FAIL):
-        steps.fire(failed, event)
+        steps.step(failed, event)
     assert OPS.faulted(failed.state) and OPS.collectable(failed.state) and failed.pins == 0
     cancelled = Thing(OPS.initial)
-    steps.fire(cancelled, SUBMIT)
-    steps.fire(cancelled, CANCEL)
+    steps.step(cancelled, SUBMIT)
+    steps.step(cancelled, CANCEL)
     assert cancelled.pins == 0 and OPS.collectable(cancelled.state) and not OPS.faulted(cancelled.state)
 
 
@@ -97,10 +97,10 @@ def test_a_changed_table_changes_the_steps() -> None:
     thing = Thing(OPS.initial)
     steps = stepper(variant)
     for event in (SUBMIT, START, CANCEL):
-        steps.fire(thing, event)
+        steps.step(thing, event)
     assert thing.pins == 0 and variant.collectable(thing.state)
     with pytest.raises(IllegalTransition):
-        stepper().fire(Thing("running"), CANCEL)
+        stepper().step(Thing("running"), CANCEL)
 
 
 def op_state_literals(source: str, filename: str) -> list[str]:

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Generic
+from typing import Any, Generic, Literal
 
 import attrs
 
@@ -81,6 +81,9 @@ class BankLease:
     mapped: bool = False
 
 
+#: The bank events that end a lease without the importer asking.
+LeaseEnd = Literal["peer_died", "lease_expired"]
+
 #: The type of each scalar request field; ``blocks`` is checked by the inventory.
 _REQUEST_FIELDS: dict[str, type] = {"op": str, "rank": int, "lease": int, "generation": int, "incarnation": str}
 
@@ -114,6 +117,21 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         self.accepting = True
 
     # -- what the engine uses -------------------------------------------------------
+
+    def register(self) -> None:
+        """Export the bank (``register``). If registration fails, ``register_failed`` is
+        recorded too, so observers see the failure, and RegistrationFailed propagates
+        with the bank still ``allocated`` and owned by the engine (INV-REGISTER-ATOMIC)."""
+        with self.locked():
+            try:
+                self.fire("register")
+            except RegistrationFailed:
+                self.fire("register_failed")
+                raise
+
+    def advertise(self) -> None:
+        """Publish a signed descriptor with a new generation (``advertise``)."""
+        self.fire("advertise")
 
     def view(self) -> memoryview:
         """The exporter's own read-write view of the bank (after registration), where the
@@ -355,7 +373,7 @@ class Exporter(Generic[H, A, R, M, E]):
             if key in req and type(req[key]) is not kind:
                 raise FrameError(f"request field {key!r} must be {kind.__name__}, not {type(req[key]).__name__}")
         op = req.get("op")
-        bank = self.banks.get(req.get("rank", -1))
+        bank: Bank[H, A, R, M, E] | None = self.banks.get(req.get("rank", -1))
         if bank is None:
             return self._refuse("unknown_rank", f"no bank for rank {req.get('rank')!r}")
         if op == "lease":
@@ -406,7 +424,8 @@ class Exporter(Generic[H, A, R, M, E]):
                                 f"{len(result.missing)} block(s) gone): recompute")
         return result
 
-    def _end_leases(self, event: str, select: Callable[[BankLease], bool]) -> None:
+    def _end_leases(self, event: LeaseEnd, select: Callable[[BankLease], bool]) -> None:
+        bank: Bank[H, A, R, M, E]
         for bank in list(self.banks.values()):
             for lease in [lease for lease in list(bank.leases.values()) if select(lease)]:
                 try:
@@ -428,6 +447,7 @@ class Exporter(Generic[H, A, R, M, E]):
         """Drain every bank, wait for native quiescence, release. Returns seconds to quiescent."""
         start = time.monotonic()
         deadline = start + timeout
+        bank: Bank[H, A, R, M, E]
         for bank in self.banks.values():
             if bank.may("drain"):
                 bank.fire("drain")

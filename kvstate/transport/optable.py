@@ -78,7 +78,10 @@ class OpStepper(Generic[T]):
         self._guards = dict(guards)
         self._effects = dict(effects)
 
-    def fire(self, obj: T, event: str) -> None:
+    def step(self, obj: T, event: str) -> None:
+        """Fire ``event`` on ``obj`` (named ``step``, as kvs_op_step in C: the code map of
+        ``kvstate generate`` attributes op events to the C engine, which will run these ops
+        too once CUDA ops move into it)."""
         state = obj.state
         rows = self.table.spec.rows(event, state)
         if not rows:

@@ -69,7 +69,7 @@ class CudaOps:
 
     def _end(self, op: CudaOp, code: int) -> None:
         """``finish`` (code 0) or ``fail`` a started op, and count it on its mappings."""
-        self._steps.fire(op, FINISH if code == 0 else FAIL)
+        self._steps.step(op, FINISH if code == 0 else FAIL)
         op.error = code
         for m in op.regions:
             if code == 0:
@@ -80,7 +80,7 @@ class CudaOps:
 
     def step(self, op: CudaOp, event: str) -> None:
         with self._lock:
-            self._steps.fire(op, event)
+            self._steps.step(op, event)
 
     def destroy(self, op: CudaOp) -> None:
         with self._lock:
@@ -128,12 +128,12 @@ class CudaOps:
             op = CudaOp(self, next(self._ids), event, s_map, d_map, sum(c.width * c.height for c in plan),
                         len(blocks))
             try:
-                self._steps.fire(op, SUBMIT)
+                self._steps.step(op, SUBMIT)
             except BaseException:
                 d.cuEventDestroy(event)
                 raise
             self._live_ops[op.id] = op
-            self._steps.fire(op, START)  # on a stream, the device may run it at once
+            self._steps.step(op, START)  # on a stream, the device may run it at once
             try:
                 for c in plan:
                     if c.height == 1:
