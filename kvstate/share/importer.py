@@ -488,7 +488,11 @@ class Importer(Generic[H, A, R, M, E]):
 
         def open_one(part: Part[H, A, R, M, E]) -> None:
             try:
-                part.fire("open")
+                # A fault may fail the group (and close this part) before its open starts:
+                # that is the group's failure, reported below, not this part's.
+                with part.locked():
+                    if part.may("open"):
+                        part.fire("open")
             except (KvStateError, OSError) as exc:
                 failures[part.rank] = exc
 
