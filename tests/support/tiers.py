@@ -39,8 +39,10 @@ DEFAULTS: Mapping[str, tuple[str, ...]] = {
     # files at the top of tests/
     "test_bench_smoke.py": ("multiproc", "slow"),
     "test_codemap.py": ("unit",),
+    "test_conformance.py": ("unit",),
     "test_contracts.py": ("unit", "slow"),  # crosshair
     "test_cuda_cpu.py": ("native",),
+    "test_cuda_ops_cpu.py": ("native",),   # host memory (ctypes) standing in for device memory
     "test_docs.py": ("unit",),
     "test_generate.py": ("unit",),
     "test_group_stateful.py": ("stateful",),
@@ -54,6 +56,7 @@ DEFAULTS: Mapping[str, tuple[str, ...]] = {
     "test_models.py": ("models",),
     "test_nixl_handle.py": ("unit",),
     "test_nixl_transport.py": ("native", "multiproc", "slow"),
+    "test_optable.py": ("unit",),
     "test_packaging.py": ("multiproc", "slow"),
     "test_policy.py": ("unit",),
     "test_policy_cli.py": ("unit",),
