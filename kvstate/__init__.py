@@ -45,6 +45,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "LegacyIpcRefused", "NixlError", "NixlHandleRejected", "NixlStaleGeneration",
         "NixlOperationFailed", "NixlTimeout", "NixlUnsupported", "LeaseEnded",
         "ModelGenerationError", "ModelCheckError", "SpinUnavailable", "ConnectionLimit",
+        "EffectFailed",
     ),
 }
 
@@ -100,7 +101,7 @@ if TYPE_CHECKING:  # what mypy and IDEs see; at run time __getattr__ imports on 
         NixlTimeout as NixlTimeout, NixlUnsupported as NixlUnsupported,
         LeaseEnded as LeaseEnded, ModelGenerationError as ModelGenerationError,
         ModelCheckError as ModelCheckError, SpinUnavailable as SpinUnavailable,
-        ConnectionLimit as ConnectionLimit,
+        ConnectionLimit as ConnectionLimit, EffectFailed as EffectFailed,
     )
 
 

@@ -28,11 +28,12 @@
 
 #define PART_received 0
 #define PART_validated 1
-#define PART_imported 2
-#define PART_closed 3
-#define PART_rejected 4
-#define PART_failed 5
-#define PART_STATES 6
+#define PART_leased 2
+#define PART_imported 3
+#define PART_closed 4
+#define PART_rejected 5
+#define PART_failed 6
+#define PART_STATES 7
 
 #define OP_created 0
 #define OP_queued 1
@@ -115,18 +116,18 @@ proctype exporter(byte i)
 proctype lessee(byte i)
 {
 	do
-	:: atomic { (bank[i] == BANK_advertised) && (part[i] == PART_validated || part[i] == PART_imported) && ((leases[i] < MAX_LEASES)) ->
+	:: atomic { (bank[i] == BANK_advertised) && (part[i] == PART_validated || part[i] == PART_leased || part[i] == PART_imported) && ((leases[i] < MAX_LEASES)) ->
 		if :: !(!g_drained[i]) -> printf("@@ violated INV-DRAIN-NO-NEW\n"); assert(false) :: else -> skip fi;
 		leases[i]++;
 		bank[i] = BANK_importing;
 		printf("@@ bank %d grant_lease advertised importing\n", i);
 		check_invariants() }
-	:: atomic { (bank[i] == BANK_importing) && (part[i] == PART_validated || part[i] == PART_imported) && ((leases[i] < MAX_LEASES)) ->
+	:: atomic { (bank[i] == BANK_importing) && (part[i] == PART_validated || part[i] == PART_leased || part[i] == PART_imported) && ((leases[i] < MAX_LEASES)) ->
 		if :: !(!g_drained[i]) -> printf("@@ violated INV-DRAIN-NO-NEW\n"); assert(false) :: else -> skip fi;
 		leases[i]++;
 		printf("@@ bank %d grant_lease importing importing\n", i);
 		check_invariants() }
-	:: atomic { (bank[i] == BANK_ready) && (part[i] == PART_validated || part[i] == PART_imported) && ((leases[i] < MAX_LEASES)) ->
+	:: atomic { (bank[i] == BANK_ready) && (part[i] == PART_validated || part[i] == PART_leased || part[i] == PART_imported) && ((leases[i] < MAX_LEASES)) ->
 		if :: !(!g_drained[i]) -> printf("@@ violated INV-DRAIN-NO-NEW\n"); assert(false) :: else -> skip fi;
 		leases[i]++;
 		printf("@@ bank %d grant_lease ready ready\n", i);
@@ -238,16 +239,16 @@ proctype importer()
 		printf("@@ group 0 quiesce draining quiescent\n");
 		check_invariants() }
 	:: atomic { (group == GROUP_quiescent) ->
-		if :: (part[0] == PART_received) && (true) -> part[0] = PART_closed; printf("@@> part 0 close received closed\n") :: (part[0] == PART_validated) && (true) -> part[0] = PART_closed; printf("@@> part 0 close validated closed\n") :: (part[0] == PART_imported) && ((pins[0] == 0)) -> part[0] = PART_closed; printf("@@> part 0 close imported closed\n") :: else -> skip fi;
-		if :: (part[1] == PART_received) && (true) -> part[1] = PART_closed; printf("@@> part 1 close received closed\n") :: (part[1] == PART_validated) && (true) -> part[1] = PART_closed; printf("@@> part 1 close validated closed\n") :: (part[1] == PART_imported) && ((pins[1] == 0)) -> part[1] = PART_closed; printf("@@> part 1 close imported closed\n") :: else -> skip fi;
-		if :: (part[2] == PART_received) && (true) -> part[2] = PART_closed; printf("@@> part 2 close received closed\n") :: (part[2] == PART_validated) && (true) -> part[2] = PART_closed; printf("@@> part 2 close validated closed\n") :: (part[2] == PART_imported) && ((pins[2] == 0)) -> part[2] = PART_closed; printf("@@> part 2 close imported closed\n") :: else -> skip fi;
+		if :: (part[0] == PART_received) && (true) -> part[0] = PART_closed; printf("@@> part 0 close received closed\n") :: (part[0] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[0] = PART_closed; printf("@@> part 0 close validated closed\n") :: (part[0] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> part[0] = PART_closed; printf("@@> part 0 close leased closed\n") :: (part[0] == PART_imported) && ((pins[0] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> part[0] = PART_closed; printf("@@> part 0 close imported closed\n") :: else -> skip fi;
+		if :: (part[1] == PART_received) && (true) -> part[1] = PART_closed; printf("@@> part 1 close received closed\n") :: (part[1] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[1] = PART_closed; printf("@@> part 1 close validated closed\n") :: (part[1] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> part[1] = PART_closed; printf("@@> part 1 close leased closed\n") :: (part[1] == PART_imported) && ((pins[1] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> part[1] = PART_closed; printf("@@> part 1 close imported closed\n") :: else -> skip fi;
+		if :: (part[2] == PART_received) && (true) -> part[2] = PART_closed; printf("@@> part 2 close received closed\n") :: (part[2] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[2] = PART_closed; printf("@@> part 2 close validated closed\n") :: (part[2] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> part[2] = PART_closed; printf("@@> part 2 close leased closed\n") :: (part[2] == PART_imported) && ((pins[2] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> part[2] = PART_closed; printf("@@> part 2 close imported closed\n") :: else -> skip fi;
 		group = GROUP_closed;
 		printf("@@ group 0 close quiescent closed\n");
 		check_invariants() }
 	:: atomic { (group == GROUP_importing) && ((part[0] == PART_failed) || (part[1] == PART_failed) || (part[2] == PART_failed)) ->
-		if :: (part[0] == PART_received) && (true) -> part[0] = PART_closed; printf("@@> part 0 close received closed\n") :: (part[0] == PART_validated) && (true) -> part[0] = PART_closed; printf("@@> part 0 close validated closed\n") :: (part[0] == PART_imported) && ((pins[0] == 0)) -> part[0] = PART_closed; printf("@@> part 0 close imported closed\n") :: else -> skip fi;
-		if :: (part[1] == PART_received) && (true) -> part[1] = PART_closed; printf("@@> part 1 close received closed\n") :: (part[1] == PART_validated) && (true) -> part[1] = PART_closed; printf("@@> part 1 close validated closed\n") :: (part[1] == PART_imported) && ((pins[1] == 0)) -> part[1] = PART_closed; printf("@@> part 1 close imported closed\n") :: else -> skip fi;
-		if :: (part[2] == PART_received) && (true) -> part[2] = PART_closed; printf("@@> part 2 close received closed\n") :: (part[2] == PART_validated) && (true) -> part[2] = PART_closed; printf("@@> part 2 close validated closed\n") :: (part[2] == PART_imported) && ((pins[2] == 0)) -> part[2] = PART_closed; printf("@@> part 2 close imported closed\n") :: else -> skip fi;
+		if :: (part[0] == PART_received) && (true) -> part[0] = PART_closed; printf("@@> part 0 close received closed\n") :: (part[0] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[0] = PART_closed; printf("@@> part 0 close validated closed\n") :: (part[0] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> part[0] = PART_closed; printf("@@> part 0 close leased closed\n") :: (part[0] == PART_imported) && ((pins[0] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> part[0] = PART_closed; printf("@@> part 0 close imported closed\n") :: else -> skip fi;
+		if :: (part[1] == PART_received) && (true) -> part[1] = PART_closed; printf("@@> part 1 close received closed\n") :: (part[1] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[1] = PART_closed; printf("@@> part 1 close validated closed\n") :: (part[1] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> part[1] = PART_closed; printf("@@> part 1 close leased closed\n") :: (part[1] == PART_imported) && ((pins[1] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> part[1] = PART_closed; printf("@@> part 1 close imported closed\n") :: else -> skip fi;
+		if :: (part[2] == PART_received) && (true) -> part[2] = PART_closed; printf("@@> part 2 close received closed\n") :: (part[2] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[2] = PART_closed; printf("@@> part 2 close validated closed\n") :: (part[2] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> part[2] = PART_closed; printf("@@> part 2 close leased closed\n") :: (part[2] == PART_imported) && ((pins[2] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> part[2] = PART_closed; printf("@@> part 2 close imported closed\n") :: else -> skip fi;
 		group = GROUP_failed;
 		printf("@@ group 0 part_failed importing failed\n");
 		check_invariants() }
@@ -256,9 +257,9 @@ proctype importer()
 		printf("@@ group 0 peer_died advertised rejected\n");
 		check_invariants() }
 	:: atomic { (group == GROUP_importing) ->
-		if :: (part[0] == PART_received) && (true) -> part[0] = PART_closed; printf("@@> part 0 close received closed\n") :: (part[0] == PART_validated) && (true) -> part[0] = PART_closed; printf("@@> part 0 close validated closed\n") :: (part[0] == PART_imported) && ((pins[0] == 0)) -> part[0] = PART_closed; printf("@@> part 0 close imported closed\n") :: else -> skip fi;
-		if :: (part[1] == PART_received) && (true) -> part[1] = PART_closed; printf("@@> part 1 close received closed\n") :: (part[1] == PART_validated) && (true) -> part[1] = PART_closed; printf("@@> part 1 close validated closed\n") :: (part[1] == PART_imported) && ((pins[1] == 0)) -> part[1] = PART_closed; printf("@@> part 1 close imported closed\n") :: else -> skip fi;
-		if :: (part[2] == PART_received) && (true) -> part[2] = PART_closed; printf("@@> part 2 close received closed\n") :: (part[2] == PART_validated) && (true) -> part[2] = PART_closed; printf("@@> part 2 close validated closed\n") :: (part[2] == PART_imported) && ((pins[2] == 0)) -> part[2] = PART_closed; printf("@@> part 2 close imported closed\n") :: else -> skip fi;
+		if :: (part[0] == PART_received) && (true) -> part[0] = PART_closed; printf("@@> part 0 close received closed\n") :: (part[0] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[0] = PART_closed; printf("@@> part 0 close validated closed\n") :: (part[0] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> part[0] = PART_closed; printf("@@> part 0 close leased closed\n") :: (part[0] == PART_imported) && ((pins[0] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> part[0] = PART_closed; printf("@@> part 0 close imported closed\n") :: else -> skip fi;
+		if :: (part[1] == PART_received) && (true) -> part[1] = PART_closed; printf("@@> part 1 close received closed\n") :: (part[1] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[1] = PART_closed; printf("@@> part 1 close validated closed\n") :: (part[1] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> part[1] = PART_closed; printf("@@> part 1 close leased closed\n") :: (part[1] == PART_imported) && ((pins[1] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> part[1] = PART_closed; printf("@@> part 1 close imported closed\n") :: else -> skip fi;
+		if :: (part[2] == PART_received) && (true) -> part[2] = PART_closed; printf("@@> part 2 close received closed\n") :: (part[2] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[2] = PART_closed; printf("@@> part 2 close validated closed\n") :: (part[2] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> part[2] = PART_closed; printf("@@> part 2 close leased closed\n") :: (part[2] == PART_imported) && ((pins[2] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> part[2] = PART_closed; printf("@@> part 2 close imported closed\n") :: else -> skip fi;
 		group = GROUP_failed;
 		printf("@@ group 0 peer_died importing failed\n");
 		check_invariants() }
@@ -278,9 +279,9 @@ proctype importer()
 		printf("@@ group 0 incarnation_changed advertised rejected\n");
 		check_invariants() }
 	:: atomic { (group == GROUP_importing) ->
-		if :: (part[0] == PART_received) && (true) -> part[0] = PART_closed; printf("@@> part 0 close received closed\n") :: (part[0] == PART_validated) && (true) -> part[0] = PART_closed; printf("@@> part 0 close validated closed\n") :: (part[0] == PART_imported) && ((pins[0] == 0)) -> part[0] = PART_closed; printf("@@> part 0 close imported closed\n") :: else -> skip fi;
-		if :: (part[1] == PART_received) && (true) -> part[1] = PART_closed; printf("@@> part 1 close received closed\n") :: (part[1] == PART_validated) && (true) -> part[1] = PART_closed; printf("@@> part 1 close validated closed\n") :: (part[1] == PART_imported) && ((pins[1] == 0)) -> part[1] = PART_closed; printf("@@> part 1 close imported closed\n") :: else -> skip fi;
-		if :: (part[2] == PART_received) && (true) -> part[2] = PART_closed; printf("@@> part 2 close received closed\n") :: (part[2] == PART_validated) && (true) -> part[2] = PART_closed; printf("@@> part 2 close validated closed\n") :: (part[2] == PART_imported) && ((pins[2] == 0)) -> part[2] = PART_closed; printf("@@> part 2 close imported closed\n") :: else -> skip fi;
+		if :: (part[0] == PART_received) && (true) -> part[0] = PART_closed; printf("@@> part 0 close received closed\n") :: (part[0] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[0] = PART_closed; printf("@@> part 0 close validated closed\n") :: (part[0] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> part[0] = PART_closed; printf("@@> part 0 close leased closed\n") :: (part[0] == PART_imported) && ((pins[0] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> part[0] = PART_closed; printf("@@> part 0 close imported closed\n") :: else -> skip fi;
+		if :: (part[1] == PART_received) && (true) -> part[1] = PART_closed; printf("@@> part 1 close received closed\n") :: (part[1] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[1] = PART_closed; printf("@@> part 1 close validated closed\n") :: (part[1] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> part[1] = PART_closed; printf("@@> part 1 close leased closed\n") :: (part[1] == PART_imported) && ((pins[1] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> part[1] = PART_closed; printf("@@> part 1 close imported closed\n") :: else -> skip fi;
+		if :: (part[2] == PART_received) && (true) -> part[2] = PART_closed; printf("@@> part 2 close received closed\n") :: (part[2] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[2] = PART_closed; printf("@@> part 2 close validated closed\n") :: (part[2] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> part[2] = PART_closed; printf("@@> part 2 close leased closed\n") :: (part[2] == PART_imported) && ((pins[2] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> part[2] = PART_closed; printf("@@> part 2 close imported closed\n") :: else -> skip fi;
 		group = GROUP_failed;
 		printf("@@ group 0 incarnation_changed importing failed\n");
 		check_invariants() }
@@ -300,9 +301,9 @@ proctype importer()
 		printf("@@ group 0 expired advertised rejected\n");
 		check_invariants() }
 	:: atomic { (group == GROUP_importing) ->
-		if :: (part[0] == PART_received) && (true) -> part[0] = PART_closed; printf("@@> part 0 close received closed\n") :: (part[0] == PART_validated) && (true) -> part[0] = PART_closed; printf("@@> part 0 close validated closed\n") :: (part[0] == PART_imported) && ((pins[0] == 0)) -> part[0] = PART_closed; printf("@@> part 0 close imported closed\n") :: else -> skip fi;
-		if :: (part[1] == PART_received) && (true) -> part[1] = PART_closed; printf("@@> part 1 close received closed\n") :: (part[1] == PART_validated) && (true) -> part[1] = PART_closed; printf("@@> part 1 close validated closed\n") :: (part[1] == PART_imported) && ((pins[1] == 0)) -> part[1] = PART_closed; printf("@@> part 1 close imported closed\n") :: else -> skip fi;
-		if :: (part[2] == PART_received) && (true) -> part[2] = PART_closed; printf("@@> part 2 close received closed\n") :: (part[2] == PART_validated) && (true) -> part[2] = PART_closed; printf("@@> part 2 close validated closed\n") :: (part[2] == PART_imported) && ((pins[2] == 0)) -> part[2] = PART_closed; printf("@@> part 2 close imported closed\n") :: else -> skip fi;
+		if :: (part[0] == PART_received) && (true) -> part[0] = PART_closed; printf("@@> part 0 close received closed\n") :: (part[0] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[0] = PART_closed; printf("@@> part 0 close validated closed\n") :: (part[0] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> part[0] = PART_closed; printf("@@> part 0 close leased closed\n") :: (part[0] == PART_imported) && ((pins[0] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> part[0] = PART_closed; printf("@@> part 0 close imported closed\n") :: else -> skip fi;
+		if :: (part[1] == PART_received) && (true) -> part[1] = PART_closed; printf("@@> part 1 close received closed\n") :: (part[1] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[1] = PART_closed; printf("@@> part 1 close validated closed\n") :: (part[1] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> part[1] = PART_closed; printf("@@> part 1 close leased closed\n") :: (part[1] == PART_imported) && ((pins[1] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> part[1] = PART_closed; printf("@@> part 1 close imported closed\n") :: else -> skip fi;
+		if :: (part[2] == PART_received) && (true) -> part[2] = PART_closed; printf("@@> part 2 close received closed\n") :: (part[2] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[2] = PART_closed; printf("@@> part 2 close validated closed\n") :: (part[2] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> part[2] = PART_closed; printf("@@> part 2 close leased closed\n") :: (part[2] == PART_imported) && ((pins[2] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> part[2] = PART_closed; printf("@@> part 2 close imported closed\n") :: else -> skip fi;
 		group = GROUP_failed;
 		printf("@@ group 0 expired importing failed\n");
 		check_invariants() }
@@ -346,18 +347,36 @@ proctype importer()
 		check_invariants() }
 	:: atomic { (part[0] == PART_validated) && (0 >= BANKS || leases[0] > 0) && ((group == GROUP_importing)) ->
 		if :: !(g_admitted) -> printf("@@ violated INV-GROUP-ATOMIC\n"); assert(false) :: else -> skip fi;
-		part[0] = PART_imported;
-		printf("@@ part 0 open validated imported\n");
+		part[0] = PART_leased;
+		printf("@@ part 0 lease validated leased\n");
 		check_invariants() }
 	:: atomic { (part[1] == PART_validated) && (1 >= BANKS || leases[1] > 0) && ((group == GROUP_importing)) ->
 		if :: !(g_admitted) -> printf("@@ violated INV-GROUP-ATOMIC\n"); assert(false) :: else -> skip fi;
-		part[1] = PART_imported;
-		printf("@@ part 1 open validated imported\n");
+		part[1] = PART_leased;
+		printf("@@ part 1 lease validated leased\n");
 		check_invariants() }
 	:: atomic { (part[2] == PART_validated) && (2 >= BANKS || leases[2] > 0) && ((group == GROUP_importing)) ->
 		if :: !(g_admitted) -> printf("@@ violated INV-GROUP-ATOMIC\n"); assert(false) :: else -> skip fi;
+		part[2] = PART_leased;
+		printf("@@ part 2 lease validated leased\n");
+		check_invariants() }
+	:: atomic { (part[0] == PART_leased) && (0 >= BANKS || leases[0] > 0) && ((group == GROUP_importing && ((part[0] == PART_leased || part[0] == PART_imported) && (part[1] == PART_leased || part[1] == PART_imported) && (part[2] == PART_leased || part[2] == PART_imported)))) ->
+		if :: !(g_admitted) -> printf("@@ violated INV-GROUP-ATOMIC\n"); assert(false) :: else -> skip fi;
+		if :: !((part[0] == PART_leased || part[0] == PART_imported) && (part[1] == PART_leased || part[1] == PART_imported) && (part[2] == PART_leased || part[2] == PART_imported)) -> printf("@@ violated INV-LEASE-BEFORE-OPEN\n"); assert(false) :: else -> skip fi;
+		part[0] = PART_imported;
+		printf("@@ part 0 open leased imported\n");
+		check_invariants() }
+	:: atomic { (part[1] == PART_leased) && (1 >= BANKS || leases[1] > 0) && ((group == GROUP_importing && ((part[0] == PART_leased || part[0] == PART_imported) && (part[1] == PART_leased || part[1] == PART_imported) && (part[2] == PART_leased || part[2] == PART_imported)))) ->
+		if :: !(g_admitted) -> printf("@@ violated INV-GROUP-ATOMIC\n"); assert(false) :: else -> skip fi;
+		if :: !((part[0] == PART_leased || part[0] == PART_imported) && (part[1] == PART_leased || part[1] == PART_imported) && (part[2] == PART_leased || part[2] == PART_imported)) -> printf("@@ violated INV-LEASE-BEFORE-OPEN\n"); assert(false) :: else -> skip fi;
+		part[1] = PART_imported;
+		printf("@@ part 1 open leased imported\n");
+		check_invariants() }
+	:: atomic { (part[2] == PART_leased) && (2 >= BANKS || leases[2] > 0) && ((group == GROUP_importing && ((part[0] == PART_leased || part[0] == PART_imported) && (part[1] == PART_leased || part[1] == PART_imported) && (part[2] == PART_leased || part[2] == PART_imported)))) ->
+		if :: !(g_admitted) -> printf("@@ violated INV-GROUP-ATOMIC\n"); assert(false) :: else -> skip fi;
+		if :: !((part[0] == PART_leased || part[0] == PART_imported) && (part[1] == PART_leased || part[1] == PART_imported) && (part[2] == PART_leased || part[2] == PART_imported)) -> printf("@@ violated INV-LEASE-BEFORE-OPEN\n"); assert(false) :: else -> skip fi;
 		part[2] = PART_imported;
-		printf("@@ part 2 open validated imported\n");
+		printf("@@ part 2 open leased imported\n");
 		check_invariants() }
 	:: atomic { (part[0] == PART_validated) && (group == GROUP_importing) ->
 		part[0] = PART_failed;
@@ -371,39 +390,63 @@ proctype importer()
 		part[2] = PART_failed;
 		printf("@@ part 2 import_failed validated failed\n");
 		check_invariants() }
-	:: atomic { (part[0] == PART_received) && (GROUP_FINISHED) ->
+	:: atomic { (part[0] == PART_leased) && (group == GROUP_importing) ->
+		part[0] = PART_failed;
+		printf("@@ part 0 import_failed leased failed\n");
+		check_invariants() }
+	:: atomic { (part[1] == PART_leased) && (group == GROUP_importing) ->
+		part[1] = PART_failed;
+		printf("@@ part 1 import_failed leased failed\n");
+		check_invariants() }
+	:: atomic { (part[2] == PART_leased) && (group == GROUP_importing) ->
+		part[2] = PART_failed;
+		printf("@@ part 2 import_failed leased failed\n");
+		check_invariants() }
+	:: atomic { (part[0] == PART_received) && (GROUP_FINISHED || group == GROUP_ready || group == GROUP_draining) ->
 		part[0] = PART_closed;
 		printf("@@ part 0 close received closed\n");
 		check_invariants() }
-	:: atomic { (part[1] == PART_received) && (GROUP_FINISHED) ->
+	:: atomic { (part[1] == PART_received) && (GROUP_FINISHED || group == GROUP_ready || group == GROUP_draining) ->
 		part[1] = PART_closed;
 		printf("@@ part 1 close received closed\n");
 		check_invariants() }
-	:: atomic { (part[2] == PART_received) && (GROUP_FINISHED) ->
+	:: atomic { (part[2] == PART_received) && (GROUP_FINISHED || group == GROUP_ready || group == GROUP_draining) ->
 		part[2] = PART_closed;
 		printf("@@ part 2 close received closed\n");
 		check_invariants() }
-	:: atomic { (part[0] == PART_validated) && (GROUP_FINISHED) ->
+	:: atomic { (part[0] == PART_validated) && (GROUP_FINISHED || group == GROUP_ready || group == GROUP_draining) && ((group != GROUP_ready && group != GROUP_draining)) ->
 		part[0] = PART_closed;
 		printf("@@ part 0 close validated closed\n");
 		check_invariants() }
-	:: atomic { (part[1] == PART_validated) && (GROUP_FINISHED) ->
+	:: atomic { (part[1] == PART_validated) && (GROUP_FINISHED || group == GROUP_ready || group == GROUP_draining) && ((group != GROUP_ready && group != GROUP_draining)) ->
 		part[1] = PART_closed;
 		printf("@@ part 1 close validated closed\n");
 		check_invariants() }
-	:: atomic { (part[2] == PART_validated) && (GROUP_FINISHED) ->
+	:: atomic { (part[2] == PART_validated) && (GROUP_FINISHED || group == GROUP_ready || group == GROUP_draining) && ((group != GROUP_ready && group != GROUP_draining)) ->
 		part[2] = PART_closed;
 		printf("@@ part 2 close validated closed\n");
 		check_invariants() }
-	:: atomic { (part[0] == PART_imported) && (GROUP_FINISHED) && ((pins[0] == 0)) ->
+	:: atomic { (part[0] == PART_leased) && (GROUP_FINISHED || group == GROUP_ready || group == GROUP_draining) && ((group != GROUP_ready && group != GROUP_draining)) ->
+		part[0] = PART_closed;
+		printf("@@ part 0 close leased closed\n");
+		check_invariants() }
+	:: atomic { (part[1] == PART_leased) && (GROUP_FINISHED || group == GROUP_ready || group == GROUP_draining) && ((group != GROUP_ready && group != GROUP_draining)) ->
+		part[1] = PART_closed;
+		printf("@@ part 1 close leased closed\n");
+		check_invariants() }
+	:: atomic { (part[2] == PART_leased) && (GROUP_FINISHED || group == GROUP_ready || group == GROUP_draining) && ((group != GROUP_ready && group != GROUP_draining)) ->
+		part[2] = PART_closed;
+		printf("@@ part 2 close leased closed\n");
+		check_invariants() }
+	:: atomic { (part[0] == PART_imported) && (GROUP_FINISHED || group == GROUP_ready || group == GROUP_draining) && ((pins[0] == 0) && (group != GROUP_ready && group != GROUP_draining)) ->
 		part[0] = PART_closed;
 		printf("@@ part 0 close imported closed\n");
 		check_invariants() }
-	:: atomic { (part[1] == PART_imported) && (GROUP_FINISHED) && ((pins[1] == 0)) ->
+	:: atomic { (part[1] == PART_imported) && (GROUP_FINISHED || group == GROUP_ready || group == GROUP_draining) && ((pins[1] == 0) && (group != GROUP_ready && group != GROUP_draining)) ->
 		part[1] = PART_closed;
 		printf("@@ part 1 close imported closed\n");
 		check_invariants() }
-	:: atomic { (part[2] == PART_imported) && (GROUP_FINISHED) && ((pins[2] == 0)) ->
+	:: atomic { (part[2] == PART_imported) && (GROUP_FINISHED || group == GROUP_ready || group == GROUP_draining) && ((pins[2] == 0) && (group != GROUP_ready && group != GROUP_draining)) ->
 		part[2] = PART_closed;
 		printf("@@ part 2 close imported closed\n");
 		check_invariants() }
@@ -443,9 +486,9 @@ proctype operator()
 		printf("@@ group 0 drain ready draining\n");
 		check_invariants() }
 	:: atomic { (group == GROUP_importing) ->
-		if :: (part[0] == PART_received) && (true) -> part[0] = PART_closed; printf("@@> part 0 close received closed\n") :: (part[0] == PART_validated) && (true) -> part[0] = PART_closed; printf("@@> part 0 close validated closed\n") :: (part[0] == PART_imported) && ((pins[0] == 0)) -> part[0] = PART_closed; printf("@@> part 0 close imported closed\n") :: else -> skip fi;
-		if :: (part[1] == PART_received) && (true) -> part[1] = PART_closed; printf("@@> part 1 close received closed\n") :: (part[1] == PART_validated) && (true) -> part[1] = PART_closed; printf("@@> part 1 close validated closed\n") :: (part[1] == PART_imported) && ((pins[1] == 0)) -> part[1] = PART_closed; printf("@@> part 1 close imported closed\n") :: else -> skip fi;
-		if :: (part[2] == PART_received) && (true) -> part[2] = PART_closed; printf("@@> part 2 close received closed\n") :: (part[2] == PART_validated) && (true) -> part[2] = PART_closed; printf("@@> part 2 close validated closed\n") :: (part[2] == PART_imported) && ((pins[2] == 0)) -> part[2] = PART_closed; printf("@@> part 2 close imported closed\n") :: else -> skip fi;
+		if :: (part[0] == PART_received) && (true) -> part[0] = PART_closed; printf("@@> part 0 close received closed\n") :: (part[0] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[0] = PART_closed; printf("@@> part 0 close validated closed\n") :: (part[0] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> part[0] = PART_closed; printf("@@> part 0 close leased closed\n") :: (part[0] == PART_imported) && ((pins[0] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> part[0] = PART_closed; printf("@@> part 0 close imported closed\n") :: else -> skip fi;
+		if :: (part[1] == PART_received) && (true) -> part[1] = PART_closed; printf("@@> part 1 close received closed\n") :: (part[1] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[1] = PART_closed; printf("@@> part 1 close validated closed\n") :: (part[1] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> part[1] = PART_closed; printf("@@> part 1 close leased closed\n") :: (part[1] == PART_imported) && ((pins[1] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> part[1] = PART_closed; printf("@@> part 1 close imported closed\n") :: else -> skip fi;
+		if :: (part[2] == PART_received) && (true) -> part[2] = PART_closed; printf("@@> part 2 close received closed\n") :: (part[2] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[2] = PART_closed; printf("@@> part 2 close validated closed\n") :: (part[2] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> part[2] = PART_closed; printf("@@> part 2 close leased closed\n") :: (part[2] == PART_imported) && ((pins[2] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> part[2] = PART_closed; printf("@@> part 2 close imported closed\n") :: else -> skip fi;
 		group = GROUP_failed;
 		printf("@@ group 0 drain importing failed\n");
 		check_invariants() }

@@ -74,6 +74,22 @@ class ReentrantTransition(TransitionError):
         )
 
 
+class EffectFailed(KvStateError):
+    """A guard or effect raised an untyped exception (``OSError``, ``RuntimeError``,
+    ``MemoryError``, a bug). The transition was rolled back like any failing effect: the
+    machine is still in ``state`` and the earlier effects' undos ran. ``step`` names the
+    guard or effect (the reason); the original exception is ``cause`` (and chained)."""
+
+    def __init__(self, machine: str, state: str, event: str, step: str, cause: BaseException) -> None:
+        self.machine = machine
+        self.state = state
+        self.event = event
+        self.step = step
+        self.cause = cause
+        super().__init__(f"{machine}: {step} of event {event!r} in state {state!r} raised "
+                         f"{type(cause).__name__}: {cause}; rolled back")
+
+
 # -- optional backends ---------------------------------------------------------------
 
 

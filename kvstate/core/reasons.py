@@ -17,6 +17,7 @@ class RejectReason(enum.Enum):
     MISSING_RANK = "missing_rank"              # a rank of 0..tp-1 has no descriptor
     MIXED_GROUP = "mixed_group"                # parts of different sources
     GEOMETRY = "geometry"                      # fingerprint differs in the group or from expectation
+    DTYPE = "dtype"                            # element type differs within the group
     DEVICE_UUID = "device_uuid"                # device not acceptable to this importer
     HOST = "host"                              # same-node handle from another host or boot
     INCARNATION = "incarnation"                # exporter restarted since

@@ -18,7 +18,7 @@ import attrs
 
 from kvstate.core.descriptor import Descriptor
 from kvstate.core.errors import DescriptorRejected, GroupRejected
-from kvstate.core.geometry import round_up
+from kvstate.core.geometry import Geometry, round_up
 from kvstate.core.handles import FD_KINDS, HANDLE_BYTES, NIXL_HANDLE_MAX_BYTES, HandleKind
 from kvstate.core.identity import Deployment, FabricKind
 from kvstate.core.paths import socket_path_problem
@@ -106,6 +106,17 @@ def rank_set_problems(tp: int, ranks: Sequence[int]) -> list[tuple[RejectReason,
         seen.add(r)
     problems += [(RejectReason.MISSING_RANK, r) for r in range(tp) if r not in seen]
     return problems
+
+
+def geometry_problem(a: Geometry, b: Geometry) -> tuple[RejectReason, str] | None:
+    """Why two ranks' geometries cannot form one group, or None when every field agrees
+    (the group's ``parts_compatible`` guard compares the same: all of them). A dtype
+    difference has its own reason: the bytes would be read as another number format."""
+    if a.dtype != b.dtype:
+        return RejectReason.DTYPE, f"dtype {b.dtype.value} differs from {a.dtype.value} within the group"
+    if a != b:
+        return RejectReason.GEOMETRY, "geometry differs within the group"
+    return None
 
 
 # -- socket path -------------------------------------------------------------------------
@@ -199,8 +210,10 @@ def validate_group(descriptors: Iterable[Descriptor], expect: Expectation) -> Va
             problems.append(DescriptorRejected(RejectReason.TP_SIZE, f"tp {d.tp} differs from {first.tp}", d.rank))
         if d.source_id != first.source_id:
             problems.append(DescriptorRejected(RejectReason.MIXED_GROUP, "parts of different sources", d.rank))
-        if d.geometry.fingerprint() != first.geometry.fingerprint() or d.geometry.num_blocks != first.geometry.num_blocks:
-            problems.append(DescriptorRejected(RejectReason.GEOMETRY, "geometry differs within the group", d.rank))
+        differs = geometry_problem(first.geometry, d.geometry)
+        if differs is not None:
+            reason, detail = differs
+            problems.append(DescriptorRejected(reason, f"{detail} (rank {first.rank} vs rank {d.rank})", d.rank))
         if d.generation != first.generation:
             problems.append(DescriptorRejected(RejectReason.GENERATION, "generations differ within the group", d.rank))
     if 1 <= first.tp <= min(expect.max_tp, MAX_TP):  # else TP_SIZE is reported per part already;

@@ -93,9 +93,15 @@ REGISTRY: Mapping[tuple[str, str, str], Code] = {
     ("group", "effect", "stop_loads"): same("skip"),
     ("group", "effect", "unmap_parts"): same(Cascade("part", "close")),
     # part
-    ("part", "guard", "group_admitted"): same("group == GROUP_importing"),
+    ("part", "guard", "group_importing"): same("group == GROUP_importing"),
+    ("part", "guard", "group_admitted"): Code(
+        "group == GROUP_importing && (all: part[{r}] == PART_leased || part[{r}] == PART_imported)",
+        "group == GROUP_importing && part_n[PART_leased] + part_n[PART_imported] == TP"),
+    ("part", "guard", "group_releasing"): same("group != GROUP_ready && group != GROUP_draining"),
     ("part", "guard", "part_unpinned"): Code("pins[{i}] == 0", "pins == 0"),
+    ("part", "effect", "native_lease"): same("skip"),
     ("part", "effect", "native_import"): same("skip"),
+    ("part", "effect", "return_lease"): same("skip"),
     ("part", "effect", "unmap_close"): same("skip"),
     # op: one gather op pins the region of every rank
     ("op", "guard", "regions_mapped"): Code("all: part[{r}] == PART_imported",
@@ -117,7 +123,7 @@ ACTORS: Mapping[str, Mapping[str, str | None]] = {
     "group": {"begin_import": IMPORTER, "reject": IMPORTER, "complete": IMPORTER, "load": IMPORTER,
               "drain": OPERATOR, "quiesce": IMPORTER, "close": IMPORTER, "part_failed": IMPORTER,
               "peer_died": IMPORTER, "incarnation_changed": IMPORTER, "expired": IMPORTER},
-    "part": {"validate": IMPORTER, "reject": IMPORTER, "open": IMPORTER, "close": IMPORTER,
+    "part": {"validate": IMPORTER, "reject": IMPORTER, "lease": IMPORTER, "open": IMPORTER, "close": IMPORTER,
              "import_failed": IMPORTER},
     "op": {"submit": None, "start": ENGINE, "finish": ENGINE, "fail": ENGINE, "cancel": ENGINE,
            "reap": ENGINE},
@@ -131,19 +137,23 @@ WORLD_RULES: Mapping[tuple[str, str], Code] = {
     ("bank", "lease_expired"): Code("leases[{i}] > 0"),
     # the group's importer is the lease holder of the per-rank model: it asks for a lease
     # for a part it is importing, and reports a mapping once the part is imported
-    ("bank", "grant_lease"): Code("part[{i}] == PART_validated || part[{i}] == PART_imported"),
+    ("bank", "grant_lease"): Code("part[{i}] == PART_validated || part[{i}] == PART_leased "
+                                  "|| part[{i}] == PART_imported"),
     ("bank", "lease_mapped"): Code("part[{i}] == PART_imported"),
     # a descriptor arrives only once its bank was advertised
     ("part", "validate"): Code("{i} >= BANKS || g_advertised[{i}]", "true"),
     ("part", "reject"): Code("{i} >= BANKS || g_advertised[{i}]", "true"),
     # opening a handle fails only while the group imports (an open was attempted)
     ("part", "import_failed"): same("group == GROUP_importing"),
-    # a part is imported under a live lease on its bank (ranks without a modelled bank:
-    # the lease is taken for granted)
+    # a part is leased and imported under a live lease on its bank (ranks without a
+    # modelled bank: the lease is taken for granted)
+    ("part", "lease"): Code("{i} >= BANKS || leases[{i}] > 0", "true"),
     ("part", "open"): Code("{i} >= BANKS || leases[{i}] > 0", "true"),
-    # the importer closes a part directly only to discard the parts of a finished group;
-    # before that, the group's own effects close its parts
-    ("part", "close"): same("GROUP_FINISHED"),
+    # the importer closes a part directly to discard the parts of a finished group, and
+    # (an attack, or a bug) tries to close a part of a ready or draining group: the table
+    # must refuse that one (INV-GROUP-COMPLETE). Before that, the group's own effects
+    # close its parts.
+    ("part", "close"): same("GROUP_FINISHED || group == GROUP_ready || group == GROUP_draining"),
     # the group hears of a failed part only once one failed
     ("group", "part_failed"): Code("any: part[{r}] == PART_failed", "part_n[PART_failed] > 0"),
     # a load runs under live leases on every rank, in a free op slot
@@ -155,7 +165,10 @@ WORLD_RULES: Mapping[tuple[str, str], Code] = {
 PRE_MONITORS: Mapping[tuple[str, str], tuple[tuple[str, Code], ...]] = {
     ("bank", "grant_lease"): (("INV-DRAIN-NO-NEW", Code("!g_drained[{i}]")),),
     ("group", "load"): (("INV-DRAIN-NO-NEW", same("!g_group_drained")),),
-    ("part", "open"): (("INV-GROUP-ATOMIC", same("g_admitted")),),
+    ("part", "lease"): (("INV-GROUP-ATOMIC", same("g_admitted")),),
+    ("part", "open"): (("INV-GROUP-ATOMIC", same("g_admitted")),
+                       ("INV-LEASE-BEFORE-OPEN", Code("all: part[{r}] == PART_leased || part[{r}] == PART_imported",
+                                                      "part_n[PART_leased] + part_n[PART_imported] == TP"))),
 }
 
 #: ghost updates after the commit: (machine, "event"|"enter", name) -> statement

@@ -24,6 +24,7 @@ released (INV-RELEASE-QUIESCENT).
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import threading
 import time
@@ -56,6 +57,8 @@ from kvstate.core.spec import load_machine
 from kvstate.core.capabilities import Access
 from kvstate.core.errors import TransportUnsuitable
 from kvstate.transport.protocol import A, E, H, HostView, M, MappedTransport, R, require_mapped
+
+log = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -123,7 +126,7 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         with self.locked():
             try:
                 self.fire("register")
-            except RegistrationFailed:
+            except KvStateError:  # RegistrationFailed, or EffectFailed: rolled back either way
                 self.fire("register_failed")
                 raise
 
@@ -185,7 +188,7 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
                 t.set_access(mapping, Access.READ_WRITE)
                 step = "export"
                 handle = t.export(self.allocation, self.exporter.config.handle_kind)
-            except (KvStateError, OSError) as exc:
+            except Exception as exc:  # typed or not, every step so far is undone by the stack
                 raise RegistrationFailed(step, exc) from exc
             undo.pop_all()
         self.reservation, self.mapping, self.handle, self.owner = reservation, mapping, handle, "kvstate"
@@ -387,7 +390,11 @@ class Exporter(Generic[H, A, R, M, E]):
             remaining = lease.expires_at - time.monotonic()
             fd = bank.exported().fd
             fds = () if fd is None else (fd,)  # FABRIC and CUDA_IPC carry bytes only
-            return {"ok": True, "lease": lease_id, "expires_in_s": remaining}, fds
+            # What the importer checks against its descriptor before it opens anything.
+            report = {"rank": bank.rank, "generation": bank.generation, "incarnation": self.incarnation.value.hex(),
+                      "geometry": bank.geometry.fingerprint().hex(), "num_blocks": bank.geometry.num_blocks,
+                      "device_uuid": self.transport.device_uuid().hex(), "size": bank.size}
+            return {"ok": True, "lease": lease_id, "expires_in_s": remaining, "bank": report}, fds
         held = bank.leases.get(req.get("lease", -1))
         if held is None or held.channel is not ch:
             return self._refuse("unknown_lease", f"no live lease {req.get('lease')!r} on this connection")
@@ -420,6 +427,8 @@ class Exporter(Generic[H, A, R, M, E]):
                     bank.fire(event, lease_id=lease.id)
                 except (TransitionError, KeyError):
                     pass  # already ended by another path (release, expiry, death)
+                except KvStateError as exc:  # an effect failed and was rolled back: try again next round
+                    log.warning("%s: %s of lease %d failed: %s", bank.label, event, lease.id, exc)
 
     def _connection_closed(self, ch: chan.Channel) -> None:
         self._end_leases("peer_died", lambda lease: lease.channel is ch)

@@ -35,7 +35,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import ExitStack
-from typing import Any, Generic, Literal
+from typing import Any, Generic, Literal, NoReturn
 
 import attrs
 
@@ -96,8 +96,12 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         self.descriptor = descriptor
         self.rank = descriptor.rank
         self.channel: chan.Channel | None = None
+        self._channel_lock = threading.Lock()  # one request and its answer at a time
         self.lease_id: int | None = None
-        self.lease_expires_at = 0.0
+        self.lease_s = 0.0                # the lease's length as the exporter granted it
+        self.lease_expires_at = 0.0       # time.monotonic()
+        self.received: chan.Message | None = None  # phase 1's grant, with the handle's fds
+        self.handle: H | None = None      # checked, not opened (phase 1)
         self.allocation: A | None = None
         self.reservation: R | None = None
         self.mapping: M | None = None
@@ -111,16 +115,28 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
             raise LoadFailed(f"{self.label} is not mapped")
         return self.mapping
 
+    @guard("group_importing")
+    def _importing(self, **kw: Any) -> bool:
+        return self.group.state == "importing" and self.group.validated is not None
+
     @guard("group_admitted")
     def _admitted(self, **kw: Any) -> bool:
-        return self.group.state == "importing" and self.group.validated is not None
+        """Phase 2 may start: every part of the group holds a checked lease."""
+        return self._importing() and all(p.state in ("leased", "imported") for p in self.group.parts)
+
+    @guard("group_releasing")
+    def _releasing(self, **kw: Any) -> bool:
+        # A ready or draining group may have loads on every part: only the group's own
+        # rows (rollback while importing, close when quiescent) or a finished group let go.
+        return self.group.state not in ("ready", "draining")
 
     @guard("part_unpinned")
     def _unpinned(self, **kw: Any) -> bool:
         return self.pins() == 0
 
-    @effect("native_import")
-    def _import(self, **kw: Any) -> Callable[[], None]:
+    @effect("native_lease")
+    def _lease(self, **kw: Any) -> Callable[[], None]:
+        """Phase 1: lease, receive the handle, check the exporter's report. Opens nothing."""
         d, t = self.descriptor, self.transport
         timeout = self.group.importer.config.request_timeout_s
         with ExitStack() as undo:
@@ -132,13 +148,33 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
                                  "blocks": None if blocks is None else {
                                      "group": blocks.group, "epoch": blocks.epoch, "hashes": list(blocks.hashes)}}),
                     timeout=timeout)
-            with ch.recv(timeout=timeout) as msg:
-                reply = chan.decode(msg.payload)
-                if not reply.get("ok"):
-                    raise LeaseRefused(str(reply.get("code")), str(reply.get("detail")))
-                lease_id, expires_in_s = _grant_fields(reply, d.rank)
-                handle = t.receive_handle(d.handle_kind, d.handle, msg.fds)
-                allocation = t.import_(handle, d.size)
+            msg = ch.recv(timeout=timeout)
+            undo.callback(msg.close)
+            reply = chan.decode(msg.payload)
+            if not reply.get("ok"):
+                raise LeaseRefused(str(reply.get("code")), str(reply.get("detail")))
+            lease_id, expires_in_s = _grant_fields(reply, d.rank)
+            # Refused below: give the lease back now, not when the exporter sees the close.
+            undo.callback(_release_quietly, ch, d.rank, lease_id)
+            _check_report(reply, d)
+            handle = t.receive_handle(d.handle_kind, d.handle, msg.fds)
+            undo.pop_all()
+        self.channel, self.lease_id, self.received, self.handle = ch, lease_id, msg, handle
+        self.lease_s = expires_in_s
+        self.lease_expires_at = time.monotonic() + expires_in_s
+        self.group.importer.watch(self)
+        return self._return_lease
+
+    @effect("native_import")
+    def _import(self, **kw: Any) -> None:
+        """Phase 2: open the handle leased in phase 1, reserve, map, set access."""
+        d, t = self.descriptor, self.transport
+        ch, handle, msg = self.channel, self.handle, self.received
+        if ch is None or handle is None or msg is None:
+            raise ImportFailed(d.rank, KvStateError(f"{self.label} holds no lease to open"))
+        timeout = self.group.importer.config.request_timeout_s
+        with ExitStack() as undo:
+            allocation = t.import_(handle, d.size)
             undo.callback(t.release, allocation)
             reservation = t.reserve(d.size)
             undo.callback(t.free, reservation)
@@ -146,35 +182,76 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
             undo.callback(t.unmap, mapping)
             t.set_access(mapping, Access.READ)
             # A notification (no answer awaited): the bank moves from importing to ready.
-            ch.send(chan.encode({"op": "mapped", "rank": d.rank, "lease": lease_id}), timeout=timeout)
+            ch.send(chan.encode({"op": "mapped", "rank": d.rank, "lease": self.lease_id}), timeout=timeout)
             undo.pop_all()
-        self.channel, self.lease_id = ch, lease_id
-        self.lease_expires_at = time.monotonic() + expires_in_s
+        msg.close()  # the transport holds its own duplicate of the fd now
+        self.received = self.handle = None
         self.allocation, self.reservation, self.mapping = allocation, reservation, mapping
-        self.group.importer.watch(self)
-        return self._unmap_close  # the undo of an import is its teardown
+
+    @effect("return_lease")
+    def _return(self, **kw: Any) -> None:
+        self._return_lease()
 
     @effect("unmap_close")
     def _unmap_close(self, **kw: Any) -> None:
         """Unmap and release first (pins were checked by the guard), then return the lease.
         The transport calls straight into C: row -> this effect -> transport -> C."""
+        self._unmap()
+        self._return_lease()
+
+    def _unmap(self) -> None:
         t = self.transport
         if self.mapping is not None:
             t.unmap(self.mapping)
+            self.mapping = None
         if self.reservation is not None:
             t.free(self.reservation)
+            self.reservation = None
         if self.allocation is not None:
             t.release(self.allocation)
-        self.mapping = self.reservation = self.allocation = None
+            self.allocation = None
+
+    def _return_lease(self) -> None:
+        """Close the received handle, tell the exporter, close the channel (which ends the
+        lease on its own if the message does not get through)."""
+        msg, self.received, self.handle = self.received, None, None
+        if msg is not None:
+            msg.close()
         ch, self.channel = self.channel, None
         if ch is not None:
             self.group.importer.unwatch(ch)
-            try:
-                ch.send(chan.encode({"op": "release", "rank": self.rank, "lease": self.lease_id}), timeout=1.0)
-                _expect_ok(ch, 1.0)
-            except (ChannelError, LeaseRefused):
-                pass  # exporter gone or lease already ended: closing the channel ends it too
+            with self._channel_lock:
+                _release_quietly(ch, self.rank, self.lease_id)
             ch.close()
+
+
+def _release_quietly(ch: chan.Channel, rank: int, lease_id: int | None) -> None:
+    """Return a lease and wait for the answer; an exporter that is gone, or a lease that
+    already ended, is fine: closing the channel ends the lease too."""
+    try:
+        ch.send(chan.encode({"op": "release", "rank": rank, "lease": lease_id}), timeout=1.0)
+        _expect_ok(ch, 1.0)
+    except (ChannelError, LeaseRefused):
+        pass
+
+
+def _check_report(reply: dict[str, Any], d: Descriptor) -> None:
+    """Phase 1's check of what the exporter reports about the bank it leased against the
+    descriptor: a restarted, re-advertised, resized or re-shaped bank is refused here,
+    before anything is opened. Exporters that report nothing are checked by the grant's
+    own refusals (incarnation and generation) only."""
+    report = reply.get("bank")
+    if report is None:
+        return
+    want = {"rank": d.rank, "generation": d.generation, "incarnation": d.incarnation.hex(),
+            "geometry": d.geometry.fingerprint().hex(), "num_blocks": d.geometry.num_blocks,
+            "device_uuid": d.device_uuid.hex(), "size": d.size}
+    if not isinstance(report, dict):
+        raise LeaseRefused("lease_mismatch", f"malformed bank report {report!r:.100}")
+    for key, value in want.items():
+        if report.get(key) != value:
+            raise LeaseRefused("lease_mismatch", f"the exporter reports {key} {report.get(key)!r:.80}, "
+                               f"the descriptor says {value!r:.80}")
 
 
 def _grant_fields(reply: dict[str, Any], rank: int) -> tuple[int, float]:
@@ -254,10 +331,19 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
         self._close_parts()
 
     def _close_parts(self) -> None:
+        """Close every part that is open, trying each even when one refuses, so one
+        failing part does not keep the others' mappings and leases; then raise the first
+        failure (the group stays where it was and the caller may retry)."""
+        first: KvStateError | None = None
         p: Part[H, A, R, M, E]
         for p in self.parts:
-            if p.may("close"):
-                p.fire("close")
+            try:
+                if p.may("close"):
+                    p.fire("close")
+            except KvStateError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
 
     @effect("submit_load")
     def _submit(self, *, plan: Sequence[tuple[Part[H, A, R, M, E], E, list[tuple[int, int, int]]]],
@@ -324,13 +410,14 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
         with self._ops_lock:
             self.ops = [o for o in self.ops if o not in ops]
 
-    def fault(self, event: GroupFault) -> bool:
+    def fault(self, event: GroupFault, *, reason: str | None = None) -> bool:
         """Report a fault event; False when it is not declared in the current state (for
-        example a terminal one). Check and transition are one atomic step."""
+        example a terminal one). Check and transition are one atomic step. ``reason``
+        travels to the observers (StateChange.reason)."""
         with self.locked():
             if not self.may(event):
                 return False
-            self.fire(event)
+            self.fire(event, reason=reason)
             return True
 
     def drain(self, timeout: float = 30.0) -> float:
@@ -444,25 +531,39 @@ class Importer(Generic[H, A, R, M, E]):
         group.fire("begin_import")
         for part in group.parts:
             part.fire("validate")
-        failures = self._open_parts(group.parts)
-        for rank in sorted(failures):
-            part = group.parts[rank]
-            if part.may("import_failed"):
-                part.fire("import_failed")
-        # Either fault rolls back every part imported so far.
-        if any(isinstance(c, LeaseRefused) and c.code == "stale_incarnation" for c in failures.values()):
-            group.fault("incarnation_changed")
-        elif failures:
-            group.fault("part_failed")
-        if failures:
-            first, cause = min(failures.items())
-            if isinstance(cause, LeaseRefused) and cause.code == "stale_inventory":
-                raise ReuseStale(first, cause) from cause
-            raise ImportFailed(first, cause) from cause
+        # Phase 1 leases and checks every rank; phase 2 opens only when all passed.
+        for phase in ("lease", "open"):
+            failures = self._each_part(group.parts, phase)
+            if failures:
+                self._fail(group, failures)
         if group.state != "importing":  # a fault arrived while importing
             raise ImportFailed(0, KvStateError(f"group {group.state} during import"))
-        group.fire("complete")
+        try:
+            group.fire("complete")
+        except TransitionError as exc:  # refused (or a concurrent fault): never left importing
+            if group.may("drain"):
+                group.fire("drain", reason=f"complete refused: {exc}")
+            raise ImportFailed(0, exc) from exc
         return group
+
+    def _fail(self, group: Group[H, A, R, M, E], failures: dict[int, Exception]) -> NoReturn:
+        """Fail the group after part failures: every part leased or imported so far is
+        rolled back (its lease returned), and the first failure is raised."""
+        part: Part[H, A, R, M, E]
+        for rank in sorted(failures):
+            part = group.parts[rank]
+            with part.locked():
+                if part.may("import_failed"):
+                    part.fire("import_failed", reason=str(failures[rank]))
+        first, cause = min(failures.items())
+        reason = f"rank {first}: {cause}"
+        if any(isinstance(c, LeaseRefused) and c.code == "stale_incarnation" for c in failures.values()):
+            group.fault("incarnation_changed", reason=reason)
+        else:
+            group.fault("part_failed", reason=reason)
+        if isinstance(cause, LeaseRefused) and cause.code == "stale_inventory":
+            raise ReuseStale(first, cause) from cause
+        raise ImportFailed(first, cause) from cause
 
     def _note_restarts(self, validated: ValidatedGroup) -> None:
         """A validated descriptor of a (source, rank) that a live group imported, from
@@ -477,25 +578,26 @@ class Importer(Generic[H, A, R, M, E]):
                 except TransitionError:
                     pass  # a concurrent transition already moved the group on
 
-    def _open_parts(self, parts: Sequence[Part[H, A, R, M, E]]) -> dict[int, BaseException]:
-        """Open every part, concurrently: each waits on its own exporter's channel, so the
-        group's import costs about one round trip, not tp of them. Returns failures by rank."""
-        failures: dict[int, BaseException] = {}
+    def _each_part(self, parts: Sequence[Part[H, A, R, M, E]], event: Literal["lease", "open"]) -> dict[int, Exception]:
+        """Fire ``event`` on every part, concurrently: each waits on its own exporter's
+        channel, so a phase costs about one round trip, not tp of them. Returns failures
+        by rank (anything raised, typed or not: the caller rolls back on every one)."""
+        failures: dict[int, Exception] = {}
 
-        def open_one(part: Part[H, A, R, M, E]) -> None:
+        def one(part: Part[H, A, R, M, E]) -> None:
             try:
-                # A fault may fail the group (and close this part) before its open starts:
-                # that is the group's failure, reported below, not this part's.
+                # A fault may fail the group (and close this part) before its step starts:
+                # that is the group's failure, reported by the caller, not this part's.
                 with part.locked():
-                    if part.may("open"):
-                        part.fire("open")
-            except (KvStateError, OSError) as exc:
+                    if part.may(event):
+                        part.fire(event)
+            except Exception as exc:
                 failures[part.rank] = exc
 
         if len(parts) == 1:
-            open_one(parts[0])
+            one(parts[0])
         else:
-            list(self._pool().map(open_one, parts))
+            list(self._pool().map(one, parts))
         return failures
 
     def _pool(self) -> ThreadPoolExecutor:

@@ -25,6 +25,7 @@ does not. The transport is registered explicitly (``Registry.register(HostTransp
 
 from __future__ import annotations
 
+import fcntl
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -33,7 +34,8 @@ import attrs
 
 from kvstate.core import handles, identity
 from kvstate.core.capabilities import Access, Capabilities, MemoryKind, Scope
-from kvstate.core.errors import FdIdentityMismatch, HandleFdsMismatch, ImportRefused, KvStateError, NativeInvalidArgument
+from kvstate.core.errors import (FdIdentityMismatch, FdNotMemfd, FdUnsealed, HandleFdsMismatch, ImportRefused,
+                                 KvStateError, NativeInvalidArgument)
 from kvstate.core.handles import HandleKind
 from kvstate.transport.native import Native, Op, default
 from kvstate.transport.protocol import Block, RegionStats
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
     from kvstate.transport.protocol import ExportingTransport, HostView, MappedTransport
 
 DEFAULT_GRANULARITY = 2 << 20
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 class HandleKindUnsupported(KvStateError):
@@ -169,6 +172,16 @@ class HostTransport:
             raise HandleKindUnsupported(f"the host backend imports only memfd handles, not {kind.value}")
         if len(fds) != 1:
             raise HandleFdsMismatch(f"expected one memfd, got {len(fds)} fd(s)")
+        # Checked here already, so a group's phase 1 refuses a wrong fd before any rank opens.
+        try:
+            identity = fd_identity_of(fds[0])
+            seals = fcntl.fcntl(fds[0], fcntl.F_GET_SEALS)
+        except OSError as exc:
+            raise FdNotMemfd("receive_handle", -1, f"fd {fds[0]} is not a sealable memfd: {exc.strerror}") from None
+        if identity != data:
+            raise FdIdentityMismatch("receive_handle", -1, f"fd {fds[0]} is not the file its descriptor names")
+        if seals & _SEALS != _SEALS:
+            raise FdUnsealed("receive_handle", -1, f"fd {fds[0]} lacks the shrink, grow and seal seals")
         return HostHandle(fds[0], data)
 
     def import_(self, handle: HostHandle, size: int) -> HostAllocation:

@@ -27,7 +27,7 @@ from kvstate.core.identity import Incarnation
 from kvstate.share.importer import Group, ImportConfig, Importer
 from kvstate.core.machine import StateChange, effect
 from kvstate.transport.host import HostTransport
-from support.faults import FaultyTransport
+from support.faults import KINDS as FAULT_KINDS, FaultyTransport
 
 TPS = (1, 3)
 
@@ -84,12 +84,15 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     # -- imports -------------------------------------------------------------------------
 
-    @rule(tp=st.sampled_from(TPS), fault=st.sampled_from([None, "import_", "reserve", "map", "set_access"]),
-          rank=st.integers(0, 2), drain_midway=st.booleans())
-    def import_group(self, tp: int, fault: str | None, rank: int, drain_midway: bool) -> None:
+    @rule(tp=st.sampled_from(TPS),
+          fault=st.sampled_from([None, "receive_handle", "import_", "reserve", "map", "set_access"]),
+          kind=st.sampled_from(sorted(FAULT_KINDS)), rank=st.integers(0, 2), drain_midway=st.booleans())
+    def import_group(self, tp: int, fault: str | None, kind: str, rank: int, drain_midway: bool) -> None:
+        """A fault of any kind (typed or not) at any step of any rank: ImportFailed, the
+        group failed and rolled back, every lease returned (checked by the invariants)."""
         ex = self.exporters[tp]
         if fault is not None:
-            self.faulty.fail(fault, after=rank % tp)
+            self.faulty.fail(fault, after=rank % tp, kind=kind)
         self.drain_on_import = drain_midway and tp > 1
         expect_failure = fault is not None or self.drain_on_import
         try:
@@ -223,6 +226,24 @@ class LifecycleMachine(RuleBasedStateMachine):
                 obj.fire(event)
             assert obj.state == before
 
+    @precondition(lambda self: bool(self.live("ready") or self.live("draining")))
+    @rule(data=st.data())
+    def part_event_on_live_group(self, data: st.DataObject) -> None:
+        """Issue 14, class 5: any part event on any part of a ready or draining group is
+        refused or moves the group out of ready; a ready group never holds a part that left."""
+        group = data.draw(st.sampled_from(self.live("ready") + self.live("draining")))
+        part = data.draw(st.sampled_from(group.parts))
+        event = data.draw(st.sampled_from(sorted(part.table.event_names)))
+        with group.locked():
+            before = group.state
+            try:
+                part.fire(event)
+            except TransitionError:
+                assert part.state == "imported"
+            if group.state == before:
+                assert all(p.state == "imported" and p.mapping is not None for p in group.parts), \
+                    f"INV-GROUP-COMPLETE: {event} on {part.label} left the {before} group with {part.state}"
+
     @precondition(lambda self: bool(self.importer.groups))
     @rule(data=st.data())
     def guided_fault(self, data: st.DataObject) -> None:
@@ -247,8 +268,11 @@ class LifecycleMachine(RuleBasedStateMachine):
             if g.state in ("ready",):
                 assert g.validated is not None and len(g.parts) == g.validated.tp
                 assert [p.state for p in g.parts] == ["imported"] * g.tp, "INV-GROUP-COMPLETE"
+                assert all(p.mapping is not None for p in g.parts), "INV-GROUP-COMPLETE: unmapped part"
             if g.state in ("failed", "rejected", "closed"):
-                assert all(p.mapping is None for p in g.parts), "INV-ROLLBACK-COMPLETE"
+                kept = [p.label for p in g.parts if p.mapping is not None or p.channel is not None
+                        or p.received is not None]
+                assert not kept, f"INV-ROLLBACK-COMPLETE: {kept} kept a mapping, lease or received handle"
 
     @invariant()
     def no_release_before_quiescent(self) -> None:

@@ -98,7 +98,10 @@ def _group(w: World) -> dict[str, Impl]:
 
 def _part(w: World, r: int) -> dict[str, Impl]:
     return {
-        "group_admitted": lambda self, **kw: w.objects["group[0]"].state == "importing",
+        "group_importing": lambda self, **kw: w.objects["group[0]"].state == "importing",
+        "group_admitted": lambda self, **kw: w.objects["group[0]"].state == "importing" and all(
+            p.state in ("leased", "imported") for p in w.parts()),
+        "group_releasing": lambda self, **kw: w.objects["group[0]"].state not in ("ready", "draining"),
         "part_unpinned": lambda self, **kw: w.pins[r] == 0,
     }
 

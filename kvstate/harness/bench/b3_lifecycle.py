@@ -90,13 +90,29 @@ class BenchPart(Lifecycle):
         self.group = group
         self.fingerprint = b"geometry"
 
+    @guard("group_importing")
+    def _importing(self, **_: Any) -> bool:
+        return self.group.state == "importing"
+
     @guard("group_admitted")
     def _admitted(self, **_: Any) -> bool:
         return self.group.state == "importing"
 
+    @guard("group_releasing")
+    def _releasing(self, **_: Any) -> bool:
+        return self.group.state not in ("ready", "draining")
+
     @guard("part_unpinned")
     def _unpinned(self, **_: Any) -> bool:
         return True
+
+    @effect("native_lease")
+    def _lease(self, **_: Any) -> None:
+        return None
+
+    @effect("return_lease")
+    def _return(self, **_: Any) -> None:
+        return None
 
     @effect("native_import")
     def _import(self, **_: Any) -> None:
@@ -188,6 +204,7 @@ def group_transition(p: dict[str, Any]) -> Figure:
             timed_s = clock() - t0
             for g in groups:  # rank part import: not a group transition
                 g.parts[0].fire("validate")
+                g.parts[0].fire("lease")
                 g.parts[0].fire("open")
             t0 = clock()
             for g in groups:
@@ -208,6 +225,8 @@ def readiness(tp: int) -> Any:
                 g.fire("begin_import")
                 for part in g.parts:
                     part.fire("validate")
+                    part.fire("lease")
+                for part in g.parts:
                     part.fire("open")
             with no_gc():
                 t0 = clock()
@@ -232,11 +251,14 @@ def real_group_readiness(tp: int) -> Any:
     from kvstate.transport.host import HostAllocation, HostHandle, HostMapping, HostReservation, HostTransport
 
     class StandInPart(Part[HostHandle, HostAllocation, HostReservation, HostMapping, "HostEndpoint"]):
+        @effect("native_lease")
+        def _lease(self, **_: Any) -> Callable[[], None]:
+            return lambda: None
+
         @effect("native_import")
-        def _import(self, **_: Any) -> Callable[[], None]:
+        def _import(self, **_: Any) -> None:
             size = self.descriptor.size
             self.mapping = HostMapping(0, 0, size, HostAllocation(0, size, True), HostReservation(0, 0, size))
-            return lambda: None
 
     def run(p: dict[str, Any]) -> Figure:
         descriptors = _descriptors(tp)
@@ -252,6 +274,8 @@ def real_group_readiness(tp: int) -> Any:
                     g.fire("begin_import")
                     for part in g.parts:
                         part.fire("validate")
+                        part.fire("lease")
+                    for part in g.parts:
                         part.fire("open")
                     groups.append(g)
                 with no_gc():
