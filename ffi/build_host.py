@@ -121,6 +121,7 @@ int kvs_submit_copy(uint64_t src_region, uint64_t src_addr, uint64_t src_size, u
                     uint64_t dst_region, uint64_t dst_addr, uint64_t dst_size, uint64_t dst_off,
                     uint64_t len, uint32_t flags, int64_t *op);
 int kvs_cancel(int64_t op);
+int kvs_op_notify(int64_t op, int32_t fd);
 int kvs_op_info_get(int64_t op, kvs_op_info *out);
 int kvs_wait(int64_t op, int64_t timeout_ns);
 int kvs_reap(int64_t op, kvs_op_info *out);

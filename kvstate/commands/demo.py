@@ -62,8 +62,8 @@ def run(args: argparse.Namespace) -> int:
             print(line, flush=True)
 
     g = spec.geometry()
-    log(f"kvstate demo: tp={spec.tp}, {g.layers} layers, {g.kv_heads} KV heads/rank, head dim {g.head_dim}, "
-        f"{g.block_tokens}-token blocks of {g.block_bytes // 1024} KiB, {g.num_blocks} blocks/bank"
+    log(f"kvstate demo: tp={spec.tp}, {spec.layers} layers, {spec.kv_heads} KV heads/rank, head dim {spec.head_dim}, "
+        f"{spec.block_tokens}-token blocks of {g.block_bytes // 1024} KiB, {g.num_blocks} blocks/bank"
         + (f", kill {args.kill[0]} at {args.kill[1]}" if args.kill else ""))
     report = run_scenario(spec, args.kill, log=log)
     if args.json:

@@ -50,7 +50,7 @@ class ClusterSpec:
     seed: int = 7
 
     def geometry(self) -> Geometry:
-        return Geometry(layers=self.layers, kv_heads=self.kv_heads, head_dim=self.head_dim,
+        return Geometry.uniform(layers=self.layers, kv_heads=self.kv_heads, head_dim=self.head_dim,
                         block_tokens=self.block_tokens, dtype=DType.BF16, layout=Layout.BLOCK_MAJOR,
                         num_blocks=self.num_blocks)
 

@@ -54,6 +54,18 @@ Endpoint = Any
 Block = tuple[int, int, int]
 
 
+@attrs.frozen(eq=False)
+class RawBuffer:
+    """Caller memory named by address, for memory that has no buffer protocol (a torch
+    tensor, a DLPack capsule): ops read or write ``[addr, addr + size)``. Whoever makes one
+    keeps that memory alive until every op using it is reaped; ``owner`` is carried along
+    for that purpose and is never touched here."""
+
+    addr: int
+    size: int
+    owner: Any = None
+
+
 @attrs.frozen
 class RegionStats:
     """What the native layer reports about one region. ``quiescent`` means no pins."""
@@ -337,16 +349,28 @@ class Native:
         self.lib.kvs_engine_pause(1 if paused else 0)
 
     def _endpoint(self, ep: Endpoint, writable: bool) -> tuple[int, int, int, Any]:
-        """(region, addr, size, keepalive) for a region id or a caller buffer."""
+        """(region, addr, size, keepalive) for a region id, a :class:`RawBuffer` or a caller
+        buffer. A buffer's export (``ffi.from_buffer``) is the keepalive: whoever gets it
+        releases it (:meth:`_release`) on every path, so no export outlives its op."""
         if ep.__class__ is int:
             return ep, 0, 0, None
         if isinstance(ep, int):
             return int(ep), 0, 0, None
+        if isinstance(ep, RawBuffer):
+            return 0, ep.addr, ep.size, None  # its owner keeps the memory alive
         try:
             cbuf = self._from_buffer(ep, require_writable=writable)
         except (TypeError, BufferError) as exc:
             raise errors.NativeInvalidArgument("kvs_submit", -1, f"not a usable buffer: {exc}") from None
         return 0, int(self._cast("uintptr_t", cbuf)), len(cbuf), cbuf
+
+    def _release(self, *kept: Any) -> None:
+        """Give back buffer exports now rather than at some later garbage collection: an
+        export left behind pins the exporter (a memoryview cannot be released) and, once
+        its owner goes, points at freed memory."""
+        for k in kept:
+            if k is not None:
+                self.ffi.release(k)
 
     def submit_copy(self, src: Endpoint, dst: Endpoint, length: int, *, src_off: int = 0,
                     dst_off: int = 0, fail: bool = False) -> Op:
@@ -354,54 +378,80 @@ class Native:
 
         This is the hot path (one call per small op), so it is kept flat."""
         # Region ids (the common case) skip the buffer plumbing entirely.
-        if src.__class__ is int:
-            sr, sa, ss, sk = src, 0, 0, None
-        else:
-            sr, sa, ss, sk = self._endpoint(src, False)
-        if dst.__class__ is int:
-            dr, da, ds, dk = dst, 0, 0, None
-        else:
-            dr, da, ds, dk = self._endpoint(dst, True)
-        out = self._new("int64_t *")
-        rc = self._submit_copy(sr, sa, ss, src_off, dr, da, ds, dst_off, length,
-                               self._fail_flag if fail else 0, out)
-        if rc:
-            self._raise("kvs_submit_copy", rc, f"copy of {length} bytes", "created", "submit")
+        sk = dk = None
+        try:
+            if src.__class__ is int:
+                sr, sa, ss = src, 0, 0
+            else:
+                sr, sa, ss, sk = self._endpoint(src, False)
+            if dst.__class__ is int:
+                dr, da, ds = dst, 0, 0
+            else:
+                dr, da, ds, dk = self._endpoint(dst, True)
+            out = self._new("int64_t *")
+            rc = self._submit_copy(sr, sa, ss, src_off, dr, da, ds, dst_off, length,
+                                   self._fail_flag if fail else 0, out)
+            if rc:
+                self._raise("kvs_submit_copy", rc, f"copy of {length} bytes", "created", "submit")
+        except BaseException:
+            self._release(sk, dk)
+            raise
         op_id = int(out[0])
         if sk is not None or dk is not None:
             self._keep[op_id] = (sk, dk)  # a dict store is atomic under the GIL
         return Op(self, op_id)
 
     def submit_gather(self, src: Endpoint, dst: Endpoint, blocks: Sequence[Block] | Any, *,
-                      fail: bool = False) -> Op:
+                      fail: bool = False, notify_fd: int | None = None) -> Op:
         """Copy each (src_off, dst_off, len) block. ``blocks`` is a sequence of triples or a
-        buffer of little-endian uint64 triples (e.g. a numpy ``uint64`` array of shape (n, 3));
-        the engine copies the list at submit."""
-        sr, sa, ss, sk = self._endpoint(src, False)
-        dr, da, ds, dk = self._endpoint(dst, True)
+        buffer of native-endian uint64 triples (e.g. a numpy ``uint64`` array of shape (n, 3)
+        or an ``array.array('Q')``); the engine copies the list at submit. ``notify_fd``: an
+        eventfd that gets 1 added once the op is collectable (see :meth:`notify`)."""
         ffi = self.ffi
-        if isinstance(blocks, (list, tuple)):
-            try:
-                cblocks = ffi.new("kvs_block[]", [tuple(b) for b in blocks])
-            except (TypeError, OverflowError, ValueError) as exc:
-                raise errors.NativeInvalidArgument("kvs_submit", -1, f"blocks: {exc}") from None
-            n = len(blocks)
-        else:
-            try:
-                cblocks = ffi.from_buffer("kvs_block[]", blocks)
-            except (TypeError, BufferError, ValueError) as exc:
-                raise errors.NativeInvalidArgument("kvs_submit", -1, f"blocks: {exc}") from None
-            n = len(cblocks)
-        s = ffi.new("kvs_endpoint *", (sr, sa, ss))
-        d = ffi.new("kvs_endpoint *", (dr, da, ds))
-        out = ffi.new("int64_t *")
-        rc = self.lib.kvs_submit(s, d, cblocks, n, self._fail_flag if fail else 0, out)
-        if rc:
-            self._raise("kvs_submit", rc, f"gather of {n} blocks", "created", "submit")
+        if notify_fd is not None and (type(notify_fd) is not int or notify_fd <= 0):
+            raise errors.NativeInvalidArgument("kvs_op_notify", -1, f"notify_fd must be a positive fd, not {notify_fd!r}")
+        sk = dk = cblocks = None
+        try:
+            sr, sa, ss, sk = self._endpoint(src, False)
+            dr, da, ds, dk = self._endpoint(dst, True)
+            if isinstance(blocks, (list, tuple)):
+                try:
+                    cblocks = ffi.new("kvs_block[]", [tuple(b) for b in blocks])
+                except (TypeError, OverflowError, ValueError) as exc:
+                    raise errors.NativeInvalidArgument("kvs_submit", -1, f"blocks: {exc}") from None
+                n = len(blocks)
+            else:
+                try:
+                    cblocks = ffi.from_buffer("kvs_block[]", blocks)
+                except (TypeError, BufferError, ValueError) as exc:
+                    raise errors.NativeInvalidArgument("kvs_submit", -1, f"blocks: {exc}") from None
+                n = len(cblocks)
+            s = ffi.new("kvs_endpoint *", (sr, sa, ss))
+            d = ffi.new("kvs_endpoint *", (dr, da, ds))
+            out = ffi.new("int64_t *")
+            rc = self.lib.kvs_submit(s, d, cblocks, n, self._fail_flag if fail else 0, out)
+            if rc:
+                self._raise("kvs_submit", rc, f"gather of {n} blocks", "created", "submit")
+        except BaseException:
+            self._release(sk, dk)
+            raise
+        finally:
+            self._release(cblocks)  # the engine copied the list
         op_id = int(out[0])
         if sk is not None or dk is not None:
             self._keep[op_id] = (sk, dk)
-        return Op(self, op_id)
+        op = Op(self, op_id)
+        if notify_fd is not None:
+            self.notify(op_id, notify_fd)  # cannot fail: a fresh op, a positive fd, checked above
+        return op
+
+    def notify(self, op: int, fd: int) -> None:
+        """Have the engine add 1 to the eventfd ``fd`` once ``op`` is collectable (done,
+        failed or cancelled), at once if it already is. ``fd`` must stay open until the
+        op is reaped: the engine writes to that number."""
+        rc = self.lib.kvs_op_notify(op, fd)
+        if rc:
+            self._raise("kvs_op_notify", rc, f"op {op}, fd {fd}")
 
     def op_info(self, op: int) -> OpInfo:
         out = self.ffi.new("kvs_op_info *")
@@ -431,7 +481,7 @@ class Native:
         rc = self.lib.kvs_reap(op, out)
         if rc:
             self._raise("kvs_reap", rc, f"op {op}", self._state_or_unknown(op), "reap")
-        self._keep.pop(op, None)
+        self._release(*self._keep.pop(op, ()))
         return OpInfo(op, self.op_states[out.state], out.error, out.bytes, out.nblocks)
 
     def _state_or_unknown(self, op: int) -> str:

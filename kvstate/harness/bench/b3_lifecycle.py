@@ -284,7 +284,7 @@ def _descriptors(tp: int) -> tuple[Any, ...]:
     from kvstate.core.handles import HandleKind
     from kvstate.core.identity import FabricDomain, FabricKind
 
-    g = Geometry(layers=2, kv_heads=2, head_dim=64, block_tokens=16, dtype=DType.BF16,
+    g = Geometry.uniform(layers=2, kv_heads=2, head_dim=64, block_tokens=16, dtype=DType.BF16,
                  layout=Layout.BLOCK_MAJOR, num_blocks=64)
     return tuple(Descriptor(
         deployment_id=bytes(16), source_id=bytes(16), fabric=FabricDomain(FabricKind.NODE, "n"),
