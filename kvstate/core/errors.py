@@ -99,6 +99,14 @@ class GeometryInvalid(KvStateError, ValueError):
         super().__init__(f"geometry: {field}: {problem}")
 
 
+class ConfigInvalid(KvStateError, ValueError):
+    """A configuration value is refused where it is made. ``field`` names it."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        self.field = field
+        super().__init__(f"{field}: {problem}")
+
+
 class BlockOutOfRange(KvStateError, IndexError):
     """A block id outside the geometry's blocks."""
 

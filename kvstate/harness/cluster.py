@@ -193,7 +193,7 @@ def importer_main(conn: multiprocessing.connection.Connection, spec_json: str, k
                     t.native.pause(True)
                     loader = threading.Thread(target=load)
                     loader.start()
-                    while not group.ops:
+                    while not group.loads:
                         time.sleep(0.001)
                     _send(conn, loading=True)
                 else:

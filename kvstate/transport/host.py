@@ -203,6 +203,15 @@ class HostTransport:
         """A native gather out of ``mapping`` into ``dst``; it pins the mapping until done."""
         return self._native.submit_gather(mapping.region, dst, blocks)
 
+    def submit_blocks(self, src: HostMapping | Endpoint, dst: HostMapping | Endpoint, blocks: Sequence[Block] | object,
+                      *, notify_fd: int | None = None, fail: bool = False) -> Op:
+        """A native copy of ``blocks`` (src_off, dst_off, len) between a mapping and caller
+        memory (a :class:`~kvstate.transport.native.RawBuffer` or a buffer), either way; it
+        pins the mappings it touches until done and then adds 1 to ``notify_fd``."""
+        s = src.region if isinstance(src, HostMapping) else src
+        d = dst.region if isinstance(dst, HostMapping) else dst
+        return self._native.submit_gather(s, d, blocks, notify_fd=notify_fd, fail=fail)
+
     def pin(self, mapping: HostMapping) -> None:
         """An explicit pin (a lease's): unmap and release refuse until :meth:`unpin`."""
         self._native.pin(mapping.region)
