@@ -14,6 +14,7 @@ destination block id against that tensor's capacity.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -100,8 +101,9 @@ def paged(group: Group, bank_block_ids: object, dst_tensors: object, dst_block_i
                 stride = region.block_stride_bytes
                 dstride = ref.strides[region.block_dim] * ref.itemsize
                 plan.copies.append(Copy(parts[r].mapping, ref.buffer(),
-                                        triples(pairs, [region.offset + b * stride for b in src_ids],
-                                                [d * dstride for d in dst_ids]),
+                                        functools.partial(triples, pairs,
+                                                          [region.offset + b * stride for b in src_ids],
+                                                          [d * dstride for d in dst_ids]),
                                         region.name, r, len(src_ids) * region.block_bytes))
     except BaseException:
         plan.release()

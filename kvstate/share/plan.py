@@ -89,7 +89,7 @@ class Copy:
 
     src: Any
     dst: Any
-    blocks: Any
+    blocks: Any                  # the block list, or a function building it (called at submit)
     region: str
     rank: int
     nbytes: int
@@ -122,10 +122,11 @@ class Plan:
         submitted = 0
         try:
             for c in self.copies:
+                blocks = c.blocks() if callable(c.blocks) else c.blocks  # built as late as possible
                 if notify:
-                    op = transport.submit_blocks(c.src, c.dst, c.blocks, notify_fd=h.notify_fd)
+                    op = transport.submit_blocks(c.src, c.dst, blocks)
                 else:  # a backend without completion fds (cuda): waiters poll its ops
-                    op = transport.submit_gather(c.src, c.dst, c.blocks)
+                    op = transport.submit_gather(c.src, c.dst, blocks)
                 h._add(op, c.region, c.rank, c.nbytes)
                 submitted += 1
         except (KvStateError, OSError) as exc:

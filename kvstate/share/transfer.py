@@ -5,11 +5,13 @@ Theory of operation
 -------------------
 
 A transfer is one native op per (rank, region), all submitted before the call that made
-the handle returns; the copies run on the op engine's threads. Each op is told to add 1
-to the handle's private eventfd when it becomes collectable (done, failed or cancelled:
-``kvs_op_notify``). One dispatcher thread per process polls the private fds of every
-live handle (epoll); when a handle's count reaches its number of ops, the dispatcher (or
-whichever caller of ``wait``/``done`` gets there first) *finishes* it, once:
+the handle returns; the copies run on the op engine's threads. The last op is told to
+add 1 to the handle's private eventfd when it becomes collectable (done, failed or
+cancelled: ``kvs_op_notify``). One dispatcher thread per process polls the private fds
+of every live handle (epoll); woken, it looks for an op still pending (ops finish
+roughly in order, so usually there is none) and has that one notify in turn. When none
+is pending, the dispatcher (or whichever caller of ``wait``/``done`` gets there first)
+*finishes* the handle, once:
 
 1. reaps every op and records how each ended; gives back the tensors' memory
    (buffer exports, DLPack capsules);
@@ -99,8 +101,8 @@ class TransferHandle:
         self._lock = threading.Lock()
         self._finished = threading.Event()
         self._finishing = False
-        self._completed = 0
         self._notify_fd: int | None = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) if notify else None
+        self._watched: set[Any] = set()  # ops told to notify _notify_fd
         self._user_fd: int | None = None
         self._callbacks: list[Callable[[TransferHandle], None]] = []
         self._on_finish: Callable[[TransferHandle], None] | None = None
@@ -128,6 +130,24 @@ class TransferHandle:
         self._on_finish = on_finish
         if self._notify_fd is not None:
             _dispatcher.register(self)
+            self._watch_next()
+
+    def _watch_next(self) -> bool:
+        """Have the last op that is still pending notify the private fd; False when none is
+        pending (every op is collectable). Called with no lock held, or by the dispatcher."""
+        fd = self._notify_fd
+        for e in reversed(self._entries):
+            if e.state != PENDING or e.op in self._watched:
+                if e.op in self._watched and not _collectable(e.op):
+                    return True  # its notification is still to come
+                continue
+            if not _collectable(e.op):
+                if fd is None:
+                    return True
+                self._watched.add(e.op)
+                e.op.notify(fd)  # at once if it finished meanwhile: the dispatcher looks again
+                return True
+        return False
 
     def _abort(self) -> None:
         """A submit failed part way: cancel what was submitted, wait for what a worker
@@ -146,9 +166,7 @@ class TransferHandle:
         """True once every op finished (done, failed or cancelled); never blocks."""
         if self._finished.is_set():
             return True
-        if self._notify_fd is not None:
-            self._progress()
-        elif all(_collectable(e.op) for e in self._entries):
+        if all(_collectable(e.op) for e in self._entries):
             self._finish()
         return self._finished.is_set()
 
@@ -267,17 +285,16 @@ class TransferHandle:
         return True
 
     def _progress(self) -> None:
-        """Count completions the engine reported on the private fd; finish at the last."""
+        """The private fd was written: finish if no op is pending, else watch the next."""
         with self._lock:
             fd = self._notify_fd
             if fd is None or self._finishing:
                 return
             try:
-                self._completed += os.eventfd_read(fd)
+                os.eventfd_read(fd)
             except BlockingIOError:
                 pass
-            complete = self._completed >= len(self._entries)
-        if complete:
+        if not self._watch_next():
             self._finish()
 
     def _finish(self, *, call_owner: bool = True) -> None:

@@ -142,6 +142,10 @@ class Op:
     def cancel(self) -> None:
         self._native.cancel(self.id)
 
+    def notify(self, fd: int) -> None:
+        """Add 1 to eventfd ``fd`` once the op is collectable (see :meth:`Native.notify`)."""
+        self._native.notify(self.id, fd)
+
     def reap(self) -> OpInfo:
         return self._native.reap(self.id)
 

@@ -80,6 +80,14 @@ class BenchBank(Lifecycle):
     def _release(self, **_: Any) -> None:
         return None
 
+    @effect("submit_store")
+    def _store(self, **_: Any) -> None:
+        return None
+
+    @effect("collect_store")
+    def _stored(self, **_: Any) -> None:
+        return None
+
 
 BANK_CYCLE = ("register", "advertise", "grant_lease", "lease_mapped", "release_lease", "drain", "quiesce", "release")
 
@@ -154,6 +162,10 @@ class BenchGroup(Lifecycle):
     @effect("submit_load")
     def _load(self, **_: Any) -> None:
         self.loads += 1
+
+    @effect("collect_load")
+    def _loaded(self, **_: Any) -> None:
+        return None
 
     @effect("stop_loads")
     def _stop(self, **_: Any) -> None:
