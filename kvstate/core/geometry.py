@@ -225,10 +225,12 @@ class Geometry:
     @classmethod
     def packed(cls, regions: Iterable[Region], *, align: int = 256) -> Geometry:
         """The regions back to back in the order given (each offset replaced, aligned to
-        ``align`` bytes), as an engine allocating one buffer for all of them would."""
+        ``align`` bytes and to the region's item size), as an engine allocating one buffer
+        for all of them would."""
         out, pos = [], 0
         for r in regions:
-            pos = -(-pos // align) * align
+            step = math.lcm(align, r.itemsize)
+            pos = -(-pos // step) * step
             out.append(attrs.evolve(r, offset=pos))
             pos += out[-1].span
         return cls(tuple(out))

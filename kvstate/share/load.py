@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 def _targets(group: Group, dst: object, rank: object) -> dict[int, Any]:
     """Rank -> what to load into it, from a mapping of one rank's tensors (``rank`` names
     it; optional at tp=1) or a mapping of rank -> tensors."""
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+        raise TransferRejected(TransferReason.RANK, "rank", f"must be an int, not {rank!r:.40}")
     if not isinstance(dst, Mapping) or not dst:
         raise TransferRejected(TransferReason.REGIONS, "dst_tensors", "must be a non-empty mapping of region "
                                "name to tensor (or of rank to such a mapping)")
