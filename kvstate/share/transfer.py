@@ -128,9 +128,13 @@ class TransferHandle:
     def _activate(self, on_finish: Callable[[TransferHandle], None] | None) -> None:
         """All ops are submitted and the owner tracks the handle: let it finish."""
         self._on_finish = on_finish
-        if self._notify_fd is not None:
+        fd = self._notify_fd
+        if fd is not None:
             _dispatcher.register(self)
-            self._watch_next()
+            if not self._watch_next():
+                # Every op finished before anyone watched: wake the dispatcher to finish it
+                # (not here: the owner may be inside the transition that submitted it).
+                os.eventfd_write(fd, 1)
 
     def _watch_next(self) -> bool:
         """Have the last op that is still pending notify the private fd; False when none is

@@ -260,3 +260,24 @@ def test_a_bank_store_is_cancellable_and_observable(make_world: Any) -> None:
         time.sleep(0.001)
     assert changes == ["store", "stored"] and not bank.stores and live_ops() == before
     h.close()
+
+
+class Synchronous(FailingOps):
+    """Every op has finished by the time submit returns: the load is over before the
+    handle is handed out."""
+
+    def submit_blocks(self, src: Any, dst: Any, blocks: Any, **kw: Any) -> Any:
+        op = super().submit_blocks(src, dst, blocks, **kw)
+        assert op.wait(10.0)
+        return op
+
+
+def test_a_load_that_finished_before_it_was_handed_out_still_completes_on_its_own(make_world: Any) -> None:
+    """No caller waits: the dispatcher alone must finish it (callback, fd, `loaded`)."""
+    world, group = _ready(make_world, transport=Synchronous(HostTransport(granularity=GRANULARITY)))
+    done = threading.Event()
+    h = group.load(BANK_IDS, zeros(), DST_IDS)
+    h.add_done_callback(lambda _: done.set())
+    assert done.wait(10.0)
+    assert select.select([h.fileno()], [], [], 10.0)[0]
+    h.close()
