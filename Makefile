@@ -6,7 +6,7 @@ VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test spec docs check clean bench spin bench-models fuzz soak
+.PHONY: demo test spec docs generate check clean bench spin bench-models fuzz soak
 
 # Spin for the model tests: installed from Debian when we can (root or sudo); otherwise the
 # model tests skip loudly (and fail when CI is set).
@@ -46,8 +46,12 @@ spec: $(STAMP)
 bench: $(STAMP)
 	$(VPY) -m kvstate bench
 
-docs: $(STAMP)
-	$(VPY) -m kvstate spec render
+# Every file derived from spec/ (C header, Promela models, docs/spec pages): one generator.
+# `make test` fails while any is stale (`kvstate generate --check`, in tests/test_generate.py).
+generate: $(STAMP)
+	$(VPY) -m kvstate generate
+
+docs: generate
 
 # Long hardening runs (the bounded versions run in `make test`). `fuzz` runs FUZZ_RUNS
 # coverage-guided atheris cases per fuzz target (atheris is installed here on demand) and

@@ -1,33 +1,53 @@
-"""Generated artifacts are fresh: docs/spec must equal what the tables render."""
+"""The generated spec pages: a Mermaid diagram, every row, and every row linked to the code
+that implements it and the code that fires its event. (Freshness: tests/test_generate.py.)"""
 
 from __future__ import annotations
 
-from pathlib import Path
+import re
 
-from kvstate.derive import docs as render
-from kvstate.commands.cli import main
+import pytest
+
 from kvstate.core.spec import load_spec
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def test_committed_spec_docs_are_fresh() -> None:
-    for name, text in render.pages(load_spec()).items():
-        committed = ROOT / "docs" / "spec" / name
-        assert committed.is_file(), f"missing {committed}; run `kvstate spec render`"
-        assert committed.read_text(encoding="utf-8") == text, f"{committed} is stale; run `kvstate spec render`"
+from kvstate.derive import codemap, docs as render
+from support.variants import ROOT
 
 
-def test_spec_check_command_detects_staleness(tmp_path: Path) -> None:
-    assert main(["spec", "render", "--out", str(tmp_path)]) == 0
-    assert main(["spec", "check", "--out", str(tmp_path)]) == 0
-    (tmp_path / "group.md").write_text("edited by hand\n")
-    assert main(["spec", "check", "--out", str(tmp_path)]) == 1
-
-
-def test_pages_carry_mermaid_and_every_transition() -> None:
+def _page(name: str) -> str:
     spec = load_spec()
-    for name, m in spec.machines.items():
-        page = render.pages(spec)[f"{name}.md"]
-        assert "```mermaid\nstateDiagram-v2" in page
-        assert page.count("\n| `") >= len(m.transitions)
+    return render.machine_page(spec, name, codemap.scan(ROOT, spec))
+
+
+def _rows(page: str) -> list[list[str]]:
+    """The cells of the transitions table."""
+    section = page.split("## Transitions", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("| `")]
+    return [[c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]] for line in lines]
+
+
+@pytest.mark.parametrize("name", ["bank", "group", "part", "op"])
+def test_pages_carry_mermaid_and_every_transition_linked_to_code(name: str) -> None:
+    m = load_spec()[name]
+    page = _page(name)
+    assert "```mermaid\nstateDiagram-v2" in page
+    rows = _rows(page)
+    assert len(rows) == len(m.transitions)
+    for row, t in zip(rows, m.transitions):
+        assert len(row) == 7 and row[0].startswith(f"`{t.trigger}`")
+        implemented, fired = row[5], row[6]
+        assert (implemented != "—") == bool(t.guards or t.unless or t.effects), row
+        assert fired != "—" and (fired.startswith("external: ") or "](../../" in fired), row
+
+
+def test_release_row_links_straight_to_its_effect_and_fire_site() -> None:
+    rows = [r for r in _rows(_page("bank")) if r[0] == "`release`"]
+    assert rows and all("[`kvstate.share.exporter:Bank._release`](../../kvstate/share/exporter.py)" in r[5]
+                        for r in rows)
+    assert all("kvstate.share.exporter:Exporter.drain" in r[6] for r in rows)
+
+
+def test_op_rows_link_to_the_c_engine() -> None:
+    page = _page("op")
+    assert "Every row is run by [`ffi/kvs_ops.c:kvs_op_step`](../../ffi/kvs_ops.c)." in page
+    submit = next(r for r in _rows(page) if r[0] == "`submit`")
+    assert "ffi/kvs_ops.c:guard_holds" in submit[5] and "ffi/kvs_ops.c:effect" in submit[5]
+    assert "ffi/kvs_ops.c:kvs_submit" in submit[6]

@@ -8,7 +8,6 @@ INV-OP-PINS, INV-DRAIN-NO-NEW (safety) and INV-DRAIN-QUIESCES (liveness, weak fa
 
 from __future__ import annotations
 
-import shutil
 import tomllib
 from pathlib import Path
 
@@ -21,34 +20,12 @@ from kvstate.core.errors import GuardRejected, ModelGenerationError
 from kvstate.core.spec import load_spec
 from support.model_harness import build
 from support.spin import require_spin
+from support.variants import ROOT, variant
 
-ROOT = Path(__file__).resolve().parents[1]
 PLANTED = sorted((ROOT / "tests" / "planted").glob("spec_*.toml"))
 
 
-def variant(tmp_path: Path, patch: Path | None = None, extra: tuple[tuple[str, str, str], ...] = ()) -> Path:
-    """A copy of spec/ with the patch's replacements applied (each must match exactly once)."""
-    out = tmp_path / "spec"
-    shutil.copytree(ROOT / "spec", out)
-    rules = [(r["file"], r["old"], r["new"]) for r in tomllib.loads(patch.read_text())["replace"]] if patch else []
-    for file, old, new in [*rules, *extra]:
-        text = (out / file).read_text()
-        assert text.count(old) == 1, f"{patch}: {old!r} must occur exactly once in {file}"
-        (out / file).write_text(text.replace(old, new))
-    return out
-
-
-# -- generation (no Spin needed) ------------------------------------------------------
-
-
-def test_committed_models_match_the_tables() -> None:
-    stale = models.stale_models(ROOT / "models")
-    assert not stale, f"models/ is stale: {stale}; run `kvstate check --regenerate`"
-
-
-def test_a_changed_table_makes_the_committed_models_stale(tmp_path: Path) -> None:
-    spec = load_spec(variant(tmp_path, PLANTED[0]))
-    assert models.stale_models(ROOT / "models", spec)
+# -- generation (no Spin needed; freshness is tests/test_generate.py) ------------------
 
 
 def test_unknown_guard_is_a_clear_error(tmp_path: Path) -> None:

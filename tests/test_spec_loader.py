@@ -70,3 +70,15 @@ def test_shadowed_row_is_refused() -> None:
     text = MINIMAL.replace('guards = ["ok"]\n', "") + '\n[[transitions]]\ntrigger = "go"\nsource = "a"\ndest = "a"\n'
     with pytest.raises(SpecError, match="unreachable"):
         parse_machine(text, "mini.toml")
+
+
+def test_external_event_marker_is_a_reason() -> None:
+    m = parse_machine(MINIMAL.replace('go = { doc = "go" }', 'go = { doc = "go", external = "the engine fires it" }'),
+                      "mini.toml")
+    assert m.events[0].external == "the engine fires it"
+    assert parse_machine(MINIMAL, "mini.toml").events[0].external is None
+    for bad in ("true", '""', '["x"]'):
+        with pytest.raises(SpecError) as info:
+            parse_machine(MINIMAL.replace('go = { doc = "go" }', f'go = {{ doc = "go", external = {bad} }}'),
+                          "mini.toml")
+        assert info.value.entry == "events.go.external"

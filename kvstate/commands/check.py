@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from kvstate.harness import modelcheck
@@ -11,7 +10,7 @@ from kvstate.harness import modelcheck
 from kvstate.derive import promela as models
 from kvstate.core.spec import load_spec
 
-help = "model-check the tables with Spin (safety, liveness), or regenerate models/"
+help = "model-check the tables with Spin (safety, liveness); `kvstate generate` writes models/"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,10 +24,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--table", action="store_true", help="print one table row per run")
     parser.add_argument("--spec", type=Path, help="check a variant of the tables in this directory")
     parser.add_argument("--memlim", type=int, default=2048, help="pan memory bound in MB (-DMEMLIM)")
-    parser.add_argument("--regenerate", type=Path, nargs="?", const=Path("models"), metavar="DIR",
-                        help="write the generated models (default models/) and exit")
-    parser.add_argument("--stale", type=Path, nargs="?", const=Path("models"), metavar="DIR",
-                        help="exit 1 if committed models differ from the tables")
 
 
 def _configs(args: argparse.Namespace) -> list[tuple[str, int, bool]]:
@@ -41,15 +36,6 @@ def _configs(args: argparse.Namespace) -> list[tuple[str, int, bool]]:
 
 def run(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
-    if args.regenerate is not None:
-        for path in models.write_models(args.regenerate, spec):
-            print(f"wrote {path}")
-        return 0
-    if args.stale is not None:
-        stale = models.stale_models(args.stale, spec)
-        for name in stale:
-            print(f"stale: {args.stale / name} (run `kvstate check --regenerate`)", file=sys.stderr)
-        return 1 if stale else 0
     failed = 0
     if args.table:
         print(f"{'model':9} {'tp':>3} {'check':9} {'result':9} {'states':>10} {'transitions':>12} "

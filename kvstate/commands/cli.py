@@ -21,14 +21,16 @@ COMMANDS = {
     "policy": "policy",
     "bench": "bench",
     "check": "check",
+    "generate": "generate",
 }
 
 _HELP = {
     "demo": "run the decode-to-prefill reuse demo",
-    "spec": "show, render or check the lifecycle tables",
+    "spec": "show the lifecycle tables",
     "policy": "explain the reuse policy's decision for given inputs",
     "bench": "run the benchmarks against peers, side by side",
-    "check": "model-check the tables with Spin, or regenerate models/",
+    "check": "model-check the tables with Spin",
+    "generate": "write every file derived from spec/, or check that they are fresh",
 }
 
 

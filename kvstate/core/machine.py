@@ -132,6 +132,7 @@ class _Compiled:
     machine: Any  # transitions.Machine; untyped library
     declared: frozenset[tuple[str, str]]
     guards: dict[str, Callable[..., Any]]
+    effects: dict[str, Callable[..., Any]]
 
 
 def _call_guard(fn: Callable[..., Any], event_data: Any) -> bool:
@@ -195,7 +196,7 @@ def compile_table(cls: type, spec: MachineSpec) -> _Compiled:
             before=[partial(_run_effects, tuple(effects[e] for e in row.effects))] if row.effects else [],
         )
     declared = frozenset((t.trigger, t.source) for t in spec.transitions)
-    return _Compiled(spec=spec, machine=machine, declared=declared, guards=guards)
+    return _Compiled(spec=spec, machine=machine, declared=declared, guards=guards, effects=effects)
 
 
 class _Held(threading.local):
@@ -253,6 +254,13 @@ class Lifecycle:
                     (isinstance(effect_name, str) and effect_name not in table.effects):
                 ns[attr] = None
         return type(f"{cls.__name__}[{table.source}]", (cls,), ns)
+
+    @classmethod
+    def bindings(cls) -> dict[tuple[str, str], Callable[..., Any]]:
+        """("guard" or "effect", name) -> the function bound to it from the class's table."""
+        compiled = cls._kv_compiled
+        return {**{("guard", n): fn for n, fn in compiled.guards.items()},
+                **{("effect", n): fn for n, fn in compiled.effects.items()}}
 
     @property
     def state(self) -> str:

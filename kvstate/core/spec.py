@@ -44,6 +44,8 @@ class EventSpec:
     name: str
     doc: str
     fault: bool
+    #: Why no code in kvstate fires this event (the caller or the world does), or None.
+    external: str | None = None
 
 
 @attrs.frozen
@@ -172,12 +174,13 @@ def parse_machine(text: str, source: str) -> MachineSpec:
     for ev, body in raw["events"].items():
         entry = f"events.{ev}"
         if not isinstance(body, dict):
-            raise SpecError(source, entry, "expected { doc = ..., fault = ... }")
-        _keys(source, entry, body, {"doc"}, {"fault"})
+            raise SpecError(source, entry, "expected { doc = ..., fault = ..., external = ... }")
+        _keys(source, entry, body, {"doc"}, {"fault", "external"})
         fault = body.get("fault", False)
         if not isinstance(fault, bool):
             raise SpecError(source, entry, "fault must be true or false")
-        events.append(EventSpec(ev, _text(source, entry, body["doc"]), fault))
+        external = _text(source, f"{entry}.external", body["external"]) if "external" in body else None
+        events.append(EventSpec(ev, _text(source, entry, body["doc"]), fault, external))
 
     guards = _name_table(source, "guards", raw.get("guards", {}))
     effects = _name_table(source, "effects", raw.get("effects", {}))

@@ -129,11 +129,11 @@ def exporter_main(conn: multiprocessing.connection.Connection, spec_json: str, k
     bank = ex.add_bank(rank, g)
     states = [bank.state]
     bank.observe(lambda c: states.append(c.dest))
-    bank.fire("register")
+    bank.register()
     view = bank.view()
     for b in range(g.num_blocks):
         view[b * g.block_bytes:(b + 1) * g.block_bytes] = kv_pattern(rank, b, g.block_bytes, spec.seed)
-    bank.fire("advertise")
+    bank.advertise()
     inventory.store(INVENTORY_GROUP, [block_hash(spec, b) for b in spec.prefix()])
     ex.start()
     _send(conn, descriptor=ex.descriptor(rank).hex(), epoch=inventory.epoch(INVENTORY_GROUP), pid=os.getpid(),

@@ -195,9 +195,9 @@ def _lifecycle_exporter(device: bytes, socket_dir: str, conn: Connection) -> Non
     ex = Exporter(ExportConfig(DEPLOYMENT, Path(socket_dir), os.urandom(16), 1,
                                handle_kind=HandleKind.POSIX_FD), t)
     bank = ex.add_bank(0, GEOMETRY)
-    bank.fire("register")
+    bank.register()
     t.write(bank.mapping, pattern(GEOMETRY.nbytes, 2))
-    bank.fire("advertise")
+    bank.advertise()
     ex.start()
     conn.send(ex.descriptor(0))
     _wait(conn, "'drain'")

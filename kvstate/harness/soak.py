@@ -92,9 +92,9 @@ def exporter_worker(conn: multiprocessing.connection.Connection, spec_json: str,
             ex = Exporter(ExportConfig(deployment, Path(socket_dir), bytes.fromhex(source_hex), spec.tp,
                                        lease_timeout_s=spec.lease_timeout_s), t, name=f"rank{rank}")
             bank = ex.add_bank(rank, g)
-            bank.fire("register")
+            bank.register()
             bank.view()[:len(pattern)] = pattern
-            bank.fire("advertise")
+            bank.advertise()
             ex.start()
             _send(conn, descriptor=ex.descriptor(rank).hex(), leaks=leaks)
         elif cmd["cmd"] == "drain":

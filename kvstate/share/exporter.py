@@ -37,7 +37,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import logging
 
@@ -112,6 +112,9 @@ class BankLease:
     mapped: bool = False
 
 
+#: The bank events that end a lease without the importer asking.
+LeaseEnd = Literal["peer_died", "lease_expired"]
+
 #: The type of each scalar request field; ``blocks`` is checked by the inventory.
 _REQUEST_FIELDS: dict[str, type] = {"op": str, "rank": int, "lease": int, "generation": int, "incarnation": str}
 
@@ -144,6 +147,21 @@ class Bank(Lifecycle):
         self._views: list[weakref.ref[Any]] = []  # buffers under the engine's tensors (Bank.tensors)
 
     # -- what the engine uses -------------------------------------------------------
+
+    def register(self) -> None:
+        """Export the bank (``register``). If registration fails, ``register_failed`` is
+        recorded too, so observers see the failure, and RegistrationFailed propagates
+        with the bank still ``allocated`` and owned by the engine (INV-REGISTER-ATOMIC)."""
+        with self.locked():
+            try:
+                self.fire("register")
+            except RegistrationFailed:
+                self.fire("register_failed")
+                raise
+
+    def advertise(self) -> None:
+        """Publish a signed descriptor with a new generation (``advertise``)."""
+        self.fire("advertise")
 
     def view(self) -> memoryview:
         """The exporter's own read-write view of the bank (after registration)."""
@@ -356,7 +374,7 @@ class Exporter:
         """Zero copy: a registered bank for ``rank`` and one tensor per region over its
         memory (:meth:`Bank.tensors`), for the engine to use as its KV cache. Advertise
         the bank once the engine has filled blocks worth reusing."""
-        bank = self.add_bank(rank, geometry)
+        bank: Bank = self.add_bank(rank, geometry)
         bank.fire("register")
         try:
             return bank, bank.tensors(framework)
@@ -443,7 +461,7 @@ class Exporter:
             if key in req and type(req[key]) is not kind:
                 raise FrameError(f"request field {key!r} must be {kind.__name__}, not {type(req[key]).__name__}")
         op = req.get("op")
-        bank = self.banks.get(req.get("rank", -1))
+        bank: Bank | None = self.banks.get(req.get("rank", -1))
         if bank is None:
             return self._refuse("unknown_rank", f"no bank for rank {req.get('rank')!r}")
         if op == "lease":
@@ -493,7 +511,8 @@ class Exporter:
                                 f"{len(result.missing)} block(s) gone): recompute")
         return result
 
-    def _end_leases(self, event: str, select: Callable[[BankLease], bool]) -> None:
+    def _end_leases(self, event: LeaseEnd, select: Callable[[BankLease], bool]) -> None:
+        bank: Bank
         for bank in list(self.banks.values()):
             for lease in [lease for lease in list(bank.leases.values()) if select(lease)]:
                 try:
@@ -515,6 +534,7 @@ class Exporter:
         """Drain every bank, wait for native quiescence, release. Returns seconds to quiescent."""
         start = time.monotonic()
         deadline = start + timeout
+        bank: Bank
         for bank in self.banks.values():
             if bank.may("drain"):
                 bank.fire("drain")

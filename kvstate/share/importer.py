@@ -26,9 +26,11 @@ native layer reports zero pins, then closes.
 
 Faults reported by the environment (:meth:`Group.fault`): the exporter's connection
 closing or its process exiting (``peer_died``, detected by a watcher on every part's
-channel), a lease reaching its expiry (``expired``), a restart seen elsewhere
-(``incarnation_changed``). Before ready they fail the group and roll back; after ready
-they drain it: existing mappings stay readable until unmapped, but nothing new starts.
+channel), a lease reaching its expiry (``expired``), an exporter restart
+(``incarnation_changed``: a lease refused as ``stale_incarnation`` while importing, or a
+validated descriptor of the same source and rank from a new incarnation while the group
+lives). Before ready they fail the group and roll back; after ready they drain it:
+existing mappings stay readable until unmapped, but nothing new starts.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import ExitStack
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
@@ -72,6 +74,10 @@ from kvstate.share.plan import Plan
 from kvstate.share.transfer import TransferHandle, check_timeout, stop_dispatcher_if_idle
 
 log = logging.getLogger(__name__)
+
+
+#: The group events that report a fault from the environment (see :meth:`Group.fault`).
+GroupFault = Literal["part_failed", "peer_died", "incarnation_changed", "expired"]
 
 
 @attrs.frozen
@@ -255,6 +261,7 @@ class Group(Lifecycle):
         self._close_parts()
 
     def _close_parts(self) -> None:
+        p: Part
         for p in self.parts:
             if p.may("close"):
                 p.fire("close")
@@ -334,7 +341,7 @@ class Group(Lifecycle):
                              f"{sorted({e.rank for e in handle._entries if e.state != 'done'})} did not complete")
         return LoadResult(result.blocks, result.bytes, result.seconds)
 
-    def fault(self, event: str) -> bool:
+    def fault(self, event: GroupFault) -> bool:
         """Report a fault event; False when it is not declared in the current state (for
         example a terminal one). Check and transition are one atomic step."""
         with self.locked():
@@ -412,7 +419,7 @@ class Importer:
         and the caller recomputes. ``expect`` overrides fields of the Expectation.
         """
         self._count += 1
-        group = self.group_class(self, f"group#{self._count}", self.observers)
+        group: Group = self.group_class(self, f"group#{self._count}", self.observers)
         self.groups = [g for g in self.groups if not g.is_terminal] + [group]
         descriptors: list[Descriptor] = []
         problems: list[DescriptorRejected] = []
@@ -427,8 +434,13 @@ class Importer:
                 raise GroupRejected(problems)
             validated = validate_group(descriptors, self.expectation(**expect))
         except GroupRejected:
+            part: Part
+            group.parts = [Part(group, d) for d in descriptors]  # the ranks that decoded
+            for part in group.parts:
+                part.fire("reject")
             group.fire("reject")
             raise
+        self._note_restarts(validated)
         group.validated = validated
         group.blocks = blocks
         group.parts = [Part(group, d) for d in validated.parts]
@@ -440,7 +452,11 @@ class Importer:
             part = group.parts[rank]
             if part.may("import_failed"):
                 part.fire("import_failed")
-            group.fault("part_failed")  # rolls back every part imported so far
+        # Either fault rolls back every part imported so far.
+        if any(isinstance(c, LeaseRefused) and c.code == "stale_incarnation" for c in failures.values()):
+            group.fault("incarnation_changed")
+        elif failures:
+            group.fault("part_failed")
         if failures:
             first, cause = min(failures.items())
             if isinstance(cause, LeaseRefused) and cause.code == "stale_inventory":
@@ -450,6 +466,19 @@ class Importer:
             raise ImportFailed(0, KvStateError(f"group {group.state} during import"))
         group.fire("complete")
         return group
+
+    def _note_restarts(self, validated: ValidatedGroup) -> None:
+        """A validated descriptor of a (source, rank) that a live group imported, from
+        another incarnation, shows that exporter restarted: the group hears it."""
+        current = {(d.source_id, d.rank): d.incarnation for d in validated.parts}
+        group: Group
+        for group in list(self.groups):
+            if any(current.get((p.descriptor.source_id, p.rank), p.descriptor.incarnation)
+                   != p.descriptor.incarnation for p in group.parts):
+                try:
+                    group.fault("incarnation_changed")
+                except TransitionError:
+                    pass  # a concurrent transition already moved the group on
 
     def _open_parts(self, parts: Sequence[Part]) -> dict[int, BaseException]:
         """Open every part, concurrently: each waits on its own exporter's channel, so the
@@ -488,8 +517,9 @@ class Importer:
     def _peer_closed(self, ch: chan.Channel) -> None:
         part = self._owners.pop(id(ch), None)
         if part is not None:
+            group: Group = part.group
             try:
-                part.group.fault("peer_died")
+                group.fault("peer_died")
             except TransitionError:
                 pass  # a concurrent transition already moved the group on
 
@@ -503,5 +533,10 @@ class Importer:
     def expire_leases(self, groups: Iterable[Group]) -> list[Group]:
         """Fire ``expired`` on every group holding a lease past its expiry; return them."""
         now = time.monotonic()
-        hit = [g for g in groups if any(p.lease_id is not None and p.lease_expires_at <= now for p in g.parts)]
-        return [g for g in hit if g.fault("expired")]
+        expired: list[Group] = []
+        group: Group
+        for group in groups:
+            if any(p.lease_id is not None and p.lease_expires_at <= now for p in group.parts) \
+                    and group.fault("expired"):
+                expired.append(group)
+        return expired

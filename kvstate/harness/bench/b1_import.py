@@ -54,9 +54,9 @@ def _kvstate_exporter(conn: Connection, p: dict[str, Any]) -> None:
                   HostTransport(), name="bench")
     for r in range(p["tp"]):
         bank = ex.add_bank(r, _geometry(p["bank_bytes"]))
-        bank.fire("register")
+        bank.register()
         bank.view()[:: mmap.PAGESIZE] = b"\1" * len(range(0, bank.size, mmap.PAGESIZE))  # touch every page
-        bank.fire("advertise")
+        bank.advertise()
     ex.start()
     conn.send([ex.descriptor(r) for r in range(p["tp"])])
     conn.recv()

@@ -1,0 +1,131 @@
+"""Events that production code fires where they belong, as observers see them:
+`register_failed` (bank), `incarnation_changed` (group) and `reject` (part).
+
+Each test has its negative control: the event is not fired where it does not belong.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import attrs
+import pytest
+
+from conftest import DEPLOYMENT, GEOMETRY, make_exporter
+from kvstate.core.descriptor import decode, encode
+from kvstate.core.errors import GroupRejected, ImportFailed, RegistrationFailed
+from kvstate.core.identity import Incarnation
+from kvstate.core.machine import StateChange
+from kvstate.share.exporter import Exporter, ExportConfig
+from kvstate.share.importer import Group, ImportConfig, Importer
+from kvstate.transport.host import HostTransport
+from support.faults import FaultyTransport
+
+
+def _changes(log: list[StateChange], machine: str) -> list[tuple[str, str, str]]:
+    return [(c.event, c.source, c.dest) for c in log if c.machine == machine]
+
+
+@pytest.mark.parametrize("step", ["reserve", "map", "set_access", "export"])
+def test_failed_registration_records_register_failed(step: str, transport: HostTransport) -> None:
+    """INV-REGISTER-ATOMIC, observed: `bank.register()` records the failure and re-raises."""
+    log: list[StateChange] = []
+    faulty = FaultyTransport(transport)
+    ex = Exporter(ExportConfig(DEPLOYMENT, Path(tempfile.mkdtemp()) / "s", bytes(16), 1), faulty,  # type: ignore[arg-type]
+                  observers=[log.append])
+    bank = ex.add_bank(0, GEOMETRY)
+    faulty.fail(step)
+    with pytest.raises(RegistrationFailed) as info:
+        bank.register()
+    assert info.value.step == step
+    assert (bank.state, bank.owner) == ("allocated", "engine")
+    assert _changes(log, "bank") == [("register_failed", "allocated", "allocated")]
+    bank.register()  # negative control: a registration that works records only `register`
+    assert _changes(log, "bank")[1:] == [("register", "allocated", "registered")]
+    ex.drain(1.0)
+    assert bank.state == "released"
+
+
+def _importer(transport: HostTransport, log: list[StateChange]) -> Importer:
+    return Importer(ImportConfig(DEPLOYMENT), transport, observers=[log.append])
+
+
+def test_lease_refused_as_stale_incarnation_fires_incarnation_changed(transport: HostTransport) -> None:
+    ex = make_exporter(2, transport)
+    old = [ex.descriptor(r) for r in range(2)]
+    ex.incarnation = Incarnation.new()  # the exporter "restarted"
+    log: list[StateChange] = []
+    importer = _importer(transport, log)
+    try:
+        with pytest.raises(ImportFailed, match="stale_incarnation"):
+            importer.import_group(old)
+        assert ("incarnation_changed", "importing", "failed") in _changes(log, "group")
+        assert "part_failed" not in [e for e, _, _ in _changes(log, "group")]
+    finally:
+        importer.close()
+
+
+def test_other_import_failures_fire_part_failed(transport: HostTransport) -> None:
+    ex = make_exporter(2, transport)
+    log: list[StateChange] = []
+    faulty = FaultyTransport(transport)
+    importer = Importer(ImportConfig(DEPLOYMENT), faulty, observers=[log.append])  # type: ignore[arg-type]
+    try:
+        faulty.fail("map")
+        with pytest.raises(ImportFailed):
+            importer.import_group([ex.descriptor(r) for r in range(2)])
+        events = [e for e, _, _ in _changes(log, "group")]
+        assert "part_failed" in events and "incarnation_changed" not in events
+    finally:
+        importer.close()
+
+
+def test_a_new_incarnation_of_a_live_source_drains_its_groups(transport: HostTransport) -> None:
+    """Exporter A serves (source, rank 0); B is the same source and rank from a new
+    process. Importing from B shows A's process was replaced: A's ready group drains
+    (incarnation_changed), its mapping still readable until unmapped. Importing again from
+    A, or from another source, leaves A's group ready (negative controls)."""
+    source = os.urandom(16)
+    a = make_exporter(1, transport, name="a", source=source)
+    log: list[StateChange] = []
+    importer = _importer(transport, log)
+    try:
+        first: Group = importer.import_group([a.descriptor(0)])
+        again = importer.import_group([a.descriptor(0)])
+        other = importer.import_group([make_exporter(1, transport, name="other").descriptor(0)])
+        assert (first.state, again.state, other.state) == ("ready", "ready", "ready")
+        assert "incarnation_changed" not in [c.event for c in log]
+
+        b = make_exporter(1, transport, name="b", source=source)
+        assert b.incarnation != a.incarnation
+        renewed = importer.import_group([b.descriptor(0)])
+        assert renewed.state == "ready" and other.state == "ready"
+        assert [(c.label, c.source, c.dest) for c in log if c.event == "incarnation_changed"] == \
+            [(first.label, "ready", "draining"), (again.label, "ready", "draining")]
+        for group in (first, again, other, renewed):
+            group.drain()
+        assert all(g.state == "closed" for g in (first, again, other, renewed))
+    finally:
+        importer.close()
+
+
+def test_a_rejected_group_rejects_every_part_it_received(transport: HostTransport) -> None:
+    """INV-REJECT-BEFORE-OPEN, observed per rank: every decoded part is rejected, unopened."""
+    ex = make_exporter(2, transport)
+    bad = encode(attrs.evolve(decode(ex.descriptor(1), DEPLOYMENT), rank=5), DEPLOYMENT)
+    log: list[StateChange] = []
+    importer = _importer(transport, log)
+    try:
+        with pytest.raises(GroupRejected):
+            importer.import_group([ex.descriptor(0), bad])
+        assert _changes(log, "part") == [("reject", "received", "rejected")] * 2
+        assert _changes(log, "group") == [("reject", "advertised", "rejected")]
+        assert all(p.mapping is None for p in importer.groups[-1].parts)
+        log.clear()
+        with pytest.raises(GroupRejected):  # a part that does not decode has no part machine
+            importer.import_group([ex.descriptor(0), b"garbage"])
+        assert _changes(log, "part") == [("reject", "received", "rejected")]
+    finally:
+        importer.close()
