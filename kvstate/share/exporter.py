@@ -375,7 +375,7 @@ class Exporter:
         memory (:meth:`Bank.tensors`), for the engine to use as its KV cache. Advertise
         the bank once the engine has filled blocks worth reusing."""
         bank: Bank = self.add_bank(rank, geometry)
-        bank.fire("register")
+        bank.register()
         try:
             return bank, bank.tensors(framework)
         except BaseException:

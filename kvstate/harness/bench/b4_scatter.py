@@ -85,11 +85,11 @@ class _Pair:
         deployment = Deployment("bench", bytes(range(32)))
         self.exporter = Exporter(ExportConfig(deployment, d / "s", os.urandom(16), 1), HostTransport())
         self.bank = self.exporter.add_bank(0, self.geometry)
-        self.bank.fire("register")
+        self.bank.register()
         views = self.bank.tensors("numpy")
         _fill_bank(views)
         del views
-        self.bank.fire("advertise")
+        self.bank.advertise()
         self.exporter.start()
         self.importer = Importer(ImportConfig(deployment), HostTransport())
         self.group = self.importer.import_group([self.exporter.descriptor(0)])
