@@ -443,3 +443,7 @@ def stop_dispatcher_if_idle(timeout: float = 2.0) -> bool:
     """Stop kvstate's completion thread now if no transfer is in flight (Importer.close
     and Exporter.stop call this, so a closed worker holds no thread or fd of it)."""
     return _dispatcher.stop_if_idle(timeout)
+
+#: What ``Group.load``/``load_prefix`` and ``Bank.store`` return: one class, two names.
+LoadHandle = TransferHandle
+StoreHandle = TransferHandle
