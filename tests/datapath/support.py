@@ -74,3 +74,14 @@ def zeros(g: Geometry = GEOMETRY, capacity: int = 16) -> dict[str, torch.Tensor]
 
 def untouched(dst: dict[str, torch.Tensor]) -> bool:
     return not any(t.view(torch.int16).any() for t in dst.values())
+
+
+def collected(owner: Any, timeout: float = 10.0) -> bool:
+    """True once a group (bank) forgot every finished load (store): its `loaded`
+    (`stored`) change runs just after the waiters of the transfer woke up."""
+    import time
+    pending = owner.loads if hasattr(owner, "loads") else owner.stores
+    deadline = time.monotonic() + timeout
+    while pending and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return not pending

@@ -12,7 +12,7 @@ import torch
 
 from kvstate.core.errors import IllegalTransition, KvStateError, TransferRejected
 from kvstate.core.reasons import TransferReason as R
-from datapath.support import GEOMETRY, bank_pattern, engine, untouched, zeros
+from datapath.support import GEOMETRY, bank_pattern, collected, engine, untouched, zeros
 
 GOOD_BANK, GOOD_DST = [1, 2], [3, 4]
 
@@ -116,6 +116,7 @@ def test_bad_ranks_are_refused(make_world: Any) -> None:
 def _refused(group: Any, call: Callable[[dict[str, Any]], Any], reason: R, where: str) -> None:
     nat = engine()
     before = nat.stats()
+    loads_before = set(group.loads)  # an earlier load may still be in its `loaded` change
     dst = zeros()
     with pytest.raises(TransferRejected) as info:
         call(dst)
@@ -123,7 +124,7 @@ def _refused(group: Any, call: Callable[[dict[str, Any]], Any], reason: R, where
     assert where in info.value.where, info.value
     after = nat.stats()
     assert after.submitted == before.submitted and after.ops_live == before.ops_live
-    assert untouched(dst) and not group.loads and group.state == "ready"
+    assert untouched(dst) and group.loads <= loads_before and group.state == "ready"
     h = group.load(GOOD_BANK, zeros(), GOOD_DST, rank=0)  # the group still works
     assert h.wait(10.0) and not h.failed_blocks()
     h.close()
@@ -239,4 +240,4 @@ def test_only_kvstate_errors_escape_for_arbitrary_arguments(make_world: Any) -> 
                 assert r.wait(10.0)
                 r.close()
     after = engine().stats()
-    assert after.ops_live == before.ops_live and not group.loads
+    assert after.ops_live == before.ops_live and collected(group)
