@@ -37,7 +37,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Generic, Literal
 
 import logging
 
@@ -68,7 +68,8 @@ from kvstate.core.machine import Lifecycle, Observer, effect, guard
 from kvstate.core.errors import IllegalTransition
 from kvstate.core.spec import load_machine
 from kvstate.core.capabilities import Access
-from kvstate.transport.protocol import Transport
+from kvstate.core.errors import TransportUnsuitable
+from kvstate.transport.protocol import A, E, H, HostView, M, MappedTransport, R, require_mapped
 from kvstate.share import store
 from kvstate.share.plan import Plan
 from kvstate.share.transfer import TransferHandle, stop_dispatcher_if_idle
@@ -119,12 +120,15 @@ LeaseEnd = Literal["peer_died", "lease_expired"]
 _REQUEST_FIELDS: dict[str, type] = {"op": str, "rank": int, "lease": int, "generation": int, "incarnation": str}
 
 
-class Bank(Lifecycle):
-    """One rank's bank. Driven by spec/bank.toml; see the module docstring."""
+class Bank(Lifecycle, Generic[H, A, R, M, E]):
+    """One rank's bank. Driven by spec/bank.toml; see the module docstring.
+
+    ``H, A, R, M, E`` are the transport's handle, allocation, reservation, mapping and
+    caller-memory types (:class:`kvstate.transport.protocol.MappedTransport`)."""
 
     table = load_machine("bank")
 
-    def __init__(self, exporter: Exporter, rank: int, geometry: Geometry, *,
+    def __init__(self, exporter: Exporter[H, A, R, M, E], rank: int, geometry: Geometry, *,
                  observers: Iterable[Observer] = ()) -> None:
         super().__init__(label=f"bank[rank {rank}]", observers=observers)
         self.exporter = exporter
@@ -132,11 +136,11 @@ class Bank(Lifecycle):
         self.rank = rank
         self.geometry = geometry
         self.size = geometry.bank_size(self.transport.granularity())
-        self.allocation: Any = self.transport.create(self.size)
+        self.allocation: A = self.transport.create(self.size)
         self.owner = "engine"
-        self.reservation: Any = None
-        self.mapping: Any = None
-        self.handle: Any = None
+        self.reservation: R | None = None
+        self.mapping: M | None = None
+        self.handle: H | None = None
         self.generation = 0
         self.descriptor: bytes | None = None
         self.descriptor_expires_ns = 0
@@ -164,13 +168,27 @@ class Bank(Lifecycle):
         self.fire("advertise")
 
     def view(self) -> memoryview:
-        """The exporter's own read-write view of the bank (after registration)."""
-        if self.mapping is None:
-            raise KvStateError(f"{self.label} is not registered")
-        return self.transport.view(self.mapping)  # type: ignore[attr-defined,no-any-return]
+        """The exporter's own read-write view of the bank (after registration), where the
+        transport's memory is host memory (:class:`kvstate.transport.protocol.HostView`)."""
+        t = self.transport
+        if not isinstance(t, HostView):
+            raise TransportUnsuitable(t.name, "a bank view needs host memory")
+        return t.view(self.mapped())
 
     def pins(self) -> int:
-        return 0 if self.mapping is None else int(self.transport.stats(self.mapping).pins)  # type: ignore[attr-defined]
+        return 0 if self.mapping is None else self.transport.stats(self.mapping).pins
+
+    def mapped(self) -> M:
+        """The exporter's own mapping of the bank (KvStateError before registration)."""
+        if self.mapping is None:
+            raise KvStateError(f"{self.label} is not registered")
+        return self.mapping
+
+    def exported(self) -> H:
+        """The handle registration exported (KvStateError before registration)."""
+        if self.handle is None:
+            raise KvStateError(f"{self.label} is not registered")
+        return self.handle
 
     def store(self, src_tensors: Any, src_block_ids: Any, bank_block_ids: Any) -> TransferHandle:
         """Copy pages ``src_block_ids`` of the engine's tensors (region name -> tensor) into
@@ -232,7 +250,7 @@ class Bank(Lifecycle):
             step = "reserve"
             try:
                 reservation = t.reserve(self.size)
-                undo.callback(t.free, reservation)  # type: ignore[attr-defined]
+                undo.callback(t.free, reservation)
                 step = "map"
                 mapping = t.map(reservation, 0, self.allocation)
                 undo.callback(t.unmap, mapping)
@@ -247,13 +265,17 @@ class Bank(Lifecycle):
         return self._unregister
 
     def _unregister(self) -> None:
-        self.transport.unmap(self.mapping)
-        self.transport.free(self.reservation)  # type: ignore[attr-defined]
+        """Undo registration: unmap, free the reservation; the engine owns the memory again."""
+        if self.mapping is not None:
+            self.transport.unmap(self.mapping)
+        if self.reservation is not None:
+            self.transport.free(self.reservation)
         self.reservation = self.mapping = self.handle = None
         self.owner = "engine"
 
     @effect("publish_descriptor")
     def _publish(self, **kw: Any) -> Callable[[], None]:
+        handle = self.exported()
         before = (self.generation, self.descriptor, self.descriptor_expires_ns, self.inventory_epoch)
         ex = self.exporter
         self.generation += 1
@@ -263,8 +285,8 @@ class Bank(Lifecycle):
             deployment_id=ex.config.deployment.id, source_id=ex.config.source_id,
             fabric=FabricDomain(FabricKind.NODE, ex.node), host_boot_id=ex.boot_id,
             device_uuid=self.transport.device_uuid(), incarnation=ex.incarnation.value, pid=os.getpid(),
-            rank=self.rank, tp=ex.config.tp, geometry=self.geometry, handle_kind=self.handle.kind,
-            handle=self.handle.identity, size=self.size, granularity=self.transport.granularity(),
+            rank=self.rank, tp=ex.config.tp, geometry=self.geometry, handle_kind=handle.kind,
+            handle=handle.identity, size=self.size, granularity=self.transport.granularity(),
             generation=self.generation, expires_at_ns=self.descriptor_expires_ns,
             socket_path=str(ex.socket_path), inventory_epoch=self.inventory_epoch,
         )
@@ -322,22 +344,29 @@ class Bank(Lifecycle):
         if self.views_alive():
             raise ViewsOutstanding(f"{self.label}: {len(self._views)} set(s) of tensors from Bank.tensors() are "
                                    "still alive; drop them (the engine's KV cache) before releasing the bank")
+        # The transport calls straight into C: row -> this effect -> transport -> C.
+        t = self.transport
         if self.mapping is not None:
-            self._unregister()
-        self.transport.release(self.allocation)
+            t.unmap(self.mapping)
+        if self.reservation is not None:
+            t.free(self.reservation)
+        self.reservation = self.mapping = self.handle = None
+        t.release(self.allocation)
         self.owner = "released"
 
 
-class Exporter:
+class Exporter(Generic[H, A, R, M, E]):
     """A decode worker's exporting side: banks, the control server, lease bookkeeping."""
 
-    def __init__(self, config: ExportConfig, transport: Transport, *, name: str | None = None,
-                 inventory: Inventory | None = None, observers: Iterable[Observer] = ()) -> None:
+    def __init__(self, config: ExportConfig, transport: MappedTransport[H, A, R, M, E], *,
+                 name: str | None = None, inventory: Inventory | None = None,
+                 observers: Iterable[Observer] = ()) -> None:
         """``name`` names the control socket ``<socket_dir>/<name>.sock``; by default it is
         unique to this exporter (pid and incarnation), so exporters may share a socket
         directory. A name another live exporter serves is refused by :meth:`start`."""
         if not isinstance(config, ExportConfig):
             raise ConfigInvalid("config", f"must be an ExportConfig, not {type(config).__name__}")
+        require_mapped(transport)
         self.config = config
         self.transport = transport
         #: The retained inventory (advisory); a lease naming blocks pins them atomically.
@@ -350,7 +379,7 @@ class Exporter:
         if not isinstance(name, str) or not name or "/" in name or "\0" in name or name in (".", ".."):
             raise ConfigInvalid("name", f"must be a file name (no '/', no NUL), not {name!r:.40}")
         self.socket_path = Path(config.socket_dir) / f"{name}.sock"
-        self.banks: dict[int, Bank] = {}
+        self.banks: dict[int, Bank[H, A, R, M, E]] = {}
         self._observers = tuple(observers)
         self._lease_ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -363,18 +392,19 @@ class Exporter:
 
     # -- banks --------------------------------------------------------------------------
 
-    def add_bank(self, rank: int, geometry: Geometry) -> Bank:
+    def add_bank(self, rank: int, geometry: Geometry) -> Bank[H, A, R, M, E]:
         if rank in self.banks:
             raise KvStateError(f"rank {rank} already has a bank in this exporter")
-        bank = Bank(self, rank, geometry, observers=self._observers)
+        bank: Bank[H, A, R, M, E] = Bank(self, rank, geometry, observers=self._observers)
         self.banks[rank] = bank
         return bank
 
-    def allocate(self, rank: int, geometry: Geometry, framework: str = "torch") -> tuple[Bank, dict[str, Any]]:
+    def allocate(self, rank: int, geometry: Geometry,
+                 framework: str = "torch") -> tuple[Bank[H, A, R, M, E], dict[str, Any]]:
         """Zero copy: a registered bank for ``rank`` and one tensor per region over its
         memory (:meth:`Bank.tensors`), for the engine to use as its KV cache. Advertise
         the bank once the engine has filled blocks worth reusing."""
-        bank: Bank = self.add_bank(rank, geometry)
+        bank: Bank[H, A, R, M, E] = self.add_bank(rank, geometry)
         bank.register()
         try:
             return bank, bank.tensors(framework)
@@ -461,7 +491,7 @@ class Exporter:
             if key in req and type(req[key]) is not kind:
                 raise FrameError(f"request field {key!r} must be {kind.__name__}, not {type(req[key]).__name__}")
         op = req.get("op")
-        bank: Bank | None = self.banks.get(req.get("rank", -1))
+        bank: Bank[H, A, R, M, E] | None = self.banks.get(req.get("rank", -1))
         if bank is None:
             return self._refuse("unknown_rank", f"no bank for rank {req.get('rank')!r}")
         if op == "lease":
@@ -484,7 +514,8 @@ class Exporter:
                 return self._refuse("not_leasing", str(exc))
             lease = bank.leases[lease_id]
             remaining = lease.expires_at - time.monotonic()
-            fds = () if bank.handle.fd is None else (bank.handle.fd,)  # FABRIC and CUDA_IPC carry bytes only
+            fd = bank.exported().fd
+            fds = () if fd is None else (fd,)  # FABRIC and CUDA_IPC carry bytes only
             return {"ok": True, "lease": lease_id, "expires_in_s": remaining}, fds
         held = bank.leases.get(req.get("lease", -1))
         if held is None or held.channel is not ch:
@@ -512,7 +543,7 @@ class Exporter:
         return result
 
     def _end_leases(self, event: LeaseEnd, select: Callable[[BankLease], bool]) -> None:
-        bank: Bank
+        bank: Bank[H, A, R, M, E]
         for bank in list(self.banks.values()):
             for lease in [lease for lease in list(bank.leases.values()) if select(lease)]:
                 try:
@@ -534,7 +565,7 @@ class Exporter:
         """Drain every bank, wait for native quiescence, release. Returns seconds to quiescent."""
         start = time.monotonic()
         deadline = start + timeout
-        bank: Bank
+        bank: Bank[H, A, R, M, E]
         for bank in self.banks.values():
             if bank.may("drain"):
                 bank.fire("drain")

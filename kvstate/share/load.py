@@ -26,7 +26,10 @@ from kvstate.share import tensors
 from kvstate.share.plan import Copy, Plan, block_ids, triples, unique
 
 if TYPE_CHECKING:
-    from kvstate.share.importer import Group, Part
+    from kvstate.share import importer
+
+    Group = importer.Group[Any, Any, Any, Any, Any]
+    Part = importer.Part[Any, Any, Any, Any, Any]
 
 
 def _targets(group: Group, dst: object, rank: object) -> dict[int, Any]:
