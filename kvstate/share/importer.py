@@ -292,10 +292,6 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
     def _collect(self, *, handle: object = None, **kw: Any) -> None:
         self.loads.discard(handle)
 
-    @effect("stop_loads")
-    def _stop(self, **kw: Any) -> None:
-        pass  # the state itself refuses `load` from now on
-
     # -- what the engine calls --------------------------------------------------------
 
     def load(self, bank_block_ids: Sequence[int], dst_tensors: Mapping[Any, Any], dst_block_ids: Sequence[int], *,
