@@ -25,8 +25,8 @@ DEFAULTS: Mapping[str, tuple[str, ...]] = {
     "bounds/": ("native",),
     "cuda/": ("native",),
     "datapath/": ("native",),              # a real exporter and importer, in-process, over the op engine
-    "datapath/test_async_stateful.py": ("stateful", "native"),
-    "datapath/test_buffer_safety.py": ("native", "multiproc"),  # each failure path in its own process
+    "datapath/test_async_stateful.py": ("stateful", "native", "slow"),
+    "datapath/test_buffer_safety.py": ("native", "multiproc", "slow"),  # a process per failure path
     "fuzz/": ("native",),                  # targets include the exporter's request handler
     "lifecycle/": ("native",),             # a real exporter on the host backend, in-process
     "lifecycle/test_demo.py": ("multiproc",),
@@ -49,7 +49,7 @@ DEFAULTS: Mapping[str, tuple[str, ...]] = {
     "test_docs.py": ("unit",),
     "test_generate.py": ("unit",),
     "test_geometry.py": ("unit",),
-    "test_guide.py": ("native", "multiproc"),  # runs the guide's code in a fresh process
+    "test_guide.py": ("native", "multiproc", "slow"),  # runs the guide's code in a fresh process
     "test_group_stateful.py": ("stateful",),
     "test_handoff.py": ("unit",),
     "test_imports.py": ("unit",),
