@@ -109,14 +109,16 @@ def rank_set_problems(tp: int, ranks: Sequence[int]) -> list[tuple[RejectReason,
 
 
 def geometry_problem(a: Geometry, b: Geometry) -> tuple[RejectReason, str] | None:
-    """Why two ranks' geometries cannot form one group, or None when every field agrees
-    (the group's ``parts_compatible`` guard compares the same: all of them). A dtype
-    difference has its own reason: the bytes would be read as another number format."""
-    if a.dtype != b.dtype:
-        return RejectReason.DTYPE, f"dtype {b.dtype.value} differs from {a.dtype.value} within the group"
-    if a != b:
-        return RejectReason.GEOMETRY, "geometry differs within the group"
-    return None
+    """Why two ranks' geometries cannot form one group, or None when every field of every
+    region agrees (the group's ``parts_compatible`` guard compares the same: all of
+    them). A dtype difference has its own reason: the bytes would be read as another
+    number format."""
+    differs = a.mismatch(b)
+    if differs is None:
+        return None
+    field = differs.split(":", 1)[0]
+    reason = RejectReason.DTYPE if field.endswith(".dtype") else RejectReason.GEOMETRY
+    return reason, f"geometry differs within the group: {differs}"
 
 
 # -- socket path -------------------------------------------------------------------------
@@ -140,7 +142,8 @@ class Expectation:
     handle_kinds: frozenset[HandleKind]
     host_boot_id: bytes
     uid: int
-    geometry_fingerprint: bytes | None = None     # None: any, but the group must agree
+    geometry_fingerprint: bytes | None = None     # Geometry.fingerprint(); None: any, but the group must agree
+    block_format: bytes | None = None             # Geometry.format_fingerprint(); None: any
     device_uuids: frozenset[bytes] | None = None  # None: any device
     incarnations: Mapping[int, bytes] | None = None  # rank -> its exporter's current incarnation
     min_generation: int = 0
@@ -166,6 +169,9 @@ def descriptor_problems(d: Descriptor, expect: Expectation,
     ]
     if expect.geometry_fingerprint is not None and d.geometry.fingerprint() != expect.geometry_fingerprint:
         found.append((RejectReason.GEOMETRY, "geometry fingerprint differs from the importer's"))
+    if expect.block_format is not None and d.geometry.format_fingerprint() != expect.block_format:
+        found.append((RejectReason.GEOMETRY, "blocks hold other regions, dtypes or shapes than the importer's "
+                      "(format fingerprint differs)"))
     if expect.device_uuids is not None and d.device_uuid not in expect.device_uuids:
         found.append((RejectReason.DEVICE_UUID, f"device {d.device_uuid.hex()} not acceptable"))
     if expect.incarnations is not None and expect.incarnations.get(d.rank) != d.incarnation:

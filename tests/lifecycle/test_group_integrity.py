@@ -24,7 +24,7 @@ from conftest import DEPLOYMENT, GEOMETRY, GRANULARITY, make_exporter
 from kvstate.core.descriptor import decode, encode
 from kvstate.core.errors import (GroupRejected, GuardRejected, IllegalTransition, ImportFailed, KvStateError,
                                  TransitionError)
-from kvstate.core.geometry import DType
+from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.core.handles import fd_identity
 from kvstate.core.reasons import RejectReason
 from kvstate.share.exporter import Exporter
@@ -74,9 +74,12 @@ def tampered(wire: bytes, **changes: Any) -> bytes:
 def reject_one(ex: Exporter, wire: list[bytes], rank: int, how: str) -> None:
     d = decode(wire[rank], DEPLOYMENT)
     if how == "dtype":       # the same bytes per block, read as another number format
-        wire[rank] = tampered(wire[rank], geometry=attrs.evolve(d.geometry, dtype=DType.FP16))
-    elif how == "num_blocks":
-        wire[rank] = tampered(wire[rank], geometry=attrs.evolve(d.geometry, num_blocks=d.geometry.num_blocks - 1))
+        wire[rank] = tampered(wire[rank], geometry=Geometry(tuple(
+            attrs.evolve(r, dtype=DType.FP16) for r in d.geometry.regions)))
+    elif how == "num_blocks":  # signed, but not what the exporter's bank holds
+        wire[rank] = tampered(wire[rank], geometry=Geometry.uniform(
+            layers=2, kv_heads=2, head_dim=16, block_tokens=8, dtype=DType.BF16, layout=Layout.LAYER_MAJOR,
+            num_blocks=GEOMETRY.num_blocks - 1))
     elif how == "expired":
         wire[rank] = tampered(wire[rank], expires_at_ns=time.time_ns() - 1)
     elif how == "device_report":  # passes validation; the exporter's lease report disagrees
