@@ -21,6 +21,7 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "kvstate.share.exporter": ("ExportConfig", "Exporter"),
     "kvstate.share.importer": ("ImportConfig", "Importer"),
+    "kvstate.reuse.policy": ("ReuseSettings",),
     "kvstate.transport.host": ("HostTransport",),
     "kvstate.core.geometry": ("DType", "Geometry", "Layout", "Region"),
     "kvstate.core.identity": ("Deployment",),
@@ -46,7 +47,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "NixlOperationFailed", "NixlTimeout", "NixlUnsupported", "LeaseEnded",
         "ModelGenerationError", "ModelCheckError", "SpinUnavailable", "ConnectionLimit",
         "GeometryInvalid", "ConfigInvalid", "BlockOutOfRange", "TransferError", "TransferRejected",
-        "StoreFailed", "ViewsOutstanding", "EffectFailed",
+        "StoreFailed", "ViewsOutstanding", "EffectFailed", "ReuseRefused",
     ),
 }
 
@@ -57,6 +58,7 @@ __all__ = ["__version__", *sorted(_HOME)]
 if TYPE_CHECKING:  # what mypy and IDEs see; at run time __getattr__ imports on first use
     from kvstate.share.exporter import ExportConfig as ExportConfig, Exporter as Exporter
     from kvstate.share.importer import ImportConfig as ImportConfig, Importer as Importer
+    from kvstate.reuse.policy import ReuseSettings as ReuseSettings
     from kvstate.transport.host import HostTransport as HostTransport
     from kvstate.core.geometry import DType as DType, Geometry as Geometry, Layout as Layout, Region as Region
     from kvstate.core.identity import Deployment as Deployment
@@ -106,7 +108,7 @@ if TYPE_CHECKING:  # what mypy and IDEs see; at run time __getattr__ imports on 
         ConfigInvalid as ConfigInvalid, BlockOutOfRange as BlockOutOfRange,
         TransferError as TransferError, TransferRejected as TransferRejected,
         StoreFailed as StoreFailed, ViewsOutstanding as ViewsOutstanding,
-        EffectFailed as EffectFailed,
+        EffectFailed as EffectFailed, ReuseRefused as ReuseRefused,
     )
 
 

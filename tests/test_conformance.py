@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SNIPPET = """
 from kvstate.transport.host import HostAllocation, HostHandle, HostMapping, HostReservation, HostTransport
 from kvstate.transport.protocol import MappedTransport, RegionStats
+from support.reuse import REUSE_ON
 
 
 class Backend(HostTransport):
@@ -77,4 +78,4 @@ def test_lifecycle_sides_refuse_a_backend_that_cannot_map_before_touching_it() -
     with pytest.raises(TransportUnsuitable, match="load-only"):
         Exporter(ExportConfig(deployment, ROOT / "nonexistent", bytes(16), 1), t)  # type: ignore[arg-type]
     with pytest.raises(TransportUnsuitable, match="load-only"):
-        Importer(ImportConfig(deployment), t)  # type: ignore[arg-type]
+        Importer(ImportConfig(deployment, reuse=REUSE_ON), t)  # type: ignore[arg-type]

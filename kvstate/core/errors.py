@@ -355,6 +355,18 @@ class ViewsOutstanding(KvStateError):
     memory is not unmapped or released under them."""
 
 
+class ReuseRefused(KvStateError):
+    """The importer refused to import because a reuse gate is closed: reuse is off (the
+    default), or a GPU import lacks GPU reuse or an admitted deployment profile. Nothing
+    was decoded, connected or opened. ``reason`` is a
+    :class:`kvstate.reuse.policy.DecisionReason`."""
+
+    def __init__(self, reason: Any, detail: str) -> None:
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"import refused ({reason.value}): {detail}")
+
+
 class DrainTimeout(KvStateError):
     """Quiescence was not reported within the allowed time; nothing was released."""
 

@@ -159,6 +159,7 @@ def _leaks(baseline: dict[str, int]) -> dict[str, int]:
 
 def importer_main(conn: multiprocessing.connection.Connection, spec_json: str, key_hex: str, rank: int) -> None:
     from kvstate.share.importer import BlockRequest, ImportConfig, Importer
+    from kvstate.reuse.policy import ReuseSettings
     from kvstate.core.machine import StateChange
     from kvstate.transport.host import HostTransport
 
@@ -171,7 +172,7 @@ def importer_main(conn: multiprocessing.connection.Connection, spec_json: str, k
         if change.machine == "group":
             states.append(change.dest)
 
-    im = Importer(ImportConfig(Deployment("kvstate-demo", bytes.fromhex(key_hex))), t, observers=[on_change])
+    im = Importer(ImportConfig(Deployment("kvstate-demo", bytes.fromhex(key_hex)), reuse=ReuseSettings(enable_decode_to_prefill_reuse=True)), t, observers=[on_change])
 
     def state() -> str | None:
         return im.groups[-1].state if im.groups else None

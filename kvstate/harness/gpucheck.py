@@ -207,7 +207,25 @@ def _lifecycle_exporter(device: bytes, socket_dir: str, conn: Connection) -> Non
     t.close()
 
 
+def gpu_admission(t: Any, device: bytes) -> Any:
+    """The deployment profile admission a GPU import needs (kvstate.reuse.gates): this
+    worker publishes its CUDA transport and is admitted under gpu-single-node."""
+    from kvstate.core.capabilities import FabricTrial
+    from kvstate.reuse.profile import (PROTOCOL_VERSION, DeploymentProfile, PublishedCapabilities,
+                                       TransportCapabilities, admit)
+
+    caps = PublishedCapabilities(device_uuids=(device,), handle_kinds=t.capabilities.handle_kinds,
+                                 fabric_trial=FabricTrial.NOT_RUN,
+                                 transports=(TransportCapabilities(t.name, t.capabilities),),
+                                 geometry_fingerprint=GEOMETRY.fingerprint(), protocol_version=PROTOCOL_VERSION)
+    admission = admit(DeploymentProfile.GPU_SINGLE_NODE, caps)
+    if not admission.admitted:
+        raise KvStateError(f"this GPU worker is not admitted under gpu-single-node: {admission}")
+    return admission
+
+
 def lifecycle_tp1(device: bytes, rounds: int) -> dict[str, Any]:
+    from kvstate.reuse.policy import ReuseSettings
     from kvstate.share.importer import ImportConfig, Importer
     from kvstate.transport.cuda import CudaTransport
 
@@ -218,7 +236,8 @@ def lifecycle_tp1(device: bytes, rounds: int) -> dict[str, Any]:
     parent_conn, child_conn = ctx.Pipe()
     child = ctx.Process(target=_lifecycle_exporter, args=(device, str(d / "sock"), child_conn), daemon=True)
     child.start()
-    importer = Importer(ImportConfig(DEPLOYMENT), t)
+    reuse = ReuseSettings(enable_decode_to_prefill_reuse=True, enable_decode_to_prefill_gpu_reuse=True)
+    importer = Importer(ImportConfig(DEPLOYMENT, reuse=reuse, admission=gpu_admission(t, device)), t)
     blocks = list(range(0, GEOMETRY.num_blocks, 3))
     want = pattern(GEOMETRY.nbytes, 2)
     expected = b"".join(want[o:o + n] for b in blocks for o, n in GEOMETRY.block_extents(b))

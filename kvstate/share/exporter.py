@@ -14,7 +14,13 @@ unchanged (INV-REGISTER-ATOMIC). ``advertise`` bumps the generation and signs a
 descriptor. Importers then ask for leases over the channel; a lease is granted only
 when the request names the current incarnation and generation, and it is bound to the
 requesting connection: when the importer closes it or dies, its leases end
-(``peer_died``); a lease that outlives ``lease_timeout_s`` ends too (``lease_expired``).
+(``peer_died``). Importers renew their leases while they map the bank (``renew``); a
+lease that outlives ``lease_timeout_s`` unrenewed drains its bank (``lease_expired``) but
+is *kept*, because its importer may still map the bank: the bank is released only after
+that importer returns the lease (after unmapping) or its connection closes
+(INV-NO-RELEASE-MAPPED). The descriptor's TTL running out withdraws it
+(``descriptor_expired``); :meth:`Bank.advertise` publishes a new generation at any time
+before or after, so a long-running decode worker stays reusable.
 
 ``drain`` refuses new leases; the bank becomes ``quiescent`` only when it has no lease,
 no store left to collect, and the native layer reports zero pins on its mapping, and
@@ -111,8 +117,9 @@ class ExportConfig:
 class BankLease:
     id: int
     channel: chan.Channel
-    expires_at: float                # time.monotonic()
+    expires_at: float                # time.monotonic(); moved on by each renewal
     blocks: LeaseGrant | None = None  # the inventory blocks this lease pins, if any
+    expired: bool = False            # ran out unrenewed: kept until returned or disconnected
 
 
 #: The bank events that end a lease without the importer asking.
@@ -231,7 +238,13 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
 
     @guard("accepting_leases")
     def _accepting(self, **kw: Any) -> bool:
-        return len(self.leases) < self.exporter.config.max_leases and time.time_ns() < self.descriptor_expires_ns
+        return len(self.leases) < self.exporter.config.max_leases and self.descriptor is not None \
+            and time.time_ns() < self.descriptor_expires_ns
+
+    @guard("lease_live")
+    def _lease_live(self, *, lease_id: int, **kw: Any) -> bool:
+        lease = self.leases.get(lease_id)
+        return lease is not None and not lease.expired
 
     @guard("last_lease")
     def _last_lease(self, *, lease_id: int, **kw: Any) -> bool:
@@ -304,6 +317,35 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
 
         def undo() -> None:
             self.leases.pop(lease_id, None)
+        return undo
+
+    @effect("expire_lease")
+    def _expire(self, *, lease_id: int, **kw: Any) -> Callable[[], None]:
+        # Kept, not ended: the importer may still map the bank (INV-NO-RELEASE-MAPPED).
+        lease = self.leases[lease_id]
+        lease.expired = True
+
+        def undo() -> None:
+            lease.expired = False
+        return undo
+
+    @effect("renew_lease")
+    def _renew(self, *, lease_id: int, **kw: Any) -> Callable[[], None]:
+        lease = self.leases[lease_id]
+        before = lease.expires_at
+        lease.expires_at = time.monotonic() + self.exporter.config.lease_timeout_s
+
+        def undo() -> None:
+            lease.expires_at = before
+        return undo
+
+    @effect("withdraw_descriptor")
+    def _withdraw(self, **kw: Any) -> Callable[[], None]:
+        before = (self.descriptor, self.descriptor_expires_ns)
+        self.descriptor, self.descriptor_expires_ns = None, 0
+
+        def undo() -> None:
+            self.descriptor, self.descriptor_expires_ns = before
         return undo
 
     @effect("end_lease")
@@ -522,6 +564,12 @@ class Exporter(Generic[H, A, R, M, E]):
         if op == "release":
             bank.fire("release_lease", lease_id=held.id)
             return {"ok": True}, ()
+        if op == "renew":
+            try:
+                bank.fire("renew_lease", lease_id=held.id)
+            except TransitionError as exc:  # expired, or the bank drains: unmap and return it
+                return self._refuse("not_renewing", f"{'expired' if held.expired else bank.state}: {exc}")
+            return {"ok": True, "expires_in_s": held.expires_at - time.monotonic()}, ()
         return self._refuse("bad_request", f"unknown op {op!r}")
 
     def _lease_blocks(self, want: Any) -> LeaseGrant | tuple[dict[str, Any], tuple[int, ...]]:
@@ -537,24 +585,39 @@ class Exporter(Generic[H, A, R, M, E]):
                                 f"{len(result.missing)} block(s) gone): recompute")
         return result
 
-    def _end_leases(self, event: LeaseEnd, select: Callable[[BankLease], bool]) -> None:
+    def _end_leases(self, event: LeaseEnd, select: Callable[[BankLease], bool], why: str) -> None:
         bank: Bank[H, A, R, M, E]
         for bank in list(self.banks.values()):
             for lease in [lease for lease in list(bank.leases.values()) if select(lease)]:
                 try:
-                    bank.fire(event, lease_id=lease.id)
+                    bank.fire(event, lease_id=lease.id, reason=f"lease {lease.id}: {why}")
                 except (TransitionError, KeyError):
                     pass  # already ended by another path (release, expiry, death)
                 except KvStateError as exc:  # an effect failed and was rolled back: try again next round
                     log.warning("%s: %s of lease %d failed: %s", bank.label, event, lease.id, exc)
 
     def _connection_closed(self, ch: chan.Channel) -> None:
-        self._end_leases("peer_died", lambda lease: lease.channel is ch)
+        self._end_leases("peer_died", lambda lease: lease.channel is ch, "the importer's connection closed")
 
     def _expire_loop(self) -> None:
         while not self._stopping.wait(0.05):
-            now = time.monotonic()
-            self._end_leases("lease_expired", lambda lease: lease.expires_at <= now)
+            self.expire()
+
+    def expire(self) -> None:
+        """One round of the expiry thread: a lease past its time without renewal drains its
+        bank (kept until returned or disconnected); a descriptor past its TTL is withdrawn.
+        Both are observed events with a reason."""
+        now = time.monotonic()
+        self._end_leases("lease_expired", lambda lease: not lease.expired and lease.expires_at <= now,
+                         f"not renewed within {self.config.lease_timeout_s} s")
+        now_ns = time.time_ns()
+        bank: Bank[H, A, R, M, E]
+        for bank in list(self.banks.values()):
+            with bank.locked():
+                if bank.descriptor is not None and now_ns >= bank.descriptor_expires_ns \
+                        and bank.may("descriptor_expired"):
+                    bank.fire("descriptor_expired", reason=f"generation {bank.generation}: TTL of "
+                              f"{self.config.descriptor_ttl_s} s ran out")
 
     # -- draining -----------------------------------------------------------------------
 

@@ -53,17 +53,22 @@ from kvstate.core.errors import (
     DescriptorRejected,
     DrainTimeout,
     GroupRejected,
+    GuardRejected,
     IllegalTransition,
     ImportFailed,
     KvStateError,
     LeaseRefused,
     LoadFailed,
+    ReuseRefused,
     ReuseStale,
     TransferRejected,
     TransitionError,
 )
 from kvstate.core.reasons import TransferReason
 from kvstate.core.identity import Deployment, host_boot_id
+from kvstate.reuse.gates import import_refusal
+from kvstate.reuse.policy import ReuseSettings
+from kvstate.reuse.profile import Admitted
 from kvstate.core.machine import Lifecycle, Observer, effect, guard
 from kvstate.core.spec import load_machine
 from kvstate.core.capabilities import Access
@@ -98,6 +103,13 @@ class ImportConfig:
     geometry_fingerprint: bytes | None = None   # Geometry.fingerprint() of the banks, if fixed
     block_format: bytes | None = None           # Geometry.format_fingerprint() the engine's pages hold
     device_uuids: frozenset[bytes] | None = None
+    #: Leases are renewed every min(half the lease, this) seconds while leased or mapped,
+    #: so a bank that drains (and refuses renewal) gets its mappings back within this.
+    renew_interval_s: float = 1.0
+    #: The reuse switches, enforced by import_group (kvstate.reuse.gates): off by default.
+    reuse: ReuseSettings = ReuseSettings()
+    #: The deployment profile admission (kvstate.reuse.profile.admit); GPU imports need one.
+    admission: Admitted | None = None
 
 
 class Part(Lifecycle, Generic[H, A, R, M, E]):
@@ -115,6 +127,7 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         self._channel_lock = threading.Lock()  # one request and its answer at a time
         self.lease_id: int | None = None
         self.lease_s = 0.0                # the lease's length as the exporter granted it
+        self.renewed_at = 0.0             # time.monotonic() of the grant or last renewal
         self.lease_expires_at = 0.0       # time.monotonic()
         self.received: chan.Message | None = None  # phase 1's grant, with the handle's fds
         self.handle: H | None = None      # checked, not opened (phase 1)
@@ -177,7 +190,8 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
             undo.pop_all()
         self.channel, self.lease_id, self.received, self.handle = ch, lease_id, msg, handle
         self.lease_s = expires_in_s
-        self.lease_expires_at = time.monotonic() + expires_in_s
+        self.renewed_at = time.monotonic()
+        self.lease_expires_at = self.renewed_at + expires_in_s
         self.group.importer.watch(self)
         return self._return_lease
 
@@ -198,11 +212,35 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
             undo.callback(t.unmap, mapping)
             t.set_access(mapping, Access.READ)
             # A notification (no answer awaited): the bank moves from importing to ready.
-            ch.send(chan.encode({"op": "mapped", "rank": d.rank, "lease": self.lease_id}), timeout=timeout)
+            with self._channel_lock:  # the renewal thread sends on this channel too
+                ch.send(chan.encode({"op": "mapped", "rank": d.rank, "lease": self.lease_id}), timeout=timeout)
             undo.pop_all()
         msg.close()  # the transport holds its own duplicate of the fd now
         self.received = self.handle = None
         self.allocation, self.reservation, self.mapping = allocation, reservation, mapping
+
+    def renew(self) -> float:
+        """Renew this part's lease: the importer's expiry thread calls this for every part
+        that is leased or mapped, once half the lease has run (:meth:`Importer.renew_leases`).
+        Returns the seconds to the new expiry. LeaseRefused when the exporter refuses (the
+        lease expired there, or the bank drains: unmap and return it), ChannelError when
+        the exporter is gone."""
+        ch, lease_id = self.channel, self.lease_id
+        if ch is None or lease_id is None:
+            raise LeaseRefused("not_leased", f"{self.label} holds no lease to renew")
+        timeout = self.group.importer.config.request_timeout_s
+        with self._channel_lock:
+            ch.send(chan.encode({"op": "renew", "rank": self.rank, "lease": lease_id}), timeout=timeout)
+            with ch.recv(timeout=timeout) as msg:
+                reply = chan.decode(msg.payload)
+        if not reply.get("ok"):
+            raise LeaseRefused(str(reply.get("code")), str(reply.get("detail")))
+        expires: Any = reply.get("expires_in_s")
+        if type(expires) not in (int, float) or not 0 <= expires < 1e9:
+            raise LeaseRefused("malformed", f"malformed renewal {reply!r:.200}")
+        self.renewed_at = time.monotonic()
+        self.lease_expires_at = self.renewed_at + float(expires)
+        return float(expires)
 
     @effect("return_lease")
     def _return(self, **kw: Any) -> None:
@@ -305,6 +343,9 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
         self.validated: ValidatedGroup | None = None
         self.blocks: BlockRequest | None = None
         self.parts: list[Part[H, A, R, M, E]] = []
+        #: When a lease of the group was lost (``expired``): it is then closed as soon as
+        #: no load pins it, so the exporter gets its bank back (INV-NO-RELEASE-MAPPED).
+        self.expired_at: float | None = None
         #: Loads submitted and not yet collected (their `loaded` has not fired).
         self.loads: set[TransferHandle] = set()
 
@@ -438,28 +479,43 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
             if not self.may(event):
                 return False
             self.fire(event, reason=reason)
+            if event == "expired":  # the importer's expiry thread closes it once unpinned
+                self.expired_at = time.monotonic()
             return True
 
     def drain(self, timeout: float = 30.0) -> float:
-        """Refuse new loads, wait for native quiescence, close. Returns seconds to quiescent."""
+        """Refuse new loads, wait for native quiescence, close. Returns seconds to quiescent.
+        Safe to call while the importer's expiry thread settles the same group."""
         start = time.monotonic()
-        if self.may("drain"):
-            self.fire("drain")
-        if self.state != "draining":
-            return 0.0  # an import in progress was aborted (failed), or already quiescent/closed
+        with self.locked():
+            if self.may("drain"):
+                self.fire("drain")
         while True:
             for handle in list(self.loads):
                 handle.done()  # finishes loads of backends without completion fds
-            try:
-                self.fire("quiesce")
+            if self.settle():
                 break
-            except TransitionError:
-                if time.monotonic() - start > timeout:
-                    raise DrainTimeout(f"{self.label}: pins still held after {timeout} s; nothing unmapped") from None
-                time.sleep(0.002)
-        waited = time.monotonic() - start
-        self.fire("close")
-        return waited
+            if self.state != "draining":
+                return 0.0  # an import in progress was aborted (failed), or already closed
+            if time.monotonic() - start > timeout:
+                raise DrainTimeout(f"{self.label}: pins still held after {timeout} s; nothing unmapped")
+            time.sleep(0.002)
+        return time.monotonic() - start
+
+    def settle(self) -> bool:
+        """One step of a drain that does not wait: a draining group with no pins left is
+        quiesced, and a quiescent one closed (unmapped, its leases returned). True when
+        this call closed the group."""
+        with self.locked():
+            if self.state == "draining":
+                try:
+                    self.fire("quiesce")
+                except GuardRejected:
+                    return False  # loads or pins still running
+            if self.state == "quiescent":
+                self.fire("close")
+                return True
+        return False
 
 
 class Importer(Generic[H, A, R, M, E]):
@@ -510,7 +566,14 @@ class Importer(Generic[H, A, R, M, E]):
         ``blocks`` names inventory blocks every part's lease must pin; if the decode
         worker no longer holds them (the inventory is advisory) this raises ReuseStale
         and the caller recomputes. ``expect`` overrides fields of the Expectation.
+        Refused with ReuseRefused, before anything is decoded or opened, unless the
+        config enables reuse (and, for a GPU transport, GPU reuse under an admitted
+        deployment profile): see :mod:`kvstate.reuse.gates`.
         """
+        refusal = import_refusal(self.config.reuse, self.config.admission, self.transport.name,
+                                 self.transport.capabilities)
+        if refusal is not None:
+            raise ReuseRefused(*refusal)
         self._count += 1
         group: Group[H, A, R, M, E] = self.group_class(self, f"group#{self._count}", self.observers)
         self.groups = [g for g in self.groups if not g.is_terminal] + [group]
@@ -637,10 +700,36 @@ class Importer(Generic[H, A, R, M, E]):
 
     def _expire_loop(self) -> None:
         while not self._stopping.wait(0.05):
+            live = [g for g in self.groups if g.state in ("importing", "ready", "draining", "quiescent")]
             try:
-                self.expire_leases([g for g in self.groups if g.state == "ready"])
-            except TransitionError:
+                self.renew_leases(live)
+                self.expire_leases([g for g in live if g.state == "ready"])
+                for group in live:  # a group that lost a lease lets go of the bank promptly
+                    if group.expired_at is not None:
+                        group.settle()
+            except KvStateError:
                 pass  # the group moved on concurrently; the next round looks again
+
+    def renew_leases(self, groups: Iterable[Group[H, A, R, M, E]]) -> list[Group[H, A, R, M, E]]:
+        """Renew every lease of every part still leased or mapped, once half its term or
+        ``renew_interval_s`` has passed since its grant or last renewal (the expiry thread
+        calls this every 50 ms). A renewal the exporter refuses, or cannot
+        answer, is the group's ``expired`` fault, with the reason: the group drains, then
+        unmaps and returns its leases. Returns the groups that faulted."""
+        faulted: list[Group[H, A, R, M, E]] = []
+        every = self.config.renew_interval_s
+        group: Group[H, A, R, M, E]
+        for group in groups:
+            for part in list(group.parts):
+                if part.channel is None or time.monotonic() - part.renewed_at < min(part.lease_s / 2, every):
+                    continue
+                try:
+                    part.renew()
+                except KvStateError as exc:
+                    if group.fault("expired", reason=f"{part.label}: lease renewal failed: {exc}"):
+                        faulted.append(group)
+                    break
+        return faulted
 
     def expire_leases(self, groups: Iterable[Group[H, A, R, M, E]]) -> list[Group[H, A, R, M, E]]:
         """Fire ``expired`` on every group holding a lease past its expiry; return them."""
@@ -648,7 +737,7 @@ class Importer(Generic[H, A, R, M, E]):
         expired: list[Group[H, A, R, M, E]] = []
         group: Group[H, A, R, M, E]
         for group in groups:
-            if any(p.lease_id is not None and p.lease_expires_at <= now for p in group.parts) \
-                    and group.fault("expired"):
+            late = [p.label for p in group.parts if p.lease_id is not None and p.lease_expires_at <= now]
+            if late and group.fault("expired", reason=f"lease of {', '.join(late)} ran out unrenewed"):
                 expired.append(group)
         return expired

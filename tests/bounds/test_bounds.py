@@ -42,6 +42,7 @@ from kvstate.transport.host import HostTransport
 from kvstate.core.validate import MAX_TP, validate_group
 
 from support.descriptors import DEPLOYMENT, descriptor, expectation
+from support.reuse import REUSE_ON
 
 GEOMETRY = Geometry.uniform(layers=1, kv_heads=2, head_dim=8, block_tokens=4, dtype=DType.BF16,
                     layout=Layout.BLOCK_MAJOR, num_blocks=8)
@@ -114,7 +115,7 @@ def test_connection_handlers_are_capped_with_a_typed_refusal(make_exporter: type
             with pytest.raises(ChannelClosed):
                 extra.recv(timeout=2.0)
         assert threading.active_count() <= threads
-        im = Importer(ImportConfig(DEPLOYMENT), HostTransport(granularity=64 * 1024))
+        im = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON), HostTransport(granularity=64 * 1024))
         try:
             with pytest.raises(ImportFailed) as info:
                 im.import_group([ex.descriptor(0)])
@@ -210,7 +211,7 @@ def test_tp_cap() -> None:
 
 def test_importer_keeps_no_terminal_groups() -> None:
     """The importer's group list holds only live groups: rejected imports do not pile up."""
-    im = Importer(ImportConfig(DEPLOYMENT), HostTransport(granularity=64 * 1024))
+    im = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON), HostTransport(granularity=64 * 1024))
     try:
         for _ in range(50):
             with pytest.raises(GroupRejected):

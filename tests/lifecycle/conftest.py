@@ -14,6 +14,7 @@ from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.core.identity import Deployment
 from kvstate.share.importer import ImportConfig, Importer
 from kvstate.transport.host import HostTransport
+from support.reuse import REUSE_ON
 
 DEPLOYMENT = Deployment("lifecycle-tests", bytes(range(32)))
 GEOMETRY = Geometry.uniform(layers=2, kv_heads=2, head_dim=16, block_tokens=8, dtype=DType.BF16,
@@ -68,7 +69,7 @@ def transport() -> HostTransport:
 
 @pytest.fixture
 def importer(transport: HostTransport) -> Iterator[Importer]:
-    im = Importer(ImportConfig(DEPLOYMENT), transport)
+    im = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON), transport)
     yield im
     im.close()
 

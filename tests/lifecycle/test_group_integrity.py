@@ -31,6 +31,7 @@ from kvstate.share.exporter import Exporter
 from kvstate.core.machine import guard
 from kvstate.share.importer import Group, ImportConfig, Importer
 from kvstate.transport.host import HostTransport
+from support.reuse import REUSE_ON
 
 
 class CountingTransport:
@@ -113,7 +114,7 @@ def test_zero_opens_whenever_any_rank_is_rejected(tp: int, data: st.DataObject) 
     inner = HostTransport(granularity=GRANULARITY)
     counting = CountingTransport(inner)
     ex = make_exporter(tp, inner, name=f"twophase-{tp}")
-    importer = Importer(ImportConfig(DEPLOYMENT), counting)  # type: ignore[arg-type]
+    importer = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON), counting)  # type: ignore[arg-type]
     before = inner.native.stats()
     try:
         wire = [ex.descriptor(r) for r in range(tp)]
@@ -148,7 +149,7 @@ def test_dtype_only_difference_is_its_own_validation_reason(transport: HostTrans
     nothing opened, no lease taken, the group rejected (not stuck importing)."""
     ex = make_exporter(2, transport, name="dtype")
     counting = CountingTransport(transport)
-    importer = Importer(ImportConfig(DEPLOYMENT), counting)  # type: ignore[arg-type]
+    importer = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON), counting)  # type: ignore[arg-type]
     try:
         wire = [ex.descriptor(0), ex.descriptor(1)]
         reject_one(ex, wire, 1, "dtype")
@@ -166,7 +167,7 @@ def test_complete_refused_never_leaves_group_importing(transport: HostTransport)
     to disagree with its descriptor), the group is failed and rolled back, its leases
     returned: never left importing with leases held."""
     ex = make_exporter(2, transport, name="refused")
-    importer = Importer(ImportConfig(DEPLOYMENT), transport)
+    importer = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON), transport)
     importer.group_class = IncompatibleGroup
     try:
         with pytest.raises(ImportFailed, match="parts_compatible"):

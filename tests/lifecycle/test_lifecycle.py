@@ -17,6 +17,7 @@ from kvstate.core.machine import StateChange
 from kvstate.core.reasons import RejectReason
 from kvstate.transport.host import HostTransport
 from support.faults import FaultyTransport
+from support.reuse import REUSE_ON
 
 
 def buffers(tp: int, nblocks: int) -> list[bytearray]:
@@ -74,7 +75,7 @@ def test_part_import_failure_rolls_back_every_part(step: str, failing_rank: int,
     """INV-ROLLBACK-COMPLETE: any part failing leaves nothing mapped and no lease behind."""
     ex = make_exporter(3, transport)
     faulty = FaultyTransport(transport)
-    importer = Importer(ImportConfig(DEPLOYMENT), faulty)  # type: ignore[arg-type]
+    importer = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON), faulty)  # type: ignore[arg-type]
     try:
         before = transport.native.stats()
         faulty.fail(step, after=failing_rank)
@@ -178,7 +179,7 @@ def test_drain_during_import_fails_group_and_rolls_back(transport: HostTransport
             importer.groups[-1].fault("drain")
 
     ex = make_exporter(3, transport)
-    importer = Importer(ImportConfig(DEPLOYMENT), transport, observers=[drain_after_rank0])
+    importer = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON), transport, observers=[drain_after_rank0])
     try:
         with pytest.raises(ImportFailed, match="failed during import"):
             importer.import_group([ex.descriptor(r) for r in range(3)])

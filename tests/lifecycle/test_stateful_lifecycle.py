@@ -28,6 +28,7 @@ from kvstate.share.importer import Group, ImportConfig, Importer
 from kvstate.core.machine import StateChange, effect
 from kvstate.transport.host import HostTransport
 from support.faults import KINDS as FAULT_KINDS, FaultyTransport
+from support.reuse import REUSE_ON
 
 TPS = (1, 3)
 
@@ -50,11 +51,12 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.baseline = self.transport.native.stats()
         self.faulty = FaultyTransport(self.transport)
         self.changes: list[StateChange] = []
+        self.released_mapped: list[str] = []
+        self.dying: Exporter | None = None  # an exporter "process" that dies: its release is moot
         self.exporters = {tp: make_exporter(tp, self.transport, name=f"tp{tp}") for tp in TPS}
         for ex in self.exporters.values():
-            for bank in ex.banks.values():
-                bank.observe(self.changes.append)
-        self.importer = self.importer_class(ImportConfig(DEPLOYMENT), self.faulty, observers=[self._on_change])  # type: ignore[arg-type]
+            self.watch(ex)
+        self.importer = self.importer_class(ImportConfig(DEPLOYMENT, reuse=REUSE_ON), self.faulty, observers=[self._on_change])  # type: ignore[arg-type]
         self.groups: list[Group] = []
         self.drain_on_import = False
 
@@ -111,6 +113,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         """Incarnation change: the exporter process dies and a new one takes its socket.
         Importers see peer death; the old descriptors are refused at lease time."""
         ex = self.exporters[tp]
+        self.dying = ex
         old = [ex.descriptor(r) for r in range(tp)]
         for bank in ex.banks.values():
             for lease in list(bank.leases.values()):
@@ -121,8 +124,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert wait_until(lambda: all(g.state != "ready" for g in mine)), "peer death not noticed"
         self.exporters[tp] = new = make_exporter(tp, self.transport, name=f"tp{tp}",
                                                  socket_dir=ex.config.socket_dir, source=ex.config.source_id)
-        for bank in new.banks.values():
-            bank.observe(self.changes.append)
+        self.watch(new)
         with pytest.raises(ImportFailed, match="stale_incarnation"):
             self.importer.import_group(old)
 
@@ -183,10 +185,40 @@ class LifecycleMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.live("ready")))
     @rule(data=st.data())
     def lease_expires(self, data: st.DataObject) -> None:
+        """Issue 14, class 7: a lease runs out at its exporter (a renewal was lost). The
+        bank drains but keeps the lease while the importer maps it; the importer's next
+        renewal is refused, its group expires and closes itself; only then may the bank
+        be released (INV-NO-RELEASE-MAPPED, checked when any bank is released)."""
         group = data.draw(st.sampled_from(self.live("ready")))
-        for part in group.parts:
-            part.lease_expires_at = 0.0
-        assert wait_until(lambda: group.state == "draining"), "expired lease not noticed"
+        ex = self.exporters[group.tp]
+        mine = {(p.rank, p.lease_id) for p in group.parts}
+        for bank in ex.banks.values():
+            for lease in list(bank.leases.values()):
+                if (bank.rank, lease.id) in mine:
+                    lease.expires_at = 0.0
+        assert wait_until(lambda: group.state == "closed"), f"expired lease not let go: {group.state}"
+        self.replace_exporter(group.tp)
+
+    def replace_exporter(self, tp: int) -> None:
+        """Drain and release an exporter (its importers let go on their own), start a new one."""
+        ex = self.exporters[tp]
+        ex.drain(5.0)
+        ex.stop()
+        self.exporters[tp] = new = make_exporter(tp, self.transport, name=f"tp{tp}",
+                                                 socket_dir=ex.config.socket_dir, source=ex.config.source_id)
+        self.watch(new)
+
+    def watch(self, ex: Exporter) -> None:
+        def released(change: StateChange) -> None:
+            self.changes.append(change)
+            if change.machine == "bank" and change.dest == "released" and ex is not self.dying:
+                rank = int(change.label.split("rank ")[1].rstrip("]"))
+                mapped = [p.label for g in self.importer.groups for p in g.parts
+                          if p.descriptor.source_id == ex.config.source_id and p.rank == rank and p.mapping is not None]
+                if mapped:
+                    self.released_mapped.append(f"{change.label} released while {mapped} map it")
+        for bank in ex.banks.values():
+            bank.observe(released)
 
     @precondition(lambda self: bool(self.live("ready") or self.live("draining")))
     @rule(data=st.data())
@@ -195,15 +227,16 @@ class LifecycleMachine(RuleBasedStateMachine):
         group.drain(timeout=5)
         assert group.state == "closed"
 
-    @rule(tp=st.sampled_from(TPS), step=st.sampled_from(["reserve", "map", "set_access", "export"]))
-    def registration_fails(self, tp: int, step: str) -> None:
+    @rule(tp=st.sampled_from(TPS), step=st.sampled_from(["reserve", "map", "set_access", "export"]),
+          kind=st.sampled_from(sorted(FAULT_KINDS)))
+    def registration_fails(self, tp: int, step: str, kind: str) -> None:
         """INV-REGISTER-ATOMIC: a failing step leaves the bank allocated, owned by the engine."""
         ex = Exporter(ExportConfig(DEPLOYMENT, Path(tempfile.mkdtemp()) / "s", bytes(16), 1), self.faulty)  # type: ignore[arg-type]
         bank = ex.add_bank(0, GEOMETRY)
         before = self.transport.native.stats()
-        self.faulty.fail(step)
+        self.faulty.fail(step, kind=kind)
         with pytest.raises(RegistrationFailed):
-            bank.fire("register")
+            bank.register()
         self.faulty.clear()
         after = self.transport.native.stats()
         assert (bank.state, bank.owner) == ("allocated", "engine"), "INV-REGISTER-ATOMIC"
@@ -279,6 +312,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         """INV-RELEASE-QUIESCENT: every release came from quiescent (or never-registered)."""
         if not hasattr(self, "changes"):
             return
+        assert not self.released_mapped, f"INV-NO-RELEASE-MAPPED: {self.released_mapped}"
         for c in self.changes:
             if c.machine == "bank" and c.dest == "released":
                 assert c.source in ("quiescent", "allocated"), f"INV-RELEASE-QUIESCENT: {c}"

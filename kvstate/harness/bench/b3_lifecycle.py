@@ -257,6 +257,7 @@ def real_group_readiness(tp: int) -> Any:
     (no native call: the groups are never drained), so the row times the machine and
     guards only."""
     from kvstate.share.importer import Group, ImportConfig, Importer, Part
+    from kvstate.reuse.policy import ReuseSettings
     from kvstate.core.machine import effect
     from kvstate.core.validate import ValidatedGroup
     from kvstate.core.identity import Deployment
@@ -274,7 +275,7 @@ def real_group_readiness(tp: int) -> Any:
 
     def run(p: dict[str, Any]) -> Figure:
         descriptors = _descriptors(tp)
-        importer = Importer(ImportConfig(Deployment("bench", bytes(32))), HostTransport())
+        importer = Importer(ImportConfig(Deployment("bench", bytes(32)), reuse=ReuseSettings(enable_decode_to_prefill_reuse=True)), HostTransport())
         samples = []
         try:
             for _ in range(p["repeats"]):
