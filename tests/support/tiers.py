@@ -46,6 +46,7 @@ DEFAULTS: Mapping[str, tuple[str, ...]] = {
     "test_contracts.py": ("unit", "slow"),  # crosshair
     "test_cuda_cpu.py": ("native",),
     "test_cuda_ops_cpu.py": ("native",),   # host memory (ctypes) standing in for device memory
+    "test_descriptor_canonical.py": ("unit",),
     "test_docs.py": ("unit",),
     "test_generate.py": ("unit",),
     "test_geometry.py": ("unit",),
