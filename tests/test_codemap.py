@@ -64,8 +64,8 @@ EXTERNAL = 'external = "the engine registers banks"'
      ["fires 'validate' on group, which", "event 'load' is fired nowhere"]),
     # a receiver without an annotated class cannot be attributed
     ("kvstate/share/exporter.py", "bank: Bank[H, A, R, M, E] | None = self.banks", "bank = self.banks", None,
-     ["exporter.py: cannot tell which machine `bank.fire` drives: `bank` needs an annotation"] * 3
-     + [f"event {e!r} is fired nowhere" for e in ("grant_lease", "lease_mapped", "release_lease")]),
+     ["exporter.py: cannot tell which machine `bank.fire` drives: `bank` needs an annotation"] * 4
+     + [f"event {e!r} is fired nowhere" for e in ("grant_lease", "lease_mapped", "release_lease", "renew_lease")]),
     # a helper taking any string cannot say which events it fires
     ("kvstate/share/importer.py", "def fault(self, event: GroupFault, *", "def fault(self, event: str, *", None,
      ["`self.fire` fires an event that is neither a string literal nor a name annotated Literal"]),

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvstate.core.capabilities import Access
+from support.reuse import REUSE_ON
 
 api = pytest.importorskip("mypy.api")
 
@@ -18,7 +19,6 @@ ROOT = Path(__file__).resolve().parents[1]
 SNIPPET = """
 from kvstate.transport.host import HostAllocation, HostHandle, HostMapping, HostReservation, HostTransport
 from kvstate.transport.protocol import MappedTransport, RegionStats
-from support.reuse import REUSE_ON
 
 
 class Backend(HostTransport):

@@ -153,23 +153,6 @@ def test_restarted_exporter_makes_old_descriptors_stale(transport: HostTransport
         ex.stop()
 
 
-def test_lease_expiry_ends_leases_and_drains_group(transport: HostTransport, importer: Importer) -> None:
-    ex = make_exporter(1, transport, lease_timeout_s=0.2)
-    try:
-        group = importer.import_group([ex.descriptor(0)])
-        deadline = time.monotonic() + 3
-        while ex.banks[0].leases and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not ex.banks[0].leases and ex.banks[0].state == "advertised"
-        # The importer's own timer sees the same expiry and drains the group.
-        while group.state == "ready" and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert group.state == "draining"
-        group.drain()
-    finally:
-        ex.stop()
-
-
 def test_drain_during_import_fails_group_and_rolls_back(transport: HostTransport) -> None:
     """Drain arrives after rank 0 is imported and before rank 1 is: the group fails and
     rank 0 is rolled back (INV-ROLLBACK-COMPLETE)."""

@@ -50,6 +50,22 @@ class BenchBank(Lifecycle):
     def _quiescent(self, **_: Any) -> bool:
         return self.leases == 0
 
+    @guard("lease_live")
+    def _live(self, **_: Any) -> bool:
+        return self.leases > 0
+
+    @effect("expire_lease")
+    def _expire(self, **_: Any) -> None:
+        return None
+
+    @effect("renew_lease")
+    def _renew(self, **_: Any) -> None:
+        return None
+
+    @effect("withdraw_descriptor")
+    def _withdraw(self, **_: Any) -> None:
+        return None
+
     @effect("native_register")
     def _register(self, **_: Any) -> None:
         return None
