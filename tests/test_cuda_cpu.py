@@ -257,6 +257,8 @@ def _run(code: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.native
+@pytest.mark.multiproc
 def test_importing_the_cuda_backend_module_loads_no_cuda() -> None:
     out = _run("""
         import sys
@@ -267,6 +269,8 @@ def test_importing_the_cuda_backend_module_loads_no_cuda() -> None:
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.native
+@pytest.mark.multiproc
 def test_without_cuda_python_the_backend_is_unavailable() -> None:
     """cuda-python absent: ``sys.modules['cuda'] = None`` is Python's own way to make an
     import fail with ModuleNotFoundError(name='cuda'), as on a machine without it."""
@@ -284,6 +288,8 @@ def test_without_cuda_python_the_backend_is_unavailable() -> None:
     assert out.stdout.startswith("UNAVAILABLE cuda cuda.bindings.driver is not installed")
 
 
+@pytest.mark.native
+@pytest.mark.multiproc
 def test_other_import_errors_of_cuda_python_propagate() -> None:
     """A broken cuda-python (a module it needs is missing) is a bug, not an absent backend."""
     out = _run("""
@@ -337,21 +343,31 @@ def test_bad_constructor_arguments_are_refused_before_the_driver_is_touched() ->
 # -- one interface --------------------------------------------------------------------------
 
 def test_cuda_and_host_transports_offer_the_same_operations_with_the_same_parameters() -> None:
-    """Both implement the Transport protocol and what the lifecycle code uses beyond it."""
+    """Both implement every member of MappedTransport (mypy checks the types: each backend
+    module assigns itself to the protocol), with the same parameters."""
     import inspect
 
-    from kvstate.transport.protocol import Transport
+    from kvstate.transport.protocol import MappedTransport
     from kvstate.transport.cuda import CudaTransport
     from kvstate.transport.host import HostTransport
 
-    members = [n for n in dir(Transport) if not n.startswith("_")] + [
-        "free", "stats", "pin", "unpin", "receive_handle", "submit_gather"]
+    members = [n for n in dir(MappedTransport) if not n.startswith("_")]
+    assert {"free", "stats", "pin", "unpin", "receive_handle", "submit_gather", "unmap"} <= set(members)
     for n in members:
         h, c = getattr(HostTransport, n), getattr(CudaTransport, n)
         if callable(h):
             assert len(inspect.signature(h).parameters) == len(inspect.signature(c).parameters), n
         else:
             assert isinstance(c, type(h)), n
+
+
+def test_only_host_memory_has_a_host_view() -> None:
+    """Bank.view() needs HostView; device memory has none (TransportUnsuitable)."""
+    from kvstate.transport.protocol import HostView
+    from kvstate.transport.cuda import CudaTransport
+    from kvstate.transport.host import HostTransport
+
+    assert issubclass(HostTransport, HostView) and not issubclass(CudaTransport, HostView)
 
 
 # -- the host backend's side of the generalised hand-off ------------------------------------
@@ -370,6 +386,8 @@ def test_host_receive_handle_checks_kind_and_fd_count() -> None:
 
 # -- the GPU suite and the GPU check skip loudly here ------------------------------------------
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 @pytest.mark.skipif(_driver_present(), reason="a CUDA driver is installed here: the GPU suite really runs")
 def test_gpu_suite_and_check_skip_loudly_never_pass_without_a_gpu() -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
