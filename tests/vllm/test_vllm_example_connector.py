@@ -90,6 +90,9 @@ def test_consumer_keeps_serving_after_producer_sigkill(example_pair: ExamplePair
     assert producer.pids() == []
     found = producer.close()
     assert found.leaks == []
+    # What it did leave is vLLM's own (its ZMQ sockets, after a SIGKILL also its psm_*
+    # message queues in /dev/shm), and close() removed it.
+    assert found.vllm and not any(Path(p).exists() for p in found.vllm), found
     assert consumer.reset_prefix_cache()
     g = consumer.generate(prompts(EXAMPLE_LENGTHS)[:1], MAX_TOKENS)
     assert consumer.alive() and len(g.tokens[0]) == MAX_TOKENS

@@ -143,3 +143,23 @@ def test_seeded_weights_are_reproducible_and_scaled(tmp_path: Path) -> None:
     assert abs(w["model.embed_tokens.weight"].float().std().item() - 1.0) < 0.02
     assert abs(w["model.layers.0.self_attn.k_proj.weight"].float().std().item() - 0.1) < 0.005
     assert torch.equal(w["model.norm.weight"].float(), torch.ones(256))
+
+
+def test_geometry_comparison_names_what_changed() -> None:
+    import copy
+    import json
+
+    from enginekit.geometry import FIXTURE, differences
+
+    want = json.loads(FIXTURE.read_text())
+    got = copy.deepcopy(want)
+    assert differences(want, got) == []
+    layer = got["runs"]["tp2-float32"][1]["layers"]["model.layers.1.self_attn.attn"]
+    layer["stride"][0] *= 2
+    del layer["contiguous"]
+    got["runs"]["tp1-bfloat16"][0]["attn_isa"] = "amx"
+    assert differences(want, got) == [
+        "/runs/tp1-bfloat16[0]/attn_isa: fixture 'vec', now 'amx'",
+        "/runs/tp2-float32[1]/layers/model.layers.1.self_attn.attn/contiguous: missing now",
+        "/runs/tp2-float32[1]/layers/model.layers.1.self_attn.attn/stride[0]: fixture 4096, now 8192",
+    ]
