@@ -22,7 +22,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "kvstate.share.exporter": ("ExportConfig", "Exporter"),
     "kvstate.share.importer": ("ImportConfig", "Importer"),
     "kvstate.transport.host": ("HostTransport",),
-    "kvstate.core.geometry": ("DType", "Geometry", "Layout"),
+    "kvstate.core.geometry": ("DType", "Geometry", "Layout", "Region"),
     "kvstate.core.identity": ("Deployment",),
     "kvstate.core.machine": ("StateChange",),
     "kvstate.core.errors": (
@@ -45,6 +45,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "LegacyIpcRefused", "NixlError", "NixlHandleRejected", "NixlStaleGeneration",
         "NixlOperationFailed", "NixlTimeout", "NixlUnsupported", "LeaseEnded",
         "ModelGenerationError", "ModelCheckError", "SpinUnavailable", "ConnectionLimit",
+        "GeometryInvalid", "ConfigInvalid", "BlockOutOfRange", "TransferError", "TransferRejected",
+        "StoreFailed", "ViewsOutstanding",
     ),
 }
 
@@ -56,7 +58,7 @@ if TYPE_CHECKING:  # what mypy and IDEs see; at run time __getattr__ imports on 
     from kvstate.share.exporter import ExportConfig as ExportConfig, Exporter as Exporter
     from kvstate.share.importer import ImportConfig as ImportConfig, Importer as Importer
     from kvstate.transport.host import HostTransport as HostTransport
-    from kvstate.core.geometry import DType as DType, Geometry as Geometry, Layout as Layout
+    from kvstate.core.geometry import DType as DType, Geometry as Geometry, Layout as Layout, Region as Region
     from kvstate.core.identity import Deployment as Deployment
     from kvstate.core.machine import StateChange as StateChange
     from kvstate.core.errors import (
@@ -100,7 +102,10 @@ if TYPE_CHECKING:  # what mypy and IDEs see; at run time __getattr__ imports on 
         NixlTimeout as NixlTimeout, NixlUnsupported as NixlUnsupported,
         LeaseEnded as LeaseEnded, ModelGenerationError as ModelGenerationError,
         ModelCheckError as ModelCheckError, SpinUnavailable as SpinUnavailable,
-        ConnectionLimit as ConnectionLimit,
+        ConnectionLimit as ConnectionLimit, GeometryInvalid as GeometryInvalid,
+        ConfigInvalid as ConfigInvalid, BlockOutOfRange as BlockOutOfRange,
+        TransferError as TransferError, TransferRejected as TransferRejected,
+        StoreFailed as StoreFailed, ViewsOutstanding as ViewsOutstanding,
     )
 
 
