@@ -22,6 +22,7 @@ TIERS = (*KINDS, "slow")
 #: path under tests/ (a directory ending in "/", or a file) -> default markers
 DEFAULTS: Mapping[str, tuple[str, ...]] = {
     # directories: the kind of everything in them
+    "api/": ("native",),                   # the public API on a real exporter and importer
     "bounds/": ("native",),
     "cuda/": ("native",),
     "datapath/": ("native",),              # a real exporter and importer, in-process, over the op engine
