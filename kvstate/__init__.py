@@ -47,7 +47,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "NixlOperationFailed", "NixlTimeout", "NixlUnsupported", "LeaseEnded",
         "ModelGenerationError", "ModelCheckError", "SpinUnavailable", "ConnectionLimit",
         "GeometryInvalid", "ConfigInvalid", "BlockOutOfRange", "TransferError", "TransferRejected",
-        "StoreFailed", "ViewsOutstanding", "EffectFailed", "ReuseRefused",
+        "StoreFailed", "ViewsOutstanding", "EffectFailed", "ReuseRefused", "ArgumentInvalid",
     ),
 }
 
@@ -108,7 +108,7 @@ if TYPE_CHECKING:  # what mypy and IDEs see; at run time __getattr__ imports on 
         ConfigInvalid as ConfigInvalid, BlockOutOfRange as BlockOutOfRange,
         TransferError as TransferError, TransferRejected as TransferRejected,
         StoreFailed as StoreFailed, ViewsOutstanding as ViewsOutstanding,
-        EffectFailed as EffectFailed, ReuseRefused as ReuseRefused,
+        EffectFailed as EffectFailed, ReuseRefused as ReuseRefused, ArgumentInvalid as ArgumentInvalid,
     )
 
 

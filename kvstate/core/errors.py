@@ -134,6 +134,18 @@ class ConfigInvalid(KvStateError, ValueError):
         super().__init__(f"{field}: {problem}")
 
 
+class ArgumentInvalid(KvStateError, ValueError):
+    """A public entry point refused an argument before any side effect. ``argument`` names
+    it; ``reason`` is a :class:`kvstate.core.reasons.ArgumentReason` (type, range, length,
+    encoding, state)."""
+
+    def __init__(self, argument: str, reason: Any, problem: str) -> None:
+        self.argument = argument
+        self.reason = reason
+        self.problem = problem
+        super().__init__(f"{argument}: {reason.value}: {problem}")
+
+
 class BlockOutOfRange(KvStateError, IndexError):
     """A block id outside the geometry's blocks."""
 

@@ -75,6 +75,7 @@ from kvstate.core.errors import (
     IllegalTransition,
     ReentrantTransition,
 )
+from kvstate.core.args import need, need_callable, need_text
 from kvstate.core.errors import KvStateError
 from kvstate.core.spec import MachineSpec, TransitionSpec
 
@@ -276,6 +277,7 @@ class Lifecycle:
         such as a deliberately broken one in a self-test). Implementations of guards and
         effects that ``table`` does not declare are dropped, so the binding check passes
         exactly when the variant only removes names."""
+        need("table", table, MachineSpec)
         ns: dict[str, Any] = {"table": table}
         for attr in dir(cls):
             value = getattr(cls, attr, None)
@@ -323,9 +325,10 @@ class Lifecycle:
 
     def may(self, event: str) -> bool:
         """Whether ``event`` is declared in the current state (guards not evaluated)."""
-        return (event, self._kv_state) in type(self)._kv_compiled.declared
+        return isinstance(event, str) and (event, self._kv_state) in type(self)._kv_compiled.declared
 
     def observe(self, observer: Observer) -> None:
+        need_callable("observer", observer)
         with self._kv_lock:
             self._observers = (*self._observers, observer)
 
@@ -333,6 +336,10 @@ class Lifecycle:
         """Apply ``event``; return the new state. See the module docstring for the rules."""
         compiled = type(self)._kv_compiled
         spec = compiled.spec
+        if not isinstance(event, str):  # no such event: undeclared, and said so in words
+            raise IllegalTransition(spec.name, self._kv_state, f"{event!r:.40}")
+        if "reason" in kwargs and kwargs["reason"] is not None:
+            need_text("reason", kwargs["reason"], allow_empty=True)
         p = _held
         try:
             with self._kv_lock:

@@ -47,3 +47,13 @@ class TransferReason(enum.Enum):
     STATE = "state"                  # the group, part or bank cannot move data now (closed, not mapped)
     TIMEOUT = "timeout"              # not a finite number of seconds >= 0
     PLAN = "plan"                    # `load`/`store` fired without a plan built by Group.load/Bank.store
+
+
+class ArgumentReason(enum.Enum):
+    """Why a public entry point refused an argument before doing anything."""
+
+    TYPE = "type"                # not the type the parameter takes
+    RANGE = "range"              # outside the values the parameter takes (or an unknown name)
+    LENGTH = "length"            # empty where it may not be, or longer than its bound
+    ENCODING = "encoding"        # a NUL, or a lone surrogate, in text an OS interface would take
+    STATE = "state"              # the object cannot take the call in its state (released, closed)

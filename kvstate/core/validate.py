@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import attrs
 
+from kvstate.core.args import typed
 from kvstate.core.descriptor import Descriptor
 from kvstate.core.errors import DescriptorRejected, GroupRejected
 from kvstate.core.geometry import Geometry, round_up
@@ -137,18 +138,18 @@ def socket_path_reason(path: str, uid: int, lstat: Callable[[str], os.stat_resul
 class Expectation:
     """What an importer accepts. Built by the importer from its own identity and config."""
 
-    deployment: Deployment
-    now_ns: int
-    handle_kinds: frozenset[HandleKind]
-    host_boot_id: bytes
-    uid: int
-    geometry_fingerprint: bytes | None = None     # Geometry.fingerprint(); None: any, but the group must agree
-    block_format: bytes | None = None             # Geometry.format_fingerprint(); None: any
-    device_uuids: frozenset[bytes] | None = None  # None: any device
-    incarnations: Mapping[int, bytes] | None = None  # rank -> its exporter's current incarnation
-    min_generation: int = 0
-    max_tp: int = 64
-    check_socket: bool = True
+    deployment: Deployment = attrs.field(validator=typed(Deployment))
+    now_ns: int = attrs.field(validator=typed(int))
+    handle_kinds: frozenset[HandleKind] = attrs.field(validator=typed(frozenset))
+    host_boot_id: bytes = attrs.field(validator=typed(bytes))
+    uid: int = attrs.field(validator=typed(int))
+    geometry_fingerprint: bytes | None = attrs.field(default=None, validator=typed(bytes, optional=True))
+    block_format: bytes | None = attrs.field(default=None, validator=typed(bytes, optional=True))
+    device_uuids: frozenset[bytes] | None = attrs.field(default=None, validator=typed(frozenset, optional=True))
+    incarnations: Mapping[int, bytes] | None = attrs.field(default=None, validator=typed(dict, optional=True))
+    min_generation: int = attrs.field(default=0, validator=typed(int))
+    max_tp: int = attrs.field(default=64, validator=typed(int))
+    check_socket: bool = attrs.field(default=True, validator=typed(bool))
 
 
 def descriptor_problems(d: Descriptor, expect: Expectation,

@@ -66,7 +66,9 @@ from kvstate.core.errors import (
     TransitionError,
     ViewsOutstanding,
 )
-from kvstate.core.reasons import TransferReason
+from kvstate.core.args import need, need_callables, need_choice, need_int, need_path, need_seconds, typed
+from kvstate.core.errors import ArgumentInvalid
+from kvstate.core.reasons import ArgumentReason, TransferReason
 from kvstate.core.geometry import Geometry
 from kvstate.core.handles import HandleKind
 from kvstate.core.identity import Deployment, FabricDomain, FabricKind, Incarnation, host_boot_id
@@ -99,18 +101,32 @@ def _positive_int(_: object, attribute: attrs.Attribute[int], value: object) -> 
 log = logging.getLogger(__name__)
 
 
+def _seconds(_: object, attribute: attrs.Attribute[float], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1e9 or value != value:
+        raise ConfigInvalid(f"ExportConfig.{attribute.name}", f"must be a finite number of seconds > 0, "
+                            f"not {value!r:.40}")
+
+
+def _socket_dir(_: object, attribute: attrs.Attribute[Path], value: object) -> None:
+    try:
+        need_path("ExportConfig.socket_dir", value)
+    except KvStateError as exc:
+        raise ConfigInvalid("ExportConfig.socket_dir", str(exc)) from None
+
+
 @attrs.frozen
 class ExportConfig:
-    deployment: Deployment
-    socket_dir: Path
+    deployment: Deployment = attrs.field(validator=typed(Deployment))
+    socket_dir: Path = attrs.field(validator=_socket_dir)
     source_id: bytes = attrs.field(validator=_source_id)  # the logical KV source: 16 bytes
     tp: int = attrs.field(validator=_positive_int)
-    lease_timeout_s: float = 30.0
-    descriptor_ttl_s: float = 300.0
-    max_leases: int = 64             # per bank
-    max_connections: int = chan.DEFAULT_MAX_CONNECTIONS  # concurrent importer connections
-    request_timeout_s: float = 5.0
-    handle_kind: HandleKind = HandleKind.MEMFD  # what the banks are exported as (the transport's kind)
+    lease_timeout_s: float = attrs.field(default=30.0, validator=_seconds)
+    descriptor_ttl_s: float = attrs.field(default=300.0, validator=_seconds)
+    max_leases: int = attrs.field(default=64, validator=_positive_int)  # per bank
+    max_connections: int = attrs.field(default=chan.DEFAULT_MAX_CONNECTIONS, validator=_positive_int)
+    request_timeout_s: float = attrs.field(default=5.0, validator=_seconds)
+    handle_kind: HandleKind = attrs.field(default=HandleKind.MEMFD,  # what the banks are exported as
+                                          validator=typed(HandleKind))
 
 
 @attrs.define
@@ -218,6 +234,7 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         """Zero copy: one tensor (``"torch"``) or array (``"numpy"``) per region over the
         bank's own memory, for the engine to use as its KV cache. The bank is not
         released while any of them, or anything viewing them, is alive."""
+        need_choice("framework", framework, ("torch", "numpy"))
         if self.mapping is None or self.state in ("draining", "quiescent", "released"):
             raise TransferRejected(TransferReason.STATE, self.label, f"the bank is {self.state}; views need a "
                                    "registered bank that is not draining")
@@ -400,6 +417,9 @@ class Exporter(Generic[H, A, R, M, E]):
         directory. A name another live exporter serves is refused by :meth:`start`."""
         if not isinstance(config, ExportConfig):
             raise ConfigInvalid("config", f"must be an ExportConfig, not {type(config).__name__}")
+        if inventory is not None:
+            need("inventory", inventory, Inventory)
+        observers = need_callables("observers", observers)
         require_mapped(transport)
         self.config = config
         self.transport = transport
@@ -427,8 +447,10 @@ class Exporter(Generic[H, A, R, M, E]):
     # -- banks --------------------------------------------------------------------------
 
     def add_bank(self, rank: int, geometry: Geometry) -> Bank[H, A, R, M, E]:
+        need_int("rank", rank, 0, self.config.tp - 1)
+        need("geometry", geometry, Geometry)
         if rank in self.banks:
-            raise KvStateError(f"rank {rank} already has a bank in this exporter")
+            raise ArgumentInvalid("rank", ArgumentReason.STATE, f"rank {rank} already has a bank in this exporter")
         bank: Bank[H, A, R, M, E] = Bank(self, rank, geometry, observers=self._observers)
         self.banks[rank] = bank
         return bank
@@ -438,6 +460,7 @@ class Exporter(Generic[H, A, R, M, E]):
         """Zero copy: a registered bank for ``rank`` and one tensor per region over its
         memory (:meth:`Bank.tensors`), for the engine to use as its KV cache. Advertise
         the bank once the engine has filled blocks worth reusing."""
+        need_choice("framework", framework, ("torch", "numpy"))
         bank: Bank[H, A, R, M, E] = self.add_bank(rank, geometry)
         bank.register()
         try:
@@ -450,6 +473,9 @@ class Exporter(Generic[H, A, R, M, E]):
             raise
 
     def descriptor(self, rank: int) -> bytes:
+        need_int("rank", rank, 0, self.config.tp - 1)
+        if rank not in self.banks:
+            raise ArgumentInvalid("rank", ArgumentReason.STATE, f"no bank of rank {rank} in this exporter")
         d = self.banks[rank].descriptor
         if d is None:
             raise KvStateError(f"bank of rank {rank} is not advertised")
@@ -623,6 +649,7 @@ class Exporter(Generic[H, A, R, M, E]):
 
     def drain(self, timeout: float) -> float:
         """Drain every bank, wait for native quiescence, release. Returns seconds to quiescent."""
+        timeout = need_seconds("timeout", timeout)
         start = time.monotonic()
         deadline = start + timeout
         bank: Bank[H, A, R, M, E]

@@ -42,14 +42,16 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import ExitStack
-from typing import Any, Generic, Literal, NoReturn
+from typing import Any, Generic, Literal, NoReturn, get_args
 
 import attrs
 
 from kvstate import channel as chan
 from kvstate.core.descriptor import Descriptor, decode
 from kvstate.core.errors import (
+    ArgumentInvalid,
     ChannelError,
+    ConfigInvalid,
     DescriptorRejected,
     DrainTimeout,
     GroupRejected,
@@ -64,8 +66,10 @@ from kvstate.core.errors import (
     TransferRejected,
     TransitionError,
 )
-from kvstate.core.reasons import TransferReason
+from kvstate.core.args import (need, need_callables, need_choice, need_items, need_mapping_keys, need_seconds,
+                               need_text, typed)
 from kvstate.core.identity import Deployment, host_boot_id
+from kvstate.core.reasons import ArgumentReason, TransferReason
 from kvstate.reuse.gates import import_refusal
 from kvstate.reuse.policy import ReuseSettings
 from kvstate.reuse.profile import Admitted
@@ -73,7 +77,7 @@ from kvstate.core.machine import Lifecycle, Observer, effect, guard
 from kvstate.core.spec import load_machine
 from kvstate.core.capabilities import Access
 from kvstate.transport.protocol import A, E, H, M, MappedTransport, R, require_mapped
-from kvstate.core.validate import Expectation, ValidatedGroup, group_complete, validate_group
+from kvstate.core.validate import MAX_TP, Expectation, ValidatedGroup, group_complete, validate_group
 from kvstate.share import load as loads
 from kvstate.share.plan import Plan
 from kvstate.share.transfer import TransferHandle, check_timeout, stop_dispatcher_if_idle
@@ -94,22 +98,43 @@ class BlockRequest:
     hashes: tuple[int, ...]
 
 
+def _seconds(_: object, attribute: attrs.Attribute[float], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1e9 or value != value:
+        raise ConfigInvalid(f"ImportConfig.{attribute.name}", f"must be a finite number of seconds > 0, "
+                            f"not {value!r:.40}")
+
+
+def _count(most: int) -> Callable[[object, attrs.Attribute[int], object], None]:
+    def check(_: object, attribute: attrs.Attribute[int], value: object) -> None:
+        if type(value) is not int or not 1 <= value <= most:
+            raise ConfigInvalid(f"ImportConfig.{attribute.name}", f"must be an int in 1..{most}, not {value!r:.40}")
+    return check
+
+
+def _optional(kind: type) -> Callable[[object, attrs.Attribute[Any], object], None]:
+    def check(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if value is not None and not isinstance(value, kind):
+            raise ConfigInvalid(f"ImportConfig.{attribute.name}", f"must be {kind.__name__} or None, "
+                                f"not {type(value).__name__}")
+    return check
+
+
 @attrs.frozen
 class ImportConfig:
-    deployment: Deployment
-    request_timeout_s: float = 5.0
-    max_tp: int = 64
-    max_parallel_imports: int = 8    # threads opening rank parts at once
-    geometry_fingerprint: bytes | None = None   # Geometry.fingerprint() of the banks, if fixed
-    block_format: bytes | None = None           # Geometry.format_fingerprint() the engine's pages hold
-    device_uuids: frozenset[bytes] | None = None
+    deployment: Deployment = attrs.field(validator=typed(Deployment))
+    request_timeout_s: float = attrs.field(default=5.0, validator=_seconds)
+    max_tp: int = attrs.field(default=64, validator=_count(MAX_TP))
+    max_parallel_imports: int = attrs.field(default=8, validator=_count(256))  # threads opening parts at once
+    geometry_fingerprint: bytes | None = attrs.field(default=None, validator=_optional(bytes))  # of the banks
+    block_format: bytes | None = attrs.field(default=None, validator=_optional(bytes))  # the engine's pages hold
+    device_uuids: frozenset[bytes] | None = attrs.field(default=None, validator=_optional(frozenset))
     #: Leases are renewed every min(half the lease, this) seconds while leased or mapped,
     #: so a bank that drains (and refuses renewal) gets its mappings back within this.
-    renew_interval_s: float = 1.0
+    renew_interval_s: float = attrs.field(default=1.0, validator=_seconds)
     #: The reuse switches, enforced by import_group (kvstate.reuse.gates): off by default.
-    reuse: ReuseSettings = ReuseSettings()
+    reuse: ReuseSettings = attrs.field(default=ReuseSettings(), validator=typed(ReuseSettings))
     #: The deployment profile admission (kvstate.reuse.profile.admit); GPU imports need one.
-    admission: Admitted | None = None
+    admission: Admitted | None = attrs.field(default=None, validator=_optional(Admitted))
 
 
 class Part(Lifecycle, Generic[H, A, R, M, E]):
@@ -192,7 +217,7 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         self.lease_s = expires_in_s
         self.renewed_at = time.monotonic()
         self.lease_expires_at = self.renewed_at + expires_in_s
-        self.group.importer.watch(self)
+        self.group.importer._watch(self)
         return self._return_lease
 
     @effect("native_import")
@@ -273,7 +298,7 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
             msg.close()
         ch, self.channel = self.channel, None
         if ch is not None:
-            self.group.importer.unwatch(ch)
+            self.group.importer._unwatch(ch)
             with self._channel_lock:
                 _release_quietly(ch, self.rank, self.lease_id)
             ch.close()
@@ -475,6 +500,9 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
         """Report a fault event; False when it is not declared in the current state (for
         example a terminal one). Check and transition are one atomic step. ``reason``
         travels to the observers (StateChange.reason)."""
+        need_choice("event", event, get_args(GroupFault))
+        if reason is not None:
+            need_text("reason", reason, allow_empty=True)
         with self.locked():
             if not self.may(event):
                 return False
@@ -486,6 +514,7 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
     def drain(self, timeout: float = 30.0) -> float:
         """Refuse new loads, wait for native quiescence, close. Returns seconds to quiescent.
         Safe to call while the importer's expiry thread settles the same group."""
+        timeout = need_seconds("timeout", timeout)
         start = time.monotonic()
         with self.locked():
             if self.may("drain"):
@@ -525,6 +554,9 @@ class Importer(Generic[H, A, R, M, E]):
 
     def __init__(self, config: ImportConfig, transport: MappedTransport[H, A, R, M, E], *,
                  observers: Iterable[Observer] = ()) -> None:
+        if not isinstance(config, ImportConfig):
+            raise ConfigInvalid("config", f"must be an ImportConfig, not {type(config).__name__}")
+        observers = need_callables("observers", observers)
         require_mapped(transport)
         self.config = config
         self.transport = transport
@@ -552,6 +584,7 @@ class Importer(Generic[H, A, R, M, E]):
         stop_dispatcher_if_idle()
 
     def expectation(self, **overrides: Any) -> Expectation:
+        overrides = need_mapping_keys("overrides", overrides, [a.name for a in attrs.fields(Expectation)])
         e = Expectation(deployment=self.config.deployment, now_ns=time.time_ns(),
                         handle_kinds=self.transport.capabilities.handle_kinds, host_boot_id=self.boot_id, uid=os.getuid(),
                         geometry_fingerprint=self.config.geometry_fingerprint,
@@ -574,6 +607,12 @@ class Importer(Generic[H, A, R, M, E]):
                                  self.transport.capabilities)
         if refusal is not None:
             raise ReuseRefused(*refusal)
+        need_items("wire", wire, object, max_len=self.config.max_tp)  # each item: decode checks it
+        if blocks is not None:
+            need("blocks", blocks, BlockRequest)
+        expect = need_mapping_keys("expect", expect, [a.name for a in attrs.fields(Expectation)])
+        if self._stopping.is_set():
+            raise ArgumentInvalid("importer", ArgumentReason.STATE, "this importer is closed")
         self._count += 1
         group: Group[H, A, R, M, E] = self.group_class(self, f"group#{self._count}", self.observers)
         self.groups = [g for g in self.groups if not g.is_terminal] + [group]
@@ -680,12 +719,12 @@ class Importer(Generic[H, A, R, M, E]):
 
     # -- fault detection ------------------------------------------------------------------
 
-    def watch(self, part: Part[H, A, R, M, E]) -> None:
+    def _watch(self, part: Part[H, A, R, M, E]) -> None:
         assert part.channel is not None
         self._owners[id(part.channel)] = part
         self._watcher.watch(part.channel, self._peer_closed)
 
-    def unwatch(self, ch: chan.Channel) -> None:
+    def _unwatch(self, ch: chan.Channel) -> None:
         self._owners.pop(id(ch), None)
         self._watcher.unwatch(ch)
 
@@ -716,6 +755,7 @@ class Importer(Generic[H, A, R, M, E]):
         calls this every 50 ms). A renewal the exporter refuses, or cannot
         answer, is the group's ``expired`` fault, with the reason: the group drains, then
         unmaps and returns its leases. Returns the groups that faulted."""
+        groups = need_items("groups", groups, Group)
         faulted: list[Group[H, A, R, M, E]] = []
         every = self.config.renew_interval_s
         group: Group[H, A, R, M, E]
@@ -733,6 +773,7 @@ class Importer(Generic[H, A, R, M, E]):
 
     def expire_leases(self, groups: Iterable[Group[H, A, R, M, E]]) -> list[Group[H, A, R, M, E]]:
         """Fire ``expired`` on every group holding a lease past its expiry; return them."""
+        groups = need_items("groups", groups, Group)
         now = time.monotonic()
         expired: list[Group[H, A, R, M, E]] = []
         group: Group[H, A, R, M, E]

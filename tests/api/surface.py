@@ -9,6 +9,7 @@ public functions of the channel, policy, inventory, profile and descriptor modul
 
 from __future__ import annotations
 
+import enum
 import inspect
 import os
 import tempfile
@@ -133,6 +134,8 @@ SKIP = {"Exporter.serve_forever"}
 
 def call_with(fn: Callable[..., Any], draw: Callable[[st.SearchStrategy[Any]], Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Arguments for every parameter fn declares (the arity is right; the values are not)."""
+    if inspect.isclass(fn) and issubclass(fn, enum.Enum):  # Enum(value); its functional API is the stdlib's
+        return (draw(arbitrary()),), {}
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):

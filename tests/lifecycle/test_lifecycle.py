@@ -159,7 +159,7 @@ def test_drain_during_import_fails_group_and_rolls_back(transport: HostTransport
 
     def drain_after_rank0(change: StateChange) -> None:
         if change.machine == "part" and change.dest == "imported" and change.label.endswith("part[0]"):
-            importer.groups[-1].fault("drain")
+            importer.groups[-1].drain(5.0)
 
     ex = make_exporter(3, transport)
     importer = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON), transport, observers=[drain_after_rank0])

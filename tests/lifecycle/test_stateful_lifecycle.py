@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from conftest import DEPLOYMENT, GEOMETRY, GRANULARITY, expected_blocks, make_exporter
 from kvstate.core.errors import (DrainTimeout, GroupRejected, IllegalTransition, ImportFailed, KvStateError,
@@ -31,6 +31,7 @@ from support.faults import KINDS as FAULT_KINDS, FaultyTransport
 from support.reuse import REUSE_ON
 
 TPS = (1, 3)
+GROUP_STATES = tuple(Group.table.state_names)
 
 
 def wait_until(predicate: Any, timeout: float = 3.0) -> bool:
@@ -64,7 +65,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.changes.append(change)
         if self.drain_on_import and change.machine == "part" and change.dest == "imported":
             self.drain_on_import = False
-            self.importer.groups[-1].fault("drain")
+            self.importer.groups[-1].drain(5.0)
 
     def teardown(self) -> None:
         if not hasattr(self, "importer"):
@@ -80,6 +81,14 @@ class LifecycleMachine(RuleBasedStateMachine):
         s, b = self.transport.native.stats(), self.baseline
         assert (s.allocations, s.reservations, s.regions, s.pins) == \
             (b.allocations, b.reservations, b.regions, b.pins), "leaked native objects"
+
+    def pick(self, data: st.DataObject, *states: str) -> Group | None:
+        """A live group in one of ``states``, or None. What is drawn never depends on the
+        live state (an index into a fixed range): watcher and expiry threads move groups
+        between replays, and Hypothesis needs the same draws to mean the same test."""
+        index = data.draw(st.integers(0, 63))
+        found = [g for g in self.importer.groups if g.state in states]
+        return found[index % len(found)] if found else None
 
     def live(self, state: str) -> list[Group]:
         return [g for g in self.importer.groups if g.state == state]
@@ -130,21 +139,23 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     # -- loads ---------------------------------------------------------------------------
 
-    @precondition(lambda self: bool(self.live("ready")))
     @rule(data=st.data())
     def load(self, data: st.DataObject) -> None:
         """INV-LOAD-BYTES: what a ready group reads equals what the exporter wrote."""
-        group = data.draw(st.sampled_from(self.live("ready")))
+        group = self.pick(data, "ready")
+        if group is None:
+            return
         blocks = data.draw(st.lists(st.integers(0, GEOMETRY.num_blocks - 1), min_size=1, max_size=6))
         dst = [bytearray(len(blocks) * GEOMETRY.block_bytes) for _ in range(group.tp)]
         group.load_prefix(blocks, dst)
         for part, buf in zip(group.parts, dst):
             assert bytes(buf) == expected_blocks(part.rank, blocks), "INV-LOAD-BYTES: bytes differ"
 
-    @precondition(lambda self: bool(self.live("ready")))
     @rule(data=st.data())
     def drain_during_load(self, data: st.DataObject) -> None:
-        group = data.draw(st.sampled_from(self.live("ready")))
+        group = self.pick(data, "ready")
+        if group is None:
+            return
         dst = [bytearray(2 * GEOMETRY.block_bytes) for _ in range(group.tp)]
         self.transport.native.pause(True)
         errors: list[BaseException] = []
@@ -170,11 +181,12 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     # -- faults and drains ---------------------------------------------------------------
 
-    @precondition(lambda self: bool(self.live("ready")))
     @rule(data=st.data())
     def exporter_connection_dies(self, data: st.DataObject) -> None:
-        group = data.draw(st.sampled_from(self.live("ready")))
-        part = data.draw(st.sampled_from(group.parts))
+        group = self.pick(data, "ready")
+        if group is None:
+            return
+        part = group.parts[data.draw(st.integers(0, 7)) % group.tp]
         for ex in self.exporters.values():
             for bank in ex.banks.values():
                 for lease in list(bank.leases.values()):
@@ -182,14 +194,15 @@ class LifecycleMachine(RuleBasedStateMachine):
                         lease.channel.close()
         assert wait_until(lambda: group.state != "ready"), "peer death not noticed"
 
-    @precondition(lambda self: bool(self.live("ready")))
     @rule(data=st.data())
     def lease_expires(self, data: st.DataObject) -> None:
         """Issue 14, class 7: a lease runs out at its exporter (a renewal was lost). The
         bank drains but keeps the lease while the importer maps it; the importer's next
         renewal is refused, its group expires and closes itself; only then may the bank
         be released (INV-NO-RELEASE-MAPPED, checked when any bank is released)."""
-        group = data.draw(st.sampled_from(self.live("ready")))
+        group = self.pick(data, "ready")
+        if group is None:
+            return
         ex = self.exporters[group.tp]
         mine = {(p.rank, p.lease_id) for p in group.parts}
         for bank in ex.banks.values():
@@ -220,10 +233,11 @@ class LifecycleMachine(RuleBasedStateMachine):
         for bank in ex.banks.values():
             bank.observe(released)
 
-    @precondition(lambda self: bool(self.live("ready") or self.live("draining")))
     @rule(data=st.data())
     def drain_group(self, data: st.DataObject) -> None:
-        group = data.draw(st.sampled_from(self.live("ready") + self.live("draining")))
+        group = self.pick(data, "ready", "draining")
+        if group is None:
+            return
         group.drain(timeout=5)
         assert group.state == "closed"
 
@@ -246,11 +260,17 @@ class LifecycleMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def illegal_event(self, data: st.DataObject) -> None:
         """INV-EVENT-DECLARED on live objects: an undeclared event changes nothing."""
-        objs: list[Any] = [*self.importer.groups] + [b for ex in self.exporters.values() for b in ex.banks.values()]
-        obj = data.draw(st.sampled_from(objs))
-        # Draw from every event, not from the ones illegal right now: the live state can
+        # Draw indices into fixed ranges, never from lists built from the live state: it can
         # change between Hypothesis replays (watchers, expiry), and generation must not.
-        event = data.draw(st.sampled_from(sorted(obj.table.event_names)))
+        kind = data.draw(st.sampled_from(["group", "bank"]))
+        index, which = data.draw(st.integers(0, 63)), data.draw(st.integers(0, 63))
+        objs: list[Any] = list(self.importer.groups) if kind == "group" else \
+            [b for ex in self.exporters.values() for b in ex.banks.values()]
+        if not objs:
+            return
+        obj = objs[index % len(objs)]
+        events = sorted(obj.table.event_names)
+        event = events[which % len(events)]
         with obj.locked():  # watchers, expiry and exporter threads move objects too
             if obj.may(event):
                 return
@@ -259,13 +279,14 @@ class LifecycleMachine(RuleBasedStateMachine):
                 obj.fire(event)
             assert obj.state == before
 
-    @precondition(lambda self: bool(self.live("ready") or self.live("draining")))
     @rule(data=st.data())
     def part_event_on_live_group(self, data: st.DataObject) -> None:
         """Issue 14, class 5: any part event on any part of a ready or draining group is
         refused or moves the group out of ready; a ready group never holds a part that left."""
-        group = data.draw(st.sampled_from(self.live("ready") + self.live("draining")))
-        part = data.draw(st.sampled_from(group.parts))
+        group = self.pick(data, "ready", "draining")
+        if group is None:
+            return
+        part = group.parts[data.draw(st.integers(0, 7)) % group.tp]
         event = data.draw(st.sampled_from(sorted(part.table.event_names)))
         with group.locked():
             before = group.state
@@ -277,11 +298,12 @@ class LifecycleMachine(RuleBasedStateMachine):
                 assert all(p.state == "imported" and p.mapping is not None for p in group.parts), \
                     f"INV-GROUP-COMPLETE: {event} on {part.label} left the {before} group with {part.state}"
 
-    @precondition(lambda self: bool(self.importer.groups))
     @rule(data=st.data())
     def guided_fault(self, data: st.DataObject) -> None:
         """Guided: a fault event legal in the group's current state, through the real API."""
-        group = data.draw(st.sampled_from(self.importer.groups))
+        group = self.pick(data, *GROUP_STATES)
+        if group is None:
+            return
         event = data.draw(st.sampled_from(("peer_died", "expired", "incarnation_changed")))
         if group.may(event):  # drawn before looking at the live state (see illegal_event)
             before = group.state
