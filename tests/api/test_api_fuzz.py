@@ -12,7 +12,7 @@ work, and teardown must leave no lease, mapping, fd, thread or native object.
 
 from __future__ import annotations
 
-import time
+import os
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -20,12 +20,13 @@ from hypothesis import strategies as st
 
 from kvstate.core.errors import KvStateError
 from kvstate.harness import leaks
+from kvstate.share.importer import ImportConfig, Importer
 from surface import GEOMETRY, SKIP, World, call_with, targets
 
 ESCAPES: list[str] = []
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(os.environ.get("KVSTATE_API_FUZZ_EXAMPLES", "60")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_only_typed_errors_escape_and_nothing_leaks(data: st.DataObject) -> None:
     before = leaks.snapshot()
@@ -44,6 +45,7 @@ def test_only_typed_errors_escape_and_nothing_leaks(data: st.DataObject) -> None
                 raise AssertionError(f"{name}(*{args!r:.200}, **{kwargs!r:.200}) raised untyped "
                                      f"{type(exc).__name__}: {exc}") from exc
             release(result)
+            del result  # a caller drops what it does not keep (bank views would pin the bank)
         still_works(w)
     finally:
         w.close()
@@ -65,10 +67,16 @@ def release(result: object) -> None:
 def still_works(w: World) -> None:
     """A valid import and load, through the same importer when it is still open."""
     fresh = w.make_exporter(w.dir / "again")
-    group = w.importer.import_group([fresh.descriptor(r) for r in range(2)])
-    dst = [bytearray(2 * GEOMETRY.block_bytes) for _ in range(2)]
-    group.load_prefix([1, 3], dst)
-    assert [bytes(b) for b in dst] == [bytes([r + 1]) * len(dst[r]) for r in range(2)]
-    group.drain(5.0)
-    fresh.stop()
-    fresh.drain(5.0)
+    importer = w.importer if not w.importer._stopping.is_set() else \
+        Importer(ImportConfig(w.importer.config.deployment, reuse=w.importer.config.reuse), w.transport)
+    try:
+        group = importer.import_group([fresh.descriptor(r) for r in range(2)])
+        dst = [bytearray(2 * GEOMETRY.block_bytes) for _ in range(2)]
+        group.load_prefix([1, 3], dst)
+        assert [bytes(b) for b in dst] == [bytes([r + 1]) * len(dst[r]) for r in range(2)]
+        group.drain(5.0)
+    finally:
+        if importer is not w.importer:
+            importer.close()
+        fresh.stop()
+        fresh.drain(5.0)
