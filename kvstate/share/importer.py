@@ -35,7 +35,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import ExitStack
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import attrs
 
@@ -47,6 +47,7 @@ from kvstate.core.errors import (
     DrainTimeout,
     GroupRejected,
     ImportFailed,
+    InventoryError,
     KvStateError,
     LeaseRefused,
     LoadFailed,
@@ -65,13 +66,54 @@ from kvstate.core.validate import Expectation, ValidatedGroup, group_complete, v
 GroupFault = Literal["part_failed", "peer_died", "incarnation_changed", "expired"]
 
 
+def _epochs(value: object) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or not value or \
+            not all(type(e) is int and e >= 0 for e in value):
+        raise InventoryError(f"epochs must be a non-empty sequence of non-negative ints (one per rank), "
+                             f"not {value!r:.80}")
+    return tuple(value)
+
+
 @attrs.frozen
 class BlockRequest:
-    """Inventory blocks a lease must pin, as the decode worker advertised them."""
+    """Inventory blocks every rank's lease must pin, as the decode workers advertised them.
+
+    Each rank's bank keeps its own inventory, so each rank has its own epoch: ``epochs[r]``
+    is the epoch rank ``r``'s bank advertised for ``group`` (one entry per rank)."""
 
     group: str
-    epoch: int
+    epochs: tuple[int, ...] = attrs.field(converter=_epochs)
     hashes: tuple[int, ...]
+
+    def epoch(self, rank: int) -> int:
+        """The epoch rank ``rank``'s lease names."""
+        if not 0 <= rank < len(self.epochs):
+            raise InventoryError(f"no epoch for rank {rank}: the request names {len(self.epochs)} rank(s)")
+        return self.epochs[rank]
+
+
+class PartOwner(Protocol):
+    """What a :class:`Part` needs of the object it belongs to: an importer-side
+    :class:`Group` (every rank in one process), or one worker's share of a coordinated group
+    (:class:`kvstate.share.rank_worker.RankShare`, its own rank only)."""
+
+    label: str
+    observers: tuple[Observer, ...]
+
+    @property
+    def importer(self) -> Importer: ...
+
+    @property
+    def blocks(self) -> BlockRequest | None: ...
+
+    @property
+    def validated(self) -> object: ...
+
+    @property
+    def state(self) -> str: ...
+
+    def peer_closed(self, part: Part) -> None:
+        """The exporter of ``part`` closed its channel or exited."""
 
 
 @attrs.frozen
@@ -89,7 +131,7 @@ class Part(Lifecycle):
 
     table = load_machine("part")
 
-    def __init__(self, group: Group, descriptor: Descriptor) -> None:
+    def __init__(self, group: PartOwner, descriptor: Descriptor) -> None:
         super().__init__(label=f"{group.label}/part[{descriptor.rank}]", observers=group.observers)
         self.group = group
         self.transport = group.importer.transport
@@ -124,7 +166,8 @@ class Part(Lifecycle):
             ch.send(chan.encode({"op": "lease", "rank": d.rank, "generation": d.generation,
                                  "incarnation": d.incarnation.hex(),
                                  "blocks": None if blocks is None else {
-                                     "group": blocks.group, "epoch": blocks.epoch, "hashes": list(blocks.hashes)}}),
+                                     "group": blocks.group, "epoch": blocks.epoch(d.rank),
+                                     "hashes": list(blocks.hashes)}}),
                     timeout=timeout)
             with ch.recv(timeout=timeout) as msg:
                 reply = chan.decode(msg.payload)
@@ -320,6 +363,13 @@ class Group(Lifecycle):
         with self._ops_lock:
             self.ops = [o for o in self.ops if o not in ops]
 
+    def peer_closed(self, part: Part) -> None:
+        """A part's exporter went away (its channel closed or its process exited)."""
+        try:
+            self.fault("peer_died")
+        except TransitionError:
+            pass  # a concurrent transition already moved the group on
+
     def fault(self, event: GroupFault) -> bool:
         """Report a fault event; False when it is not declared in the current state (for
         example a terminal one). Check and transition are one atomic step."""
@@ -408,6 +458,9 @@ class Importer:
         worker no longer holds them (the inventory is advisory) this raises ReuseStale
         and the caller recomputes. ``expect`` overrides fields of the Expectation.
         """
+        if blocks is not None and len(blocks.epochs) != len(wire):
+            raise InventoryError(f"the block request names {len(blocks.epochs)} epoch(s) for a group of "
+                                 f"{len(wire)} descriptor(s): one per rank")
         self._count += 1
         group: Group = self.group_class(self, f"group#{self._count}", self.observers)
         self.groups = [g for g in self.groups if not g.is_terminal] + [group]
@@ -507,11 +560,7 @@ class Importer:
     def _peer_closed(self, ch: chan.Channel) -> None:
         part = self._owners.pop(id(ch), None)
         if part is not None:
-            group: Group = part.group
-            try:
-                group.fault("peer_died")
-            except TransitionError:
-                pass  # a concurrent transition already moved the group on
+            part.group.peer_closed(part)
 
     def _expire_loop(self) -> None:
         while not self._stopping.wait(0.05):
