@@ -59,6 +59,7 @@ class ClusterSpec:
     phase_timeout_s: float = 5.0     # the coordinator's deadline per phase
     silence_s: float = 2.0           # a worker hearing nothing from its coordinator this long cleans up alone
     seed: int = 7
+    plant: str | None = None         # "module:Class": a planted RankShare for the workers (self-tests)
 
     def geometry(self) -> Geometry:
         return Geometry(layers=self.layers, kv_heads=self.kv_heads, head_dim=self.head_dim,
@@ -229,6 +230,8 @@ class Cluster:
                 w.process.kill()
             w.process.join(5)
             w.conn.close()
+            if not w.process.is_alive():
+                w.process.close()  # its sentinel fd, now rather than at a later collection
 
     def everyone(self) -> list[Worker]:
         return [*self.exporters, *([self.coordinator] if self.coordinator else []), *self.workers]

@@ -16,6 +16,7 @@ Hold points let a parent SIGKILL a process while a phase is open: a worker told 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import multiprocessing.connection
 import os
@@ -187,6 +188,9 @@ def worker_main(conn: multiprocessing.connection.Connection, spec_json: str, key
 
     worker = HoldingWorker(WorkerConfig(Deployment(DEPLOYMENT_NAME, bytes.fromhex(key_hex)), rank, spec.tp,
                                         Path(coordinator_path)), t, observers=[on_change])
+    if spec.plant is not None:  # a self-test: a deliberately broken share (tests/planted)
+        module, _, name = spec.plant.partition(":")
+        worker.share_class = getattr(importlib.import_module(module), name)
     loader: threading.Thread | None = None
 
     def status(gid: str) -> dict[str, Any]:
@@ -194,7 +198,8 @@ def worker_main(conn: multiprocessing.connection.Connection, spec_json: str, key
         share = worker.share(gid)
         return {"rank": rank, "pid": os.getpid(), "state": None if share is None else share.state,
                 "history": histories.get(gid, []), "import_s": None if share is None else share.import_s,
-                "unmapped_at": None if share is None else share.unmapped_at, "leases": worker.leases()}
+                "unmapped_at": None if share is None else share.unmapped_at, "leases": worker.leases(),
+                "violations": list(violations)}
 
     while True:
         cmd = recv(conn, 3600)

@@ -393,7 +393,7 @@ class Coordinator:
         Returns at once (the group is ``checking``); GroupRejected if this validation refuses
         it (the group is ``rejected`` and no worker heard of it)."""
         gid = f"g{next(self._ids)}-{secrets.token_hex(3)}"
-        group = CoordinatedGroup(self, gid, wire, blocks, self.observers)
+        group: CoordinatedGroup = CoordinatedGroup(self, gid, wire, blocks, self.observers)
         with self._lock:
             self.groups = {k: g for k, g in self.groups.items() if not g.is_terminal}
             self.groups[gid] = group

@@ -148,7 +148,7 @@ class RankShare(Lifecycle):
 
     @effect("import_part")
     def _import_part(self, **kw: Any) -> Callable[[], None]:
-        part = self.part
+        part: Part | None = self.part
         assert part is not None  # validate made it
         start = time.monotonic()
         try:
@@ -169,7 +169,7 @@ class RankShare(Lifecycle):
         self._close_part()
 
     def _close_part(self) -> None:
-        part = self.part
+        part: Part | None = self.part
         if part is not None and part.may("close"):
             was_mapped = part.mapping is not None
             part.fire("close")
@@ -253,6 +253,8 @@ def _blocks(raw: Any) -> BlockRequest | None:
 
 class RankWorker:
     """One TP rank's worker side; see the module docstring."""
+
+    share_class: type[RankShare] = RankShare
 
     def __init__(self, config: WorkerConfig, transport: Transport, *, observers: Iterable[Observer] = ()) -> None:
         self.config = config
@@ -404,11 +406,13 @@ class RankWorker:
             return
         with self._lock:
             found = self.shares.get(cmd.group)
-        if found is None or found.is_terminal:
-            return  # the share ended (or never existed here): nothing to do
+        if found is None:
+            return  # the share ended and was forgotten (or never existed here): nothing to do
         share: RankShare = found
         event: CommandEvent = cmd.cmd
-        with share.locked():
+        with share.locked():  # the check and the fire are one step: an open may end the share meanwhile
+            if share.is_terminal:
+                return  # the share ended: it holds nothing any more
             share.fire(event)  # an undeclared command is the coordinator's protocol violation
         if cmd.cmd == "open":
             self._spawn(self._open, share)
@@ -419,7 +423,7 @@ class RankWorker:
         with self._lock:
             if cmd.group in self.shares:
                 raise ProtocolError(f"check for group {cmd.group} twice")
-            share = RankShare(self, cmd.group)
+            share: RankShare = self.share_class(self, cmd.group)
             self.shares[cmd.group] = share
         share.fire("check")
         descriptor: Descriptor | None = None

@@ -62,3 +62,12 @@ def test_sigkill_in_every_phase(role: str, phase: str) -> None:
     if "death_to_unmapped_s" in report:
         assert report["death_to_unmapped_s"] < spec.silence_s  # EOF or pidfd, not the silence bound
     assert report["exporter_quiescent_s"] <= spec.lease_timeout_s
+
+
+def test_the_verdict_catches_a_worker_that_keeps_its_part() -> None:
+    """Self-test: a planted share that ends without unmapping its part on abort is caught
+    (from inside its process) when a kill fails the group during import."""
+    spec = ClusterSpec(tp=2, plant="planted.coordinator_bugs:KeepsPartOnAbort", **SMALL)  # type: ignore[arg-type]
+    report = run_scenario(spec, ("worker", "importing"))
+    assert not report["ok"]
+    assert any("still mapping its part" in v for v in report["violations"]), report["violations"]
