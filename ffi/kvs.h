@@ -21,6 +21,11 @@
  * or revoked under an in-flight copy. Release refuses while the allocation is mapped.
  * Holders other than ops (leases) may take explicit pins with kvs_region_pin().
  *
+ * Files: kvs_slots.c holds the slot tables, the lock, regions and their pins (shared);
+ * kvs_host.c the memory objects (allocations, reservations, mapping and unmapping);
+ * kvs_ops.c the op engine. The last two build on kvs_slots.h and on nothing of each
+ * other. Python declares this header to cffi by deriving from it (ffi/build_host.py).
+ *
  * Every function returns KVS_OK (0) or a negative KVS_E_* code; on KVS_E_SYS, errno is
  * left set by the failing system call. Every wait takes a timeout. Types across the
  * boundary are exact: uint64_t addresses, sizes and ids, int64_t op ids and nanoseconds.
@@ -118,7 +123,6 @@ uint64_t kvs_page_size(void);
 int kvs_create(uint64_t size, uint64_t *allocation);
 int kvs_export_fd(uint64_t allocation, int32_t *fd);        /* borrowed: do not close */
 int kvs_import_fd(int32_t fd, uint64_t size, uint64_t *allocation); /* dups fd */
-int kvs_allocation_size(uint64_t allocation, uint64_t *size);
 int kvs_release(uint64_t allocation);
 int kvs_reserve(uint64_t size, uint64_t align, uint64_t *reservation, uint64_t *addr);
 int kvs_free_reservation(uint64_t reservation);
@@ -156,7 +160,7 @@ const char *kvs_op_table_digest(void); /* codegen.table_digest() of the table bu
 int32_t kvs_op_nevents(void);
 const char *kvs_op_state_name(int32_t state);
 const char *kvs_op_event_name(int32_t event);
-int32_t kvs_op_collectable(int32_t state);  /* the table lets the caller reap it */
+int32_t kvs_op_collectable(int32_t state);  /* the table lets the caller reap it (kvs_wait) */
 int32_t kvs_planted_bug(void);  /* 1 only in the test build with a planted bug */
 const char *kvs_strerror(int32_t code);
 

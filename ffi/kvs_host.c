@@ -12,7 +12,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "kvs_internal.h"
+#include "kvs_slots.h"
 
 /* A memfd is exported only after these seals, and imported only if it carries them: the
  * size can never change under a mapping, and nobody can lift the seals. */
@@ -26,54 +26,6 @@
 #else
 #define KVS_CHECK_PINS 1
 #endif
-
-struct kvs_state kvs_g = {.mu = PTHREAD_MUTEX_INITIALIZER};
-
-/* -- slot tables ---------------------------------------------------------------------- */
-
-int kvs_slots_put(struct kvs_slots *t, void *item, uint64_t *id) {
-    uint32_t slot;
-    if (t->nfree > 0) {
-        slot = t->free[--t->nfree];
-    } else {
-        if (t->used == t->cap) {
-            uint32_t cap = t->cap ? t->cap * 2 : 64;
-            if (cap > KVS_SLOT_MASK) return KVS_E_NOMEM;
-            void **items = realloc(t->items, cap * sizeof *items);
-            if (!items) return KVS_E_NOMEM;
-            t->items = items;
-            uint32_t *fr = realloc(t->free, cap * sizeof *fr);
-            if (!fr) return KVS_E_NOMEM;
-            t->free = fr;
-            t->cap = cap;
-        }
-        slot = t->used++;
-    }
-    *id = (++t->seq << KVS_SLOT_BITS) | slot;
-    *(uint64_t *)item = *id;
-    t->items[slot] = item;
-    t->live++;
-    return KVS_OK;
-}
-
-void *kvs_slots_get(const struct kvs_slots *t, uint64_t id) {
-    uint64_t slot = id & KVS_SLOT_MASK;
-    if (id == 0 || slot >= t->used) return NULL;
-    void *item = t->items[slot];
-    if (!item || *(uint64_t *)item != id) return NULL;
-    return item;
-}
-
-void kvs_slots_del(struct kvs_slots *t, uint64_t id) {
-    uint32_t slot = (uint32_t)(id & KVS_SLOT_MASK);
-    t->items[slot] = NULL;
-    t->free[t->nfree++] = slot;
-    t->live--;
-}
-
-void *kvs_slots_at(const struct kvs_slots *t, uint32_t slot) {
-    return slot < t->used ? t->items[slot] : NULL;
-}
 
 /* -- helpers -------------------------------------------------------------------------- */
 
@@ -98,6 +50,22 @@ static int rereserve(uint64_t addr, uint64_t size) {
 }
 
 /* -- allocations ---------------------------------------------------------------------- */
+
+/* The memory side's own items in kvs_g.allocs and kvs_g.resvs; regions are shared
+ * (kvs_slots.h) because ops pin them. */
+struct kvs_alloc {
+    uint64_t id;
+    int fd;
+    uint64_t size;
+    uint64_t maps;
+};
+
+struct kvs_resv {
+    uint64_t id;
+    uint64_t addr;
+    uint64_t size;
+    uint64_t maps;
+};
 
 static int add_alloc(int fd, uint64_t size, uint64_t *allocation) {
     struct kvs_alloc *a = calloc(1, sizeof *a);
@@ -163,14 +131,6 @@ int kvs_import_fd(int32_t fd, uint64_t size, uint64_t *allocation) {
     pthread_mutex_unlock(&kvs_g.mu);
     if (rc) close(own);
     return rc;
-}
-
-int kvs_allocation_size(uint64_t allocation, uint64_t *size) {
-    pthread_mutex_lock(&kvs_g.mu);
-    struct kvs_alloc *a = kvs_slots_get(&kvs_g.allocs, allocation);
-    if (a) *size = a->size;
-    pthread_mutex_unlock(&kvs_g.mu);
-    return a ? KVS_OK : KVS_E_NOENT;
 }
 
 static int alloc_pinned(uint64_t allocation) {
@@ -322,7 +282,7 @@ int kvs_set_access(uint64_t region, int32_t access) {
     }
     pthread_mutex_lock(&kvs_g.mu);
     int rc = KVS_OK;
-    struct kvs_region *g = kvs_slots_get(&kvs_g.regions, region);
+    struct kvs_region *g = kvs_region_find(region);
     if (!g) {
         rc = KVS_E_NOENT;
     } else if (access < g->access && g->pins) {
@@ -339,7 +299,7 @@ int kvs_set_access(uint64_t region, int32_t access) {
 int kvs_unmap(uint64_t region) {
     pthread_mutex_lock(&kvs_g.mu);
     int rc = KVS_OK;
-    struct kvs_region *g = kvs_slots_get(&kvs_g.regions, region);
+    struct kvs_region *g = kvs_region_find(region);
     if (!g) {
         rc = KVS_E_NOENT;
     } else if (KVS_CHECK_PINS && g->pins) {
@@ -354,64 +314,6 @@ int kvs_unmap(uint64_t region) {
     }
     pthread_mutex_unlock(&kvs_g.mu);
     return rc;
-}
-
-/* -- explicit pins and observation ---------------------------------------------------- */
-
-int kvs_region_pin(uint64_t region) {
-    pthread_mutex_lock(&kvs_g.mu);
-    struct kvs_region *g = kvs_slots_get(&kvs_g.regions, region);
-    if (g) {
-        g->pins++;
-        g->explicit_pins++;
-    }
-    pthread_mutex_unlock(&kvs_g.mu);
-    return g ? KVS_OK : KVS_E_NOENT;
-}
-
-int kvs_region_unpin(uint64_t region) {
-    pthread_mutex_lock(&kvs_g.mu);
-    int rc = KVS_OK;
-    struct kvs_region *g = kvs_slots_get(&kvs_g.regions, region);
-    if (!g) {
-        rc = KVS_E_NOENT;
-    } else if (!g->explicit_pins) {
-        rc = KVS_E_INVAL; /* only explicit pins may be dropped by hand */
-    } else {
-        g->pins--;
-        g->explicit_pins--;
-    }
-    pthread_mutex_unlock(&kvs_g.mu);
-    return rc;
-}
-
-int kvs_region_info_get(uint64_t region, kvs_region_info *out) {
-    pthread_mutex_lock(&kvs_g.mu);
-    struct kvs_region *g = kvs_slots_get(&kvs_g.regions, region);
-    if (g) {
-        *out = (kvs_region_info){
-            .addr = g->addr, .size = g->size, .allocation = g->alloc, .reservation = g->resv,
-            .access = g->access, .pins = g->pins, .explicit_pins = g->explicit_pins,
-            .inflight = g->inflight, .completed = g->completed, .failed = g->failed,
-            .bytes = g->bytes,
-        };
-    }
-    pthread_mutex_unlock(&kvs_g.mu);
-    return g ? KVS_OK : KVS_E_NOENT;
-}
-
-void kvs_global_info_get(kvs_global_info *out) {
-    pthread_mutex_lock(&kvs_g.mu);
-    memset(out, 0, sizeof *out);
-    out->allocations = kvs_g.allocs.live;
-    out->reservations = kvs_g.resvs.live;
-    out->regions = kvs_g.regions.live;
-    for (uint32_t s = 0; s < kvs_g.regions.used; s++) {
-        struct kvs_region *g = kvs_slots_at(&kvs_g.regions, s);
-        if (g) out->pins += g->pins;
-    }
-    kvs_ops_global(out);
-    pthread_mutex_unlock(&kvs_g.mu);
 }
 
 int32_t kvs_planted_bug(void) { return !KVS_CHECK_PINS; }

@@ -17,7 +17,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "kvs_internal.h"
+#include "kvs_slots.h"
 
 #define KVS_DEFAULT_WORKERS 2
 #define KVS_MAX_WORKERS 64
@@ -68,12 +68,10 @@ static void unlock(void) { pthread_mutex_unlock(&kvs_g.mu); }
 
 /* -- the table-driven step ------------------------------------------------------------ */
 
-static struct kvs_region *region(uint64_t id) { return id ? kvs_slots_get(&kvs_g.regions, id) : NULL; }
-
 static int guard_holds(const struct kvs_op *op, uint32_t guard) {
     switch (guard) {
     case KVS_OP_GUARD_REGIONS_MAPPED: {
-        const struct kvs_region *s = region(op->src_region), *d = region(op->dst_region);
+        const struct kvs_region *s = kvs_region_find(op->src_region), *d = kvs_region_find(op->dst_region);
         if (op->src_region && (!s || s->access < KVS_ACCESS_READ)) return 0;
         if (op->dst_region && (!d || d->access < KVS_ACCESS_READ_WRITE)) return 0;
         return 1;
@@ -90,7 +88,7 @@ static int guard_error(uint32_t guard) {
 static void pin(struct kvs_op *op, int delta) {
     uint64_t ids[2] = {op->src_region, op->dst_region == op->src_region ? 0 : op->dst_region};
     for (int i = 0; i < 2; i++) {
-        struct kvs_region *g = region(ids[i]);
+        struct kvs_region *g = kvs_region_find(ids[i]);
         if (!g) continue;
         g->pins += (uint64_t)(int64_t)delta;
         g->inflight += (uint64_t)(int64_t)delta;
@@ -215,7 +213,7 @@ static int run_part(const struct kvs_op *op, uint32_t part) {
 static void account(struct kvs_op *op) {
     uint64_t ids[2] = {op->src_region, op->dst_region == op->src_region ? 0 : op->dst_region};
     for (int i = 0; i < 2; i++) {
-        struct kvs_region *g = region(ids[i]);
+        struct kvs_region *g = kvs_region_find(ids[i]);
         if (!g) continue;
         if (op->state == KVS_OP_DONE) {
             g->completed++;
@@ -315,7 +313,7 @@ int kvs_engine_pause(int32_t paused) {
 
 static int resolve(const kvs_endpoint *ep, uint64_t *base, uint64_t *size) {
     if (ep->region) {
-        struct kvs_region *g = region(ep->region);
+        struct kvs_region *g = kvs_region_find(ep->region);
         if (!g) return KVS_E_NOENT;
         *base = g->addr;
         *size = g->size;
@@ -518,7 +516,10 @@ int kvs_reap(int64_t id, kvs_op_info *out) {
 
 /* -- observation ---------------------------------------------------------------------- */
 
-void kvs_ops_global(kvs_global_info *out) {
+void kvs_global_info_get(kvs_global_info *out) {
+    lock();
+    memset(out, 0, sizeof *out);
+    kvs_slots_global(out);
     out->ops_live = E.ops.live;
     out->ops_queued = E.queued;
     out->ops_running = E.running;
@@ -529,6 +530,7 @@ void kvs_ops_global(kvs_global_info *out) {
     out->bytes = E.bytes;
     out->workers = E.want;
     out->paused = E.paused;
+    unlock();
 }
 
 int32_t kvs_op_nstates(void) { return KVS_OP_NSTATES; }

@@ -62,7 +62,7 @@ EXTERNAL = 'external = "the engine registers banks"'
     ("kvstate/share/importer.py", 'self.fire("load", plan=plan)', 'self.fire("validate", plan=plan)', None,
      ["fires 'validate' on group, which", "event 'load' is fired nowhere"]),
     # a receiver without an annotated class cannot be attributed
-    ("kvstate/share/exporter.py", "bank: Bank | None = self.banks", "bank = self.banks", None,
+    ("kvstate/share/exporter.py", "bank: Bank[H, A, R, M, E] | None = self.banks", "bank = self.banks", None,
      ["exporter.py: cannot tell which machine `bank.fire` drives: `bank` needs an annotation"] * 3
      + [f"event {e!r} is fired nowhere" for e in ("grant_lease", "lease_mapped", "release_lease")]),
     # a helper taking any string cannot say which events it fires
@@ -159,12 +159,15 @@ def test_python_scan_rules(tmp_path: Path) -> None:
                 d.fire("slam")
             [x.fire("lost") for x in [door]]     # a comprehension's name has no annotation
             other.fire("x")                       # annotated, but binds no table
+            g: "Door[int]" = door                  # a generic class with its type arguments
+            g.fire("shut")
     """)
     code = code_py.scan(root)
     fires = {(f.machine, f.event, f.site.label) for f in code.fires}
     assert fires == {("door", "open", "kvstate.doors:Door.later.<locals>.inner"),
                      ("door", "knock", "kvstate.users:one"), ("door", "a", "kvstate.users:one"),
-                     ("door", "b", "kvstate.users:one"), ("door", "slam", "kvstate.users:one")}
+                     ("door", "b", "kvstate.users:one"), ("door", "slam", "kvstate.users:one"),
+                     ("door", "shut", "kvstate.users:one")}
     assert len(code.problems) == 2
     assert code.problems[0].startswith("kvstate/users.py:13: ") and "`x` needs an annotation" in code.problems[0]
     assert code.problems[1].startswith("kvstate/users.py:14: ") and "annotated `object`" in code.problems[1]

@@ -337,21 +337,31 @@ def test_bad_constructor_arguments_are_refused_before_the_driver_is_touched() ->
 # -- one interface --------------------------------------------------------------------------
 
 def test_cuda_and_host_transports_offer_the_same_operations_with_the_same_parameters() -> None:
-    """Both implement the Transport protocol and what the lifecycle code uses beyond it."""
+    """Both implement every member of MappedTransport (mypy checks the types: each backend
+    module assigns itself to the protocol), with the same parameters."""
     import inspect
 
-    from kvstate.transport.protocol import Transport
+    from kvstate.transport.protocol import MappedTransport
     from kvstate.transport.cuda import CudaTransport
     from kvstate.transport.host import HostTransport
 
-    members = [n for n in dir(Transport) if not n.startswith("_")] + [
-        "free", "stats", "pin", "unpin", "receive_handle", "submit_gather"]
+    members = [n for n in dir(MappedTransport) if not n.startswith("_")]
+    assert {"free", "stats", "pin", "unpin", "receive_handle", "submit_gather", "unmap"} <= set(members)
     for n in members:
         h, c = getattr(HostTransport, n), getattr(CudaTransport, n)
         if callable(h):
             assert len(inspect.signature(h).parameters) == len(inspect.signature(c).parameters), n
         else:
             assert isinstance(c, type(h)), n
+
+
+def test_only_host_memory_has_a_host_view() -> None:
+    """Bank.view() needs HostView; device memory has none (TransportUnsuitable)."""
+    from kvstate.transport.protocol import HostView
+    from kvstate.transport.cuda import CudaTransport
+    from kvstate.transport.host import HostTransport
+
+    assert issubclass(HostTransport, HostView) and not issubclass(CudaTransport, HostView)
 
 
 # -- the host backend's side of the generalised hand-off ------------------------------------

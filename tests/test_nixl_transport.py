@@ -202,8 +202,9 @@ def test_one_agent_per_process_and_no_mapping() -> None:
         with pytest.raises(PeerError) as second:
             peer.call("second_agent")
         assert second.value.kind == "kvstate.core.errors.NixlError" and "one agent per process" in str(second.value)
-        assert peer.call("unsupported") == ["reserve:NixlUnsupported", "map:NixlUnsupported",
-                                            "set_access:NixlUnsupported", "unmap:NixlUnsupported",
+        assert peer.call("unsupported") == ["backend:True", "mapped:False", "reserve:absent", "map:absent",
+                                            "set_access:absent", "unmap:absent",
+                                            "exporter:TransportUnsuitable", "importer:TransportUnsuitable",
                                             "export_memfd:NixlUnsupported"]
 
 

@@ -86,6 +86,17 @@ class BackendUnavailable(KvStateError):
         super().__init__(f"transport backend {backend!r} is unavailable: {why}")
 
 
+class TransportUnsuitable(KvStateError):
+    """A registered backend lacks what the caller needs: the lifecycle sides need a
+    ``MappedTransport`` (NIXL is not one: it loads, never maps), and a bank's host view
+    needs host-addressable memory."""
+
+    def __init__(self, backend: str, need: str) -> None:
+        self.backend = backend
+        self.need = need
+        super().__init__(f"transport {backend!r} cannot be used here: {need}")
+
+
 # -- descriptors ---------------------------------------------------------------------
 
 

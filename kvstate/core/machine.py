@@ -145,8 +145,8 @@ def _bindings(cls: type, spec: MachineSpec, attr: str, kind: str,
     for attr_name in dir(cls):
         value = getattr(cls, attr_name, None)
         name = getattr(value, attr, None)
-        if isinstance(name, str):
-            found[name] = value  # type: ignore[assignment]
+        if isinstance(name, str) and callable(value):
+            found[name] = value
     declared = set(declared)
     for name in sorted(declared - set(found)):
         raise BindingError(spec.source, f"{kind}.{name}", f"{cls.__qualname__} implements no {kind[:-1]} {name!r}")

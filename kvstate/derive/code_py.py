@@ -12,7 +12,8 @@ fire site it cannot attribute is reported as a problem (which fails generation):
   bound by the class of the receiver ``R``, where ``R`` is
     - ``self`` (the first parameter of a method) of a binding class, or
     - a name annotated in the function that binds it: a parameter, or a declaration
-      ``name: Class`` (``Class | None`` too). mypy checks the annotation, so it is right.
+      ``name: Class`` (``Class | None`` and ``Class[T, ...]`` too). mypy checks the
+      annotation, so it is right.
   The event ``E`` is a string literal, or a name annotated ``Literal[...]`` (inline, or an
   alias ``X = Literal[...]`` defined in or imported into the module): a helper that takes
   an event name declares in its signature the events it may fire, and is a fire site of
@@ -210,6 +211,8 @@ class _Scan:
             return self._class(mod, sides[0]) if len(sides) == 1 else None
         if isinstance(node, ast.Subscript) and mod.resolve(node.value) == "typing.Optional":
             return self._class(mod, node.slice)
+        if isinstance(node, ast.Subscript):  # a generic class with its type arguments
+            return self._class(mod, node.value)
         name = mod.resolve(node) if isinstance(node, (ast.Name, ast.Attribute)) else None
         return name if name in self.classes else None
 

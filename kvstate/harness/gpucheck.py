@@ -192,7 +192,7 @@ def _lifecycle_exporter(device: bytes, socket_dir: str, conn: Connection) -> Non
                                handle_kind=HandleKind.POSIX_FD), t)
     bank = ex.add_bank(0, GEOMETRY)
     bank.register()
-    t.write(bank.mapping, pattern(GEOMETRY.nbytes, 2))
+    t.write(bank.mapped(), pattern(GEOMETRY.nbytes, 2))
     bank.advertise()
     ex.start()
     conn.send(ex.descriptor(0))

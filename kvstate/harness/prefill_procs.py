@@ -23,7 +23,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstate.core.errors import KvStateError
 from kvstate.core.identity import Deployment
@@ -31,6 +31,12 @@ from kvstate.core.machine import StateChange
 from kvstate.harness.cluster import ClusterSpec, leaks_since, recv, resources, send
 from kvstate.share import protocol_msgs as msgs
 from kvstate.share.rank_worker import RankShare, RankWorker
+from kvstate.transport.protocol import A, E, H, M, R
+
+if TYPE_CHECKING:
+    from kvstate.transport.host import HostAllocation, HostEndpoint, HostHandle, HostMapping, HostReservation
+
+    HostShare = RankShare[HostHandle, HostAllocation, HostReservation, HostMapping, HostEndpoint]
 
 DEPLOYMENT_NAME = "kvstate-demo"
 
@@ -133,7 +139,7 @@ def coordinator_main(conn: multiprocessing.connection.Connection, spec_json: str
 # -- a worker process ----------------------------------------------------------------------
 
 
-class HoldingWorker(RankWorker):
+class HoldingWorker(RankWorker[H, A, R, M, E]):
     """A RankWorker that can be held at ``check`` (before validating) or ``open`` (before
     leasing and mapping), so a parent can kill a process while that phase is open."""
 
@@ -155,7 +161,7 @@ class HoldingWorker(RankWorker):
             self.released.wait(30)
         super()._check(cmd)
 
-    def _open(self, share: RankShare) -> None:
+    def _open(self, share: RankShare[H, A, R, M, E]) -> None:
         if "open" in self.holds:
             self.released.wait(30)
         super()._open(share)
@@ -172,7 +178,7 @@ def worker_main(conn: multiprocessing.connection.Connection, spec_json: str, key
     t = HostTransport(granularity=spec.granularity)
     violations: list[str] = []
     histories: dict[str, list[str]] = {}
-    worker: HoldingWorker | None = None
+    worker: HoldingWorker[HostHandle, HostAllocation, HostReservation, HostMapping, HostEndpoint] | None = None
 
     def on_change(change: StateChange) -> None:
         if change.machine != "rank" or worker is None:
@@ -219,7 +225,7 @@ def worker_main(conn: multiprocessing.connection.Connection, spec_json: str, key
                 if share is None or share.state != "ready":
                     pipe.send(error=f"share is {None if share is None else share.state}", **status(cmd["gid"]))
                     continue
-                s: RankShare = share
+                s: HostShare = share
                 g = spec.geometry()
 
                 def load(blocks: list[int] = cmd["blocks"]) -> None:

@@ -44,13 +44,23 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from kvstate.harness.cluster import ClusterSpec, Worker, _recv, _send, expected_checksum, kv_pattern, resources
 from kvstate.core.errors import KvStateError
 from kvstate.core.identity import Deployment
+
+if TYPE_CHECKING:
+    from kvstate.share.exporter import Exporter
+    from kvstate.share.importer import Group, Importer
+    from kvstate.transport.host import HostAllocation, HostEndpoint, HostHandle, HostMapping, HostReservation
+
+    # The lifecycle sides over the host transport, as the workers below build them.
+    HostExporter = Exporter[HostHandle, HostAllocation, HostReservation, HostMapping, HostEndpoint]
+    HostImporter = Importer[HostHandle, HostAllocation, HostReservation, HostMapping, HostEndpoint]
+    HostGroup = Group[HostHandle, HostAllocation, HostReservation, HostMapping, HostEndpoint]
 
 #: The soak's importers each import the whole group in one process (the in-process
 #: Importer); the coordinated per-rank topology is the cluster's (kvstate.harness.cluster).
@@ -87,7 +97,7 @@ def exporter_worker(conn: multiprocessing.connection.Connection, spec_json: str,
     t = HostTransport(granularity=spec.granularity)
     g = spec.geometry()
     pattern = b"".join(kv_pattern(rank, b, g.block_bytes, spec.seed) for b in range(g.num_blocks))
-    ex: Exporter | None = None
+    ex: HostExporter | None = None
     baseline = resources()
     while True:
         cmd = _recv(conn, 3600)
@@ -121,14 +131,14 @@ def importer_worker(conn: multiprocessing.connection.Connection, spec_json: str,
                     plant: str | None = None) -> None:
     """One prefill-rank process: one Importer for its whole life, a new group per cycle.
     ``plant`` plants a bug for the soak's self-test: ``leak_fd`` or ``corrupt``."""
-    from kvstate.share.importer import Group, ImportConfig, Importer
+    from kvstate.share.importer import ImportConfig, Importer
     from kvstate.core.machine import StateChange
     from kvstate.transport.host import HostTransport
 
     spec = ClusterSpec(**json.loads(spec_json))
     t = HostTransport(granularity=spec.granularity)
     partial: list[str] = []
-    im_box: list[Importer] = []
+    im_box: list[HostImporter] = []
 
     def on_change(change: StateChange) -> None:
         # INV-GROUP-COMPLETE, checked at the moment of readiness, from the parts themselves.
@@ -140,7 +150,7 @@ def importer_worker(conn: multiprocessing.connection.Connection, spec_json: str,
 
     im = Importer(ImportConfig(Deployment("kvstate-soak", bytes.fromhex(key_hex))), t, observers=[on_change])
     im_box.append(im)
-    group: Group | None = None
+    group: HostGroup | None = None
     loader: threading.Thread | None = None
     baseline = resources()
 

@@ -164,13 +164,13 @@ class ReuseSettings:
         :class:`UnknownSetting`; bad values raise :class:`InvalidSetting`.
         """
         base = base or cls()
-        changes: dict[str, object] = {}
+        changes: dict[str, Any] = {}  # values of any type: the class validators check each
         for name, value in mapping.items():
             if name not in SETTING_NAMES:
                 raise UnknownSetting(str(name), source, SETTING_NAMES)
             changes[name] = _parse_value(name, value, source)
         try:
-            return attrs.evolve(base, **changes)  # type: ignore[arg-type]  # checked by the validators
+            return attrs.evolve(base, **changes)
         except InvalidSetting as exc:
             raise InvalidSetting(exc.name, exc.value, exc.problem, source) from None
 

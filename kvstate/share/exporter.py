@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Generic, Literal
 
 import attrs
 
@@ -54,7 +54,8 @@ from kvstate.reuse.inventory import Inventory, LeaseGrant, Stale
 from kvstate.core.machine import Lifecycle, Observer, effect, guard
 from kvstate.core.spec import load_machine
 from kvstate.core.capabilities import Access
-from kvstate.transport.protocol import Transport
+from kvstate.core.errors import TransportUnsuitable
+from kvstate.transport.protocol import A, E, H, HostView, M, MappedTransport, R, require_mapped
 
 
 @attrs.frozen
@@ -87,12 +88,15 @@ LeaseEnd = Literal["peer_died", "lease_expired"]
 _REQUEST_FIELDS: dict[str, type] = {"op": str, "rank": int, "lease": int, "generation": int, "incarnation": str}
 
 
-class Bank(Lifecycle):
-    """One rank's bank. Driven by spec/bank.toml; see the module docstring."""
+class Bank(Lifecycle, Generic[H, A, R, M, E]):
+    """One rank's bank. Driven by spec/bank.toml; see the module docstring.
+
+    ``H, A, R, M, E`` are the transport's handle, allocation, reservation, mapping and
+    caller-memory types (:class:`kvstate.transport.protocol.MappedTransport`)."""
 
     table = load_machine("bank")
 
-    def __init__(self, exporter: Exporter, rank: int, geometry: Geometry, *,
+    def __init__(self, exporter: Exporter[H, A, R, M, E], rank: int, geometry: Geometry, *,
                  observers: Iterable[Observer] = ()) -> None:
         super().__init__(label=f"bank[rank {rank}]", observers=observers)
         self.exporter = exporter
@@ -100,11 +104,11 @@ class Bank(Lifecycle):
         self.rank = rank
         self.geometry = geometry
         self.size = geometry.bank_size(self.transport.granularity())
-        self.allocation: Any = self.transport.create(self.size)
+        self.allocation: A = self.transport.create(self.size)
         self.owner = "engine"
-        self.reservation: Any = None
-        self.mapping: Any = None
-        self.handle: Any = None
+        self.reservation: R | None = None
+        self.mapping: M | None = None
+        self.handle: H | None = None
         self.generation = 0
         self.descriptor: bytes | None = None
         self.descriptor_expires_ns = 0
@@ -130,13 +134,27 @@ class Bank(Lifecycle):
         self.fire("advertise")
 
     def view(self) -> memoryview:
-        """The exporter's own read-write view of the bank (after registration)."""
-        if self.mapping is None:
-            raise KvStateError(f"{self.label} is not registered")
-        return self.transport.view(self.mapping)  # type: ignore[attr-defined,no-any-return]
+        """The exporter's own read-write view of the bank (after registration), where the
+        transport's memory is host memory (:class:`kvstate.transport.protocol.HostView`)."""
+        t = self.transport
+        if not isinstance(t, HostView):
+            raise TransportUnsuitable(t.name, "a bank view needs host memory")
+        return t.view(self.mapped())
 
     def pins(self) -> int:
-        return 0 if self.mapping is None else int(self.transport.stats(self.mapping).pins)  # type: ignore[attr-defined]
+        return 0 if self.mapping is None else self.transport.stats(self.mapping).pins
+
+    def mapped(self) -> M:
+        """The exporter's own mapping of the bank (KvStateError before registration)."""
+        if self.mapping is None:
+            raise KvStateError(f"{self.label} is not registered")
+        return self.mapping
+
+    def exported(self) -> H:
+        """The handle registration exported (KvStateError before registration)."""
+        if self.handle is None:
+            raise KvStateError(f"{self.label} is not registered")
+        return self.handle
 
     # -- guards -----------------------------------------------------------------------
 
@@ -162,7 +180,7 @@ class Bank(Lifecycle):
             step = "reserve"
             try:
                 reservation = t.reserve(self.size)
-                undo.callback(t.free, reservation)  # type: ignore[attr-defined]
+                undo.callback(t.free, reservation)
                 step = "map"
                 mapping = t.map(reservation, 0, self.allocation)
                 undo.callback(t.unmap, mapping)
@@ -177,13 +195,17 @@ class Bank(Lifecycle):
         return self._unregister
 
     def _unregister(self) -> None:
-        self.transport.unmap(self.mapping)
-        self.transport.free(self.reservation)  # type: ignore[attr-defined]
+        """Undo registration: unmap, free the reservation; the engine owns the memory again."""
+        if self.mapping is not None:
+            self.transport.unmap(self.mapping)
+        if self.reservation is not None:
+            self.transport.free(self.reservation)
         self.reservation = self.mapping = self.handle = None
         self.owner = "engine"
 
     @effect("publish_descriptor")
     def _publish(self, **kw: Any) -> Callable[[], None]:
+        handle = self.exported()
         before = (self.generation, self.descriptor, self.descriptor_expires_ns, self.inventory_epoch)
         ex = self.exporter
         self.generation += 1
@@ -193,8 +215,8 @@ class Bank(Lifecycle):
             deployment_id=ex.config.deployment.id, source_id=ex.config.source_id,
             fabric=FabricDomain(FabricKind.NODE, ex.node), host_boot_id=ex.boot_id,
             device_uuid=self.transport.device_uuid(), incarnation=ex.incarnation.value, pid=os.getpid(),
-            rank=self.rank, tp=ex.config.tp, geometry=self.geometry, handle_kind=self.handle.kind,
-            handle=self.handle.identity, size=self.size, granularity=self.transport.granularity(),
+            rank=self.rank, tp=ex.config.tp, geometry=self.geometry, handle_kind=handle.kind,
+            handle=handle.identity, size=self.size, granularity=self.transport.granularity(),
             generation=self.generation, expires_at_ns=self.descriptor_expires_ns,
             socket_path=str(ex.socket_path), inventory_epoch=self.inventory_epoch,
         )
@@ -230,17 +252,24 @@ class Bank(Lifecycle):
 
     @effect("native_release")
     def _release(self, **kw: Any) -> None:
+        # The transport calls straight into C: row -> this effect -> transport -> C.
+        t = self.transport
         if self.mapping is not None:
-            self._unregister()
-        self.transport.release(self.allocation)
+            t.unmap(self.mapping)
+        if self.reservation is not None:
+            t.free(self.reservation)
+        self.reservation = self.mapping = self.handle = None
+        t.release(self.allocation)
         self.owner = "released"
 
 
-class Exporter:
+class Exporter(Generic[H, A, R, M, E]):
     """A decode worker's exporting side: banks, the control server, lease bookkeeping."""
 
-    def __init__(self, config: ExportConfig, transport: Transport, *, name: str = "exporter",
-                 inventory: Inventory | None = None, observers: Iterable[Observer] = ()) -> None:
+    def __init__(self, config: ExportConfig, transport: MappedTransport[H, A, R, M, E], *,
+                 name: str = "exporter", inventory: Inventory | None = None,
+                 observers: Iterable[Observer] = ()) -> None:
+        require_mapped(transport)
         self.config = config
         self.transport = transport
         #: The retained inventory (advisory); a lease naming blocks pins them atomically.
@@ -249,7 +278,7 @@ class Exporter:
         self.boot_id = host_boot_id()
         self.node = os.uname().nodename
         self.socket_path = Path(config.socket_dir) / f"{name}.sock"
-        self.banks: dict[int, Bank] = {}
+        self.banks: dict[int, Bank[H, A, R, M, E]] = {}
         self._observers = tuple(observers)
         self._lease_ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -262,10 +291,10 @@ class Exporter:
 
     # -- banks --------------------------------------------------------------------------
 
-    def add_bank(self, rank: int, geometry: Geometry) -> Bank:
+    def add_bank(self, rank: int, geometry: Geometry) -> Bank[H, A, R, M, E]:
         if rank in self.banks:
             raise KvStateError(f"rank {rank} already has a bank in this exporter")
-        bank = Bank(self, rank, geometry, observers=self._observers)
+        bank: Bank[H, A, R, M, E] = Bank(self, rank, geometry, observers=self._observers)
         self.banks[rank] = bank
         return bank
 
@@ -344,7 +373,7 @@ class Exporter:
             if key in req and type(req[key]) is not kind:
                 raise FrameError(f"request field {key!r} must be {kind.__name__}, not {type(req[key]).__name__}")
         op = req.get("op")
-        bank: Bank | None = self.banks.get(req.get("rank", -1))
+        bank: Bank[H, A, R, M, E] | None = self.banks.get(req.get("rank", -1))
         if bank is None:
             return self._refuse("unknown_rank", f"no bank for rank {req.get('rank')!r}")
         if op == "lease":
@@ -367,7 +396,8 @@ class Exporter:
                 return self._refuse("not_leasing", str(exc))
             lease = bank.leases[lease_id]
             remaining = lease.expires_at - time.monotonic()
-            fds = () if bank.handle.fd is None else (bank.handle.fd,)  # FABRIC and CUDA_IPC carry bytes only
+            fd = bank.exported().fd
+            fds = () if fd is None else (fd,)  # FABRIC and CUDA_IPC carry bytes only
             return {"ok": True, "lease": lease_id, "expires_in_s": remaining}, fds
         held = bank.leases.get(req.get("lease", -1))
         if held is None or held.channel is not ch:
@@ -395,7 +425,7 @@ class Exporter:
         return result
 
     def _end_leases(self, event: LeaseEnd, select: Callable[[BankLease], bool]) -> None:
-        bank: Bank
+        bank: Bank[H, A, R, M, E]
         for bank in list(self.banks.values()):
             for lease in [lease for lease in list(bank.leases.values()) if select(lease)]:
                 try:
@@ -417,7 +447,7 @@ class Exporter:
         """Drain every bank, wait for native quiescence, release. Returns seconds to quiescent."""
         start = time.monotonic()
         deadline = start + timeout
-        bank: Bank
+        bank: Bank[H, A, R, M, E]
         for bank in self.banks.values():
             if bank.may("drain"):
                 bank.fire("drain")

@@ -35,7 +35,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import ExitStack
-from typing import Any, Literal, Protocol
+from typing import Any, Generic, Literal, Protocol
 
 import attrs
 
@@ -58,7 +58,7 @@ from kvstate.core.identity import Deployment, host_boot_id
 from kvstate.core.machine import Lifecycle, Observer, effect, guard
 from kvstate.core.spec import load_machine
 from kvstate.core.capabilities import Access
-from kvstate.transport.protocol import PendingOp, Transport
+from kvstate.transport.protocol import A, E, H, M, MappedTransport, PendingOp, R, require_mapped
 from kvstate.core.validate import Expectation, ValidatedGroup, group_complete, validate_group
 
 
@@ -92,7 +92,7 @@ class BlockRequest:
         return self.epochs[rank]
 
 
-class PartOwner(Protocol):
+class PartOwner(Protocol[H, A, R, M, E]):
     """What a :class:`Part` needs of the object it belongs to: an importer-side
     :class:`Group` (every rank in one process), or one worker's share of a coordinated group
     (:class:`kvstate.share.rank_worker.RankShare`, its own rank only)."""
@@ -101,7 +101,7 @@ class PartOwner(Protocol):
     observers: tuple[Observer, ...]
 
     @property
-    def importer(self) -> Importer: ...
+    def importer(self) -> Importer[H, A, R, M, E]: ...
 
     @property
     def blocks(self) -> BlockRequest | None: ...
@@ -112,7 +112,7 @@ class PartOwner(Protocol):
     @property
     def state(self) -> str: ...
 
-    def peer_closed(self, part: Part) -> None:
+    def peer_closed(self, part: Part[H, A, R, M, E]) -> None:
         """The exporter of ``part`` closed its channel or exited."""
 
 
@@ -126,12 +126,12 @@ class ImportConfig:
     device_uuids: frozenset[bytes] | None = None
 
 
-class Part(Lifecycle):
-    """One rank part, driven by spec/part.toml."""
+class Part(Lifecycle, Generic[H, A, R, M, E]):
+    """One rank part, driven by spec/part.toml. ``H, A, R, M, E``: the transport's types."""
 
     table = load_machine("part")
 
-    def __init__(self, group: PartOwner, descriptor: Descriptor) -> None:
+    def __init__(self, group: PartOwner[H, A, R, M, E], descriptor: Descriptor) -> None:
         super().__init__(label=f"{group.label}/part[{descriptor.rank}]", observers=group.observers)
         self.group = group
         self.transport = group.importer.transport
@@ -140,12 +140,18 @@ class Part(Lifecycle):
         self.channel: chan.Channel | None = None
         self.lease_id: int | None = None
         self.lease_expires_at = 0.0
-        self.allocation: Any = None
-        self.reservation: Any = None
-        self.mapping: Any = None
+        self.allocation: A | None = None
+        self.reservation: R | None = None
+        self.mapping: M | None = None
 
     def pins(self) -> int:
-        return 0 if self.mapping is None else int(self.transport.stats(self.mapping).pins)  # type: ignore[attr-defined]
+        return 0 if self.mapping is None else self.transport.stats(self.mapping).pins
+
+    def mapped(self) -> M:
+        """The part's mapping (LoadFailed when it has none: not imported, or closed)."""
+        if self.mapping is None:
+            raise LoadFailed(f"{self.label} is not mapped")
+        return self.mapping
 
     @guard("group_admitted")
     def _admitted(self, **kw: Any) -> bool:
@@ -174,11 +180,11 @@ class Part(Lifecycle):
                 if not reply.get("ok"):
                     raise LeaseRefused(str(reply.get("code")), str(reply.get("detail")))
                 lease_id, expires_in_s = _grant_fields(reply, d.rank)
-                handle = t.receive_handle(d.handle_kind, d.handle, msg.fds)  # type: ignore[attr-defined]
+                handle = t.receive_handle(d.handle_kind, d.handle, msg.fds)
                 allocation = t.import_(handle, d.size)
             undo.callback(t.release, allocation)
             reservation = t.reserve(d.size)
-            undo.callback(t.free, reservation)  # type: ignore[attr-defined]
+            undo.callback(t.free, reservation)
             mapping = t.map(reservation, 0, allocation)
             undo.callback(t.unmap, mapping)
             t.set_access(mapping, Access.READ)
@@ -189,18 +195,19 @@ class Part(Lifecycle):
         self.lease_expires_at = time.monotonic() + expires_in_s
         self.allocation, self.reservation, self.mapping = allocation, reservation, mapping
         self.group.importer.watch(self)
-        return self._teardown
+        return self._unmap_close  # the undo of an import is its teardown
 
     @effect("unmap_close")
     def _unmap_close(self, **kw: Any) -> None:
-        self._teardown()
-
-    def _teardown(self) -> None:
-        """Unmap and release first (pins were checked by the guard), then return the lease."""
+        """Unmap and release first (pins were checked by the guard), then return the lease.
+        The transport calls straight into C: row -> this effect -> transport -> C."""
         t = self.transport
-        t.unmap(self.mapping)
-        t.free(self.reservation)  # type: ignore[attr-defined]
-        t.release(self.allocation)
+        if self.mapping is not None:
+            t.unmap(self.mapping)
+        if self.reservation is not None:
+            t.free(self.reservation)
+        if self.allocation is not None:
+            t.release(self.allocation)
         self.mapping = self.reservation = self.allocation = None
         ch, self.channel = self.channel, None
         if ch is not None:
@@ -236,18 +243,18 @@ class LoadResult:
     seconds: float
 
 
-class Group(Lifecycle):
+class Group(Lifecycle, Generic[H, A, R, M, E]):
     """One rank group on the importer side, driven by spec/group.toml."""
 
     table = load_machine("group")
 
-    def __init__(self, importer: Importer, label: str, observers: Iterable[Observer]) -> None:
+    def __init__(self, importer: Importer[H, A, R, M, E], label: str, observers: Iterable[Observer]) -> None:
         super().__init__(label=label, observers=observers)
         self.importer = importer
         self.observers = tuple(observers)
         self.validated: ValidatedGroup | None = None
         self.blocks: BlockRequest | None = None
-        self.parts: list[Part] = []
+        self.parts: list[Part[H, A, R, M, E]] = []
         self.ops: list[PendingOp] = []
         self._ops_lock = threading.Lock()
 
@@ -290,18 +297,19 @@ class Group(Lifecycle):
         self._close_parts()
 
     def _close_parts(self) -> None:
-        p: Part
+        p: Part[H, A, R, M, E]
         for p in self.parts:
             if p.may("close"):
                 p.fire("close")
 
     @effect("submit_load")
-    def _submit(self, *, plan: Sequence[tuple[Part, Any, list[tuple[int, int, int]]]], **kw: Any) -> Callable[[], None]:
+    def _submit(self, *, plan: Sequence[tuple[Part[H, A, R, M, E], E, list[tuple[int, int, int]]]],
+                **kw: Any) -> Callable[[], None]:
         transport = self.importer.transport
         ops: list[PendingOp] = []
         try:
             for part, dst, blocks in plan:
-                ops.append(transport.submit_gather(part.mapping, dst, blocks))  # type: ignore[attr-defined]
+                ops.append(transport.submit_gather(part.mapped(), dst, blocks))
         except BaseException:
             _cancel(ops)
             raise
@@ -315,7 +323,7 @@ class Group(Lifecycle):
 
     # -- what the engine calls --------------------------------------------------------
 
-    def load_prefix(self, blocks: Sequence[int], destinations: Sequence[Any] | Mapping[int, Any], *,
+    def load_prefix(self, blocks: Sequence[int], destinations: Sequence[E] | Mapping[int, E], *,
                     timeout: float = 30.0) -> LoadResult:
         """Gather ``blocks`` (in order) of each rank into its destination buffer.
 
@@ -363,7 +371,7 @@ class Group(Lifecycle):
         with self._ops_lock:
             self.ops = [o for o in self.ops if o not in ops]
 
-    def peer_closed(self, part: Part) -> None:
+    def peer_closed(self, part: Part[H, A, R, M, E]) -> None:
         """A part's exporter went away (its channel closed or its process exited)."""
         try:
             self.fault("peer_died")
@@ -414,21 +422,23 @@ def _cancel(ops: list[PendingOp]) -> None:
             pass  # already running: it finishes and drops its pins on its own
 
 
-class Importer:
+class Importer(Generic[H, A, R, M, E]):
     """A prefill worker's importing side: validates, imports, watches, loads."""
 
-    group_class: type[Group] = Group
+    group_class: type[Group[H, A, R, M, E]] = Group
 
-    def __init__(self, config: ImportConfig, transport: Transport, *, observers: Iterable[Observer] = ()) -> None:
+    def __init__(self, config: ImportConfig, transport: MappedTransport[H, A, R, M, E], *,
+                 observers: Iterable[Observer] = ()) -> None:
+        require_mapped(transport)
         self.config = config
         self.transport = transport
         self.observers = tuple(observers)
         self.boot_id = host_boot_id()
         self._watcher = chan.Watcher(name="kvstate-importer-watch")
-        self._owners: dict[int, Part] = {}
+        self._owners: dict[int, Part[H, A, R, M, E]] = {}
         self._count = 0
         #: Groups this importer made and that have not reached a terminal state.
-        self.groups: list[Group] = []
+        self.groups: list[Group[H, A, R, M, E]] = []
         self._executor: ThreadPoolExecutor | None = None
         self._stopping = threading.Event()
         self._expiry = threading.Thread(target=self._expire_loop, name="kvstate-importer-expiry", daemon=True)
@@ -451,7 +461,8 @@ class Importer:
                         device_uuids=self.config.device_uuids, max_tp=self.config.max_tp)
         return attrs.evolve(e, **overrides)
 
-    def import_group(self, wire: Sequence[bytes], *, blocks: BlockRequest | None = None, **expect: Any) -> Group:
+    def import_group(self, wire: Sequence[bytes], *, blocks: BlockRequest | None = None,
+                     **expect: Any) -> Group[H, A, R, M, E]:
         """Validate the whole group, then import every part; see the module docstring.
 
         ``blocks`` names inventory blocks every part's lease must pin; if the decode
@@ -462,7 +473,7 @@ class Importer:
             raise InventoryError(f"the block request names {len(blocks.epochs)} epoch(s) for a group of "
                                  f"{len(wire)} descriptor(s): one per rank")
         self._count += 1
-        group: Group = self.group_class(self, f"group#{self._count}", self.observers)
+        group: Group[H, A, R, M, E] = self.group_class(self, f"group#{self._count}", self.observers)
         self.groups = [g for g in self.groups if not g.is_terminal] + [group]
         descriptors: list[Descriptor] = []
         problems: list[DescriptorRejected] = []
@@ -477,7 +488,7 @@ class Importer:
                 raise GroupRejected(problems)
             validated = validate_group(descriptors, self.expectation(**expect))
         except GroupRejected:
-            part: Part
+            part: Part[H, A, R, M, E]
             group.parts = [Part(group, d) for d in descriptors]  # the ranks that decoded
             for part in group.parts:
                 part.fire("reject")
@@ -514,7 +525,7 @@ class Importer:
         """A validated descriptor of a (source, rank) that a live group imported, from
         another incarnation, shows that exporter restarted: the group hears it."""
         current = {(d.source_id, d.rank): d.incarnation for d in validated.parts}
-        group: Group
+        group: Group[H, A, R, M, E]
         for group in list(self.groups):
             if any(current.get((p.descriptor.source_id, p.rank), p.descriptor.incarnation)
                    != p.descriptor.incarnation for p in group.parts):
@@ -523,14 +534,18 @@ class Importer:
                 except TransitionError:
                     pass  # a concurrent transition already moved the group on
 
-    def _open_parts(self, parts: Sequence[Part]) -> dict[int, BaseException]:
+    def _open_parts(self, parts: Sequence[Part[H, A, R, M, E]]) -> dict[int, BaseException]:
         """Open every part, concurrently: each waits on its own exporter's channel, so the
         group's import costs about one round trip, not tp of them. Returns failures by rank."""
         failures: dict[int, BaseException] = {}
 
-        def open_one(part: Part) -> None:
+        def open_one(part: Part[H, A, R, M, E]) -> None:
             try:
-                part.fire("open")
+                # A fault may fail the group (and close this part) before its open starts:
+                # that is the group's failure, reported below, not this part's.
+                with part.locked():
+                    if part.may("open"):
+                        part.fire("open")
             except (KvStateError, OSError) as exc:
                 failures[part.rank] = exc
 
@@ -548,7 +563,7 @@ class Importer:
 
     # -- fault detection ------------------------------------------------------------------
 
-    def watch(self, part: Part) -> None:
+    def watch(self, part: Part[H, A, R, M, E]) -> None:
         assert part.channel is not None
         self._owners[id(part.channel)] = part
         self._watcher.watch(part.channel, self._peer_closed)
@@ -569,11 +584,11 @@ class Importer:
             except TransitionError:
                 pass  # the group moved on concurrently; the next round looks again
 
-    def expire_leases(self, groups: Iterable[Group]) -> list[Group]:
+    def expire_leases(self, groups: Iterable[Group[H, A, R, M, E]]) -> list[Group[H, A, R, M, E]]:
         """Fire ``expired`` on every group holding a lease past its expiry; return them."""
         now = time.monotonic()
-        expired: list[Group] = []
-        group: Group
+        expired: list[Group[H, A, R, M, E]] = []
+        group: Group[H, A, R, M, E]
         for group in groups:
             if any(p.lease_id is not None and p.lease_expires_at <= now for p in group.parts) \
                     and group.fault("expired"):

@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Generic, Literal
 
 import attrs
 
@@ -65,7 +65,7 @@ from kvstate.core.spec import load_machine
 from kvstate.core.validate import Expectation, descriptor_problems
 from kvstate.share import protocol_msgs as msgs
 from kvstate.share.importer import BlockRequest, ImportConfig, Importer, LoadResult, Part
-from kvstate.transport.protocol import PendingOp, Transport
+from kvstate.transport.protocol import A, E, H, M, MappedTransport, PendingOp, R
 
 log = logging.getLogger(__name__)
 
@@ -94,22 +94,23 @@ class WorkerConfig:
             raise ValueError(f"rank {self.rank} of tp {self.tp} (max tp {self.max_tp})")
 
 
-class RankShare(Lifecycle):
+class RankShare(Lifecycle, Generic[H, A, R, M, E]):
     """One worker's share of one coordinated group: its own rank's part. Driven by
-    spec/rank.toml; it is also the :class:`~kvstate.share.importer.PartOwner` of that part."""
+    spec/rank.toml; it is also the :class:`~kvstate.share.importer.PartOwner` of that part.
+    ``H, A, R, M, E``: the transport's types."""
 
     table = load_machine("rank")
 
-    def __init__(self, worker: RankWorker, gid: str) -> None:
+    def __init__(self, worker: RankWorker[H, A, R, M, E], gid: str) -> None:
         super().__init__(label=f"rank{worker.config.rank}/{gid}", observers=(self._after, *worker.observers))
         self.worker = worker
         self.gid = gid
         self.rank = worker.config.rank
         self.observers: tuple[Observer, ...] = worker.observers
-        self.importer: Importer = worker.importer
+        self.importer: Importer[H, A, R, M, E] = worker.importer
         self.blocks: BlockRequest | None = None
         self.validated: Descriptor | None = None
-        self.part: Part | None = None
+        self.part: Part[H, A, R, M, E] | None = None
         self.ops: set[PendingOp] = set()
         self.problems: list[DescriptorRejected] = []
         self.cause = ""
@@ -148,7 +149,7 @@ class RankShare(Lifecycle):
 
     @effect("import_part")
     def _import_part(self, **kw: Any) -> Callable[[], None]:
-        part: Part | None = self.part
+        part: Part[H, A, R, M, E] | None = self.part
         assert part is not None  # validate made it
         start = time.monotonic()
         try:
@@ -169,7 +170,7 @@ class RankShare(Lifecycle):
         self._close_part()
 
     def _close_part(self) -> None:
-        part: Part | None = self.part
+        part: Part[H, A, R, M, E] | None = self.part
         if part is not None and part.may("close"):
             was_mapped = part.mapping is not None
             part.fire("close")
@@ -177,11 +178,10 @@ class RankShare(Lifecycle):
                 self.unmapped_at = time.monotonic()
 
     @effect("submit_load")
-    def _submit(self, *, plan: tuple[Any, list[tuple[int, int, int]], list[PendingOp]], **kw: Any) -> Callable[[], None]:
+    def _submit(self, *, plan: tuple[E, list[tuple[int, int, int]], list[PendingOp]], **kw: Any) -> Callable[[], None]:
         dst, extents, out = plan
-        assert self.part is not None
-        gather: Callable[..., PendingOp] = getattr(self.importer.transport, "submit_gather")
-        op = gather(self.part.mapping, dst, extents)
+        assert self.part is not None and self.part.mapping is not None
+        op = self.importer.transport.submit_gather(self.part.mapping, dst, extents)
         self.ops.add(op)
         out.append(op)
 
@@ -195,14 +195,14 @@ class RankShare(Lifecycle):
 
     # -- what the part and the engine call ----------------------------------------------
 
-    def peer_closed(self, part: Part) -> None:
+    def peer_closed(self, part: Part[H, A, R, M, E]) -> None:
         """The exporter of this share's part went away."""
         with self.locked():
             if self.may("exporter_died"):
                 self.fire("exporter_died")
         self.worker.kick()
 
-    def load(self, blocks: Sequence[int], dst: Any, *, timeout: float = 30.0) -> LoadResult:
+    def load(self, blocks: Sequence[int], dst: E, *, timeout: float = 30.0) -> LoadResult:
         """Gather ``blocks`` (in order) of this rank's part into ``dst`` and wait. Only in
         ``ready``: IllegalTransition before the coordinator released loads or after a drain."""
         if not self.may("load"):
@@ -221,13 +221,7 @@ class RankShare(Lifecycle):
             for off, length in g.block_extents(b):
                 extents.append((off, pos, length))
                 pos += length
-        try:
-            view = memoryview(dst)
-        except TypeError:
-            raise LoadFailed(f"destination {type(dst).__name__} is not a buffer") from None
-        with view:
-            if view.readonly or view.nbytes < pos:
-                raise LoadFailed(f"destination must be writable and hold {pos} bytes")
+        _check_destination(dst, pos)
         start = time.monotonic()
         submitted: list[PendingOp] = []
         self.fire("load", plan=(dst, extents, submitted))
@@ -242,6 +236,23 @@ class RankShare(Lifecycle):
         return LoadResult(len(blocks), int(done), time.monotonic() - start)
 
 
+def _check_destination(dst: Any, nbytes: int) -> None:
+    """A host destination must be a writable buffer of at least ``nbytes`` (before any op);
+    a backend's own memory (a device buffer) says its size with ``nbytes``."""
+    size = getattr(dst, "nbytes", None)
+    if isinstance(size, int) and not isinstance(dst, memoryview):
+        if size < nbytes:
+            raise LoadFailed(f"destination holds {size} bytes, not {nbytes}")
+        return
+    try:
+        view = memoryview(dst)
+    except TypeError:
+        raise LoadFailed(f"destination {type(dst).__name__} is not a buffer") from None
+    with view:
+        if view.readonly or view.nbytes < nbytes:
+            raise LoadFailed(f"destination must be writable and hold {nbytes} bytes")
+
+
 def _blocks(raw: Any) -> BlockRequest | None:
     if raw is None:
         return None
@@ -251,21 +262,22 @@ def _blocks(raw: Any) -> BlockRequest | None:
     return BlockRequest(raw["group"], raw["epochs"], tuple(raw["hashes"]))
 
 
-class RankWorker:
+class RankWorker(Generic[H, A, R, M, E]):
     """One TP rank's worker side; see the module docstring."""
 
-    share_class: type[RankShare] = RankShare
+    share_class: type[RankShare[H, A, R, M, E]] = RankShare
 
-    def __init__(self, config: WorkerConfig, transport: Transport, *, observers: Iterable[Observer] = ()) -> None:
+    def __init__(self, config: WorkerConfig, transport: MappedTransport[H, A, R, M, E], *,
+                 observers: Iterable[Observer] = ()) -> None:
         self.config = config
         self.transport = transport
         self.observers = tuple(observers)
-        self.importer = Importer(ImportConfig(config.deployment, request_timeout_s=config.request_timeout_s,
+        self.importer: Importer[H, A, R, M, E] = Importer(ImportConfig(config.deployment, request_timeout_s=config.request_timeout_s,
                                               max_tp=config.max_tp, geometry_fingerprint=config.geometry_fingerprint,
                                               device_uuids=config.device_uuids), transport)
         self.boot_id = host_boot_id()
-        self.shares: dict[str, RankShare] = {}
-        self.ended: collections.deque[RankShare] = collections.deque(maxlen=config.keep_ended)
+        self.shares: dict[str, RankShare[H, A, R, M, E]] = {}
+        self.ended: collections.deque[RankShare[H, A, R, M, E]] = collections.deque(maxlen=config.keep_ended)
         self.coordinator_gone = False
         self.silence_s = 5.0
         self._channel: chan.Channel | None = None
@@ -327,12 +339,12 @@ class RankWorker:
 
     # -- what the engine reads ----------------------------------------------------------
 
-    def share(self, gid: str) -> RankShare | None:
+    def share(self, gid: str) -> RankShare[H, A, R, M, E] | None:
         with self._lock:
             found = self.shares.get(gid)
             return found if found is not None else next((s for s in self.ended if s.gid == gid), None)
 
-    def wait(self, gid: str, states: Iterable[str], timeout: float) -> RankShare | None:
+    def wait(self, gid: str, states: Iterable[str], timeout: float) -> RankShare[H, A, R, M, E] | None:
         """Wait until this worker's share of ``gid`` exists and is in ``states`` (or ended)."""
         wanted = set(states)
         deadline = time.monotonic() + timeout
@@ -355,7 +367,7 @@ class RankWorker:
 
     # -- talking to the coordinator -----------------------------------------------------
 
-    def report(self, share: RankShare, state: str) -> None:
+    def report(self, share: RankShare[H, A, R, M, E], state: str) -> None:
         """Tell the coordinator the state ``share`` entered (called once it is committed)."""
         ch = self._channel
         if ch is None or self.coordinator_gone:
@@ -408,7 +420,7 @@ class RankWorker:
             found = self.shares.get(cmd.group)
         if found is None:
             return  # the share ended and was forgotten (or never existed here): nothing to do
-        share: RankShare = found
+        share: RankShare[H, A, R, M, E] = found
         event: CommandEvent = cmd.cmd
         with share.locked():  # the check and the fire are one step: an open may end the share meanwhile
             if share.is_terminal:
@@ -423,7 +435,7 @@ class RankWorker:
         with self._lock:
             if cmd.group in self.shares:
                 raise ProtocolError(f"check for group {cmd.group} twice")
-            share: RankShare = self.share_class(self, cmd.group)
+            share: RankShare[H, A, R, M, E] = self.share_class(self, cmd.group)
             self.shares[cmd.group] = share
         share.fire("check")
         descriptor: Descriptor | None = None
@@ -437,7 +449,7 @@ class RankWorker:
             share.problems = [exc]
         except InventoryError as exc:
             share.problems = [DescriptorRejected(RejectReason.MALFORMED, str(exc), self.config.rank)]
-        part: Part
+        part: Part[H, A, R, M, E]
         if share.problems:
             share.cause = "; ".join(str(p) for p in share.problems)
             if descriptor is not None:
@@ -470,7 +482,7 @@ class RankWorker:
                                                f"worker of rank {self.config.rank}", d.rank))
         return problems
 
-    def _open(self, share: RankShare) -> None:
+    def _open(self, share: RankShare[H, A, R, M, E]) -> None:
         with share.locked():
             if not share.may("mapped"):
                 return  # aborted (or orphaned) before the open started
@@ -482,7 +494,7 @@ class RankWorker:
                     share.fire("import_failed")
         self._forget_ended()
 
-    def _spawn(self, target: Callable[[RankShare], None], share: RankShare) -> None:
+    def _spawn(self, target: Callable[[RankShare[H, A, R, M, E]], None], share: RankShare[H, A, R, M, E]) -> None:
         t = threading.Thread(target=target, args=(share,), name=f"kvstate-rank{self.config.rank}-open", daemon=True)
         t.start()
         with self._lock:
@@ -498,7 +510,7 @@ class RankWorker:
         self.coordinator_gone = True
         with self._lock:
             shares = list(self.shares.values())
-        share: RankShare
+        share: RankShare[H, A, R, M, E]
         for share in shares:
             with share.locked():
                 if share.may("coordinator_died"):
@@ -513,7 +525,7 @@ class RankWorker:
                 draining = [s for s in self.shares.values() if s.state == "draining"]
             self._wake.wait(self.config.drain_poll_s if draining else 0.05)
             self._wake.clear()
-            share: RankShare
+            share: RankShare[H, A, R, M, E]
             for share in draining:
                 with share.locked():
                     if share.may("quiesce"):

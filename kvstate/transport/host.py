@@ -14,6 +14,9 @@ map(r, off, a)  MAP_SHARED | MAP_FIXED inside the reservation, still PROT_NONE: 
 set_access      mprotect to read or read-write (lowering is refused while pinned)
 unmap, release  refuse with RegionPinned while native ops (or leases) pin the region;
                 release also refuses while the allocation is still mapped
+pin, unpin      a lease's explicit pin on a mapping; stats(m) reports every pin
+view(m)         the mapping's bytes (HostView); submit_gather: a gather on the C op
+                engine between mappings and caller buffers
 ==============  =====================================================================
 
 Constructing a :class:`HostTransport` loads the native module; importing this module
@@ -24,28 +27,24 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 
 from kvstate.core import handles, identity
+from kvstate.core.capabilities import Access, Capabilities, MemoryKind, Scope
 from kvstate.core.errors import FdIdentityMismatch, HandleFdsMismatch, ImportRefused, KvStateError, NativeInvalidArgument
 from kvstate.core.handles import HandleKind
-from kvstate.transport.native import (
-    ACCESS_NONE,
-    ACCESS_READ,
-    ACCESS_READ_WRITE,
-    Block,
-    Endpoint,
-    Native,
-    Op,
-    RegionStats,
-    default,
-)
-from kvstate.core.capabilities import Access, Capabilities, MemoryKind, Scope
+from kvstate.transport.native import Native, Op, default
+from kvstate.transport.protocol import Block, RegionStats
+
+if TYPE_CHECKING:
+    from typing import Union
+
+    from kvstate.transport.native import HostBuffer
+    from kvstate.transport.protocol import ExportingTransport, HostView, MappedTransport
 
 DEFAULT_GRANULARITY = 2 << 20
-
-_ACCESS = {Access.NONE: ACCESS_NONE, Access.READ: ACCESS_READ, Access.READ_WRITE: ACCESS_READ_WRITE}
 
 
 class HandleKindUnsupported(KvStateError):
@@ -85,6 +84,11 @@ class HostMapping:
     reservation: HostReservation
 
 
+if TYPE_CHECKING:
+    #: What a host op reads or writes: a mapping or caller memory (the protocol's ``E``).
+    HostEndpoint = Union[HostMapping, HostBuffer]
+
+
 def fd_identity_of(fd: int) -> bytes:
     """The handle bytes of ``fd``: its (st_dev, st_ino) as :func:`handles.fd_identity`."""
     st = os.fstat(fd)
@@ -100,17 +104,24 @@ def host_device_uuid() -> bytes:
 
 
 class HostTransport:
-    """Host memory with VMM semantics. See the module docstring."""
+    """Host memory with VMM semantics. See the module docstring.
+
+    Each operation is one call of the typed C function (:mod:`kvstate.transport.libkvs`);
+    a refusal is raised as ``native.error(..)``, the one mapping of C codes to errors."""
 
     name = "host"
 
     def __init__(self, *, granularity: int = DEFAULT_GRANULARITY, native: Native | None = None) -> None:
-        self._native = native or default()
-        page = self._native.page_size
+        self._native = nat = native or default()
+        self._lib, self._ffi = nat.lib, nat.ffi
+        page = nat.page_size
         if granularity <= 0 or granularity % page or granularity & (granularity - 1):
             raise NativeInvalidArgument("HostTransport", -1,
                                         f"granularity {granularity} must be a power of two multiple of {page}")
         self._granularity = granularity
+        lib = self._lib
+        self._access = {Access.NONE: lib.KVS_ACCESS_NONE, Access.READ: lib.KVS_ACCESS_READ,
+                        Access.READ_WRITE: lib.KVS_ACCESS_READ_WRITE}
 
     @property
     def native(self) -> Native:
@@ -135,13 +146,21 @@ class HostTransport:
 
     def create(self, size: int) -> HostAllocation:
         self._sized("create", size)
-        return HostAllocation(self._native.create(size), size, imported=False)
+        out = self._ffi.new("uint64_t *")
+        rc = self._lib.kvs_create(size, out)
+        if rc:
+            raise self._native.error(rc, "kvs_create", f"size {size}")
+        return HostAllocation(out[0], size, imported=False)
 
     def export(self, allocation: HostAllocation, kind: HandleKind) -> HostHandle:
+        """The allocation's fd, borrowed: send it (SCM_RIGHTS dups it), never close it."""
         if kind is not HandleKind.MEMFD:
             raise HandleKindUnsupported(f"the host backend exports only memfd handles, not {kind.value}")
-        fd = self._native.export_fd(allocation.id)
-        return HostHandle(fd, fd_identity_of(fd))
+        out = self._ffi.new("int32_t *")
+        rc = self._lib.kvs_export_fd(allocation.id, out)
+        if rc:
+            raise self._native.error(rc, "kvs_export_fd", f"allocation {allocation.id}")
+        return HostHandle(out[0], fd_identity_of(out[0]))
 
     def receive_handle(self, kind: HandleKind, data: bytes, fds: Sequence[int]) -> HostHandle:
         """The handle a descriptor names, with the one fd received with it (borrowed: the
@@ -153,7 +172,8 @@ class HostTransport:
         return HostHandle(fds[0], data)
 
     def import_(self, handle: HostHandle, size: int) -> HostAllocation:
-        """Check and adopt a received memfd. The caller still owns (and closes) ``handle.fd``."""
+        """Check a received memfd and adopt a duplicate of it (C checks: a memfd, exactly
+        ``size`` bytes, sealed). The caller still owns (and closes) ``handle.fd``."""
         if handle.kind is not HandleKind.MEMFD:
             raise HandleKindUnsupported(f"the host backend imports only memfd handles, not {handle.kind.value}")
         self._sized("import", size)
@@ -166,50 +186,86 @@ class HostTransport:
             raise ImportRefused("import", -1, f"fd {handle.fd} cannot be examined: {exc.strerror}") from None
         if identity != handle.identity:
             raise FdIdentityMismatch("import", -1, f"fd {handle.fd} is not the file its descriptor names")
-        return HostAllocation(self._native.import_fd(handle.fd, size), size, imported=True)
+        out = self._ffi.new("uint64_t *")
+        rc = self._lib.kvs_import_fd(handle.fd, size, out)
+        if rc:
+            raise self._native.error(rc, "kvs_import_fd", f"fd {handle.fd}, expected size {size}")
+        return HostAllocation(out[0], size, imported=True)
 
     def reserve(self, size: int) -> HostReservation:
+        """Inaccessible address space, aligned to the granularity."""
         self._sized("reserve", size)
-        rid, addr = self._native.reserve(size, self._granularity)
-        return HostReservation(rid, addr, size)
+        res, addr = self._ffi.new("uint64_t *"), self._ffi.new("uint64_t *")
+        rc = self._lib.kvs_reserve(size, self._granularity, res, addr)
+        if rc:
+            raise self._native.error(rc, "kvs_reserve", f"size {size}, align {self._granularity}")
+        return HostReservation(res[0], addr[0], size)
 
     def free(self, reservation: HostReservation) -> None:
         """Return a reservation's address space (cuMemAddressFree); refused while mapped."""
-        self._native.free_reservation(reservation.id)
+        rc = self._lib.kvs_free_reservation(reservation.id)
+        if rc:
+            raise self._native.error(rc, "kvs_free_reservation", f"reservation {reservation.id}")
 
     def map(self, reservation: HostReservation, offset: int, allocation: HostAllocation) -> HostMapping:
+        """Map the allocation at ``offset`` in the reservation, with no access."""
         if offset < 0 or offset % self._granularity:
             raise NativeInvalidArgument("map", -1, f"offset {offset} is not a multiple of the "
                                         f"granularity {self._granularity}")
-        region, addr = self._native.map(reservation.id, offset, allocation.id)
-        return HostMapping(region, addr, allocation.size, allocation, reservation)
+        region, addr = self._ffi.new("uint64_t *"), self._ffi.new("uint64_t *")
+        rc = self._lib.kvs_map(reservation.id, offset, allocation.id, region, addr)
+        if rc:
+            raise self._native.error(rc, "kvs_map", f"allocation {allocation.id} at offset {offset} "
+                                     f"of reservation {reservation.id}")
+        return HostMapping(region[0], addr[0], allocation.size, allocation, reservation)
 
     def set_access(self, mapping: HostMapping, access: Access) -> None:
-        self._native.set_access(mapping.region, _ACCESS[access])
+        rc = self._lib.kvs_set_access(mapping.region, self._access[access])
+        if rc:
+            raise self._native.error(rc, "kvs_set_access", f"region {mapping.region}, access {access.value}")
 
     def unmap(self, mapping: HostMapping) -> None:
-        self._native.unmap(mapping.region)
+        rc = self._lib.kvs_unmap(mapping.region)
+        if rc:
+            raise self._native.error(rc, "kvs_unmap", f"region {mapping.region}")
 
     def release(self, allocation: HostAllocation) -> None:
-        self._native.release(allocation.id)
+        rc = self._lib.kvs_release(allocation.id)
+        if rc:
+            raise self._native.error(rc, "kvs_release", f"allocation {allocation.id}")
 
-    # -- beyond the interface: what the lifecycle code and tests observe -------------------
-
-    def view(self, mapping: HostMapping) -> memoryview:
-        """The mapping's bytes. Touching them before set_access faults (SIGSEGV)."""
-        return self._native.view(mapping.region)
-
-    def submit_gather(self, mapping: HostMapping, dst: Endpoint, blocks: Sequence[Block]) -> Op:
-        """A native gather out of ``mapping`` into ``dst``; it pins the mapping until done."""
-        return self._native.submit_gather(mapping.region, dst, blocks)
+    # -- pins, observation and ops ---------------------------------------------------------
 
     def pin(self, mapping: HostMapping) -> None:
         """An explicit pin (a lease's): unmap and release refuse until :meth:`unpin`."""
-        self._native.pin(mapping.region)
+        rc = self._lib.kvs_region_pin(mapping.region)
+        if rc:
+            raise self._native.error(rc, "kvs_region_pin", f"region {mapping.region}")
 
     def unpin(self, mapping: HostMapping) -> None:
-        self._native.unpin(mapping.region)
+        rc = self._lib.kvs_region_unpin(mapping.region)
+        if rc:
+            raise self._native.error(rc, "kvs_region_unpin", f"region {mapping.region} (explicit pins only)")
 
     def stats(self, mapping: HostMapping) -> RegionStats:
         """Pins, ops in flight, completed and failed ops and bytes of one mapping."""
         return self._native.region_stats(mapping.region)
+
+    def view(self, mapping: HostMapping) -> memoryview:
+        """The mapping's bytes. Touching them before set_access faults (SIGSEGV)."""
+        st = self._native.region_stats(mapping.region)  # refuses a mapping that is gone
+        return memoryview(self._ffi.buffer(self._ffi.cast("char *", st.addr), st.size))
+
+    def submit_gather(self, src: HostEndpoint, dst: HostEndpoint, blocks: Sequence[Block] | HostBuffer) -> Op:
+        """A native gather between mappings and caller buffers; it pins the mappings it
+        touches until it finishes."""
+        return self._native.submit_gather(src.region if isinstance(src, HostMapping) else src,
+                                          dst.region if isinstance(dst, HostMapping) else dst, blocks)
+
+
+def _conformance(t: HostTransport) -> None:
+    """Checked by mypy, never called: the host backend implements these protocols."""
+    mapped: MappedTransport[HostHandle, HostAllocation, HostReservation, HostMapping, HostEndpoint] = t
+    exporting: ExportingTransport[HostHandle, HostAllocation] = t
+    viewable: HostView[HostMapping] = t
+    del mapped, exporting, viewable

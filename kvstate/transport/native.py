@@ -1,17 +1,22 @@
-"""Typed wrapper over the cffi module ``kvstate._native`` (sources in ``ffi/``).
+"""The native layer behind ``kvstate._native``: its C error codes, op engine and observation.
 
 The C layer keeps allocations (sealed memfds), reservations (PROT_NONE address space),
 regions (mappings) and ops in process-global tables named by 64-bit ids; ``ffi/kvs.h``
-has the theory of operation. This module turns each C error code into a typed error from
-:mod:`kvstate.core.errors`, converts seconds to nanoseconds, keeps caller buffers alive until
-the op that uses them is reaped, and checks at load time that the op table compiled into
-the module is the one in ``spec/op.toml``.
+has the theory of operation and :mod:`kvstate.transport.libkvs` its typed face.
+
+:class:`Native` is the one home of what every caller of the C functions shares: it turns
+each C error code into a typed error from :mod:`kvstate.core.errors` (:meth:`Native.error`),
+checks at load time that the op table compiled into the module is ``spec/op.toml``'s,
+and drives the op engine (submit, wait, cancel, reap), keeping caller buffers alive
+until the op that uses them is reaped. The host backend
+(:class:`kvstate.transport.host.HostTransport`) calls the memory functions of the typed
+``lib`` itself, one call per operation, and raises ``native.error(..)`` on a refusal.
 
 Nothing here loads native code at import: :func:`default` loads ``kvstate._native`` on
 first use. Calls into the module release the GIL (cffi's API mode does so for every
 call), so a blocking :meth:`Native.wait` does not stall other Python threads.
 
-Typical use, an importer gathering blocks out of a mapped region into a local buffer::
+Typical use, gathering blocks out of a mapped region into a local buffer::
 
     nat = native.default()
     op = nat.submit_gather(region, buf, blocks)        # pins `region` until it finishes
@@ -22,58 +27,44 @@ from __future__ import annotations
 
 import math
 import threading
-import time
-from collections.abc import Iterable, Sequence
-from typing import Any, Final
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol, Union
 
 import attrs
 
 from kvstate.core import errors
-from kvstate.derive.header import table_digest
 from kvstate.core.errors import (
     BackendUnavailable,
     GuardRejected,
     IllegalTransition,
+    KvStateError,
     NativeError,
     SpecError,
 )
 from kvstate.core.optional import is_missing, require
-from kvstate.core.spec import load_machine
-
-#: Access levels as the C layer numbers them.
-ACCESS_NONE: Final = 0
-ACCESS_READ: Final = 1
-ACCESS_READ_WRITE: Final = 2
-
-
-#: One end of an op: a region id (int), or a caller buffer supporting the buffer protocol
-#: (bytearray, memoryview, mmap, numpy array); a destination buffer must be writable.
-Endpoint = Any
-
-#: One gather block: (source offset, destination offset, length) in bytes.
-Block = tuple[int, int, int]
+from kvstate.derive.header import table_digest
+from kvstate.transport import libkvs
+from kvstate.transport.libkvs import BlockArray, CBuffer, Ffi, Lib
+from kvstate.transport.optable import CANCEL, OPS, REAP, SUBMIT
+from kvstate.transport.protocol import Block, OpInfo, RegionStats
 
 
-@attrs.frozen
-class RegionStats:
-    """What the native layer reports about one region. ``quiescent`` means no pins."""
-
-    region: int
-    addr: int
-    size: int
-    allocation: int
-    reservation: int
-    access: int
-    pins: int
-    explicit_pins: int
-    inflight: int
-    completed: int
-    failed: int
-    bytes: int
+class ArrayInterface(Protocol):
+    """A numpy array. It has the buffer protocol at run time, but numpy's stubs declare
+    ``__buffer__`` only for Python 3.12 on, so for 3.11 it is known by this attribute."""
 
     @property
-    def quiescent(self) -> bool:
-        return self.pins == 0
+    def __array_interface__(self) -> Mapping[str, object]: ...
+
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    #: Caller memory an op may read or write: anything with the buffer protocol
+    #: (bytearray, memoryview, mmap, numpy array); a destination must be writable.
+    HostBuffer = Union[Buffer, ArrayInterface]
+    #: One end of an op: a region id, or a caller buffer.
+    Endpoint = Union[int, HostBuffer]
 
 
 @attrs.frozen
@@ -96,15 +87,6 @@ class EngineStats:
     paused: bool
 
 
-@attrs.frozen
-class OpInfo:
-    op: int
-    state: str
-    error: int
-    bytes: int
-    nblocks: int
-
-
 class Op:
     """A submitted native op. Wait for it, then :meth:`reap` (or :meth:`result`) it once."""
 
@@ -121,7 +103,7 @@ class Op:
         return self._native.op_info(self.id)
 
     def poll(self) -> bool:
-        """True when the op finished (done, failed or cancelled) and may be reaped."""
+        """True when the op finished (its state is collectable) and may be reaped."""
         return self._native.wait(self.id, 0.0)
 
     def wait(self, timeout: float) -> bool:
@@ -136,11 +118,11 @@ class Op:
     def result(self, timeout: float) -> OpInfo:
         """Wait up to ``timeout`` s, reap, and raise :class:`OpFailed` if the op failed."""
         if not self.wait(timeout):
-            raise errors.OpWaitTimeout("kvs_wait", int(self._native.lib.KVS_E_TIMEOUT),
+            raise errors.OpWaitTimeout("kvs_wait", self._native.lib.KVS_E_TIMEOUT,
                                        f"op {self.id} still running after {timeout} s")
         info = self.reap()
-        if info.state == "failed":
-            raise errors.OpFailed("kvs_reap", info.error, f"op {self.id} failed: "
+        if OPS.faulted(info.state):
+            raise errors.OpFailed("kvs_reap", info.error, f"op {self.id} {info.state}: "
                                   f"{self._native.strerror(info.error)}", self.id)
         return info
 
@@ -148,7 +130,7 @@ class Op:
 class Native:
     """The native layer behind one cffi module (normally ``kvstate._native``)."""
 
-    def __init__(self, ffi: Any, lib: Any, *, check_table: bool = True) -> None:
+    def __init__(self, ffi: Ffi, lib: Lib, *, check_table: bool = True) -> None:
         """``check_table=False`` is for tests that build a module from another table on purpose."""
         self.ffi = ffi
         self.lib = lib
@@ -158,11 +140,9 @@ class Native:
             ffi.string(lib.kvs_op_state_name(i)).decode() for i in range(lib.kvs_op_nstates()))
         self._errors = self._error_map()
         # Caller buffers an op reads or writes stay referenced until the op is reaped.
-        self._keep: dict[int, tuple[Any, ...]] = {}
+        self._keep: dict[int, tuple[CBuffer | None, CBuffer | None]] = {}
         self.page_size: int = int(lib.kvs_page_size())
         # Bound once: the submit path is measured in microseconds.
-        self._from_buffer = ffi.from_buffer
-        self._cast = ffi.cast
         self._new = ffi.new
         self._submit_copy = lib.kvs_submit_copy
         self._fail_flag = int(lib.KVS_OPF_FAIL)
@@ -171,12 +151,14 @@ class Native:
 
     def _check_table(self) -> None:
         """The op table compiled into the module must be spec/op.toml's."""
-        m = load_machine("op")
+        m = OPS.spec
         lib, ffi = self.lib, self.ffi
         states = tuple(ffi.string(lib.kvs_op_state_name(i)).decode() for i in range(lib.kvs_op_nstates()))
         events = tuple(ffi.string(lib.kvs_op_event_name(i)).decode() for i in range(lib.kvs_op_nevents()))
         built = ffi.string(lib.kvs_op_table_digest()).decode()
-        if states != m.state_names or events != m.event_names or built != table_digest(m):
+        collectable = tuple(bool(lib.kvs_op_collectable(i)) for i in range(len(states)))
+        if (states != m.state_names or events != m.event_names or built != table_digest(m)
+                or collectable != tuple(OPS.collectable(s) for s in states)):
             raise SpecError("ffi/kvs_op_table.h", "op table",
                             f"the native module was built from another op table (digest {built}, "
                             f"states {states}, events {events}); run `python -m kvstate.derive.header` "
@@ -200,18 +182,21 @@ class Native:
         }
 
     def strerror(self, code: int) -> str:
-        return str(self.ffi.string(self.lib.kvs_strerror(code)).decode())
+        return self.ffi.string(self.lib.kvs_strerror(code)).decode()
 
-    def _raise(self, call: str, rc: int, what: str, state: str = "", event: str = "") -> None:
+    def error(self, rc: int, call: str, what: str, state: str = "", event: str = "") -> KvStateError:
+        """The typed error for C return code ``rc`` of ``call`` (about ``what``); the caller
+        raises it straight after the call, so errno is still the failing call's."""
         detail = f"{what}: {self.strerror(rc)}"
         if rc == self.lib.KVS_E_SYS:
             err = self.ffi.errno
-            raise errors.NativeOSError(call, rc, f"{detail} (errno {err})", err)
+            return errors.NativeOSError(call, rc, f"{detail} (errno {err})", err)
         if rc == self.lib.KVS_E_ILLEGAL:
-            raise IllegalTransition("op", state or "?", event or call)
-        if rc == self.lib.KVS_E_ACCESS:
-            raise GuardRejected("op", "created", "submit", ["regions_mapped"])
-        raise self._errors.get(rc, NativeError)(call, rc, detail)
+            return IllegalTransition(OPS.name, state or "?", event or call)
+        if rc == self.lib.KVS_E_ACCESS:  # the C engine's only guard, on the initial submit row
+            row = OPS.spec.rows(SUBMIT, OPS.initial)[0]
+            return GuardRejected(OPS.name, OPS.initial, SUBMIT, row.guards)
+        return self._errors.get(rc, NativeError)(call, rc, detail)
 
     @staticmethod
     def _ns(timeout: float) -> int:
@@ -219,101 +204,13 @@ class Native:
             raise errors.NativeInvalidArgument("timeout", -1, f"timeout must be finite and >= 0, not {timeout!r}")
         return int(timeout * 1e9)
 
-    # -- host backend ------------------------------------------------------------------
-
-    def create(self, size: int) -> int:
-        """A new sealed memfd of ``size`` bytes (a multiple of the page size)."""
-        out = self.ffi.new("uint64_t *")
-        rc = self.lib.kvs_create(size, out)
-        if rc:
-            self._raise("kvs_create", rc, f"size {size}")
-        return int(out[0])
-
-    def export_fd(self, allocation: int) -> int:
-        """The allocation's fd, borrowed: send it (SCM_RIGHTS dups it), never close it."""
-        out = self.ffi.new("int32_t *")
-        rc = self.lib.kvs_export_fd(allocation, out)
-        if rc:
-            self._raise("kvs_export_fd", rc, f"allocation {allocation}")
-        return int(out[0])
-
-    def import_fd(self, fd: int, size: int) -> int:
-        """Check ``fd`` (memfd, exact ``size``, sealed) and adopt a duplicate of it.
-
-        The caller keeps ownership of ``fd`` and closes it.
-        """
-        out = self.ffi.new("uint64_t *")
-        rc = self.lib.kvs_import_fd(fd, size, out)
-        if rc:
-            self._raise("kvs_import_fd", rc, f"fd {fd}, expected size {size}")
-        return int(out[0])
-
-    def allocation_size(self, allocation: int) -> int:
-        out = self.ffi.new("uint64_t *")
-        rc = self.lib.kvs_allocation_size(allocation, out)
-        if rc:
-            self._raise("kvs_allocation_size", rc, f"allocation {allocation}")
-        return int(out[0])
-
-    def release(self, allocation: int) -> None:
-        rc = self.lib.kvs_release(allocation)
-        if rc:
-            self._raise("kvs_release", rc, f"allocation {allocation}")
-
-    def reserve(self, size: int, align: int) -> tuple[int, int]:
-        """Reserve ``size`` bytes of inaccessible address space; returns (reservation, addr)."""
-        res, addr = self.ffi.new("uint64_t *"), self.ffi.new("uint64_t *")
-        rc = self.lib.kvs_reserve(size, align, res, addr)
-        if rc:
-            self._raise("kvs_reserve", rc, f"size {size}, align {align}")
-        return int(res[0]), int(addr[0])
-
-    def free_reservation(self, reservation: int) -> None:
-        rc = self.lib.kvs_free_reservation(reservation)
-        if rc:
-            self._raise("kvs_free_reservation", rc, f"reservation {reservation}")
-
-    def map(self, reservation: int, offset: int, allocation: int) -> tuple[int, int]:
-        """Map the allocation at ``offset`` in the reservation, with no access; (region, addr)."""
-        region, addr = self.ffi.new("uint64_t *"), self.ffi.new("uint64_t *")
-        rc = self.lib.kvs_map(reservation, offset, allocation, region, addr)
-        if rc:
-            self._raise("kvs_map", rc, f"allocation {allocation} at offset {offset} of reservation {reservation}")
-        return int(region[0]), int(addr[0])
-
-    def set_access(self, region: int, access: int) -> None:
-        rc = self.lib.kvs_set_access(region, access)
-        if rc:
-            self._raise("kvs_set_access", rc, f"region {region}, access {access}")
-
-    def unmap(self, region: int) -> None:
-        rc = self.lib.kvs_unmap(region)
-        if rc:
-            self._raise("kvs_unmap", rc, f"region {region}")
-
-    def view(self, region: int) -> memoryview:
-        """A memoryview over a region's bytes. Touching it without access faults, by design."""
-        st = self.region_stats(region)
-        return memoryview(self.ffi.buffer(self.ffi.cast("char *", st.addr), st.size))
-
-    # -- pins and observation ----------------------------------------------------------
-
-    def pin(self, region: int) -> None:
-        """Take an explicit pin (for a lease); unmap and release refuse until :meth:`unpin`."""
-        rc = self.lib.kvs_region_pin(region)
-        if rc:
-            self._raise("kvs_region_pin", rc, f"region {region}")
-
-    def unpin(self, region: int) -> None:
-        rc = self.lib.kvs_region_unpin(region)
-        if rc:
-            self._raise("kvs_region_unpin", rc, f"region {region} (explicit pins only)")
+    # -- observation -------------------------------------------------------------------
 
     def region_stats(self, region: int) -> RegionStats:
         out = self.ffi.new("kvs_region_info *")
         rc = self.lib.kvs_region_info_get(region, out)
         if rc:
-            self._raise("kvs_region_info_get", rc, f"region {region}")
+            raise self.error(rc, "kvs_region_info_get", f"region {region}")
         return RegionStats(region, out.addr, out.size, out.allocation, out.reservation, out.access,
                            out.pins, out.explicit_pins, out.inflight, out.completed, out.failed, out.bytes)
 
@@ -324,29 +221,37 @@ class Native:
                            out.ops_queued, out.ops_running, out.submitted, out.completed,
                            out.failed, out.cancelled, out.bytes, out.workers, bool(out.paused))
 
+    @property
+    def planted_bug(self) -> bool:
+        """True only for the test-only module built with a planted bug."""
+        return bool(self.lib.kvs_planted_bug())
+
     # -- op engine ---------------------------------------------------------------------
 
     def configure(self, workers: int) -> None:
         """Set the worker count (default 2). Refused with EngineBusy while ops run."""
         rc = self.lib.kvs_engine_configure(workers)
         if rc:
-            self._raise("kvs_engine_configure", rc, f"workers {workers}")
+            raise self.error(rc, "kvs_engine_configure", f"workers {workers}")
 
     def pause(self, paused: bool) -> None:
         """Paused workers take no new op; submitted ops stay queued (and pinned)."""
         self.lib.kvs_engine_pause(1 if paused else 0)
 
-    def _endpoint(self, ep: Endpoint, writable: bool) -> tuple[int, int, int, Any]:
+    def _endpoint(self, ep: Endpoint, writable: bool) -> tuple[int, int, int, CBuffer | None]:
         """(region, addr, size, keepalive) for a region id or a caller buffer."""
-        if ep.__class__ is int:
-            return ep, 0, 0, None
         if isinstance(ep, int):
             return int(ep), 0, 0, None
         try:
-            cbuf = self._from_buffer(ep, require_writable=writable)
+            cbuf = self.ffi.from_buffer(ep, require_writable=writable)
         except (TypeError, BufferError) as exc:
             raise errors.NativeInvalidArgument("kvs_submit", -1, f"not a usable buffer: {exc}") from None
-        return 0, int(self._cast("uintptr_t", cbuf)), len(cbuf), cbuf
+        return 0, int(self.ffi.cast("uintptr_t", cbuf)), len(cbuf), cbuf
+
+    def _submitted(self, op_id: int, keep_src: CBuffer | None, keep_dst: CBuffer | None) -> Op:
+        if keep_src is not None or keep_dst is not None:
+            self._keep[op_id] = (keep_src, keep_dst)  # a dict store is atomic under the GIL
+        return Op(self, op_id)
 
     def submit_copy(self, src: Endpoint, dst: Endpoint, length: int, *, src_off: int = 0,
                     dst_off: int = 0, fail: bool = False) -> Op:
@@ -354,11 +259,11 @@ class Native:
 
         This is the hot path (one call per small op), so it is kept flat."""
         # Region ids (the common case) skip the buffer plumbing entirely.
-        if src.__class__ is int:
+        if type(src) is int:
             sr, sa, ss, sk = src, 0, 0, None
         else:
             sr, sa, ss, sk = self._endpoint(src, False)
-        if dst.__class__ is int:
+        if type(dst) is int:
             dr, da, ds, dk = dst, 0, 0, None
         else:
             dr, da, ds, dk = self._endpoint(dst, True)
@@ -366,13 +271,10 @@ class Native:
         rc = self._submit_copy(sr, sa, ss, src_off, dr, da, ds, dst_off, length,
                                self._fail_flag if fail else 0, out)
         if rc:
-            self._raise("kvs_submit_copy", rc, f"copy of {length} bytes", "created", "submit")
-        op_id = int(out[0])
-        if sk is not None or dk is not None:
-            self._keep[op_id] = (sk, dk)  # a dict store is atomic under the GIL
-        return Op(self, op_id)
+            raise self.error(rc, "kvs_submit_copy", f"copy of {length} bytes", OPS.initial, SUBMIT)
+        return self._submitted(int(out[0]), sk, dk)
 
-    def submit_gather(self, src: Endpoint, dst: Endpoint, blocks: Sequence[Block] | Any, *,
+    def submit_gather(self, src: Endpoint, dst: Endpoint, blocks: Sequence[Block] | HostBuffer, *,
                       fail: bool = False) -> Op:
         """Copy each (src_off, dst_off, len) block. ``blocks`` is a sequence of triples or a
         buffer of little-endian uint64 triples (e.g. a numpy ``uint64`` array of shape (n, 3));
@@ -380,34 +282,31 @@ class Native:
         sr, sa, ss, sk = self._endpoint(src, False)
         dr, da, ds, dk = self._endpoint(dst, True)
         ffi = self.ffi
+        cblocks: BlockArray
         if isinstance(blocks, (list, tuple)):
             try:
                 cblocks = ffi.new("kvs_block[]", [tuple(b) for b in blocks])
             except (TypeError, OverflowError, ValueError) as exc:
                 raise errors.NativeInvalidArgument("kvs_submit", -1, f"blocks: {exc}") from None
-            n = len(blocks)
         else:
             try:
                 cblocks = ffi.from_buffer("kvs_block[]", blocks)
             except (TypeError, BufferError, ValueError) as exc:
                 raise errors.NativeInvalidArgument("kvs_submit", -1, f"blocks: {exc}") from None
-            n = len(cblocks)
+        n = len(cblocks)
         s = ffi.new("kvs_endpoint *", (sr, sa, ss))
         d = ffi.new("kvs_endpoint *", (dr, da, ds))
         out = ffi.new("int64_t *")
         rc = self.lib.kvs_submit(s, d, cblocks, n, self._fail_flag if fail else 0, out)
         if rc:
-            self._raise("kvs_submit", rc, f"gather of {n} blocks", "created", "submit")
-        op_id = int(out[0])
-        if sk is not None or dk is not None:
-            self._keep[op_id] = (sk, dk)
-        return Op(self, op_id)
+            raise self.error(rc, "kvs_submit", f"gather of {n} blocks", OPS.initial, SUBMIT)
+        return self._submitted(int(out[0]), sk, dk)
 
     def op_info(self, op: int) -> OpInfo:
         out = self.ffi.new("kvs_op_info *")
         rc = self.lib.kvs_op_info_get(op, out)
         if rc:
-            self._raise("kvs_op_info_get", rc, f"op {op}")
+            raise self.error(rc, "kvs_op_info_get", f"op {op}")
         return OpInfo(op, self.op_states[out.state], out.error, out.bytes, out.nblocks)
 
     def wait(self, op: int, timeout: float) -> bool:
@@ -416,40 +315,27 @@ class Native:
         if rc == self.lib.KVS_E_TIMEOUT:
             return False
         if rc:
-            self._raise("kvs_wait", rc, f"op {op}")
+            raise self.error(rc, "kvs_wait", f"op {op}")
         return True
 
     def cancel(self, op: int) -> None:
         """Cancel a queued op (its pins drop). A running or finished op is IllegalTransition."""
         rc = self.lib.kvs_cancel(op)
         if rc:
-            self._raise("kvs_cancel", rc, f"op {op}", self._state_or_unknown(op), "cancel")
+            raise self.error(rc, "kvs_cancel", f"op {op}", self._state_or_unknown(op), CANCEL)
 
     def reap(self, op: int) -> OpInfo:
         """Collect a finished op and free its slot; the op's buffers are released here."""
         out = self.ffi.new("kvs_op_info *")
         rc = self.lib.kvs_reap(op, out)
         if rc:
-            self._raise("kvs_reap", rc, f"op {op}", self._state_or_unknown(op), "reap")
+            raise self.error(rc, "kvs_reap", f"op {op}", self._state_or_unknown(op), REAP)
         self._keep.pop(op, None)
         return OpInfo(op, self.op_states[out.state], out.error, out.bytes, out.nblocks)
 
     def _state_or_unknown(self, op: int) -> str:
         out = self.ffi.new("kvs_op_info *")
         return self.op_states[out.state] if self.lib.kvs_op_info_get(op, out) == 0 else "?"
-
-    @property
-    def planted_bug(self) -> bool:
-        """True only for the test-only module built with a planted bug."""
-        return bool(self.lib.kvs_planted_bug())
-
-    def wait_all(self, ops: Iterable[Op], timeout: float) -> bool:
-        """Wait for every op within one overall ``timeout``; True when all finished."""
-        deadline = time.monotonic() + self._ns(timeout) / 1e9
-        for op in ops:
-            if not self.wait(op.id, max(0.0, deadline - time.monotonic())):
-                return False
-        return True
 
 
 _default: Native | None = None
@@ -464,12 +350,12 @@ def default() -> Native:
             if _default is None:
                 require("_cffi_backend", "host", hint="install 'kvstate[native]'")
                 try:
-                    from kvstate import _native  # type: ignore[attr-defined]
+                    ffi, lib = libkvs.load()
                 except ModuleNotFoundError as exc:
-                    if not is_missing(exc, "kvstate._native"):
+                    if not is_missing(exc, libkvs.MODULE):
                         raise
                     raise BackendUnavailable("host", "the native module kvstate._native was not "
                                              "built; reinstall kvstate where a C compiler is "
                                              "available") from None
-                _default = Native(_native.ffi, _native.lib)
+                _default = Native(ffi, lib)
     return _default

@@ -1,46 +1,149 @@
-"""The transport interface every backend implements, shaped like CUDA VMM.
+"""The transport protocols, shaped like CUDA VMM: what every backend offers, typed.
 
-The lifecycle code (banks, groups, parts) is written against this interface only, so the
-host backend exercises the same ownership rules as the CUDA one:
+The lifecycle sides (``kvstate.share``: banks, groups, parts) and the harness are written
+against :class:`MappedTransport` only, so the host backend exercises the same ownership
+rules as the CUDA one. Its operations:
 
-==============  =====================================================================
-create(size)    allocate a physical object of ``size`` (a multiple of granularity)
-export(a)       a shareable handle for ``a`` (an fd, or handle bytes)
-import_(h, n)   open a received handle of ``n`` bytes, after checking it
-reserve(n)      reserve ``n`` bytes of address space with no access
-map(r, off, a)  map object ``a`` at ``off`` inside reservation ``r``, still no access
-set_access(m)   grant read or read-write access to a mapping
-unmap(m)        unmap; refuses with a typed error while native ops pin the mapping
-release(a)      release an object; refuses while pinned or mapped
-granularity()   the allocation and mapping granularity in bytes
-device_uuid()   16 bytes naming the memory's device (a host identity for host memory)
-==============  =====================================================================
+==================  =================================================================
+create(size)        allocate a physical object of ``size`` (a multiple of granularity)
+export(a, kind)     a shareable handle for ``a``: ``kind`` and ``identity`` bytes (and
+                    an fd, for fd kinds), as a descriptor carries them
+release(a)          release an object; refuses while pinned or mapped
+receive_handle      (kind, handle bytes, received fds) -> the backend's handle, checked
+                    (kind, size, fd count, fd identity); nothing is opened
+import_(h, n)       open a received handle of ``n`` bytes, after checking it
+reserve(n)          reserve ``n`` bytes of address space with no access
+free(r)             return a reservation (cuMemAddressFree); refuses while mapped
+map(r, off, a)      map object ``a`` at ``off`` inside reservation ``r``, still no access
+set_access(m, x)    grant read or read-write access to a mapping
+unmap(m)            unmap; refuses with RegionPinned while ops or leases pin it
+pin(m), unpin(m)    an explicit pin (a lease's): unmap and release refuse until unpinned
+stats(m)            :class:`RegionStats`: pins, ops in flight, completed and failed ops
+submit_gather       copy (src_off, dst_off, len) blocks between mappings and the caller
+                    memory the backend takes (``E``); returns a :class:`PendingOp` that
+                    pins every mapping it touches until it finishes
+granularity()       the allocation and mapping granularity in bytes
+device_uuid()       16 bytes naming the memory's device (a host identity for host memory)
+==================  =================================================================
 
-Beyond the protocol, the lifecycle code uses these on every backend it drives (host,
-cuda): ``free(r)`` (return a reservation), ``stats(m)`` (a mapping's pins, as
-:class:`kvstate.transport.native.RegionStats`), ``receive_handle(kind, bytes, fds)`` (the backend's
-handle for a descriptor's handle bytes and the fds received with it, checked, nothing
-opened) and ``submit_gather(m, dst, blocks)`` (a :class:`PendingOp`).
+Handles, allocations, reservations and mappings are each backend's own types, the
+protocol's type parameters ``H, A, R, M`` (``E`` is the caller memory its ops take):
+callers hand them back to the backend that made them, and mypy checks that they do.
+Each backend module ends with a function that mypy checks and nothing calls, assigning
+the backend to the protocols it implements.
 
-Handles, allocations, reservations and mappings are backend objects; callers treat
-them as opaque and hand them back to the backend that made them.
+The choice for backends that cannot map. NIXL moves bytes one-sidedly: nothing is mapped
+into the importer's address space, so it has no reserve, map, set_access, unmap or pins.
+Rather than methods that can only refuse, it implements the narrower protocols it can
+honour (:class:`Backend` for the registry, :class:`ExportingTransport` for a bank's
+memory) and its own loads (``NixlTransport.load`` under a lease gate). The lifecycle
+sides refuse anything that is not a :class:`MappedTransport` with
+:class:`~kvstate.core.errors.TransportUnsuitable` before they touch it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Iterator, Sequence
+from typing import Protocol, TypeVar, runtime_checkable
 
 import attrs
 
-from kvstate.core.errors import BackendUnavailable, KvStateError
 from kvstate.core.capabilities import Access, Capabilities
+from kvstate.core.errors import BackendUnavailable, KvStateError, TransportUnsuitable
 from kvstate.core.handles import HandleKind
+
+#: One gather block: (source offset, destination offset, length) in bytes.
+Block = tuple[int, int, int]
+
+
+@attrs.frozen
+class RegionStats:
+    """What a backend reports about one mapping. ``quiescent`` means no pins."""
+
+    region: int
+    addr: int
+    size: int
+    allocation: int
+    reservation: int
+    access: int
+    pins: int
+    explicit_pins: int
+    inflight: int
+    completed: int
+    failed: int
+    bytes: int
+
+    @property
+    def quiescent(self) -> bool:
+        return self.pins == 0
+
+
+@attrs.frozen
+class OpInfo:
+    """How an op stands or ended; ``state`` is a state of ``spec/op.toml``."""
+
+    op: int
+    state: str
+    error: int
+    bytes: int
+    nblocks: int
+
+
+class PendingOp(Protocol):
+    """A submitted copy or gather. It pins what it touches until it finishes; wait for it,
+    then reap it (or call :meth:`result`) once."""
+
+    @property
+    def id(self) -> int: ...
+
+    def info(self) -> OpInfo: ...
+
+    def poll(self) -> bool: ...
+
+    def wait(self, timeout: float) -> bool: ...
+
+    def cancel(self) -> None: ...
+
+    def reap(self) -> OpInfo: ...
+
+    def result(self, timeout: float) -> OpInfo: ...
+
+
+class Handle(Protocol):
+    """What a descriptor carries of an exported handle, and the fd sent with it (fd
+    kinds), or None (FABRIC and legacy IPC handles are bytes only)."""
+
+    @property
+    def kind(self) -> HandleKind: ...
+
+    @property
+    def identity(self) -> bytes: ...
+
+    @property
+    def fd(self) -> int | None: ...
+
+
+class Mapped(Protocol):
+    """What the lifecycle sides read of a mapping."""
+
+    @property
+    def size(self) -> int: ...
+
+
+H = TypeVar("H", bound=Handle)
+A = TypeVar("A")
+R = TypeVar("R")
+M = TypeVar("M", bound=Mapped)
+E = TypeVar("E")
+_H_co = TypeVar("_H_co", covariant=True)
+_E_contra = TypeVar("_E_contra", contravariant=True)
+_M_contra = TypeVar("_M_contra", contravariant=True)
+_B = TypeVar("_B", bound="Backend")
 
 
 @runtime_checkable
-class Transport(Protocol):
-    """A backend. See the module docstring for the meaning of each operation."""
+class Backend(Protocol):
+    """What a worker registers and publishes about a transport."""
 
     name: str
 
@@ -51,37 +154,57 @@ class Transport(Protocol):
 
     def device_uuid(self) -> bytes: ...
 
-    def create(self, size: int) -> Any: ...
 
-    def export(self, allocation: Any, kind: HandleKind) -> Any: ...
+class ExportingTransport(Backend, Protocol[_H_co, A]):
+    """The exporting half every backend has, NIXL included: memory a peer may reach."""
 
-    def import_(self, handle: Any, size: int) -> Any: ...
+    def create(self, size: int) -> A: ...
 
-    def reserve(self, size: int) -> Any: ...
+    def export(self, allocation: A, kind: HandleKind) -> _H_co: ...
 
-    def map(self, reservation: Any, offset: int, allocation: Any) -> Any: ...
-
-    def set_access(self, mapping: Any, access: Access) -> None: ...
-
-    def unmap(self, mapping: Any) -> None: ...
-
-    def release(self, allocation: Any) -> None: ...
+    def release(self, allocation: A) -> None: ...
 
 
-class OpResult(Protocol):
-    """What a finished op reports; the lifecycle code reads only its byte count."""
+@runtime_checkable
+class MappedTransport(ExportingTransport[H, A], Protocol[H, A, R, M, _E_contra]):
+    """Everything the lifecycle sides call. See the module docstring."""
 
-    @property
-    def bytes(self) -> int: ...
+    def receive_handle(self, kind: HandleKind, data: bytes, fds: Sequence[int]) -> H: ...
+
+    def import_(self, handle: H, size: int) -> A: ...
+
+    def reserve(self, size: int) -> R: ...
+
+    def free(self, reservation: R) -> None: ...
+
+    def map(self, reservation: R, offset: int, allocation: A) -> M: ...
+
+    def set_access(self, mapping: M, access: Access) -> None: ...
+
+    def unmap(self, mapping: M) -> None: ...
+
+    def pin(self, mapping: M) -> None: ...
+
+    def unpin(self, mapping: M) -> None: ...
+
+    def stats(self, mapping: M) -> RegionStats: ...
+
+    def submit_gather(self, src: M | _E_contra, dst: M | _E_contra, blocks: Sequence[Block]) -> PendingOp: ...
 
 
-class PendingOp(Protocol):
-    """A submitted copy or gather (:class:`kvstate.transport.native.Op` on the host backend,
-    ``CudaOp`` on the cuda backend). It pins what it touches until it finishes."""
+@runtime_checkable
+class HostView(Protocol[_M_contra]):
+    """A backend whose mappings are host memory this process may read and write."""
 
-    def result(self, timeout: float) -> OpResult: ...
+    def view(self, mapping: _M_contra) -> memoryview: ...
 
-    def cancel(self) -> None: ...
+
+def require_mapped(transport: object) -> None:
+    """Refuse, before anything is touched, a transport that cannot map (NIXL)."""
+    if not isinstance(transport, MappedTransport):
+        name = getattr(transport, "name", type(transport).__name__)
+        raise TransportUnsuitable(str(name), "the lifecycle sides need a MappedTransport (reserve, map, "
+                                  "set_access, unmap, pins, gathers); NIXL ranks load with NixlTransport.load")
 
 
 class DuplicateTransport(KvStateError):
@@ -92,17 +215,17 @@ class Registry:
     """The transports one worker has registered, by name. Explicit by design."""
 
     def __init__(self) -> None:
-        self._by_name: dict[str, Transport] = {}
+        self._by_name: dict[str, Backend] = {}
 
-    def register(self, transport: Transport) -> Transport:
-        if not isinstance(transport, Transport):
-            raise TypeError(f"{transport!r} does not implement the Transport interface")
+    def register(self, transport: _B) -> _B:
+        if not isinstance(transport, Backend):
+            raise TypeError(f"{transport!r} does not implement the Backend interface")
         if transport.name in self._by_name:
             raise DuplicateTransport(f"transport {transport.name!r} is already registered")
         self._by_name[transport.name] = transport
         return transport
 
-    def get(self, name: str) -> Transport:
+    def get(self, name: str) -> Backend:
         try:
             return self._by_name[name]
         except KeyError:
@@ -111,5 +234,5 @@ class Registry:
     def __contains__(self, name: object) -> bool:
         return name in self._by_name
 
-    def __iter__(self) -> Iterator[Transport]:
+    def __iter__(self) -> Iterator[Backend]:
         return iter(self._by_name.values())

@@ -15,6 +15,8 @@ import pytest
 from kvstate.derive import header as codegen
 
 from kvstate.core import errors
+from kvstate.core.capabilities import Access
+from kvstate.transport.host import HostTransport
 from kvstate.transport.native import Native
 from kvstate.core.spec import load_machine
 from native.helpers import build_variant_lib
@@ -40,20 +42,20 @@ def test_a_changed_table_changes_the_c_engine(tmp_path: Path) -> None:
     with pytest.raises(errors.SpecError, match="another op table"):
         Native(ffi, lib)  # same names, other rows: the digest tells them apart
     nat = Native(ffi, lib, check_table=False)
-    page = nat.page_size
-    alloc = nat.create(page)
-    res, _ = nat.reserve(page, page)
-    region, _ = nat.map(res, 0, alloc)
-    nat.set_access(region, 2)
+    t = HostTransport(granularity=nat.page_size, native=nat)
+    alloc = t.create(nat.page_size)
+    res = t.reserve(nat.page_size)
+    m = t.map(res, 0, alloc)
+    t.set_access(m, Access.READ_WRITE)
     nat.pause(True)
-    op = nat.submit_copy(region, bytearray(8), 8)
+    op = nat.submit_copy(m.region, bytearray(8), 8)
     with pytest.raises(errors.IllegalTransition):
         op.cancel()
     nat.pause(False)
     assert op.result(10).state == "done"
-    nat.unmap(region)
-    nat.release(alloc)
-    nat.free_reservation(res)
+    t.unmap(m)
+    t.release(alloc)
+    t.free(res)
 
 
 def test_module_from_another_table_is_refused_and_an_unusable_table_refuses_submits(tmp_path: Path) -> None:

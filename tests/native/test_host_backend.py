@@ -13,7 +13,7 @@ import pytest
 
 from kvstate.core import errors, handles
 from kvstate.core.handles import HandleKind
-from kvstate.transport import Transport
+from kvstate.transport import MappedTransport
 from kvstate.core.capabilities import Access, MemoryKind, Scope
 from kvstate.transport.host import (
     HandleKindUnsupported,
@@ -47,7 +47,7 @@ def test_native_module_loads_only_when_asked() -> None:
 
 
 def test_transport_interface_and_identity(t: HostTransport) -> None:
-    assert isinstance(t, Transport)
+    assert isinstance(t, MappedTransport)
     assert t.name == "host" and t.granularity() == 2 << 20
     assert t.capabilities.handle_kinds == {HandleKind.MEMFD}
     assert t.capabilities.memory_kinds == {MemoryKind.HOST}
@@ -192,7 +192,7 @@ def test_explicit_pins_block_unmap_release_and_access_revocation(t: HostTranspor
     r = t.reserve(BANK)
     m = t.map(r, 0, a)
     t.set_access(m, Access.READ_WRITE)
-    t.native.pin(m.region)
+    t.pin(m)
     assert t.stats(m).pins == 1 and t.stats(m).explicit_pins == 1 and not t.stats(m).quiescent
     with pytest.raises(errors.RegionPinned):
         t.unmap(m)
@@ -200,9 +200,9 @@ def test_explicit_pins_block_unmap_release_and_access_revocation(t: HostTranspor
         t.release(a)
     with pytest.raises(errors.RegionPinned):
         t.set_access(m, Access.READ)
-    t.native.unpin(m.region)
+    t.unpin(m)
     with pytest.raises(errors.NativeInvalidArgument):
-        t.native.unpin(m.region)
+        t.unpin(m)
     t.set_access(m, Access.NONE)
     t.unmap(m)
     t.release(a)
@@ -211,12 +211,15 @@ def test_explicit_pins_block_unmap_release_and_access_revocation(t: HostTranspor
 
 def test_bad_arguments_are_typed_errors(t: HostTransport) -> None:
     before = t.native.stats().allocations
+    # The C layer's own argument checks, beneath the transport's (which never passes these).
+    nat, lib = t.native, t.native.lib
+    for align in (0, 3 * 4096):
+        rc = lib.kvs_reserve(BANK, align, nat.ffi.new("uint64_t *"), nat.ffi.new("uint64_t *"))
+        assert isinstance(nat.error(rc, "kvs_reserve", f"align {align}"), errors.NativeInvalidArgument)
+    rc = lib.kvs_create(100, nat.ffi.new("uint64_t *"))
+    assert isinstance(nat.error(rc, "kvs_create", "size 100"), errors.NativeInvalidArgument)
     with pytest.raises(errors.NativeInvalidArgument):
-        t.native.reserve(BANK, 0)
-    with pytest.raises(errors.NativeInvalidArgument):
-        t.native.reserve(BANK, 3 * 4096)
-    with pytest.raises(errors.NativeInvalidArgument):
-        t.native.create(100)
+        t.create(100)
     r, w = os.pipe()
     os.close(r)
     os.close(w)

@@ -123,7 +123,7 @@ def test_importer_killed_ends_its_lease(sock: Path, t: HostTransport) -> None:
     ended = threading.Event()
 
     def end_lease(ch: channel.Channel) -> None:
-        t.native.unpin(m.region)
+        t.unpin(m)
         ch.close()
         ended.set()
 
@@ -132,7 +132,7 @@ def test_importer_killed_ends_its_lease(sock: Path, t: HostTransport) -> None:
         with channel.Server(sock) as server, channel.Watcher() as watcher:
             ch = server.accept(timeout=20)
             assert ch.peer.pid == proc.pid
-            t.native.pin(m.region)  # the lease
+            t.pin(m)  # the lease
             watcher.watch(ch, end_lease)
             h = t.export(alloc, HandleKind.MEMFD)
             ch.send(channel.encode({"bank": 0, "size": BANK, "identity": h.identity}), [h.fd])

@@ -34,7 +34,9 @@ from hypothesis.stateful import (
 
 from kvstate.core import errors
 from kvstate.core.errors import KvStateError
-from kvstate.transport.native import ACCESS_NONE, ACCESS_READ, ACCESS_READ_WRITE, Native, Op, default
+from kvstate.core.capabilities import Access
+from kvstate.transport.host import HostAllocation, HostMapping, HostReservation, HostTransport
+from kvstate.transport.native import Native, Op, default
 from native.helpers import build_variant
 
 PAGE = 4096
@@ -42,6 +44,9 @@ SIZE = 16 * PAGE
 NAMES = ("a", "b", "c")   # a, b: sources (never written); c: a sink
 SOURCES = ("a", "b", "buf")
 SINKS = ("c", "buf")
+#: Access levels as the C layer orders them (each includes the previous).
+LEVELS = (Access.NONE, Access.READ, Access.READ_WRITE)
+ACCESS_NONE, ACCESS_READ, ACCESS_READ_WRITE = range(3)
 
 
 def outcome(fn: Callable[[], Any]) -> type[KvStateError] | None:
@@ -72,14 +77,15 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
         def __init__(self) -> None:
             super().__init__()
             self.nat = nat
-            self.regions: dict[str, int] = {}     # current (or stale, once unmapped) region id
+            self.t = HostTransport(granularity=PAGE, native=nat)
+            self.regions: dict[str, HostMapping] = {}  # current (or stale, once unmapped) mapping
             self.mapped: dict[str, bool] = {}
-            self.allocs: dict[str, int | None] = {}
+            self.allocs: dict[str, HostAllocation | None] = {}
             self.access: dict[str, int] = {}
             self.ops: dict[int, ModelOp] = {}
             self.reaped: list[int] = []
             self.leases: dict[str, int] = {}      # explicit pins (leases) per region
-            self.res = 0
+            self.res: HostReservation | None = None
             self.base_live = self.base_queued = 0
 
         @initialize()
@@ -87,7 +93,7 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
             base = self.nat.stats()  # the native layer is process-global: count from here
             self.base_live, self.base_queued = base.ops_live, base.ops_queued
             self.nat.pause(True)
-            self.res, _ = self.nat.reserve(len(NAMES) * SIZE, PAGE)
+            self.res = self.t.reserve(len(NAMES) * SIZE)
             for name in NAMES:
                 self.allocs[name] = None
                 self._map(name)
@@ -95,13 +101,13 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
         def _map(self, name: str) -> None:
             fresh = self.allocs[name] is None
             if fresh:
-                self.allocs[name] = self.nat.create(SIZE)
+                self.allocs[name] = self.t.create(SIZE)
             alloc = self.allocs[name]
-            assert alloc is not None
-            region, _ = self.nat.map(self.res, NAMES.index(name) * SIZE, alloc)
-            self.nat.set_access(region, ACCESS_READ_WRITE)
+            assert alloc is not None and self.res is not None
+            region = self.t.map(self.res, NAMES.index(name) * SIZE, alloc)
+            self.t.set_access(region, Access.READ_WRITE)
             if fresh and name != "c":
-                self.nat.view(region)[:] = pattern(name)
+                self.t.view(region)[:] = pattern(name)
             self.regions[name], self.mapped[name], self.access[name] = region, True, ACCESS_READ_WRITE
             self.leases[name] = 0
 
@@ -125,9 +131,9 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
                 blocks.append((off, dst_off, length))
                 expect += src_bytes[off:off + length]
                 dst_off += length
-            src_ep: Any = self.regions[src] if src != "buf" else bytearray(src_bytes)
+            src_ep: Any = self.regions[src].region if src != "buf" else bytearray(src_bytes)
             dst_buf = bytearray(dst_off) if dst == "buf" else None
-            dst_ep: Any = self.regions[dst] if dst_buf is None else dst_buf
+            dst_ep: Any = self.regions[dst].region if dst_buf is None else dst_buf
             touches = frozenset(n for n in (src, dst) if n != "buf")
 
             if any(not self.mapped[n] for n in touches):
@@ -151,7 +157,7 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
                 want = errors.RegionPinned
             else:
                 want = None
-            got = outcome(lambda: self.nat.unmap(self.regions[name]))
+            got = outcome(lambda: self.t.unmap(self.regions[name]))
             assert got is want, f"INV-NO-UNMAP-PINNED: unmap of {name} with {self.pins(name)} pins: " \
                                 f"expected {want}, got {got}"
             if got is None:
@@ -168,7 +174,7 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
                 want = errors.StillMapped
             else:
                 want = None
-            got = outcome(lambda: self.nat.release(alloc))
+            got = outcome(lambda: self.t.release(alloc))
             assert got is want, f"INV-NO-UNMAP-PINNED: release of {name} with {self.pins(name)} pins: " \
                                 f"expected {want}, got {got}"
             if got is None:
@@ -188,7 +194,7 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
                 want = errors.RegionPinned
             else:
                 want = None
-            got = outcome(lambda: self.nat.set_access(self.regions[name], level))
+            got = outcome(lambda: self.t.set_access(self.regions[name], LEVELS[level]))
             assert got is want, f"set_access {name} {level}: expected {want}, got {got}"
             if got is None:
                 self.access[name] = level
@@ -196,7 +202,7 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
         @rule(name=st.sampled_from(NAMES))
         def lease(self, name: str) -> None:
             want = None if self.mapped[name] else errors.UnknownNativeObject
-            got = outcome(lambda: self.nat.pin(self.regions[name]))
+            got = outcome(lambda: self.t.pin(self.regions[name]))
             assert got is want, f"pin {name}: expected {want}, got {got}"
             if got is None:
                 self.leases[name] += 1
@@ -209,7 +215,7 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
                 want = errors.NativeInvalidArgument  # an op's pin is never dropped by hand
             else:
                 want = None
-            got = outcome(lambda: self.nat.unpin(self.regions[name]))
+            got = outcome(lambda: self.t.unpin(self.regions[name]))
             assert got is want, f"unpin {name}: expected {want}, got {got}"
             if got is None:
                 self.leases[name] -= 1
@@ -274,7 +280,7 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
                 return
             for name in NAMES:
                 if self.mapped[name]:
-                    s = self.nat.region_stats(self.regions[name])
+                    s = self.t.stats(self.regions[name])
                     assert (s.pins, s.inflight, s.explicit_pins) == \
                         (self.pins(name), self.inflight(name), self.leases[name]), \
                         f"INV-OP-PINS: {name} reports pins {s.pins}, in flight {s.inflight}, leases " \
@@ -292,14 +298,15 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
             self.nat.pause(False)
             for name in self.regions:
                 for _ in range(self.leases.get(name, 0)):
-                    outcome(lambda: self.nat.unpin(self.regions[name]))
+                    outcome(lambda: self.t.unpin(self.regions[name]))
                 if self.mapped.get(name):
-                    outcome(lambda: self.nat.unmap(self.regions[name]))
+                    outcome(lambda: self.t.unmap(self.regions[name]))
                 alloc = self.allocs.get(name)
                 if alloc is not None:
-                    outcome(lambda: self.nat.release(alloc))
-            if self.res:
-                outcome(lambda: self.nat.free_reservation(self.res))
+                    outcome(lambda: self.t.release(alloc))
+            res = self.res
+            if res is not None:
+                outcome(lambda: self.t.free(res))
 
     return OpEngine
 

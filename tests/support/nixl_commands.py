@@ -39,18 +39,29 @@ def second_agent(state: State) -> str:
 
 
 def unsupported(state: State) -> list[str]:
+    """NIXL is a Backend and an ExportingTransport, not a MappedTransport: it has no VMM
+    methods, the lifecycle sides refuse it before touching it, and it exports only NIXL."""
+    from pathlib import Path
+
+    from kvstate.core.identity import Deployment
+    from kvstate.share.exporter import ExportConfig, Exporter
+    from kvstate.share.importer import ImportConfig, Importer
+    from kvstate.transport import Backend, MappedTransport
+
     t: NixlTransport = state["t"]
-    Registry().register(t)  # it is a Transport: the explicit registry accepts it
-    refused = []
-    for name, call in [("reserve", lambda: t.reserve(4096)), ("map", lambda: t.map(None, 0, None)),
-                       ("set_access", lambda: t.set_access(None, None)),
-                       ("unmap", lambda: t.unmap(None)),
+    Registry().register(t)  # it is a Backend: the explicit registry accepts it
+    found = [f"backend:{isinstance(t, Backend)}", f"mapped:{isinstance(t, MappedTransport)}"]
+    found += [f"{name}:{'present' if hasattr(t, name) else 'absent'}" for name in ("reserve", "map", "set_access", "unmap")]
+    deployment = Deployment("nixl-test", bytes(32))
+    for name, call in [("exporter", lambda: Exporter(ExportConfig(deployment, Path("/nonexistent"), bytes(16), 1), t)),
+                       ("importer", lambda: Importer(ImportConfig(deployment), t)),
                        ("export_memfd", lambda: t.export(t.create(4096), HandleKind.MEMFD))]:
         try:
             call()
+            found.append(f"{name}:accepted")
         except Exception as exc:
-            refused.append(f"{name}:{type(exc).__name__}")
-    return refused
+            found.append(f"{name}:{type(exc).__name__}")
+    return found
 
 
 def export_bank(state: State, blocks: int, block_bytes: int, seed: int, generation: int,

@@ -70,7 +70,8 @@ def _kvstate_importer(conn: Connection, p: dict[str, Any]) -> tuple[float, ...]:
     from kvstate.transport.host import HostTransport
 
     wire = conn.recv()
-    im = Importer(ImportConfig(Deployment("bench", _DEPLOYMENT_KEY)), HostTransport())
+    t = HostTransport()
+    im = Importer(ImportConfig(Deployment("bench", _DEPLOYMENT_KEY)), t)
     samples = []
     try:
         for i in range(p["repeats"] + 1):
@@ -78,7 +79,7 @@ def _kvstate_importer(conn: Connection, p: dict[str, Any]) -> tuple[float, ...]:
             group = im.import_group(wire)  # decode, validate whole, lease, receive fds, map, ready
             t1 = time.perf_counter()
             assert group.state == "ready"
-            assert all(im.transport.view(part.mapping)[0] == 1 for part in group.parts)  # type: ignore[attr-defined]
+            assert all(t.view(part.mapped())[0] == 1 for part in group.parts)
             group.drain()
             if i:  # the first round is a warm-up
                 samples.append(t1 - t0)

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstate.harness.bench.framework import Figure, no_gc
+
+if TYPE_CHECKING:
+    from kvstate.transport.host import HostEndpoint
 
 #: B3 is single-threaded pure Python: it is timed in CPU time of this process, so a busy
 #: neighbour on a shared machine does not bill its time slices to the machines.
@@ -228,28 +231,25 @@ def readiness(tp: int) -> Any:
 def real_group_readiness(tp: int) -> Any:
     """The real ``kvstate.share.importer.Group`` guards (recomputed from its parts' states on every
     check, O(tp) by design: a safety guard reads the truth, not a counter). Its parts are
-    real ``Part`` machines whose native import effect is replaced by a stand-in mapping,
-    so the row times the machine and guards only."""
-    import attrs
-
+    real ``Part`` machines whose native import effect is replaced by a stand-in mapping
+    (no native call: the groups are never drained), so the row times the machine and
+    guards only."""
     from kvstate.share.importer import Group, ImportConfig, Importer, Part
     from kvstate.core.machine import effect
     from kvstate.core.validate import ValidatedGroup
     from kvstate.core.identity import Deployment
+    from kvstate.transport.host import HostAllocation, HostHandle, HostMapping, HostReservation, HostTransport
 
-    @attrs.frozen
-    class Mapped:
-        size: int
-
-    class StandInPart(Part):
+    class StandInPart(Part[HostHandle, HostAllocation, HostReservation, HostMapping, "HostEndpoint"]):
         @effect("native_import")
         def _import(self, **_: Any) -> Callable[[], None]:
-            self.mapping = Mapped(self.descriptor.size)
+            size = self.descriptor.size
+            self.mapping = HostMapping(0, 0, size, HostAllocation(0, size, True), HostReservation(0, 0, size))
             return lambda: None
 
     def run(p: dict[str, Any]) -> Figure:
         descriptors = _descriptors(tp)
-        importer = Importer(ImportConfig(Deployment("bench", bytes(32))), transport=None)  # type: ignore[arg-type]
+        importer = Importer(ImportConfig(Deployment("bench", bytes(32))), HostTransport())
         samples = []
         try:
             for _ in range(p["repeats"]):

@@ -9,12 +9,16 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from kvstate.core.capabilities import Access
-from kvstate.core.errors import IllegalTransition, OpFailed, OpWaitTimeout
+from kvstate.core.errors import OpFailed, OpWaitTimeout
 from kvstate.core.handles import HandleKind
-from kvstate.transport.native import OpInfo
+from kvstate.transport.optable import CANCEL, OPS, REAP
+from kvstate.transport.protocol import OpInfo
 
 if TYPE_CHECKING:
-    from kvstate.transport.cuda.transport import CudaTransport
+    from kvstate.transport.cuda.ops import CudaOps
+
+#: Access levels, ordered as the C layer numbers them: each includes the previous.
+ACCESS_LEVEL = {Access.NONE: 0, Access.READ: 1, Access.READ_WRITE: 2}
 
 
 @attrs.frozen
@@ -79,29 +83,34 @@ class DeviceBuffer:
 
 
 class CudaOp:
-    """One gather on the transport's stream. Same shape as :class:`kvstate.transport.native.Op`."""
+    """One gather on the transport's stream, stepped through ``spec/op.toml`` by its
+    engine (:class:`kvstate.transport.cuda.ops.CudaOps`). Same shape as
+    :class:`kvstate.transport.native.Op`."""
 
-    def __init__(self, transport: CudaTransport, op_id: int, event: Any, regions: tuple[CudaMapping, ...],
-                 nbytes: int, nblocks: int) -> None:
-        self._t = transport
+    def __init__(self, engine: CudaOps, op_id: int, event: Any, src: CudaMapping | None,
+                 dst: CudaMapping | None, nbytes: int, nblocks: int) -> None:
+        self._t = engine
         self.id = op_id
         self.event = event
-        self.regions = regions
+        self.src = src
+        self.dst = dst
+        # Each mapping the op touches, once (the C engine pins a region once per op, too).
+        self.regions = tuple(m for i, m in enumerate((src, dst)) if m is not None and (i == 0 or m is not src))
         self.nbytes = nbytes
         self.nblocks = nblocks
-        self.state = "running"     # enqueued on a stream: the device may run it at once
+        self.state = OPS.initial
         self.error = 0
 
     def __repr__(self) -> str:
         return f"<CudaOp {self.id} {self.state}>"
 
     def info(self) -> OpInfo:
-        self._t._observe()
-        return OpInfo(self.id, self.state, self.error, self.nbytes if self.state == "done" else 0, self.nblocks)
+        self._t.observe()
+        return OpInfo(self.id, self.state, self.error, self.nbytes, self.nblocks)
 
     def poll(self) -> bool:
-        self._t._observe()
-        return self.state != "running"
+        self._t.observe()
+        return OPS.collectable(self.state)
 
     def wait(self, timeout: float) -> bool:
         """Poll the event until it completes or ``timeout`` s pass (cuEventSynchronize has
@@ -116,23 +125,22 @@ class CudaOp:
         return True
 
     def cancel(self) -> None:
-        """Work on a stream cannot be withdrawn: an enqueued op is already ``running``."""
-        raise IllegalTransition("op", self.state, "cancel")
+        """Work on a stream cannot be withdrawn: an enqueued op has already started, and
+        the table declares no cancel there (IllegalTransition)."""
+        self._t.step(self, CANCEL)
 
     def reap(self) -> OpInfo:
-        if self.state == "running":
-            raise IllegalTransition("op", self.state, "reap")
+        """Collect a finished op (IllegalTransition while it runs) and destroy its event."""
         info = self.info()
-        self.state = "reaped"
-        self._t._destroy_event(self)
+        self._t.step(self, REAP)
+        self._t.destroy(self)
         return info
 
     def result(self, timeout: float) -> OpInfo:
         if not self.wait(timeout):
             raise OpWaitTimeout("cuEventQuery", -13, f"op {self.id} still running after {timeout} s")
         info = self.reap()
-        if info.state == "failed":
-            raise OpFailed("cuEventQuery", info.error, f"op {self.id} failed with CUresult {info.error}", self.id)
+        if OPS.faulted(info.state):
+            raise OpFailed("cuEventQuery", info.error, f"op {self.id} {info.state} with CUresult {info.error}",
+                           self.id)
         return info
-
-

@@ -21,11 +21,14 @@ device_uuid()   ``cuDeviceGetUuid``: devices are chosen and named by UUID, never
 
 Pins and ops. The C op engine counts pins only on mappings it made itself (host memfds),
 so this backend keeps a Python-side pin table with the same observation shape
-(:class:`kvstate.transport.native.RegionStats`): explicit pins for leases, one pin per in-flight
-gather on every mapping it touches. A gather is a list of ``cuMemcpyDtoDAsync`` and
-(for extents at a constant stride, as in a layer-major bank) ``cuMemcpy2DAsync`` on the
-transport's stream, followed by an event; the op's pins drop, and its bytes count, only
-when ``cuEventQuery`` reports the event complete (or failed). Completion is observed
+(:class:`kvstate.transport.protocol.RegionStats`): explicit pins for leases, one pin per
+in-flight gather on every mapping it touches. Its ops step through ``spec/op.toml`` with
+:class:`kvstate.transport.optable.OpStepper`, this backend implementing the table's guard
+(``regions_mapped``) and effects (``pin_regions``, ``unpin_regions``), so no op state is
+written here. A gather is a list of ``cuMemcpyDtoDAsync`` and (for extents at a constant
+stride, as in a layer-major bank) ``cuMemcpy2DAsync`` on the transport's stream, followed
+by an event; the op's pins drop, and its bytes count, only when ``cuEventQuery`` reports
+the event complete (or failed). Completion is observed
 whenever anyone looks (``stats``, ``pins``, ``wait``), so a drain that polls
 ``stats().pins`` sees zero only after the device finished, as on the host backend.
 Python callbacks from the driver's host-function thread are avoided on purpose: they
@@ -51,7 +54,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -61,21 +64,19 @@ from kvstate.core.errors import (
     FabricUnavailable,
     FdIdentityMismatch,
     HandleRefused,
-    IllegalTransition,
     LegacyIpcRefused,
-    OpFailed,
-    OpWaitTimeout,
     OutOfRange,
     RegionPinned,
     StillMapped,
     UnknownNativeObject,
 )
 from kvstate.core.handles import CUDA_HANDLE_BYTES, HandleKind
-from kvstate.transport.native import OpInfo, RegionStats
+from kvstate.transport.protocol import RegionStats
 from kvstate.core.optional import require
 from kvstate.core.capabilities import FabricTrial
 from kvstate.transport.cuda import rules
 from kvstate.transport.cuda.objects import (
+    ACCESS_LEVEL,
     CudaAllocation,
     CudaHandle,
     CudaMapping,
@@ -83,6 +84,7 @@ from kvstate.transport.cuda.objects import (
     CudaReservation,
     DeviceBuffer,
 )
+from kvstate.transport.cuda.ops import CudaOps
 from kvstate.transport.cuda.driver import (
     access_desc,
     allocation_prop,
@@ -97,7 +99,9 @@ from kvstate.transport.cuda.driver import (
 from kvstate.core.capabilities import Access, Capabilities, MemoryKind, Scope
 from kvstate.transport.host import fd_identity_of
 
-_ACCESS_LEVEL = {Access.NONE: 0, Access.READ: 1, Access.READ_WRITE: 2}
+if TYPE_CHECKING:
+    from kvstate.transport.protocol import ExportingTransport, MappedTransport
+
 
 #: Legacy IPC handle bytes this process exported: opening one here is refused.
 _EXPORTED_IPC: set[bytes] = set()
@@ -157,11 +161,12 @@ class CudaTransport:
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
         self._mappings: dict[int, CudaMapping] = {}
-        self._ops: dict[int, CudaOp] = {}
         err, self._stream = driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING.value)
         check(driver, "cuStreamCreate", err)
-        self._max_pitch = int(self._call("cuDeviceGetAttribute",
-                                         driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_PITCH, dev))
+        max_pitch = int(self._call("cuDeviceGetAttribute",
+                                   driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_PITCH, dev))
+        self._engine = CudaOps(driver, self._stream, max_pitch, self._lock, call=self._call, enter=self._enter,
+                               live=self._live)
         vmm_kind = HandleKind.POSIX_FD if kind is HandleKind.CUDA_IPC else kind
         if kind is not HandleKind.CUDA_IPC:
             self._require_attribute("VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED", "VMM")
@@ -403,8 +408,8 @@ class CudaTransport:
         level; its level is recorded so ops see the same rules."""
         with self._lock:
             self._live(mapping, "set_access")
-            self._observe_locked()
-            if _ACCESS_LEVEL[access] < _ACCESS_LEVEL[mapping.access] and mapping.pins:
+            self._engine.observe_locked()
+            if ACCESS_LEVEL[access] < ACCESS_LEVEL[mapping.access] and mapping.pins:
                 raise RegionPinned("set_access", -1, f"region {mapping.region} has {mapping.pins} pin(s)")
         if mapping.allocation.kind is not HandleKind.CUDA_IPC:
             if access is Access.NONE:
@@ -417,7 +422,7 @@ class CudaTransport:
     def unmap(self, mapping: CudaMapping) -> None:
         with self._lock:
             self._live(mapping, "unmap")
-            self._observe_locked()
+            self._engine.observe_locked()
             if mapping.pins:
                 raise RegionPinned("cuMemUnmap", -1, f"region {mapping.region} has {mapping.pins} pin(s) "
                                    f"({mapping.inflight} op(s) in flight)")
@@ -468,96 +473,19 @@ class CudaTransport:
     def stats(self, mapping: CudaMapping) -> RegionStats:
         with self._lock:
             self._live(mapping, "stats")
-            self._observe_locked()
+            self._engine.observe_locked()
             m = mapping
             return RegionStats(m.region, m.addr, m.size, m.allocation.id, m.reservation.id,
-                               _ACCESS_LEVEL[m.access], m.pins, m.explicit_pins, m.inflight,
+                               ACCESS_LEVEL[m.access], m.pins, m.explicit_pins, m.inflight,
                                m.completed, m.failed, m.bytes)
 
-    def _observe(self) -> None:
-        with self._lock:
-            self._observe_locked()
-
-    def _observe_locked(self) -> None:
-        """Move every op whose event completed (or failed) out of ``running``, dropping its
-        pins and counting its bytes: the native observation the drain waits for."""
-        if not self._ops:
-            return
-        self._enter()
-        for op in [o for o in self._ops.values() if o.state == "running"]:
-            (err,) = self._d.cuEventQuery(op.event)
-            code = int(err)
-            if code == rules.CUDA_ERROR_NOT_READY:
-                continue
-            op.state, op.error = ("done", 0) if code == 0 else ("failed", code)
-            for m in op.regions:
-                m.inflight -= 1
-                if code == 0:
-                    m.completed += 1
-                    m.bytes += op.nbytes
-                else:
-                    m.failed += 1
-
-    def _destroy_event(self, op: CudaOp) -> None:
-        with self._lock:
-            self._ops.pop(op.id, None)
-        self._d.cuEventDestroy(op.event)
-
-    # -- gather --------------------------------------------------------------------------
-
-    def _endpoint(self, ep: CudaMapping | DeviceBuffer, writable: bool) -> tuple[int, int, CudaMapping | None]:
-        if isinstance(ep, CudaMapping):
-            self._live(ep, "gather")
-            need = Access.READ_WRITE if writable else Access.READ
-            if _ACCESS_LEVEL[ep.access] < _ACCESS_LEVEL[need]:
-                raise errors.GuardRejected("op", "created", "submit", ["regions_mapped"])
-            return ep.addr, ep.size, ep
-        if isinstance(ep, DeviceBuffer):
-            return ep.ptr, ep.nbytes, None
-        raise errors.NativeInvalidArgument("gather", -1, f"{ep!r} is neither a CudaMapping nor a DeviceBuffer")
+    # -- gather (the op engine is kvstate.transport.cuda.ops) ------------------------------
 
     def submit_gather(self, src: CudaMapping | DeviceBuffer, dst: CudaMapping | DeviceBuffer,
                       blocks: Sequence[tuple[int, int, int]]) -> CudaOp:
         """Copy each (src_off, dst_off, len) block device to device on this transport's
         stream; pins every mapping it touches until its event completes."""
-        with self._lock:
-            s_addr, s_size, s_map = self._endpoint(src, False)
-            d_addr, d_size, d_map = self._endpoint(dst, True)
-            plan = rules.plan_copies(rules.coalesce(blocks, s_size, d_size), self._max_pitch)
-            regions = tuple(m for m in (s_map, d_map) if m is not None)
-            self._enter()
-            d = self._d
-            event = self._call("cuEventCreate", d.CUevent_flags.CU_EVENT_DISABLE_TIMING.value)
-            for m in regions:
-                m.inflight += 1
-            op = CudaOp(self, next(self._ids), event, regions, sum(c.width * c.height for c in plan), len(blocks))
-            self._ops[op.id] = op
-            try:
-                for c in plan:
-                    if c.height == 1:
-                        self._call("cuMemcpyDtoDAsync", d.CUdeviceptr(d_addr + c.dst),
-                                   d.CUdeviceptr(s_addr + c.src), c.width, self._stream)
-                    else:
-                        self._call("cuMemcpy2DAsync", self._copy2d(s_addr, d_addr, c), self._stream)
-            finally:
-                # Pins drop only when the device says so, even when enqueueing failed midway.
-                (err,) = d.cuEventRecord(event, self._stream)
-                if int(err) != 0:
-                    d.cuStreamSynchronize(self._stream)
-                    for m in regions:
-                        m.inflight -= 1
-                        m.failed += 1
-                    op.state, op.error = "failed", int(err)
-        return op
-
-    def _copy2d(self, s_addr: int, d_addr: int, c: rules.Copy) -> Any:
-        d = self._d
-        p = d.CUDA_MEMCPY2D()
-        p.srcMemoryType = p.dstMemoryType = d.CUmemorytype.CU_MEMORYTYPE_DEVICE
-        p.srcDevice, p.srcPitch = d.CUdeviceptr(s_addr + c.src), c.src_pitch
-        p.dstDevice, p.dstPitch = d.CUdeviceptr(d_addr + c.dst), c.dst_pitch
-        p.WidthInBytes, p.Height = c.width, c.height
-        return p
+        return self._engine.submit_gather(src, dst, blocks)
 
     def submit_copy(self, src: CudaMapping | DeviceBuffer, dst: CudaMapping | DeviceBuffer, length: int, *,
                     src_off: int = 0, dst_off: int = 0) -> CudaOp:
@@ -596,15 +524,14 @@ class CudaTransport:
         """Destroy the stream and drop this transport's hold on the primary context.
         Refused while ops are in flight; allocations must have been released."""
         with self._lock:
-            self._observe_locked()
-            if any(o.state == "running" for o in self._ops.values()):
-                raise errors.EngineBusy("close", -1, "ops are still in flight")
+            self._engine.close()
             self._enter()
-            for op in list(self._ops.values()):
-                self._destroy_event(op)
             self._call("cuStreamDestroy", self._stream)
             self._call("cuDevicePrimaryCtxRelease", self._dev)
 
-    def synchronize(self) -> None:
-        self._enter()
-        self._call("cuStreamSynchronize", self._stream)
+
+def _conformance(t: CudaTransport) -> None:
+    """Checked by mypy, never called: the cuda backend implements these protocols."""
+    mapped: MappedTransport[CudaHandle, CudaAllocation, CudaReservation, CudaMapping, DeviceBuffer] = t
+    exporting: ExportingTransport[CudaHandle, CudaAllocation] = t
+    del mapped, exporting

@@ -6,8 +6,11 @@ Theory of operation
 Each process has exactly one NIXL agent, owned by its :class:`NixlTransport`. NIXL moves
 bytes one-sidedly: the exporter registers a bank's memory, the importer loads the
 exporter's agent metadata and READs blocks into its own registered buffer. Nothing is
-mapped into the importer's address space, so the VMM-shaped ``reserve``, ``map``,
-``set_access`` and ``unmap`` raise :class:`NixlUnsupported`; a NIXL rank part is used
+mapped into the importer's address space, so this transport has no ``reserve``, ``map``,
+``set_access`` or ``unmap``: it implements the narrower protocols
+(:class:`~kvstate.transport.protocol.Backend`,
+:class:`~kvstate.transport.protocol.ExportingTransport`; see that module for the choice),
+the lifecycle sides refuse it with ``TransportUnsuitable``, and a NIXL rank part is used
 through :meth:`NixlTransport.load` instead.
 
 Exporter side: :meth:`create` (or :meth:`register` for memory another backend owns)
@@ -62,12 +65,14 @@ from kvstate.core.errors import (
 )
 from kvstate.core.handles import HandleKind
 from kvstate.core.optional import is_missing, require
-from kvstate.core.capabilities import Access, Capabilities, MemoryKind, Scope
+from kvstate.core.capabilities import Capabilities, MemoryKind, Scope
 from kvstate.transport.nixl.handle import NixlHandle, HandleDefect, RemoteRegion, decode
 
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
+
+    from kvstate.transport.protocol import Backend, ExportingTransport
 
 #: Python modules that provide NIXL's API, in order of preference: the ``nixl`` meta
 #: package picks the CUDA variant itself; ``nixl_cu12`` is what ``pip install --no-deps
@@ -240,7 +245,7 @@ class NixlTransport:
         self._latest_generation: dict[str, int] = {}
         self._closed = False
 
-    # -- Transport interface ----------------------------------------------------------
+    # -- the Backend and ExportingTransport protocols -----------------------------------
 
     @property
     def capabilities(self) -> Capabilities:
@@ -350,18 +355,6 @@ class NixlTransport:
             except BufferError:  # a caller still holds a view: unmapped when it is dropped
                 pass
             allocation.owned = None
-
-    def reserve(self, size: int) -> Any:
-        raise NixlUnsupported("NIXL imports are read with NixlTransport.load, never mapped: no reserve")
-
-    def map(self, reservation: Any, offset: int, allocation: Any) -> Any:
-        raise NixlUnsupported("NIXL imports are read with NixlTransport.load, never mapped: no map")
-
-    def set_access(self, mapping: Any, access: Access) -> None:
-        raise NixlUnsupported("NIXL imports are read with NixlTransport.load, never mapped: no set_access")
-
-    def unmap(self, mapping: Any) -> None:
-        raise NixlUnsupported("NIXL imports are read with NixlTransport.load, never mapped: no unmap")
 
     # -- loads ------------------------------------------------------------------------
 
@@ -481,3 +474,10 @@ class NixlTransport:
         self._check_open()
         if allocation.released or allocation not in self._allocations:
             raise NixlError(f"allocation at {allocation.addr:#x} is not registered with {self.agent_name!r}")
+
+
+def _conformance(t: NixlTransport) -> None:
+    """Checked by mypy, never called: the protocols NIXL can honour (it cannot map)."""
+    backend: Backend = t
+    exporting: ExportingTransport[bytes, NixlAllocation] = t
+    del backend, exporting

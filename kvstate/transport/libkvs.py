@@ -1,0 +1,236 @@
+"""The typed face of the cffi module ``kvstate._native``: the one place kvstate meets C.
+
+cffi generates ``lib`` and ``ffi`` at build time and ships no types for them, so this
+module declares them as Protocols: :class:`Lib` is ``ffi/kvs.h`` written in Python types
+(integers of any C width are ``int``; each pointer the C functions take is a small
+Protocol of what Python reads from it), and :class:`Ffi` is the part of cffi's ``FFI``
+that kvstate uses, with the C declarations it passes spelled as literals so each call's
+result has a precise type. Everything above this module is then checked by mypy strict.
+
+``tests/native/test_libkvs.py`` holds the declarations to the compiled module: every
+function and constant of the module is declared here, none that it lacks, and each
+parameter and result has the type its C declaration maps to. ``kvs.h`` is the single
+source of the C side (``ffi/build_host.py`` derives cffi's declarations from it), so a
+change of the header that this file does not follow fails that test.
+
+:func:`load` imports the module on first use; importing this module loads no native code.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal, Protocol, SupportsInt, overload
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+
+# -- what Python reads from the C objects it allocates or receives ----------------------
+
+
+class UInt64Ptr(Protocol):
+    """``uint64_t *`` from ``ffi.new``: one out parameter."""
+
+    def __getitem__(self, index: int) -> int: ...
+
+
+class Int32Ptr(Protocol):
+    """``int32_t *`` from ``ffi.new``: one out parameter."""
+
+    def __getitem__(self, index: int) -> int: ...
+
+
+class Int64Ptr(Protocol):
+    """``int64_t *`` from ``ffi.new``: one out parameter."""
+
+    def __getitem__(self, index: int) -> int: ...
+
+
+class CharPtr(Protocol):
+    """``char *``: a C string (read with ``ffi.string``) or an address (``ffi.buffer``)."""
+
+
+class CBuffer(Protocol):
+    """``ffi.from_buffer(obj)``: a caller buffer, kept alive while this object lives."""
+
+    def __len__(self) -> int: ...
+
+
+class BlockArray(Protocol):
+    """``kvs_block[]`` (``kvs_block *`` in a signature): gather blocks."""
+
+    def __len__(self) -> int: ...
+
+
+class EndpointPtr(Protocol):
+    """``kvs_endpoint *``: one end of a gather."""
+
+
+class RegionInfoPtr(Protocol):
+    """``kvs_region_info *``."""
+
+    addr: int
+    size: int
+    allocation: int
+    reservation: int
+    access: int
+    pins: int
+    explicit_pins: int
+    inflight: int
+    completed: int
+    failed: int
+    bytes: int
+
+
+class GlobalInfoPtr(Protocol):
+    """``kvs_global_info *``."""
+
+    allocations: int
+    reservations: int
+    regions: int
+    pins: int
+    ops_live: int
+    ops_queued: int
+    ops_running: int
+    submitted: int
+    completed: int
+    failed: int
+    cancelled: int
+    bytes: int
+    workers: int
+    paused: int
+
+
+class OpInfoPtr(Protocol):
+    """``kvs_op_info *``."""
+
+    state: int
+    error: int
+    bytes: int
+    nblocks: int
+
+
+# -- the module ----------------------------------------------------------------------------
+
+
+class Lib(Protocol):
+    """``ffi/kvs.h``: constants, then functions in the header's order."""
+
+    KVS_OK: int
+    KVS_E_INVAL: int
+    KVS_E_SYS: int
+    KVS_E_NOENT: int
+    KVS_E_PINNED: int
+    KVS_E_MAPPED: int
+    KVS_E_ACCESS: int
+    KVS_E_RANGE: int
+    KVS_E_OVERLAP: int
+    KVS_E_SIZE: int
+    KVS_E_SEALS: int
+    KVS_E_NOTMEMFD: int
+    KVS_E_ILLEGAL: int
+    KVS_E_TIMEOUT: int
+    KVS_E_BUSY: int
+    KVS_E_NOMEM: int
+    KVS_E_INJECTED: int
+    KVS_ACCESS_NONE: int
+    KVS_ACCESS_READ: int
+    KVS_ACCESS_READ_WRITE: int
+    KVS_OPF_FAIL: int
+
+    # host backend
+    def kvs_page_size(self) -> int: ...
+    def kvs_create(self, size: int, allocation: UInt64Ptr) -> int: ...
+    def kvs_export_fd(self, allocation: int, fd: Int32Ptr) -> int: ...
+    def kvs_import_fd(self, fd: int, size: int, allocation: UInt64Ptr) -> int: ...
+    def kvs_release(self, allocation: int) -> int: ...
+    def kvs_reserve(self, size: int, align: int, reservation: UInt64Ptr, addr: UInt64Ptr) -> int: ...
+    def kvs_free_reservation(self, reservation: int) -> int: ...
+    def kvs_map(self, reservation: int, offset: int, allocation: int, region: UInt64Ptr,
+                addr: UInt64Ptr) -> int: ...
+    def kvs_set_access(self, region: int, access: int) -> int: ...
+    def kvs_unmap(self, region: int) -> int: ...
+
+    # pins and observation
+    def kvs_region_pin(self, region: int) -> int: ...
+    def kvs_region_unpin(self, region: int) -> int: ...
+    def kvs_region_info_get(self, region: int, out: RegionInfoPtr) -> int: ...
+    def kvs_global_info_get(self, out: GlobalInfoPtr) -> None: ...
+
+    # op engine
+    def kvs_engine_configure(self, workers: int) -> int: ...
+    def kvs_engine_pause(self, paused: int) -> int: ...
+    def kvs_submit(self, src: EndpointPtr, dst: EndpointPtr, blocks: BlockArray, nblocks: int,
+                   flags: int, op: Int64Ptr) -> int: ...
+    def kvs_submit_copy(self, src_region: int, src_addr: int, src_size: int, src_off: int,
+                        dst_region: int, dst_addr: int, dst_size: int, dst_off: int, len: int,
+                        flags: int, op: Int64Ptr) -> int: ...
+    def kvs_cancel(self, op: int) -> int: ...
+    def kvs_op_info_get(self, op: int, out: OpInfoPtr) -> int: ...
+    def kvs_wait(self, op: int, timeout_ns: int) -> int: ...
+    def kvs_reap(self, op: int, out: OpInfoPtr) -> int: ...
+
+    # the generated op table
+    def kvs_op_nstates(self) -> int: ...
+    def kvs_op_table_digest(self) -> CharPtr: ...
+    def kvs_op_nevents(self) -> int: ...
+    def kvs_op_state_name(self, state: int) -> CharPtr: ...
+    def kvs_op_event_name(self, event: int) -> CharPtr: ...
+    def kvs_op_collectable(self, state: int) -> int: ...
+    def kvs_planted_bug(self) -> int: ...
+    def kvs_strerror(self, code: int) -> CharPtr: ...
+
+
+class Ffi(Protocol):
+    """The part of cffi's ``FFI`` kvstate uses, one overload per C declaration it passes."""
+
+    errno: int
+
+    @overload
+    def new(self, cdecl: Literal["uint64_t *"]) -> UInt64Ptr: ...
+    @overload
+    def new(self, cdecl: Literal["int32_t *"]) -> Int32Ptr: ...
+    @overload
+    def new(self, cdecl: Literal["int64_t *"]) -> Int64Ptr: ...
+    @overload
+    def new(self, cdecl: Literal["kvs_region_info *"]) -> RegionInfoPtr: ...
+    @overload
+    def new(self, cdecl: Literal["kvs_global_info *"]) -> GlobalInfoPtr: ...
+    @overload
+    def new(self, cdecl: Literal["kvs_op_info *"]) -> OpInfoPtr: ...
+    @overload
+    def new(self, cdecl: Literal["kvs_endpoint *"], init: tuple[int, int, int]) -> EndpointPtr: ...
+    @overload
+    def new(self, cdecl: Literal["kvs_block[]"], init: Sequence[tuple[int, int, int]]) -> BlockArray: ...
+
+    # cffi takes any object here and raises TypeError (or BufferError) for one without the
+    # buffer protocol, so the parameter is honestly ``object``; callers catch those.
+    @overload
+    def from_buffer(self, python_buffer: object, require_writable: bool = ...) -> CBuffer: ...
+    @overload
+    def from_buffer(self, cdecl: Literal["kvs_block[]"], python_buffer: object,
+                    require_writable: bool = ...) -> BlockArray: ...
+
+    @overload
+    def cast(self, cdecl: Literal["uintptr_t"], value: CBuffer) -> SupportsInt: ...
+    @overload
+    def cast(self, cdecl: Literal["char *"], value: int) -> CharPtr: ...
+
+    def buffer(self, cdata: CharPtr, size: int) -> Buffer: ...
+
+    def string(self, cdata: CharPtr) -> bytes: ...
+
+
+MODULE = "kvstate._native"
+
+
+def load() -> tuple[Ffi, Lib]:
+    """Import the compiled module; ModuleNotFoundError (from importlib) when it was not built.
+
+    The module has no type information, so its two objects are taken as the Protocols
+    above here, at the boundary, and nowhere else."""
+    module = importlib.import_module(MODULE)
+    ffi: Ffi = module.ffi
+    lib: Lib = module.lib
+    return ffi, lib

@@ -1,0 +1,85 @@
+"""The C sources' structure: the memory side (kvs_host.c) and the op engine (kvs_ops.c)
+each build on the shared slot-and-pin table (kvs_slots.c) and on nothing of each other,
+includes form no cycle, and every file compiles clean under -Wall -Wextra -Werror.
+The dependency check is shown to catch a planted call across the two."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+FFI = Path(__file__).resolve().parents[2] / "ffi"
+SOURCES = ("kvs_slots.c", "kvs_host.c", "kvs_ops.c")
+FLAGS = ["-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden", "-c"]
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None or shutil.which("nm") is None,
+                                reason="needs a C compiler and nm (the native module is built with them)")
+
+
+def includes(path: Path) -> list[str]:
+    return re.findall(r'^#include "([^"]+)"', path.read_text(encoding="utf-8"), re.M)
+
+
+def test_local_includes_form_no_cycle_and_the_two_sides_share_only_the_slot_table() -> None:
+    graph = {p.name: includes(p) for p in FFI.glob("kvs*.[ch]")}
+    assert includes(FFI / "kvs_host.c") == ["kvs_slots.h"]
+    assert includes(FFI / "kvs_ops.c") == ["kvs_slots.h"]
+    seen: set[str] = set()
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        assert name not in path, f"include cycle: {' -> '.join((*path, name))}"
+        if name in seen:
+            return
+        seen.add(name)
+        for child in graph.get(name, []):
+            visit(child, (*path, name))
+
+    for name in graph:
+        visit(name, ())
+
+
+def _objects(src_dir: Path, out: Path) -> dict[str, tuple[set[str], set[str]]]:
+    """Per source: (kvs symbols it defines, kvs symbols it uses but does not define)."""
+    symbols = {}
+    for src in SOURCES:
+        obj = out / src.replace(".c", ".o")
+        done = subprocess.run(["cc", *FLAGS, "-I", str(src_dir), str(src_dir / src), "-o", str(obj)],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, f"{src} does not compile clean:\n{done.stderr}"
+        listing = subprocess.run(["nm", str(obj)], capture_output=True, text=True, check=True).stdout
+        defined, undefined = set(), set()
+        for line in listing.splitlines():
+            parts = line.split()
+            if parts and parts[-1].startswith("kvs_"):
+                (undefined if parts[-2] == "U" else defined).add(parts[-1])
+        symbols[src] = (defined, undefined)
+    return symbols
+
+
+def cross_uses(symbols: dict[str, tuple[set[str], set[str]]]) -> list[str]:
+    """Symbols one of kvs_host.c and kvs_ops.c takes from the other."""
+    found = []
+    for user, provider in (("kvs_host.c", "kvs_ops.c"), ("kvs_ops.c", "kvs_host.c")):
+        found += [f"{user} uses {s} of {provider}" for s in sorted(symbols[user][1] & symbols[provider][0])]
+    return found
+
+
+def test_memory_side_and_op_engine_take_nothing_from_each_other(tmp_path: Path) -> None:
+    symbols = _objects(FFI, tmp_path)
+    assert cross_uses(symbols) == []
+    slots_defined = symbols["kvs_slots.c"][0]
+    for src in ("kvs_host.c", "kvs_ops.c"):
+        assert symbols[src][1] <= slots_defined, f"{src} uses {symbols[src][1] - slots_defined}"
+
+
+def test_the_dependency_check_catches_a_planted_call_across(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(FFI, src, ignore=shutil.ignore_patterns("__pycache__", "*.o", "*.so"))
+    with open(src / "kvs_host.c", "a", encoding="utf-8") as f:
+        f.write("\nint kvs_planted_cross(void) { return kvs_engine_pause(0); }\n")
+    (tmp_path / "out").mkdir()
+    assert cross_uses(_objects(src, tmp_path / "out")) == ["kvs_host.c uses kvs_engine_pause of kvs_ops.c"]
