@@ -372,12 +372,7 @@ class RankWorker(Generic[H, A, R, M, E]):
         ch = self._channel
         if ch is None or self.coordinator_gone:
             return
-        info: dict[str, Any] | None = None
-        part = share.part
-        if state == "imported" and part is not None and part.mapping is not None:
-            d = part.descriptor
-            info = {"fingerprint": d.geometry.fingerprint(), "tp": d.tp, "generation": d.generation,
-                    "size": int(part.mapping.size), "leases": self.leases(), "import_s": share.import_s or 0.0}
+        info = self.imported_info(share) if state == "imported" else None
         report = msgs.Report(share.gid, self.config.rank, _REPORT_STATES[state], detail=share.cause,
                              reasons=tuple(p.reason.value for p in share.problems), info=info)
         try:
@@ -385,6 +380,15 @@ class RankWorker(Generic[H, A, R, M, E]):
                 ch.send(msgs.encode(report), timeout=self.config.request_timeout_s)
         except ChannelError as exc:
             log.info("rank %d: report %s not delivered (%s)", self.config.rank, state, exc)
+
+    def imported_info(self, share: RankShare[H, A, R, M, E]) -> dict[str, Any] | None:
+        """What an imported report tells the coordinator of the part it mapped."""
+        part = share.part
+        if part is None or part.mapping is None:
+            return None
+        d = part.descriptor
+        return {"fingerprint": d.geometry.fingerprint(), "tp": d.tp, "generation": d.generation,
+                "size": int(part.mapping.size), "leases": self.leases(), "import_s": share.import_s or 0.0}
 
     def _read_loop(self) -> None:
         ch = self._channel
