@@ -161,7 +161,9 @@ def exporter_main(conn: multiprocessing.connection.Connection, spec_json: str, k
     send(conn, descriptor=ex.descriptor(rank).hex(), epoch=inventory.epoch(INVENTORY_GROUP), pid=os.getpid())
     while True:
         cmd = recv(conn, 3600)
-        if cmd["cmd"] == "drain":
+        if cmd["cmd"] == "leases":
+            send(conn, leases=len(bank.leases))
+        elif cmd["cmd"] == "drain":
             try:
                 waited = ex.drain(spec.lease_timeout_s + spec.timeout_s)
                 send(conn, quiescent_s=waited, states=states, leases=0)
@@ -324,7 +326,8 @@ class _Scenario:
         group = self.import_group(wire)
         ready = group.get("state") == "ready"
         gid = group.get("gid")
-        if ready:
+        if ready and gid:
+            self.count_holdings(gid)
             self.maybe_kill("ready")
         loads = self.load(gid) if ready and gid else []
         report["verified"] = [(r["rank"], r.get("checksum") == expected_checksum(spec, r["rank"]))
@@ -377,6 +380,14 @@ class _Scenario:
                     f"{[round((r.get('import_s') or 0) * 1e3, 1) for r in ranks]}"
                     if group.get("time_to_ready_s") is not None else f" ({group.get('failure') or group.get('error')})"))
         return group
+
+    def count_holdings(self, gid: str) -> None:
+        """At ready, from outside kvstate's own bookkeeping: memfd mappings in each worker
+        process (/proc) and leases on each exporter's bank."""
+        c = self.c
+        self.report["mappings_per_rank"] = [w.ask(self.spec.timeout_s, cmd="status", gid=gid)["memfd_maps"]
+                                            for w in c.live(c.workers)]
+        self.report["exporter_leases"] = [r["leases"] for r in c.broadcast(c.exporters, cmd="leases")]
 
     def load(self, gid: str) -> list[dict[str, Any]]:
         c, spec = self.c, self.spec

@@ -205,6 +205,7 @@ def worker_main(conn: multiprocessing.connection.Connection, spec_json: str, key
         return {"rank": rank, "pid": os.getpid(), "state": None if share is None else share.state,
                 "history": histories.get(gid, []), "import_s": None if share is None else share.import_s,
                 "unmapped_at": None if share is None else share.unmapped_at, "leases": worker.leases(),
+                "memfd_maps": resources()["memfd_maps"] - baseline["memfd_maps"],
                 "violations": list(violations)}
 
     while True:

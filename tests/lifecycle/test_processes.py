@@ -31,6 +31,8 @@ def test_reuse_across_processes(tp: int) -> None:
     assert report["topology"] == "per-rank-process"
     assert report["group"]["state"] == "ready" and report["coordinator"]["state"] == "closed"
     assert [r["leases"] for r in report["ranks"]] == [1] * tp and report["leases_total"] == tp
+    assert report["mappings_per_rank"] == [1] * tp  # /proc of each worker: one memfd mapping
+    assert report["exporter_leases"] == [1] * tp    # each bank leased once, by its own rank
     assert len({r["pid"] for r in report["ranks"]}) == tp  # one process per rank
     assert report["verified"] == [(r, True) for r in range(tp)]
     assert report["worker_final"] == ["closed"] * tp
