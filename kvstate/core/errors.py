@@ -238,6 +238,10 @@ class PeerRejected(ChannelError):
         super().__init__(f"peer pid {pid} uid {uid} is not allowed (allowed uids: {sorted(allowed)})")
 
 
+class PeerUnauthenticated(ChannelError):
+    """A peer across nodes (TCP) did not prove it holds the deployment's key."""
+
+
 class UnsafeSocketPath(ChannelError):
     """The socket path or its directory is a symlink, foreign-owned or too open."""
 

@@ -17,6 +17,7 @@ Timings exclude process start: they start once every process is up and connected
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import multiprocessing
@@ -34,6 +35,7 @@ import attrs
 
 from kvstate.core.errors import KvStateError
 from kvstate.core.geometry import DType, Geometry, Layout
+from kvstate.core.handles import HandleKind
 from kvstate.core.identity import Deployment
 
 PHASES = ("advertised", "checking", "importing", "ready", "loading", "draining")
@@ -60,6 +62,7 @@ class ClusterSpec:
     silence_s: float = 2.0           # a worker hearing nothing from its coordinator this long cleans up alone
     seed: int = 7
     plant: str | None = None         # "module:Class": a planted RankShare for the workers (self-tests)
+    nixl: bool = False               # banks exported through NIXL, leased over TCP: every part remote
 
     def geometry(self) -> Geometry:
         return Geometry(layers=self.layers, kv_heads=self.kv_heads, head_dim=self.head_dim,
@@ -70,6 +73,16 @@ class ClusterSpec:
         """The prefix's block ids in the decode worker's bank: scattered, as after reuse."""
         step = 7 if self.num_blocks % 7 else 5
         return [(self.seed + i * step) % self.num_blocks for i in range(self.prefix_blocks)]
+
+
+#: UCX confined to TCP over the loopback device: the cross-node path on one machine.
+LOOPBACK_UCX = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN", "UCX_LOG_LEVEL": "error"}
+
+
+def use_loopback_ucx() -> None:
+    """Before this process creates its NIXL agent (UCX reads the environment then)."""
+    for k, v in LOOPBACK_UCX.items():
+        os.environ.setdefault(k, v)
 
 
 def kv_pattern(rank: int, block: int, nbytes: int, seed: int) -> bytes:
@@ -109,6 +122,7 @@ def leaks_since(baseline: dict[str, int], grace_s: float = 2.0) -> dict[str, int
         extra = {k: now[k] - baseline[k] for k in now}
         if all(v <= 0 for v in extra.values()) or time.monotonic() >= deadline:
             return extra
+        gc.collect()  # objects in reference cycles (NIXL views, channels) close their fds when collected
         time.sleep(0.01)
 
 
@@ -140,9 +154,20 @@ def exporter_main(conn: multiprocessing.connection.Connection, spec_json: str, k
 
     spec = ClusterSpec(**json.loads(spec_json))
     baseline = resources()
-    t = HostTransport(granularity=spec.granularity)
+    host = HostTransport(granularity=spec.granularity)
+    t: Any = host
+    nixl: Any = None
+    extra: dict[str, Any] = {}
+    if spec.nixl:  # this bank is another node's to the workers: NIXL handle, leases over TCP
+        from kvstate.transport.nixl import NixlTransport
+        from kvstate.transport.nixl.exporting import NixlExportingHost
+
+        use_loopback_ucx()
+        nixl = NixlTransport()
+        t = NixlExportingHost(host, nixl)
+        extra = {"handle_kind": HandleKind.NIXL, "tcp_listen": ("127.0.0.1", 0)}
     config = ExportConfig(Deployment("kvstate-demo", bytes.fromhex(key_hex)), Path(socket_dir),
-                          bytes.fromhex(source_hex), spec.tp, lease_timeout_s=spec.lease_timeout_s)
+                          bytes.fromhex(source_hex), spec.tp, lease_timeout_s=spec.lease_timeout_s, **extra)
     inventory = Inventory(budget_blocks=spec.num_blocks)
     for _ in range(rank):  # every rank's inventory is its own: their epochs differ
         inventory.clear(INVENTORY_GROUP)
@@ -172,6 +197,9 @@ def exporter_main(conn: multiprocessing.connection.Connection, spec_json: str, k
         elif cmd["cmd"] == "exit":
             ex.stop()
             del view
+            if nixl is not None:  # the agent keeps UCX connections to its peers until it is gone
+                nixl.close()
+            del ex, bank, t, nixl
             send(conn, leaks=leaks_since(baseline))
             return
 
@@ -317,6 +345,7 @@ class _Scenario:
     def run(self) -> dict[str, Any]:
         c, spec, report = self.c, self.spec, self.report
         wire = c.start_decode()
+        report["descriptors"] = [_describe_descriptor(w, c.key) for w in wire]
         c.start_prefill()
         assert c.coordinator is not None
         self.log(f"decode engine: {spec.tp} exporter processes advertised their banks (inventory epochs "
@@ -411,16 +440,14 @@ class _Scenario:
                 send(w.conn, cmd="release")
         replies = []
         for w in [w for w in live if not w.killed]:
-            while True:  # a stalled load's reply and the release's, in either order
-                r = recv(w.conn, spec.timeout_s)
-                if r.get("ok") and stall:
-                    continue
-                replies.append({"rank": w.rank, **r})
-                break
+            got = [recv(w.conn, spec.timeout_s) for _ in range(2 if stall else 1)]  # stalled: the release's too
+            replies += [{"rank": w.rank, **r} for r in got if not r.get("ok")]
         self.timings["load"] = time.monotonic() - t
         return replies
 
     def wait_draining(self, gid: str) -> None:
+        """Until every live worker's share left ready; then, 50 ms later, record where each
+        is: a share whose load still pins its part must still be draining."""
         deadline = time.monotonic() + self.spec.timeout_s
         for w in self.c.live(self.c.workers):
             while time.monotonic() < deadline:
@@ -428,6 +455,9 @@ class _Scenario:
                                                                                       "closed", "failed"):
                     break
                 time.sleep(0.001)
+        time.sleep(0.05)
+        self.report["draining_states"] = [w.ask(self.spec.timeout_s, cmd="status", gid=gid).get("state")
+                                          for w in self.c.live(self.c.workers)]
 
     def finish(self, gid: str | None) -> None:
         c, spec, report = self.c, self.spec, self.report
@@ -472,6 +502,14 @@ class _Scenario:
         for w in c.everyone():
             w.process.join(5)
         report["stray_processes"] = [w.process.pid for w in c.everyone() if w.process.is_alive()]
+
+
+def _describe_descriptor(wire: bytes, key: bytes) -> dict[str, Any]:
+    from kvstate.core.descriptor import decode
+
+    d = decode(wire, Deployment("kvstate-demo", key))
+    return {"rank": d.rank, "handle_kind": d.handle_kind.value, "fabric": d.fabric.kind.value,
+            "lease_address": d.socket_path}
 
 
 def judge(report: dict[str, Any], kill: tuple[str, str] | None) -> bool:

@@ -31,10 +31,12 @@ from kvstate.core.machine import StateChange
 from kvstate.harness.cluster import ClusterSpec, leaks_since, recv, resources, send
 from kvstate.share import protocol_msgs as msgs
 from kvstate.share.rank_worker import RankShare, RankWorker
+from kvstate.share.remote_part import RemotePart
 from kvstate.transport.protocol import A, E, H, M, R
 
 if TYPE_CHECKING:
     from kvstate.transport.host import HostAllocation, HostEndpoint, HostHandle, HostMapping, HostReservation
+    from kvstate.transport.nixl import NixlTransport
 
     HostShare = RankShare[HostHandle, HostAllocation, HostReservation, HostMapping, HostEndpoint]
 
@@ -139,6 +141,11 @@ def coordinator_main(conn: multiprocessing.connection.Connection, spec_json: str
 # -- a worker process ----------------------------------------------------------------------
 
 
+def _holds(part: Any) -> bool:
+    """Whether a part still holds anything: a mapping, a remote view, or a lease channel."""
+    return part.mapping is not None or part.channel is not None or getattr(part, "remote", None) is not None
+
+
 class HoldingWorker(RankWorker[H, A, R, M, E]):
     """A RankWorker that can be held at ``check`` (before validating) or ``open`` (before
     leasing and mapping), so a parent can kill a process while that phase is open."""
@@ -176,6 +183,13 @@ def worker_main(conn: multiprocessing.connection.Connection, spec_json: str, key
     pipe = _Pipe(conn)
     baseline = resources()
     t = HostTransport(granularity=spec.granularity)
+    remote: NixlTransport | None = None
+    if spec.nixl:
+        from kvstate.harness.cluster import use_loopback_ucx
+        from kvstate.transport.nixl import NixlTransport
+
+        use_loopback_ucx()
+        remote = NixlTransport()
     violations: list[str] = []
     histories: dict[str, list[str]] = {}
     worker: HoldingWorker[HostHandle, HostAllocation, HostReservation, HostMapping, HostEndpoint] | None = None
@@ -187,13 +201,13 @@ def worker_main(conn: multiprocessing.connection.Connection, spec_json: str, key
         histories.setdefault(gid, ["idle"]).append(change.dest)
         share = worker.share(gid)
         part = share.part if share is not None else None
-        if change.dest == "ready" and (part is None or part.mapping is None or part.state != "imported"):
+        if change.dest == "ready" and (part is None or not _holds(part) or part.state != "imported"):
             violations.append(f"{change.label} ready without its part mapped")
-        if change.dest in ("closed", "failed", "rejected") and part is not None and part.mapping is not None:
+        if change.dest in ("closed", "failed", "rejected") and part is not None and _holds(part):
             violations.append(f"{change.label} {change.dest} still mapping its part")
 
     worker = HoldingWorker(WorkerConfig(Deployment(DEPLOYMENT_NAME, bytes.fromhex(key_hex)), rank, spec.tp,
-                                        Path(coordinator_path)), t, observers=[on_change])
+                                        Path(coordinator_path)), t, remote=remote, observers=[on_change])
     if spec.plant is not None:  # a self-test: a deliberately broken share (tests/planted)
         module, _, name = spec.plant.partition(":")
         worker.share_class = getattr(importlib.import_module(module), name)
@@ -208,6 +222,68 @@ def worker_main(conn: multiprocessing.connection.Connection, spec_json: str, key
                 "memfd_maps": resources()["memfd_maps"] - baseline["memfd_maps"],
                 "violations": list(violations)}
 
+    worker_released = threading.Event()
+
+    def worker_kick() -> None:
+        if worker is not None:
+            worker.kick()
+
+    def start_load(cmd: dict[str, Any]) -> threading.Thread | None:
+        """Load this rank's prefix and answer with its checksum; with ``stall`` the load
+        stays in flight (its op queued, pinning the part) until release, on a thread that
+        is returned. Its locals end with it (a NIXL agent goes only once nothing holds it)."""
+        assert worker is not None
+        share = worker.wait(cmd["gid"], ("ready",), spec.timeout_s)
+        if share is None or share.state != "ready":
+            pipe.send(error=f"share is {None if share is None else share.state}", **status(cmd["gid"]))
+            return None
+        s: HostShare = share
+        g = spec.geometry()
+
+        def load(blocks: list[int] = cmd["blocks"]) -> None:
+            n = len(blocks) * g.block_bytes
+            try:
+                if remote is not None:  # NIXL READs land in memory registered with this agent
+                    dst = remote.create(-(-n // 4096) * 4096)
+                    try:
+                        result = s.load(blocks, dst, timeout=spec.timeout_s)
+                        data = bytes(dst.view()[:n])
+                    finally:
+                        remote.release(dst)
+                else:
+                    buf = bytearray(n)
+                    result = s.load(blocks, buf, timeout=spec.timeout_s)
+                    data = bytes(buf)
+                pipe.send(checksum=hashlib.blake2b(data, digest_size=16).hexdigest(), seconds=result.seconds,
+                          bytes=result.bytes)
+            except KvStateError as exc:
+                pipe.send(error=f"{type(exc).__name__}: {exc}")
+
+        if not cmd.get("stall"):
+            load()
+            return None
+        if remote is not None and isinstance(s.part, RemotePart):
+            # A NIXL READ cannot be paused: the part is pinned as a READ pins it until release.
+            unpin = s.part.pin()
+
+            def pinned() -> None:
+                worker_released.wait(spec.timeout_s)
+                unpin()
+                worker_kick()
+                pipe.send(pinned=True)
+
+            thread = threading.Thread(target=pinned)
+            thread.start()
+            pipe.send(loading=True)
+            return thread
+        t.native.pause(True)
+        thread = threading.Thread(target=load)
+        thread.start()
+        while not s.ops and thread.is_alive():
+            time.sleep(0.0005)
+        pipe.send(loading=True)
+        return thread
+
     while True:
         cmd = recv(conn, 3600)
         try:
@@ -219,35 +295,11 @@ def worker_main(conn: multiprocessing.connection.Connection, spec_json: str, key
                 pipe.send(ok=True)
             elif cmd["cmd"] == "release":
                 worker.release()
+                worker_released.set()
                 t.native.pause(False)
                 pipe.send(ok=True)
             elif cmd["cmd"] == "load":
-                share = worker.wait(cmd["gid"], ("ready",), spec.timeout_s)
-                if share is None or share.state != "ready":
-                    pipe.send(error=f"share is {None if share is None else share.state}", **status(cmd["gid"]))
-                    continue
-                s: HostShare = share
-                g = spec.geometry()
-
-                def load(blocks: list[int] = cmd["blocks"]) -> None:
-                    dst = bytearray(len(blocks) * g.block_bytes)
-                    try:
-                        result = s.load(blocks, dst, timeout=spec.timeout_s)
-                        pipe.send(checksum=hashlib.blake2b(dst, digest_size=16).hexdigest(), seconds=result.seconds,
-                                  bytes=result.bytes)
-                    except KvStateError as exc:
-                        pipe.send(error=f"{type(exc).__name__}: {exc}")
-
-                if cmd.get("stall"):
-                    # The load stays in flight (its op queued, pinning the part) until release.
-                    t.native.pause(True)
-                    loader = threading.Thread(target=load)
-                    loader.start()
-                    while not s.ops and loader.is_alive():
-                        time.sleep(0.0005)
-                    pipe.send(loading=True)
-                else:
-                    load()
+                loader = start_load(cmd) or loader
             elif cmd["cmd"] == "status":
                 pipe.send(**status(cmd["gid"]))
             elif cmd["cmd"] == "wait_ended":
@@ -258,6 +310,10 @@ def worker_main(conn: multiprocessing.connection.Connection, spec_json: str, key
                 if loader is not None:
                     loader.join(spec.timeout_s)
                 worker.close()
+                if remote is not None:  # the agent keeps UCX connections to its peers until it is gone
+                    remote.close()
+                    worker.remote = remote = loader = None
+                    worker.ended.clear()
                 pipe.send(leaks=leaks_since(baseline), violations=violations, histories=histories)
                 return
         except KvStateError as exc:

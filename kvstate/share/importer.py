@@ -168,13 +168,7 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         with ExitStack() as undo:
             ch = chan.connect(d.socket_path, timeout=timeout)
             undo.callback(ch.close)
-            blocks = self.group.blocks
-            ch.send(chan.encode({"op": "lease", "rank": d.rank, "generation": d.generation,
-                                 "incarnation": d.incarnation.hex(),
-                                 "blocks": None if blocks is None else {
-                                     "group": blocks.group, "epoch": blocks.epoch(d.rank),
-                                     "hashes": list(blocks.hashes)}}),
-                    timeout=timeout)
+            ch.send(lease_request(d, self.group.blocks), timeout=timeout)
             with ch.recv(timeout=timeout) as msg:
                 reply = chan.decode(msg.payload)
                 if not reply.get("ok"):
@@ -209,6 +203,10 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         if self.allocation is not None:
             t.release(self.allocation)
         self.mapping = self.reservation = self.allocation = None
+        self._return_lease()
+
+    def _return_lease(self) -> None:
+        """Return the lease and close its channel (after the memory is gone)."""
         ch, self.channel = self.channel, None
         if ch is not None:
             self.group.importer.unwatch(ch)
@@ -218,6 +216,13 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
             except (ChannelError, LeaseRefused):
                 pass  # exporter gone or lease already ended: closing the channel ends it too
             ch.close()
+
+
+def lease_request(d: Descriptor, blocks: BlockRequest | None) -> bytes:
+    """The lease request of one rank part (whatever transport then opens its handle)."""
+    return chan.encode({"op": "lease", "rank": d.rank, "generation": d.generation, "incarnation": d.incarnation.hex(),
+                        "blocks": None if blocks is None else {"group": blocks.group, "epoch": blocks.epoch(d.rank),
+                                                               "hashes": list(blocks.hashes)}})
 
 
 def _grant_fields(reply: dict[str, Any], rank: int) -> tuple[int, float]:

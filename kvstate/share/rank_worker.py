@@ -58,6 +58,7 @@ from kvstate.core.errors import (
     ProtocolError,
     TransitionError,
 )
+from kvstate.core.handles import HandleKind
 from kvstate.core.identity import Deployment, host_boot_id
 from kvstate.core.machine import Lifecycle, Observer, StateChange, effect, guard
 from kvstate.core.reasons import RejectReason
@@ -65,6 +66,8 @@ from kvstate.core.spec import load_machine
 from kvstate.core.validate import Expectation, descriptor_problems
 from kvstate.share import protocol_msgs as msgs
 from kvstate.share.importer import BlockRequest, ImportConfig, Importer, LoadResult, Part
+from kvstate.share.remote_part import RemotePart
+from kvstate.transport.nixl.transport import NixlAllocation, NixlTransport
 from kvstate.transport.protocol import A, E, H, M, MappedTransport, PendingOp, R
 
 log = logging.getLogger(__name__)
@@ -172,18 +175,23 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
     def _close_part(self) -> None:
         part: Part[H, A, R, M, E] | None = self.part
         if part is not None and part.may("close"):
-            was_mapped = part.mapping is not None
+            was_mapped = part.channel is not None  # imported: mapped here, or a remote view
             part.fire("close")
             if was_mapped:
                 self.unmapped_at = time.monotonic()
 
     @effect("submit_load")
-    def _submit(self, *, plan: tuple[E, list[tuple[int, int, int]], list[PendingOp]], **kw: Any) -> Callable[[], None]:
-        dst, extents, out = plan
-        assert self.part is not None and self.part.mapping is not None
-        op = self.importer.transport.submit_gather(self.part.mapping, dst, extents)
+    def _submit(self, *, plan: _LoadPlan[E], **kw: Any) -> Callable[[], None]:
+        part = self.part
+        assert part is not None
+        if isinstance(part, RemotePart):  # a NIXL READ follows, outside the lock; it pins until done
+            unpin = part.pin()
+            plan.unpin = unpin
+            return unpin
+        assert part.mapping is not None and plan.dst is not None
+        op = self.importer.transport.submit_gather(part.mapping, plan.dst, plan.extents)
         self.ops.add(op)
-        out.append(op)
+        plan.op = op
 
         def undo() -> None:
             self.ops.discard(op)
@@ -202,38 +210,67 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
                 self.fire("exporter_died")
         self.worker.kick()
 
-    def load(self, blocks: Sequence[int], dst: E, *, timeout: float = 30.0) -> LoadResult:
-        """Gather ``blocks`` (in order) of this rank's part into ``dst`` and wait. Only in
-        ``ready``: IllegalTransition before the coordinator released loads or after a drain."""
+    def load(self, blocks: Sequence[int], dst: E | NixlAllocation, *, timeout: float = 30.0) -> LoadResult:
+        """Copy ``blocks`` (in order) of this rank's part into ``dst`` and wait: a native
+        gather from a mapped part, or a NIXL READ of a remote part (``dst`` then memory
+        registered with this worker's NIXL agent). Only in ``ready``: IllegalTransition
+        before the coordinator released loads or after a drain."""
         if not self.may("load"):
             raise IllegalTransition(self.table.name, self.state, "load")
         part = self.part
-        if part is None or part.mapping is None:
-            raise LoadFailed(f"{self.label}: no mapped part")
+        if part is None or part.channel is None:
+            raise LoadFailed(f"{self.label}: no imported part")
         g = part.descriptor.geometry
         if not blocks or not all(type(b) is int and 0 <= b < g.num_blocks for b in blocks):
             raise LoadFailed(f"block ids must be ints in 0..{g.num_blocks - 1}, not {list(blocks)[:8]!r}")
         if not 0 < timeout < 1e6:
             raise LoadFailed(f"timeout must be positive and finite, not {timeout!r}")
+        start = time.monotonic()
+        if isinstance(part, RemotePart):
+            if not isinstance(dst, NixlAllocation):
+                raise LoadFailed(f"{self.label}: a NIXL part reads into memory registered with NixlTransport")
+            remote_plan: _LoadPlan[E] = _LoadPlan(None, [])
+            self.fire("load", plan=remote_plan)
+            try:
+                done = part.read(blocks, dst, timeout=timeout)
+            except KvStateError as exc:
+                raise LoadFailed(f"{self.label}: load failed: {exc}") from exc
+            finally:
+                if remote_plan.unpin is not None:
+                    remote_plan.unpin()
+                self.worker.kick()
+            return LoadResult(len(blocks), done, time.monotonic() - start)
         extents: list[tuple[int, int, int]] = []
         pos = 0
         for b in blocks:
             for off, length in g.block_extents(b):
                 extents.append((off, pos, length))
                 pos += length
+        if isinstance(dst, NixlAllocation):
+            raise LoadFailed(f"{self.label}: a mapped part loads into host memory, not a NIXL registration")
         _check_destination(dst, pos)
-        start = time.monotonic()
-        submitted: list[PendingOp] = []
-        self.fire("load", plan=(dst, extents, submitted))
-        op = submitted[0]
+        plan: _LoadPlan[E] = _LoadPlan(dst, extents)
+        self.fire("load", plan=plan)
+        op = plan.op
+        assert op is not None
         try:
-            done = op.result(timeout).bytes
+            copied = op.result(timeout).bytes
         except KvStateError as exc:
             raise LoadFailed(f"{self.label}: load failed: {exc}") from exc
         finally:
             self.ops.discard(op)
             self.worker.kick()
-        return LoadResult(len(blocks), int(done), time.monotonic() - start)
+        return LoadResult(len(blocks), int(copied), time.monotonic() - start)
+
+
+@attrs.define
+class _LoadPlan(Generic[E]):
+    """What ``submit_load`` submits, and what it started (filled in by the effect)."""
+
+    dst: E | None
+    extents: list[tuple[int, int, int]]
+    op: PendingOp | None = None
+    unpin: Callable[[], None] | None = None
 
 
 def _check_destination(dst: Any, nbytes: int) -> None:
@@ -268,9 +305,11 @@ class RankWorker(Generic[H, A, R, M, E]):
     share_class: type[RankShare[H, A, R, M, E]] = RankShare
 
     def __init__(self, config: WorkerConfig, transport: MappedTransport[H, A, R, M, E], *,
-                 observers: Iterable[Observer] = ()) -> None:
+                 remote: NixlTransport | None = None, observers: Iterable[Observer] = ()) -> None:
         self.config = config
         self.transport = transport
+        #: Reads parts on other nodes (NIXL descriptors); None: only parts this node can map.
+        self.remote = remote
         self.observers = tuple(observers)
         self.importer: Importer[H, A, R, M, E] = Importer(ImportConfig(config.deployment, request_timeout_s=config.request_timeout_s,
                                               max_tp=config.max_tp, geometry_fingerprint=config.geometry_fingerprint,
@@ -363,7 +402,7 @@ class RankWorker(Generic[H, A, R, M, E]):
         """Leases this worker holds now (one per mapped part of its own rank)."""
         with self._lock:
             shares = list(self.shares.values())
-        return sum(1 for s in shares if s.part is not None and s.part.lease_id is not None and s.part.mapping is not None)
+        return sum(1 for s in shares if s.part is not None and s.part.lease_id is not None and s.part.channel is not None)
 
     # -- talking to the coordinator -----------------------------------------------------
 
@@ -384,11 +423,17 @@ class RankWorker(Generic[H, A, R, M, E]):
     def imported_info(self, share: RankShare[H, A, R, M, E]) -> dict[str, Any] | None:
         """What an imported report tells the coordinator of the part it mapped."""
         part = share.part
-        if part is None or part.mapping is None:
+        if part is None:
+            return None
+        if isinstance(part, RemotePart):
+            size = None if part.remote is None else part.remote.size
+        else:
+            size = None if part.mapping is None else part.mapping.size
+        if size is None:
             return None
         d = part.descriptor
         return {"fingerprint": d.geometry.fingerprint(), "tp": d.tp, "generation": d.generation,
-                "size": int(part.mapping.size), "leases": self.leases(), "import_s": share.import_s or 0.0}
+                "size": int(size), "leases": self.leases(), "import_s": share.import_s or 0.0}
 
     def _read_loop(self) -> None:
         ch = self._channel
@@ -465,15 +510,21 @@ class RankWorker(Generic[H, A, R, M, E]):
             return
         assert descriptor is not None
         share.validated = descriptor
-        part = Part(share, descriptor)
+        if descriptor.handle_kind is HandleKind.NIXL and self.remote is not None:
+            part = RemotePart(share, descriptor, self.remote)  # another node's bank: read, never mapped
+        else:
+            part = Part(share, descriptor)
         share.part = part
         part.fire("validate")
         share.fire("validate")
 
     def _problems(self, d: Descriptor) -> list[DescriptorRejected]:
         """Every rule this rank's descriptor breaks, checked by this worker completely."""
+        kinds = self.transport.capabilities.handle_kinds
+        if self.remote is not None:
+            kinds |= self.remote.capabilities.handle_kinds
         expect = Expectation(deployment=self.config.deployment, now_ns=time.time_ns(),
-                             handle_kinds=self.transport.capabilities.handle_kinds, host_boot_id=self.boot_id,
+                             handle_kinds=kinds, host_boot_id=self.boot_id,
                              uid=os.getuid(), geometry_fingerprint=self.config.geometry_fingerprint,
                              device_uuids=self.config.device_uuids, max_tp=self.config.max_tp,
                              check_socket=self.config.check_socket)
