@@ -27,8 +27,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-#: tp of the committed coordinator models (files models/coordinator_tp{n}.pml)
-COORD_TPS = (2, 3)
+#: tp of the committed coordinator models (files models/coordinator_tp{n}.pml). tp=2 is
+#: checked exhaustively (about 4 million states); tp=3 did not finish: 110 million states
+#: stored after 15 minutes and 4.9 GB with hash compaction, so it is not committed.
+COORD_TPS = (2,)
 #: deaths per run (any process, at any step); one death per run covers every single failure
 MAX_DEATHS = 1
 #: queue bounds of each connection; the model asserts a send never finds its queue full
