@@ -6,7 +6,7 @@ VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test spec docs generate check clean bench spin bench-models fuzz soak
+.PHONY: demo test test-fast spec docs generate check clean bench spin bench-models fuzz soak
 
 # Spin for the model tests: installed from Debian when we can (root or sudo); otherwise the
 # model tests skip loudly (and fail when CI is set).
@@ -36,9 +36,16 @@ $(STAMP): pyproject.toml setup.py $(wildcard ffi/*.c ffi/*.h ffi/*.py)
 demo: $(STAMP)
 	$(VPY) -m kvstate demo
 
+# Every test (CI runs this). Tiers are pytest markers (unit, stateful, native, multiproc,
+# models, slow; tests/support/tiers.py), e.g. `.venv/bin/python -m pytest -m native`.
 test: $(STAMP) spin
 	$(VPY) -m mypy
 	KVSTATE_REQUIRE_NIXL=1 $(VPY) -m pytest
+
+# The edit loop: mypy and every test that is neither slow nor a Spin run.
+test-fast: $(STAMP)
+	$(VPY) -m mypy
+	$(VPY) -m pytest -q -m "not slow and not models"
 
 spec: $(STAMP)
 	$(VPY) -m kvstate spec show
@@ -62,7 +69,7 @@ SOAK_CYCLES ?= 2000
 FUZZ_RUNS ?= 25000
 fuzz: $(STAMP)
 	@if $(VPY) -m pip install -q atheris >/dev/null 2>&1 && $(VPY) -c 'import atheris' 2>/dev/null; then \
-	    $(VPY) tests/fuzz/atheris_main.py all $(FUZZ_RUNS); \
+	    PYTHONPATH=tests $(VPY) -m fuzz.atheris_main all $(FUZZ_RUNS); \
 	else \
 	    echo "atheris unavailable: running the Hypothesis fuzz profile"; \
 	    HYPOTHESIS_PROFILE=fuzz $(VPY) -m pytest tests/fuzz -q -p no:cacheprovider; \

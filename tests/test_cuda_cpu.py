@@ -257,6 +257,8 @@ def _run(code: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.native
+@pytest.mark.multiproc
 def test_importing_the_cuda_backend_module_loads_no_cuda() -> None:
     out = _run("""
         import sys
@@ -267,6 +269,8 @@ def test_importing_the_cuda_backend_module_loads_no_cuda() -> None:
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.native
+@pytest.mark.multiproc
 def test_without_cuda_python_the_backend_is_unavailable() -> None:
     """cuda-python absent: ``sys.modules['cuda'] = None`` is Python's own way to make an
     import fail with ModuleNotFoundError(name='cuda'), as on a machine without it."""
@@ -284,6 +288,8 @@ def test_without_cuda_python_the_backend_is_unavailable() -> None:
     assert out.stdout.startswith("UNAVAILABLE cuda cuda.bindings.driver is not installed")
 
 
+@pytest.mark.native
+@pytest.mark.multiproc
 def test_other_import_errors_of_cuda_python_propagate() -> None:
     """A broken cuda-python (a module it needs is missing) is a bug, not an absent backend."""
     out = _run("""
@@ -380,6 +386,8 @@ def test_host_receive_handle_checks_kind_and_fd_count() -> None:
 
 # -- the GPU suite and the GPU check skip loudly here ------------------------------------------
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 @pytest.mark.skipif(_driver_present(), reason="a CUDA driver is installed here: the GPU suite really runs")
 def test_gpu_suite_and_check_skip_loudly_never_pass_without_a_gpu() -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -40,7 +40,6 @@ class GroupUnderTest(Lifecycle):
         self.validated = False
         self.imported: set[int] = set()
         self.pins = 0
-        self.loads_open = True
         self.failing: str | None = None
 
     def _maybe_fail(self, name: str) -> None:
@@ -80,12 +79,6 @@ class GroupUnderTest(Lifecycle):
         def undo() -> None:
             self.pins -= 1
         return undo
-
-    @effect("stop_loads")
-    def _stop(self, **kw: Any) -> Any:
-        self.loads_open = False
-        self._maybe_fail("stop_loads")
-        return None
 
     @effect("unmap_parts")
     def _unmap(self, **kw: Any) -> None:
@@ -229,6 +222,7 @@ def broken_group_table() -> MachineSpec:
     return parse_machine(broken, "planted/group-without-completeness.toml")
 
 
+@pytest.mark.slow
 def test_self_test_stateful_catches_missing_completeness_guard() -> None:
     """The planted bug (no all_parts_imported guard) must be found and named by id."""
 

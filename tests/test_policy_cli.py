@@ -76,6 +76,7 @@ def test_explain_bad_input_is_a_clear_error(args: list[str], message: str, capsy
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.multiproc
 def test_pure_modules_import_no_native_or_optional_code() -> None:
     code = ("import sys, kvstate.reuse.policy, kvstate.reuse.inventory, kvstate.reuse.profile, kvstate.reuse.handoff, "
             "kvstate.commands.policy\n"

@@ -37,6 +37,7 @@ from kvstate.core.errors import KvStateError
 from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.core.handles import HandleKind
 from kvstate.core.identity import Deployment
+from kvstate.harness.leaks import snapshot
 
 PHASES = ("advertised", "checking", "importing", "ready", "loading", "draining")
 ROLES = ("exporter", "worker", "coordinator")
@@ -107,10 +108,8 @@ def expected_checksum(spec: ClusterSpec, rank: int) -> str:
 
 
 def resources() -> dict[str, int]:
-    """Open fds and memfd mappings of this process, from /proc."""
-    with open("/proc/self/maps", encoding="utf-8") as f:
-        memfd = sum(1 for line in f if "/memfd:" in line)
-    return {"fds": len(os.listdir("/proc/self/fd")), "memfd_maps": memfd}
+    """Open fds and memfd mappings of this process (read by :mod:`kvstate.harness.leaks`)."""
+    return snapshot().counts()
 
 
 def leaks_since(baseline: dict[str, int], grace_s: float = 2.0) -> dict[str, int]:

@@ -80,7 +80,6 @@ class BankLease:
     channel: chan.Channel
     expires_at: float                # time.monotonic()
     blocks: LeaseGrant | None = None  # the inventory blocks this lease pins, if any
-    mapped: bool = False
 
 
 #: The bank events that end a lease without the importer asking.
@@ -116,7 +115,6 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         self.descriptor_expires_ns = 0
         self.inventory_epoch = 0
         self.leases: dict[int, BankLease] = {}
-        self.accepting = True
 
     # -- what the engine uses -------------------------------------------------------
 
@@ -162,8 +160,7 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
 
     @guard("accepting_leases")
     def _accepting(self, **kw: Any) -> bool:
-        return (self.accepting and len(self.leases) < self.exporter.config.max_leases
-                and time.time_ns() < self.descriptor_expires_ns)
+        return len(self.leases) < self.exporter.config.max_leases and time.time_ns() < self.descriptor_expires_ns
 
     @guard("last_lease")
     def _last_lease(self, *, lease_id: int, **kw: Any) -> bool:
@@ -244,14 +241,6 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         lease = self.leases.pop(lease_id)
         if lease.blocks is not None and self.exporter.inventory is not None:
             self.exporter.inventory.release(lease.blocks)  # the blocks may be evicted again
-
-    @effect("stop_new_leases")
-    def _stop(self, **kw: Any) -> Callable[[], None]:
-        self.accepting = False
-
-        def undo() -> None:
-            self.accepting = True
-        return undo
 
     @effect("native_release")
     def _release(self, **kw: Any) -> None:
@@ -414,7 +403,6 @@ class Exporter(Generic[H, A, R, M, E]):
         if held is None or held.channel is not ch:
             return self._refuse("unknown_lease", f"no live lease {req.get('lease')!r} on this connection")
         if op == "mapped":
-            held.mapped = True
             bank.fire("lease_mapped")
             return {"ok": True}, ()
         if op == "release":

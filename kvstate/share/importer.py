@@ -322,10 +322,6 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
             self.ops.extend(ops)
         return lambda: _cancel(ops)
 
-    @effect("stop_loads")
-    def _stop(self, **kw: Any) -> None:
-        pass  # the state itself refuses `load` from now on
-
     # -- what the engine calls --------------------------------------------------------
 
     def load_prefix(self, blocks: Sequence[int], destinations: Sequence[E] | Mapping[int, E], *,

@@ -37,11 +37,10 @@ class BenchBank(Lifecycle):
         super().__init__(label="bench-bank")
         self.leases = 0
         self.generation = 0
-        self.accepting = True
 
     @guard("accepting_leases")
     def _accepting(self, **_: Any) -> bool:
-        return self.accepting and self.leases < 64
+        return self.leases < 64
 
     @guard("last_lease")
     def _last(self, **_: Any) -> bool:
@@ -74,10 +73,6 @@ class BenchBank(Lifecycle):
     @effect("end_lease")
     def _end(self, **_: Any) -> None:
         self.leases -= 1
-
-    @effect("stop_new_leases")
-    def _stop(self, **_: Any) -> None:
-        self.accepting = False
 
     @effect("native_release")
     def _release(self, **_: Any) -> None:
@@ -157,10 +152,6 @@ class BenchGroup(Lifecycle):
     @effect("submit_load")
     def _load(self, **_: Any) -> None:
         self.loads += 1
-
-    @effect("stop_loads")
-    def _stop(self, **_: Any) -> None:
-        return None
 
     @effect("unmap_parts")
     def _unmap(self, **_: Any) -> None:
