@@ -24,7 +24,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "kvstate.share.coordinator": ("Coordinator", "CoordinatorConfig"),
     "kvstate.share.rank_worker": ("RankWorker", "WorkerConfig"),
     "kvstate.transport.host": ("HostTransport",),
-    "kvstate.core.geometry": ("DType", "Geometry", "Layout"),
+    "kvstate.core.geometry": ("DType", "Geometry", "Layout", "Region"),
     "kvstate.core.identity": ("Deployment",),
     "kvstate.core.machine": ("StateChange",),
     "kvstate.core.errors": (
@@ -47,6 +47,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "LegacyIpcRefused", "NixlError", "NixlHandleRejected", "NixlStaleGeneration",
         "NixlOperationFailed", "NixlTimeout", "NixlUnsupported", "LeaseEnded",
         "ModelGenerationError", "ModelCheckError", "SpinUnavailable", "ConnectionLimit",
+        "GeometryInvalid", "ConfigInvalid", "BlockOutOfRange", "TransferError", "TransferRejected",
+        "StoreFailed", "ViewsOutstanding",
         "ProtocolError", "CoordinatorRefused", "GroupFailed", "PeerUnauthenticated",
     ),
 }
@@ -61,7 +63,7 @@ if TYPE_CHECKING:  # what mypy and IDEs see; at run time __getattr__ imports on 
     from kvstate.share.coordinator import Coordinator as Coordinator, CoordinatorConfig as CoordinatorConfig
     from kvstate.share.rank_worker import RankWorker as RankWorker, WorkerConfig as WorkerConfig
     from kvstate.transport.host import HostTransport as HostTransport
-    from kvstate.core.geometry import DType as DType, Geometry as Geometry, Layout as Layout
+    from kvstate.core.geometry import DType as DType, Geometry as Geometry, Layout as Layout, Region as Region
     from kvstate.core.identity import Deployment as Deployment
     from kvstate.core.machine import StateChange as StateChange
     from kvstate.core.errors import (
@@ -105,7 +107,11 @@ if TYPE_CHECKING:  # what mypy and IDEs see; at run time __getattr__ imports on 
         NixlTimeout as NixlTimeout, NixlUnsupported as NixlUnsupported,
         LeaseEnded as LeaseEnded, ModelGenerationError as ModelGenerationError,
         ModelCheckError as ModelCheckError, SpinUnavailable as SpinUnavailable,
-        ConnectionLimit as ConnectionLimit, ProtocolError as ProtocolError,
+        ConnectionLimit as ConnectionLimit, GeometryInvalid as GeometryInvalid,
+        ConfigInvalid as ConfigInvalid, BlockOutOfRange as BlockOutOfRange,
+        TransferError as TransferError, TransferRejected as TransferRejected,
+        StoreFailed as StoreFailed, ViewsOutstanding as ViewsOutstanding,
+        ProtocolError as ProtocolError,
         CoordinatorRefused as CoordinatorRefused, GroupFailed as GroupFailed,
         PeerUnauthenticated as PeerUnauthenticated,
     )

@@ -227,7 +227,7 @@ def test_copy_plan_moves_the_same_bytes_without_overlapping_rows(spec: list[tupl
 def test_a_layer_major_gather_is_one_2d_copy_per_block() -> None:
     from kvstate.core.geometry import DType, Geometry, Layout
 
-    g = Geometry(layers=32, kv_heads=8, head_dim=128, block_tokens=16, dtype=DType.BF16,
+    g = Geometry.uniform(layers=32, kv_heads=8, head_dim=128, block_tokens=16, dtype=DType.BF16,
                  layout=Layout.LAYER_MAJOR, num_blocks=64)
     blocks, pos = [], 0
     for b in (3, 9, 10):
@@ -235,8 +235,9 @@ def test_a_layer_major_gather_is_one_2d_copy_per_block() -> None:
             blocks.append((off, pos, n))
             pos += n
     plan = rules.plan_copies(rules.coalesce(blocks, g.nbytes, pos))
+    layer_block = g.regions[0].block_bytes
     assert [(c.height, c.width, c.src_pitch, c.dst_pitch) for c in plan] == [
-        (32, g.layer_block_bytes, 64 * g.layer_block_bytes, g.layer_block_bytes)] * 3
+        (32, layer_block, 64 * layer_block, layer_block)] * 3
 
 
 # -- device UUIDs ---------------------------------------------------------------------------

@@ -41,10 +41,14 @@ from kvstate.harness.leaks import snapshot
 
 PHASES = ("advertised", "checking", "importing", "ready", "loading", "draining")
 ROLES = ("exporter", "worker", "coordinator")
-#: What ``timings_s`` measures, for reports.
-TIMINGS = ("import: from the coordinator's import call until the group is ready (or ended), all processes "
-           "already running; load: every worker's load of its rank's prefix, wall time in the parent; "
-           "drain: from the drain command until every worker closed and every exporter released its bank")
+# What each timing measures. Every phase is measured inside the processes doing the work,
+# from the moment kvstate's work starts (never process spawn, Python imports or engine
+# start); only the total is the parent's wall clock.
+TIMING_ADVERTISE = "advertise: register, fill, sign, serve (slowest exporter)"
+TIMING_IMPORT = "import: the coordinator's validation, every worker's check, lease, open and map, ready (in the coordinator)"
+TIMING_LOAD = "load: submit to last op done (slowest worker)"
+TIMING_DRAIN = "drain: fan-out to every part closed (in the coordinator), then to quiescent (slowest exporter)"
+TIMING_TOTAL = "total: parent's wall clock, with process spawn"
 
 
 @attrs.frozen
@@ -66,9 +70,9 @@ class ClusterSpec:
     nixl: bool = False               # banks exported through NIXL, leased over TCP: every part remote
 
     def geometry(self) -> Geometry:
-        return Geometry(layers=self.layers, kv_heads=self.kv_heads, head_dim=self.head_dim,
-                        block_tokens=self.block_tokens, dtype=DType.BF16, layout=Layout.BLOCK_MAJOR,
-                        num_blocks=self.num_blocks)
+        return Geometry.uniform(layers=self.layers, kv_heads=self.kv_heads, head_dim=self.head_dim,
+                                block_tokens=self.block_tokens, dtype=DType.BF16, layout=Layout.BLOCK_MAJOR,
+                                num_blocks=self.num_blocks)
 
     def prefix(self) -> list[int]:
         """The prefix's block ids in the decode worker's bank: scattered, as after reuse."""
@@ -172,6 +176,7 @@ def exporter_main(conn: multiprocessing.connection.Connection, spec_json: str, k
         inventory.clear(INVENTORY_GROUP)
     ex = Exporter(config, t, name=f"decode-rank{rank}", inventory=inventory)
     g = spec.geometry()
+    started = time.monotonic()  # process spawn and imports are behind us: kvstate's work starts
     bank = ex.add_bank(rank, g)
     states = [bank.state]
     bank.observe(lambda c: states.append(c.dest))
@@ -182,7 +187,8 @@ def exporter_main(conn: multiprocessing.connection.Connection, spec_json: str, k
     bank.advertise()
     inventory.store(INVENTORY_GROUP, [block_hash(spec, b) for b in spec.prefix()])
     ex.start()
-    send(conn, descriptor=ex.descriptor(rank).hex(), epoch=inventory.epoch(INVENTORY_GROUP), pid=os.getpid())
+    send(conn, descriptor=ex.descriptor(rank).hex(), epoch=inventory.epoch(INVENTORY_GROUP), pid=os.getpid(),
+         advertise_s=time.monotonic() - started)
     while True:
         cmd = recv(conn, 3600)
         if cmd["cmd"] == "leases":
@@ -242,6 +248,7 @@ class Cluster:
         self.spec_json = json.dumps(attrs.asdict(spec))
         self.exporters: list[Worker] = []
         self.epochs: list[int] = []
+        self.advertise_s = 0.0
         self.coordinator: Worker | None = None
         self.workers: list[Worker] = []
         self._procs = prefill_procs
@@ -280,6 +287,7 @@ class Cluster:
                                       str(self.socket_dir), r, self.source.hex()) for r in range(self.spec.tp)]
         replies = [recv(w.conn, self.spec.timeout_s) for w in self.exporters]
         self.epochs = [int(r["epoch"]) for r in replies]
+        self.advertise_s = max(float(r["advertise_s"]) for r in replies)
         return [bytes.fromhex(r["descriptor"]) for r in replies]
 
     def start_prefill(self) -> None:
@@ -332,7 +340,8 @@ class _Scenario:
         self.c, self.kill, self.log, self.spec = c, kill, log, c.spec
         self.timings: dict[str, float] = {}
         self.report: dict[str, Any] = {"topology": "per-rank-process", "tp": c.spec.tp,
-                                       "kill": ":".join(kill) if kill else None, "timings_measure": TIMINGS}
+                                       "kill": ":".join(kill) if kill else None}
+        self.started = time.monotonic()
 
     def maybe_kill(self, phase: str) -> None:
         if self.kill and self.kill[1] == phase:
@@ -344,6 +353,7 @@ class _Scenario:
     def run(self) -> dict[str, Any]:
         c, spec, report = self.c, self.spec, self.report
         wire = c.start_decode()
+        self.timings[TIMING_ADVERTISE] = c.advertise_s
         report["descriptors"] = [_describe_descriptor(w, c.key) for w in wire]
         c.start_prefill()
         assert c.coordinator is not None
@@ -367,8 +377,10 @@ class _Scenario:
                      f"{report['load_bytes'] / 2**20:.1f} MiB, checksums "
                      + ("verified" if report["verified"] and all(ok for _, ok in report["verified"]) else "NOT verified"))
         self.finish(gid)
+        self.timings[TIMING_TOTAL] = time.monotonic() - self.started
         report["timings_s"] = self.timings
         report["ok"] = judge(report, self.kill)
+        report["outcome"] = outcome(report)
         return report
 
     def import_group(self, wire: list[bytes]) -> dict[str, Any]:
@@ -396,7 +408,8 @@ class _Scenario:
                 c.broadcast(c.workers, cmd="release")
             if not c.coordinator.killed:
                 group = recv(c.coordinator.conn, spec.timeout_s + 4 * spec.phase_timeout_s)
-        self.timings["import"] = time.monotonic() - t
+        if group.get("time_to_ready_s") is not None:
+            self.timings[TIMING_IMPORT] = float(group["time_to_ready_s"])
         self.report["group"] = group
         self.report["time_to_ready_s"] = group.get("time_to_ready_s")
         ranks = group.get("ranks") or []
@@ -441,7 +454,8 @@ class _Scenario:
         for w in [w for w in live if not w.killed]:
             got = [recv(w.conn, spec.timeout_s) for _ in range(2 if stall else 1)]  # stalled: the release's too
             replies += [{"rank": w.rank, **r} for r in got if not r.get("ok")]
-        self.timings["load"] = time.monotonic() - t
+        if any("seconds" in r for r in replies):
+            self.timings[TIMING_LOAD] = max(float(r.get("seconds", 0.0)) for r in replies)
         return replies
 
     def wait_draining(self, gid: str) -> None:
@@ -485,7 +499,8 @@ class _Scenario:
                 and min(unmapped) >= killed.killed_at:
             report["death_to_unmapped_s"] = max(unmapped) - killed.killed_at
         exp = c.broadcast(c.exporters, timeout=spec.lease_timeout_s + spec.timeout_s + 5, cmd="drain")
-        self.timings["drain"] = time.monotonic() - t
+        self.timings[TIMING_DRAIN] = float(final.get("drain_s") or 0.0) + max(
+            (r.get("quiescent_s", 0.0) for r in exp), default=0.0)
         report["exporter_quiescent_s"] = max((r.get("quiescent_s", 0.0) for r in exp), default=0.0)
         report["exporter_states"] = exp[0].get("states", []) if exp else []
         report["exporter_errors"] = [r["error"] for r in exp if "error" in r]
@@ -509,6 +524,19 @@ def _describe_descriptor(wire: bytes, key: bytes) -> dict[str, Any]:
     d = decode(wire, Deployment("kvstate-demo", key))
     return {"rank": d.rank, "handle_kind": d.handle_kind.value, "fabric": d.fabric.kind.value,
             "lease_address": d.socket_path}
+
+
+def outcome(report: dict[str, Any]) -> str:
+    """What a user should take from the run, in words."""
+    loaded = sum(ok for _, ok in report["verified"])
+    if not report["ok"]:
+        return "FAILED"
+    if loaded == report["tp"]:
+        return ("OK: reuse verified, nothing partial, nothing leaked" if report["kill"] is None else
+                f"OK: all {loaded} ranks loaded and verified before the kill; survivors drained, nothing leaked")
+    # A group's KV is usable only when every rank loaded it: a partial load is thrown away.
+    return (f"failed cleanly, prefix recomputed: {loaded}/{report['tp']} ranks loaded, so none uses the load; "
+            "nothing partial was used, nothing leaked")
 
 
 def judge(report: dict[str, Any], kill: tuple[str, str] | None) -> bool:

@@ -43,8 +43,12 @@ from kvstate.core.capabilities import Access
 
 DEPLOYMENT = Deployment("kvstate-gpu-check", bytes(range(32)))
 #: A Llama-8B-like rank: 32 layers, 8 KV heads of 128, 16-token blocks, bf16.
-GEOMETRY = Geometry(layers=32, kv_heads=8, head_dim=128, block_tokens=16, dtype=DType.BF16,
-                    layout=Layout.LAYER_MAJOR, num_blocks=128)
+def _llama8b(layout: Layout) -> Geometry:
+    return Geometry.uniform(layers=32, kv_heads=8, head_dim=128, block_tokens=16, dtype=DType.BF16,
+                            layout=layout, num_blocks=128)
+
+
+GEOMETRY = _llama8b(Layout.LAYER_MAJOR)
 IMPORT_GOAL_S = 2e-3
 GATHER_GOAL = 0.80
 TIMEOUT_S = 60.0
@@ -272,9 +276,7 @@ def gather_vs_contiguous(device: bytes, repeats: int) -> list[dict[str, Any]]:
     t = CudaTransport(device)
     out = []
     for layout in (Layout.LAYER_MAJOR, Layout.BLOCK_MAJOR):
-        g = Geometry(layers=GEOMETRY.layers, kv_heads=GEOMETRY.kv_heads, head_dim=GEOMETRY.head_dim,
-                     block_tokens=GEOMETRY.block_tokens, dtype=GEOMETRY.dtype, layout=layout,
-                     num_blocks=GEOMETRY.num_blocks)
+        g = _llama8b(layout)
         size = g.bank_size(t.granularity())
         a = t.create(size)
         r = t.reserve(size)

@@ -22,6 +22,7 @@ import multiprocessing.connection
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -239,36 +240,63 @@ def worker_main(conn: multiprocessing.connection.Connection, spec_json: str, key
             return None
         s: HostShare = share
         g = spec.geometry()
+        blocks: list[int] = cmd["blocks"]
 
-        def load(blocks: list[int] = cmd["blocks"]) -> None:
+        def reply(data: bytes, seconds: float, nbytes: int) -> None:
+            pipe.send(checksum=hashlib.blake2b(data, digest_size=16).hexdigest(), seconds=seconds, bytes=nbytes)
+
+        def read_remote() -> None:
+            """NIXL READs land in memory registered with this worker's agent."""
+            assert remote is not None
             n = len(blocks) * g.block_bytes
+            dst = remote.create(-(-n // 4096) * 4096)
             try:
-                if remote is not None:  # NIXL READs land in memory registered with this agent
-                    dst = remote.create(-(-n // 4096) * 4096)
-                    try:
-                        result = s.load(blocks, dst, timeout=spec.timeout_s)
-                        data = bytes(dst.view()[:n])
-                    finally:
-                        remote.release(dst)
-                else:
-                    buf = bytearray(n)
-                    result = s.load(blocks, buf, timeout=spec.timeout_s)
-                    data = bytes(buf)
-                pipe.send(checksum=hashlib.blake2b(data, digest_size=16).hexdigest(), seconds=result.seconds,
-                          bytes=result.bytes)
+                result = s.load_prefix(blocks, dst, timeout=spec.timeout_s)
+                reply(bytes(dst.view()[:n]), result.seconds, result.bytes)
+            finally:
+                remote.release(dst)
+
+        def submit() -> Callable[[], None]:
+            """The paged load (the engine's path: bank blocks into pages 0..n-1 of one
+            tensor per region), submitted; returns what waits for it and replies."""
+            import numpy as np
+
+            pages = {r.name: np.zeros((len(blocks), *r.block_shape), dtype=np.uint16) for r in g.regions}
+            handle = s.load(blocks, pages, list(range(len(blocks))))
+
+            def finish() -> None:
+                try:
+                    if not handle.wait(spec.timeout_s):
+                        pipe.send(error=f"LoadFailed: still running after {spec.timeout_s} s")
+                        return
+                    result = handle.result()
+                    if result is None or not result.ok:
+                        pipe.send(error=f"LoadFailed: blocks {sorted(handle.failed_blocks())[:8]} failed")
+                        return
+                    data = b"".join(pages[name][i].tobytes() for i in range(len(blocks)) for name in g.names)
+                    reply(data, result.seconds, result.bytes)
+                finally:
+                    handle.close()
+            return finish
+
+        def guarded(fn: Callable[[], None]) -> None:
+            try:
+                fn()
             except KvStateError as exc:
                 pipe.send(error=f"{type(exc).__name__}: {exc}")
 
-        if not cmd.get("stall"):
-            load()
-            return None
+        stall = bool(cmd.get("stall"))
         if remote is not None and isinstance(s.part, RemotePart):
+            if not stall:
+                guarded(read_remote)
+                return None
             # A NIXL READ cannot be paused: the part is pinned as a READ pins it until release.
-            unpin = s.part.pin()
+            part = s.part
+            part.pin()
 
             def pinned() -> None:
                 worker_released.wait(spec.timeout_s)
-                unpin()
+                part.unpin()
                 worker_kick()
                 pipe.send(pinned=True)
 
@@ -276,11 +304,19 @@ def worker_main(conn: multiprocessing.connection.Connection, spec_json: str, key
             thread.start()
             pipe.send(loading=True)
             return thread
-        t.native.pause(True)
-        thread = threading.Thread(target=load)
+        if stall:
+            t.native.pause(True)  # the ops stay queued, pinning the part, until release
+        try:
+            finish = submit()
+        except KvStateError as exc:
+            t.native.pause(False)
+            pipe.send(error=f"{type(exc).__name__}: {exc}")
+            return None
+        if not stall:
+            guarded(finish)
+            return None
+        thread = threading.Thread(target=guarded, args=(finish,))
         thread.start()
-        while not s.ops and thread.is_alive():
-            time.sleep(0.0005)
         pipe.send(loading=True)
         return thread
 

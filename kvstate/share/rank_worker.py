@@ -36,7 +36,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Generic, Literal
 
@@ -56,17 +56,21 @@ from kvstate.core.errors import (
     KvStateError,
     LoadFailed,
     ProtocolError,
+    TransferRejected,
     TransitionError,
 )
 from kvstate.core.handles import HandleKind
 from kvstate.core.identity import Deployment, host_boot_id
 from kvstate.core.machine import Lifecycle, Observer, StateChange, effect, guard
-from kvstate.core.reasons import RejectReason
+from kvstate.core.reasons import RejectReason, TransferReason
 from kvstate.core.spec import load_machine
 from kvstate.core.validate import Expectation, descriptor_problems
+from kvstate.share import load as loads
 from kvstate.share import protocol_msgs as msgs
 from kvstate.share.importer import BlockRequest, ImportConfig, Importer, LoadResult, Part
+from kvstate.share.plan import Plan, block_ids
 from kvstate.share.remote_part import RemotePart
+from kvstate.share.transfer import TransferHandle, check_timeout
 from kvstate.transport.nixl.transport import NixlAllocation, NixlTransport
 from kvstate.transport.protocol import A, E, H, M, MappedTransport, PendingOp, R
 
@@ -114,7 +118,8 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
         self.blocks: BlockRequest | None = None
         self.validated: Descriptor | None = None
         self.part: Part[H, A, R, M, E] | None = None
-        self.ops: set[PendingOp] = set()
+        #: Loads submitted and not yet finished: their ops pin the part.
+        self.loads: set[TransferHandle] = set()
         self.problems: list[DescriptorRejected] = []
         self.cause = ""
         self.import_s: float | None = None
@@ -134,7 +139,7 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
 
     @guard("part_unpinned")
     def _unpinned(self, **kw: Any) -> bool:
-        return not self.ops and (self.part is None or self.part.pins() == 0)
+        return not self.loads and (self.part is None or self.part.pins() == 0)
 
     @guard("coordinator_gone")
     def _coordinator_gone(self, **kw: Any) -> bool:
@@ -181,25 +186,21 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
                 self.unmapped_at = time.monotonic()
 
     @effect("submit_load")
-    def _submit(self, *, plan: _LoadPlan[E], **kw: Any) -> Callable[[], None]:
+    def _submit(self, *, plan: Plan | None = None, **kw: Any) -> Callable[[], None] | None:
         part = self.part
         assert part is not None
         if isinstance(part, RemotePart):  # a NIXL READ follows, outside the lock; it pins until done
-            unpin = part.pin()
-            plan.unpin = unpin
-            return unpin
-        assert part.mapping is not None and plan.dst is not None
-        op = self.importer.transport.submit_gather(part.mapping, plan.dst, plan.extents)
-        self.ops.add(op)
-        plan.op = op
+            return part.pin()
+        if not isinstance(plan, Plan) or plan.kind != "load":
+            raise TransferRejected(TransferReason.PLAN, "fire('load')", "needs the plan RankShare.load builds")
+        handle = plan.submit(self.importer.transport)  # all or nothing; raises LoadFailed
+        self.loads.add(handle)
+        handle._activate(self._load_finished)
+        return None
 
-        def undo() -> None:
-            self.ops.discard(op)
-            try:
-                op.cancel()
-            except KvStateError:
-                pass  # already running: it finishes and drops its pins on its own
-        return undo
+    def _load_finished(self, handle: TransferHandle) -> None:
+        self.loads.discard(handle)  # its ops no longer pin the part: a drain may quiesce
+        self.worker.kick()
 
     # -- what the part and the engine call ----------------------------------------------
 
@@ -210,84 +211,76 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
                 self.fire("exporter_died")
         self.worker.kick()
 
-    def load(self, blocks: Sequence[int], dst: E | NixlAllocation, *, timeout: float = 30.0) -> LoadResult:
-        """Copy ``blocks`` (in order) of this rank's part into ``dst`` and wait: a native
-        gather from a mapped part, or a NIXL READ of a remote part (``dst`` then memory
-        registered with this worker's NIXL agent). Only in ``ready``: IllegalTransition
-        before the coordinator released loads or after a drain."""
+    def load(self, bank_block_ids: Sequence[int], dst_tensors: Mapping[str, Any],
+             dst_block_ids: Sequence[int]) -> TransferHandle:
+        """Scatter bank blocks of this rank's part into the engine's paged KV tensors:
+        for every region, bank block ``bank_block_ids[i]`` into page ``dst_block_ids[i]`` of
+        ``dst_tensors[name]`` (``Group.load`` for one rank: the same checks, the same handle
+        with per-region waits). Returns at once. Only in ``ready``: IllegalTransition before
+        the coordinator released loads or after a drain; TransferRejected for bad
+        arguments, before anything is submitted."""
+        if not self.may("load"):
+            raise IllegalTransition(self.table.name, self.state, "load")
+        part = self._mapped_part()
+        plan = loads.paged_parts(self.label, part.descriptor.geometry, {self.rank: part}, {self.rank: dst_tensors},
+                                 bank_block_ids, dst_block_ids)
+        return self._fire_load(plan)
+
+    def load_prefix(self, blocks: Sequence[int], dst: E | NixlAllocation, *, timeout: float = 30.0) -> LoadResult:
+        """Copy ``blocks`` (in order) of this rank's part into one dense buffer, and wait: a
+        native gather from a mapped part, or NIXL READs of a remote part (``dst`` is then
+        memory registered with this worker's NIXL agent). Only in ``ready``."""
+        t = check_timeout(timeout)
         if not self.may("load"):
             raise IllegalTransition(self.table.name, self.state, "load")
         part = self.part
-        if part is None or part.channel is None:
-            raise LoadFailed(f"{self.label}: no imported part")
-        g = part.descriptor.geometry
-        if not blocks or not all(type(b) is int and 0 <= b < g.num_blocks for b in blocks):
-            raise LoadFailed(f"block ids must be ints in 0..{g.num_blocks - 1}, not {list(blocks)[:8]!r}")
-        if not 0 < timeout < 1e6:
-            raise LoadFailed(f"timeout must be positive and finite, not {timeout!r}")
-        start = time.monotonic()
         if isinstance(part, RemotePart):
-            if not isinstance(dst, NixlAllocation):
-                raise LoadFailed(f"{self.label}: a NIXL part reads into memory registered with NixlTransport")
-            remote_plan: _LoadPlan[E] = _LoadPlan(None, [])
-            self.fire("load", plan=remote_plan)
-            try:
-                done = part.read(blocks, dst, timeout=timeout)
-            except KvStateError as exc:
-                raise LoadFailed(f"{self.label}: load failed: {exc}") from exc
-            finally:
-                if remote_plan.unpin is not None:
-                    remote_plan.unpin()
-                self.worker.kick()
-            return LoadResult(len(blocks), done, time.monotonic() - start)
-        extents: list[tuple[int, int, int]] = []
-        pos = 0
-        for b in blocks:
-            for off, length in g.block_extents(b):
-                extents.append((off, pos, length))
-                pos += length
+            return self._read_remote(part, blocks, dst, t)
+        mapped = self._mapped_part()
         if isinstance(dst, NixlAllocation):
-            raise LoadFailed(f"{self.label}: a mapped part loads into host memory, not a NIXL registration")
-        _check_destination(dst, pos)
-        plan: _LoadPlan[E] = _LoadPlan(dst, extents)
-        self.fire("load", plan=plan)
-        op = plan.op
-        assert op is not None
+            raise TransferRejected(TransferReason.TENSOR, "dst", "a mapped part loads into host memory")
+        g = mapped.descriptor.geometry
+        ids = block_ids(blocks, g.num_blocks, "blocks")
+        host = hasattr(self.importer.transport, "submit_blocks")
+        handle = self._fire_load(loads.dense_parts(self.label, g, {self.rank: mapped}, {self.rank: dst}, ids, host))
+        if not handle.wait(t):
+            handle.cancel()
+            raise LoadFailed(f"{self.label}: prefix load still running after {timeout} s; cancelled")
+        result = handle.result()
+        if result is None or not result.ok:
+            raise LoadFailed(f"{self.label}: prefix load failed")
+        return LoadResult(result.blocks, result.bytes, result.seconds)
+
+    def _mapped_part(self) -> Part[H, A, R, M, E]:
+        part = self.part
+        if part is None or part.mapping is None or part.state != "imported":
+            raise TransferRejected(TransferReason.STATE, self.label, "its part is not mapped")
+        return part
+
+    def _fire_load(self, plan: Plan) -> TransferHandle:
         try:
-            copied = op.result(timeout).bytes
+            self.fire("load", plan=plan)
+        finally:
+            plan.release()  # a plan the share refused still holds its tensors
+        assert plan.handle is not None
+        return plan.handle
+
+    def _read_remote(self, part: RemotePart[H, A, R, M, E], blocks: Sequence[int], dst: object,
+                     timeout: float) -> LoadResult:
+        if not isinstance(dst, NixlAllocation):
+            raise TransferRejected(TransferReason.TENSOR, "dst", "a NIXL part reads into memory registered with "
+                                   "this worker's NixlTransport")
+        ids = block_ids(blocks, part.descriptor.geometry.num_blocks, "blocks")
+        start = time.monotonic()
+        self.fire("load")  # submit_load pins the part (one step under the lock); the READ runs outside it
+        try:
+            done = part.read(ids, dst, timeout=timeout)
         except KvStateError as exc:
             raise LoadFailed(f"{self.label}: load failed: {exc}") from exc
         finally:
-            self.ops.discard(op)
+            part.unpin()
             self.worker.kick()
-        return LoadResult(len(blocks), int(copied), time.monotonic() - start)
-
-
-@attrs.define
-class _LoadPlan(Generic[E]):
-    """What ``submit_load`` submits, and what it started (filled in by the effect)."""
-
-    dst: E | None
-    extents: list[tuple[int, int, int]]
-    op: PendingOp | None = None
-    unpin: Callable[[], None] | None = None
-
-
-def _check_destination(dst: Any, nbytes: int) -> None:
-    """A host destination must be a writable buffer of at least ``nbytes`` (before any op);
-    a backend's own memory (a device buffer) says its size with ``nbytes``."""
-    size = getattr(dst, "nbytes", None)
-    if isinstance(size, int) and not isinstance(dst, memoryview):
-        if size < nbytes:
-            raise LoadFailed(f"destination holds {size} bytes, not {nbytes}")
-        return
-    try:
-        view = memoryview(dst)
-    except TypeError:
-        raise LoadFailed(f"destination {type(dst).__name__} is not a buffer") from None
-    with view:
-        if view.readonly or view.nbytes < nbytes:
-            raise LoadFailed(f"destination must be writable and hold {nbytes} bytes")
+        return LoadResult(len(ids), done, time.monotonic() - start)
 
 
 def _blocks(raw: Any) -> BlockRequest | None:

@@ -31,7 +31,6 @@ from kvstate import channel as chan
 from kvstate.channel.tcp import SCHEME, connect_tcp
 from kvstate.core.descriptor import Descriptor
 from kvstate.core.errors import LeaseRefused, LoadFailed
-from kvstate.core.geometry import Layout
 from kvstate.core.machine import effect, guard
 from kvstate.share.importer import Part, PartOwner, _grant_fields, lease_request
 from kvstate.transport.nixl.transport import LeaseGate, NixlAllocation, NixlRemote, NixlTransport
@@ -102,21 +101,24 @@ class RemotePart(Part[H, A, R, M, E]):
     # -- loads --------------------------------------------------------------------------
 
     def pin(self) -> Callable[[], None]:
-        """Count one READ in flight; returns its unpin."""
+        """Count one READ in flight; returns its undo (:meth:`unpin`)."""
         with self._inflight_lock:
             self.inflight += 1
+        return self.unpin
 
-        def unpin() -> None:
-            with self._inflight_lock:
-                self.inflight -= 1
-        return unpin
+    def unpin(self) -> None:
+        """The READ ended (done, failed or never posted)."""
+        with self._inflight_lock:
+            self.inflight -= 1
 
     def read(self, blocks: Sequence[int], dst: NixlAllocation, *, timeout: float) -> int:
         """READ bank blocks ``blocks`` into blocks 0..n-1 of ``dst`` (registered with this
         process's agent); the caller pinned the part. Returns the bytes read."""
         g = self.descriptor.geometry
-        if g.layout is not Layout.BLOCK_MAJOR:
-            raise LoadFailed(f"{self.label}: NIXL parts read block-major banks (a block is one extent)")
+        if g.block_extents(0) != [(0, g.block_bytes)] or \
+                (g.num_blocks > 1 and g.block_extents(1) != [(g.block_bytes, g.block_bytes)]):
+            raise LoadFailed(f"{self.label}: NIXL parts read banks whose block b is bytes "
+                             f"[b*block_bytes, (b+1)*block_bytes) (one contiguous extent per block)")
         if self.remote is None or self.gate is None:
             raise LoadFailed(f"{self.label}: not imported")
         self.nixl.load(self.remote, dst, list(blocks), block_bytes=g.block_bytes, lease=self.gate, timeout=timeout)

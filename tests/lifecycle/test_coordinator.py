@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -120,8 +121,15 @@ def test_each_worker_leases_and_maps_only_its_own_rank(transport: HostTransport,
         share = w.wait(group.gid, ("ready",), 5.0)  # the ready command is on its way
         assert share is not None and share.state == "ready"
         dst = bytearray(3 * GEOMETRY.block_bytes)
-        share.load([2, 9, 4], dst)
+        share.load_prefix([2, 9, 4], dst)
         assert bytes(dst) == expected_blocks(w.config.rank, [2, 9, 4])
+        # the engine's path: bank blocks scattered into its pages, per region, one handle
+        pages = {r.name: np.zeros((8, *r.block_shape), dtype=np.uint16) for r in GEOMETRY.regions}
+        with share.load([2, 9], pages, [5, 1]) as handle:
+            assert all(handle.wait_region(name, 5.0) for name in GEOMETRY.names) and handle.wait(5.0)
+            assert not handle.failed_blocks()
+        got = b"".join(pages[name][page].tobytes() for page in (5, 1) for name in GEOMETRY.names)
+        assert got == expected_blocks(w.config.rank, [2, 9])
     group.drain(5.0)
     assert group.state == "closed" and _wait(lambda: _leases(ex) == 0)
     states = [h for h, _ in group.history]
@@ -142,12 +150,14 @@ def test_loads_wait_for_the_coordinators_ready(transport: HostTransport, prefill
     share = p.workers[0].wait(group.gid, ("imported",), 5.0)
     assert share is not None and share.state == "imported" and group.state == "importing"
     with pytest.raises(IllegalTransition) as info:
-        share.load([0], bytearray(GEOMETRY.block_bytes))
+        share.load_prefix([0], bytearray(GEOMETRY.block_bytes))
+    with pytest.raises(IllegalTransition):
+        share.load([0], {r.name: np.zeros((1, *r.block_shape), np.uint16) for r in GEOMETRY.regions}, [0])
     assert (info.value.state, info.value.event) == ("imported", "load")
     p.workers[1].release()
     assert group.wait(("ready",), 5.0)
     assert p.workers[0].wait(group.gid, ("ready",), 5.0) is share and share.state == "ready"
-    share.load([0], bytearray(GEOMETRY.block_bytes))
+    share.load_prefix([0], bytearray(GEOMETRY.block_bytes))
     group.drain(5.0)
 
 

@@ -24,6 +24,9 @@ DEFAULTS: Mapping[str, tuple[str, ...]] = {
     # directories: the kind of everything in them
     "bounds/": ("native",),
     "cuda/": ("native",),
+    "datapath/": ("native",),              # a real exporter and importer, in-process, over the op engine
+    "datapath/test_async_stateful.py": ("stateful", "native", "slow"),
+    "datapath/test_buffer_safety.py": ("native", "multiproc", "slow"),  # a process per failure path
     "fuzz/": ("native",),                  # targets include the exporter's request handler
     "lifecycle/": ("native",),             # a real exporter on the host backend, in-process
     "lifecycle/test_coordinated_stateful.py": ("stateful", "multiproc", "slow"),
@@ -47,6 +50,8 @@ DEFAULTS: Mapping[str, tuple[str, ...]] = {
     "test_cuda_ops_cpu.py": ("native",),   # host memory (ctypes) standing in for device memory
     "test_docs.py": ("unit",),
     "test_generate.py": ("unit",),
+    "test_geometry.py": ("unit",),
+    "test_guide.py": ("native", "multiproc", "slow"),  # runs the guide's code in a fresh process
     "test_group_stateful.py": ("stateful",),
     "test_handoff.py": ("unit",),
     "test_imports.py": ("unit",),

@@ -44,7 +44,7 @@ from kvstate.core.validate import socket_path_reason
 from support.descriptors import DEPLOYMENT, descriptor
 
 NOBODY = 65534
-GEOMETRY = Geometry(layers=1, kv_heads=2, head_dim=8, block_tokens=4, dtype=DType.BF16,
+GEOMETRY = Geometry.uniform(layers=1, kv_heads=2, head_dim=8, block_tokens=4, dtype=DType.BF16,
                     layout=Layout.BLOCK_MAJOR, num_blocks=8)
 root_only = pytest.mark.skipif(os.getuid() != 0, reason="needs root to fork a child with another uid")
 

@@ -78,6 +78,14 @@ class BenchBank(Lifecycle):
     def _release(self, **_: Any) -> None:
         return None
 
+    @effect("submit_store")
+    def _store(self, **_: Any) -> None:
+        return None
+
+    @effect("collect_store")
+    def _stored(self, **_: Any) -> None:
+        return None
+
 
 BANK_CYCLE = ("register", "advertise", "grant_lease", "lease_mapped", "release_lease", "drain", "quiesce", "release")
 
@@ -152,6 +160,10 @@ class BenchGroup(Lifecycle):
     @effect("submit_load")
     def _load(self, **_: Any) -> None:
         self.loads += 1
+
+    @effect("collect_load")
+    def _loaded(self, **_: Any) -> None:
+        return None
 
     @effect("unmap_parts")
     def _unmap(self, **_: Any) -> None:
@@ -275,7 +287,7 @@ def _descriptors(tp: int) -> tuple[Any, ...]:
     from kvstate.core.handles import HandleKind
     from kvstate.core.identity import FabricDomain, FabricKind
 
-    g = Geometry(layers=2, kv_heads=2, head_dim=64, block_tokens=16, dtype=DType.BF16,
+    g = Geometry.uniform(layers=2, kv_heads=2, head_dim=64, block_tokens=16, dtype=DType.BF16,
                  layout=Layout.BLOCK_MAJOR, num_blocks=64)
     return tuple(Descriptor(
         deployment_id=bytes(16), source_id=bytes(16), fabric=FabricDomain(FabricKind.NODE, "n"),
