@@ -142,11 +142,6 @@ def coordinator_main(conn: multiprocessing.connection.Connection, spec_json: str
 # -- a worker process ----------------------------------------------------------------------
 
 
-def _holds(part: Any) -> bool:
-    """Whether a part still holds anything: a mapping, a remote view, or a lease channel."""
-    return part.mapping is not None or part.channel is not None or getattr(part, "remote", None) is not None
-
-
 class HoldingWorker(RankWorker[H, A, R, M, E]):
     """A RankWorker that can be held at ``check`` (before validating) or ``open`` (before
     leasing and mapping), so a parent can kill a process while that phase is open."""
@@ -195,17 +190,31 @@ def worker_main(conn: multiprocessing.connection.Connection, spec_json: str, key
     histories: dict[str, list[str]] = {}
     worker: HoldingWorker[HostHandle, HostAllocation, HostReservation, HostMapping, HostEndpoint] | None = None
 
+    changes: list[StateChange] = []
+
     def on_change(change: StateChange) -> None:
-        if change.machine != "rank" or worker is None:
-            return
-        gid = change.label.split("/", 1)[1]
-        histories.setdefault(gid, ["idle"]).append(change.dest)
-        share = worker.share(gid)
-        part = share.part if share is not None else None
-        if change.dest == "ready" and (part is None or not _holds(part) or part.state != "imported"):
-            violations.append(f"{change.label} ready without its part mapped")
-        if change.dest in ("closed", "failed", "rejected") and part is not None and _holds(part):
-            violations.append(f"{change.label} {change.dest} still mapping its part")
+        # Observers run after the commit, so these are judged from commit times, not now.
+        changes.append(change)
+        if change.machine == "rank":
+            histories.setdefault(change.label.split("/", 1)[1], ["idle"]).append(change.dest)
+
+    def judge() -> list[str]:
+        """INV-COORD-LOAD-AFTER-READY and INV-COORD-NO-ORPHAN-MAPPING from the inside, by
+        commit time: a share entered ready only while its part was imported (opened before,
+        not yet closed), and a share that ended had closed its part by then (if it opened one)."""
+        found = list(violations)
+        for c in list(changes):
+            if c.machine != "rank" or c.dest not in ("ready", "closed", "failed", "rejected") or c.source == c.dest:
+                continue
+            part = [p for p in changes if p.machine == "part" and p.label.startswith(c.label + "/")]
+            opened = [p.monotonic_ns for p in part if p.dest == "imported"]
+            closed = [p.monotonic_ns for p in part if p.dest == "closed" and p.source == "imported"]
+            if c.dest == "ready" and not (opened and opened[0] < c.monotonic_ns
+                                          and not any(t < c.monotonic_ns for t in closed)):
+                found.append(f"{c.label} ready without its part mapped")
+            if c.dest != "ready" and opened and not any(t <= c.monotonic_ns for t in closed):
+                found.append(f"{c.label} {c.dest} still mapping its part")
+        return found
 
     worker = HoldingWorker(WorkerConfig(Deployment(DEPLOYMENT_NAME, bytes.fromhex(key_hex)), rank, spec.tp,
                                         Path(coordinator_path)), t, remote=remote, observers=[on_change])
@@ -221,7 +230,7 @@ def worker_main(conn: multiprocessing.connection.Connection, spec_json: str, key
                 "history": histories.get(gid, []), "import_s": None if share is None else share.import_s,
                 "unmapped_at": None if share is None else share.unmapped_at, "leases": worker.leases(),
                 "memfd_maps": resources()["memfd_maps"] - baseline["memfd_maps"],
-                "violations": list(violations)}
+                "violations": judge()}
 
     worker_released = threading.Event()
 
@@ -350,7 +359,7 @@ def worker_main(conn: multiprocessing.connection.Connection, spec_json: str, key
                     remote.close()
                     worker.remote = remote = loader = None
                     worker.ended.clear()
-                pipe.send(leaks=leaks_since(baseline), violations=violations, histories=histories)
+                pipe.send(leaks=leaks_since(baseline), violations=judge(), histories=histories)
                 return
         except KvStateError as exc:
             pipe.send(error=f"{type(exc).__name__}: {exc}")

@@ -177,10 +177,12 @@ class CoordinatedGroup(Lifecycle):
         self.observe(self._on_change)
 
     def _on_change(self, change: StateChange) -> None:
-        self.history.append((change.dest, time.monotonic() - self.started))
-        self.deadline = time.monotonic() + self.coordinator.config.phase_timeout_s \
-            if change.dest in TIMED else float("inf")
-        self.changed.notify_all()
+        # Observers run after the commit, outside the lock, in commit order.
+        with self.changed:
+            self.history.append((change.dest, change.monotonic_ns / 1e9 - self.started))
+            self.deadline = change.monotonic_ns / 1e9 + self.coordinator.config.phase_timeout_s \
+                if change.dest in TIMED else float("inf")
+            self.changed.notify_all()
 
     # -- what the engine reads ----------------------------------------------------------
 
@@ -189,16 +191,18 @@ class CoordinatedGroup(Lifecycle):
                            self.info[r][4] if r in self.info else None, r in self.dead) for r in range(self.tp)]
 
     def wait(self, states: Iterable[str], timeout: float) -> bool:
-        """Wait until the group is in one of ``states`` (or terminal); whether it is."""
+        """Wait until the group's last delivered change entered one of ``states`` (or a
+        terminal state); whether it did."""
         wanted = set(states)
+        ended = self.table.terminal
         deadline = time.monotonic() + timeout
-        with self.changed:
-            while self.state not in wanted and not self.is_terminal:
+        with self.changed:  # the history, not the state: it is complete once a change was delivered
+            while self.history[-1][0] not in wanted and self.history[-1][0] not in ended:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self.changed.wait(min(left, 0.1))
-            return self.state in wanted
+            return self.history[-1][0] in wanted
 
     def drain(self, timeout: float = 30.0) -> float:
         """Stop the group (or abandon its import): fan out drain and close, wait until every

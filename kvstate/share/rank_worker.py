@@ -124,16 +124,23 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
         self.cause = ""
         self.import_s: float | None = None
         self.unmapped_at: float | None = None  # time.monotonic() when its part was unmapped
-        self._report = False
+        #: Committed steps whose report has not gone out yet.
+        self.reports_due = 0
         self.changed = threading.Condition(self._kv_lock)
 
     # -- reports ------------------------------------------------------------------------
 
     def _after(self, change: StateChange) -> None:
-        if self._report:
-            self._report = False
+        """Observers run after the commit, outside the lock, in commit order: a step's
+        report goes out once its state is committed, and before any later step's. Whether
+        a step reports is its row's (the ``report`` effect)."""
+        row = next(r for r in self.table.rows(change.event, change.source) if r.dest == change.dest)
+        with self.changed:
+            if "report" in row.effects:
+                self.reports_due -= 1
+            self.changed.notify_all()
+        if "report" in row.effects:
             self.worker.report(self, change.dest)
-        self.changed.notify_all()
 
     # -- guards -------------------------------------------------------------------------
 
@@ -148,11 +155,11 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
     # -- effects ------------------------------------------------------------------------
 
     @effect("report")
-    def _mark_report(self, **kw: Any) -> Callable[[], None]:
-        self._report = True
+    def _queue_report(self, **kw: Any) -> Callable[[], None]:
+        self.reports_due += 1  # sent by _after once the step is committed (it names the state entered)
 
         def undo() -> None:
-            self._report = False
+            self.reports_due -= 1
         return undo
 
     @effect("import_part")
