@@ -45,9 +45,9 @@ ROLES = ("exporter", "worker", "coordinator")
 # from the moment kvstate's work starts (never process spawn, Python imports or engine
 # start); only the total is the parent's wall clock.
 TIMING_ADVERTISE = "advertise: register, fill, sign, serve (slowest exporter)"
-TIMING_IMPORT = "import: the coordinator's validation, every worker's check, lease, open and map, ready (in the coordinator)"
+TIMING_IMPORT = "import: validate, check, lease, map, ready (coordinator)"
 TIMING_LOAD = "load: submit to last op done (slowest worker)"
-TIMING_DRAIN = "drain: fan-out to every part closed (in the coordinator), then to quiescent (slowest exporter)"
+TIMING_DRAIN = "drain: every part closed (coordinator), quiescent (exporters)"
 TIMING_TOTAL = "total: parent's wall clock, with process spawn"
 
 
