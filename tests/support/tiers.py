@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from pathlib import PurePosixPath
 
-KINDS = ("unit", "stateful", "native", "multiproc", "models")
+KINDS = ("unit", "stateful", "native", "multiproc", "models", "vllm")
 TIERS = (*KINDS, "slow")
 
 #: path under tests/ (a directory ending in "/", or a file) -> default markers
@@ -39,6 +39,7 @@ DEFAULTS: Mapping[str, tuple[str, ...]] = {
     "planted/": (),                        # run only by self-tests; each test declares its kind
     "soak/": ("multiproc", "slow"),
     "trust/": ("native",),
+    "vllm/": ("vllm", "slow"),              # only `make test-vllm` collects it (its own venv)
     "trust/test_threat_model_doc.py": ("unit",),
     # files at the top of tests/
     "test_bench_smoke.py": ("multiproc", "slow"),
