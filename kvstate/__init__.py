@@ -22,6 +22,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "kvstate.share.exporter": ("ExportConfig", "Exporter"),
     "kvstate.share.importer": ("ImportConfig", "Importer"),
     "kvstate.reuse.policy": ("ReuseSettings",),
+    "kvstate.share.coordinator": ("Coordinator", "CoordinatorConfig"),
+    "kvstate.share.rank_worker": ("RankWorker", "WorkerConfig"),
     "kvstate.transport.host": ("HostTransport",),
     "kvstate.core.geometry": ("DType", "Geometry", "Layout", "Region"),
     "kvstate.core.identity": ("Deployment",),
@@ -47,7 +49,9 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "NixlOperationFailed", "NixlTimeout", "NixlUnsupported", "LeaseEnded",
         "ModelGenerationError", "ModelCheckError", "SpinUnavailable", "ConnectionLimit",
         "GeometryInvalid", "ConfigInvalid", "BlockOutOfRange", "TransferError", "TransferRejected",
-        "StoreFailed", "ViewsOutstanding", "EffectFailed", "ReuseRefused", "ArgumentInvalid",
+        "StoreFailed", "ViewsOutstanding",
+        "ProtocolError", "CoordinatorRefused", "GroupFailed", "PeerUnauthenticated",
+        "EffectFailed", "ReuseRefused", "ArgumentInvalid",
     ),
 }
 
@@ -59,6 +63,8 @@ if TYPE_CHECKING:  # what mypy and IDEs see; at run time __getattr__ imports on 
     from kvstate.share.exporter import ExportConfig as ExportConfig, Exporter as Exporter
     from kvstate.share.importer import ImportConfig as ImportConfig, Importer as Importer
     from kvstate.reuse.policy import ReuseSettings as ReuseSettings
+    from kvstate.share.coordinator import Coordinator as Coordinator, CoordinatorConfig as CoordinatorConfig
+    from kvstate.share.rank_worker import RankWorker as RankWorker, WorkerConfig as WorkerConfig
     from kvstate.transport.host import HostTransport as HostTransport
     from kvstate.core.geometry import DType as DType, Geometry as Geometry, Layout as Layout, Region as Region
     from kvstate.core.identity import Deployment as Deployment
@@ -109,6 +115,9 @@ if TYPE_CHECKING:  # what mypy and IDEs see; at run time __getattr__ imports on 
         TransferError as TransferError, TransferRejected as TransferRejected,
         StoreFailed as StoreFailed, ViewsOutstanding as ViewsOutstanding,
         EffectFailed as EffectFailed, ReuseRefused as ReuseRefused, ArgumentInvalid as ArgumentInvalid,
+        ProtocolError as ProtocolError,
+        CoordinatorRefused as CoordinatorRefused, GroupFailed as GroupFailed,
+        PeerUnauthenticated as PeerUnauthenticated,
     )
 
 

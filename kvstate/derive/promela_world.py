@@ -20,12 +20,11 @@ COUNTING_TPS = (8, 16, 32, 64)
 MAX_LEASES = 2
 #: op slots (prefix loads in flight at once)
 OP_SLOTS = 1
-#: banks modelled in the per-rank model: rank 0's. A bank has no guard across ranks and
-#: the exporter's ranks are symmetric, so one bank coupled to its rank's part checks every
-#: bank property; tp independent banks only multiply interleavings (measured: tp=3 with a
-#: bank per rank stored 5.2M states in 63 s, with one bank 26k states; tp=4 with a bank
-#: per rank would be ~40x more again).
-BANKS = 1
+#: The per-rank model gives every rank its own bank (exporter side, leases, pins), as a
+#: decode engine has: tp banks. (Before, rank 0's bank stood for all of them.) A per-model
+#: value: the banks of a per-rank model are its ranks, see :func:`banks`.
+def banks(tp: int) -> int:
+    return tp
 
 #: machines each model contains, in declaration order
 MACHINES = {PER_RANK: ("bank", "group", "part", "op"), COUNTING: ("group", "part", "op")}
@@ -164,14 +163,14 @@ WORLD_RULES: Mapping[tuple[str, str], Code] = {
     ("bank", "grant_lease"): Code("true"),  # the group's importer, or another lessee, at any time
     ("bank", "lease_mapped"): Code("part[{i}] == PART_imported"),
     # a descriptor arrives only once its bank was advertised
-    ("part", "validate"): Code("{i} >= BANKS || g_advertised[{i}]", "true"),
-    ("part", "reject"): Code("{i} >= BANKS || g_advertised[{i}]", "true"),
+    ("part", "validate"): Code("g_advertised[{i}]", "true"),
+    ("part", "reject"): Code("g_advertised[{i}]", "true"),
     # opening a handle fails only while the group imports (an open was attempted)
     ("part", "import_failed"): same("group == GROUP_importing"),
-    # a part is leased and imported under a live lease on its bank (ranks without a
-    # modelled bank: the lease is taken for granted)
-    ("part", "lease"): Code("{i} >= BANKS || leases[{i}] > ilease[{i}]", "true"),
-    ("part", "open"): Code("{i} >= BANKS || leases[{i}] > 0", "true"),
+    # a part is leased and imported under a live lease on its own rank's bank (the
+    # lease it claims is one the importer has not claimed already)
+    ("part", "lease"): Code("leases[{i}] > ilease[{i}]", "true"),
+    ("part", "open"): Code("leases[{i}] > 0", "true"),
     # the importer closes a part directly to discard the parts of a finished group, and
     # (an attack, or a bug) tries to close a part of a ready or draining group: the table
     # must refuse that one (INV-GROUP-COMPLETE). Before that, the group's own effects
@@ -225,7 +224,7 @@ STATE_INVARIANTS: tuple[tuple[str, Code], ...] = (
 
 GLOBALS = {
     PER_RANK: """\
-byte bank[BANKS];              /* bank machine of the modelled ranks (exporter side) */
+byte bank[BANKS];              /* bank machine of each rank (exporter side) */
 byte leases[BANKS];            /* leases on each bank (expired ones included) */
 byte xl[BANKS];                /* of which expired (bounds expiry: each lease expires once) */
 bit ilease[TP];                /* the group's importer holds a lease on its rank's bank */

@@ -42,7 +42,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import ExitStack
-from typing import Any, Generic, Literal, NoReturn, get_args
+from typing import Any, Generic, Literal, NoReturn, Protocol, get_args
 
 import attrs
 
@@ -58,6 +58,7 @@ from kvstate.core.errors import (
     GuardRejected,
     IllegalTransition,
     ImportFailed,
+    InventoryError,
     KvStateError,
     LeaseRefused,
     LoadFailed,
@@ -89,13 +90,64 @@ log = logging.getLogger(__name__)
 GroupFault = Literal["part_failed", "peer_died", "incarnation_changed", "expired"]
 
 
+def _epochs(value: object) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or not value or \
+            not all(type(e) is int and e >= 0 for e in value):
+        raise InventoryError(f"epochs must be a non-empty sequence of non-negative ints (one per rank), "
+                             f"not {value!r:.80}")
+    return tuple(value)
+
+
 @attrs.frozen
 class BlockRequest:
-    """Inventory blocks a lease must pin, as the decode worker advertised them."""
+    """Inventory blocks every rank's lease must pin, as the decode workers advertised them.
+
+    Each rank's bank keeps its own inventory, so each rank has its own epoch: ``epochs[r]``
+    is the epoch rank ``r``'s bank advertised for ``group`` (one entry per rank)."""
 
     group: str
-    epoch: int
+    epochs: tuple[int, ...] = attrs.field(converter=_epochs)
     hashes: tuple[int, ...]
+
+    def epoch(self, rank: int) -> int:
+        """The epoch rank ``rank``'s lease names."""
+        if not 0 <= rank < len(self.epochs):
+            raise InventoryError(f"no epoch for rank {rank}: the request names {len(self.epochs)} rank(s)")
+        return self.epochs[rank]
+
+
+class PartOwner(Protocol[H, A, R, M, E]):
+    """What a :class:`Part` needs of the object it belongs to: an importer-side
+    :class:`Group` (every rank in one process), or one worker's share of a coordinated group
+    (:class:`kvstate.share.rank_worker.RankShare`, its own rank only)."""
+
+    label: str
+    observers: tuple[Observer, ...]
+
+    @property
+    def importer(self) -> Importer[H, A, R, M, E]: ...
+
+    @property
+    def blocks(self) -> BlockRequest | None: ...
+
+    @property
+    def validated(self) -> object: ...
+
+    @property
+    def state(self) -> str: ...
+
+    @property
+    def parts(self) -> Sequence[Part[H, A, R, M, E]]:
+        """The parts that import together: phase 2 (open) starts once every one holds a
+        checked lease (a coordinated share owns its own rank's part only)."""
+
+    @property
+    def releasing(self) -> bool:
+        """True only while the owner itself closes its parts (rolling back, or closing
+        when nothing pins them): a part never closes on its own under a live owner."""
+
+    def peer_closed(self, part: Part[H, A, R, M, E]) -> None:
+        """The exporter of ``part`` closed its channel or exited."""
 
 
 def _seconds(_: object, attribute: attrs.Attribute[float], value: object) -> None:
@@ -142,7 +194,7 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
 
     table = load_machine("part")
 
-    def __init__(self, group: Group[H, A, R, M, E], descriptor: Descriptor) -> None:
+    def __init__(self, group: PartOwner[H, A, R, M, E], descriptor: Descriptor) -> None:
         super().__init__(label=f"{group.label}/part[{descriptor.rank}]", observers=group.observers)
         self.group = group
         self.transport = group.importer.transport
@@ -180,9 +232,10 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
 
     @guard("group_releasing")
     def _releasing(self, **kw: Any) -> bool:
-        # A ready or draining group may have loads on every part: only the group's own
-        # rows (rollback while importing, close when quiescent) or a finished group let go.
-        return self.group.state not in ("ready", "draining")
+        # A ready or draining group may have loads on every part: only the owner's own rows
+        # (rollback while importing, close when quiescent) let a part go. Stricter than the
+        # model's reading (the group neither ready nor draining), which it implies.
+        return self.group.releasing
 
     @guard("part_unpinned")
     def _unpinned(self, **kw: Any) -> bool:
@@ -196,12 +249,7 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         with ExitStack() as undo:
             ch = chan.connect(d.socket_path, timeout=timeout)
             undo.callback(ch.close)
-            blocks = self.group.blocks
-            ch.send(chan.encode({"op": "lease", "rank": d.rank, "generation": d.generation,
-                                 "incarnation": d.incarnation.hex(),
-                                 "blocks": None if blocks is None else {
-                                     "group": blocks.group, "epoch": blocks.epoch, "hashes": list(blocks.hashes)}}),
-                    timeout=timeout)
+            ch.send(lease_request(d, self.group.blocks), timeout=timeout)
             msg = ch.recv(timeout=timeout)
             undo.callback(msg.close)
             reply = chan.decode(msg.payload)
@@ -333,6 +381,13 @@ def _check_report(reply: dict[str, Any], d: Descriptor) -> None:
                                f"the descriptor says {value!r:.80}")
 
 
+def lease_request(d: Descriptor, blocks: BlockRequest | None) -> bytes:
+    """The lease request of one rank part (whatever transport then opens its handle)."""
+    return chan.encode({"op": "lease", "rank": d.rank, "generation": d.generation, "incarnation": d.incarnation.hex(),
+                        "blocks": None if blocks is None else {"group": blocks.group, "epoch": blocks.epoch(d.rank),
+                                                               "hashes": list(blocks.hashes)}})
+
+
 def _grant_fields(reply: dict[str, Any], rank: int) -> tuple[int, float]:
     """The lease id and seconds to expiry of a grant, checked: the exporter is a peer."""
     lease: Any = reply.get("lease")
@@ -368,6 +423,8 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
         self.validated: ValidatedGroup | None = None
         self.blocks: BlockRequest | None = None
         self.parts: list[Part[H, A, R, M, E]] = []
+        #: Set only while the group's own rows close its parts (see Part's group_releasing).
+        self.releasing = False
         #: When a lease of the group was lost (``expired``): it is then closed as soon as
         #: no load pins it, so the exporter gets its bank back (INV-NO-RELEASE-MAPPED).
         self.expired_at: float | None = None
@@ -416,12 +473,16 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
         failure (the group stays where it was and the caller may retry)."""
         first: KvStateError | None = None
         p: Part[H, A, R, M, E]
-        for p in self.parts:
-            try:
-                if p.may("close"):
-                    p.fire("close")
-            except KvStateError as exc:
-                first = first or exc
+        self.releasing = True
+        try:
+            for p in self.parts:
+                try:
+                    if p.may("close"):
+                        p.fire("close")
+                except KvStateError as exc:
+                    first = first or exc
+        finally:
+            self.releasing = False
         if first is not None:
             raise first
 
@@ -495,6 +556,13 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
             raise LoadFailed(f"prefix load failed: op(s) of rank(s) "
                              f"{sorted({e.rank for e in handle._entries if e.state != 'done'})} did not complete")
         return LoadResult(result.blocks, result.bytes, result.seconds)
+
+    def peer_closed(self, part: Part[H, A, R, M, E]) -> None:
+        """A part's exporter went away (its channel closed or its process exited)."""
+        try:
+            self.fault("peer_died")
+        except TransitionError:
+            pass  # a concurrent transition already moved the group on
 
     def fault(self, event: GroupFault, *, reason: str | None = None) -> bool:
         """Report a fault event; False when it is not declared in the current state (for
@@ -583,6 +651,15 @@ class Importer(Generic[H, A, R, M, E]):
             self._executor.shutdown(wait=True)
         stop_dispatcher_if_idle()
 
+    def check_gates(self) -> None:
+        """ReuseRefused unless this importer's config enables reuse and, for a transport
+        over device memory, GPU reuse under an admitted deployment profile
+        (:mod:`kvstate.reuse.gates`). Every path that leases or opens calls it first."""
+        refusal = import_refusal(self.config.reuse, self.config.admission, self.transport.name,
+                                 self.transport.capabilities)
+        if refusal is not None:
+            raise ReuseRefused(*refusal)
+
     def expectation(self, **overrides: Any) -> Expectation:
         overrides = need_mapping_keys("overrides", overrides, [a.name for a in attrs.fields(Expectation)])
         e = Expectation(deployment=self.config.deployment, now_ns=time.time_ns(),
@@ -603,16 +680,16 @@ class Importer(Generic[H, A, R, M, E]):
         config enables reuse (and, for a GPU transport, GPU reuse under an admitted
         deployment profile): see :mod:`kvstate.reuse.gates`.
         """
-        refusal = import_refusal(self.config.reuse, self.config.admission, self.transport.name,
-                                 self.transport.capabilities)
-        if refusal is not None:
-            raise ReuseRefused(*refusal)
+        self.check_gates()
         need_items("wire", wire, object, max_len=self.config.max_tp)  # each item: decode checks it
         if blocks is not None:
             need("blocks", blocks, BlockRequest)
         expect = need_mapping_keys("expect", expect, [a.name for a in attrs.fields(Expectation)])
         if self._stopping.is_set():
             raise ArgumentInvalid("importer", ArgumentReason.STATE, "this importer is closed")
+        if blocks is not None and len(blocks.epochs) != len(wire):
+            raise InventoryError(f"the block request names {len(blocks.epochs)} epoch(s) for a group of "
+                                 f"{len(wire)} descriptor(s): one per rank")
         self._count += 1
         group: Group[H, A, R, M, E] = self.group_class(self, f"group#{self._count}", self.observers)
         self.groups = [g for g in self.groups if not g.is_terminal] + [group]
@@ -731,11 +808,7 @@ class Importer(Generic[H, A, R, M, E]):
     def _peer_closed(self, ch: chan.Channel) -> None:
         part = self._owners.pop(id(ch), None)
         if part is not None:
-            group: Group[H, A, R, M, E] = part.group
-            try:
-                group.fault("peer_died")
-            except TransitionError:
-                pass  # a concurrent transition already moved the group on
+            part.group.peer_closed(part)
 
     def _expire_loop(self) -> None:
         while not self._stopping.wait(0.05):
