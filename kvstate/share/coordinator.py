@@ -420,7 +420,9 @@ class Coordinator:
                      timeout: float | None = None, **expect: Any) -> CoordinatedGroup:
         """:meth:`start_group`, then wait until the group is ready. Raises GroupRejected
         (a worker refused its rank's descriptor; nothing was opened) or GroupFailed; either
-        way, every live worker has rolled back when this returns."""
+        way no live worker maps a part of it when this returns. A group that ends while
+        checking opened nothing, so it does not wait: the abort it sent makes the workers
+        return the leases phase 1 took (or their connections' close does)."""
         group = self.start_group(wire, blocks=blocks, **expect)
         limit = timeout if timeout is not None else 3 * self.config.phase_timeout_s + 1.0
         group.wait(("ready",), limit)

@@ -137,6 +137,10 @@ class PartOwner(Protocol[H, A, R, M, E]):
     def state(self) -> str: ...
 
     @property
+    def leasing(self) -> bool:
+        """True while the owner, validated whole, may take its parts' leases (phase 1)."""
+
+    @property
     def parts(self) -> Sequence[Part[H, A, R, M, E]]:
         """The parts that import together: phase 2 (open) starts once every one holds a
         checked lease (a coordinated share owns its own rank's part only)."""
@@ -223,12 +227,13 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
 
     @guard("group_importing")
     def _importing(self, **kw: Any) -> bool:
-        return self.group.state == "importing" and self.group.validated is not None
+        return self.group.leasing
 
     @guard("group_admitted")
     def _admitted(self, **kw: Any) -> bool:
         """Phase 2 may start: every part of the group holds a checked lease."""
-        return self._importing() and all(p.state in ("leased", "imported") for p in self.group.parts)
+        return self.group.state == "importing" and self.group.validated is not None \
+            and all(p.state in ("leased", "imported") for p in self.group.parts)
 
     @guard("group_releasing")
     def _releasing(self, **kw: Any) -> bool:
@@ -434,6 +439,11 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
     @property
     def tp(self) -> int:
         return len(self.parts)
+
+    @property
+    def leasing(self) -> bool:
+        """Phase 1 runs while the group, validated whole, is importing (PartOwner)."""
+        return self.state == "importing" and self.validated is not None
 
     # -- guards -----------------------------------------------------------------------
 

@@ -129,10 +129,17 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
         self.problems: list[DescriptorRejected] = []
         self.cause = ""
         self.import_s: float | None = None
+        self.lease_s = 0.0
         self.unmapped_at: float | None = None  # time.monotonic() when its part was unmapped
         #: Committed steps whose report has not gone out yet.
         self.reports_due = 0
         self.changed = threading.Condition(self._kv_lock)
+
+    @property
+    def leasing(self) -> bool:
+        """Phase 1 runs while this rank checks its descriptor: the coordinator validated the
+        whole group first, and opens only once every rank reported a checked lease."""
+        return self.state == "checking" and self.validated is not None
 
     @property
     def parts(self) -> list[Part[H, A, R, M, E]]:
@@ -173,20 +180,32 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
             self.reports_due -= 1
         return undo
 
+    @effect("lease_part")
+    def _lease_part(self, **kw: Any) -> Callable[[], None]:
+        """Phase 1 for this rank: lease its bank and check the exporter's report against the
+        descriptor. Nothing is opened: the coordinator says open only once every rank
+        reported this (so a rank refused here means zero opens for the whole group)."""
+        part: Part[H, A, R, M, E] | None = self.part
+        assert part is not None  # _check made it
+        self.importer.check_gates()  # reuse enabled (and, for GPU memory, an admitted profile)
+        start = time.monotonic()
+        part.fire("lease")
+        self.lease_s = time.monotonic() - start
+        return self._close_part
+
     @effect("import_part")
     def _import_part(self, **kw: Any) -> Callable[[], None]:
+        """Phase 2: open and map the handle leased in phase 1."""
         part: Part[H, A, R, M, E] | None = self.part
-        assert part is not None  # validate made it
+        assert part is not None  # _check made it
         start = time.monotonic()
-        self.importer.check_gates()  # reuse enabled (and, for GPU memory, an admitted profile)
         try:
-            part.fire("lease")  # phase 1 for this rank: lease and check, nothing opened
             part.fire("open")
         except BaseException:
             if part.may("import_failed"):
-                part.fire("import_failed")
+                part.fire("import_failed")  # returns the lease
             raise
-        self.import_s = time.monotonic() - start
+        self.import_s = self.lease_s + time.monotonic() - start  # both phases
         return self._close_part
 
     @effect("rollback_part")
@@ -200,7 +219,7 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
     def _close_part(self) -> None:
         part: Part[H, A, R, M, E] | None = self.part
         if part is not None and part.may("close"):
-            was_mapped = part.channel is not None  # imported: mapped here, or a remote view
+            was_mapped = part.state == "imported"  # mapped here, or a remote view
             self.releasing = True  # the share's own row lets its part go (Part's group_releasing)
             try:
                 part.fire("close")
@@ -534,7 +553,26 @@ class RankWorker(Generic[H, A, R, M, E]):
             part = Part(share, descriptor)
         share.part = part
         part.fire("validate")
-        share.fire("validate")
+        # Phase 1 (the lease) talks to the exporter: off the reader, like the open.
+        self._spawn(self._lease, share)
+
+    def _lease(self, share: RankShare[H, A, R, M, E]) -> None:
+        """Validate the share: lease its bank and check the report (the rank's validate
+        row); a refused or mismatched lease fails the share, having opened nothing."""
+        with share.locked():
+            if not share.may("validate"):
+                share._close_part()  # aborted (or orphaned) before the lease started
+            else:
+                try:
+                    share.fire("validate")
+                except (KvStateError, OSError) as exc:
+                    share.cause = f"lease: {type(exc).__name__}: {exc}"
+                    part: Part[H, A, R, M, E] | None = share.part
+                    if part is not None and part.may("import_failed"):
+                        part.fire("import_failed")
+                    if share.may("import_failed"):
+                        share.fire("import_failed")
+        self._forget_ended()
 
     def _problems(self, d: Descriptor) -> list[DescriptorRejected]:
         """Every rule this rank's descriptor breaks, checked by this worker completely."""
@@ -568,7 +606,8 @@ class RankWorker(Generic[H, A, R, M, E]):
         self._forget_ended()
 
     def _spawn(self, target: Callable[[RankShare[H, A, R, M, E]], None], share: RankShare[H, A, R, M, E]) -> None:
-        t = threading.Thread(target=target, args=(share,), name=f"kvstate-rank{self.config.rank}-open", daemon=True)
+        t = threading.Thread(target=target, args=(share,), name=f"kvstate-rank{self.config.rank}-{target.__name__[1:]}",
+                             daemon=True)
         t.start()
         with self._lock:
             self._threads = [x for x in self._threads if x.is_alive()] + [t]

@@ -194,9 +194,48 @@ def test_one_workers_rejection_leaves_every_rank_unopened(transport: HostTranspo
     with pytest.raises(GroupRejected) as info:
         p.coordinator.import_group([ex.descriptor(r) for r in range(2)])
     assert info.value.reasons == {RejectReason.DEVICE_UUID} and info.value.problems[0].rank == 1
-    assert [t.opens for t in p.transports] == [0, 0] and _leases(ex) == 0
+    # rank 0 leased its bank while checking (phase 1); the abort returns that lease
+    assert [t.opens for t in p.transports] == [0, 0] and _wait(lambda: _leases(ex) == 0)
     assert _wait(lambda: all(w.share(list(p.coordinator.groups)[-1]).state in ("failed", "rejected")  # type: ignore[union-attr]
                              for w in p.workers))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_lease_refused_on_one_rank_leaves_every_rank_unopened(tp: int, transport: HostTransport,
+                                                                prefill_factory: Any) -> None:
+    """Two-phase import across processes (INV-COORD-VALIDATE-BEFORE-OPEN): the last rank's
+    bank was re-advertised, so its exporter refuses that rank's lease (stale_generation),
+    which no descriptor check can see. Every worker leases while checking and the
+    coordinator says open only once every rank holds a checked lease, so no rank opens
+    anything. (A one-phase worker leased and opened on ``open``: the other ranks opened
+    while the last one was held at its open.)"""
+    from kvstate.harness.prefill_procs import HoldingWorker
+
+    ex = make_exporter(tp, transport)
+    wires = [ex.descriptor(r) for r in range(tp)]
+    ex.banks[tp - 1].advertise()  # generation 2: the wire above is stale for that rank only
+    p = prefill_factory(tp, worker_class=HoldingWorker)
+    p.workers[tp - 1].hold({"open"})
+    try:
+        with pytest.raises(GroupFailed) as info:
+            p.coordinator.import_group(wires, timeout=5.0)
+    finally:
+        p.workers[tp - 1].release()
+    assert [t.opens for t in p.transports] == [0] * tp  # whatever failed the group
+    assert (info.value.event, info.value.rank) == ("part_failed", tp - 1)
+    assert "stale_generation" in str(info.value)
+    group = list(p.coordinator.groups.values())[-1]
+    states = [h for h, _ in group.history]
+    assert [s for i, s in enumerate(states) if i == 0 or s != states[i - 1]] == ["advertised", "checking", "failed"]
+    assert [t.opens for t in p.transports] == [0] * tp
+    assert _wait(lambda: all(w.share(group.gid).state == "failed" for w in p.workers))  # type: ignore[union-attr]
+    assert _wait(lambda: _leases(ex) == 0) and all(w.leases() == 0 for w in p.workers)
+    # the same workers import the fresh descriptors whole (one generation in a group)
+    for r in range(tp - 1):
+        ex.banks[r].advertise()
+    fresh = p.coordinator.import_group([ex.descriptor(r) for r in range(tp)])
+    assert fresh.state == "ready" and [t.opens for t in p.transports] == [1] * tp
+    fresh.drain(5.0)
 
 
 def test_a_worker_that_dies_before_import_fails_the_group_at_once(transport: HostTransport,
