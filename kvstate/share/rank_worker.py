@@ -91,6 +91,9 @@ class WorkerConfig:
     tp: int
     coordinator_path: Path
     request_timeout_s: float = 5.0    # hello, lease requests
+    #: Leases are renewed every min(half the lease, this) seconds while the part holds one
+    #: (phase 1 on), as the in-process importer does (ImportConfig.renew_interval_s).
+    renew_interval_s: float = 1.0
     max_tp: int = 64
     geometry_fingerprint: bytes | None = None
     device_uuids: frozenset[bytes] | None = None
@@ -129,7 +132,8 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
         self.problems: list[DescriptorRejected] = []
         self.cause = ""
         self.import_s: float | None = None
-        self.lease_s = 0.0
+        self.lease_took_s = 0.0
+        self.bank_withdrawn = False  # exporter_died was fired: renewal stops
         self.unmapped_at: float | None = None  # time.monotonic() when its part was unmapped
         #: Committed steps whose report has not gone out yet.
         self.reports_due = 0
@@ -190,7 +194,7 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
         self.importer.check_gates()  # reuse enabled (and, for GPU memory, an admitted profile)
         start = time.monotonic()
         part.fire("lease")
-        self.lease_s = time.monotonic() - start
+        self.lease_took_s = time.monotonic() - start
         return self._close_part
 
     @effect("import_part")
@@ -205,7 +209,7 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
             if part.may("import_failed"):
                 part.fire("import_failed")  # returns the lease
             raise
-        self.import_s = self.lease_s + time.monotonic() - start  # both phases
+        self.import_s = self.lease_took_s + time.monotonic() - start  # both phases
         return self._close_part
 
     @effect("rollback_part")
@@ -249,10 +253,33 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
 
     def peer_closed(self, part: Part[H, A, R, M, E]) -> None:
         """The exporter of this share's part went away."""
+        self.withdrawn("its exporter's connection closed")
+
+    def withdrawn(self, why: str) -> None:
+        """The bank under this share's part is gone for it (its exporter died, refused to
+        renew the lease, or the lease ran out): before ready roll back, after ready drain."""
         with self.locked():
+            self.bank_withdrawn = True
             if self.may("exporter_died"):
-                self.fire("exporter_died")
+                self.cause = self.cause or why
+                self.fire("exporter_died", reason=why)
         self.worker.kick()
+
+    def renew_due(self, every: float) -> None:
+        """Renew the part's lease once half its term or ``every`` seconds have passed since
+        the grant or the last renewal; a refusal or a lapse withdraws the bank."""
+        part: Part[H, A, R, M, E] | None = self.part
+        if part is None or part.channel is None or part.lease_id is None or self.is_terminal or self.bank_withdrawn:
+            return
+        now = time.monotonic()
+        if part.lease_expires_at <= now:
+            self.withdrawn(f"the lease of {part.label} ran out unrenewed")
+        elif now - part.renewed_at >= min(part.lease_s / 2, every):
+            try:
+                part.renew()
+            except (KvStateError, OSError) as exc:
+                if part.channel is not None:  # not just closed by the share's own row
+                    self.withdrawn(f"lease renewal of {part.label} failed: {exc}")
 
     def load(self, bank_block_ids: Sequence[int], dst_tensors: Mapping[str, Any],
              dst_block_ids: Sequence[int]) -> TransferHandle:
@@ -647,6 +674,10 @@ class RankWorker(Generic[H, A, R, M, E]):
                             pass  # a load still pins the part: the next round looks again
             if draining:
                 self._forget_ended()
+            with self._lock:
+                live = [s for s in self.shares.values() if not s.is_terminal]
+            for share in live:
+                share.renew_due(self.config.renew_interval_s)
             if not self.coordinator_gone and time.monotonic() - self._last_heard > self.silence_s:
                 ch = self._channel
                 if ch is not None:

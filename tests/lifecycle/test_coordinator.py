@@ -238,6 +238,32 @@ def test_a_lease_refused_on_one_rank_leaves_every_rank_unopened(tp: int, transpo
     fresh.drain(5.0)
 
 
+def test_workers_renew_their_leases_and_give_a_draining_bank_back(transport: HostTransport,
+                                                                  prefill_factory: Any) -> None:
+    """Lease renewal across processes (class 7): each worker renews its lease while it holds
+    one, so a group outlives many lease terms with its banks ready. When the exporter
+    drains, its banks refuse renewal: each worker drains its share (the bank is withdrawn),
+    the coordinator drains and closes the group, and the exporter gets every bank back,
+    never under a mapping (INV-NO-RELEASE-MAPPED). Without renewal each lease lapses after
+    one term (the banks drain on their own) and the drain waits for mappings that stay."""
+    ex = make_exporter(2, transport, lease_timeout_s=0.5)
+    p = prefill_factory(2, renew_interval_s=0.1)
+    group = p.coordinator.import_group([ex.descriptor(r) for r in range(2)])
+    time.sleep(2.0)  # four lease terms
+    assert [b.state for b in ex.banks.values()] == ["ready", "ready"]
+    assert not any(lease.expired for b in ex.banks.values() for lease in b.leases.values())
+    for w in p.workers:
+        share = w.wait(group.gid, ("ready",), 5.0)
+        assert share is not None and share.state == "ready"
+        dst = bytearray(GEOMETRY.block_bytes)
+        share.load_prefix([3], dst)
+        assert bytes(dst) == expected_blocks(w.config.rank, [3])
+    assert ex.drain(5.0) >= 0 and all(b.state == "released" for b in ex.banks.values())
+    assert group.wait(("closed",), 5.0) and group.state == "closed"
+    assert all(w.share(group.gid).state == "closed" for w in p.workers)  # type: ignore[union-attr]
+    assert all(w.leases() == 0 for w in p.workers)
+
+
 def test_a_worker_that_dies_before_import_fails_the_group_at_once(transport: HostTransport,
                                                                     prefill_factory: Any) -> None:
     ex = make_exporter(2, transport)
