@@ -144,8 +144,9 @@ def coordinator_main(conn: multiprocessing.connection.Connection, spec_json: str
 
 
 class HoldingWorker(RankWorker[H, A, R, M, E]):
-    """A RankWorker that can be held at ``check`` (before validating) or ``open`` (before
-    leasing and mapping), so a parent can kill a process while that phase is open."""
+    """A RankWorker that can be held at ``check`` (before validating and leasing) or
+    ``open`` (before opening and mapping), so a parent can kill a process while that phase
+    is open."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

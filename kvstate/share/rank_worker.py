@@ -12,13 +12,16 @@ worker leases, checks, opens and maps nothing of any other rank.
 
 Commands arrive on one reader thread: ``check`` (decode and validate this rank's
 descriptor completely, with this worker's own expectations: its transport's handle kinds,
-its devices, the socket path), ``open`` (lease, open and map, on a separate thread so the
-reader stays responsive), ``ready`` (loads may run), ``drain``, ``close`` and ``abort``.
+its devices, the socket path; then, on a separate thread so the reader stays responsive,
+lease this rank's bank and check the exporter's report: phase 1, nothing opened), ``open``
+(open and map the leased part, on a separate thread; sent only once every rank holds a
+checked lease), ``ready`` (loads may run), ``drain``, ``close`` and ``abort``.
 Each step the coordinator needs is reported back (the table's ``report`` effect marks the
 row; the report, naming the state entered, goes out once the state is committed).
 
 What the worker sees for itself: its exporter's death (the part's channel, through the
-importer's watcher) and its coordinator's death: EOF or pidfd on the coordinator's
+importer's watcher) or withdrawal (the housekeeper renews each lease while it is held; a
+refused renewal or a lapsed lease counts as the exporter's death), and its coordinator's death: EOF or pidfd on the coordinator's
 connection, or silence past ``silence_s`` (the coordinator ticks every heartbeat, so a
 hung coordinator is told from a busy one). A worker that survives its coordinator cleans
 up alone, within the silence bound (at most the lease time): before ready it rolls back
