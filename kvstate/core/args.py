@@ -127,6 +127,14 @@ def need_mapping_keys(name: str, value: object, keys: Sequence[str]) -> dict[str
     return dict(value)
 
 
+def need_kinds(name: str, value: object, kind: type[T]) -> frozenset[T]:
+    """A non-empty frozenset of ``kind`` values (handle kinds, device ids)."""
+    if not isinstance(value, frozenset) or not value or not all(isinstance(v, kind) for v in value):
+        raise ArgumentInvalid(name, ArgumentReason.TYPE, f"must be a non-empty frozenset of {kind.__name__}, "
+                              f"not {value!r:.80}")
+    return value
+
+
 def typed(kind: type | tuple[type, ...], *, optional: bool = False) -> Any:
     """An attrs validator: an instance of ``kind`` (or None when ``optional``), refused as
     ArgumentInvalid naming the field."""

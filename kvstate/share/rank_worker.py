@@ -46,6 +46,8 @@ from typing import Any, Generic, Literal
 import attrs
 
 from kvstate import channel as chan
+from kvstate.core.args import need, need_bytes, need_callables, need_int, need_items, need_kinds, need_path, \
+    need_seconds, need_text
 from kvstate.core.descriptor import Descriptor, decode
 from kvstate.core.errors import (
     ChannelClosed,
@@ -67,7 +69,7 @@ from kvstate.core.identity import Deployment, host_boot_id
 from kvstate.core.machine import Lifecycle, Observer, StateChange, effect, guard
 from kvstate.core.reasons import RejectReason, TransferReason
 from kvstate.core.spec import load_machine
-from kvstate.core.validate import Expectation, descriptor_problems
+from kvstate.core.validate import MAX_TP, Expectation, descriptor_problems
 from kvstate.share import load as loads
 from kvstate.share import protocol_msgs as msgs
 from kvstate.reuse.policy import ReuseSettings
@@ -108,8 +110,24 @@ class WorkerConfig:
     admission: Admitted | None = None
 
     def __attrs_post_init__(self) -> None:
-        if not 1 <= self.tp <= self.max_tp or not 0 <= self.rank < self.tp:
-            raise ValueError(f"rank {self.rank} of tp {self.tp} (max tp {self.max_tp})")
+        """Every field checked where the config is made (ArgumentInvalid naming it)."""
+        n = "WorkerConfig."
+        need(n + "deployment", self.deployment, Deployment)
+        need_int(n + "max_tp", self.max_tp, 1, MAX_TP)
+        need_int(n + "tp", self.tp, 1, self.max_tp)
+        need_int(n + "rank", self.rank, 0, self.tp - 1)
+        need_path(n + "coordinator_path", self.coordinator_path)
+        for name in ("request_timeout_s", "renew_interval_s", "drain_poll_s"):
+            need_seconds(n + name, getattr(self, name), allow_zero=False)
+        if self.geometry_fingerprint is not None:
+            need_bytes(n + "geometry_fingerprint", self.geometry_fingerprint, 64)
+        if self.device_uuids is not None:
+            need_kinds(n + "device_uuids", self.device_uuids, bytes)
+        need(n + "check_socket", self.check_socket, bool)
+        need_int(n + "keep_ended", self.keep_ended, 1, 1 << 16)
+        need(n + "reuse", self.reuse, ReuseSettings)
+        if self.admission is not None:
+            need(n + "admission", self.admission, Admitted)
 
 
 class RankShare(Lifecycle, Generic[H, A, R, M, E]):
@@ -372,11 +390,11 @@ class RankWorker(Generic[H, A, R, M, E]):
 
     def __init__(self, config: WorkerConfig, transport: MappedTransport[H, A, R, M, E], *,
                  remote: NixlTransport | None = None, observers: Iterable[Observer] = ()) -> None:
-        self.config = config
-        self.transport = transport
+        self.config = need("config", config, WorkerConfig)
+        self.transport = transport  # the importer below checks it
         #: Reads parts on other nodes (NIXL descriptors); None: only parts this node can map.
-        self.remote = remote
-        self.observers = tuple(observers)
+        self.remote = None if remote is None else need("remote", remote, NixlTransport)
+        self.observers = need_callables("observers", observers)
         self.importer: Importer[H, A, R, M, E] = Importer(ImportConfig(
             config.deployment, request_timeout_s=config.request_timeout_s, max_tp=config.max_tp,
             geometry_fingerprint=config.geometry_fingerprint, device_uuids=config.device_uuids,
@@ -422,6 +440,7 @@ class RankWorker(Generic[H, A, R, M, E]):
     def close(self, timeout: float = 10.0) -> None:
         """Leave the coordinator: every share cleans up as if it had died (loads in flight
         finish first), then stop. Idempotent."""
+        timeout = need_seconds("timeout", timeout)
         if self._stopping.is_set():
             return
         ch = self._channel
@@ -446,12 +465,17 @@ class RankWorker(Generic[H, A, R, M, E]):
     # -- what the engine reads ----------------------------------------------------------
 
     def share(self, gid: str) -> RankShare[H, A, R, M, E] | None:
+        need_text("gid", gid, 256)
         with self._lock:
             found = self.shares.get(gid)
             return found if found is not None else next((s for s in self.ended if s.gid == gid), None)
 
     def wait(self, gid: str, states: Iterable[str], timeout: float) -> RankShare[H, A, R, M, E] | None:
         """Wait until this worker's share of ``gid`` exists and is in ``states`` (or ended)."""
+        need_text("gid", gid, 256)
+        timeout = need_seconds("timeout", timeout)
+        states = need_items("states", tuple(states) if isinstance(states, (set, frozenset)) else states,
+                            str, max_len=64)
         wanted = set(states)
         deadline = time.monotonic() + timeout
         while True:

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from conftest import DEPLOYMENT, GEOMETRY, expected_blocks, make_exporter
 from kvstate import channel as chan
 from kvstate.core.errors import (
+    ArgumentInvalid,
     CoordinatorRefused,
     FrameError,
     GroupFailed,
@@ -481,3 +482,61 @@ _messages = st.one_of(
 @given(_messages)
 def test_every_message_round_trips(message: msgs.Message) -> None:
     assert msgs.decode(msgs.encode(message)) == message
+
+
+# -- class 1: only KvStateError leaves the coordinator's public API ------------------------
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tp", 0), ("tp", "2"), ("tp", None), ("max_tp", 10 ** 6), ("socket_dir", "a\x00b"), ("socket_dir", 3),
+    ("name", "a/b"), ("name", ".."), ("name", "\ud800"), ("phase_timeout_s", float("nan")),
+    ("heartbeat_s", "1"), ("silence_s", 0.01), ("request_timeout_s", -1.0), ("check_socket", "yes"),
+    ("handle_kinds", frozenset()), ("handle_kinds", {"memfd"}), ("deployment", b"demo"),
+])
+def test_a_bad_coordinator_config_is_refused_by_name(field: str, value: object) -> None:
+    kw: dict[str, Any] = {"deployment": DEPLOYMENT, "tp": 2, "socket_dir": _dir(), field: value}
+    with pytest.raises(ArgumentInvalid) as info:
+        CoordinatorConfig(**kw)
+    assert info.value.argument == f"CoordinatorConfig.{field}"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("rank", 2), ("rank", -1), ("rank", None), ("tp", 0), ("tp", 2.0), ("coordinator_path", 3),
+    ("coordinator_path", "x\x00"), ("request_timeout_s", float("inf")), ("renew_interval_s", 0),
+    ("drain_poll_s", None), ("device_uuids", {b"x"}), ("geometry_fingerprint", "ab"), ("keep_ended", 0),
+    ("reuse", True), ("admission", "yes"), ("check_socket", 1),
+])
+def test_a_bad_worker_config_is_refused_by_name(field: str, value: object) -> None:
+    kw: dict[str, Any] = {"deployment": DEPLOYMENT, "rank": 0, "tp": 2, "coordinator_path": _dir() / "c.sock",
+                          field: value}
+    with pytest.raises(ArgumentInvalid) as info:
+        WorkerConfig(**kw)
+    assert info.value.argument == f"WorkerConfig.{field}"
+
+
+def test_bad_arguments_to_the_coordinator_and_worker_are_typed_and_leave_them_working(
+        transport: HostTransport, prefill_factory: Any) -> None:
+    """Arguments are checked before any side effect; a valid call afterwards works."""
+    ex = make_exporter(2, transport)
+    p = prefill_factory(2)
+    c, w = p.coordinator, p.workers[0]
+    calls: list[Any] = [
+        lambda: c.import_group(None), lambda: c.import_group([b"x"] * 10 ** 3), lambda: c.start_group("ab"),
+        lambda: c.start_group([ex.descriptor(0)], blocks="b"), lambda: c.start_group([], bogus=1),
+        lambda: c.wait_for_workers(float("nan")), lambda: c.expectation(nope=1),
+        lambda: w.share(None), lambda: w.share("\x00"), lambda: w.wait("g", ["ready"], -1),
+        lambda: w.wait("g", [1], 1.0), lambda: w.close("soon"),
+        lambda: Coordinator("config"), lambda: RankWorker("config", transport),  # type: ignore[arg-type]
+    ]
+    for call in calls:
+        with pytest.raises(KvStateError):
+            call()
+    assert not c.groups and all(not x.shares for x in p.workers)
+    group = c.import_group([ex.descriptor(r) for r in range(2)])
+    assert group.state == "ready"
+    with pytest.raises(KvStateError):
+        group.drain("now")  # type: ignore[arg-type]
+    with pytest.raises(KvStateError):
+        group.wait(["ready"], None)  # type: ignore[arg-type]
+    group.drain(5.0)
+    assert group.state == "closed"
