@@ -24,7 +24,7 @@ from kvstate.core.errors import (DrainTimeout, GroupRejected, IllegalTransition,
                             LoadFailed, RegistrationFailed, TransitionError)
 from kvstate.share.exporter import Exporter, ExportConfig
 from kvstate.core.identity import Incarnation
-from kvstate.share.importer import Group, ImportConfig, Importer
+from kvstate.share.importer import Group, ImportConfig, Importer, Part
 from kvstate.core.machine import StateChange, effect
 from kvstate.transport.host import HostTransport
 from support.faults import KINDS as FAULT_KINDS, FaultyTransport
@@ -85,7 +85,9 @@ class LifecycleMachine(RuleBasedStateMachine):
     def pick(self, data: st.DataObject, *states: str) -> Group | None:
         """A live group in one of ``states``, or None. What is drawn never depends on the
         live state (an index into a fixed range): watcher and expiry threads move groups
-        between replays, and Hypothesis needs the same draws to mean the same test."""
+        between replays, and Hypothesis needs the same draws to mean the same test. So a
+        rule draws everything else it needs before it looks at what this returns (a rule
+        that draws less when no group is found replays as FlakyStrategyDefinition)."""
         index = data.draw(st.integers(0, 63))
         found = [g for g in self.importer.groups if g.state in states]
         return found[index % len(found)] if found else None
@@ -142,10 +144,10 @@ class LifecycleMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def load(self, data: st.DataObject) -> None:
         """INV-LOAD-BYTES: what a ready group reads equals what the exporter wrote."""
+        blocks = data.draw(st.lists(st.integers(0, GEOMETRY.num_blocks - 1), min_size=1, max_size=6))
         group = self.pick(data, "ready")
         if group is None:
             return
-        blocks = data.draw(st.lists(st.integers(0, GEOMETRY.num_blocks - 1), min_size=1, max_size=6))
         dst = [bytearray(len(blocks) * GEOMETRY.block_bytes) for _ in range(group.tp)]
         group.load_prefix(blocks, dst)
         for part, buf in zip(group.parts, dst):
@@ -183,10 +185,11 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def exporter_connection_dies(self, data: st.DataObject) -> None:
+        which = data.draw(st.integers(0, 7))
         group = self.pick(data, "ready")
         if group is None:
             return
-        part = group.parts[data.draw(st.integers(0, 7)) % group.tp]
+        part = group.parts[which % group.tp]
         for ex in self.exporters.values():
             for bank in ex.banks.values():
                 for lease in list(bank.leases.values()):
@@ -283,11 +286,12 @@ class LifecycleMachine(RuleBasedStateMachine):
     def part_event_on_live_group(self, data: st.DataObject) -> None:
         """Issue 14, class 5: any part event on any part of a ready or draining group is
         refused or moves the group out of ready; a ready group never holds a part that left."""
+        which = data.draw(st.integers(0, 7))
+        event = data.draw(st.sampled_from(sorted(Part.table.event_names)))
         group = self.pick(data, "ready", "draining")
         if group is None:
             return
-        part = group.parts[data.draw(st.integers(0, 7)) % group.tp]
-        event = data.draw(st.sampled_from(sorted(part.table.event_names)))
+        part = group.parts[which % group.tp]
         with group.locked():
             before = group.state
             try:
@@ -301,10 +305,10 @@ class LifecycleMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def guided_fault(self, data: st.DataObject) -> None:
         """Guided: a fault event legal in the group's current state, through the real API."""
+        event = data.draw(st.sampled_from(("peer_died", "expired", "incarnation_changed")))
         group = self.pick(data, *GROUP_STATES)
         if group is None:
             return
-        event = data.draw(st.sampled_from(("peer_died", "expired", "incarnation_changed")))
         if group.may(event):  # drawn before looking at the live state (see illegal_event)
             before = group.state
             try:
