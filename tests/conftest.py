@@ -29,7 +29,7 @@ import pytest  # noqa: E402
 
 from support import leaks as _leaks  # noqa: E402
 
-LEAK_CHECKED_DIRS = ("native", "lifecycle", "soak", "trust", "fuzz", "bounds", "cuda")
+LEAK_CHECKED_DIRS = ("native", "lifecycle", "soak", "trust", "fuzz", "bounds", "cuda", "cudashim")
 LEAK_CHECKED_FILES = ("test_nixl_transport.py", "test_cuda_cpu.py")
 
 

@@ -22,6 +22,7 @@ COMMANDS = {
     "bench": "bench",
     "check": "check",
     "generate": "generate",
+    "gpucheck": "gpucheck",
 }
 
 _HELP = {
@@ -31,6 +32,7 @@ _HELP = {
     "bench": "run the benchmarks against peers, side by side",
     "check": "model-check the tables with Spin",
     "generate": "write every file derived from spec/, or check that they are fresh",
+    "gpucheck": "check the cuda backend on a GPU (imports, copies, a kill) and print JSON figures",
 }
 
 

@@ -19,6 +19,15 @@ requesting connection: when the importer closes it or dies, its leases end
 ``drain`` refuses new leases; the bank becomes ``quiescent`` only when it has no lease
 and the native layer reports zero pins on its mapping, and only a quiescent bank is
 released (INV-RELEASE-QUIESCENT).
+
+Memory nobody counts across processes (legacy CUDA IPC, ``UNCOUNTED_KINDS``): the driver
+frees it at the exporter's release whoever still has it open, so the bank keeps a *hold*
+for every importer that may have it open: a pin on its mapping, taken with the lease and
+dropped only on evidence that the importer closed it: its ``release`` request (an
+importer closes its handle before returning the lease) or its connection closing (its
+process exited, or it let go). A lease that expires ends as a lease, but its hold stays,
+so the pins keep the bank out of ``quiescent`` and its memory is never freed under an
+importer that still has it open.
 """
 
 from __future__ import annotations
@@ -48,7 +57,7 @@ from kvstate.core.errors import (
     TransitionError,
 )
 from kvstate.core.geometry import Geometry
-from kvstate.core.handles import HandleKind
+from kvstate.core.handles import UNCOUNTED_KINDS, HandleKind
 from kvstate.core.identity import Deployment, FabricDomain, FabricKind, Incarnation, host_boot_id
 from kvstate.reuse.inventory import Inventory, LeaseGrant, Stale
 from kvstate.core.machine import Lifecycle, Observer, effect, guard
@@ -114,6 +123,10 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         self.descriptor_expires_ns = 0
         self.inventory_epoch = 0
         self.leases: dict[int, BankLease] = {}
+        #: lease id -> the connection of an importer that may have the bank open, for
+        #: memory nobody counts across processes (UNCOUNTED_KINDS): each is a pin.
+        self.holds: dict[int, chan.Channel] = {}
+        self.uncounted = exporter.config.handle_kind in UNCOUNTED_KINDS
         self.accepting = True
 
     # -- what the engine uses -------------------------------------------------------
@@ -229,18 +242,40 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
     @effect("grant_lease")
     def _grant(self, *, lease_id: int, channel: chan.Channel, blocks: LeaseGrant | None = None,
                **kw: Any) -> Callable[[], None]:
+        if self.uncounted:
+            self.transport.pin(self.mapped())  # the hold: unmap and release refuse from here
+            self.holds[lease_id] = channel
         self.leases[lease_id] = BankLease(lease_id, channel, time.monotonic() + self.exporter.config.lease_timeout_s,
                                       blocks)
 
         def undo() -> None:
             self.leases.pop(lease_id, None)
+            self.drop_hold(lease_id)
         return undo
 
     @effect("end_lease")
-    def _end(self, *, lease_id: int, **kw: Any) -> None:
+    def _end(self, *, lease_id: int, still_open: bool = False, **kw: Any) -> None:
+        """``still_open``: the lease ended without evidence that its importer closed the
+        bank (it expired), so a hold it has stays until that evidence comes."""
         lease = self.leases.pop(lease_id)
+        if not still_open:
+            self.drop_hold(lease_id)
         if lease.blocks is not None and self.exporter.inventory is not None:
             self.exporter.inventory.release(lease.blocks)  # the blocks may be evicted again
+
+    def drop_hold(self, lease_id: int) -> bool:
+        """Let go of a lease's hold (its importer closed the bank): one pin fewer."""
+        with self.locked():
+            if self.holds.pop(lease_id, None) is None:
+                return False
+            self.transport.unpin(self.mapped())
+            return True
+
+    def drop_holds(self, channel: chan.Channel) -> None:
+        """The importer on ``channel`` is gone: none of its holds can be open any more."""
+        with self.locked():
+            for lease_id in [i for i, ch in self.holds.items() if ch is channel]:
+                self.drop_hold(lease_id)
 
     @effect("stop_new_leases")
     def _stop(self, **kw: Any) -> Callable[[], None]:
@@ -400,6 +435,9 @@ class Exporter(Generic[H, A, R, M, E]):
             fds = () if fd is None else (fd,)  # FABRIC and CUDA_IPC carry bytes only
             return {"ok": True, "lease": lease_id, "expires_in_s": remaining}, fds
         held = bank.leases.get(req.get("lease", -1))
+        if held is None and op == "release" and bank.holds.get(req.get("lease", -1)) is ch:
+            bank.drop_hold(req["lease"])  # an expired lease's importer closed the bank after all
+            return {"ok": True}, ()
         if held is None or held.channel is not ch:
             return self._refuse("unknown_lease", f"no live lease {req.get('lease')!r} on this connection")
         if op == "mapped":
@@ -429,12 +467,14 @@ class Exporter(Generic[H, A, R, M, E]):
         for bank in list(self.banks.values()):
             for lease in [lease for lease in list(bank.leases.values()) if select(lease)]:
                 try:
-                    bank.fire(event, lease_id=lease.id)
+                    bank.fire(event, lease_id=lease.id, still_open=event == "lease_expired")
                 except (TransitionError, KeyError):
                     pass  # already ended by another path (release, expiry, death)
 
     def _connection_closed(self, ch: chan.Channel) -> None:
         self._end_leases("peer_died", lambda lease: lease.channel is ch)
+        for bank in list(self.banks.values()):
+            bank.drop_holds(ch)
 
     def _expire_loop(self) -> None:
         while not self._stopping.wait(0.05):
@@ -463,8 +503,8 @@ class Exporter(Generic[H, A, R, M, E]):
                     bank.fire("quiesce")
                 except TransitionError:
                     if time.monotonic() >= deadline:
-                        raise DrainTimeout(f"{bank.label}: {len(bank.leases)} lease(s), {bank.pins()} pin(s) "
-                                           f"after {timeout} s; nothing released") from None
+                        raise DrainTimeout(f"{bank.label}: {len(bank.leases)} lease(s), {len(bank.holds)} hold(s), "
+                                           f"{bank.pins()} pin(s) after {timeout} s; nothing released") from None
                     time.sleep(0.005)
             waited = time.monotonic() - start
             bank.fire("release")

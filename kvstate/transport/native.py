@@ -123,7 +123,7 @@ class Op:
         info = self.reap()
         if OPS.faulted(info.state):
             raise errors.OpFailed("kvs_reap", info.error, f"op {self.id} {info.state}: "
-                                  f"{self._native.strerror(info.error)}", self.id)
+                                  f"{self._native.reason(info)}", self.id)
         return info
 
 
@@ -184,10 +184,33 @@ class Native:
     def strerror(self, code: int) -> str:
         return self.ffi.string(self.lib.kvs_strerror(code)).decode()
 
+    def reason(self, info: OpInfo) -> str:
+        """Why an op failed, with the CUresult the device reported for a CUDA op."""
+        if info.error == self.lib.KVS_E_CUDA:
+            return f"the device reported CUresult {info.result} ({self.cuda_result_name(info.result)})"
+        return self.strerror(info.error)
+
+    def cuda_result_name(self, result: int) -> str:
+        """cuGetErrorName of a CUresult ("" before the driver is loaded, or if it has none)."""
+        name = self.lib.kvs_cuda_result_name(result)
+        return self.ffi.string(name).decode() if name != self.ffi.NULL else ""
+
     def error(self, rc: int, call: str, what: str, state: str = "", event: str = "") -> KvStateError:
         """The typed error for C return code ``rc`` of ``call`` (about ``what``); the caller
         raises it straight after the call, so errno is still the failing call's."""
         detail = f"{what}: {self.strerror(rc)}"
+        if rc == self.lib.KVS_E_CUDA:
+            from kvstate.transport.cuda.rules import cuda_error  # driver-free; imported here (no cycle)
+
+            call_name = self.ffi.string(self.lib.kvs_cuda_last_call()).decode() or call
+            result = self.lib.kvs_cuda_last_result()
+            return cuda_error(call_name, result, self.cuda_result_name(result), what)
+        if rc == self.lib.KVS_E_NODRIVER:
+            return BackendUnavailable("cuda", self.ffi.string(self.lib.kvs_cuda_load_error()).decode()
+                                      or "the CUDA driver is not loaded")
+        if rc == self.lib.KVS_E_OWNIPC:
+            return errors.LegacyIpcRefused(f"{call}: {what}: a process may not open a legacy IPC handle it "
+                                           "exported itself")
         if rc == self.lib.KVS_E_SYS:
             err = self.ffi.errno
             return errors.NativeOSError(call, rc, f"{detail} (errno {err})", err)
@@ -302,12 +325,29 @@ class Native:
             raise self.error(rc, "kvs_submit", f"gather of {n} blocks", OPS.initial, SUBMIT)
         return self._submitted(int(out[0]), sk, dk)
 
+    def submit_cuda(self, device: int, src: tuple[int, int, int], dst: tuple[int, int, int],
+                    blocks: Sequence[Block], *, fail: bool = False) -> Op:
+        """A gather on a CUDA device (``kvs_cuda_submit``): each end is ``(region, addr,
+        size)``, a region of that device (addr and size 0) or device memory by address. The
+        op is the engine's like any other: wait, reap or ``result`` it here."""
+        try:
+            cblocks = self.ffi.new("kvs_block[]", list(blocks))
+        except (TypeError, OverflowError, ValueError) as exc:
+            raise errors.NativeInvalidArgument("kvs_cuda_submit", -1, f"blocks: {exc}") from None
+        n = len(cblocks)
+        out = self.ffi.new("int64_t *")
+        rc = self.lib.kvs_cuda_submit(device, self.ffi.new("kvs_endpoint *", src), self.ffi.new("kvs_endpoint *", dst),
+                                      cblocks, n, self._fail_flag if fail else 0, out)
+        if rc:
+            raise self.error(rc, "kvs_cuda_submit", f"gather of {n} blocks", OPS.initial, SUBMIT)
+        return Op(self, int(out[0]))
+
     def op_info(self, op: int) -> OpInfo:
         out = self.ffi.new("kvs_op_info *")
         rc = self.lib.kvs_op_info_get(op, out)
         if rc:
             raise self.error(rc, "kvs_op_info_get", f"op {op}")
-        return OpInfo(op, self.op_states[out.state], out.error, out.bytes, out.nblocks)
+        return OpInfo(op, self.op_states[out.state], out.error, out.bytes, out.nblocks, out.result)
 
     def wait(self, op: int, timeout: float) -> bool:
         """Block up to ``timeout`` s (0 polls) without the GIL; True once the op finished."""
@@ -331,7 +371,7 @@ class Native:
         if rc:
             raise self.error(rc, "kvs_reap", f"op {op}", self._state_or_unknown(op), REAP)
         self._keep.pop(op, None)
-        return OpInfo(op, self.op_states[out.state], out.error, out.bytes, out.nblocks)
+        return OpInfo(op, self.op_states[out.state], out.error, out.bytes, out.nblocks, out.result)
 
     def _state_or_unknown(self, op: int) -> str:
         out = self.ffi.new("kvs_op_info *")
