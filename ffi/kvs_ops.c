@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "kvs_engine.h"
 
@@ -36,6 +37,7 @@ struct kvs_op {
     uint64_t bytes;
     uint32_t nparts, next_part, parts_done;
     int32_t part_error;
+    int32_t notify_fd; /* written (8 bytes: 1) once the op is collectable; 0 = none */
     struct kvs_op *qnext;
     kvs_block inline_blocks[KVS_MAX_WORKERS]; /* small ops need no second malloc */
 };
@@ -66,6 +68,19 @@ static void lock(void) {
 }
 
 static void unlock(void) { pthread_mutex_unlock(&kvs_g.mu); }
+
+/* Under the lock, at the step that makes the op collectable: tell its notify fd (an
+ * eventfd the caller keeps open until it has reaped the op, so the number cannot be
+ * reused under us). An eventfd write of 1 cannot block; a failure is not reportable
+ * here, and waiters still see the state through kvs_wait. */
+static void notify(struct kvs_op *op) {
+    if (op->notify_fd > 0) {
+        uint64_t one = 1;
+        ssize_t n = write(op->notify_fd, &one, sizeof one);
+        (void)n;
+        op->notify_fd = 0;
+    }
+}
 
 /* -- the table-driven step ------------------------------------------------------------ */
 
@@ -263,6 +278,7 @@ static void *worker(void *arg) {
             op->error = op->part_error;
             E.running--;
             account(op);
+            notify(op);
             pthread_cond_broadcast(&E.done_cv);
         }
     }
@@ -445,7 +461,25 @@ int kvs_cancel(int64_t id) {
         op->qnext = NULL;
         E.queued--;
         E.cancelled++;
+        notify(op);
         pthread_cond_broadcast(&E.done_cv);
+    }
+    unlock();
+    return rc;
+}
+
+int kvs_op_notify(int64_t id, int32_t fd) {
+    if (fd <= 0) return KVS_E_INVAL;
+    lock();
+    struct kvs_op *op = find(id);
+    int rc = KVS_OK;
+    if (!op) {
+        rc = KVS_E_NOENT;
+    } else if (op->notify_fd > 0) {
+        rc = KVS_E_INVAL; /* one notify fd per op */
+    } else {
+        op->notify_fd = fd;
+        if (kvs_op_collectable(op->state)) notify(op); /* it finished before we were asked */
     }
     unlock();
     return rc;
@@ -565,6 +599,7 @@ void kvs_op_stepped(struct kvs_op *op, int event, int32_t error, int32_t result)
         op->result = result;
         E.running--;
         account(op);
+        notify(op);
         pthread_cond_broadcast(&E.done_cv);
         break;
     default:

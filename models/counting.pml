@@ -88,6 +88,12 @@ proctype importer()
 		if :: (op[0] == OP_created) && ((part_n[PART_imported] == TP)) -> pins++; op[0] = OP_queued; printf("@@> op 0 submit created queued\n") :: else -> skip fi;
 		printf("@@ group 0 load ready ready\n");
 		check_invariants() }
+	:: atomic { (group == GROUP_ready) && (false) ->
+		printf("@@ group 0 loaded ready ready\n");
+		check_invariants() }
+	:: atomic { (group == GROUP_draining) && (false) ->
+		printf("@@ group 0 loaded draining draining\n");
+		check_invariants() }
 	:: atomic { (group == GROUP_draining) && ((pins == 0)) ->
 		group = GROUP_quiescent;
 		printf("@@ group 0 quiesce draining quiescent\n");

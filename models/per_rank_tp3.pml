@@ -95,6 +95,33 @@ proctype exporter(byte i)
 		g_advertised[i] = 1;
 		printf("@@ bank %d advertise registered advertised\n", i);
 		check_invariants() }
+	:: atomic { (bank[i] == BANK_registered) && (false) ->
+		printf("@@ bank %d store registered registered\n", i);
+		check_invariants() }
+	:: atomic { (bank[i] == BANK_advertised) && (false) ->
+		printf("@@ bank %d store advertised advertised\n", i);
+		check_invariants() }
+	:: atomic { (bank[i] == BANK_importing) && (false) ->
+		printf("@@ bank %d store importing importing\n", i);
+		check_invariants() }
+	:: atomic { (bank[i] == BANK_ready) && (false) ->
+		printf("@@ bank %d store ready ready\n", i);
+		check_invariants() }
+	:: atomic { (bank[i] == BANK_registered) && (false) ->
+		printf("@@ bank %d stored registered registered\n", i);
+		check_invariants() }
+	:: atomic { (bank[i] == BANK_advertised) && (false) ->
+		printf("@@ bank %d stored advertised advertised\n", i);
+		check_invariants() }
+	:: atomic { (bank[i] == BANK_importing) && (false) ->
+		printf("@@ bank %d stored importing importing\n", i);
+		check_invariants() }
+	:: atomic { (bank[i] == BANK_ready) && (false) ->
+		printf("@@ bank %d stored ready ready\n", i);
+		check_invariants() }
+	:: atomic { (bank[i] == BANK_draining) && (false) ->
+		printf("@@ bank %d stored draining draining\n", i);
+		check_invariants() }
 	:: atomic { (bank[i] == BANK_draining) && (((leases[i] == 0 && pins[i] == 0))) ->
 		bank[i] = BANK_quiescent;
 		g_quiesced[i] = 1;
@@ -232,6 +259,12 @@ proctype importer()
 		if :: !(!g_group_drained) -> printf("@@ violated INV-DRAIN-NO-NEW\n"); assert(false) :: else -> skip fi;
 		if :: (op[0] == OP_created) && (((part[0] == PART_imported) && (part[1] == PART_imported) && (part[2] == PART_imported))) -> pins[0]++; pins[1]++; pins[2]++; op[0] = OP_queued; printf("@@> op 0 submit created queued\n") :: else -> skip fi;
 		printf("@@ group 0 load ready ready\n");
+		check_invariants() }
+	:: atomic { (group == GROUP_ready) && (false) ->
+		printf("@@ group 0 loaded ready ready\n");
+		check_invariants() }
+	:: atomic { (group == GROUP_draining) && (false) ->
+		printf("@@ group 0 loaded draining draining\n");
 		check_invariants() }
 	:: atomic { (group == GROUP_draining) && (((pins[0] == 0) && (pins[1] == 0) && (pins[2] == 0))) ->
 		group = GROUP_quiescent;

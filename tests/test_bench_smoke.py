@@ -21,9 +21,10 @@ def test_quick_bench_writes_table_and_plot(tmp_path: Path) -> None:
                        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
     table = (tmp_path / "bench.md").read_text()
-    for suite in ("B1", "B2", "B3"):
+    for suite in ("B1", "B2", "B3", "B4"):
         assert f"**{suite}:" in table
-    for row in ("kvstate host import", "kvstate op engine gather"):  # measured, not skipped
+    for row in ("kvstate host import", "kvstate op engine gather", "kvstate Group.load (paged scatter)",
+                "kvstate first layer usable", "kvstate Bank.store (same pages)"):  # measured, not skipped
         assert f"| {row} |" in table and f"| {row} | skipped |" not in table
     assert "| contiguous memcpy |" in table and "| numpy gather |" in table
     assert "| readiness check tp=4 |" in table

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import pytest
-
 from support.crosshair import crosshair
-
-pytestmark = pytest.mark.slow
 
 
 def test_validators_and_geometry_contracts_hold() -> None:

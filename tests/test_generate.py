@@ -60,6 +60,7 @@ def _edit(path: Path) -> None:
     path.write_text(path.read_text(encoding="utf-8").replace("\n", "\n ", 1), encoding="utf-8")
 
 
+@pytest.mark.slow  # copies the source tree and generates it twice per case: make test runs it
 @pytest.mark.parametrize(("plant", "stale"), [
     (lambda t: _edit(t / "ffi" / "kvs_op_table.h"), "ffi/kvs_op_table.h"),
     (lambda t: _edit(t / "models" / "counting.pml"), "models/counting.pml"),

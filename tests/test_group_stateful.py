@@ -40,7 +40,7 @@ class GroupUnderTest(Lifecycle):
         self.validated = False
         self.imported: set[int] = set()
         self.pins = 0
-        self.loads_open = True
+        self.loads = 0  # submitted and not yet collected
         self.failing: str | None = None
 
     def _maybe_fail(self, name: str) -> None:
@@ -61,7 +61,12 @@ class GroupUnderTest(Lifecycle):
 
     @guard("native_quiescent")
     def _quiescent(self, **kw: Any) -> bool:
-        return self.pins == 0
+        return self.pins == 0 and self.loads == 0
+
+    @effect("collect_load")
+    def _collect(self, **kw: Any) -> None:
+        self._maybe_fail("collect_load")
+        self.loads = max(0, self.loads - 1)
 
     @effect("rollback_parts")
     def _rollback(self, **kw: Any) -> None:
@@ -71,21 +76,18 @@ class GroupUnderTest(Lifecycle):
     @effect("submit_load")
     def _submit(self, **kw: Any) -> Any:
         self.pins += 1
+        self.loads += 1
         try:
             self._maybe_fail("submit_load")
         except Injected:
             self.pins -= 1  # an effect that raises leaves nothing half done
+            self.loads -= 1
             raise
 
         def undo() -> None:
             self.pins -= 1
+            self.loads -= 1
         return undo
-
-    @effect("stop_loads")
-    def _stop(self, **kw: Any) -> Any:
-        self.loads_open = False
-        self._maybe_fail("stop_loads")
-        return None
 
     @effect("unmap_parts")
     def _unmap(self, **kw: Any) -> None:
@@ -101,6 +103,7 @@ class GroupModel:
         self.tp, self.state, self.validated = tp, "advertised", False
         self.imported: set[int] = set()
         self.pins = 0
+        self.loads = 0
 
     def outcome(self, event: str) -> str | None:
         """The next state, "refused" (guard), or None (not declared here)."""
@@ -117,13 +120,13 @@ class GroupModel:
                 return "ready" if self.imported == set(range(self.tp)) else "refused"
             return "failed" if fault or event == "drain" else None
         if s == "ready":
-            if event == "load":
+            if event in ("load", "loaded"):
                 return "ready"
             return "draining" if event == "drain" or (fault and event != "part_failed") else None
         if s == "draining":
             if event == "quiesce":
-                return "quiescent" if self.pins == 0 else "refused"
-            return "draining" if event == "drain" or (fault and event != "part_failed") else None
+                return "quiescent" if self.pins == 0 and self.loads == 0 else "refused"
+            return "draining" if event in ("drain", "loaded") or (fault and event != "part_failed") else None
         if s == "quiescent":
             if event == "close":
                 return "closed"
@@ -133,6 +136,9 @@ class GroupModel:
     def apply(self, event: str, dest: str) -> None:
         if event == "load":
             self.pins += 1
+            self.loads += 1
+        if event == "loaded":
+            self.loads = max(0, self.loads - 1)
         if dest == "failed" or event == "close":
             self.imported.clear()
         self.state = dest
@@ -229,6 +235,7 @@ def broken_group_table() -> MachineSpec:
     return parse_machine(broken, "planted/group-without-completeness.toml")
 
 
+@pytest.mark.slow
 def test_self_test_stateful_catches_missing_completeness_guard() -> None:
     """The planted bug (no all_parts_imported guard) must be found and named by id."""
 

@@ -161,3 +161,114 @@ count = "count"
         t.join()
     assert c.state == "s8" and c.count == 8
     assert sorted(wins) == [f"s{i}" for i in range(1, 9)] and len(errors) == 8
+
+
+# -- observers run outside the machine's lock -------------------------------------------------
+
+
+def _lock_free_from_another_thread(obj: Lifecycle) -> bool:
+    """True when another thread can take the object's lock right now."""
+    got: list[bool] = []
+
+    def probe() -> None:
+        ok = obj._kv_lock.acquire(timeout=2.0)
+        if ok:
+            obj._kv_lock.release()
+        got.append(ok)
+
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join(5.0)
+    return got == [True]
+
+
+def test_observers_are_called_after_the_lock_is_released() -> None:
+    """An observer may wait for another thread that needs the object: no deadlock, and
+    the change reported is committed."""
+    free: list[bool] = []
+
+    class Op(harness_class(OP)):  # type: ignore[misc]
+        pass
+
+    op = Op()
+    op.observe(lambda c: free.append(_lock_free_from_another_thread(op)))
+    op.fire("submit")
+    with op.locked():  # inside a locked() block the change waits for the block's end
+        op.fire("start")
+        assert free == [True]
+    assert free == [True, True]
+
+
+def test_changes_of_an_effect_on_another_object_wait_for_the_outer_lock() -> None:
+    """A group's effect closes its parts: the parts' observers run after the group's lock
+    is released too, not under it."""
+    free: list[bool] = []
+
+    class Op(harness_class(OP)):  # type: ignore[misc]
+        pass
+
+    inner = Op()
+    outer_holder: list[Any] = []
+
+    class Outer(harness_class(OP)):  # type: ignore[misc]
+        def _effect(self, name: str) -> Any:
+            if name == "pin_regions":
+                inner.fire("submit")  # another object's transition inside this one's effect
+            return None
+
+    outer = Outer()
+    outer_holder.append(outer)
+    inner.observe(lambda c: free.append(_lock_free_from_another_thread(outer)))
+    outer.fire("submit")
+    assert free == [True]
+
+
+def test_an_observer_may_fire_on_its_own_object_and_order_is_kept() -> None:
+    class Op(harness_class(OP)):  # type: ignore[misc]
+        pass
+
+    op = Op()
+    seen: list[str] = []
+
+    def observer(c: StateChange) -> None:
+        seen.append(c.event)
+        if c.event == "submit":
+            op.fire("start")  # used to be ReentrantTransition under the lock
+
+    op.observe(observer)
+    op.fire("submit")
+    assert seen == ["submit", "start"] and op.state == "running"
+
+
+def test_concurrent_changes_reach_observers_in_commit_order() -> None:
+    class Op(harness_class(OP)):  # type: ignore[misc]
+        pass
+
+    ops = [Op() for _ in range(200)]
+    seen: dict[int, list[str]] = {i: [] for i in range(len(ops))}
+    for i, op in enumerate(ops):
+        op.observe(lambda c, i=i: seen[i].append(c.dest))
+
+    def drive(op: Lifecycle) -> None:
+        for event in ("submit", "start", "finish", "reap"):
+            op.fire(event)
+
+    threads = [threading.Thread(target=lambda k=k: [drive(o) for o in ops[k::4]]) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(s == ["queued", "running", "done", "reaped"] for s in seen.values())
+
+
+def test_transitions_library_logging_is_quiet_by_default(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    class Op(harness_class(OP)):  # type: ignore[misc]
+        pass
+
+    with caplog.at_level(logging.INFO):  # an application that logs INFO
+        logging.getLogger().setLevel(logging.INFO)
+        Op().fire("submit")
+    assert not [r for r in caplog.records if r.name.startswith("transitions")]
+    assert logging.getLogger("transitions.core").getEffectiveLevel() == logging.WARNING

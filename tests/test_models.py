@@ -28,6 +28,7 @@ PLANTED = sorted((ROOT / "tests" / "planted").glob("spec_*.toml"))
 # -- generation (no Spin needed; freshness is tests/test_generate.py) ------------------
 
 
+@pytest.mark.unit
 def test_unknown_guard_is_a_clear_error(tmp_path: Path) -> None:
     spec = load_spec(variant(tmp_path, extra=(
         ("group.toml", 'guards = ["all_parts_imported", "parts_compatible"]',
@@ -39,6 +40,7 @@ def test_unknown_guard_is_a_clear_error(tmp_path: Path) -> None:
     assert "REGISTRY" in info.value.problem
 
 
+@pytest.mark.unit
 def test_unknown_effect_is_a_clear_error(tmp_path: Path) -> None:
     spec = load_spec(variant(tmp_path, extra=(
         ("op.toml", 'effects = ["pin_regions"]', 'effects = ["pin_regions", "warp_drive"]'),
@@ -113,6 +115,8 @@ def test_counterexample_replays_against_lifecycle_machines(tmp_path: Path) -> No
     assert "all_parts_imported" in info.value.failed
 
 
+@pytest.mark.models
+@pytest.mark.native
 def test_counterexample_replays_against_the_real_exporter_and_importer(tmp_path: Path) -> None:
     """Trace to test on the real implementation. The real Bank, Group and Part classes,
     bound to the broken table (`Lifecycle.bound_to`), follow Spin's trail step by step up

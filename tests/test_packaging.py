@@ -7,10 +7,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow
 
 
 def test_installed_wheel_loads_its_own_tables(tmp_path: Path) -> None:

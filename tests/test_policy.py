@@ -53,7 +53,7 @@ def test_every_default_is_documented() -> None:
 
 def test_cost_defaults_follow_from_the_cited_figures() -> None:
     """The arithmetic behind the defaults (docs/policy.md), on kvstate's own Geometry."""
-    block = Geometry(layers=32, kv_heads=8, head_dim=128, block_tokens=16, dtype=DType.BF16,
+    block = Geometry.uniform(layers=32, kv_heads=8, head_dim=128, block_tokens=16, dtype=DType.BF16,
                      layout=Layout.BLOCK_MAJOR, num_blocks=1).block_bytes  # Llama-3-8B, vLLM block size
     assert block == 2 * 2**20
     d = ReuseSettings()

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvstate.commands.cli import main
+from kvstate.reuse.profile import PROTOCOL_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,7 +53,7 @@ def test_explain_with_an_admitted_gpu_profile(tmp_path: Path, capsys: pytest.Cap
         "device_uuids": ["11" * 16], "handle_kinds": ["posix_fd"], "fabric_trial": "not_run",
         "transports": [{"name": "cuda", "handle_kinds": ["posix_fd"], "memory_kinds": ["device"],
                         "scopes": ["same_node"]}],
-        "geometry_fingerprint": "ab" * 16, "protocol_version": 1,
+        "geometry_fingerprint": "ab" * 16, "protocol_version": PROTOCOL_VERSION,
     }
     path = tmp_path / "caps.json"
     path.write_text(json.dumps(caps))
@@ -76,6 +77,7 @@ def test_explain_bad_input_is_a_clear_error(args: list[str], message: str, capsy
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.multiproc
 def test_pure_modules_import_no_native_or_optional_code() -> None:
     code = ("import sys, kvstate.reuse.policy, kvstate.reuse.inventory, kvstate.reuse.profile, kvstate.reuse.handoff, "
             "kvstate.commands.policy\n"

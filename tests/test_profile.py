@@ -36,7 +36,7 @@ def transport(name: str, kinds: set[HandleKind], memory: set[MemoryKind], scopes
     return TransportCapabilities(name, Capabilities(frozenset(kinds), frozenset(memory), frozenset(scopes)))
 
 
-GEOMETRY = Geometry(layers=32, kv_heads=8, head_dim=128, block_tokens=16, dtype=DType.BF16,
+GEOMETRY = Geometry.uniform(layers=32, kv_heads=8, head_dim=128, block_tokens=16, dtype=DType.BF16,
                     layout=Layout.BLOCK_MAJOR, num_blocks=1024)
 
 HOST = transport("host", {HandleKind.MEMFD}, {MemoryKind.HOST}, {Scope.SAME_NODE})

@@ -30,18 +30,30 @@ def test_deployment_repr_hides_key() -> None:
     assert DEPLOYMENT.key.hex() not in repr(DEPLOYMENT)
 
 
-def test_geometry_fingerprint_is_stable_and_ignores_capacity() -> None:
-    other = attrs.evolve(GEOMETRY, num_blocks=999)
-    assert GEOMETRY.fingerprint() == other.fingerprint()
-    # Same itemsize, different dtype: still incompatible.
-    assert GEOMETRY.fingerprint() != attrs.evolve(GEOMETRY, dtype=DType.FP16).fingerprint()
-    # Pinned value: the fingerprint is part of the wire contract and must not drift.
-    assert GEOMETRY.canonical() == "layers=2;kv_heads=2;head_dim=8;block_tokens=4;dtype=bf16;layout=block_major"
+def _uniform(layout: Layout = Layout.BLOCK_MAJOR, *, layers: int = 2, head_dim: int = 8, num_blocks: int = 16,
+             dtype: DType = DType.BF16) -> Geometry:
+    return Geometry.uniform(layers=layers, kv_heads=2, head_dim=head_dim, block_tokens=4, dtype=dtype,
+                            layout=layout, num_blocks=num_blocks)
+
+
+def test_geometry_fingerprint_is_stable_and_covers_capacity() -> None:
+    # The fingerprint covers every field, capacity included; the format fingerprint is
+    # what a block holds, whatever the bank's capacity.
+    other = _uniform(num_blocks=999)
+    assert GEOMETRY.fingerprint() != other.fingerprint()
+    assert GEOMETRY.format_fingerprint() == other.format_fingerprint()
+    # Same itemsize, different dtype: incompatible either way.
+    fp16 = _uniform(dtype=DType.FP16)
+    assert GEOMETRY.fingerprint() != fp16.fingerprint()
+    assert GEOMETRY.format_fingerprint() != fp16.format_fingerprint()
+    # Pinned value: the canonical text is part of the wire contract and must not drift.
+    assert GEOMETRY.canonical() == "kv,bf16,16x2x2x4x2x8,0,256x128x64x16x8x1,0"
+    assert GEOMETRY.fingerprint().hex() == digest(Purpose.GEOMETRY, GEOMETRY.canonical().encode(), size=16).hex()
 
 
 @pytest.mark.parametrize("layout", list(Layout))
 def test_block_extents_tile_the_bank_exactly(layout: Layout) -> None:
-    g = attrs.evolve(GEOMETRY, layout=layout)
+    g = _uniform(layout)
     extents = sorted(e for b in range(g.num_blocks) for e in g.block_extents(b))
     pos = 0
     for off, length in extents:
@@ -54,8 +66,7 @@ def test_block_extents_tile_the_bank_exactly(layout: Layout) -> None:
 
 def test_geometry_rejects_zero_dimensions() -> None:
     with pytest.raises(ValueError):
-        Geometry(layers=0, kv_heads=1, head_dim=1, block_tokens=1, dtype=DType.FP16,
-                 layout=Layout.BLOCK_MAJOR, num_blocks=1)
+        _uniform(layers=0)
 
 
 def test_descriptor_roundtrip() -> None:
@@ -158,9 +169,19 @@ def test_rank_rules(sock: str) -> None:
 
 def test_geometry_rules(sock: str) -> None:
     parts = group(2, sock)
-    odd = attrs.evolve(parts[1], geometry=attrs.evolve(GEOMETRY, head_dim=16))
+    odd = attrs.evolve(parts[1], geometry=_uniform(head_dim=16))
     assert RejectReason.GEOMETRY in reasons([parts[0], odd])
     assert RejectReason.GEOMETRY in reasons(parts, geometry_fingerprint=bytes(16))
+    assert RejectReason.GEOMETRY in reasons(parts, block_format=bytes(16))
+    assert not reasons_or_none(parts, geometry_fingerprint=GEOMETRY.fingerprint(),
+                               block_format=_uniform(num_blocks=3).format_fingerprint())
+
+
+def test_a_geometry_mismatch_in_a_group_names_the_field(sock: str) -> None:
+    parts = group(2, sock)
+    with pytest.raises(GroupRejected) as info:
+        validate_group([parts[0], attrs.evolve(parts[1], geometry=_uniform(dtype=DType.FP16))], expectation())
+    assert "regions[0] 'kv'.dtype: bf16 != fp16" in str(info.value)
 
 
 def test_identity_rules(sock: str) -> None:

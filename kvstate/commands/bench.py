@@ -17,7 +17,7 @@ help = "run the benchmarks against peers, side by side"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of seconds")
-    parser.add_argument("--suite", action="append", choices=["B1", "B2", "B3"],
+    parser.add_argument("--suite", action="append", choices=["B1", "B2", "B3", "B4"],
                         help="run only this suite (repeatable); default: all")
     parser.add_argument("--repeats", type=int, help="timed repeats per row (default 7, quick 2)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"), help="where bench.md and bench.png go")

@@ -25,24 +25,15 @@ COMMANDS = {
     "gpucheck": "gpucheck",
 }
 
-_HELP = {
-    "demo": "run the decode-to-prefill reuse demo",
-    "spec": "show the lifecycle tables",
-    "policy": "explain the reuse policy's decision for given inputs",
-    "bench": "run the benchmarks against peers, side by side",
-    "check": "model-check the tables with Spin",
-    "generate": "write every file derived from spec/, or check that they are fresh",
-    "gpucheck": "check the cuda backend on a GPU (imports, copies, a kill) and print JSON figures",
-}
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstate", description="Safe KV-cache reuse between engine workers.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in COMMANDS.items():
-        cmd = sub.add_parser(name, help=_HELP.get(name, name), description=_HELP.get(name))
+        mod = importlib.import_module(f"kvstate.commands.{module}")
+        cmd = sub.add_parser(name, help=mod.help, description=mod.help)
         cmd.set_defaults(_module=module)
-        importlib.import_module(f"kvstate.commands.{module}").add_arguments(cmd)
+        mod.add_arguments(cmd)
     return parser
 
 

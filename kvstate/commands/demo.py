@@ -62,8 +62,8 @@ def run(args: argparse.Namespace) -> int:
             print(line, flush=True)
 
     g = spec.geometry()
-    log(f"kvstate demo: tp={spec.tp}, {g.layers} layers, {g.kv_heads} KV heads/rank, head dim {g.head_dim}, "
-        f"{g.block_tokens}-token blocks of {g.block_bytes // 1024} KiB, {g.num_blocks} blocks/bank"
+    log(f"kvstate demo: tp={spec.tp}, {spec.layers} layers, {spec.kv_heads} KV heads/rank, head dim {spec.head_dim}, "
+        f"{spec.block_tokens}-token blocks of {g.block_bytes // 1024} KiB, {g.num_blocks} blocks/bank"
         + (f", kill {args.kill[0]} at {args.kill[1]}" if args.kill else ""))
     report = run_scenario(spec, args.kill, log=log)
     if args.json:
@@ -82,12 +82,11 @@ def summary(r: dict[str, Any]) -> str:
         ("exporter bank states", " -> ".join(_dedupe(r["exporter_states"])) or "-"),
         ("import result per rank", ", ".join(map(str, r["import_states"]))),
         ("prefix bytes loaded", f"{r['load_bytes'] / 2**20:.1f} MiB"),
-        ("checksums", f"{sum(ok for _, ok in verified)}/{len(verified)} ranks verified"),
+        ("checksums", f"{sum(ok for _, ok in verified)}/{r['tp']} ranks loaded and verified"),
         ("exporter time to quiescent", f"{r['exporter_quiescent_s'] * 1e3:.1f} ms"),
         ("leaked fds / memfd maps", f"{sum(x['fds'] for x in leaks)} / {sum(x['memfd_maps'] for x in leaks)}"),
-        ("timings", ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in r["timings_s"].items())),
-        ("verdict", "OK: reuse verified, nothing partial, nothing leaked" if r["ok"] and not r["kill"]
-         else "OK: clean failure and recovery" if r["ok"] else "FAILED"),
+        *((f"time, {k}", f"{v * 1e3:.1f} ms") for k, v in r["timings_s"].items()),
+        ("verdict", r["outcome"]),
     ]
     width = max(len(k) for k, _ in rows)
     line = "-" * min(100, width + 2 + max(len(v) for _, v in rows))

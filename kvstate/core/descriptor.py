@@ -5,7 +5,9 @@ Wire format (all lengths checked before anything is parsed)::
     b"KVSD" | version: u8 | body length: u32 LE | body | MAC: 32 bytes
 
 ``body`` is canonical JSON (sorted keys, no whitespace, ASCII, integers only, bytes as
-lower-case hex). The MAC is keyed BLAKE2b (purpose ``DESCRIPTOR_MAC``) with the
+lower-case hex). The geometry travels as its canonical text (:mod:`kvstate.core.geometry`),
+which must parse and re-encode to itself. Version 2 replaced version 1's single block
+shape (seven keys) by that text; version 1 descriptors are refused (VERSION). The MAC is keyed BLAKE2b (purpose ``DESCRIPTOR_MAC``) with the
 deployment key over everything before it, so a descriptor from another deployment or a
 tampered one fails authentication, and it is checked *before* the body is parsed.
 Decoding is strict: exact key set, exact types, bounded sizes; every refusal is a
@@ -21,21 +23,22 @@ from typing import Any
 
 import attrs
 
-from kvstate.core.errors import DescriptorRejected
-from kvstate.core.geometry import DType, Geometry, Layout
+from kvstate.core.errors import DescriptorRejected, GeometryInvalid
+from kvstate.core.geometry import MAX_CANONICAL, Geometry
 from kvstate.core.handles import HandleKind
 from kvstate.core.identity import UUID_BYTES, Deployment, FabricDomain, FabricKind, Purpose, digest
 from kvstate.core.paths import MAX_SOCKET_PATH
 from kvstate.core.reasons import RejectReason
 
 MAGIC = b"KVSD"
-VERSION = 1
+VERSION = 2
 MAC_BYTES = 32
 _HEAD = struct.Struct("<4sBI")
 
 #: Hard cap on an encoded descriptor. The largest legitimate one carries a NIXL handle of
-#: at most 64 KiB, hex-encoded in the body (128 KiB), plus a few hundred bytes of fields.
-MAX_DESCRIPTOR_BYTES = 160 * 1024
+#: at most 64 KiB, hex-encoded in the body (128 KiB), a geometry of at most 128 KiB of
+#: canonical text, and a few hundred bytes of fields.
+MAX_DESCRIPTOR_BYTES = 288 * 1024
 
 U64_MAX = (1 << 64) - 1
 
@@ -65,16 +68,13 @@ class Descriptor:
     version: int = VERSION
 
     def body(self) -> dict[str, Any]:
-        g = self.geometry
         return {
             "deployment_id": self.deployment_id.hex(), "source_id": self.source_id.hex(),
             "fabric_kind": self.fabric.kind.value, "fabric_name": self.fabric.name,
             "host_boot_id": self.host_boot_id.hex(), "device_uuid": self.device_uuid.hex(),
             "incarnation": self.incarnation.hex(), "pid": self.pid,
             "rank": self.rank, "tp": self.tp,
-            "layers": g.layers, "kv_heads": g.kv_heads, "head_dim": g.head_dim,
-            "block_tokens": g.block_tokens, "dtype": g.dtype.value, "layout": g.layout.value,
-            "num_blocks": g.num_blocks,
+            "geometry": self.geometry.canonical(),
             "handle_kind": self.handle_kind.value, "handle": self.handle.hex(),
             "size": self.size, "granularity": self.granularity, "generation": self.generation,
             "expires_at_ns": self.expires_at_ns, "socket_path": self.socket_path,
@@ -128,8 +128,7 @@ def _no_constants(name: str) -> Any:
 _FIELDS = {
     "deployment_id": "hex16", "source_id": "hex16", "fabric_kind": "str", "fabric_name": "str",
     "host_boot_id": "hex16", "device_uuid": "hex16", "incarnation": "hex16", "pid": "u32",
-    "rank": "u32", "tp": "u32", "layers": "u32", "kv_heads": "u32", "head_dim": "u32",
-    "block_tokens": "u32", "dtype": "str", "layout": "str", "num_blocks": "u64",
+    "rank": "u32", "tp": "u32", "geometry": "geometry",
     "handle_kind": "str", "handle": "hex", "size": "u64", "granularity": "u64",
     "generation": "u64", "expires_at_ns": "u64", "socket_path": "str", "inventory_epoch": "u64",
 }
@@ -145,6 +144,10 @@ def _field(body: dict[str, Any], key: str) -> Any:
         return value
     if not isinstance(value, str):
         raise DescriptorRejected(RejectReason.MALFORMED, f"{key} must be a string")
+    if kind == "geometry":
+        if len(value) > MAX_CANONICAL:
+            raise DescriptorRejected(RejectReason.OVERSIZE, f"geometry is longer than {MAX_CANONICAL} characters")
+        return value
     if kind == "str":
         if len(value) > 4096:
             raise DescriptorRejected(RejectReason.OVERSIZE, f"{key} is longer than 4096 characters")
@@ -177,14 +180,13 @@ def _from_body(body: Any) -> Descriptor:
     if len(f["socket_path"].encode()) > MAX_SOCKET_PATH:
         raise DescriptorRejected(RejectReason.OVERSIZE, "socket_path does not fit sun_path")
     try:
-        geometry = Geometry(
-            layers=f["layers"], kv_heads=f["kv_heads"], head_dim=f["head_dim"],
-            block_tokens=f["block_tokens"], dtype=_enum(DType, "dtype", f["dtype"], RejectReason.MALFORMED),
-            layout=_enum(Layout, "layout", f["layout"], RejectReason.MALFORMED), num_blocks=f["num_blocks"],
-        )
+        geometry = Geometry.parse(f["geometry"])
+    except GeometryInvalid as exc:
+        raise DescriptorRejected(RejectReason.MALFORMED, str(exc)) from None
+    try:
         fabric = FabricDomain(_enum(FabricKind, "fabric_kind", f["fabric_kind"], RejectReason.MALFORMED),
                               f["fabric_name"])
-    except ValueError as exc:  # attrs validators: zero or oversized dimensions
+    except ValueError as exc:  # attrs validators
         raise DescriptorRejected(RejectReason.MALFORMED, str(exc)) from None
     return Descriptor(
         deployment_id=f["deployment_id"], source_id=f["source_id"], fabric=fabric,

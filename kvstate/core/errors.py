@@ -97,6 +97,31 @@ class TransportUnsuitable(KvStateError):
         super().__init__(f"transport {backend!r} cannot be used here: {need}")
 
 
+# -- geometry ------------------------------------------------------------------------
+
+
+class GeometryInvalid(KvStateError, ValueError):
+    """A geometry or region is malformed. ``field`` names what is wrong (``regions[2]
+    'layer.1'.strides``)."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        self.field = field
+        self.problem = problem
+        super().__init__(f"geometry: {field}: {problem}")
+
+
+class ConfigInvalid(KvStateError, ValueError):
+    """A configuration value is refused where it is made. ``field`` names it."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        self.field = field
+        super().__init__(f"{field}: {problem}")
+
+
+class BlockOutOfRange(KvStateError, IndexError):
+    """A block id outside the geometry's blocks."""
+
+
 # -- descriptors ---------------------------------------------------------------------
 
 
@@ -284,8 +309,34 @@ class ReuseStale(ImportFailed):
     retained inventory is advisory. Nothing was granted; recompute the prefix."""
 
 
-class LoadFailed(KvStateError):
+class TransferError(KvStateError):
+    """Base of the errors of loads (bank to engine) and stores (engine to bank)."""
+
+
+class TransferRejected(TransferError):
+    """A load or store argument was refused before anything was submitted: nothing was
+    written and no op is in flight. ``reason`` is a
+    :class:`kvstate.core.reasons.TransferReason`; ``where`` names the argument (``region
+    'layer.3'``, ``dst_block_ids[7]``)."""
+
+    def __init__(self, reason: Any, where: str, detail: str) -> None:
+        self.reason = reason
+        self.where = where
+        self.detail = detail
+        super().__init__(f"{reason.value}: {where}: {detail}")
+
+
+class LoadFailed(TransferError):
     """A prefix load did not complete; nothing it wrote may be used."""
+
+
+class StoreFailed(TransferError):
+    """A store into a bank did not complete; the bank blocks it targeted hold no valid KV."""
+
+
+class ViewsOutstanding(KvStateError):
+    """Engine views of a bank's memory (from ``Bank.tensors``) are still alive, so the
+    memory is not unmapped or released under them."""
 
 
 class DrainTimeout(KvStateError):

@@ -21,13 +21,24 @@ Objects are driven only through :meth:`Lifecycle.fire`:
    an undo callable. If a later effect raises, the undos of the earlier ones run in
    reverse order and the exception propagates with the state unchanged
    (INV-EFFECT-ATOMIC). An effect that raises must itself leave nothing half done.
-4. The state is committed and a :class:`StateChange` is delivered to the observers.
+4. The state is committed and a :class:`StateChange` is queued for the observers.
 
 Concurrency: each object carries its own ``threading.RLock`` and ``fire`` holds it for
 the whole transition, so a transition is atomic with respect to other threads driving
 the same object while different objects never contend. The lock is reentrant only so
 that a guard or effect firing on its own object is *detected* (ReentrantTransition)
 instead of deadlocking.
+
+Observers are called only when the calling thread holds no machine's lock: after the
+outermost ``fire`` or ``with obj.locked()`` of that thread returns (a group's effect that
+closes its parts delivers the parts' changes after the group's lock is released too).
+So an observer may block, take other locks, or drive any object without deadlocking
+against a thread that waits for one. Changes of one object reach its observers in commit
+order, one at a time: one thread at a time drains an object's queue, so ``fire`` may
+return before its change was delivered while another thread delivers earlier ones.
+
+Logging: the ``transitions`` library logs every state change at INFO. kvstate sets its
+loggers to WARNING unless the application set a level on them itself.
 
 Scale: objects are never added to the shared machine with ``Machine.add_model``, whose
 membership test on a list makes creating N models cost O(N^2). Triggers are called on
@@ -37,10 +48,12 @@ is set directly, so creating an object is O(1).
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any, ClassVar, TypeVar
 
@@ -56,6 +69,11 @@ from kvstate.core.errors import (
 from kvstate.core.spec import MachineSpec, TransitionSpec
 
 log = logging.getLogger(__name__)
+
+for _name in ("transitions", "transitions.core"):
+    _logger = logging.getLogger(_name)
+    if _logger.level == logging.NOTSET:  # respect a level the application chose
+        _logger.setLevel(logging.WARNING)
 
 Undo = Callable[[], None]
 F = TypeVar("F", bound=Callable[..., Any])
@@ -181,6 +199,25 @@ def compile_table(cls: type, spec: MachineSpec) -> _Compiled:
     return _Compiled(spec=spec, machine=machine, declared=declared, guards=guards, effects=effects)
 
 
+class _Held(threading.local):
+    """Per thread: how many machine locks it holds through fire/locked(), and the objects
+    whose changes wait for the last of them to be released."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.dirty: list[Lifecycle] = []
+
+
+_held = _Held()
+
+
+def _flush(p: _Held) -> None:
+    while p.dirty:
+        objs, p.dirty = p.dirty, []
+        for obj in dict.fromkeys(objs):  # each object once, in the order first changed
+            obj._deliver()
+
+
 class Lifecycle:
     """Base of every object whose state a table drives. See the module docstring."""
 
@@ -197,6 +234,9 @@ class Lifecycle:
         self._kv_state: str = compiled.spec.initial
         self._kv_lock: threading.RLock = threading.RLock()
         self._kv_firing = False
+        self._kv_pending: collections.deque[StateChange] = collections.deque()
+        self._kv_queue_lock = threading.Lock()  # guards _kv_pending's consumer side
+        self._kv_delivering = False
         self.label = label or f"{compiled.spec.name}@{id(self):x}"
         self._observers: tuple[Observer, ...] = tuple(observers)
 
@@ -230,14 +270,26 @@ class Lifecycle:
     def is_terminal(self) -> bool:
         return self._kv_state in type(self)._kv_compiled.spec.terminal
 
-    def locked(self) -> threading.RLock:
-        """The object's lock, to make a check and a fire one atomic step::
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the object's lock, to make a check and a fire one atomic step::
 
             with obj.locked():
                 if obj.may("drain"):
                     obj.fire("drain")
-        """
-        return self._kv_lock
+
+        Observers of changes fired inside are called when the block exits."""
+        p = _held
+        try:
+            with self._kv_lock:
+                p.depth += 1
+                try:
+                    yield
+                finally:
+                    p.depth -= 1
+        finally:
+            if p.depth == 0 and p.dirty:
+                _flush(p)
 
     def may(self, event: str) -> bool:
         """Whether ``event`` is declared in the current state (guards not evaluated)."""
@@ -251,28 +303,59 @@ class Lifecycle:
         """Apply ``event``; return the new state. See the module docstring for the rules."""
         compiled = type(self)._kv_compiled
         spec = compiled.spec
-        with self._kv_lock:
-            source = self._kv_state
-            if self._kv_firing:
-                raise ReentrantTransition(spec.name, source, event)
-            if (event, source) not in compiled.declared:
-                raise IllegalTransition(spec.name, source, event)
-            self._kv_firing = True
-            try:
-                fired = compiled.machine.events[event].trigger(self, **kwargs)
-            finally:
-                self._kv_firing = False
-            if not fired:
-                raise GuardRejected(spec.name, source, event, self._refusing_guards(spec.rows(event, source), kwargs))
-            dest = self._kv_state
-            if self._observers:
-                change = StateChange(spec.name, self.label, event, source, dest, time.monotonic_ns())
+        p = _held
+        try:
+            with self._kv_lock:
+                p.depth += 1
+                try:
+                    source = self._kv_state
+                    if self._kv_firing:
+                        raise ReentrantTransition(spec.name, source, event)
+                    if (event, source) not in compiled.declared:
+                        raise IllegalTransition(spec.name, source, event)
+                    self._kv_firing = True
+                    try:
+                        fired = compiled.machine.events[event].trigger(self, **kwargs)
+                    finally:
+                        self._kv_firing = False
+                    if not fired:
+                        raise GuardRejected(spec.name, source, event,
+                                            self._refusing_guards(spec.rows(event, source), kwargs))
+                    dest = self._kv_state
+                    if self._observers:
+                        self._kv_pending.append(StateChange(spec.name, self.label, event, source, dest,
+                                                            time.monotonic_ns()))
+                        p.dirty.append(self)
+                finally:
+                    p.depth -= 1
+        finally:
+            if p.depth == 0 and p.dirty:
+                _flush(p)
+        return dest
+
+    def _deliver(self) -> None:
+        """Call the observers with every queued change, in order, outside the object's
+        lock; one thread at a time per object (the others leave their changes to it)."""
+        with self._kv_queue_lock:
+            if self._kv_delivering:
+                return
+            self._kv_delivering = True
+        try:
+            while True:
+                with self._kv_queue_lock:
+                    if not self._kv_pending:
+                        self._kv_delivering = False
+                        return
+                    change = self._kv_pending.popleft()
                 for observer in self._observers:
                     try:
                         observer(change)
                     except Exception:  # an observer must never undo a committed transition
                         log.exception("observer %r failed on %s", observer, change)
-        return dest
+        except BaseException:
+            with self._kv_queue_lock:
+                self._kv_delivering = False
+            raise
 
     def _refusing_guards(self, rows: tuple[TransitionSpec, ...], kwargs: dict[str, Any]) -> list[str]:
         guards = type(self)._kv_compiled.guards

@@ -29,3 +29,20 @@ class RejectReason(enum.Enum):
     SOCKET_SYMLINK = "socket_symlink"          # a component of the path is a symlink
     SOCKET_DIR_OWNER = "socket_dir_owner"      # directory not owned by the expected uid
     SOCKET_DIR_MODE = "socket_dir_mode"        # directory accessible to group or others
+
+
+class TransferReason(enum.Enum):
+    """Why a load or store argument was refused before any submit."""
+
+    BLOCK_IDS = "block_ids"          # not ints, out of range, empty, repeated destination, lengths differ
+    REGIONS = "regions"              # tensors missing for a region, or named for no region
+    TENSOR = "tensor"                # not a tensor, array, DLPack object or buffer
+    DTYPE = "dtype"                  # element type differs from the region's
+    SHAPE = "shape"                  # dimensions differ from the region's (block dimension aside)
+    STRIDES = "strides"              # negative, overlapping, or too many runs per block
+    DEVICE = "device"                # memory this transport cannot reach (CUDA tensors for now)
+    READ_ONLY = "read_only"          # a load destination that cannot be written
+    RANK = "rank"                    # no such rank in the group, or none named at tp > 1
+    STATE = "state"                  # the group, part or bank cannot move data now (closed, not mapped)
+    TIMEOUT = "timeout"              # not a finite number of seconds >= 0
+    PLAN = "plan"                    # `load`/`store` fired without a plan built by Group.load/Bank.store

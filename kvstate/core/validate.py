@@ -129,7 +129,8 @@ class Expectation:
     handle_kinds: frozenset[HandleKind]
     host_boot_id: bytes
     uid: int
-    geometry_fingerprint: bytes | None = None     # None: any, but the group must agree
+    geometry_fingerprint: bytes | None = None     # Geometry.fingerprint(); None: any, but the group must agree
+    block_format: bytes | None = None             # Geometry.format_fingerprint(); None: any
     device_uuids: frozenset[bytes] | None = None  # None: any device
     incarnations: Mapping[int, bytes] | None = None  # rank -> its exporter's current incarnation
     min_generation: int = 0
@@ -155,6 +156,9 @@ def descriptor_problems(d: Descriptor, expect: Expectation,
     ]
     if expect.geometry_fingerprint is not None and d.geometry.fingerprint() != expect.geometry_fingerprint:
         found.append((RejectReason.GEOMETRY, "geometry fingerprint differs from the importer's"))
+    if expect.block_format is not None and d.geometry.format_fingerprint() != expect.block_format:
+        found.append((RejectReason.GEOMETRY, "blocks hold other regions, dtypes or shapes than the importer's "
+                      "(format fingerprint differs)"))
     if expect.device_uuids is not None and d.device_uuid not in expect.device_uuids:
         found.append((RejectReason.DEVICE_UUID, f"device {d.device_uuid.hex()} not acceptable"))
     if expect.incarnations is not None and expect.incarnations.get(d.rank) != d.incarnation:
@@ -199,8 +203,10 @@ def validate_group(descriptors: Iterable[Descriptor], expect: Expectation) -> Va
             problems.append(DescriptorRejected(RejectReason.TP_SIZE, f"tp {d.tp} differs from {first.tp}", d.rank))
         if d.source_id != first.source_id:
             problems.append(DescriptorRejected(RejectReason.MIXED_GROUP, "parts of different sources", d.rank))
-        if d.geometry.fingerprint() != first.geometry.fingerprint() or d.geometry.num_blocks != first.geometry.num_blocks:
-            problems.append(DescriptorRejected(RejectReason.GEOMETRY, "geometry differs within the group", d.rank))
+        differs = first.geometry.mismatch(d.geometry)
+        if differs is not None:
+            problems.append(DescriptorRejected(RejectReason.GEOMETRY, f"geometry differs from rank "
+                                               f"{first.rank}'s: {differs}", d.rank))
         if d.generation != first.generation:
             problems.append(DescriptorRejected(RejectReason.GENERATION, "generations differ within the group", d.rank))
     if 1 <= first.tp <= min(expect.max_tp, MAX_TP):  # else TP_SIZE is reported per part already;

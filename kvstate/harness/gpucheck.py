@@ -48,8 +48,8 @@ from kvstate.core.identity import Deployment
 
 DEPLOYMENT = Deployment("kvstate-gpu-check", bytes(range(32)))
 #: A Llama-8B-like rank: 32 layers, 8 KV heads of 128, 16-token blocks, bf16.
-GEOMETRY = Geometry(layers=32, kv_heads=8, head_dim=128, block_tokens=16, dtype=DType.BF16,
-                    layout=Layout.LAYER_MAJOR, num_blocks=64)
+GEOMETRY = Geometry.uniform(layers=32, kv_heads=8, head_dim=128, block_tokens=16, dtype=DType.BF16,
+                            layout=Layout.LAYER_MAJOR, num_blocks=64)
 TIMEOUT_S = 60.0
 #: Slows the shim's copies in the killed child so that the kill lands during one; the
 #: real driver never reads it.

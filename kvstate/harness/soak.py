@@ -177,7 +177,7 @@ def importer_worker(conn: multiprocessing.connection.Connection, spec_json: str,
                     t.native.pause(True)  # the load stays in flight, pinning the parts, until drain
                     loader = threading.Thread(target=load)
                     loader.start()
-                    while not g.ops:
+                    while not g.loads:
                         time.sleep(0.0005)
                     _send(conn, loading=True)
                 else:

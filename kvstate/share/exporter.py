@@ -16,9 +16,14 @@ when the request names the current incarnation and generation, and it is bound t
 requesting connection: when the importer closes it or dies, its leases end
 (``peer_died``); a lease that outlives ``lease_timeout_s`` ends too (``lease_expired``).
 
-``drain`` refuses new leases; the bank becomes ``quiescent`` only when it has no lease
-and the native layer reports zero pins on its mapping, and only a quiescent bank is
-released (INV-RELEASE-QUIESCENT).
+``drain`` refuses new leases; the bank becomes ``quiescent`` only when it has no lease,
+no store left to collect, and the native layer reports zero pins on its mapping, and
+only a quiescent bank is released (INV-RELEASE-QUIESCENT).
+
+The engine fills a bank in one of two ways (:mod:`kvstate.share.store`): ``Bank.store``
+copies pages of its own KV tensors into bank blocks on the op engine, or ``Bank.tensors``
+(``Exporter.allocate``) hands it tensors over the bank's memory to use as its KV cache,
+zero copy; the bank then refuses release while any of those tensors is alive.
 
 Memory nobody counts across processes (legacy CUDA IPC, ``UNCOUNTED_KINDS``): the driver
 frees it at the exporter's release whoever still has it open, so the bank keeps a *hold*
@@ -32,14 +37,18 @@ importer that still has it open.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Generic, Literal
+
+import logging
 
 import attrs
 
@@ -49,30 +58,53 @@ from kvstate.core.errors import (
     ChannelClosed,
     ChannelError,
     ChannelTimeout,
+    ConfigInvalid,
     DrainTimeout,
     FrameError,
     InventoryError,
     KvStateError,
     RegistrationFailed,
+    TransferRejected,
     TransitionError,
+    ViewsOutstanding,
 )
+from kvstate.core.reasons import TransferReason
 from kvstate.core.geometry import Geometry
 from kvstate.core.handles import UNCOUNTED_KINDS, HandleKind
 from kvstate.core.identity import Deployment, FabricDomain, FabricKind, Incarnation, host_boot_id
 from kvstate.reuse.inventory import Inventory, LeaseGrant, Stale
 from kvstate.core.machine import Lifecycle, Observer, effect, guard
+from kvstate.core.errors import IllegalTransition
 from kvstate.core.spec import load_machine
 from kvstate.core.capabilities import Access
 from kvstate.core.errors import TransportUnsuitable
 from kvstate.transport.protocol import A, E, H, HostView, M, MappedTransport, R, require_mapped
+from kvstate.share import store
+from kvstate.share.plan import Plan
+from kvstate.share.transfer import TransferHandle, stop_dispatcher_if_idle
+
+log = logging.getLogger(__name__)
+
+_SOURCE_ID_BYTES = 16
+
+
+def _source_id(_: object, attribute: attrs.Attribute[bytes], value: object) -> None:
+    if not isinstance(value, bytes) or len(value) != _SOURCE_ID_BYTES:
+        raise ConfigInvalid("ExportConfig.source_id", f"must be exactly {_SOURCE_ID_BYTES} bytes (it is signed into "
+                            f"every descriptor and importers refuse any other length), not {value!r:.40}")
+
+
+def _positive_int(_: object, attribute: attrs.Attribute[int], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigInvalid(f"ExportConfig.{attribute.name}", f"must be an int >= 1, not {value!r:.40}")
 
 
 @attrs.frozen
 class ExportConfig:
     deployment: Deployment
     socket_dir: Path
-    source_id: bytes                 # the logical KV source (this decode engine's group)
-    tp: int
+    source_id: bytes = attrs.field(validator=_source_id)  # the logical KV source: 16 bytes
+    tp: int = attrs.field(validator=_positive_int)
     lease_timeout_s: float = 30.0
     descriptor_ttl_s: float = 300.0
     max_leases: int = 64             # per bank
@@ -87,7 +119,6 @@ class BankLease:
     channel: chan.Channel
     expires_at: float                # time.monotonic()
     blocks: LeaseGrant | None = None  # the inventory blocks this lease pins, if any
-    mapped: bool = False
 
 
 #: The bank events that end a lease without the importer asking.
@@ -127,7 +158,8 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         #: memory nobody counts across processes (UNCOUNTED_KINDS): each is a pin.
         self.holds: dict[int, chan.Channel] = {}
         self.uncounted = exporter.config.handle_kind in UNCOUNTED_KINDS
-        self.accepting = True
+        self.stores: set[TransferHandle] = set()
+        self._views: list[weakref.ref[Any]] = []  # buffers under the engine's tensors (Bank.tensors)
 
     # -- what the engine uses -------------------------------------------------------
 
@@ -169,12 +201,47 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
             raise KvStateError(f"{self.label} is not registered")
         return self.handle
 
+    def store(self, src_tensors: Any, src_block_ids: Any, bank_block_ids: Any) -> TransferHandle:
+        """Copy pages ``src_block_ids`` of the engine's tensors (region name -> tensor) into
+        bank blocks ``bank_block_ids``, every region, on the op engine. Returns at once;
+        the handle says when the blocks hold the pages (``wait``, ``done``, a callback,
+        an fd) and which failed. Refused (TransferRejected, nothing submitted) when any
+        argument is wrong; IllegalTransition unless the bank is registered and not draining."""
+        if not self.may("store"):
+            raise IllegalTransition(self.table.name, self.state, "store")
+        plan = store.plan(self, src_tensors, src_block_ids, bank_block_ids)
+        try:
+            self.fire("store", plan=plan)
+        finally:
+            plan.release()
+        assert plan.handle is not None
+        return plan.handle
+
+    def tensors(self, framework: str = "torch") -> dict[str, Any]:
+        """Zero copy: one tensor (``"torch"``) or array (``"numpy"``) per region over the
+        bank's own memory, for the engine to use as its KV cache. The bank is not
+        released while any of them, or anything viewing them, is alive."""
+        if self.mapping is None or self.state in ("draining", "quiescent", "released"):
+            raise TransferRejected(TransferReason.STATE, self.label, f"the bank is {self.state}; views need a "
+                                   "registered bank that is not draining")
+        memory = self.view()
+        out = store.views(self, framework, memory)
+        # Every tensor or array over it keeps the exporting object (not the memoryview) alive.
+        self._views.append(weakref.ref(memory.obj))
+        return out
+
+    def views_alive(self) -> int:
+        """How many ``tensors()`` results still have a live tensor (after a collection)."""
+        if any(w() is not None for w in self._views):
+            gc.collect()  # views caught in reference cycles
+        self._views = [w for w in self._views if w() is not None]
+        return len(self._views)
+
     # -- guards -----------------------------------------------------------------------
 
     @guard("accepting_leases")
     def _accepting(self, **kw: Any) -> bool:
-        return (self.accepting and len(self.leases) < self.exporter.config.max_leases
-                and time.time_ns() < self.descriptor_expires_ns)
+        return len(self.leases) < self.exporter.config.max_leases and time.time_ns() < self.descriptor_expires_ns
 
     @guard("last_lease")
     def _last_lease(self, *, lease_id: int, **kw: Any) -> bool:
@@ -182,7 +249,7 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
 
     @guard("native_quiescent")
     def _quiescent(self, **kw: Any) -> bool:
-        return not self.leases and self.pins() == 0
+        return not self.leases and not self.stores and self.pins() == 0
 
     # -- effects ----------------------------------------------------------------------
 
@@ -277,16 +344,30 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
             for lease_id in [i for i, ch in self.holds.items() if ch is channel]:
                 self.drop_hold(lease_id)
 
-    @effect("stop_new_leases")
-    def _stop(self, **kw: Any) -> Callable[[], None]:
-        self.accepting = False
+    @effect("submit_store")
+    def _submit_store(self, *, plan: object = None, **kw: Any) -> None:
+        if not isinstance(plan, Plan) or plan.kind != "store":
+            raise TransferRejected(TransferReason.PLAN, "fire('store')", "needs the plan Bank.store builds")
+        handle = plan.submit(self.transport)
+        self.stores.add(handle)
+        handle._activate(self._store_finished)
 
-        def undo() -> None:
-            self.accepting = True
-        return undo
+    def _store_finished(self, handle: TransferHandle) -> None:
+        try:
+            self.fire("stored", handle=handle)
+        except TransitionError as exc:  # cannot happen while the table keeps `stored` where stores run
+            log.error("%s: a finished store was not collected: %s", self.label, exc)
+            self.stores.discard(handle)
+
+    @effect("collect_store")
+    def _collect_store(self, *, handle: object = None, **kw: Any) -> None:
+        self.stores.discard(handle)
 
     @effect("native_release")
     def _release(self, **kw: Any) -> None:
+        if self.views_alive():
+            raise ViewsOutstanding(f"{self.label}: {len(self._views)} set(s) of tensors from Bank.tensors() are "
+                                   "still alive; drop them (the engine's KV cache) before releasing the bank")
         # The transport calls straight into C: row -> this effect -> transport -> C.
         t = self.transport
         if self.mapping is not None:
@@ -302,8 +383,13 @@ class Exporter(Generic[H, A, R, M, E]):
     """A decode worker's exporting side: banks, the control server, lease bookkeeping."""
 
     def __init__(self, config: ExportConfig, transport: MappedTransport[H, A, R, M, E], *,
-                 name: str = "exporter", inventory: Inventory | None = None,
+                 name: str | None = None, inventory: Inventory | None = None,
                  observers: Iterable[Observer] = ()) -> None:
+        """``name`` names the control socket ``<socket_dir>/<name>.sock``; by default it is
+        unique to this exporter (pid and incarnation), so exporters may share a socket
+        directory. A name another live exporter serves is refused by :meth:`start`."""
+        if not isinstance(config, ExportConfig):
+            raise ConfigInvalid("config", f"must be an ExportConfig, not {type(config).__name__}")
         require_mapped(transport)
         self.config = config
         self.transport = transport
@@ -312,6 +398,10 @@ class Exporter(Generic[H, A, R, M, E]):
         self.incarnation = Incarnation.new()
         self.boot_id = host_boot_id()
         self.node = os.uname().nodename
+        if name is None:
+            name = f"exporter-{os.getpid()}-{self.incarnation.value.hex()[:8]}"
+        if not isinstance(name, str) or not name or "/" in name or "\0" in name or name in (".", ".."):
+            raise ConfigInvalid("name", f"must be a file name (no '/', no NUL), not {name!r:.40}")
         self.socket_path = Path(config.socket_dir) / f"{name}.sock"
         self.banks: dict[int, Bank[H, A, R, M, E]] = {}
         self._observers = tuple(observers)
@@ -332,6 +422,22 @@ class Exporter(Generic[H, A, R, M, E]):
         bank: Bank[H, A, R, M, E] = Bank(self, rank, geometry, observers=self._observers)
         self.banks[rank] = bank
         return bank
+
+    def allocate(self, rank: int, geometry: Geometry,
+                 framework: str = "torch") -> tuple[Bank[H, A, R, M, E], dict[str, Any]]:
+        """Zero copy: a registered bank for ``rank`` and one tensor per region over its
+        memory (:meth:`Bank.tensors`), for the engine to use as its KV cache. Advertise
+        the bank once the engine has filled blocks worth reusing."""
+        bank: Bank[H, A, R, M, E] = self.add_bank(rank, geometry)
+        bank.register()
+        try:
+            return bank, bank.tensors(framework)
+        except BaseException:
+            bank.fire("drain")
+            bank.fire("quiesce")
+            bank.fire("release")
+            del self.banks[rank]
+            raise
 
     def descriptor(self, rank: int) -> bytes:
         d = self.banks[rank].descriptor
@@ -363,6 +469,7 @@ class Exporter(Generic[H, A, R, M, E]):
             expiry.join(2.0)
         with self._handlers_done:  # connection handlers notice within one recv poll
             self._handlers_done.wait_for(lambda: self._handlers == 0, timeout=2.0)
+        stop_dispatcher_if_idle()
 
     def _serve(self, ch: chan.Channel) -> None:
         watcher = self._watcher
@@ -441,7 +548,6 @@ class Exporter(Generic[H, A, R, M, E]):
         if held is None or held.channel is not ch:
             return self._refuse("unknown_lease", f"no live lease {req.get('lease')!r} on this connection")
         if op == "mapped":
-            held.mapped = True
             bank.fire("lease_mapped")
             return {"ok": True}, ()
         if op == "release":

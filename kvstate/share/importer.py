@@ -13,10 +13,16 @@ access set. If any part fails, every part imported so far is unmapped and closed
 the group ends ``failed`` (INV-ROLLBACK-COMPLETE). The group becomes ``ready`` only when
 every rank 0..tp-1 has an imported, compatible part (INV-GROUP-COMPLETE).
 
-:meth:`Group.load_prefix` gathers blocks out of every part into caller buffers through
-native ops, which pin the part mappings until they finish, so a drain or close never
-unmaps memory under a copy (INV-NO-UNMAP-PINNED). :meth:`Group.drain` refuses new
-loads, waits until the native layer reports zero pins and ops, then closes.
+:meth:`Group.load` scatters bank blocks into the engine's paged KV tensors at the
+engine's block ids, one native op per (rank, region), and returns a
+:class:`~kvstate.share.transfer.TransferHandle` at once (wait per region, cancel, failed
+blocks, callback, fd); :meth:`Group.load_prefix` gathers blocks into dense caller
+buffers and waits. Everything is checked before the first op is submitted, and a load
+is submitted all or nothing (:mod:`kvstate.share.plan`). Ops pin the part mappings until
+they finish, so a drain or close never unmaps memory under a copy
+(INV-NO-UNMAP-PINNED). A finished load fires ``loaded`` (the load-complete change).
+:meth:`Group.drain` refuses new loads, waits until every load is collected and the
+native layer reports zero pins, then closes.
 
 Faults reported by the environment (:meth:`Group.fault`): the exporter's connection
 closing or its process exiting (``peer_died``, detected by a watcher on every part's
@@ -32,6 +38,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import ExitStack
@@ -46,19 +53,27 @@ from kvstate.core.errors import (
     DescriptorRejected,
     DrainTimeout,
     GroupRejected,
+    IllegalTransition,
     ImportFailed,
     KvStateError,
     LeaseRefused,
     LoadFailed,
     ReuseStale,
+    TransferRejected,
     TransitionError,
 )
+from kvstate.core.reasons import TransferReason
 from kvstate.core.identity import Deployment, host_boot_id
 from kvstate.core.machine import Lifecycle, Observer, effect, guard
 from kvstate.core.spec import load_machine
 from kvstate.core.capabilities import Access
-from kvstate.transport.protocol import A, E, H, M, MappedTransport, PendingOp, R, require_mapped
+from kvstate.transport.protocol import A, E, H, M, MappedTransport, R, require_mapped
 from kvstate.core.validate import Expectation, ValidatedGroup, group_complete, validate_group
+from kvstate.share import load as loads
+from kvstate.share.plan import Plan
+from kvstate.share.transfer import TransferHandle, check_timeout, stop_dispatcher_if_idle
+
+log = logging.getLogger(__name__)
 
 
 #: The group events that report a fault from the environment (see :meth:`Group.fault`).
@@ -80,7 +95,8 @@ class ImportConfig:
     request_timeout_s: float = 5.0
     max_tp: int = 64
     max_parallel_imports: int = 8    # threads opening rank parts at once
-    geometry_fingerprint: bytes | None = None
+    geometry_fingerprint: bytes | None = None   # Geometry.fingerprint() of the banks, if fixed
+    block_format: bytes | None = None           # Geometry.format_fingerprint() the engine's pages hold
     device_uuids: frozenset[bytes] | None = None
 
 
@@ -212,8 +228,8 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
         self.validated: ValidatedGroup | None = None
         self.blocks: BlockRequest | None = None
         self.parts: list[Part[H, A, R, M, E]] = []
-        self.ops: list[PendingOp] = []
-        self._ops_lock = threading.Lock()
+        #: Loads submitted and not yet collected (their `loaded` has not fired).
+        self.loads: set[TransferHandle] = set()
 
     @property
     def tp(self) -> int:
@@ -239,9 +255,7 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
 
     @guard("native_quiescent")
     def _quiescent(self, **kw: Any) -> bool:
-        with self._ops_lock:
-            busy = bool(self.ops)
-        return not busy and all(p.pins() == 0 for p in self.parts)
+        return not self.loads and all(p.pins() == 0 for p in self.parts)
 
     # -- effects ----------------------------------------------------------------------
 
@@ -260,73 +274,75 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
                 p.fire("close")
 
     @effect("submit_load")
-    def _submit(self, *, plan: Sequence[tuple[Part[H, A, R, M, E], E, list[tuple[int, int, int]]]],
-                **kw: Any) -> Callable[[], None]:
-        transport = self.importer.transport
-        ops: list[PendingOp] = []
-        try:
-            for part, dst, blocks in plan:
-                ops.append(transport.submit_gather(part.mapped(), dst, blocks))
-        except BaseException:
-            _cancel(ops)
-            raise
-        with self._ops_lock:
-            self.ops.extend(ops)
-        return lambda: _cancel(ops)
+    def _submit(self, *, plan: object = None, **kw: Any) -> None:
+        if not isinstance(plan, Plan) or plan.kind != "load":
+            raise TransferRejected(TransferReason.PLAN, "fire('load')", "needs the plan Group.load builds")
+        handle = plan.submit(self.importer.transport)  # all or nothing; raises LoadFailed
+        self.loads.add(handle)
+        handle._activate(self._load_finished)
 
-    @effect("stop_loads")
-    def _stop(self, **kw: Any) -> None:
-        pass  # the state itself refuses `load` from now on
+    def _load_finished(self, handle: TransferHandle) -> None:
+        try:
+            self.fire("loaded", handle=handle)
+        except TransitionError as exc:  # cannot happen while the table keeps `loaded` where loads run
+            log.error("%s: a finished load was not collected: %s", self.label, exc)
+            self.loads.discard(handle)
+
+    @effect("collect_load")
+    def _collect(self, *, handle: object = None, **kw: Any) -> None:
+        self.loads.discard(handle)
 
     # -- what the engine calls --------------------------------------------------------
 
-    def load_prefix(self, blocks: Sequence[int], destinations: Sequence[E] | Mapping[int, E], *,
+    def load(self, bank_block_ids: Sequence[int], dst_tensors: Mapping[Any, Any], dst_block_ids: Sequence[int], *,
+             rank: int | None = None) -> TransferHandle:
+        """Scatter bank blocks into the engine's paged KV cache: for every region, bank
+        block ``bank_block_ids[i]`` into page ``dst_block_ids[i]`` of ``dst_tensors[name]``
+        (torch tensors, numpy arrays, DLPack objects or buffers; see
+        :mod:`kvstate.share.tensors`). ``dst_tensors`` maps region names to tensors for the
+        part of ``rank`` (optional at tp=1), or ranks to such mappings.
+
+        Returns at once; copies run on the op engine's threads. Every argument is checked
+        first (TransferRejected with a reason, nothing submitted); IllegalTransition unless
+        the group is ready; LoadFailed if submitting failed (everything submitted was
+        cancelled or awaited). See TransferHandle for waiting per region and failures."""
+        if not self.may("load"):
+            raise IllegalTransition(self.table.name, self.state, "load")
+        plan = loads.paged(self, bank_block_ids, dst_tensors, dst_block_ids, rank)
+        return self._fire_load(plan)
+
+    def _fire_load(self, plan: Plan) -> TransferHandle:
+        try:
+            self.fire("load", plan=plan)
+        finally:
+            plan.release()  # a plan the group refused still holds its tensors
+        assert plan.handle is not None
+        return plan.handle
+
+    def load_prefix(self, blocks: Sequence[int], destinations: Sequence[Any] | Mapping[int, Any], *,
                     timeout: float = 30.0) -> LoadResult:
-        """Gather ``blocks`` (in order) of each rank into its destination buffer.
+        """Gather ``blocks`` (in order) of each rank into its destination buffer, and wait.
 
         ``destinations`` is one buffer per rank (a sequence of tp buffers), or a mapping
         from rank to buffer to load only some ranks (a TP worker loading its own share).
         Each holds at least ``len(blocks) * block_bytes`` bytes. Raises LoadFailed, and
-        the data must not be used, if any op fails or times out.
-        """
-        if isinstance(destinations, Mapping):
-            targets = dict(destinations)
-        elif len(destinations) == self.tp:
-            targets = dict(enumerate(destinations))
-        else:
-            raise LoadFailed(f"{len(destinations)} destination(s) for a group of tp {self.tp}")
-        if not targets or not set(targets) <= set(range(self.tp)):
-            raise LoadFailed(f"destinations name ranks {sorted(targets)} outside 0..{self.tp - 1}")
-        plan = []
-        for rank, dst in sorted(targets.items()):
-            part = self.parts[rank]
-            g = part.descriptor.geometry
-            extents: list[tuple[int, int, int]] = []
-            pos = 0
-            for b in blocks:
-                for off, length in g.block_extents(b):
-                    extents.append((off, pos, length))
-                    pos += length
-            if _nbytes(dst) < pos:
-                raise LoadFailed(f"destination of rank {rank} holds fewer than {pos} bytes")
-            plan.append((part, dst, extents))
-        start = time.monotonic()
-        self.fire("load", plan=plan)
-        with self._ops_lock:
-            mine = self.ops[-len(plan):]
-        total = 0
-        try:
-            for op in mine:
-                total += op.result(timeout).bytes
-        except KvStateError as exc:
-            raise LoadFailed(f"prefix load failed: {exc}") from exc
-        finally:
-            self._forget(mine)
-        return LoadResult(len(blocks), total, time.monotonic() - start)
-
-    def _forget(self, ops: list[PendingOp]) -> None:
-        with self._ops_lock:
-            self.ops = [o for o in self.ops if o not in ops]
+        the data must not be used, if any op fails or the load outlasts ``timeout`` (it
+        is then cancelled; ops already copying finish on their own)."""
+        t = check_timeout(timeout)
+        if not self.may("load"):
+            raise IllegalTransition(self.table.name, self.state, "load")
+        host = hasattr(self.importer.transport, "submit_blocks")
+        handle = self._fire_load(loads.dense(self, blocks, destinations, host))
+        if not handle.wait(t):
+            handle.cancel()
+            raise LoadFailed(f"prefix load of {len(handle._blocks)} block(s) still running after {timeout} s; "
+                             "cancelled")
+        result = handle.result()
+        assert result is not None
+        if not result.ok:
+            raise LoadFailed(f"prefix load failed: op(s) of rank(s) "
+                             f"{sorted({e.rank for e in handle._entries if e.state != 'done'})} did not complete")
+        return LoadResult(result.blocks, result.bytes, result.seconds)
 
     def fault(self, event: GroupFault) -> bool:
         """Report a fault event; False when it is not declared in the current state (for
@@ -345,6 +361,8 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
         if self.state != "draining":
             return 0.0  # an import in progress was aborted (failed), or already quiescent/closed
         while True:
+            for handle in list(self.loads):
+                handle.done()  # finishes loads of backends without completion fds
             try:
                 self.fire("quiesce")
                 break
@@ -355,21 +373,6 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
         waited = time.monotonic() - start
         self.fire("close")
         return waited
-
-
-def _nbytes(buf: Any) -> int:
-    """A destination's size: ``nbytes`` where it has one (memoryview, numpy, a device
-    buffer), else its buffer protocol view's."""
-    n = getattr(buf, "nbytes", None)
-    return int(n) if isinstance(n, int) else memoryview(buf).nbytes
-
-
-def _cancel(ops: list[PendingOp]) -> None:
-    for op in ops:
-        try:
-            op.cancel()
-        except KvStateError:
-            pass  # already running: it finishes and drops its pins on its own
 
 
 class Importer(Generic[H, A, R, M, E]):
@@ -403,11 +406,13 @@ class Importer(Generic[H, A, R, M, E]):
         self._watcher.close()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        stop_dispatcher_if_idle()
 
     def expectation(self, **overrides: Any) -> Expectation:
         e = Expectation(deployment=self.config.deployment, now_ns=time.time_ns(),
                         handle_kinds=self.transport.capabilities.handle_kinds, host_boot_id=self.boot_id, uid=os.getuid(),
                         geometry_fingerprint=self.config.geometry_fingerprint,
+                        block_format=self.config.block_format,
                         device_uuids=self.config.device_uuids, max_tp=self.config.max_tp)
         return attrs.evolve(e, **overrides)
 

@@ -35,7 +35,7 @@ from kvstate.core import handles, identity
 from kvstate.core.capabilities import Access, Capabilities, MemoryKind, Scope
 from kvstate.core.errors import FdIdentityMismatch, HandleFdsMismatch, ImportRefused, KvStateError, NativeInvalidArgument
 from kvstate.core.handles import HandleKind
-from kvstate.transport.native import Native, Op, default
+from kvstate.transport.native import Native, Op, RawBuffer, default
 from kvstate.transport.protocol import Block, RegionStats
 
 if TYPE_CHECKING:
@@ -235,6 +235,15 @@ class HostTransport:
             raise self._native.error(rc, "kvs_release", f"allocation {allocation.id}")
 
     # -- pins, observation and ops ---------------------------------------------------------
+
+    def submit_blocks(self, src: HostEndpoint | RawBuffer, dst: HostEndpoint | RawBuffer,
+                      blocks: Sequence[Block] | HostBuffer, *, notify_fd: int | None = None, fail: bool = False) -> Op:
+        """A native copy of ``blocks`` (src_off, dst_off, len) between a mapping and caller
+        memory (a :class:`~kvstate.transport.native.RawBuffer` or a buffer), either way; it
+        pins the mappings it touches until done and then adds 1 to ``notify_fd``."""
+        s = src.region if isinstance(src, HostMapping) else src
+        d = dst.region if isinstance(dst, HostMapping) else dst
+        return self._native.submit_gather(s, d, blocks, notify_fd=notify_fd, fail=fail)
 
     def pin(self, mapping: HostMapping) -> None:
         """An explicit pin (a lease's): unmap and release refuse until :meth:`unpin`."""

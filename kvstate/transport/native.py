@@ -57,14 +57,27 @@ class ArrayInterface(Protocol):
     def __array_interface__(self) -> Mapping[str, object]: ...
 
 
+@attrs.frozen(eq=False)
+class RawBuffer:
+    """Caller memory named by address, for memory that has no buffer protocol (a torch
+    tensor, a DLPack capsule): ops read or write ``[addr, addr + size)``. Whoever makes one
+    keeps that memory alive until every op using it is reaped; ``owner`` is carried along
+    for that purpose and is never touched here."""
+
+    addr: int
+    size: int
+    owner: object = None
+
+
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
     #: Caller memory an op may read or write: anything with the buffer protocol
-    #: (bytearray, memoryview, mmap, numpy array); a destination must be writable.
+    #: (bytearray, memoryview, mmap, numpy array), or a RawBuffer; a destination must be
+    #: writable.
     HostBuffer = Union[Buffer, ArrayInterface]
-    #: One end of an op: a region id, or a caller buffer.
-    Endpoint = Union[int, HostBuffer]
+    #: One end of an op: a region id, caller memory by address, or a caller buffer.
+    Endpoint = Union[int, RawBuffer, HostBuffer]
 
 
 @attrs.frozen
@@ -111,6 +124,10 @@ class Op:
 
     def cancel(self) -> None:
         self._native.cancel(self.id)
+
+    def notify(self, fd: int) -> None:
+        """Add 1 to eventfd ``fd`` once the op is collectable (see :meth:`Native.notify`)."""
+        self._native.notify(self.id, fd)
 
     def reap(self) -> OpInfo:
         return self._native.reap(self.id)
@@ -262,9 +279,13 @@ class Native:
         self.lib.kvs_engine_pause(1 if paused else 0)
 
     def _endpoint(self, ep: Endpoint, writable: bool) -> tuple[int, int, int, CBuffer | None]:
-        """(region, addr, size, keepalive) for a region id or a caller buffer."""
+        """(region, addr, size, keepalive) for a region id, a :class:`RawBuffer` or a caller
+        buffer. A buffer's export (``ffi.from_buffer``) is the keepalive: it is given back
+        (:meth:`_release`) on every path, so no export outlives its op."""
         if isinstance(ep, int):
             return int(ep), 0, 0, None
+        if isinstance(ep, RawBuffer):
+            return 0, ep.addr, ep.size, None  # its owner keeps the memory alive
         try:
             cbuf = self.ffi.from_buffer(ep, require_writable=writable)
         except (TypeError, BufferError) as exc:
@@ -276,71 +297,117 @@ class Native:
             self._keep[op_id] = (keep_src, keep_dst)  # a dict store is atomic under the GIL
         return Op(self, op_id)
 
+    def _release(self, *kept: CBuffer | BlockArray | None) -> None:
+        """Give back buffer exports now rather than at some later garbage collection: an
+        export left behind (a traceback holding the frame is enough) pins the exporter (a
+        memoryview can no longer be released) and, once its owner goes, names freed memory."""
+        for k in kept:
+            if k is not None:
+                self.ffi.release(k)
+
     def submit_copy(self, src: Endpoint, dst: Endpoint, length: int, *, src_off: int = 0,
                     dst_off: int = 0, fail: bool = False) -> Op:
         """Copy ``length`` bytes; each end is a region id or a buffer. ``fail`` injects a fault.
 
         This is the hot path (one call per small op), so it is kept flat."""
         # Region ids (the common case) skip the buffer plumbing entirely.
-        if type(src) is int:
-            sr, sa, ss, sk = src, 0, 0, None
-        else:
-            sr, sa, ss, sk = self._endpoint(src, False)
-        if type(dst) is int:
-            dr, da, ds, dk = dst, 0, 0, None
-        else:
-            dr, da, ds, dk = self._endpoint(dst, True)
-        out = self._new("int64_t *")
-        rc = self._submit_copy(sr, sa, ss, src_off, dr, da, ds, dst_off, length,
-                               self._fail_flag if fail else 0, out)
-        if rc:
-            raise self.error(rc, "kvs_submit_copy", f"copy of {length} bytes", OPS.initial, SUBMIT)
+        sk = dk = None
+        try:
+            if type(src) is int:
+                sr, sa, ss = src, 0, 0
+            else:
+                sr, sa, ss, sk = self._endpoint(src, False)
+            if type(dst) is int:
+                dr, da, ds = dst, 0, 0
+            else:
+                dr, da, ds, dk = self._endpoint(dst, True)
+            out = self._new("int64_t *")
+            rc = self._submit_copy(sr, sa, ss, src_off, dr, da, ds, dst_off, length,
+                                   self._fail_flag if fail else 0, out)
+            if rc:
+                raise self.error(rc, "kvs_submit_copy", f"copy of {length} bytes", OPS.initial, SUBMIT)
+        except BaseException:
+            self._release(sk, dk)
+            raise
         return self._submitted(int(out[0]), sk, dk)
 
     def submit_gather(self, src: Endpoint, dst: Endpoint, blocks: Sequence[Block] | HostBuffer, *,
-                      fail: bool = False) -> Op:
+                      fail: bool = False, notify_fd: int | None = None) -> Op:
         """Copy each (src_off, dst_off, len) block. ``blocks`` is a sequence of triples or a
-        buffer of little-endian uint64 triples (e.g. a numpy ``uint64`` array of shape (n, 3));
-        the engine copies the list at submit."""
-        sr, sa, ss, sk = self._endpoint(src, False)
-        dr, da, ds, dk = self._endpoint(dst, True)
+        buffer of native-endian uint64 triples (e.g. a numpy ``uint64`` array of shape (n, 3)
+        or an ``array.array('Q')``); the engine copies the list at submit. ``notify_fd``: an
+        eventfd that gets 1 added once the op is collectable (see :meth:`notify`)."""
+        if notify_fd is not None and (type(notify_fd) is not int or notify_fd <= 0):
+            raise errors.NativeInvalidArgument("kvs_op_notify", -1, f"notify_fd must be a positive fd, not {notify_fd!r}")
         ffi = self.ffi
-        cblocks: BlockArray
+        sk = dk = None
+        cblocks: BlockArray | None = None
+        try:
+            sr, sa, ss, sk = self._endpoint(src, False)
+            dr, da, ds, dk = self._endpoint(dst, True)
+            cblocks = self._blocks(blocks, "kvs_submit")
+            n = len(cblocks)
+            s = ffi.new("kvs_endpoint *", (sr, sa, ss))
+            d = ffi.new("kvs_endpoint *", (dr, da, ds))
+            out = ffi.new("int64_t *")
+            rc = self.lib.kvs_submit(s, d, cblocks, n, self._fail_flag if fail else 0, out)
+            if rc:
+                raise self.error(rc, "kvs_submit", f"gather of {n} blocks", OPS.initial, SUBMIT)
+        except BaseException:
+            self._release(sk, dk)
+            raise
+        finally:
+            self._release(cblocks)  # the engine copied the list
+        op = self._submitted(int(out[0]), sk, dk)
+        if notify_fd is not None:
+            self.notify(op.id, notify_fd)  # cannot fail: a fresh op, a positive fd, checked above
+        return op
+
+    def _blocks(self, blocks: Sequence[Block] | HostBuffer, call: str) -> BlockArray:
+        """The C array of a block list: triples, or a buffer of native-endian uint64 triples
+        (exported: the caller releases it once the engine copied it)."""
+        ffi = self.ffi
         if isinstance(blocks, (list, tuple)):
             try:
-                cblocks = ffi.new("kvs_block[]", [tuple(b) for b in blocks])
+                return ffi.new("kvs_block[]", [tuple(b) for b in blocks])
             except (TypeError, OverflowError, ValueError) as exc:
-                raise errors.NativeInvalidArgument("kvs_submit", -1, f"blocks: {exc}") from None
-        else:
-            try:
-                cblocks = ffi.from_buffer("kvs_block[]", blocks)
-            except (TypeError, BufferError, ValueError) as exc:
-                raise errors.NativeInvalidArgument("kvs_submit", -1, f"blocks: {exc}") from None
-        n = len(cblocks)
-        s = ffi.new("kvs_endpoint *", (sr, sa, ss))
-        d = ffi.new("kvs_endpoint *", (dr, da, ds))
-        out = ffi.new("int64_t *")
-        rc = self.lib.kvs_submit(s, d, cblocks, n, self._fail_flag if fail else 0, out)
+                raise errors.NativeInvalidArgument(call, -1, f"blocks: {exc}") from None
+        try:
+            return ffi.from_buffer("kvs_block[]", blocks)
+        except (TypeError, BufferError, ValueError) as exc:
+            raise errors.NativeInvalidArgument(call, -1, f"blocks: {exc}") from None
+
+    def notify(self, op: int, fd: int) -> None:
+        """Have the engine add 1 to the eventfd ``fd`` once ``op`` is collectable (done,
+        failed or cancelled), at once if it already is. ``fd`` must stay open until the
+        op is reaped: the engine writes to that number."""
+        rc = self.lib.kvs_op_notify(op, fd)
         if rc:
-            raise self.error(rc, "kvs_submit", f"gather of {n} blocks", OPS.initial, SUBMIT)
-        return self._submitted(int(out[0]), sk, dk)
+            raise self.error(rc, "kvs_op_notify", f"op {op}, fd {fd}")
 
     def submit_cuda(self, device: int, src: tuple[int, int, int], dst: tuple[int, int, int],
-                    blocks: Sequence[Block], *, fail: bool = False) -> Op:
+                    blocks: Sequence[Block] | HostBuffer, *, fail: bool = False, notify_fd: int | None = None) -> Op:
         """A gather on a CUDA device (``kvs_cuda_submit``): each end is ``(region, addr,
-        size)``, a region of that device (addr and size 0) or device memory by address. The
-        op is the engine's like any other: wait, reap or ``result`` it here."""
+        size)``, a region of that device (addr and size 0) or device memory by address;
+        ``blocks`` as :meth:`submit_gather`. The op is the engine's like any other: wait,
+        reap, ``result`` or ``notify`` it here."""
+        if notify_fd is not None and (type(notify_fd) is not int or notify_fd <= 0):
+            raise errors.NativeInvalidArgument("kvs_op_notify", -1, f"notify_fd must be a positive fd, not {notify_fd!r}")
+        ffi = self.ffi
+        cblocks = self._blocks(blocks, "kvs_cuda_submit")
         try:
-            cblocks = self.ffi.new("kvs_block[]", list(blocks))
-        except (TypeError, OverflowError, ValueError) as exc:
-            raise errors.NativeInvalidArgument("kvs_cuda_submit", -1, f"blocks: {exc}") from None
-        n = len(cblocks)
-        out = self.ffi.new("int64_t *")
-        rc = self.lib.kvs_cuda_submit(device, self.ffi.new("kvs_endpoint *", src), self.ffi.new("kvs_endpoint *", dst),
-                                      cblocks, n, self._fail_flag if fail else 0, out)
-        if rc:
-            raise self.error(rc, "kvs_cuda_submit", f"gather of {n} blocks", OPS.initial, SUBMIT)
-        return Op(self, int(out[0]))
+            n = len(cblocks)
+            out = ffi.new("int64_t *")
+            rc = self.lib.kvs_cuda_submit(device, ffi.new("kvs_endpoint *", src), ffi.new("kvs_endpoint *", dst),
+                                          cblocks, n, self._fail_flag if fail else 0, out)
+            if rc:
+                raise self.error(rc, "kvs_cuda_submit", f"gather of {n} blocks", OPS.initial, SUBMIT)
+        finally:
+            self._release(cblocks)  # the engine copied the list
+        op = Op(self, int(out[0]))
+        if notify_fd is not None:
+            self.notify(op.id, notify_fd)  # cannot fail: a fresh op, a positive fd, checked above
+        return op
 
     def op_info(self, op: int) -> OpInfo:
         out = self.ffi.new("kvs_op_info *")
@@ -370,7 +437,7 @@ class Native:
         rc = self.lib.kvs_reap(op, out)
         if rc:
             raise self.error(rc, "kvs_reap", f"op {op}", self._state_or_unknown(op), REAP)
-        self._keep.pop(op, None)
+        self._release(*self._keep.pop(op, ()))
         return OpInfo(op, self.op_states[out.state], out.error, out.bytes, out.nblocks, out.result)
 
     def _state_or_unknown(self, op: int) -> str:

@@ -43,7 +43,7 @@ from kvstate.core.validate import MAX_TP, validate_group
 
 from support.descriptors import DEPLOYMENT, descriptor, expectation
 
-GEOMETRY = Geometry(layers=1, kv_heads=2, head_dim=8, block_tokens=4, dtype=DType.BF16,
+GEOMETRY = Geometry.uniform(layers=1, kv_heads=2, head_dim=8, block_tokens=4, dtype=DType.BF16,
                     layout=Layout.BLOCK_MAJOR, num_blocks=8)
 
 

@@ -235,7 +235,7 @@ def test_registration_failure_in_the_driver_preserves_owners(kind: HandleKind, c
     from kvstate.share.exporter import ExportConfig, Exporter
 
     t = CudaTransport(UUID, kind=kind, legacy_ipc=kind is HandleKind.CUDA_IPC)
-    geometry = Geometry(layers=2, kv_heads=2, head_dim=16, block_tokens=8, dtype=DType.BF16,
+    geometry = Geometry.uniform(layers=2, kv_heads=2, head_dim=16, block_tokens=8, dtype=DType.BF16,
                         layout=Layout.LAYER_MAJOR, num_blocks=8)
     ex = Exporter(ExportConfig(Deployment("t", bytes(32)), tmp_path / "s", bytes(16), 1, handle_kind=kind), t)
     bank = ex.add_bank(0, geometry)

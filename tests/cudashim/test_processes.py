@@ -36,7 +36,7 @@ from kvstate.transport.cuda import CudaTransport
 
 HERE = Path(__file__).resolve().parent
 DEPLOYMENT = Deployment("cudashim-processes", bytes(32))
-GEOMETRY = Geometry(layers=2, kv_heads=2, head_dim=16, block_tokens=8, dtype=DType.BF16,
+GEOMETRY = Geometry.uniform(layers=2, kv_heads=2, head_dim=16, block_tokens=8, dtype=DType.BF16,
                     layout=Layout.LAYER_MAJOR, num_blocks=16)
 
 

@@ -1,7 +1,10 @@
 """Coverage-guided fuzzing of one target with atheris (libFuzzer), seeded from the corpus.
 
-    python tests/fuzz/atheris_main.py TARGET -runs=N [libFuzzer flags]
-    python tests/fuzz/atheris_main.py all [RUNS_PER_TARGET]
+    PYTHONPATH=tests python -m fuzz.atheris_main TARGET -runs=N [libFuzzer flags]
+    PYTHONPATH=tests python -m fuzz.atheris_main all [RUNS_PER_TARGET]
+
+(``make fuzz`` runs it so; the tests directory on PYTHONPATH is where ``fuzz`` and
+``support`` import from, as under pytest.)
 
 TARGET is a directory name under ``tests/fuzz/corpus`` (its files are the seed inputs,
 in the same format the corpus replay uses). An untyped exception or a hang (the targets'
@@ -20,13 +23,12 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent)]  # the tests directory: `support` and `fuzz` import from there
-
-import atheris  # noqa: E402
+import atheris
 
 with atheris.instrument_imports(include=["kvstate"]):
-    from fuzz import targets  # noqa: E402
+    from fuzz import targets
+
+HERE = Path(__file__).resolve().parent
 
 
 def _json(fn: Callable[[object], object]) -> Callable[[bytes], object]:
@@ -63,7 +65,7 @@ def fuzz_all(runs: int) -> int:
     """Every target in its own process; prints the runs of each and the total."""
     total = 0
     for name in TARGETS:
-        proc = subprocess.run([sys.executable, __file__, name, f"-runs={runs}", "-max_len=8192"],
+        proc = subprocess.run([sys.executable, "-m", "fuzz.atheris_main", name, f"-runs={runs}", "-max_len=8192"],
                               capture_output=True, text=True, timeout=3600)
         done = re.search(r"^Done (\d+) runs", proc.stderr, re.M)
         if proc.returncode != 0 or done is None:

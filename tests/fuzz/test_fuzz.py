@@ -39,7 +39,7 @@ VALID_BODY = json.loads(VALID_WIRE[9:-32])
 VALID_CAPS: dict[str, Any] = {
     "device_uuids": ["11" * 16, "22" * 16], "handle_kinds": ["memfd"], "fabric_trial": "passed",
     "transports": [{"name": "host", "handle_kinds": ["memfd"], "memory_kinds": ["host"], "scopes": ["same_node"]}],
-    "geometry_fingerprint": Geometry(layers=2, kv_heads=2, head_dim=8, block_tokens=4, dtype=DType.BF16,
+    "geometry_fingerprint": Geometry.uniform(layers=2, kv_heads=2, head_dim=8, block_tokens=4, dtype=DType.BF16,
                                      layout=Layout.BLOCK_MAJOR, num_blocks=16).fingerprint().hex(),
     "protocol_version": PROTOCOL_VERSION,
 }
@@ -193,7 +193,7 @@ def exporter_channel() -> Iterator[chan.Channel]:
     os.chmod(d, 0o700)
     t = HostTransport(granularity=64 * 1024)
     ex = Exporter(ExportConfig(DEPLOYMENT, d / "sock", os.urandom(16), 1, lease_timeout_s=30.0), t, name="fuzz")
-    bank = ex.add_bank(0, Geometry(layers=1, kv_heads=1, head_dim=8, block_tokens=4, dtype=DType.BF16,
+    bank = ex.add_bank(0, Geometry.uniform(layers=1, kv_heads=1, head_dim=8, block_tokens=4, dtype=DType.BF16,
                                    layout=Layout.BLOCK_MAJOR, num_blocks=4))
     bank.fire("register")
     bank.fire("advertise")

@@ -17,7 +17,7 @@ from kvstate.transport.host import HostTransport
 from backends import CudaBackend, HostBackend
 
 DEPLOYMENT = Deployment("lifecycle-tests", bytes(range(32)))
-GEOMETRY = Geometry(layers=2, kv_heads=2, head_dim=16, block_tokens=8, dtype=DType.BF16,
+GEOMETRY = Geometry.uniform(layers=2, kv_heads=2, head_dim=16, block_tokens=8, dtype=DType.BF16,
                     layout=Layout.LAYER_MAJOR, num_blocks=32)
 GRANULARITY = 64 * 1024
 

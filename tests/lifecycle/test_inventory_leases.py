@@ -7,7 +7,7 @@ import time
 import pytest
 
 from conftest import make_exporter
-from kvstate.core.errors import ImportFailed, ReuseStale
+from kvstate.core.errors import ImportFailed, LeaseRefused, ReuseStale
 from kvstate.share.importer import BlockRequest, Importer
 from kvstate.reuse.inventory import Inventory
 from kvstate.transport.host import HostTransport
@@ -57,3 +57,23 @@ def test_stale_request_is_refused_whole_and_says_recompute(stale: str, transport
     assert isinstance(info.value, ImportFailed) and importer.groups[-1].state == "failed"
     assert not inv.active_leases() and inv.busy("prefix-a", 11) == (0, 0)
     assert all(not b.leases for b in ex.banks.values())
+
+
+def test_a_draining_bank_refuses_leases_and_keeps_no_pin(transport: HostTransport, importer: Importer) -> None:
+    """Drain stops new leases by the table alone (draining declares no grant_lease): a lease
+    naming inventory blocks is refused, and the blocks it pinned on the way are given back."""
+    ex = exporter_with_inventory(transport)
+    inv = ex.inventory
+    assert inv is not None
+    epoch = inv.epoch("prefix-a")
+    assert epoch is not None
+    for bank in ex.banks.values():
+        bank.fire("drain")
+    with pytest.raises(ImportFailed) as info:
+        importer.import_group([ex.descriptor(r) for r in range(2)], blocks=BlockRequest("prefix-a", epoch, (11, 13)))
+    cause = info.value.__cause__
+    assert isinstance(cause, LeaseRefused) and cause.code == "not_leasing", cause
+    assert "'grant_lease' is not declared in state 'draining'" in str(cause)
+    assert importer.groups[-1].state == "failed"
+    assert not inv.active_leases() and inv.busy("prefix-a", 11) == (0, 0)
+    assert all(b.state == "draining" and not b.leases for b in ex.banks.values())

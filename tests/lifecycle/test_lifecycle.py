@@ -201,7 +201,7 @@ def test_drain_during_load_waits_for_native_ops(transport: HostTransport, import
         loader = threading.Thread(target=group.load_prefix, args=([1, 2, 3, 4], dst))
         loader.start()
         deadline = time.monotonic() + 3
-        while not group.ops and time.monotonic() < deadline:
+        while not group.loads and time.monotonic() < deadline:
             time.sleep(0.001)
         with pytest.raises(DrainTimeout):
             group.drain(timeout=0.05)

@@ -165,7 +165,7 @@ class LifecycleMachine(RuleBasedStateMachine):
                 errors.append(exc)
         t = threading.Thread(target=load)
         t.start()
-        assert wait_until(lambda: bool(group.ops))
+        assert wait_until(lambda: bool(group.loads))
         try:
             group.drain(timeout=0.02)
         except DrainTimeout:

@@ -1,4 +1,4 @@
-"""Helpers of the native tests: leak accounting, variant builds, peer processes."""
+"""Helpers of the native tests: variant builds, peer processes."""
 
 from __future__ import annotations
 
@@ -12,50 +12,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import attrs
-
 from kvstate.transport.native import Native
 
 ROOT = Path(__file__).resolve().parents[2]
 FFI = ROOT / "ffi"
 PEERS = Path(__file__).resolve().parent / "peers.py"
-
-
-# -- leak accounting --------------------------------------------------------------------
-
-
-@attrs.frozen
-class Snapshot:
-    fds: frozenset[int]
-    memfd_maps: tuple[str, ...]
-
-
-def _memfd_maps() -> tuple[str, ...]:
-    with open("/proc/self/maps", encoding="utf-8") as f:
-        return tuple(line.rstrip() for line in f if "/memfd:" in line)
-
-
-def _open_fds() -> dict[int, str]:
-    """Open fds and their targets; the listing's own fd is closed (so unreadable) by now."""
-    out = {}
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue
-    return out
-
-
-def snapshot() -> Snapshot:
-    return Snapshot(frozenset(_open_fds()), _memfd_maps())
-
-
-def leaks(before: Snapshot) -> list[str]:
-    """What is open or mapped now that was not before: fds and memfd mappings."""
-    after = _open_fds()
-    found = [f"fd {fd} -> {target}" for fd, target in sorted(after.items()) if fd not in before.fds]
-    found += [f"mapping {m}" for m in _memfd_maps() if m not in before.memfd_maps]
-    return found
 
 
 # -- variant builds of the native module --------------------------------------------------

@@ -32,6 +32,8 @@ def t() -> HostTransport:
     return HostTransport()
 
 
+@pytest.mark.native
+@pytest.mark.multiproc
 def test_native_module_loads_only_when_asked() -> None:
     """Importing kvstate and its transports loads no native code (fresh interpreter)."""
     code = ("import sys, kvstate, kvstate.transport, kvstate.channel, kvstate.transport.native, kvstate.derive.header\n"
@@ -103,6 +105,8 @@ def test_sizes_and_offsets_follow_the_granularity(t: HostTransport) -> None:
         t.free(r)
 
 
+@pytest.mark.native
+@pytest.mark.multiproc
 @pytest.mark.parametrize("mode", ["write", "read", "read-only-write"])
 def test_touch_before_set_access_faults(mode: str) -> None:
     """As on CUDA, a mapping is unusable until set_access: the touch dies with SIGSEGV."""

@@ -18,7 +18,7 @@ from kvstate.core.identity import Deployment, FabricDomain, FabricKind, host_boo
 from kvstate.core.validate import Expectation
 
 DEPLOYMENT = Deployment("test-deployment", bytes(range(32)))
-GEOMETRY = Geometry(layers=2, kv_heads=2, head_dim=8, block_tokens=4, dtype=DType.BF16,
+GEOMETRY = Geometry.uniform(layers=2, kv_heads=2, head_dim=8, block_tokens=4, dtype=DType.BF16,
                     layout=Layout.BLOCK_MAJOR, num_blocks=16)
 GRANULARITY = 4096
 SOURCE = b"S" * 16

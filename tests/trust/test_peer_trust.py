@@ -44,7 +44,7 @@ from kvstate.core.validate import socket_path_reason
 from support.descriptors import DEPLOYMENT, descriptor
 
 NOBODY = 65534
-GEOMETRY = Geometry(layers=1, kv_heads=2, head_dim=8, block_tokens=4, dtype=DType.BF16,
+GEOMETRY = Geometry.uniform(layers=1, kv_heads=2, head_dim=8, block_tokens=4, dtype=DType.BF16,
                     layout=Layout.BLOCK_MAJOR, num_blocks=8)
 root_only = pytest.mark.skipif(os.getuid() != 0, reason="needs root to fork a child with another uid")
 
@@ -101,6 +101,8 @@ def exporter() -> Iterator[Exporter]:
 # -- foreign uids --------------------------------------------------------------------
 
 
+@pytest.mark.native
+@pytest.mark.multiproc
 @root_only
 def test_foreign_uid_cannot_reach_a_private_socket_dir(exporter: Exporter) -> None:
     """The first barrier: the 0700 socket directory. A foreign uid cannot connect at all,
@@ -126,6 +128,8 @@ def test_foreign_uid_cannot_reach_a_private_socket_dir(exporter: Exporter) -> No
     assert as_nobody(typed) == "UnsafeSocketPath"
 
 
+@pytest.mark.native
+@pytest.mark.multiproc
 @root_only
 def test_foreign_uid_is_refused_by_peer_credentials(exporter: Exporter) -> None:
     """The second barrier: SO_PEERCRED. Even with the directory opened up (a mistake), a
@@ -155,6 +159,8 @@ def test_foreign_uid_is_refused_by_peer_credentials(exporter: Exporter) -> None:
     assert exporter.banks[0].leases == {}
 
 
+@pytest.mark.native
+@pytest.mark.multiproc
 @root_only
 def test_client_refuses_a_server_of_another_uid() -> None:
     """SO_PEERCRED on the client side: a server run by another uid is not trusted."""

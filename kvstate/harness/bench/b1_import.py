@@ -33,7 +33,7 @@ LOOPBACK = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN",
 def _geometry(bank_bytes: int) -> Any:
     from kvstate.core.geometry import DType, Geometry, Layout
     block = 64 * 1024  # 1 layer x 1 head x 128 dim x 128 tokens x K,V x bf16
-    return Geometry(layers=1, kv_heads=1, head_dim=128, block_tokens=128, dtype=DType.BF16,
+    return Geometry.uniform(layers=1, kv_heads=1, head_dim=128, block_tokens=128, dtype=DType.BF16,
                     layout=Layout.BLOCK_MAJOR, num_blocks=bank_bytes // block)
 
 

@@ -37,11 +37,10 @@ class BenchBank(Lifecycle):
         super().__init__(label="bench-bank")
         self.leases = 0
         self.generation = 0
-        self.accepting = True
 
     @guard("accepting_leases")
     def _accepting(self, **_: Any) -> bool:
-        return self.accepting and self.leases < 64
+        return self.leases < 64
 
     @guard("last_lease")
     def _last(self, **_: Any) -> bool:
@@ -75,12 +74,16 @@ class BenchBank(Lifecycle):
     def _end(self, **_: Any) -> None:
         self.leases -= 1
 
-    @effect("stop_new_leases")
-    def _stop(self, **_: Any) -> None:
-        self.accepting = False
-
     @effect("native_release")
     def _release(self, **_: Any) -> None:
+        return None
+
+    @effect("submit_store")
+    def _store(self, **_: Any) -> None:
+        return None
+
+    @effect("collect_store")
+    def _stored(self, **_: Any) -> None:
         return None
 
 
@@ -158,8 +161,8 @@ class BenchGroup(Lifecycle):
     def _load(self, **_: Any) -> None:
         self.loads += 1
 
-    @effect("stop_loads")
-    def _stop(self, **_: Any) -> None:
+    @effect("collect_load")
+    def _loaded(self, **_: Any) -> None:
         return None
 
     @effect("unmap_parts")
@@ -284,7 +287,7 @@ def _descriptors(tp: int) -> tuple[Any, ...]:
     from kvstate.core.handles import HandleKind
     from kvstate.core.identity import FabricDomain, FabricKind
 
-    g = Geometry(layers=2, kv_heads=2, head_dim=64, block_tokens=16, dtype=DType.BF16,
+    g = Geometry.uniform(layers=2, kv_heads=2, head_dim=64, block_tokens=16, dtype=DType.BF16,
                  layout=Layout.BLOCK_MAJOR, num_blocks=64)
     return tuple(Descriptor(
         deployment_id=bytes(16), source_id=bytes(16), fabric=FabricDomain(FabricKind.NODE, "n"),

@@ -1,12 +1,12 @@
 """The suites of ``kvstate bench``, at full size or ``quick`` (a smoke run of seconds).
 
-kvstate's rows plug in as one function each: ``b1_import.kvstate_host_import`` and
-``b2_load.kvstate_op_gather``.
+kvstate's rows plug in as one function each: ``b1_import.kvstate_host_import``,
+``b2_load.kvstate_op_gather`` and the ``b4_scatter.kvstate_*`` rows.
 """
 
 from __future__ import annotations
 
-from kvstate.harness.bench import b1_import, b2_load, b3_lifecycle
+from kvstate.harness.bench import b1_import, b2_load, b3_lifecycle, b4_scatter
 from kvstate.harness.bench.framework import Case, Suite
 
 MiB = 1 << 20
@@ -18,6 +18,8 @@ def suites(quick: bool = False, repeats: int | None = None) -> list[Suite]:
     b1 = {"tp": 8, "bank_bytes": (1 if quick else 64) * MiB, "repeats": r}
     b2 = {"n_blocks": 64 if quick else 4096, "bank_blocks": 128 if quick else 8192,
           "block_bytes": 64 * 1024, "seed": 7, "repeats": r}
+    b4 = {"n_blocks": 128 if quick else 4096, "regions": 8 if quick else 32, "block_bytes": 64 * 1024,
+          "bank_blocks": 64 if quick else 256, "dst_blocks": 64 if quick else 256, "seed": 11, "repeats": r}
     b3 = {"cycles": 200 if quick else 5000, "groups": 20 if quick else 500, "repeats": r}
     tps = READINESS_TP[:3] if quick else READINESS_TP
     return [
@@ -36,6 +38,17 @@ def suites(quick: bool = False, repeats: int | None = None) -> list[Suite]:
                   Case("NIXL READ (UCX same-node defaults)", b2_load.nixl_read_same_node),
                   Case("contiguous memcpy", b2_load.memcpy),
               ), b2),
+        Suite("B4", f"paged scatter, {b4['n_blocks']} random blocks of {b4['block_bytes'] // 1024} KiB over "
+              f"{b4['regions']} layer regions", ">= 90% of memcpy and ahead of every peer", "contiguous memcpy", (
+                  Case("kvstate Group.load (paged scatter)", b4_scatter.kvstate_load, kvstate=True),
+                  Case("kvstate first layer usable", b4_scatter.kvstate_first_layer, kvstate=True),
+                  Case("kvstate Bank.store (same pages)", b4_scatter.kvstate_store, kvstate=True),
+                  Case("torch index_copy_", b4_scatter.torch_index_copy),
+                  Case("torch index_put_", b4_scatter.torch_index_put),
+                  Case("numpy fancy assignment", b4_scatter.numpy_fancy),
+                  Case("NIXL READ (UCX same-node defaults)", b4_scatter.nixl_read),
+                  Case("contiguous memcpy", b4_scatter.memcpy),
+              ), b4),
         Suite("B3", "lifecycle overhead (kvstate.core.machine on the spec tables)",
               "<= 15 us per transition; readiness cost flat in tp", "readiness check tp=1", (
                   Case("bank transition", b3_lifecycle.bank_transition, kvstate=True),

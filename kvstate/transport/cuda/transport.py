@@ -60,12 +60,13 @@ from kvstate.transport.cuda import rules
 from kvstate.transport.cuda.driver import DeviceInfo, find_device, load_driver
 from kvstate.transport.cuda.objects import CudaAllocation, CudaHandle, CudaMapping, CudaReservation, DeviceBuffer
 from kvstate.transport.host import fd_identity_of
-from kvstate.transport.native import Native, Op
+from kvstate.transport.native import Native, Op, RawBuffer
 from kvstate.transport.protocol import Block, RegionStats
 
 if TYPE_CHECKING:
     from typing import Union
 
+    from kvstate.transport.native import HostBuffer
     from kvstate.transport.protocol import ExportingTransport, MappedTransport
 
     #: What a cuda op reads or writes: a mapping or device memory the caller owns.
@@ -313,17 +314,27 @@ class CudaTransport:
 
     # -- ops -------------------------------------------------------------------------------
 
-    def _endpoint(self, ep: CudaEndpoint) -> tuple[int, int, int]:
+    def _endpoint(self, ep: CudaEndpoint | RawBuffer) -> tuple[int, int, int]:
         if isinstance(ep, CudaMapping):
             return ep.region, 0, 0
         if isinstance(ep, DeviceBuffer):
             return 0, ep.ptr, ep.nbytes
-        raise errors.NativeInvalidArgument("gather", -1, f"{ep!r} is neither a CudaMapping nor a DeviceBuffer")
+        if isinstance(ep, RawBuffer):  # device memory by address: an engine's CUDA tensor
+            return 0, ep.addr, ep.size
+        raise errors.NativeInvalidArgument("gather", -1, f"{ep!r} is neither a CudaMapping nor device memory")
 
     def submit_gather(self, src: CudaEndpoint, dst: CudaEndpoint, blocks: Sequence[Block]) -> Op:
         """Copy each (src_off, dst_off, len) block device to device: an op of the C engine,
         on a stream of its own; it pins every mapping it touches until its event completes."""
         return self._native.submit_cuda(self._device, self._endpoint(src), self._endpoint(dst), blocks)
+
+    def submit_blocks(self, src: CudaEndpoint | RawBuffer, dst: CudaEndpoint | RawBuffer,
+                      blocks: Sequence[Block] | HostBuffer, *, notify_fd: int | None = None, fail: bool = False) -> Op:
+        """The data path's submit (:mod:`kvstate.share.plan`), as the host backend's: either
+        end a mapping or device memory (a :class:`RawBuffer` names it by address); 1 is
+        added to the eventfd ``notify_fd`` once the op is collectable."""
+        return self._native.submit_cuda(self._device, self._endpoint(src), self._endpoint(dst), blocks,
+                                        fail=fail, notify_fd=notify_fd)
 
     def submit_copy(self, src: CudaEndpoint, dst: CudaEndpoint, length: int, *, src_off: int = 0,
                     dst_off: int = 0) -> Op:

@@ -1,18 +1,28 @@
-"""Leak detection from /proc: fds, memfd mappings, child processes, threads, native objects.
+"""What this process holds, from /proc: the one leak probe.
 
-:func:`snapshot` records what this process holds; :func:`leaks` compares a later
-snapshot with an earlier one and names everything that is new (or, for native counters,
-larger). :func:`settled_leaks` retries for a short grace period, because daemon threads
-of a stopped server or watcher exit on their next poll and a SIGKILLed child is reaped
-by its parent asynchronously.
+The test suite's leak check (the ``leak_check`` fixture in tests/conftest.py), the demo
+cluster's and the soak's per-worker leak verdicts all read the process through
+:func:`snapshot`, so there is one definition of "what a test or a cycle left behind":
 
-Long-lived helpers that multiprocessing starts once per process (the resource tracker,
-the forkserver) and their pipe fds are not leaks of the test that happened to start
-them: they are excluded by identity, not by name patterns.
+- open fds, with what each points to (a closed and reused fd number is a new fd);
+- memfd mappings, line by line from /proc/self/maps (an unmap followed by a new map is
+  a leak, even though the count is unchanged);
+- direct child processes (from every thread's ``children`` list);
+- live Python threads (the native engine's worker pthreads are process-global and
+  reused, so they are not counted);
+- the native engine's object counters, when the native module is loaded.
+
+:func:`leaks` names everything a later snapshot holds that an earlier one did not;
+:func:`settled_leaks` retries for a grace period, because daemon threads of a stopped
+server or watcher exit on their next poll, and a SIGKILLed child is reaped
+asynchronously. Long-lived helpers that multiprocessing starts once per process (the
+resource tracker, the forkserver) and their pipe fds are not leaks of whoever happened
+to start them: they are excluded by identity, not by name patterns.
 """
 
 from __future__ import annotations
 
+import collections
 import gc
 import os
 import sys
@@ -23,18 +33,21 @@ from typing import Any
 
 import attrs
 
-#: Native counters that must return to their value before the test.
+#: Native engine counters that must come back to their earlier value.
 NATIVE_COUNTERS = ("allocations", "reservations", "regions", "pins", "ops_live")
 
 
 @attrs.frozen
 class Snapshot:
-    fds: Mapping[int, str]              # fd -> readlink target
-    memfd_maps: int                     # lines of /proc/self/maps backed by a memfd
-    children: frozenset[int]            # pids of direct children (all threads)
-    threads: frozenset[int]             # Python thread idents alive (the native engine's
-                                        # worker pthreads are process-global and reused: not counted)
-    native: Mapping[str, int]           # native engine counters, if the library is loaded
+    fds: Mapping[int, str]           # fd -> readlink target
+    memfd_maps: tuple[str, ...]      # lines of /proc/self/maps backed by a memfd
+    children: frozenset[int]         # pids of direct children (of every thread)
+    threads: frozenset[int]          # idents of live Python threads
+    native: Mapping[str, int]        # native engine counters; empty if never loaded
+
+    def counts(self) -> dict[str, int]:
+        """The numbers a worker process reports across a pipe: fds and memfd mappings."""
+        return {"fds": len(self.fds), "memfd_maps": len(self.memfd_maps)}
 
 
 def _fds() -> dict[int, str]:
@@ -43,13 +56,13 @@ def _fds() -> dict[int, str]:
         try:
             out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
         except OSError:
-            pass  # the fd listdir itself used, already closed
+            pass  # the fd listdir itself used, closed by now
     return out
 
 
-def _memfd_maps() -> int:
+def _memfd_maps() -> tuple[str, ...]:
     with open("/proc/self/maps", encoding="utf-8") as f:
-        return sum(1 for line in f if "/memfd:" in line)
+        return tuple(line.rstrip() for line in f if "/memfd:" in line)
 
 
 def _children() -> frozenset[int]:
@@ -65,30 +78,29 @@ def _children() -> frozenset[int]:
 
 def _native() -> dict[str, int]:
     native = sys.modules.get("kvstate.transport.native")
-    if native is None or getattr(native, "_default", None) is None:
+    engine: Any = getattr(native, "_default", None)
+    if engine is None:
         return {}  # never loaded: nothing native can be held
-    stats = native._default.stats()
+    stats = engine.stats()
     return {k: int(getattr(stats, k)) for k in NATIVE_COUNTERS}
 
 
 def snapshot() -> Snapshot:
-    return Snapshot(_fds(), _memfd_maps(), _children(), frozenset(t.ident or 0 for t in threading.enumerate()),
-                    _native())
+    return Snapshot(_fds(), _memfd_maps(), _children(),
+                    frozenset(t.ident or 0 for t in threading.enumerate()), _native())
 
 
-def _helpers() -> tuple[set[int], set[int]]:
+def _mp_helpers() -> tuple[set[int], set[int]]:
     """(pids, fds) of multiprocessing's per-process helpers, which outlive any one test."""
     pids: set[int] = set()
     fds: set[int] = set()
-    rt = sys.modules.get("multiprocessing.resource_tracker")
-    tracker: Any = getattr(rt, "_resource_tracker", None)
+    tracker: Any = getattr(sys.modules.get("multiprocessing.resource_tracker"), "_resource_tracker", None)
     if tracker is not None:
         if getattr(tracker, "_pid", None):
             pids.add(tracker._pid)
         if getattr(tracker, "_fd", None) is not None:
             fds.add(tracker._fd)
-    fs = sys.modules.get("multiprocessing.forkserver")
-    server: Any = getattr(fs, "_forkserver", None)
+    server: Any = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
     if server is not None:
         if getattr(server, "_forkserver_pid", None):
             pids.add(server._forkserver_pid)
@@ -99,11 +111,11 @@ def _helpers() -> tuple[set[int], set[int]]:
 
 def leaks(before: Snapshot, after: Snapshot) -> list[str]:
     """Everything ``after`` holds that ``before`` did not, one line each."""
-    helper_pids, helper_fds = _helpers()
+    helper_pids, helper_fds = _mp_helpers()
     found = [f"fd {fd} -> {target}" for fd, target in sorted(after.fds.items())
              if before.fds.get(fd) != target and fd not in helper_fds]
-    if after.memfd_maps > before.memfd_maps:
-        found.append(f"{after.memfd_maps - before.memfd_maps} memfd mapping(s)")
+    new_maps = collections.Counter(after.memfd_maps) - collections.Counter(before.memfd_maps)
+    found += [f"memfd mapping {line}" for line in sorted(new_maps.elements())]
     found += [f"child process {pid}" for pid in sorted(after.children - before.children - helper_pids)]
     alive = {t.ident: t.name for t in threading.enumerate()}
     found += [f"thread {alive.get(t, t)!r}" for t in sorted(after.threads - before.threads)]

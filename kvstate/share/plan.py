@@ -1,0 +1,143 @@
+"""A checked transfer plan, submitted all or nothing.
+
+Both directions (``Group.load``: bank blocks into engine pages; ``Bank.store``: engine
+pages into bank blocks) first build a :class:`Plan`: every argument checked, every
+tensor adapted, every copy list computed. Nothing is submitted while building, and a
+refusal gives back every tensor adapted so far. :meth:`Plan.submit` then submits one op
+per (rank, region). If submitting op k fails, ops 0..k-1 are cancelled where still
+queued and awaited where a worker already took them, everything is reaped and given
+back, and the failure is raised: no op of the plan is left in flight.
+
+What a failed submit may leave written: the blocks of the plan's destinations that ops
+already running copied (never a byte outside the plan's block ids). A cancelled op
+writes nothing. The caller treats every block of the plan as not loaded.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from array import array
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+
+from kvstate.core.errors import KvStateError, LoadFailed, StoreFailed, TransferRejected
+from kvstate.core.reasons import TransferReason
+from kvstate.share.tensors import TensorRef
+from kvstate.share.transfer import TransferHandle
+
+#: Most block ids in one transfer.
+MAX_BLOCKS = 1 << 20
+
+
+def block_ids(values: object, limit: int | None, where: str) -> tuple[int, ...]:
+    """``values`` as a tuple of ints in 0..limit-1 (any limit when None), or TransferRejected."""
+    if isinstance(values, (str, bytes, bytearray)) or not isinstance(values, Iterable):
+        raise TransferRejected(TransferReason.BLOCK_IDS, where, f"must be a sequence of ints, not "
+                               f"{type(values).__name__}")
+    try:
+        items = list(itertools.islice(values, MAX_BLOCKS + 1))
+    except Exception as exc:  # a caller's iterator failing is a bad argument, reported as such
+        raise TransferRejected(TransferReason.BLOCK_IDS, where, f"iterating failed: {exc!r:.80}") from None
+    if len(items) > MAX_BLOCKS:
+        raise TransferRejected(TransferReason.BLOCK_IDS, where, f"more than {MAX_BLOCKS} blocks")
+    out: list[int] = []
+    for i, v in enumerate(items):
+        if isinstance(v, bool) or type(v).__name__ in ("bool_", "bool"):  # numpy's too
+            raise TransferRejected(TransferReason.BLOCK_IDS, f"{where}[{i}]", f"{v!r} is a bool, not a block id")
+        try:
+            n = operator.index(v)
+        except Exception:  # TypeError, or whatever a foreign __index__ raises
+            raise TransferRejected(TransferReason.BLOCK_IDS, f"{where}[{i}]",
+                                   f"{v!r:.40} is not an int") from None
+        if n < 0 or (limit is not None and n >= limit):
+            bound = "" if limit is None else f"..{limit - 1}"
+            raise TransferRejected(TransferReason.BLOCK_IDS, f"{where}[{i}]", f"{n} is outside 0{bound}")
+        out.append(n)
+    if not out:
+        raise TransferRejected(TransferReason.BLOCK_IDS, where, "no blocks")
+    return tuple(out)
+
+
+def unique(ids: Sequence[int], where: str) -> None:
+    if len(set(ids)) != len(ids):
+        seen: set[int] = set()
+        for i, b in enumerate(ids):
+            if b in seen:
+                raise TransferRejected(TransferReason.BLOCK_IDS, f"{where}[{i}]",
+                                       f"block {b} appears twice: two copies would write it")
+            seen.add(b)
+
+
+def triples(pairs: Sequence[tuple[int, int, int]], src_bases: Sequence[int], dst_bases: Sequence[int]) -> array[int]:
+    """The op engine's block list (uint64 triples src_off, dst_off, len) for copying the
+    runs ``pairs`` of every block: block i's copies start at src_bases[i], dst_bases[i]."""
+    n, k = len(src_bases), len(pairs)
+    out = array("Q", bytes(24 * n * k))
+    for j, (ps, pd, pl) in enumerate(pairs):
+        out[3 * j::3 * k] = array("Q", [s + ps for s in src_bases])
+        out[3 * j + 1::3 * k] = array("Q", [d + pd for d in dst_bases])
+        out[3 * j + 2::3 * k] = array("Q", [pl]) * n
+    return out
+
+
+@attrs.define(eq=False)
+class Copy:
+    """One op: ``blocks`` from ``src`` to ``dst`` (a mapping, a RawBuffer or a buffer)."""
+
+    src: Any
+    dst: Any
+    blocks: Any                  # the block list, or a function building it (called at submit)
+    region: str
+    rank: int
+    nbytes: int
+
+
+@attrs.define(eq=False)
+class Plan:
+    """Everything one transfer will submit; see the module docstring."""
+
+    kind: str                    # "load" or "store"
+    label: str
+    blocks: tuple[int, ...]      # destination block ids (load) or bank block ids (store)
+    copies: list[Copy] = attrs.field(factory=list)
+    refs: list[TensorRef] = attrs.field(factory=list)
+    handle: TransferHandle | None = None
+
+    def release(self) -> None:
+        """Give back the tensors of a plan that was never submitted (idempotent)."""
+        refs, self.refs = self.refs, []
+        for r in refs:
+            r.release()
+
+    def submit(self, transport: Any) -> TransferHandle:
+        """Submit every copy, all or nothing (see the module docstring). The handle is not
+        yet active: the owner tracks it, then calls ``handle._activate(hook)``."""
+        notify = hasattr(transport, "submit_blocks")
+        h = TransferHandle(self.kind, self.label, self.blocks, notify=notify)
+        h._keep(self.refs)
+        self.refs = []
+        submitted = 0
+        try:
+            for c in self.copies:
+                blocks = c.blocks() if callable(c.blocks) else c.blocks  # built as late as possible
+                if notify:
+                    op = transport.submit_blocks(c.src, c.dst, blocks)
+                else:  # a backend without completion fds: waiters poll its ops
+                    op = transport.submit_gather(c.src, c.dst, blocks)
+                h._add(op, c.region, c.rank, c.nbytes)
+                submitted += 1
+        except (KvStateError, OSError) as exc:
+            c = self.copies[submitted]
+            h._abort()
+            error = LoadFailed if self.kind == "load" else StoreFailed
+            raise error(f"{self.label}: submitting region {c.region!r} of rank {c.rank} failed ({exc}); the "
+                        f"{submitted} op(s) submitted before it were cancelled or awaited, nothing is in flight")\
+                from exc
+        except BaseException:
+            h._abort()
+            raise
+        self.handle = h
+        return h

@@ -1,0 +1,449 @@
+"""Handles of loads and stores in flight: per-region waits, cancel, failed blocks, a
+completion callback and a pollable fd.
+
+Theory of operation
+-------------------
+
+A transfer is one native op per (rank, region), all submitted before the call that made
+the handle returns; the copies run on the op engine's threads. The last op is told to
+add 1 to the handle's private eventfd when it becomes collectable (done, failed or
+cancelled: ``kvs_op_notify``). One dispatcher thread per process polls the private fds
+of every live handle (epoll); woken, it looks for an op still pending (ops finish
+roughly in order, so usually there is none) and has that one notify in turn. When none
+is pending, the dispatcher (or whichever caller of ``wait``/``done`` gets there first)
+*finishes* the handle, once:
+
+1. reaps every op and records how each ended; gives back the tensors' memory
+   (buffer exports, DLPack capsules);
+2. wakes ``wait`` callers and makes the public fd readable;
+3. calls the owner's hook, which fires ``loaded`` on the group (``stored`` on the bank):
+   the load-complete :class:`~kvstate.core.machine.StateChange`, and the owner forgets
+   it; then the completion callbacks.
+
+The public fd (:meth:`TransferHandle.fileno`) is a separate eventfd that kvstate never
+reads: it becomes readable when the transfer has finished and stays readable, so an
+event loop can ``add_reader`` it and call :meth:`done`. It is closed by :meth:`close`.
+
+The dispatcher exits when no handle is live for a short while; the next transfer starts
+it again.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import select
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from kvstate.core.errors import KvStateError, NativeError, TransferRejected, UnknownNativeObject
+from kvstate.core.reasons import TransferReason
+
+log = logging.getLogger(__name__)
+
+#: How long an idle dispatcher waits for a new transfer before its thread exits.
+DISPATCHER_LINGER_S = 0.25
+#: How long close() waits for ops a worker had already started (a copy of one region).
+CLOSE_WAIT_S = 60.0
+
+PENDING, DONE, FAILED, CANCELLED = "pending", "done", "failed", "cancelled"
+
+
+def check_timeout(timeout: object, where: str = "timeout") -> float:
+    """``timeout`` as seconds: a finite int or float >= 0 (not a bool), else TransferRejected."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
+            or timeout < 0:
+        raise TransferRejected(TransferReason.TIMEOUT, where, f"must be a finite number of seconds >= 0, "
+                               f"not {timeout!r:.40}")
+    return float(timeout)
+
+
+@attrs.frozen
+class TransferResult:
+    """How a finished transfer ended. ``failed_blocks`` are the destination block ids
+    (load) or bank block ids (store) that hold nothing usable."""
+
+    blocks: int
+    bytes: int
+    seconds: float
+    failed_blocks: frozenset[int]
+    failed_regions: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed_blocks
+
+
+@attrs.define(eq=False)
+class _Entry:
+    op: Any
+    region: str
+    rank: int
+    nbytes: int
+    state: str = PENDING
+
+
+class TransferHandle:
+    """A load or store in flight. See the module docstring; made by ``Group.load``,
+    ``Group.load_prefix`` and ``Bank.store``, never directly."""
+
+    def __init__(self, kind: str, label: str, blocks: Sequence[int], *, notify: bool) -> None:
+        self.kind = kind
+        self.label = label
+        self._blocks = tuple(blocks)
+        self._entries: list[_Entry] = []
+        self._refs: list[Any] = []  # TensorRefs to give back when finished
+        self._lock = threading.Lock()
+        self._finished = threading.Event()
+        self._finishing = False
+        self._notify_fd: int | None = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) if notify else None
+        self._watched: set[Any] = set()  # ops told to notify _notify_fd
+        self._user_fd: int | None = None
+        self._callbacks: list[Callable[[TransferHandle], None]] = []
+        self._on_finish: Callable[[TransferHandle], None] | None = None
+        self._result: TransferResult | None = None
+        self._closed = False
+        self._t0 = time.monotonic()
+
+    def __repr__(self) -> str:
+        return f"<{self.kind} {self.label}: {len(self._entries)} op(s), {'finished' if self._finished.is_set() else 'in flight'}>"
+
+    # -- built by the load and store paths --------------------------------------------------
+
+    @property
+    def notify_fd(self) -> int | None:
+        return self._notify_fd
+
+    def _add(self, op: Any, region: str, rank: int, nbytes: int) -> None:
+        self._entries.append(_Entry(op, region, rank, nbytes))
+
+    def _keep(self, refs: Sequence[Any]) -> None:
+        self._refs.extend(refs)
+
+    def _activate(self, on_finish: Callable[[TransferHandle], None] | None) -> None:
+        """All ops are submitted and the owner tracks the handle: let it finish."""
+        self._on_finish = on_finish
+        fd = self._notify_fd
+        if fd is not None:
+            _dispatcher.register(self)
+            if not self._watch_next():
+                # Every op finished before anyone watched: wake the dispatcher to finish it
+                # (not here: the owner may be inside the transition that submitted it).
+                os.eventfd_write(fd, 1)
+
+    def _watch_next(self) -> bool:
+        """Have the last op that is still pending notify the private fd; False when none is
+        pending (every op is collectable). Called with no lock held, or by the dispatcher."""
+        fd = self._notify_fd
+        for e in reversed(self._entries):
+            if e.state != PENDING or e.op in self._watched:
+                if e.op in self._watched and not _collectable(e.op):
+                    return True  # its notification is still to come
+                continue
+            if not _collectable(e.op):
+                if fd is None:
+                    return True
+                self._watched.add(e.op)
+                e.op.notify(fd)  # at once if it finished meanwhile: the dispatcher looks again
+                return True
+        return False
+
+    def _abort(self) -> None:
+        """A submit failed part way: cancel what was submitted, wait for what a worker
+        already took, reap everything, give the memory back. The owner never saw it."""
+        self.cancel()
+        self._wait_ops(self._entries, CLOSE_WAIT_S)
+        self._finish(call_owner=False)
+
+    # -- what the engine calls ------------------------------------------------------------
+
+    @property
+    def regions(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(e.region for e in self._entries))
+
+    def done(self) -> bool:
+        """True once every op finished (done, failed or cancelled); never blocks."""
+        if self._finished.is_set():
+            return True
+        if all(_collectable(e.op) for e in self._entries):
+            self._finish()
+        return self._finished.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for every op; True when the transfer finished.
+        It does not raise for a failed transfer: see :meth:`result`."""
+        deadline = time.monotonic() + check_timeout(timeout)
+        if not self._finished.is_set() and self._wait_ops(self._entries, timeout):
+            self._finish()
+        return self._finished.wait(max(0.0, deadline - time.monotonic()))
+
+    def wait_region(self, name: str, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the ops of region ``name`` (every rank); True
+        when they finished, so the engine may use that region's pages if
+        :meth:`region_ok` says so, while later regions still load."""
+        t = check_timeout(timeout)
+        mine = [e for e in self._entries if e.region == name]
+        if not mine:
+            raise TransferRejected(TransferReason.REGIONS, f"region {name!r:.80}", f"not part of this {self.kind}")
+        return self._finished.is_set() or self._wait_ops(mine, t)
+
+    def region_ok(self, name: str) -> bool | None:
+        """True when every op of region ``name`` completed, False when one failed or was
+        cancelled, None while any is still pending."""
+        mine = [e for e in self._entries if e.region == name]
+        if not mine:
+            raise TransferRejected(TransferReason.REGIONS, f"region {name!r:.80}", f"not part of this {self.kind}")
+        if not self._finished.is_set():
+            states = [_state(e.op) for e in mine]
+            if any(s in ("queued", "running", "created") for s in states):
+                return None
+            return all(s == DONE for s in states)
+        return all(e.state == DONE for e in mine)
+
+    def cancel(self) -> None:
+        """Cancel every op not yet taken by a worker; ops already copying complete. The
+        transfer then finishes with the cancelled regions' blocks in failed_blocks()."""
+        for e in self._entries:
+            if e.state == PENDING:
+                try:
+                    e.op.cancel()
+                except KvStateError:
+                    pass  # running, finished, or already reaped: it ends on its own
+
+    def failed_blocks(self) -> frozenset[int]:
+        """The block ids that hold nothing usable: every block of the transfer when any of
+        its ops failed or was cancelled (a block needs every region), none otherwise.
+        Complete once :meth:`done` is True; empty before."""
+        r = self._result
+        return frozenset() if r is None else r.failed_blocks
+
+    def result(self) -> TransferResult | None:
+        """How it ended, once finished; None before."""
+        return self._result
+
+    def add_done_callback(self, fn: Callable[[TransferHandle], None]) -> None:
+        """Call ``fn(handle)`` once the transfer finished: at once (in this thread) if it
+        already has, else from the thread that finishes it (usually kvstate's dispatcher).
+        An exception from ``fn`` is logged, never raised."""
+        with self._lock:
+            if not self._finished.is_set():
+                self._callbacks.append(fn)
+                return
+        _call(fn, self)
+
+    def fileno(self) -> int:
+        """An fd that becomes readable (and stays so) when the transfer finished; valid
+        until :meth:`close`."""
+        with self._lock:
+            if self._closed:
+                raise TransferRejected(TransferReason.STATE, self.label, "the handle is closed")
+            if self._user_fd is None:
+                self._user_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+                if self._finished.is_set():
+                    os.eventfd_write(self._user_fd, 1)
+            return self._user_fd
+
+    def close(self) -> None:
+        """Release the handle: cancel what has not started, wait for what has, finish,
+        close the fd. Idempotent."""
+        if not self._finished.is_set():
+            self.cancel()
+            self._wait_ops(self._entries, CLOSE_WAIT_S)
+            self._finish()
+        with self._lock:
+            self._closed = True
+            fd, self._user_fd = self._user_fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __enter__(self) -> TransferHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # Only a finished handle can be collected (the owner and the dispatcher hold live
+        # ones), so its ops are reaped and closing the fd races with nobody.
+        fd = getattr(self, "_user_fd", None)
+        if fd is not None and self._finished.is_set():
+            os.close(fd)
+
+    # -- finishing ----------------------------------------------------------------------------
+
+    def _wait_ops(self, entries: Sequence[_Entry], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        for e in entries:
+            if e.state != PENDING:
+                continue
+            try:
+                if not e.op.wait(max(0.0, deadline - time.monotonic())):
+                    return False
+            except UnknownNativeObject:  # reaped by a finishing thread
+                return self._finished.wait(max(0.0, deadline - time.monotonic()))
+        return True
+
+    def _progress(self) -> None:
+        """The private fd was written: finish if no op is pending, else watch the next."""
+        with self._lock:
+            fd = self._notify_fd
+            if fd is None or self._finishing:
+                return
+            try:
+                os.eventfd_read(fd)
+            except BlockingIOError:
+                pass
+        if not self._watch_next():
+            self._finish()
+
+    def _finish(self, *, call_owner: bool = True) -> None:
+        with self._lock:
+            if self._finishing:
+                return
+            self._finishing = True
+            fd, self._notify_fd = self._notify_fd, None
+        if fd is not None:
+            _dispatcher.unregister(fd)
+        for e in self._entries:
+            e.state = _reap(e.op)
+        if fd is not None:
+            os.close(fd)  # after the reaps: no op can still write to that number
+        for r in self._refs:
+            r.release()
+        self._refs.clear()
+        failed = tuple(dict.fromkeys(e.region for e in self._entries if e.state != DONE))
+        self._result = TransferResult(len(self._blocks), sum(e.nbytes for e in self._entries if e.state == DONE),
+                                      time.monotonic() - self._t0, frozenset(self._blocks) if failed else frozenset(),
+                                      failed)
+        with self._lock:
+            # Waiters wake before the owner's hook runs: a waiter may hold the owner's lock,
+            # which the hook (firing `loaded`) needs.
+            self._finished.set()
+            callbacks, self._callbacks = self._callbacks, []
+            if self._user_fd is not None:
+                os.eventfd_write(self._user_fd, 1)
+        hook = self._on_finish if call_owner else None
+        if hook is not None:
+            _call(hook, self)
+        for fn in callbacks:
+            _call(fn, self)
+
+
+def _collectable(op: Any) -> bool:
+    try:
+        return bool(op.poll())
+    except UnknownNativeObject:
+        return True
+
+
+def _state(op: Any) -> str:
+    try:
+        return str(op.info().state)
+    except UnknownNativeObject:
+        return "reaped"
+
+
+def _reap(op: Any) -> str:
+    try:
+        state = str(op.reap().state)
+    except NativeError as exc:  # not collectable or already gone: a bug, reported, never raised here
+        log.error("reaping %r failed: %s", op, exc)
+        return FAILED
+    return state if state in (DONE, FAILED, CANCELLED) else FAILED
+
+
+def _call(fn: Callable[[TransferHandle], None], handle: TransferHandle) -> None:
+    try:
+        fn(handle)
+    except Exception:
+        log.exception("completion callback %r of %r failed", fn, handle)
+
+
+class _Dispatcher:
+    """One thread per process polling the private fds of live handles (see above)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._handles: dict[int, TransferHandle] = {}
+        self._epoll: select.epoll | None = None
+        self._wake: int | None = None  # an eventfd that makes an idle thread exit now
+        self._thread: threading.Thread | None = None
+
+    def register(self, h: TransferHandle) -> None:
+        fd = h.notify_fd
+        assert fd is not None
+        with self._lock:
+            if self._thread is None:
+                self._epoll = select.epoll()
+                self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+                self._epoll.register(self._wake, select.EPOLLIN)
+                self._thread = threading.Thread(target=self._run, args=(self._epoll, self._wake),
+                                                name="kvstate-transfers", daemon=True)
+                self._thread.start()
+            assert self._epoll is not None
+            self._handles[fd] = h
+            self._epoll.register(fd, select.EPOLLIN)
+
+    def unregister(self, fd: int) -> None:
+        with self._lock:
+            if self._handles.pop(fd, None) is not None and self._epoll is not None:
+                self._epoll.unregister(fd)
+
+    def live(self) -> int:
+        with self._lock:
+            return len(self._handles)
+
+    def stop_if_idle(self, timeout: float = 2.0) -> bool:
+        """End the thread now (closing its fds) if no transfer is live; True when none runs."""
+        with self._lock:
+            thread, wake = self._thread, self._wake
+            if thread is None:
+                return True
+            if self._handles or wake is None:
+                return False
+            os.eventfd_write(wake, 1)
+        thread.join(timeout)
+        return not thread.is_alive()
+
+    def _run(self, epoll: select.epoll, wake: int) -> None:
+        while True:
+            events = epoll.poll(DISPATCHER_LINGER_S)
+            woken = any(fd == wake for fd, _ in events)
+            if not events or woken:
+                with self._lock:
+                    if not self._handles:
+                        self._thread = self._epoll = self._wake = None
+                        epoll.close()
+                        os.close(wake)
+                        return
+                if woken:
+                    try:
+                        os.eventfd_read(wake)
+                    except BlockingIOError:
+                        pass
+            for fd, _ in events:
+                with self._lock:
+                    h = self._handles.get(fd)
+                if h is not None:
+                    try:
+                        h._progress()
+                    except Exception:  # keep serving the other handles
+                        log.exception("finishing %r failed", h)
+
+
+_dispatcher = _Dispatcher()
+
+
+def stop_dispatcher_if_idle(timeout: float = 2.0) -> bool:
+    """Stop kvstate's completion thread now if no transfer is in flight (Importer.close
+    and Exporter.stop call this, so a closed worker holds no thread or fd of it)."""
+    return _dispatcher.stop_if_idle(timeout)
+
+#: What ``Group.load``/``load_prefix`` and ``Bank.store`` return: one class, two names.
+LoadHandle = TransferHandle
+StoreHandle = TransferHandle

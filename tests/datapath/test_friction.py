@@ -1,0 +1,60 @@
+"""Friction found wiring kvstate into an engine: each one fixed where it bites."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kvstate.core.errors import ChannelError, ConfigInvalid, KvStateError
+from kvstate.share.exporter import ExportConfig, Exporter
+from kvstate.transport.host import HostTransport
+from datapath.conftest import DEPLOYMENT, GRANULARITY, socket_dir
+
+
+@pytest.mark.parametrize("source", [b"", b"x" * 15, b"x" * 17, "0" * 16, None, bytearray(16)])
+def test_source_id_must_be_16_bytes_where_it_is_configured(source: object) -> None:
+    with pytest.raises(ConfigInvalid) as info:
+        ExportConfig(DEPLOYMENT, Path("/tmp"), source, 1)  # type: ignore[arg-type]
+    assert info.value.field == "ExportConfig.source_id" and "exactly 16 bytes" in str(info.value)
+
+
+@pytest.mark.parametrize("tp", [0, -1, True, 1.0, "2"])
+def test_tp_is_checked_where_it_is_configured(tp: object) -> None:
+    with pytest.raises(ConfigInvalid):
+        ExportConfig(DEPLOYMENT, Path("/tmp"), os.urandom(16), tp)  # type: ignore[arg-type]
+
+
+def test_exporters_share_a_socket_directory_without_naming_themselves() -> None:
+    d = socket_dir()
+    exporters = [Exporter(ExportConfig(DEPLOYMENT, d, os.urandom(16), 1), HostTransport(granularity=GRANULARITY))
+                 for _ in range(3)]
+    try:
+        for ex in exporters:
+            ex.start()
+        assert len({ex.socket_path for ex in exporters}) == 3
+        assert all(ex.socket_path.parent == d and ex.socket_path.exists() for ex in exporters)
+    finally:
+        for ex in exporters:
+            ex.stop()
+
+
+def test_a_name_another_live_exporter_serves_is_refused_clearly() -> None:
+    d = socket_dir()
+    a = Exporter(ExportConfig(DEPLOYMENT, d, os.urandom(16), 1), HostTransport(granularity=GRANULARITY), name="decode")
+    b = Exporter(ExportConfig(DEPLOYMENT, d, os.urandom(16), 1), HostTransport(granularity=GRANULARITY), name="decode")
+    a.start()
+    try:
+        with pytest.raises(ChannelError, match="another server is listening there"):
+            b.start()
+    finally:
+        b.stop()
+        a.stop()
+
+
+@pytest.mark.parametrize("name", ["", "a/b", "x\0y", ".", 7])
+def test_bad_exporter_names_are_refused(name: object) -> None:
+    with pytest.raises(KvStateError):
+        Exporter(ExportConfig(DEPLOYMENT, socket_dir(), os.urandom(16), 1), HostTransport(granularity=GRANULARITY),
+                 name=name)  # type: ignore[arg-type]

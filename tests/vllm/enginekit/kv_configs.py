@@ -1,0 +1,66 @@
+"""``KVTransferConfig`` arguments, as plain dicts so they cross into engine processes.
+
+:func:`build` turns one into vLLM's ``KVTransferConfig`` (in the engine process, or in a
+test that checks vLLM accepts it). Every config here sets ``kv_load_failure_policy`` to
+``"recompute"``: vLLM's default ``"fail"`` ends a request with an error when a load
+fails, while the connector's contract is that vLLM recomputes exactly the failed blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+#: The public names a vLLM user writes to enable kvstate (issue 17); the connector
+#: itself lands later, so nothing here starts an engine with it yet.
+KVSTATE_CONNECTOR = "KvStateConnector"
+KVSTATE_MODULE = "kvstate.integrations.vllm"
+
+#: The probe connectors' module, importable in engine processes (enginekit is on PYTHONPATH).
+PROBE_MODULE = "enginekit.probe"
+
+#: A file in a probe's directory that makes the next load fail (see enginekit.probe).
+FAIL_NEXT_LOAD = "fail-next-load"
+
+
+def _base(connector: str, role: str, extra: Mapping[str, Any], module: str | None) -> dict[str, Any]:
+    if role not in ROLES:
+        raise ValueError(f"kv_role {role!r} is not one of {ROLES}")
+    cfg: dict[str, Any] = {"kv_connector": connector, "kv_role": role,
+                           "kv_connector_extra_config": dict(extra), "kv_load_failure_policy": "recompute"}
+    if module is not None:
+        cfg["kv_connector_module_path"] = module
+    return cfg
+
+
+def kvstate(role: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """kvstate's connector, loaded by module path like any out-of-tree connector."""
+    return _base(KVSTATE_CONNECTOR, role, extra or {}, KVSTATE_MODULE)
+
+
+def example(storage: Path, role: str = "kv_both") -> dict[str, Any]:
+    """vLLM's ExampleConnector: stores each prompt's KV in files under ``storage`` and
+    loads it for a later prompt with the same tokens (it ignores the role)."""
+    return _base("ExampleConnector", role, {"shared_storage_path": str(storage)}, None)
+
+
+def probe_example(storage: Path, probe_dir: Path, role: str = "kv_both") -> dict[str, Any]:
+    """ExampleConnector plus the probe: records the registered KV tensors in ``probe_dir``
+    and fails the next load when ``probe_dir/fail-next-load`` exists."""
+    return _base("ProbeExampleConnector", role, {"shared_storage_path": str(storage), "probe_dir": str(probe_dir)},
+                 PROBE_MODULE)
+
+
+def probe_only(probe_dir: Path, role: str = "kv_both") -> dict[str, Any]:
+    """A connector that loads and stores nothing; it only records the KV tensors."""
+    return _base("ProbeNullConnector", role, {"probe_dir": str(probe_dir)}, PROBE_MODULE)
+
+
+def build(cfg: Mapping[str, Any]) -> Any:
+    """vLLM's ``KVTransferConfig`` for ``cfg`` (imports vLLM)."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(**cfg)

@@ -1,0 +1,159 @@
+"""Probe connectors, loaded by vLLM through ``kv_connector_module_path="enginekit.probe"``.
+
+They run inside vLLM's engine processes (scheduler side in ``VLLM::EngineCore``, worker
+side in each ``VLLM::Worker``), so this module imports vLLM and torch.
+
+- Both record, once per worker rank, the KV tensors that vLLM hands to
+  ``register_kv_caches``: dtype, shape, strides, offsets, which layers share a buffer,
+  the attention ISA that decides how a block's bytes are packed, and the
+  ``KVCacheConfig``. :mod:`enginekit.geometry` reads these records.
+- :class:`ProbeExampleConnector` is vLLM's ExampleConnector (KV through files) with a
+  planted fault: while ``<probe_dir>/fail-next-load`` exists, the next load is not
+  performed and its blocks are reported through ``get_block_ids_with_load_errors``,
+  which is how a real connector reports a failed load. The file is removed when the
+  fault fires. With ``kv_load_failure_policy="recompute"`` vLLM recomputes those blocks,
+  yet still counts the tokens as cached: the reason why reuse evidence must also show
+  that no load failure was recovered (enginekit.evidence).
+- :class:`ProbeNullConnector` loads and stores nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
+
+FAIL_NEXT_LOAD = "fail-next-load"  # same name as enginekit.kv_configs.FAIL_NEXT_LOAD
+
+
+def jsonable(value: Any) -> Any:
+    """Plain JSON data for configs made of dataclasses, enums, dtypes and containers."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out = {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {"__class__": type(value).__name__, **out}
+    if isinstance(value, enum.Enum):
+        return jsonable(value.value)
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+def _attn_isa(t: torch.Tensor, block_size: int, head_size: int) -> str:
+    # Private in vLLM 0.32; it decides how K and V are packed inside a block
+    # ("vec": K transposed, V token-major; "amx" and "vec16" differ).
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError as exc:
+        return f"unknown ({exc})"
+    return str(_get_attn_isa(t.dtype, block_size, head_size))
+
+
+def describe_kv_caches(kv_caches: dict[str, torch.Tensor], kv_cache_config: Any) -> dict[str, Any]:
+    """The geometry of the tensors vLLM registered: per layer, and per backing buffer."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    bases: list[int] = []
+    layers = {}
+    for name, t in kv_caches.items():
+        storage = t.untyped_storage()
+        base = storage.data_ptr()
+        if base not in bases:
+            bases.append(base)
+        layers[name] = {
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "device": str(t.device),
+            "shape": list(t.shape),
+            "stride": list(t.stride()),
+            "element_size": t.element_size(),
+            "contiguous": t.is_contiguous(),
+            "storage": bases.index(base),
+            "storage_nbytes": storage.nbytes(),
+            "byte_offset": t.data_ptr() - base,
+            "nbytes": t.numel() * t.element_size(),
+            "block_nbytes": t[0].numel() * t.element_size(),
+        }
+    first = next(iter(kv_caches.values()))
+    _, _, block_size, fused = first.shape  # [blocks, kv heads, block_size, 2 * head_dim]
+    return {
+        "tp_rank": get_tensor_model_parallel_rank(),
+        "tp_size": get_tensor_model_parallel_world_size(),
+        "attn_isa": _attn_isa(first, block_size, fused // 2),
+        "layer_names": list(kv_caches),
+        "storages": len(bases),
+        "layers": layers,
+        "kv_cache_config": jsonable(kv_cache_config),
+    }
+
+
+class _GeometryRecorder:
+    """Mixin: writes ``<probe_dir>/geometry-rank<r>.json`` from ``register_kv_caches``."""
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        record = describe_kv_caches(kv_caches, getattr(self, "_kv_cache_config"))
+        record["pid"] = os.getpid()
+        probe_dir = Path(getattr(self, "_kv_transfer_config").get_from_extra_config("probe_dir", ""))
+        tmp = probe_dir / f".geometry-rank{record['tp_rank']}.json.tmp"
+        tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+        tmp.replace(probe_dir / f"geometry-rank{record['tp_rank']}.json")
+        super().register_kv_caches(kv_caches)  # the connector's own registration
+
+
+class ProbeExampleConnector(_GeometryRecorder, ExampleConnector):
+    """ExampleConnector + geometry record + a planted load failure on request."""
+
+    _planted_errors: set[int]
+
+    def _probe_dir(self) -> Path:
+        return Path(self._kv_transfer_config.get_from_extra_config("probe_dir", ""))
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        loads = [r for r in getattr(meta, "requests", []) if not r.is_store]
+        trigger = self._probe_dir() / FAIL_NEXT_LOAD
+        if loads and forward_context.attn_metadata is not None and trigger.exists():
+            trigger.unlink()
+            # Skip the load; report every block it would have written.
+            self._planted_errors = {int(b) for r in loads for b in (r.slot_mapping // self._block_size).tolist()}
+            return
+        super().start_load_kv(forward_context, **kwargs)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors = getattr(self, "_planted_errors", set())
+        self._planted_errors = set()
+        return errors
+
+
+class ProbeNullConnector(_GeometryRecorder, KVConnectorBase_V1):
+    """Records the KV geometry; loads nothing and stores nothing."""
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        return None
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return KVConnectorMetadata()

@@ -1,0 +1,165 @@
+"""The suite's own checkers, each shown to catch what it is for (no engine needed)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from enginekit import kv_configs, tiny_llama
+from enginekit.evidence import reuse
+from enginekit.leftovers import SHM, collect, owner_of, remove_vllm_leftovers, shm_mapped, shm_names
+from enginekit.runner import TAG_VAR, Generation, engine_pids
+
+
+def test_leftovers_are_attributed_by_name() -> None:
+    assert owner_of("vllm_dist_" + "ab" * 16) == "vllm"
+    assert owner_of("vllm_dist_" + "ab" * 16 + "-tp:0-[0-1]-cpushm_0") == "vllm"
+    assert owner_of("psm_1f2e3d4c") == "vllm"
+    assert owner_of(str(uuid.uuid4())) == "vllm"
+    assert owner_of("kvstate-bank-3") == "kvstate" and owner_of(".kvstate.sock") == "kvstate"
+    assert owner_of("core.1234") == "unattributed"
+
+
+def test_collect_reports_planted_kvstate_and_unattributed_leftovers(tmp_path: Path) -> None:
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    for name in ("vllm_dist_" + "cd" * 16, "kvstate-channel.sock", "stray.bin"):
+        (tmpdir / name).touch()
+    before = shm_names()
+    tag = uuid.uuid4().hex[:12]
+    planted = {"kvstate": SHM / f"kvstate-test-{tag}", "mapped": SHM / f"psm_{tag}",
+               "foreign": SHM / f"someone-else-{tag}"}
+    try:
+        for p in planted.values():
+            p.write_bytes(b"x")
+        found = collect(tmpdir, {planted["mapped"].name}, before, [])
+        assert found.kvstate == [str(tmpdir / "kvstate-channel.sock"), str(planted["kvstate"])]
+        assert found.unattributed == [str(tmpdir / "stray.bin")]
+        assert found.vllm == [str(tmpdir / ("vllm_dist_" + "cd" * 16)), str(planted["mapped"])]
+        assert len(found.leaks) == 3  # the foreign /dev/shm entry is not the engine's
+        remove_vllm_leftovers(found)
+        assert not planted["mapped"].exists() and planted["kvstate"].exists()
+        assert sorted(p.name for p in tmpdir.iterdir()) == ["kvstate-channel.sock", "stray.bin"]
+    finally:
+        for p in planted.values():
+            p.unlink(missing_ok=True)
+
+
+def test_shm_mapped_sees_this_process_mapping() -> None:
+    path = SHM / f"kvstate-maptest-{uuid.uuid4().hex[:12]}"
+    try:
+        with open(path, "w+b") as f:
+            f.truncate(4096)
+            with mmap.mmap(f.fileno(), 4096):
+                assert path.name in shm_mapped([os.getpid()])
+        assert path.name not in shm_mapped([os.getpid()])
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def test_engine_processes_are_found_by_tag_and_by_group_and_reported() -> None:
+    tag = uuid.uuid4().hex
+    tagged = subprocess.Popen(["sleep", "60"], env={**os.environ, TAG_VAR: tag})
+    # A group leader and a child of it with no tag (as vLLM's retitled processes look).
+    leader = subprocess.Popen(["sh", "-c", "sleep 60 & wait"], start_new_session=True)
+    try:
+        with open(f"/proc/{leader.pid}/stat", "rb") as f:
+            start = int(f.read().rsplit(b")", 1)[1].split()[19])
+        deadline = time.monotonic() + 10
+        while len(engine_pids("no-such-tag", (leader.pid, start))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        group = engine_pids("no-such-tag", (leader.pid, start))
+        assert leader.pid in group and len(group) == 2
+        assert engine_pids("no-such-tag", (leader.pid, start + 10**9)) == []  # a reused pgid
+        assert engine_pids(tag) == [tagged.pid]
+        found = collect(Path("/nonexistent"), set(), shm_names(), engine_pids(tag))
+        assert found.leaks == [f"engine process {tagged.pid} still alive"]
+    finally:
+        tagged.kill()
+        tagged.wait()
+        os.killpg(leader.pid, signal.SIGKILL)
+        leader.wait()
+    deadline = time.monotonic() + 10  # the orphaned sleep exits on its own schedule
+    while engine_pids("no-such-tag", (leader.pid, start)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine_pids(tag) == [] and engine_pids("no-such-tag", (leader.pid, start)) == []
+
+
+def _generation(cached: list[int], external: float, by_source: float, log: str = "") -> Generation:
+    after = {"vllm:external_prefix_cache_hits": 100.0 + external, "vllm:prefix_cache_hits": 5.0,
+             "vllm:prompt_tokens_by_source{source=external_kv_transfer}": 10.0 + by_source}
+    before = {"vllm:external_prefix_cache_hits": 100.0, "vllm:prefix_cache_hits": 5.0,
+              "vllm:prompt_tokens_by_source{source=external_kv_transfer}": 10.0}
+    return Generation([[1]] * len(cached), cached, ["length"] * len(cached), 0.1, after, before, log)
+
+
+def test_evidence_accepts_consistent_reuse_and_names_each_problem() -> None:
+    assert reuse(_generation([96, 64], 160, 160)).external_problems([96, 64]) == []
+    recovered = ("INFO [scheduler.py:3427] Recovered from KV load failure: 1 request(s) rescheduled "
+                 "(96 tokens affected).\n")
+    problems = {
+        "load failures": _generation([96, 64], 160, 160, recovered),
+        "reused nothing": _generation([96, 0], 96, 96),
+        "expected": _generation([64, 64], 128, 128),
+        "external_prefix_cache_hits grew": _generation([96, 64], 96, 160),
+        "external_kv_transfer": _generation([96, 64], 160, 0),
+    }
+    for words, g in problems.items():
+        found = reuse(g).external_problems([96, 64])
+        assert any(words in p for p in found), (words, found)
+    assert reuse(_generation([0, 0], 0, 0)).none_problems() == []
+    assert reuse(_generation([0, 0], 0, 0, recovered)).none_problems() != []
+
+
+def test_kv_transfer_configs_are_accepted_by_vllm(tmp_path: Path) -> None:
+    cfg = kv_configs.build(kv_configs.kvstate("kv_consumer", {"reuse": True}))
+    assert (cfg.kv_connector, cfg.kv_connector_module_path) == ("KvStateConnector", "kvstate.integrations.vllm")
+    assert cfg.kv_load_failure_policy == "recompute" and cfg.is_kv_consumer and not cfg.is_kv_producer
+    assert cfg.get_from_extra_config("reuse", False) is True
+    for made in (kv_configs.example(tmp_path), kv_configs.probe_example(tmp_path, tmp_path, "kv_producer"),
+                 kv_configs.probe_only(tmp_path)):
+        assert kv_configs.build(made).kv_load_failure_policy == "recompute"
+    with pytest.raises(ValueError, match="kv_role"):
+        kv_configs.kvstate("consumer")
+
+
+def test_seeded_weights_are_reproducible_and_scaled(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    a = tiny_llama.write_model(tmp_path / "a", seed=0) / "model.safetensors"
+    b = tiny_llama.write_model(tmp_path / "b", seed=0) / "model.safetensors"
+    c = tiny_llama.write_model(tmp_path / "c", seed=1) / "model.safetensors"
+    assert a.read_bytes() == b.read_bytes() != c.read_bytes()
+    w = load_file(str(a))
+    assert {k: tuple(v.shape) for k, v in w.items()} == tiny_llama.weight_shapes()
+    assert abs(w["model.embed_tokens.weight"].float().std().item() - 1.0) < 0.02
+    assert abs(w["model.layers.0.self_attn.k_proj.weight"].float().std().item() - 0.1) < 0.005
+    assert torch.equal(w["model.norm.weight"].float(), torch.ones(256))
+
+
+def test_geometry_comparison_names_what_changed() -> None:
+    import copy
+    import json
+
+    from enginekit.geometry import FIXTURE, differences
+
+    want = json.loads(FIXTURE.read_text())
+    got = copy.deepcopy(want)
+    assert differences(want, got) == []
+    layer = got["runs"]["tp2-float32"][1]["layers"]["model.layers.1.self_attn.attn"]
+    layer["stride"][0] *= 2
+    del layer["contiguous"]
+    got["runs"]["tp1-bfloat16"][0]["attn_isa"] = "amx"
+    assert differences(want, got) == [
+        "/runs/tp1-bfloat16[0]/attn_isa: fixture 'vec', now 'amx'",
+        "/runs/tp2-float32[1]/layers/model.layers.1.self_attn.attn/contiguous: missing now",
+        "/runs/tp2-float32[1]/layers/model.layers.1.self_attn.attn/stride[0]: fixture 4096, now 8192",
+    ]
