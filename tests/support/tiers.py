@@ -25,6 +25,7 @@ DEFAULTS: Mapping[str, tuple[str, ...]] = {
     "bounds/": ("native",),
     "cuda/": ("native",),
     "cudashim/": ("native",),              # the C engine's CUDA path on the shim driver, in-process
+    "cudashim/test_failures.py": ("native", "multiproc"),  # a peer process, subprocesses per driver setting
     "cudashim/test_processes.py": ("native", "multiproc"),
     "cudashim/test_gpucheck.py": ("native", "multiproc", "slow"),  # gpucheck and the GPU suite, end to end
     "datapath/": ("native",),              # a real exporter and importer, in-process, over the op engine
