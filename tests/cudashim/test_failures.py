@@ -347,6 +347,44 @@ def test_without_the_batched_copy_a_gather_uses_2d_and_1d_copies(env: dict[str, 
                    "copies": {"cuMemcpy2DAsync": 1, "cuMemcpyAsync": 1, "cuMemcpyBatchAsync": 0}}
 
 
+RANDOM_GATHERS = """
+    import json, random
+    from kvstate.core.capabilities import Access
+    from kvstate.transport.cuda import CudaTransport, driver_info
+    t = CudaTransport(b"KVSCUDASHIM-dev0")
+    g = t.granularity()
+    m = t.map(t.reserve(g), 0, t.create(g))
+    t.set_access(m, Access.READ_WRITE)
+    data = bytes((i * 13 + 5) % 241 for i in range(g))
+    t.write(m, data)
+    buf = t.alloc_buffer(g)
+    rng, ok = random.Random(19), 0
+    for _ in range(60):  # strided runs (2D copies) of random widths and pitches, and strays
+        width, height = rng.choice([64, 256, 1000]), rng.randint(1, 12)
+        spitch, dpitch = width + rng.choice([0, 64, 4096]), width + rng.choice([0, 128])
+        s0, d0 = rng.randrange(0, 4096), rng.randrange(0, 1024)
+        blocks = [(s0 + i * spitch, d0 + i * dpitch, width) for i in range(height)]
+        end = blocks[-1][1] + width
+        blocks += [(rng.randrange(0, g - 512), end + 512 * k, 512) for k in range(rng.randint(0, 3))]
+        t.write(buf, bytes(g))
+        t.submit_gather(m, buf, blocks).result(5)
+        got = t.read(buf, g)
+        want = bytearray(g)
+        for s_, d, n in blocks:
+            want[d:d + n] = data[s_:s_ + n]
+        ok += got == bytes(want)
+    t.free_buffer(buf)
+    t.unmap(m); t.free(m.reservation); t.release(m.allocation); t.close()
+    print(json.dumps({"batch": driver_info().batch, "ok": ok}))
+"""
+
+
+def test_gathers_without_the_batched_copy_move_exactly_their_bytes() -> None:
+    """The 2D folding of strided runs (a driver without cuMemcpyBatchAsync), on random
+    widths, heights and pitches with stray blocks between them."""
+    assert run(RANDOM_GATHERS, KVSTATE_CUDASHIM_VERSION="12040") == {"batch": False, "ok": 60}
+
+
 @pytest.mark.parametrize("call", sorted(NO_BATCH) + ["cuMemcpyAsync"])
 def test_failure_at_a_copy_without_the_batched_copy(call: str) -> None:
     got = run(NO_BATCH_GATHER, KVSTATE_CUDASHIM_VERSION="12040", KVSTATE_CUDASHIM_FAIL=f"{call}:1:2")
