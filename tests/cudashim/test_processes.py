@@ -148,6 +148,30 @@ def test_the_importers_death_drops_its_hold(legacy: CudaTransport, shim: Shim) -
             peer.proc.stdin.close()
 
 
+def test_a_stopped_exporter_waits_for_the_importers_process_to_exit(legacy: CudaTransport, shim: Shim) -> None:
+    """Stopping closes the connections from this side: that is no evidence the importer
+    closed the memory, so the hold stays until the importer's process exits."""
+    ex = exporter(legacy, HandleKind.CUDA_IPC, lease_timeout_s=30.0)
+    bank = ex.banks[0]
+    peer = Peer(HandleKind.CUDA_IPC, ex.descriptor(0))
+    try:
+        peer.expect("mapped")
+        ex.stop()
+        assert not bank.leases and len(bank.holds) == 1
+        with pytest.raises(DrainTimeout, match="1 hold"):
+            ex.drain(0.3)
+        assert shim.calls("cuMemFree") == 0
+        peer.send("close")
+        peer.expect("closed")
+        assert peer.finish() == 0  # the importer's process exits
+        ex.drain(5.0)
+        assert bank.state == "released" and not bank.holds
+    finally:
+        ex.stop()
+        if peer.proc.poll() is None:
+            peer.finish()
+
+
 def test_a_bank_without_holds_is_caught_freeing_memory_an_importer_has_open(legacy: CudaTransport,
                                                                             shim: Shim) -> None:
     """Self-test: a planted exporter that takes no hold releases the bank once the lease
