@@ -21,6 +21,8 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "kvstate.share.exporter": ("ExportConfig", "Exporter"),
     "kvstate.share.importer": ("ImportConfig", "Importer"),
+    "kvstate.share.coordinator": ("Coordinator", "CoordinatorConfig"),
+    "kvstate.share.rank_worker": ("RankWorker", "WorkerConfig"),
     "kvstate.transport.host": ("HostTransport",),
     "kvstate.core.geometry": ("DType", "Geometry", "Layout", "Region"),
     "kvstate.core.identity": ("Deployment",),
@@ -47,6 +49,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "ModelGenerationError", "ModelCheckError", "SpinUnavailable", "ConnectionLimit",
         "GeometryInvalid", "ConfigInvalid", "BlockOutOfRange", "TransferError", "TransferRejected",
         "StoreFailed", "ViewsOutstanding",
+        "ProtocolError", "CoordinatorRefused", "GroupFailed", "PeerUnauthenticated",
     ),
 }
 
@@ -57,6 +60,8 @@ __all__ = ["__version__", *sorted(_HOME)]
 if TYPE_CHECKING:  # what mypy and IDEs see; at run time __getattr__ imports on first use
     from kvstate.share.exporter import ExportConfig as ExportConfig, Exporter as Exporter
     from kvstate.share.importer import ImportConfig as ImportConfig, Importer as Importer
+    from kvstate.share.coordinator import Coordinator as Coordinator, CoordinatorConfig as CoordinatorConfig
+    from kvstate.share.rank_worker import RankWorker as RankWorker, WorkerConfig as WorkerConfig
     from kvstate.transport.host import HostTransport as HostTransport
     from kvstate.core.geometry import DType as DType, Geometry as Geometry, Layout as Layout, Region as Region
     from kvstate.core.identity import Deployment as Deployment
@@ -106,6 +111,9 @@ if TYPE_CHECKING:  # what mypy and IDEs see; at run time __getattr__ imports on 
         ConfigInvalid as ConfigInvalid, BlockOutOfRange as BlockOutOfRange,
         TransferError as TransferError, TransferRejected as TransferRejected,
         StoreFailed as StoreFailed, ViewsOutstanding as ViewsOutstanding,
+        ProtocolError as ProtocolError,
+        CoordinatorRefused as CoordinatorRefused, GroupFailed as GroupFailed,
+        PeerUnauthenticated as PeerUnauthenticated,
     )
 
 

@@ -4,7 +4,7 @@
 #define TP 4
 #define OP_SLOTS 1
 #define MAX_LEASES 2
-#define BANKS 1
+#define BANKS 4
 
 #define BANK_allocated 0
 #define BANK_registered 1
@@ -46,7 +46,7 @@
 #define GROUP_FINISHED (group == GROUP_closed || group == GROUP_failed || group == GROUP_rejected)
 #define OPS_PINNING ((op[0] == OP_queued || op[0] == OP_running))
 
-byte bank[BANKS];              /* bank machine of the modelled ranks (exporter side) */
+byte bank[BANKS];              /* bank machine of each rank (exporter side) */
 byte leases[BANKS];            /* live leases on each bank */
 byte pins[TP];                 /* native pins on each rank's region */
 byte group;                    /* group machine (importer side) */
@@ -72,9 +72,9 @@ inline check_invariants() {
 	/* INV-REJECT-BEFORE-OPEN: A descriptor that fails any validation rule never has its handle opened or mapped. */
 	if :: !((!g_rejected[0] || part[0] != PART_imported) && (!g_rejected[1] || part[1] != PART_imported) && (!g_rejected[2] || part[2] != PART_imported) && (!g_rejected[3] || part[3] != PART_imported)) -> printf("@@ violated INV-REJECT-BEFORE-OPEN\n"); assert(false) :: else -> skip fi;
 	/* INV-NO-UNMAP-PINNED: A region is never unmapped or released while a native op holds a pin on it. */
-	if :: !(((pins[0] == 0 || part[0] == PART_imported) && (pins[1] == 0 || part[1] == PART_imported) && (pins[2] == 0 || part[2] == PART_imported) && (pins[3] == 0 || part[3] == PART_imported)) && ((pins[0] == 0 || bank[0] != BANK_released))) -> printf("@@ violated INV-NO-UNMAP-PINNED\n"); assert(false) :: else -> skip fi;
+	if :: !(((pins[0] == 0 || part[0] == PART_imported) && (pins[1] == 0 || part[1] == PART_imported) && (pins[2] == 0 || part[2] == PART_imported) && (pins[3] == 0 || part[3] == PART_imported)) && ((pins[0] == 0 || bank[0] != BANK_released) && (pins[1] == 0 || bank[1] != BANK_released) && (pins[2] == 0 || bank[2] != BANK_released) && (pins[3] == 0 || bank[3] != BANK_released))) -> printf("@@ violated INV-NO-UNMAP-PINNED\n"); assert(false) :: else -> skip fi;
 	/* INV-RELEASE-QUIESCENT: A registered bank is released only from quiescent, when the native layer reports zero pins and zero leases. */
-	if :: !((bank[0] != BANK_released || (leases[0] == 0 && pins[0] == 0 && (!g_registered[0] || g_quiesced[0])))) -> printf("@@ violated INV-RELEASE-QUIESCENT\n"); assert(false) :: else -> skip fi;
+	if :: !((bank[0] != BANK_released || (leases[0] == 0 && pins[0] == 0 && (!g_registered[0] || g_quiesced[0]))) && (bank[1] != BANK_released || (leases[1] == 0 && pins[1] == 0 && (!g_registered[1] || g_quiesced[1]))) && (bank[2] != BANK_released || (leases[2] == 0 && pins[2] == 0 && (!g_registered[2] || g_quiesced[2]))) && (bank[3] != BANK_released || (leases[3] == 0 && pins[3] == 0 && (!g_registered[3] || g_quiesced[3])))) -> printf("@@ violated INV-RELEASE-QUIESCENT\n"); assert(false) :: else -> skip fi;
 	/* INV-OP-PINS: A native op holds pins on its regions exactly while it is queued or running. */
 	if :: !((pins[0] == OPS_PINNING) && (pins[1] == OPS_PINNING) && (pins[2] == OPS_PINNING) && (pins[3] == OPS_PINNING)) -> printf("@@ violated INV-OP-PINS\n"); assert(false) :: else -> skip fi
 }
@@ -255,7 +255,7 @@ proctype importer()
 		group = GROUP_ready;
 		printf("@@ group 0 complete importing ready\n");
 		check_invariants() }
-	:: atomic { (group == GROUP_ready) && (((leases[0] > 0)) && ((op[0] == OP_created))) ->
+	:: atomic { (group == GROUP_ready) && (((leases[0] > 0) && (leases[1] > 0) && (leases[2] > 0) && (leases[3] > 0)) && ((op[0] == OP_created))) ->
 		if :: !(!g_group_drained) -> printf("@@ violated INV-DRAIN-NO-NEW\n"); assert(false) :: else -> skip fi;
 		if :: (op[0] == OP_created) && (((part[0] == PART_imported) && (part[1] == PART_imported) && (part[2] == PART_imported) && (part[3] == PART_imported))) -> pins[0]++; pins[1]++; pins[2]++; pins[3]++; op[0] = OP_queued; printf("@@> op 0 submit created queued\n") :: else -> skip fi;
 		printf("@@ group 0 load ready ready\n");
@@ -355,58 +355,58 @@ proctype importer()
 	:: atomic { (group == GROUP_quiescent) ->
 		printf("@@ group 0 expired quiescent quiescent\n");
 		check_invariants() }
-	:: atomic { (part[0] == PART_received) && (0 >= BANKS || g_advertised[0]) ->
+	:: atomic { (part[0] == PART_received) && (g_advertised[0]) ->
 		part[0] = PART_validated;
 		printf("@@ part 0 validate received validated\n");
 		check_invariants() }
-	:: atomic { (part[1] == PART_received) && (1 >= BANKS || g_advertised[1]) ->
+	:: atomic { (part[1] == PART_received) && (g_advertised[1]) ->
 		part[1] = PART_validated;
 		printf("@@ part 1 validate received validated\n");
 		check_invariants() }
-	:: atomic { (part[2] == PART_received) && (2 >= BANKS || g_advertised[2]) ->
+	:: atomic { (part[2] == PART_received) && (g_advertised[2]) ->
 		part[2] = PART_validated;
 		printf("@@ part 2 validate received validated\n");
 		check_invariants() }
-	:: atomic { (part[3] == PART_received) && (3 >= BANKS || g_advertised[3]) ->
+	:: atomic { (part[3] == PART_received) && (g_advertised[3]) ->
 		part[3] = PART_validated;
 		printf("@@ part 3 validate received validated\n");
 		check_invariants() }
-	:: atomic { (part[0] == PART_received) && (0 >= BANKS || g_advertised[0]) ->
+	:: atomic { (part[0] == PART_received) && (g_advertised[0]) ->
 		part[0] = PART_rejected;
 		g_rejected[0] = 1;
 		printf("@@ part 0 reject received rejected\n");
 		check_invariants() }
-	:: atomic { (part[1] == PART_received) && (1 >= BANKS || g_advertised[1]) ->
+	:: atomic { (part[1] == PART_received) && (g_advertised[1]) ->
 		part[1] = PART_rejected;
 		g_rejected[1] = 1;
 		printf("@@ part 1 reject received rejected\n");
 		check_invariants() }
-	:: atomic { (part[2] == PART_received) && (2 >= BANKS || g_advertised[2]) ->
+	:: atomic { (part[2] == PART_received) && (g_advertised[2]) ->
 		part[2] = PART_rejected;
 		g_rejected[2] = 1;
 		printf("@@ part 2 reject received rejected\n");
 		check_invariants() }
-	:: atomic { (part[3] == PART_received) && (3 >= BANKS || g_advertised[3]) ->
+	:: atomic { (part[3] == PART_received) && (g_advertised[3]) ->
 		part[3] = PART_rejected;
 		g_rejected[3] = 1;
 		printf("@@ part 3 reject received rejected\n");
 		check_invariants() }
-	:: atomic { (part[0] == PART_validated) && (0 >= BANKS || leases[0] > 0) && ((group == GROUP_importing)) ->
+	:: atomic { (part[0] == PART_validated) && (leases[0] > 0) && ((group == GROUP_importing)) ->
 		if :: !(g_admitted) -> printf("@@ violated INV-GROUP-ATOMIC\n"); assert(false) :: else -> skip fi;
 		part[0] = PART_imported;
 		printf("@@ part 0 open validated imported\n");
 		check_invariants() }
-	:: atomic { (part[1] == PART_validated) && (1 >= BANKS || leases[1] > 0) && ((group == GROUP_importing)) ->
+	:: atomic { (part[1] == PART_validated) && (leases[1] > 0) && ((group == GROUP_importing)) ->
 		if :: !(g_admitted) -> printf("@@ violated INV-GROUP-ATOMIC\n"); assert(false) :: else -> skip fi;
 		part[1] = PART_imported;
 		printf("@@ part 1 open validated imported\n");
 		check_invariants() }
-	:: atomic { (part[2] == PART_validated) && (2 >= BANKS || leases[2] > 0) && ((group == GROUP_importing)) ->
+	:: atomic { (part[2] == PART_validated) && (leases[2] > 0) && ((group == GROUP_importing)) ->
 		if :: !(g_admitted) -> printf("@@ violated INV-GROUP-ATOMIC\n"); assert(false) :: else -> skip fi;
 		part[2] = PART_imported;
 		printf("@@ part 2 open validated imported\n");
 		check_invariants() }
-	:: atomic { (part[3] == PART_validated) && (3 >= BANKS || leases[3] > 0) && ((group == GROUP_importing)) ->
+	:: atomic { (part[3] == PART_validated) && (leases[3] > 0) && ((group == GROUP_importing)) ->
 		if :: !(g_admitted) -> printf("@@ violated INV-GROUP-ATOMIC\n"); assert(false) :: else -> skip fi;
 		part[3] = PART_imported;
 		printf("@@ part 3 open validated imported\n");
@@ -487,23 +487,92 @@ proctype operator()
 		g_drained[0] = 1;
 		printf("@@ bank 0 drain registered draining\n");
 		check_invariants() }
+	:: atomic { (bank[1] == BANK_registered) ->
+		bank[1] = BANK_draining;
+		g_drained[1] = 1;
+		printf("@@ bank 1 drain registered draining\n");
+		check_invariants() }
+	:: atomic { (bank[2] == BANK_registered) ->
+		bank[2] = BANK_draining;
+		g_drained[2] = 1;
+		printf("@@ bank 2 drain registered draining\n");
+		check_invariants() }
+	:: atomic { (bank[3] == BANK_registered) ->
+		bank[3] = BANK_draining;
+		g_drained[3] = 1;
+		printf("@@ bank 3 drain registered draining\n");
+		check_invariants() }
 	:: atomic { (bank[0] == BANK_advertised) ->
 		bank[0] = BANK_draining;
 		g_drained[0] = 1;
 		printf("@@ bank 0 drain advertised draining\n");
+		check_invariants() }
+	:: atomic { (bank[1] == BANK_advertised) ->
+		bank[1] = BANK_draining;
+		g_drained[1] = 1;
+		printf("@@ bank 1 drain advertised draining\n");
+		check_invariants() }
+	:: atomic { (bank[2] == BANK_advertised) ->
+		bank[2] = BANK_draining;
+		g_drained[2] = 1;
+		printf("@@ bank 2 drain advertised draining\n");
+		check_invariants() }
+	:: atomic { (bank[3] == BANK_advertised) ->
+		bank[3] = BANK_draining;
+		g_drained[3] = 1;
+		printf("@@ bank 3 drain advertised draining\n");
 		check_invariants() }
 	:: atomic { (bank[0] == BANK_importing) ->
 		bank[0] = BANK_draining;
 		g_drained[0] = 1;
 		printf("@@ bank 0 drain importing draining\n");
 		check_invariants() }
+	:: atomic { (bank[1] == BANK_importing) ->
+		bank[1] = BANK_draining;
+		g_drained[1] = 1;
+		printf("@@ bank 1 drain importing draining\n");
+		check_invariants() }
+	:: atomic { (bank[2] == BANK_importing) ->
+		bank[2] = BANK_draining;
+		g_drained[2] = 1;
+		printf("@@ bank 2 drain importing draining\n");
+		check_invariants() }
+	:: atomic { (bank[3] == BANK_importing) ->
+		bank[3] = BANK_draining;
+		g_drained[3] = 1;
+		printf("@@ bank 3 drain importing draining\n");
+		check_invariants() }
 	:: atomic { (bank[0] == BANK_ready) ->
 		bank[0] = BANK_draining;
 		g_drained[0] = 1;
 		printf("@@ bank 0 drain ready draining\n");
 		check_invariants() }
+	:: atomic { (bank[1] == BANK_ready) ->
+		bank[1] = BANK_draining;
+		g_drained[1] = 1;
+		printf("@@ bank 1 drain ready draining\n");
+		check_invariants() }
+	:: atomic { (bank[2] == BANK_ready) ->
+		bank[2] = BANK_draining;
+		g_drained[2] = 1;
+		printf("@@ bank 2 drain ready draining\n");
+		check_invariants() }
+	:: atomic { (bank[3] == BANK_ready) ->
+		bank[3] = BANK_draining;
+		g_drained[3] = 1;
+		printf("@@ bank 3 drain ready draining\n");
+		check_invariants() }
 	:: atomic { (bank[0] == BANK_draining) ->
 		printf("@@ bank 0 drain draining draining\n");
+		check_invariants() }
+	:: atomic { (bank[1] == BANK_draining) ->
+		printf("@@ bank 1 drain draining draining\n");
+		check_invariants() }
+	:: atomic { (bank[2] == BANK_draining) ->
+		printf("@@ bank 2 drain draining draining\n");
+		check_invariants() }
+	:: atomic { (bank[3] == BANK_draining) ->
+		printf("@@ bank 3 drain draining draining\n");
 		check_invariants() }
 	:: atomic { (group == GROUP_ready) ->
 		group = GROUP_draining;
@@ -521,7 +590,7 @@ proctype operator()
 	:: atomic { (group == GROUP_draining) ->
 		printf("@@ group 0 drain draining draining\n");
 		check_invariants() }
-	:: GROUP_FINISHED && (bank[0] == BANK_released) -> break
+	:: GROUP_FINISHED && (bank[0] == BANK_released) && (bank[1] == BANK_released) && (bank[2] == BANK_released) && (bank[3] == BANK_released) -> break
 	od
 }
 
@@ -568,11 +637,14 @@ init {
 		if :: incompatible = false :: incompatible = true fi;
 		printf("@@ world incompatible %d\n", incompatible);
 		run exporter(0); run lessee(0);
+		run exporter(1); run lessee(1);
+		run exporter(2); run lessee(2);
+		run exporter(3); run lessee(3);
 		run importer();
 		run operator();
 		run engine()
 	}
 }
 
-/* INV-DRAIN-QUIESCES: After a drain, a bank reaches quiescent once its leases end and its ops complete (under weak fairness). (rank 0 stands for every rank: all are generated alike) */
-ltl drain_quiesces { [] ((bank[0] == BANK_draining) -> <> (bank[0] == BANK_quiescent)) }
+/* INV-DRAIN-QUIESCES: After a drain, a bank reaches quiescent once its leases end and its ops complete (under weak fairness). (every rank's bank) */
+ltl drain_quiesces { [] (((bank[0] == BANK_draining) -> <> (bank[0] == BANK_quiescent)) && ((bank[1] == BANK_draining) -> <> (bank[1] == BANK_quiescent)) && ((bank[2] == BANK_draining) -> <> (bank[2] == BANK_quiescent)) && ((bank[3] == BANK_draining) -> <> (bank[3] == BANK_quiescent))) }

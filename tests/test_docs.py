@@ -24,7 +24,7 @@ def _rows(page: str) -> list[list[str]]:
     return [[c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]] for line in lines]
 
 
-@pytest.mark.parametrize("name", ["bank", "group", "part", "op"])
+@pytest.mark.parametrize("name", ["bank", "group", "part", "op", "coordinator", "rank"])
 def test_pages_carry_mermaid_and_every_transition_linked_to_code(name: str) -> None:
     m = load_spec()[name]
     page = _page(name)

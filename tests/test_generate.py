@@ -21,6 +21,8 @@ from support.variants import PLANTED, ROOT, replace, source_tree, variant
 MODELS = [f"models/{name}" for name in ("per_rank_tp2.pml", "per_rank_tp3.pml", "per_rank_tp4.pml",
                                         "counting.pml")]
 PER_RANK = MODELS[:3]
+COORD_MODELS = ["models/coordinator_tp2.pml"]
+MACHINES = ("bank", "group", "part", "op", "coordinator", "rank")
 
 
 def test_every_generated_file_is_fresh() -> None:
@@ -33,8 +35,8 @@ def test_every_generated_file_is_fresh() -> None:
 def test_every_artifact_is_produced_and_listed_once() -> None:
     paths = [path for path, _ in generate.ARTIFACTS]
     assert len(paths) == len(set(paths))
-    assert set(paths) == {"ffi/kvs_op_table.h", *MODELS, "docs/spec/index.md",
-                          *(f"docs/spec/{m}.md" for m in ("bank", "group", "part", "op"))}
+    assert set(paths) == {"ffi/kvs_op_table.h", *MODELS, *COORD_MODELS, "docs/spec/index.md",
+                          *(f"docs/spec/{m}.md" for m in MACHINES)}
 
 
 def test_an_unchanged_copy_of_the_tables_is_fresh(tmp_path: Path) -> None:
@@ -43,13 +45,15 @@ def test_an_unchanged_copy_of_the_tables_is_fresh(tmp_path: Path) -> None:
 
 
 OP_CANCEL_WHEN_RUNNING = (("op.toml", 'trigger = "cancel"\nsource = "queued"', 'trigger = "cancel"\nsource = "running"'),)
+RANK_LOAD_EARLY = (("rank.toml", 'trigger = "load"\nsource = "ready"', 'trigger = "load"\nsource = "imported"'),)
 
 
 @pytest.mark.parametrize(("patch", "extra", "expected"), [
     ("spec_ready_missing_part.toml", (), [*MODELS, "docs/spec/group.md"]),        # group: both models
     ("spec_quiesce_unguarded.toml", (), [*PER_RANK, "docs/spec/bank.md"]),        # bank: per-rank only
     (None, OP_CANCEL_WHEN_RUNNING, ["ffi/kvs_op_table.h", *MODELS, "docs/spec/op.md"]),  # op: C too
-], ids=["group", "bank", "op"])
+    (None, RANK_LOAD_EARLY, [*COORD_MODELS, "docs/spec/rank.md"]),               # rank: coordinator models
+], ids=["group", "bank", "op", "rank"])
 def test_a_changed_table_makes_exactly_its_derived_files_stale(
         patch: str | None, extra: tuple[tuple[str, str, str], ...], expected: list[str], tmp_path: Path) -> None:
     spec = load_spec(variant(tmp_path, PLANTED / patch if patch else None, extra))

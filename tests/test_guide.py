@@ -47,3 +47,14 @@ def test_a_broken_block_fails_the_check() -> None:
     code = blocks(ROOT / "README.md")
     r = run("\n".join([*code[:1], "undefined_name_in_a_doc_block"]))
     assert r.returncode != 0 and "NameError" in r.stderr
+
+
+def test_the_coordinator_example_runs_and_tears_down() -> None:
+    """docs/coordinator.md: a coordinator and a worker per rank (threads standing in for
+    processes), each worker loading only its own rank."""
+    code = blocks(ROOT / "docs" / "coordinator.md")
+    assert len(code) == 1
+    r = run(code[0] + "\nprint('coordinator ok')\n")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert r.stdout.rstrip().endswith("coordinator ok")
+    assert "Exception ignored" not in r.stderr and "ResourceWarning" not in r.stderr, r.stderr[-3000:]

@@ -25,4 +25,4 @@ def test_installed_wheel_loads_its_own_tables(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True, capture_output=True, text=True,
                          env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}).stdout.splitlines()
     assert out[0].startswith(str(site)) and out[1].startswith(str(site))
-    assert out[2] == "['bank', 'group', 'op', 'part']"
+    assert out[2] == "['bank', 'coordinator', 'group', 'op', 'part', 'rank']"

@@ -39,7 +39,7 @@ effects = ["act"]
 
 def test_real_tables_load() -> None:
     spec = load_spec()
-    assert set(spec.machines) == {"bank", "group", "part", "op"}
+    assert set(spec.machines) == {"bank", "group", "part", "op", "coordinator", "rank"}
     assert "INV-GROUP-COMPLETE" in spec.invariants
 
 

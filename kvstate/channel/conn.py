@@ -117,6 +117,16 @@ class Channel:
         if self._closed:
             raise ChannelClosed("the channel was closed here")
 
+    def _register(self, p: select.poll, events: int, pidfd: int | None = None) -> None:
+        """Register the socket (and the peer's pidfd) under the close lock, so a close by
+        another thread is seen as ChannelClosed, never as a poll of a dead or reused fd."""
+        with self._close_lock:
+            if self._closed:
+                raise ChannelClosed("the channel was closed here")
+            p.register(self._sock, events)
+            if pidfd is not None:
+                p.register(pidfd, select.POLLIN)
+
     def send(self, payload: bytes, fds: Sequence[int] = (), *, timeout: float = DEFAULT_TIMEOUT) -> None:
         """Send one message with ``fds`` attached (they are duplicated; the caller keeps its own)."""
         self._live()
@@ -139,9 +149,10 @@ class Channel:
                     raise ChannelClosed("the channel was closed here") from None
                 raise
             p = select.poll()
-            p.register(self._sock, select.POLLOUT)
+            self._register(p, select.POLLOUT)
             if not p.poll(remaining_ms(deadline)):
                 raise ChannelTimeout(f"send did not complete within {timeout} s")
+            self._live()
 
     def recv(self, timeout: float = DEFAULT_TIMEOUT) -> Message:
         """The next message. Raises ChannelClosed on EOF, PeerDied when the peer process is
@@ -165,10 +176,10 @@ class Channel:
             else:
                 return unpack(data, fds, flags, self.limits)
             p = select.poll()
-            p.register(self._sock, select.POLLIN)
-            if self._pidfd is not None:
-                p.register(self._pidfd, select.POLLIN)
+            pidfd = self._pidfd
+            self._register(p, select.POLLIN, pidfd)
             ready = dict(p.poll(remaining_ms(deadline)))
+            self._live()  # closed by another thread while this one waited
             if not ready:
                 raise ChannelTimeout(f"no message within {timeout} s")
             if self._sock.fileno() not in ready and self._pidfd is not None and self._pidfd in ready:

@@ -1,10 +1,15 @@
 """``kvstate demo``: decode-to-prefill KV reuse across real processes on the host backend.
 
 A decode engine of ``--tp`` exporter processes fills its banks with a deterministic KV
-pattern and advertises them; a prefill engine of ``--tp`` importer processes validates
-and imports the rank group, loads a prefix and verifies checksums; then everything is
-drained to quiescence and released. ``--kill ROLE:PHASE`` SIGKILLs one process at a
-phase to show the failure handling; ``--json`` prints the report as JSON.
+pattern and advertises them. The prefill engine is a coordinator process (the scheduler
+side) and ``--tp`` rank worker processes: the coordinator validates the group, each worker
+checks, leases, imports and maps only its own rank's part (tp leases in all), the
+coordinator declares the group ready once every rank reported imported, each worker loads
+its rank's prefix and verifies its checksum; then the coordinator drains and closes every
+part and the exporters release their banks. ``--kill ROLE:PHASE`` SIGKILLs one process at a
+phase to show the failure handling; ``--json`` prints the report as JSON (``"topology":
+"per-rank-process"``, each rank's pid, import time and lease count, the group's state
+history).
 """
 
 from __future__ import annotations
@@ -76,18 +81,28 @@ def run(args: argparse.Namespace) -> int:
 def summary(r: dict[str, Any]) -> str:
     """The report of :func:`kvstate.harness.cluster.run_scenario` as a two-column table."""
     verified, leaks = r["verified"], r["leaks"]
+    ranks = r.get("ranks") or []
+    history = (r.get("coordinator") or {}).get("history") or []
+    ready = r.get("time_to_ready_s")
     rows = [
-        ("scenario", f"tp={r['tp']}" + (f", SIGKILL {r['kill']}" if r["kill"] else ", no faults")),
-        ("importer group states", " -> ".join(_dedupe(r["importer_states"])) or "-"),
+        ("scenario", f"tp={r['tp']}, {r['topology']}" + (f", SIGKILL {r['kill']}" if r["kill"] else ", no faults")),
+        ("coordinator group states", " -> ".join(_dedupe([h[0] for h in history])) or "-"),
+        ("time to ready", f"{ready * 1e3:.1f} ms (check, lease, open, map on every rank)" if ready is not None
+         else "never ready"),
+        ("per rank: pid / import / leases", "; ".join(
+            f"{x['rank']}: {x['pid']} / {(x['import_s'] or 0) * 1e3:.1f} ms / {x['leases']}" for x in ranks) or "-"),
+        ("leases in all", f"{r.get('leases_total', 0)} (tp {r['tp']})"),
+        ("worker shares at the end", ", ".join(str(s) for s in r["worker_final"]) or "-"),
         ("exporter bank states", " -> ".join(_dedupe(r["exporter_states"])) or "-"),
-        ("import result per rank", ", ".join(map(str, r["import_states"]))),
         ("prefix bytes loaded", f"{r['load_bytes'] / 2**20:.1f} MiB"),
         ("checksums", f"{sum(ok for _, ok in verified)}/{r['tp']} ranks loaded and verified"),
         ("exporter time to quiescent", f"{r['exporter_quiescent_s'] * 1e3:.1f} ms"),
-        ("leaked fds / memfd maps", f"{sum(x['fds'] for x in leaks)} / {sum(x['memfd_maps'] for x in leaks)}"),
+        ("leaked fds / memfd maps", f"{sum(x.get('fds', 0) for x in leaks)} / {sum(x.get('memfd_maps', 0) for x in leaks)}"),
         *((f"time, {k}", f"{v * 1e3:.1f} ms") for k, v in r["timings_s"].items()),
         ("verdict", r["outcome"]),
     ]
+    if r.get("death_to_unmapped_s") is not None:
+        rows.insert(-2, ("death to every part unmapped", f"{r['death_to_unmapped_s'] * 1e3:.1f} ms"))
     width = max(len(k) for k, _ in rows)
     line = "-" * min(100, width + 2 + max(len(v) for _, v in rows))
     return "\n".join([line, *(f"{k.ljust(width)}  {v}" for k, v in rows), line])

@@ -263,6 +263,10 @@ class PeerRejected(ChannelError):
         super().__init__(f"peer pid {pid} uid {uid} is not allowed (allowed uids: {sorted(allowed)})")
 
 
+class PeerUnauthenticated(ChannelError):
+    """A peer across nodes (TCP) did not prove it holds the deployment's key."""
+
+
 class UnsafeSocketPath(ChannelError):
     """The socket path or its directory is a symlink, foreign-owned or too open."""
 
@@ -341,6 +345,37 @@ class ViewsOutstanding(KvStateError):
 
 class DrainTimeout(KvStateError):
     """Quiescence was not reported within the allowed time; nothing was released."""
+
+
+# -- the coordinator protocol (rank groups across processes) -------------------------
+
+
+class ProtocolError(ChannelError):
+    """A peer of the coordinator protocol sent a message the protocol does not allow
+    (unknown kind or command, a missing or mistyped field)."""
+
+
+class CoordinatorRefused(ChannelError):
+    """The coordinator refused a worker's hello. ``code``: duplicate_rank, rank_range,
+    tp_mismatch or version."""
+
+    def __init__(self, code: str, detail: str) -> None:
+        self.code = code
+        super().__init__(f"coordinator refused the worker ({code}): {detail}")
+
+
+class GroupFailed(KvStateError):
+    """A coordinated group failed before ready, or was drained by a fault after ready.
+    ``event`` is the coordinator event that ended it (part_failed, worker_died, timeout,
+    part_imported for an incompatible part, part_draining, drain); ``rank`` the rank it
+    concerned, if one did. Every worker was told to roll back or drain."""
+
+    def __init__(self, event: str, rank: int | None, detail: str) -> None:
+        self.event = event
+        self.rank = rank
+        self.detail = detail
+        where = "" if rank is None else f" (rank {rank})"
+        super().__init__(f"coordinated group failed by {event}{where}: {detail}")
 
 
 # -- policy and profile --------------------------------------------------------------

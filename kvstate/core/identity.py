@@ -29,6 +29,7 @@ class Purpose(enum.Enum):
     DEPLOYMENT = b"kvstate/deploy"
     HOST = b"kvstate/host"
     INVENTORY = b"kvstate/inventry"
+    CHANNEL_AUTH = b"kvstate/chanauth"
 
 
 def digest(purpose: Purpose, data: bytes, *, key: bytes = b"", size: int = 32) -> bytes:

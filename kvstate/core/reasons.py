@@ -13,6 +13,7 @@ class RejectReason(enum.Enum):
     DOMAIN = "domain"                          # names another deployment
     RANK_RANGE = "rank_range"                  # rank outside 0..tp-1
     TP_SIZE = "tp_size"                        # tp outside 1..max_tp, or not the group's tp
+    TP_MISMATCH = "tp_mismatch"                # heterogeneous TP: the exporting group's tp is not the importer's
     DUPLICATE_RANK = "duplicate_rank"          # two descriptors for one rank
     MISSING_RANK = "missing_rank"              # a rank of 0..tp-1 has no descriptor
     MIXED_GROUP = "mixed_group"                # parts of different sources

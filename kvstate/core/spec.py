@@ -25,7 +25,7 @@ import attrs
 
 from kvstate.core.errors import SpecError
 
-MACHINE_NAMES = ("bank", "group", "part", "op")
+MACHINE_NAMES = ("bank", "group", "part", "op", "coordinator", "rank")
 
 
 def _frozen_map(value: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -21,7 +21,7 @@ import attrs
 
 from kvstate.core.errors import BindingError, KvStateError
 from kvstate.core.spec import MACHINE_NAMES, Spec, load_spec
-from kvstate.derive import codemap, docs, header, promela
+from kvstate.derive import codemap, docs, header, promela, promela_coord
 
 
 @attrs.define
@@ -50,6 +50,10 @@ def _model(kind: str, tp: int | None, i: Inputs) -> str:
     return promela.generate(i.spec, kind, tp)
 
 
+def _coord_model(tp: int, i: Inputs) -> str:
+    return promela_coord.generate(i.spec, tp)
+
+
 def _page(machine: str, i: Inputs) -> str:
     return docs.machine_page(i.spec, machine, i.code)
 
@@ -58,6 +62,7 @@ def _page(machine: str, i: Inputs) -> str:
 ARTIFACTS: tuple[tuple[str, Producer], ...] = (
     ("ffi/kvs_op_table.h", lambda i: header.op_header(i.spec["op"])),
     *((f"models/{name}", partial(_model, kind, tp)) for name, (kind, tp) in promela.MODELS.items()),
+    *((f"models/{name}", partial(_coord_model, tp)) for name, tp in promela_coord.MODELS.items()),
     ("docs/spec/index.md", lambda i: docs.index(i.spec)),
     *((f"docs/spec/{m}.md", partial(_page, m)) for m in MACHINE_NAMES),
 )

@@ -41,8 +41,8 @@ invalid-end-state check finds every deadlock.
 Two models:
 
 * **per-rank** (``models/per_rank_tp{2,3,4}.pml``): every rank has its own part (importer
-  side) and pinned region; rank 0 also has its bank (exporter side, leases, pins), whose
-  lease holder is the group's importer (see :data:`BANKS`); every fault. The ranks
+  side), pinned region and bank (exporter side, leases, pins), whose lease holder is the
+  group's importer; every fault. The ranks
   are unrolled into one command per (row, rank), so tp is fixed per file: a ``#define TP``
   form would need a loop inside the atomic step to pick a rank, which either breaks the
   atomicity of a table event or adds interleaving states that stand for nothing.
@@ -72,7 +72,7 @@ from kvstate.derive.promela_world import (
     LESSEE,
     OPERATOR,
     ACTORS,
-    BANKS,
+    banks,
     COUNTING,
     COUNTING_TPS,
     Cascade,
@@ -126,7 +126,7 @@ class _Ctx:
                 # a group is either parenthesised "(all: ...)" or runs to the end
                 end = out.find(")", start) if start > 0 and out[start - 1] == "(" else len(out)
                 body = out[start + len(prefix):end].strip()
-                count = {"r": self.tp or 0, "k": OP_SLOTS, "b": BANKS}[over]
+                count = {"r": self.tp or 0, "k": OP_SLOTS, "b": banks(self.tp or 0)}[over]
                 parts = [body.replace("{" + over + "}", str(n)) for n in range(count)]
                 if over == "r" and self.tp is None:
                     raise AssertionError(f"rank expansion in the counting model: {text!r}")
@@ -180,7 +180,8 @@ def _instances(ctx: _Ctx, machine: str) -> list[str]:
     if machine == "op":
         return [str(k) for k in range(OP_SLOTS)]
     if machine == "bank":
-        return [str(b) for b in range(BANKS)]
+        assert ctx.tp is not None
+        return [str(b) for b in range(banks(ctx.tp))]
     if ctx.kind == COUNTING and machine == "part":
         return ["*"]
     assert ctx.tp is not None
@@ -376,10 +377,11 @@ def generate(spec: Spec, kind: str, tp: int | None = None) -> str:
     _validate(ctx)
     out = [_header(ctx), _globals(ctx), _invariants(ctx), _processes(ctx), _init(ctx)]
     if kind == PER_RANK:
+        assert tp is not None
         draining, quiescent = _const("bank", "draining"), _const("bank", "quiescent")
-        out.append(f"/* {_inv_title(spec, 'INV-DRAIN-QUIESCES')} (rank 0 stands for every rank: all are "
-                   f"generated alike) */\nltl {LIVENESS_CLAIM} {{ [] ((bank[0] == {draining}) -> "
-                   f"<> (bank[0] == {quiescent})) }}\n")
+        each = " && ".join(f"((bank[{b}] == {draining}) -> <> (bank[{b}] == {quiescent}))" for b in range(banks(tp)))
+        out.append(f"/* {_inv_title(spec, 'INV-DRAIN-QUIESCES')} (every rank's bank) */\n"
+                   f"ltl {LIVENESS_CLAIM} {{ [] ({each}) }}\n")
     return "\n".join(out)
 
 
@@ -402,7 +404,7 @@ def _header(ctx: _Ctx) -> str:
     lines += [f"#define OP_SLOTS {OP_SLOTS}"]
     if ctx.kind == PER_RANK:
         lines.append(f"#define MAX_LEASES {MAX_LEASES}")
-        lines.append(f"#define BANKS {BANKS}")
+        lines.append(f"#define BANKS {banks(ctx.tp or 0)}")
     for name in MACHINES[ctx.kind]:
         m = ctx.spec.machines[name]
         lines.append("")
@@ -462,7 +464,7 @@ def _init(ctx: _Ctx) -> str:
     runs.append(f'printf("{MARK} world incompatible %d\\n", incompatible)')
     if ctx.kind == PER_RANK:
         assert ctx.tp is not None
-        runs += [f"run {EXPORTER}({b}); run {LESSEE}({b})" for b in range(BANKS)]
+        runs += [f"run {EXPORTER}({b}); run {LESSEE}({b})" for b in range(banks(ctx.tp))]
     runs += [f"run {IMPORTER}()", f"run {OPERATOR}()", f"run {ENGINE}()"]
     return "init {\n\tatomic {\n\t\t" + ";\n\t\t".join(runs) + "\n\t}\n}\n"
 

@@ -20,12 +20,11 @@ COUNTING_TPS = (8, 16, 32, 64)
 MAX_LEASES = 2
 #: op slots (prefix loads in flight at once)
 OP_SLOTS = 1
-#: banks modelled in the per-rank model: rank 0's. A bank has no guard across ranks and
-#: the exporter's ranks are symmetric, so one bank coupled to its rank's part checks every
-#: bank property; tp independent banks only multiply interleavings (measured: tp=3 with a
-#: bank per rank stored 5.2M states in 63 s, with one bank 26k states; tp=4 with a bank
-#: per rank would be ~40x more again).
-BANKS = 1
+#: The per-rank model gives every rank its own bank (exporter side, leases, pins), as a
+#: decode engine has: tp banks. (Before, rank 0's bank stood for all of them.) A per-model
+#: value: the banks of a per-rank model are its ranks, see :func:`banks`.
+def banks(tp: int) -> int:
+    return tp
 
 #: machines each model contains, in declaration order
 MACHINES = {PER_RANK: ("bank", "group", "part", "op"), COUNTING: ("group", "part", "op")}
@@ -144,13 +143,12 @@ WORLD_RULES: Mapping[tuple[str, str], Code] = {
     ("bank", "grant_lease"): Code("part[{i}] == PART_validated || part[{i}] == PART_imported"),
     ("bank", "lease_mapped"): Code("part[{i}] == PART_imported"),
     # a descriptor arrives only once its bank was advertised
-    ("part", "validate"): Code("{i} >= BANKS || g_advertised[{i}]", "true"),
-    ("part", "reject"): Code("{i} >= BANKS || g_advertised[{i}]", "true"),
+    ("part", "validate"): Code("g_advertised[{i}]", "true"),
+    ("part", "reject"): Code("g_advertised[{i}]", "true"),
     # opening a handle fails only while the group imports (an open was attempted)
     ("part", "import_failed"): same("group == GROUP_importing"),
-    # a part is imported under a live lease on its bank (ranks without a modelled bank:
-    # the lease is taken for granted)
-    ("part", "open"): Code("{i} >= BANKS || leases[{i}] > 0", "true"),
+    # a part is imported under a live lease on its own rank's bank
+    ("part", "open"): Code("leases[{i}] > 0", "true"),
     # the importer closes a part directly only to discard the parts of a finished group;
     # before that, the group's own effects close its parts
     ("part", "close"): same("GROUP_FINISHED"),
@@ -198,7 +196,7 @@ STATE_INVARIANTS: tuple[tuple[str, Code], ...] = (
 
 GLOBALS = {
     PER_RANK: """\
-byte bank[BANKS];              /* bank machine of the modelled ranks (exporter side) */
+byte bank[BANKS];              /* bank machine of each rank (exporter side) */
 byte leases[BANKS];            /* live leases on each bank */
 byte pins[TP];                 /* native pins on each rank's region */
 byte group;                    /* group machine (importer side) */

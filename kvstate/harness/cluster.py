@@ -1,16 +1,23 @@
-"""Real exporter and importer worker processes, for the demo and the multi-process tests.
+"""Real processes on both sides, for the demo and the multi-process tests.
 
-The parent starts a decode engine of ``tp`` exporter processes (one bank each, filled
-with a deterministic KV pattern) and a prefill engine of ``tp`` importer processes. Each
-importer process validates and imports the whole rank group (it becomes ready only when
-every part is imported and compatible) and loads the prefix of its own rank. Parent and
-children speak JSON over pipes (``send_bytes``; nothing is pickled after start-up).
+The decode engine is ``tp`` exporter processes (one bank each, filled with a deterministic
+KV pattern, with its own retained inventory). The prefill engine is one coordinator
+process (the scheduler side: :class:`~kvstate.share.coordinator.Coordinator`) and ``tp``
+worker processes (:class:`~kvstate.share.rank_worker.RankWorker`, see
+:mod:`kvstate.harness.prefill_procs`): each worker leases, checks, imports and maps only
+its own rank's part, so the group takes tp leases in all, and loads its own rank's prefix
+once the coordinator declared the group ready. Parent and children speak JSON over pipes
+(nothing is pickled after start-up); processes are forked from a preloaded forkserver,
+so starting one costs milliseconds.
 
-Any process can be SIGKILLed at a named phase to show how the survivors recover.
+Any process can be SIGKILLed at a named phase (:data:`PHASES`) to show how the survivors
+recover: workers are held at their check or open so the phase is open when the kill lands.
+Timings exclude process start: they start once every process is up and connected.
 """
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import multiprocessing
@@ -19,7 +26,6 @@ import os
 import random
 import signal
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,20 +35,20 @@ import attrs
 
 from kvstate.core.errors import KvStateError
 from kvstate.core.geometry import DType, Geometry, Layout
+from kvstate.core.handles import HandleKind
 from kvstate.core.identity import Deployment
 from kvstate.harness.leaks import snapshot
 
-PHASES = ("advertised", "importing", "ready", "loading", "draining")
-
-# What each timing measures. The phases are measured inside the worker processes, from
-# the moment kvstate's work starts (never process spawn, Python imports or engine start),
-# and the slowest rank is reported; only the total is the parent's wall clock.
+PHASES = ("advertised", "checking", "importing", "ready", "loading", "draining")
+ROLES = ("exporter", "worker", "coordinator")
+# What each timing measures. Every phase is measured inside the processes doing the work,
+# from the moment kvstate's work starts (never process spawn, Python imports or engine
+# start); only the total is the parent's wall clock.
 TIMING_ADVERTISE = "advertise: register, fill, sign, serve (slowest exporter)"
-TIMING_IMPORT = "import: validate, lease, map, ready (slowest importer)"
-TIMING_LOAD = "load: submit to last op done (slowest importer)"
-TIMING_DRAIN = "drain: to quiescent (slowest process)"
+TIMING_IMPORT = "import: validate, check, lease, map, ready (coordinator)"
+TIMING_LOAD = "load: submit to last op done (slowest worker)"
+TIMING_DRAIN = "drain: every part closed (coordinator), quiescent (exporters)"
 TIMING_TOTAL = "total: parent's wall clock, with process spawn"
-ROLES = ("exporter", "importer")
 
 
 @attrs.frozen
@@ -57,17 +63,31 @@ class ClusterSpec:
     granularity: int = 2 << 20
     lease_timeout_s: float = 5.0
     timeout_s: float = 20.0
+    phase_timeout_s: float = 5.0     # the coordinator's deadline per phase
+    silence_s: float = 2.0           # a worker hearing nothing from its coordinator this long cleans up alone
     seed: int = 7
+    plant: str | None = None         # "module:Class": a planted RankShare for the workers (self-tests)
+    nixl: bool = False               # banks exported through NIXL, leased over TCP: every part remote
 
     def geometry(self) -> Geometry:
         return Geometry.uniform(layers=self.layers, kv_heads=self.kv_heads, head_dim=self.head_dim,
-                        block_tokens=self.block_tokens, dtype=DType.BF16, layout=Layout.BLOCK_MAJOR,
-                        num_blocks=self.num_blocks)
+                                block_tokens=self.block_tokens, dtype=DType.BF16, layout=Layout.BLOCK_MAJOR,
+                                num_blocks=self.num_blocks)
 
     def prefix(self) -> list[int]:
         """The prefix's block ids in the decode worker's bank: scattered, as after reuse."""
         step = 7 if self.num_blocks % 7 else 5
         return [(self.seed + i * step) % self.num_blocks for i in range(self.prefix_blocks)]
+
+
+#: UCX confined to TCP over the loopback device: the cross-node path on one machine.
+LOOPBACK_UCX = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN", "UCX_LOG_LEVEL": "error"}
+
+
+def use_loopback_ucx() -> None:
+    """Before this process creates its NIXL agent (UCX reads the environment then)."""
+    for k, v in LOOPBACK_UCX.items():
+        os.environ.setdefault(k, v)
 
 
 def kv_pattern(rank: int, block: int, nbytes: int, seed: int) -> bytes:
@@ -96,32 +116,64 @@ def resources() -> dict[str, int]:
     return snapshot().counts()
 
 
-# -- worker processes ---------------------------------------------------------------------
+def leaks_since(baseline: dict[str, int], grace_s: float = 2.0) -> dict[str, int]:
+    """What this process holds beyond ``baseline`` (0 each when nothing leaked), after up
+    to ``grace_s`` for daemon threads of stopped servers to close their channels."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        now = resources()
+        extra = {k: now[k] - baseline[k] for k in now}
+        if all(v <= 0 for v in extra.values()) or time.monotonic() >= deadline:
+            return extra
+        gc.collect()  # objects in reference cycles (NIXL views, channels) close their fds when collected
+        time.sleep(0.01)
 
 
-def _send(conn: multiprocessing.connection.Connection, **msg: Any) -> None:
+# -- pipes ---------------------------------------------------------------------------------
+
+
+def send(conn: multiprocessing.connection.Connection, **msg: Any) -> None:
     conn.send_bytes(json.dumps(msg).encode())
 
 
-def _recv(conn: multiprocessing.connection.Connection, timeout: float) -> dict[str, Any]:
+def recv(conn: multiprocessing.connection.Connection, timeout: float) -> dict[str, Any]:
     if not conn.poll(timeout):
         raise TimeoutError(f"no message within {timeout} s")
     msg: dict[str, Any] = json.loads(conn.recv_bytes(1 << 20))
     return msg
 
 
+_send, _recv = send, recv  # the soak's names
+
+
+# -- decode side ---------------------------------------------------------------------------
+
+
 def exporter_main(conn: multiprocessing.connection.Connection, spec_json: str, key_hex: str,
                   socket_dir: str, rank: int, source_hex: str) -> None:
-    from kvstate.share.exporter import Exporter, ExportConfig
     from kvstate.reuse.inventory import Inventory
+    from kvstate.share.exporter import ExportConfig, Exporter
     from kvstate.transport.host import HostTransport
 
     spec = ClusterSpec(**json.loads(spec_json))
     baseline = resources()
-    t = HostTransport(granularity=spec.granularity)
+    host = HostTransport(granularity=spec.granularity)
+    t: Any = host
+    nixl: Any = None
+    extra: dict[str, Any] = {}
+    if spec.nixl:  # this bank is another node's to the workers: NIXL handle, leases over TCP
+        from kvstate.transport.nixl import NixlTransport
+        from kvstate.transport.nixl.exporting import NixlExportingHost
+
+        use_loopback_ucx()
+        nixl = NixlTransport()
+        t = NixlExportingHost(host, nixl)
+        extra = {"handle_kind": HandleKind.NIXL, "tcp_listen": ("127.0.0.1", 0)}
     config = ExportConfig(Deployment("kvstate-demo", bytes.fromhex(key_hex)), Path(socket_dir),
-                          bytes.fromhex(source_hex), spec.tp, lease_timeout_s=spec.lease_timeout_s)
+                          bytes.fromhex(source_hex), spec.tp, lease_timeout_s=spec.lease_timeout_s, **extra)
     inventory = Inventory(budget_blocks=spec.num_blocks)
+    for _ in range(rank):  # every rank's inventory is its own: their epochs differ
+        inventory.clear(INVENTORY_GROUP)
     ex = Exporter(config, t, name=f"decode-rank{rank}", inventory=inventory)
     g = spec.geometry()
     started = time.monotonic()  # process spawn and imports are behind us: kvstate's work starts
@@ -135,93 +187,26 @@ def exporter_main(conn: multiprocessing.connection.Connection, spec_json: str, k
     bank.advertise()
     inventory.store(INVENTORY_GROUP, [block_hash(spec, b) for b in spec.prefix()])
     ex.start()
-    _send(conn, descriptor=ex.descriptor(rank).hex(), epoch=inventory.epoch(INVENTORY_GROUP), pid=os.getpid(),
-          advertise_s=time.monotonic() - started)
+    send(conn, descriptor=ex.descriptor(rank).hex(), epoch=inventory.epoch(INVENTORY_GROUP), pid=os.getpid(),
+         advertise_s=time.monotonic() - started)
     while True:
-        cmd = _recv(conn, 3600)
-        if cmd["cmd"] == "drain":
+        cmd = recv(conn, 3600)
+        if cmd["cmd"] == "leases":
+            send(conn, leases=len(bank.leases))
+        elif cmd["cmd"] == "drain":
             try:
                 waited = ex.drain(spec.lease_timeout_s + spec.timeout_s)
-                _send(conn, quiescent_s=waited, states=states)
+                send(conn, quiescent_s=waited, states=states, leases=0)
             except KvStateError as exc:
-                _send(conn, error=str(exc), states=states)
+                send(conn, error=str(exc), states=states)
         elif cmd["cmd"] == "exit":
             ex.stop()
             del view
-            _send(conn, leaks=_leaks(baseline))
+            if nixl is not None:  # the agent keeps UCX connections to its peers until it is gone
+                nixl.close()
+            del ex, bank, t, nixl
+            send(conn, leaks=leaks_since(baseline))
             return
-
-
-def _leaks(baseline: dict[str, int]) -> dict[str, int]:
-    now = resources()
-    return {k: now[k] - baseline[k] for k in now}
-
-
-def importer_main(conn: multiprocessing.connection.Connection, spec_json: str, key_hex: str, rank: int) -> None:
-    from kvstate.share.importer import BlockRequest, ImportConfig, Importer
-    from kvstate.core.machine import StateChange
-    from kvstate.transport.host import HostTransport
-
-    spec = ClusterSpec(**json.loads(spec_json))
-    baseline = resources()
-    t = HostTransport(granularity=spec.granularity)
-    states: list[str] = []
-
-    def on_change(change: StateChange) -> None:
-        if change.machine == "group":
-            states.append(change.dest)
-
-    im = Importer(ImportConfig(Deployment("kvstate-demo", bytes.fromhex(key_hex))), t, observers=[on_change])
-
-    def state() -> str | None:
-        return im.groups[-1].state if im.groups else None
-
-    loader: threading.Thread | None = None
-
-    while True:
-        cmd = _recv(conn, 3600)
-        try:
-            if cmd["cmd"] == "import":
-                blocks = BlockRequest(INVENTORY_GROUP, cmd["epoch"], tuple(block_hash(spec, b) for b in spec.prefix()))
-                started = time.monotonic()
-                im.import_group([bytes.fromhex(w) for w in cmd["wire"]], blocks=blocks)
-                _send(conn, state=state(), import_s=time.monotonic() - started)
-            elif cmd["cmd"] == "load":
-                group = im.groups[-1]
-
-                def load(group: Any = group, blocks: list[int] = cmd["blocks"]) -> None:
-                    dst = bytearray(len(blocks) * group.parts[rank].descriptor.geometry.block_bytes)
-                    try:
-                        result = group.load_prefix(blocks, {rank: dst}, timeout=spec.timeout_s)
-                        _send(conn, checksum=hashlib.blake2b(dst, digest_size=16).hexdigest(),
-                              seconds=result.seconds, bytes=result.bytes, state=state())
-                    except KvStateError as exc:
-                        _send(conn, error=f"{type(exc).__name__}: {exc}", state=state())
-
-                if cmd.get("stall"):
-                    # The load stays in flight (its ops queued and pinning the parts) until
-                    # the next command, a drain, lets the engine run again.
-                    t.native.pause(True)
-                    loader = threading.Thread(target=load)
-                    loader.start()
-                    while not group.loads:
-                        time.sleep(0.001)
-                    _send(conn, loading=True)
-                else:
-                    load()
-            elif cmd["cmd"] == "drain":
-                t.native.pause(False)
-                last = im.groups[-1] if im.groups else None
-                waited = 0.0 if last is None or last.is_terminal else last.drain(timeout=spec.timeout_s)
-                if loader is not None:
-                    loader.join(spec.timeout_s)  # its reply goes out before the drain's
-                _send(conn, quiescent_s=waited, state=state(), states=["advertised", *states])
-            elif cmd["cmd"] == "exit":
-                im.close()
-                _send(conn, leaks=_leaks(baseline))
-                return
-        except KvStateError as exc:
-            _send(conn, error=f"{type(exc).__name__}: {exc}", state=state())
 
 
 # -- the orchestrator ----------------------------------------------------------------------
@@ -234,12 +219,14 @@ class Worker:
     process: Any
     conn: multiprocessing.connection.Connection
     killed: bool = False
+    killed_at: float | None = None
 
-    def ask(self, timeout: float, **cmd: Any) -> dict[str, Any]:
-        _send(self.conn, **cmd)
-        return _recv(self.conn, timeout)
+    def ask(self, wait: float, **cmd: Any) -> dict[str, Any]:
+        send(self.conn, **cmd)
+        return recv(self.conn, wait)
 
     def kill(self) -> None:
+        self.killed_at = time.monotonic()
         os.kill(self.process.pid, signal.SIGKILL)
         self.process.join(5)
         self.killed = True
@@ -249,27 +236,44 @@ class Cluster:
     """A decode engine and a prefill engine of real processes. Use as a context manager."""
 
     def __init__(self, spec: ClusterSpec, *, log: Callable[[str], None] = lambda s: None) -> None:
+        from kvstate.harness import prefill_procs
+
         self.spec = spec
         self.log = log
         self.key = os.urandom(32)
-        d = Path(tempfile.mkdtemp(prefix="kvstate-demo-"))
-        d.chmod(0o700)
-        self.socket_dir = d / "sockets"
+        self.dir = Path(tempfile.mkdtemp(prefix="kvstate-demo-"))
+        self.dir.chmod(0o700)
+        self.socket_dir = self.dir / "sockets"
         self.source = os.urandom(16)
+        self.spec_json = json.dumps(attrs.asdict(spec))
         self.exporters: list[Worker] = []
-        self.inventory_epoch = 0
-        self.advertise_s: list[float] = []
-        self.importers: list[Worker] = []
-        self._ctx = multiprocessing.get_context("spawn")
+        self.epochs: list[int] = []
+        self.advertise_s = 0.0
+        self.coordinator: Worker | None = None
+        self.workers: list[Worker] = []
+        self._procs = prefill_procs
+        self._ctx = multiprocessing.get_context("forkserver")
+        self._ctx.set_forkserver_preload(["kvstate.harness.prefill_procs", "kvstate.share.exporter",
+                                          "kvstate.share.coordinator", "kvstate.share.rank_worker",
+                                          "kvstate.transport.host", "kvstate.reuse.inventory"])
 
     def __enter__(self) -> Cluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for w in self.exporters + self.importers:
+        for w in self.everyone():
             if w.process.is_alive():
                 w.process.kill()
             w.process.join(5)
+            w.conn.close()
+            if not w.process.is_alive():
+                w.process.close()  # its sentinel fd, now rather than at a later collection
+
+    def everyone(self) -> list[Worker]:
+        return [*self.exporters, *([self.coordinator] if self.coordinator else []), *self.workers]
+
+    def live(self, workers: list[Worker]) -> list[Worker]:
+        return [w for w in workers if not w.killed]
 
     def _start(self, role: str, rank: int, target: Any, *args: Any) -> Worker:
         parent, child = self._ctx.Pipe()
@@ -279,24 +283,43 @@ class Cluster:
         return Worker(role, rank, p, parent)
 
     def start_decode(self) -> list[bytes]:
-        spec_json = json.dumps(attrs.asdict(self.spec))
-        self.exporters = [self._start("exporter", r, exporter_main, spec_json, self.key.hex(),
+        self.exporters = [self._start("exporter", r, exporter_main, self.spec_json, self.key.hex(),
                                       str(self.socket_dir), r, self.source.hex()) for r in range(self.spec.tp)]
-        replies = [_recv(w.conn, self.spec.timeout_s) for w in self.exporters]
-        self.inventory_epoch = int(replies[0]["epoch"])
-        self.advertise_s = [float(r["advertise_s"]) for r in replies]
+        replies = [recv(w.conn, self.spec.timeout_s) for w in self.exporters]
+        self.epochs = [int(r["epoch"]) for r in replies]
+        self.advertise_s = max(float(r["advertise_s"]) for r in replies)
         return [bytes.fromhex(r["descriptor"]) for r in replies]
 
     def start_prefill(self) -> None:
-        spec_json = json.dumps(attrs.asdict(self.spec))
-        self.importers = [self._start("importer", r, importer_main, spec_json, self.key.hex(), r)
-                          for r in range(self.spec.tp)]
+        """The coordinator, then every worker, connected and welcomed."""
+        s = self.spec
+        self.coordinator = self._start("coordinator", 0, self._procs.coordinator_main, self.spec_json, self.key.hex(),
+                                       str(self.dir / "coordinator"))
+        path = recv(self.coordinator.conn, s.timeout_s)["path"]
+        self.workers = [self._start("worker", r, self._procs.worker_main, self.spec_json, self.key.hex(), r, path)
+                        for r in range(s.tp)]
+        for w in self.workers:
+            reply = w.ask(s.timeout_s, cmd="start")
+            if "error" in reply:
+                raise KvStateError(f"worker {w.rank} did not start: {reply['error']}")
+        self.coordinator.ask(s.timeout_s, cmd="wait_workers")
+
+    def import_command(self, wire: list[bytes], notify: tuple[str, int] | None = None) -> dict[str, Any]:
+        return {"cmd": "import", "wire": [d.hex() for d in wire], "epochs": self.epochs,
+                "inventory_group": INVENTORY_GROUP, "hashes": [block_hash(self.spec, b) for b in self.spec.prefix()],
+                "notify": list(notify) if notify else None}
 
     def broadcast(self, workers: list[Worker], timeout: float | None = None, **cmd: Any) -> list[dict[str, Any]]:
-        live = [w for w in workers if not w.killed]
+        live = self.live(workers)
         for w in live:
-            _send(w.conn, **cmd)
-        return [_recv(w.conn, timeout or self.spec.timeout_s) for w in live]
+            send(w.conn, **cmd)
+        return [recv(w.conn, timeout or self.spec.timeout_s) for w in live]
+
+    def victim(self, role: str) -> Worker:
+        if role == "coordinator":
+            assert self.coordinator is not None
+            return self.coordinator
+        return (self.exporters if role == "exporter" else self.workers)[-1]
 
 
 # -- one scenario, end to end ---------------------------------------------------------------
@@ -308,84 +331,202 @@ def run_scenario(spec: ClusterSpec, kill: tuple[str, str] | None = None, *,
     (``(role, phase)``; the highest rank of that role) at that phase. Returns a report."""
     if kill is not None and (kill[0] not in ROLES or kill[1] not in PHASES):
         raise ValueError(f"kill must be ROLE:PHASE with ROLE in {ROLES} and PHASE in {PHASES}")
-    timings: dict[str, float] = {}
-    report: dict[str, Any] = {"tp": spec.tp, "kill": ":".join(kill) if kill else None}
-    t0 = time.monotonic()
     with Cluster(spec, log=log) as c:
-        def maybe_kill(phase: str) -> None:
-            if kill and kill[1] == phase:
-                victim = (c.exporters if kill[0] == "exporter" else c.importers)[-1]
-                victim.kill()
-                log(f"  SIGKILL {victim.role} rank {victim.rank} (pid {victim.process.pid}) while {phase}")
+        return _Scenario(c, kill, log).run()
 
+
+class _Scenario:
+    def __init__(self, c: Cluster, kill: tuple[str, str] | None, log: Callable[[str], None]) -> None:
+        self.c, self.kill, self.log, self.spec = c, kill, log, c.spec
+        self.timings: dict[str, float] = {}
+        self.report: dict[str, Any] = {"topology": "per-rank-process", "tp": c.spec.tp,
+                                       "kill": ":".join(kill) if kill else None}
+        self.started = time.monotonic()
+
+    def maybe_kill(self, phase: str) -> None:
+        if self.kill and self.kill[1] == phase:
+            victim = self.c.victim(self.kill[0])
+            victim.kill()
+            self.report["killed_pid"] = victim.process.pid
+            self.log(f"  SIGKILL {victim.role} rank {victim.rank} (pid {victim.process.pid}) while {phase}")
+
+    def run(self) -> dict[str, Any]:
+        c, spec, report = self.c, self.spec, self.report
         wire = c.start_decode()
-        timings[TIMING_ADVERTISE] = max(c.advertise_s, default=0.0)
-        log(f"decode engine: {spec.tp} exporter processes registered, filled and advertised their banks; "
-            f"retained inventory: {len(spec.prefix())} block hashes, epoch {c.inventory_epoch}")
+        self.timings[TIMING_ADVERTISE] = c.advertise_s
+        report["descriptors"] = [_describe_descriptor(w, c.key) for w in wire]
         c.start_prefill()
-        maybe_kill("advertised")
-
-        live = [w for w in c.importers if not w.killed]
-        for w in live:
-            _send(w.conn, cmd="import", wire=[d.hex() for d in wire], epoch=c.inventory_epoch)
-        maybe_kill("importing")
-        imports = [_recv(w.conn, spec.timeout_s) for w in live if not w.killed]
-        timings[TIMING_IMPORT] = max((r.get("import_s", 0.0) for r in imports), default=0.0)
-        report["import_states"] = [r.get("state") for r in imports]
-        report["import_errors"] = sorted({r["error"] for r in imports if "error" in r})
-        log(f"prefill engine: group import -> {', '.join(str(s) for s in report['import_states'])}")
-        maybe_kill("ready")
-
-        ready = [w for w in c.importers if not w.killed]
-        loads: list[dict[str, Any]] = []
-        drains_early = False
-        if all(s == "ready" for s in report["import_states"]):
-            stall = bool(kill and kill[1] == "loading")
-            for w in ready:
-                _send(w.conn, cmd="load", blocks=spec.prefix(), stall=stall)
-            if stall:
-                for w in ready:
-                    _recv(w.conn, spec.timeout_s)  # "loading": the ops are queued and pinning
-                maybe_kill("loading")
-                for w in [w for w in ready if not w.killed]:  # the drain lets the stalled load finish
-                    _send(w.conn, cmd="drain")
-                drains_early = True
-            loads = [_recv(w.conn, spec.timeout_s) for w in ready if not w.killed]
-            timings[TIMING_LOAD] = max((r.get("seconds", 0.0) for r in loads), default=0.0)
-        report["verified"] = [
-            (w.rank, r.get("checksum") == expected_checksum(spec, w.rank))
-            for w, r in zip([w for w in ready if not w.killed], loads) if "checksum" in r]
+        assert c.coordinator is not None
+        self.log(f"decode engine: {spec.tp} exporter processes advertised their banks (inventory epochs "
+                 f"{c.epochs}); prefill engine: coordinator pid {c.coordinator.process.pid}, "
+                 f"{spec.tp} rank worker processes connected")
+        self.maybe_kill("advertised")
+        group = self.import_group(wire)
+        ready = group.get("state") == "ready"
+        gid = group.get("gid")
+        if ready and gid:
+            self.count_holdings(gid)
+            self.maybe_kill("ready")
+        loads = self.load(gid) if ready and gid else []
+        report["verified"] = [(r["rank"], r.get("checksum") == expected_checksum(spec, r["rank"]))
+                              for r in loads if "checksum" in r]
+        report["load_errors"] = sorted({r["error"] for r in loads if "error" in r})
         report["load_bytes"] = sum(r.get("bytes", 0) for r in loads)
         if loads:
-            log(f"prefix load: {len(spec.prefix())} blocks x {spec.tp} ranks, "
-                f"{report['load_bytes'] / 2**20:.1f} MiB, checksums "
-                + ("verified" if report["verified"] and all(ok for _, ok in report["verified"]) else "NOT verified"))
+            self.log(f"prefix load: {len(spec.prefix())} blocks on each of {spec.tp} ranks, each worker its own, "
+                     f"{report['load_bytes'] / 2**20:.1f} MiB, checksums "
+                     + ("verified" if report["verified"] and all(ok for _, ok in report["verified"]) else "NOT verified"))
+        self.finish(gid)
+        self.timings[TIMING_TOTAL] = time.monotonic() - self.started
+        report["timings_s"] = self.timings
+        report["ok"] = judge(report, self.kill)
+        report["outcome"] = outcome(report)
+        return report
 
-        survivors = [w for w in c.importers if not w.killed]
-        if not drains_early:
-            for w in survivors:
-                _send(w.conn, cmd="drain")
-        maybe_kill("draining")
-        drains = [_recv(w.conn, spec.timeout_s) for w in survivors if not w.killed]
-        report["importer_final"] = [r.get("state") for r in drains]
-        report["importer_states"] = drains[0].get("states", []) if drains else []
+    def import_group(self, wire: list[bytes]) -> dict[str, Any]:
+        c, spec = self.c, self.spec
+        assert c.coordinator is not None
+        phase = self.kill[1] if self.kill else None
+        notify: tuple[str, int] | None = None
+        if phase == "checking" and not c.coordinator.killed:
+            c.broadcast(c.workers, cmd="hold", points=["check"])
+            notify = ("checking", 0)
+        elif phase == "importing" and not c.coordinator.killed:
+            c.workers[-1].ask(spec.timeout_s, cmd="hold", points=["open"])
+            notify = ("importing", spec.tp - 1)
+        t = time.monotonic()
+        group: dict[str, Any] = {"state": None}
+        if c.coordinator.killed:
+            group["error"] = "no coordinator"
+        else:
+            send(c.coordinator.conn, **c.import_command(wire, notify))
+            if notify is not None:
+                reached = recv(c.coordinator.conn, spec.timeout_s)
+                group["gid"] = reached.get("gid")  # known even if the coordinator dies now
+                if reached.get("reached"):
+                    self.maybe_kill(reached["reached"])
+                c.broadcast(c.workers, cmd="release")
+            if not c.coordinator.killed:
+                group = recv(c.coordinator.conn, spec.timeout_s + 4 * spec.phase_timeout_s)
+        if group.get("time_to_ready_s") is not None:
+            self.timings[TIMING_IMPORT] = float(group["time_to_ready_s"])
+        self.report["group"] = group
+        self.report["time_to_ready_s"] = group.get("time_to_ready_s")
+        ranks = group.get("ranks") or []
+        self.report["ranks"] = ranks
+        self.report["leases_total"] = sum(r.get("leases") or 0 for r in ranks)
+        self.log(f"coordinator: group {group.get('gid')} -> {group.get('state')}"
+                 + (f" in {group['time_to_ready_s'] * 1e3:.1f} ms; leases per rank "
+                    f"{[r.get('leases') for r in ranks]}, import per rank (ms) "
+                    f"{[round((r.get('import_s') or 0) * 1e3, 1) for r in ranks]}"
+                    if group.get("time_to_ready_s") is not None else f" ({group.get('failure') or group.get('error')})"))
+        return group
+
+    def count_holdings(self, gid: str) -> None:
+        """At ready, from outside kvstate's own bookkeeping: memfd mappings in each worker
+        process (/proc) and leases on each exporter's bank."""
+        c = self.c
+        self.report["mappings_per_rank"] = [w.ask(self.spec.timeout_s, cmd="status", gid=gid)["memfd_maps"]
+                                            for w in c.live(c.workers)]
+        self.report["exporter_leases"] = [r["leases"] for r in c.broadcast(c.exporters, cmd="leases")]
+
+    def load(self, gid: str) -> list[dict[str, Any]]:
+        c, spec = self.c, self.spec
+        phase = self.kill[1] if self.kill else None
+        stall = phase in ("loading", "draining")
+        t = time.monotonic()
+        live = c.live(c.workers)
+        for w in live:
+            send(w.conn, cmd="load", gid=gid, blocks=spec.prefix(), stall=stall)
+        if stall:
+            for w in live:
+                recv(w.conn, spec.timeout_s)  # "loading": the op is queued, pinning the part
+            self.maybe_kill("loading")
+            if phase == "draining":
+                assert c.coordinator is not None
+                if not c.coordinator.killed:
+                    send(c.coordinator.conn, cmd="drain", gid=gid)
+                self.wait_draining(gid)
+                self.maybe_kill("draining")
+            for w in c.live(c.workers):
+                send(w.conn, cmd="release")
+        replies = []
+        for w in [w for w in live if not w.killed]:
+            got = [recv(w.conn, spec.timeout_s) for _ in range(2 if stall else 1)]  # stalled: the release's too
+            replies += [{"rank": w.rank, **r} for r in got if not r.get("ok")]
+        if any("seconds" in r for r in replies):
+            self.timings[TIMING_LOAD] = max(float(r.get("seconds", 0.0)) for r in replies)
+        return replies
+
+    def wait_draining(self, gid: str) -> None:
+        """Until every live worker's share left ready; then, 50 ms later, record where each
+        is: a share whose load still pins its part must still be draining."""
+        deadline = time.monotonic() + self.spec.timeout_s
+        for w in self.c.live(self.c.workers):
+            while time.monotonic() < deadline:
+                if w.ask(self.spec.timeout_s, cmd="status", gid=gid).get("state") in ("draining", "quiescent",
+                                                                                      "closed", "failed"):
+                    break
+                time.sleep(0.001)
+        time.sleep(0.05)
+        self.report["draining_states"] = [w.ask(self.spec.timeout_s, cmd="status", gid=gid).get("state")
+                                          for w in self.c.live(self.c.workers)]
+
+    def finish(self, gid: str | None) -> None:
+        c, spec, report = self.c, self.spec, self.report
+        t = time.monotonic()
+        coord = c.coordinator
+        assert coord is not None
+        final: dict[str, Any] = {}
+        if gid and not coord.killed:
+            drained = self.kill is not None and self.kill[1] == "draining"
+            final = recv(coord.conn, spec.timeout_s) if drained else coord.ask(spec.timeout_s, cmd="drain", gid=gid)
+            if "error" in final:
+                final = {**coord.ask(spec.timeout_s, cmd="describe", gid=gid), "error": final["error"]}
+        report["coordinator"] = {"pid": coord.process.pid, "killed": coord.killed, "state": final.get("state"),
+                                 "history": final.get("history") or report.get("group", {}).get("history")}
+        history = [h[0] for h in report["coordinator"]["history"] or []]
+        heard = gid is not None and (coord.killed or "checking" in history)  # did any worker get its check?
+        shares: list[dict[str, Any]] = []
+        for w in c.live(c.workers):
+            shares.append(w.ask(spec.timeout_s + spec.silence_s, cmd="wait_ended", gid=gid,
+                                timeout=spec.silence_s + spec.timeout_s) if heard else {"rank": w.rank, "state": None})
+        report["worker_final"] = [s.get("state") for s in shares]
+        report["shares"] = shares
+        killed = next((w for w in c.everyone() if w.killed), None)
+        unmapped = [s["unmapped_at"] for s in shares if s.get("unmapped_at") is not None]
+        if killed is not None and killed.killed_at is not None and unmapped \
+                and min(unmapped) >= killed.killed_at:
+            report["death_to_unmapped_s"] = max(unmapped) - killed.killed_at
         exp = c.broadcast(c.exporters, timeout=spec.lease_timeout_s + spec.timeout_s + 5, cmd="drain")
-        timings[TIMING_DRAIN] = max((r.get("quiescent_s", 0.0) for r in [*drains, *exp]), default=0.0)
+        self.timings[TIMING_DRAIN] = float(final.get("drain_s") or 0.0) + max(
+            (r.get("quiescent_s", 0.0) for r in exp), default=0.0)
         report["exporter_quiescent_s"] = max((r.get("quiescent_s", 0.0) for r in exp), default=0.0)
         report["exporter_states"] = exp[0].get("states", []) if exp else []
         report["exporter_errors"] = [r["error"] for r in exp if "error" in r]
-        log(f"drain: importers {', '.join(map(str, report['importer_final']))}; exporters quiescent in "
-            f"{report['exporter_quiescent_s'] * 1e3:.1f} ms and released")
-        leaks = c.broadcast(c.exporters + c.importers, cmd="exit")
-        report["leaks"] = [r["leaks"] for r in leaks]
-    timings[TIMING_TOTAL] = time.monotonic() - t0
-    report["timings_s"] = timings
-    report["ok"] = _judge(report, kill)
-    report["outcome"] = _outcome(report)
-    return report
+        self.log(f"drain: coordinator {final.get('state')}, workers {report['worker_final']}; exporters quiescent "
+                 f"in {report['exporter_quiescent_s'] * 1e3:.1f} ms and released")
+        live = c.live(c.everyone())
+        exits = dict(zip((id(w) for w in live), c.broadcast(live, cmd="exit")))
+        report["leaks"] = [r.get("leaks", {}) for r in exits.values()]
+        report["violations"] = [v for r in exits.values() for v in r.get("violations", [])]
+        histories = {w.rank: exits[id(w)].get("histories", {}).get(gid or "", []) for w in c.live(c.workers)}
+        for entry in report.get("ranks", []):
+            entry["history"] = histories.get(entry["rank"])
+        for w in c.everyone():
+            w.process.join(5)
+        report["stray_processes"] = [w.process.pid for w in c.everyone() if w.process.is_alive()]
 
 
-def _outcome(report: dict[str, Any]) -> str:
+def _describe_descriptor(wire: bytes, key: bytes) -> dict[str, Any]:
+    from kvstate.core.descriptor import decode
+
+    d = decode(wire, Deployment("kvstate-demo", key))
+    return {"rank": d.rank, "handle_kind": d.handle_kind.value, "fabric": d.fabric.kind.value,
+            "lease_address": d.socket_path}
+
+
+def outcome(report: dict[str, Any]) -> str:
     """What a user should take from the run, in words."""
     loaded = sum(ok for _, ok in report["verified"])
     if not report["ok"]:
@@ -398,11 +539,14 @@ def _outcome(report: dict[str, Any]) -> str:
             "nothing partial was used, nothing leaked")
 
 
-def _judge(report: dict[str, Any], kill: tuple[str, str] | None) -> bool:
-    """The safety verdict: no partial readiness, verified bytes, quiescence, no leaks."""
-    clean = not report["exporter_errors"] and all(v == 0 for leak in report["leaks"] for v in leak.values())
+def judge(report: dict[str, Any], kill: tuple[str, str] | None) -> bool:
+    """The safety verdict: no partial readiness, verified bytes, every part gone, no leaks."""
+    clean = (not report["exporter_errors"] and not report["violations"] and not report["stray_processes"]
+             and all(v <= 0 for leak in report["leaks"] for v in leak.values()))
     every_load_ok = all(ok for _, ok in report["verified"])
-    drained = all(s in ("closed", "failed", "rejected") for s in report["importer_final"])
+    ended = all(s in ("closed", "failed", "rejected", None) for s in report["worker_final"])
+    ready = report.get("group", {}).get("state") == "ready"
+    leases = report.get("leases_total", 0) == report["tp"] if ready else True
     if kill is None:
-        return clean and drained and every_load_ok and len(report["verified"]) == report["tp"]
-    return clean and drained and every_load_ok
+        return clean and ended and every_load_ok and leases and len(report["verified"]) == report["tp"]
+    return clean and ended and every_load_ok and leases

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import attrs
 
+from kvstate.derive import coord_world, promela_coord
 from kvstate.derive import promela as models
 from kvstate.core.errors import ModelCheckError, SpinUnavailable
 from kvstate.core.spec import Spec, load_spec
@@ -35,7 +36,8 @@ INSTALL_HINT = ("install Spin from Debian/Ubuntu packages: `sudo apt-get install
                 "(a C compiler, gcc or cc, is needed too)")
 
 MAX_DEPTH = 1_000_000
-#: fairness slots: pan needs one per process (init, importer, operator, engine, exporter, lessee)
+#: fairness slots: pan needs one per process (init, importer, operator, engine, exporter,
+#: lessee; the coordinator model has a worker and an engine per rank besides)
 _NFAIR = 4
 
 
@@ -50,6 +52,7 @@ class Event:
     dest: str
     nested: bool = False  # fired by an effect of the event before it (a cascade)
     count: int | None = None  # counting model cascades: how many parts moved
+    rank: int | None = None  # coordinator model: the rank whose report or death this is
 
     @property
     def instance(self) -> str:
@@ -58,7 +61,8 @@ class Event:
     def __str__(self) -> str:
         lead = "    via effect: " if self.nested else ""
         many = f" (x{self.count})" if self.count is not None else ""
-        return f"{lead}{self.instance}: {self.event}  {self.source} -> {self.dest}{many}"
+        about = f" (rank {self.rank})" if self.rank is not None else ""
+        return f"{lead}{self.instance}: {self.event}{about}  {self.source} -> {self.dest}{many}"
 
 
 @attrs.frozen
@@ -150,7 +154,7 @@ def _problem(out: str, errors: int) -> str | None:
     return None if errors == 0 else f"{errors} error(s)"
 
 
-_EVENT = re.compile(r"@@(>?) (\w+) (\S+) (\w+) (\w+) (\w+)(?: x(\d+))?$")
+_EVENT = re.compile(r"@@(>?) (\w+) (\S+) (\w+) (\w+) (\w+)(?: x(\d+))?(?: r(\d+))?$")
 
 
 def parse_trail(text: str) -> Trace:
@@ -167,7 +171,7 @@ def parse_trail(text: str) -> Trace:
         if not line.startswith(models.MARK):
             continue
         if line.startswith(f"{models.MARK} violated "):
-            violated.append(line.split()[-1])
+            violated.append(line.split()[2].rstrip(":"))
             continue
         if line.startswith(f"{models.MARK} world "):
             _, _, name, value = line.split()
@@ -176,15 +180,17 @@ def parse_trail(text: str) -> Trace:
         found = _EVENT.match(line)
         if found is None:
             raise ModelCheckError(f"unreadable event line in the trail: {line!r}")
-        nested, machine, index, event, source, dest, count = found.groups()
+        nested, machine, index, event, source, dest, count, rank = found.groups()
         events.append(Event(machine, index, event, source, dest, bool(nested),
-                            int(count) if count is not None else None))
+                            int(count) if count is not None else None, int(rank) if rank is not None else None))
     return Trace(tuple(events), world, tuple(violated), cycle)
 
 
 def check_text(text: str, *, model: str, tp: int, liveness: bool = False, memlim_mb: int = 2048,
-               timeout_s: float = 600.0, keep: Path | None = None) -> CheckResult:
-    """Check one Promela model. ``tp`` is passed as ``-DTP`` for the counting model."""
+               timeout_s: float = 600.0, keep: Path | None = None, claim: str = models.LIVENESS_CLAIM,
+               nfair: int = _NFAIR) -> CheckResult:
+    """Check one Promela model. ``tp`` is passed as ``-DTP`` for the counting model;
+    ``claim`` names the LTL claim of a liveness run, ``nfair`` its fairness slots."""
     spin, cc = tools()
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvstate-spin-") as scratch:
@@ -195,10 +201,10 @@ def check_text(text: str, *, model: str, tp: int, liveness: bool = False, memlim
         defines = [f"-DTP={tp}"] if model == models.COUNTING else []
         _run([spin, *defines, "-a", name], work, timeout_s, "spin -a")
         flags = [f"-DMEMLIM={memlim_mb}", "-O0", "-w"]  # -O0: compiling dominates at these sizes
-        flags += [f"-DNFAIR={_NFAIR}"] if liveness else ["-DSAFETY", "-DNOCLAIM"]
+        flags += [f"-DNFAIR={nfair}"] if liveness else ["-DSAFETY", "-DNOCLAIM"]
         _run([cc, *flags, "-o", "pan", "pan.c"], work, timeout_s, "cc pan.c")
         # liveness runs check only the claim (-A: assertions are the safety run's job)
-        run = ["./pan", f"-m{MAX_DEPTH}"] + (["-a", "-f", "-A", "-N", models.LIVENESS_CLAIM] if liveness else [])
+        run = ["./pan", f"-m{MAX_DEPTH}"] + (["-a", "-f", "-A", "-N", claim] if liveness else [])
         out = _run(run, work, timeout_s, "pan")
         errors = _number(r"errors: (\d+)", out)
         problem = _problem(out, errors)
@@ -217,10 +223,18 @@ def check_text(text: str, *, model: str, tp: int, liveness: bool = False, memlim
 
 
 def check(model: str, tp: int, *, liveness: bool = False, spec: Spec | None = None,
-          spec_dir: Path | None = None, memlim_mb: int = 2048, timeout_s: float = 600.0) -> CheckResult:
-    """Generate a model from the tables (``spec_dir`` for a variant) and check it."""
+          spec_dir: Path | None = None, memlim_mb: int = 2048, timeout_s: float = 600.0,
+          registry: Mapping[tuple[str, str, str], str] | None = None) -> CheckResult:
+    """Generate a model from the tables (``spec_dir`` for a variant) and check it.
+
+    ``registry`` replaces the coordinator model's meanings of guards and effects (planted
+    bugs of an implementation that the tables cannot express)."""
     if spec is None:
         spec = load_spec(spec_dir)
+    if model == promela_coord.COORD_MODEL:
+        text = promela_coord.generate(spec, tp, registry)
+        return check_text(text, model=model, tp=tp, liveness=liveness, memlim_mb=memlim_mb, timeout_s=timeout_s,
+                          claim=coord_world.LIVENESS_CLAIM, nfair=max(_NFAIR, 2 * tp + 3))
     if liveness and model != models.PER_RANK:
         raise ValueError("the liveness property (INV-DRAIN-QUIESCES) is in the per-rank model")
     text = models.generate(spec, model, tp if model == models.PER_RANK else None)

@@ -16,7 +16,7 @@ worker is replaced. Everything else in a cycle is real and new:
    stop.
 
 A cycle may SIGKILL one process (random role, rank and phase of
-:data:`~kvstate.harness.cluster.PHASES`); the survivors carry on and the victim is replaced
+:data:`PHASES`); the survivors carry on and the victim is replaced
 before the next cycle. After every cycle each surviving worker reports what it holds
 beyond its baseline (fds and memfd mappings, from ``/proc``).
 
@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from kvstate.harness.cluster import PHASES, ROLES, ClusterSpec, Worker, _recv, _send, expected_checksum, kv_pattern, resources
+from kvstate.harness.cluster import ClusterSpec, Worker, _recv, _send, expected_checksum, kv_pattern, resources
 from kvstate.core.errors import KvStateError
 from kvstate.core.identity import Deployment
 
@@ -61,6 +61,11 @@ if TYPE_CHECKING:
     HostExporter = Exporter[HostHandle, HostAllocation, HostReservation, HostMapping, HostEndpoint]
     HostImporter = Importer[HostHandle, HostAllocation, HostReservation, HostMapping, HostEndpoint]
     HostGroup = Group[HostHandle, HostAllocation, HostReservation, HostMapping, HostEndpoint]
+
+#: The soak's importers each import the whole group in one process (the in-process
+#: Importer); the coordinated per-rank topology is the cluster's (kvstate.harness.cluster).
+PHASES = ("advertised", "importing", "ready", "loading", "draining")
+ROLES = ("exporter", "importer")
 
 SOAK_SPEC = ClusterSpec(tp=2, layers=2, kv_heads=2, head_dim=32, block_tokens=16, num_blocks=32,
                         prefix_blocks=8, granularity=64 * 1024, lease_timeout_s=3.0, timeout_s=10.0)

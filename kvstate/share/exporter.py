@@ -56,6 +56,7 @@ import logging
 import attrs
 
 from kvstate import channel as chan
+from kvstate.channel.tcp import TcpServer
 from kvstate.core.descriptor import Descriptor, encode
 from kvstate.core.errors import (
     ChannelClosed,
@@ -114,6 +115,7 @@ class ExportConfig:
     max_connections: int = chan.DEFAULT_MAX_CONNECTIONS  # concurrent importer connections
     request_timeout_s: float = 5.0
     handle_kind: HandleKind = HandleKind.MEMFD  # what the banks are exported as (the transport's kind)
+    tcp_listen: tuple[str, int] | None = None   # also serve leases over TCP: banks read from other nodes (NIXL)
 
 
 @attrs.define(eq=False)
@@ -308,12 +310,13 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         self.descriptor_expires_ns = time.time_ns() + int(ex.config.descriptor_ttl_s * 1e9)
         desc = Descriptor(
             deployment_id=ex.config.deployment.id, source_id=ex.config.source_id,
-            fabric=FabricDomain(FabricKind.NODE, ex.node), host_boot_id=ex.boot_id,
+            fabric=FabricDomain(FabricKind.NETWORK if handle.kind is HandleKind.NIXL else FabricKind.NODE,
+                                ex.node), host_boot_id=ex.boot_id,
             device_uuid=self.transport.device_uuid(), incarnation=ex.incarnation.value, pid=os.getpid(),
             rank=self.rank, tp=ex.config.tp, geometry=self.geometry, handle_kind=handle.kind,
             handle=handle.identity, size=self.size, granularity=self.transport.granularity(),
             generation=self.generation, expires_at_ns=self.descriptor_expires_ns,
-            socket_path=str(ex.socket_path), inventory_epoch=self.inventory_epoch,
+            socket_path=ex.lease_address, inventory_epoch=self.inventory_epoch,
         )
         self.descriptor = encode(desc, ex.config.deployment)
 
@@ -429,6 +432,10 @@ class Exporter(Generic[H, A, R, M, E]):
         if not isinstance(name, str) or not name or "/" in name or "\0" in name or name in (".", ".."):
             raise ConfigInvalid("name", f"must be a file name (no '/', no NUL), not {name!r:.40}")
         self.socket_path = Path(config.socket_dir) / f"{name}.sock"
+        # Across nodes leases travel over TCP (kvstate.channel.tcp); descriptors name the
+        # address importers lease from, so it is bound before any bank is advertised.
+        self._tcp = TcpServer(*config.tcp_listen, config.deployment) if config.tcp_listen else None
+        self.lease_address = self._tcp.address if self._tcp is not None else str(self.socket_path)
         self.banks: dict[int, Bank[H, A, R, M, E]] = {}
         self._observers = tuple(observers)
         self._lease_ids = itertools.count(1)
@@ -479,6 +486,8 @@ class Exporter(Generic[H, A, R, M, E]):
         self._server = chan.Server(self.socket_path, max_connections=self.config.max_connections)
         self._watcher = chan.Watcher(name="kvstate-exporter-watch")
         self._server.serve_in_thread(self._serve, name="kvstate-exporter")
+        if self._tcp is not None:
+            self._tcp.serve_in_thread(self._serve, name="kvstate-exporter-tcp")
         self._expiry = threading.Thread(target=self._expire_loop, name="kvstate-lease-expiry", daemon=True)
         self._expiry.start()
 
@@ -489,6 +498,8 @@ class Exporter(Generic[H, A, R, M, E]):
         self._server = self._watcher = self._expiry = None
         if server is not None:
             server.close()
+        if self._tcp is not None:
+            self._tcp.close()
         if watcher is not None:
             watcher.close()
         if expiry is not None:

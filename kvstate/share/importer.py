@@ -42,7 +42,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import ExitStack
-from typing import Any, Generic, Literal
+from typing import Any, Generic, Literal, Protocol
 
 import attrs
 
@@ -55,6 +55,7 @@ from kvstate.core.errors import (
     GroupRejected,
     IllegalTransition,
     ImportFailed,
+    InventoryError,
     KvStateError,
     LeaseRefused,
     LoadFailed,
@@ -80,13 +81,54 @@ log = logging.getLogger(__name__)
 GroupFault = Literal["part_failed", "peer_died", "incarnation_changed", "expired"]
 
 
+def _epochs(value: object) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or not value or \
+            not all(type(e) is int and e >= 0 for e in value):
+        raise InventoryError(f"epochs must be a non-empty sequence of non-negative ints (one per rank), "
+                             f"not {value!r:.80}")
+    return tuple(value)
+
+
 @attrs.frozen
 class BlockRequest:
-    """Inventory blocks a lease must pin, as the decode worker advertised them."""
+    """Inventory blocks every rank's lease must pin, as the decode workers advertised them.
+
+    Each rank's bank keeps its own inventory, so each rank has its own epoch: ``epochs[r]``
+    is the epoch rank ``r``'s bank advertised for ``group`` (one entry per rank)."""
 
     group: str
-    epoch: int
+    epochs: tuple[int, ...] = attrs.field(converter=_epochs)
     hashes: tuple[int, ...]
+
+    def epoch(self, rank: int) -> int:
+        """The epoch rank ``rank``'s lease names."""
+        if not 0 <= rank < len(self.epochs):
+            raise InventoryError(f"no epoch for rank {rank}: the request names {len(self.epochs)} rank(s)")
+        return self.epochs[rank]
+
+
+class PartOwner(Protocol[H, A, R, M, E]):
+    """What a :class:`Part` needs of the object it belongs to: an importer-side
+    :class:`Group` (every rank in one process), or one worker's share of a coordinated group
+    (:class:`kvstate.share.rank_worker.RankShare`, its own rank only)."""
+
+    label: str
+    observers: tuple[Observer, ...]
+
+    @property
+    def importer(self) -> Importer[H, A, R, M, E]: ...
+
+    @property
+    def blocks(self) -> BlockRequest | None: ...
+
+    @property
+    def validated(self) -> object: ...
+
+    @property
+    def state(self) -> str: ...
+
+    def peer_closed(self, part: Part[H, A, R, M, E]) -> None:
+        """The exporter of ``part`` closed its channel or exited."""
 
 
 @attrs.frozen
@@ -105,7 +147,7 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
 
     table = load_machine("part")
 
-    def __init__(self, group: Group[H, A, R, M, E], descriptor: Descriptor) -> None:
+    def __init__(self, group: PartOwner[H, A, R, M, E], descriptor: Descriptor) -> None:
         super().__init__(label=f"{group.label}/part[{descriptor.rank}]", observers=group.observers)
         self.group = group
         self.transport = group.importer.transport
@@ -142,12 +184,7 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         with ExitStack() as undo:
             ch = chan.connect(d.socket_path, timeout=timeout)
             undo.callback(ch.close)
-            blocks = self.group.blocks
-            ch.send(chan.encode({"op": "lease", "rank": d.rank, "generation": d.generation,
-                                 "incarnation": d.incarnation.hex(),
-                                 "blocks": None if blocks is None else {
-                                     "group": blocks.group, "epoch": blocks.epoch, "hashes": list(blocks.hashes)}}),
-                    timeout=timeout)
+            ch.send(lease_request(d, self.group.blocks), timeout=timeout)
             with ch.recv(timeout=timeout) as msg:
                 reply = chan.decode(msg.payload)
                 if not reply.get("ok"):
@@ -182,6 +219,10 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         if self.allocation is not None:
             t.release(self.allocation)
         self.mapping = self.reservation = self.allocation = None
+        self._return_lease()
+
+    def _return_lease(self) -> None:
+        """Return the lease and close its channel (after the memory is gone)."""
         ch, self.channel = self.channel, None
         if ch is not None:
             self.group.importer.unwatch(ch)
@@ -191,6 +232,13 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
             except (ChannelError, LeaseRefused):
                 pass  # exporter gone or lease already ended: closing the channel ends it too
             ch.close()
+
+
+def lease_request(d: Descriptor, blocks: BlockRequest | None) -> bytes:
+    """The lease request of one rank part (whatever transport then opens its handle)."""
+    return chan.encode({"op": "lease", "rank": d.rank, "generation": d.generation, "incarnation": d.incarnation.hex(),
+                        "blocks": None if blocks is None else {"group": blocks.group, "epoch": blocks.epoch(d.rank),
+                                                               "hashes": list(blocks.hashes)}})
 
 
 def _grant_fields(reply: dict[str, Any], rank: int) -> tuple[int, float]:
@@ -346,6 +394,13 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
                              f"{sorted({e.rank for e in handle._entries if e.state != 'done'})} did not complete")
         return LoadResult(result.blocks, result.bytes, result.seconds)
 
+    def peer_closed(self, part: Part[H, A, R, M, E]) -> None:
+        """A part's exporter went away (its channel closed or its process exited)."""
+        try:
+            self.fault("peer_died")
+        except TransitionError:
+            pass  # a concurrent transition already moved the group on
+
     def fault(self, event: GroupFault) -> bool:
         """Report a fault event; False when it is not declared in the current state (for
         example a terminal one). Check and transition are one atomic step."""
@@ -426,6 +481,9 @@ class Importer(Generic[H, A, R, M, E]):
         worker no longer holds them (the inventory is advisory) this raises ReuseStale
         and the caller recomputes. ``expect`` overrides fields of the Expectation.
         """
+        if blocks is not None and len(blocks.epochs) != len(wire):
+            raise InventoryError(f"the block request names {len(blocks.epochs)} epoch(s) for a group of "
+                                 f"{len(wire)} descriptor(s): one per rank")
         self._count += 1
         group: Group[H, A, R, M, E] = self.group_class(self, f"group#{self._count}", self.observers)
         self.groups = [g for g in self.groups if not g.is_terminal] + [group]
@@ -529,11 +587,7 @@ class Importer(Generic[H, A, R, M, E]):
     def _peer_closed(self, ch: chan.Channel) -> None:
         part = self._owners.pop(id(ch), None)
         if part is not None:
-            group: Group[H, A, R, M, E] = part.group
-            try:
-                group.fault("peer_died")
-            except TransitionError:
-                pass  # a concurrent transition already moved the group on
+            part.group.peer_closed(part)
 
     def _expire_loop(self) -> None:
         while not self._stopping.wait(0.05):

@@ -76,13 +76,20 @@ def paged(group: Group, bank_block_ids: object, dst_tensors: object, dst_block_i
     g = _geometry(group)
     targets = _targets(group, dst_tensors, rank)
     parts = {r: _part(group, r) for r in targets}
+    return paged_parts(group.label, g, parts, targets, bank_block_ids, dst_block_ids)
+
+
+def paged_parts(label: str, g: Geometry, parts: Mapping[int, Part], targets: Mapping[int, Any],
+                bank_block_ids: object, dst_block_ids: object) -> Plan:
+    """:func:`paged` over given mapped parts (rank -> part) and their targets (rank ->
+    region name -> tensor): also what one rank's worker loads from its own part."""
     src_ids = block_ids(bank_block_ids, g.num_blocks, "bank_block_ids")
     dst_ids = block_ids(dst_block_ids, None, "dst_block_ids")
     if len(src_ids) != len(dst_ids):
         raise TransferRejected(TransferReason.BLOCK_IDS, "dst_block_ids", f"{len(dst_ids)} ids for "
                                f"{len(src_ids)} bank blocks")
     unique(dst_ids, "dst_block_ids")
-    plan = Plan("load", f"{group.label} load", dst_ids)
+    plan = Plan("load", f"{label} load", dst_ids)
     try:
         for r, named in targets.items():
             if not isinstance(named, Mapping):
@@ -135,16 +142,23 @@ def dense(group: Group, blocks: object, destinations: object, host: bool) -> Pla
     if not targets or not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < group.tp for r in targets):
         raise TransferRejected(TransferReason.RANK, "destinations", f"name ranks {sorted(map(repr, targets))[:5]} "
                                f"outside 0..{group.tp - 1}")
+    parts = {r: _part(group, r) for r in targets}
+    return dense_parts(group.label, g, parts, targets, ids, host)
+
+
+def dense_parts(label: str, g: Geometry, parts: Mapping[int, Part], targets: Mapping[int, Any], ids: tuple[int, ...],
+                host: bool) -> Plan:
+    """:func:`dense` over given mapped parts (rank -> part) and destinations (rank -> buffer)."""
     extents: list[tuple[int, int, int]] = []
     pos = 0
     for b in ids:
         for off, length in g.block_extents(b):
             extents.append((off, pos, length))
             pos += length
-    plan = Plan("load", f"{group.label} prefix load", ids)
+    plan = Plan("load", f"{label} prefix load", ids)
     try:
         for r, dst in sorted(targets.items()):
-            part = _part(group, r)
+            part = parts[r]
             where = f"destination of rank {r}"
             if host:
                 ref = tensors.adapt(dst, where)

@@ -15,11 +15,27 @@ DEMO = [sys.executable, "-m", "kvstate", "demo", "--tp", "2", "--layers", "2", "
 def test_demo_verifies_reuse_and_prints_a_summary() -> None:
     out = subprocess.run(DEMO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert re.search(r"checksums +2/2 ranks loaded and verified", out.stdout)
+    assert re.search(r"checksums +2/2 ranks loaded and verified", out.stdout) and "per-rank-process" in out.stdout
     assert "OK: reuse verified, nothing partial, nothing leaked" in out.stdout
     # Timings are measured inside the workers and say what they measure; spawn is only in the total.
-    assert "time, import: validate, lease, map, ready (slowest importer)" in out.stdout
+    assert "time, import: validate, check, lease, map, ready (coordinator)" in out.stdout
     assert "time, total: parent's wall clock, with process spawn" in out.stdout
+
+
+def test_demo_json_reports_the_topology_per_rank() -> None:
+    """Each rank is its own process, leases sum to tp, the group's history is the table's."""
+    out = subprocess.run([*DEMO, "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["topology"] == "per-rank-process" and report["ok"] is True
+    ranks = report["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1] and len({r["pid"] for r in ranks}) == 2
+    assert all(r["import_s"] > 0 for r in ranks) and sum(r["leases"] for r in ranks) == 2
+    states = [h[0] for h in report["coordinator"]["history"]]
+    assert [s for i, s in enumerate(states) if i == 0 or s != states[i - 1]] == [
+        "advertised", "checking", "importing", "ready", "draining", "quiescent", "closed"]
+    assert report["time_to_ready_s"] > 0
+    assert all("spawn" not in k for k in report["timings_s"] if not k.startswith("total"))
 
 
 def test_demo_with_a_kill_shows_clean_failure_and_json() -> None:
@@ -27,15 +43,15 @@ def test_demo_with_a_kill_shows_clean_failure_and_json() -> None:
                          timeout=120)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
-    assert report["kill"] == "exporter:advertised" and report["import_states"] == ["failed", "failed"]
-    assert report["ok"] is True
+    assert report["kill"] == "exporter:advertised" and report["group"]["state"] == "failed"
+    assert report["worker_final"] == ["failed", "failed"] and report["ok"] is True
     assert report["outcome"].startswith("failed cleanly, prefix recomputed: 0/2 ranks loaded")
 
 
 def test_a_kill_during_the_load_is_not_reported_as_ok() -> None:
-    """Killing one importer while loading leaves 1 of 2 ranks loaded: the group's load is
+    """Killing one worker while loading leaves 1 of 2 ranks loaded: the group's load is
     unusable, and the demo says so instead of "OK"."""
-    out = subprocess.run([*DEMO, "--kill", "importer:loading"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([*DEMO, "--kill", "worker:loading"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "failed cleanly, prefix recomputed: 1/2 ranks loaded" in out.stdout
     assert "OK" not in out.stdout.split("verdict", 1)[1]
@@ -44,6 +60,7 @@ def test_a_kill_during_the_load_is_not_reported_as_ok() -> None:
 @pytest.mark.parametrize(("args", "message"), [
     (["--kill", "exporter"], "expected ROLE:PHASE"),
     (["--kill", "decoder:ready"], "expected ROLE:PHASE"),
+    (["--kill", "importer:ready"], "expected ROLE:PHASE"),
     (["--tp", "0"], "must be between 1 and 16"),
     (["--tp", "four"], "is not an integer"),
     (["--prefix-blocks", "64"], "exceeds --blocks"),

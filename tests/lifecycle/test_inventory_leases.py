@@ -8,6 +8,7 @@ import pytest
 
 from conftest import make_exporter
 from kvstate.core.errors import ImportFailed, LeaseRefused, ReuseStale
+from kvstate.share.exporter import Exporter
 from kvstate.share.importer import BlockRequest, Importer
 from kvstate.reuse.inventory import Inventory
 from kvstate.transport.host import HostTransport
@@ -28,7 +29,7 @@ def test_lease_pins_blocks_until_the_group_closes(transport: HostTransport, impo
     epoch = inv.epoch("prefix-a")
     assert epoch is not None
     group = importer.import_group([ex.descriptor(r) for r in range(2)],
-                                  blocks=BlockRequest("prefix-a", epoch, (11, 13)))
+                                  blocks=BlockRequest("prefix-a", (epoch, epoch), (11, 13)))
     assert group.state == "ready"
     assert inv.busy("prefix-a", 11) == (0, 2) and inv.busy("prefix-a", 12) == (0, 0)
     # Leased blocks are never evicted (INV-INVENTORY-EVICTION): fill past the budget.
@@ -49,14 +50,69 @@ def test_stale_request_is_refused_whole_and_says_recompute(stale: str, transport
     assert inv is not None
     epoch = inv.epoch("prefix-a")
     assert epoch is not None
-    request = {"epoch": BlockRequest("prefix-a", epoch + 1, (11,)),
-               "evicted": BlockRequest("prefix-a", epoch, (11, 99)),
-               "unknown_group": BlockRequest("nope", 1, (11,))}[stale]
+    request = {"epoch": BlockRequest("prefix-a", (epoch, epoch + 1), (11,)),
+               "evicted": BlockRequest("prefix-a", (epoch, epoch), (11, 99)),
+               "unknown_group": BlockRequest("nope", (1, 1), (11,))}[stale]
     with pytest.raises(ReuseStale, match="recompute") as info:
         importer.import_group([ex.descriptor(r) for r in range(2)], blocks=request)
     assert isinstance(info.value, ImportFailed) and importer.groups[-1].state == "failed"
     assert not inv.active_leases() and inv.busy("prefix-a", 11) == (0, 0)
     assert all(not b.leases for b in ex.banks.values())
+
+
+def _one_bank_exporter(transport: HostTransport, rank: int, source: bytes, socket_dir: object,
+                       epochs: int) -> Exporter:
+    """A decode worker process of one rank: its own bank and its own inventory."""
+    from conftest import DEPLOYMENT, GEOMETRY, _created
+    from kvstate.share.exporter import ExportConfig
+
+    ex = Exporter(ExportConfig(DEPLOYMENT, socket_dir, source, 2), transport,  # type: ignore[arg-type]
+                  name=f"rank{rank}", inventory=Inventory(8))
+    assert ex.inventory is not None
+    for _ in range(epochs):  # each clear starts a new epoch of this rank's inventory only
+        ex.inventory.clear("prefix-a")
+    ex.inventory.store("prefix-a", [11, 12])
+    bank = ex.add_bank(rank, GEOMETRY)
+    bank.register()
+    bank.advertise()
+    ex.start()
+    _created.append(ex)
+    return ex
+
+
+def test_each_rank_names_its_own_banks_epoch(transport: HostTransport, importer: Importer, tmp_path: object) -> None:
+    """Inventory epochs are per bank: two ranks whose banks are at different epochs are
+    leased with each one's own epoch, and a request naming one epoch for both is stale."""
+    import os
+    from pathlib import Path
+
+    socket_dir = Path(str(tmp_path)) / "s"
+    source = os.urandom(16)
+    exporters = [_one_bank_exporter(transport, r, source, socket_dir, epochs=r) for r in range(2)]
+    epochs = tuple(ex.inventory.epoch("prefix-a") for ex in exporters)  # type: ignore[union-attr]
+    assert epochs[0] != epochs[1]
+    wire = [ex.descriptor(r) for r, ex in enumerate(exporters)]
+    group = importer.import_group(wire, blocks=BlockRequest("prefix-a", epochs, (11, 12)))  # type: ignore[arg-type]
+    assert group.state == "ready"
+    assert all(ex.inventory.busy("prefix-a", 11) == (0, 1) for ex in exporters)  # type: ignore[union-attr]
+    group.drain()
+    with pytest.raises(ReuseStale) as info:
+        importer.import_group(wire, blocks=BlockRequest("prefix-a", (epochs[0], epochs[0]), (11,)))  # type: ignore[arg-type]
+    assert info.value.rank == 1
+
+
+def test_a_request_with_the_wrong_number_of_epochs_is_refused_before_any_lease(
+        transport: HostTransport, importer: Importer) -> None:
+    from kvstate.core.errors import InventoryError
+
+    ex = exporter_with_inventory(transport)
+    with pytest.raises(InventoryError, match="one per rank"):
+        importer.import_group([ex.descriptor(r) for r in range(2)], blocks=BlockRequest("prefix-a", (1,), (11,)))
+    assert all(not b.leases for b in ex.banks.values()) and not importer.groups
+    with pytest.raises(InventoryError):
+        BlockRequest("prefix-a", (), (11,))
+    with pytest.raises(InventoryError):
+        BlockRequest("prefix-a", (1, -1), (11,))
 
 
 def test_a_draining_bank_refuses_leases_and_keeps_no_pin(transport: HostTransport, importer: Importer) -> None:
@@ -70,7 +126,8 @@ def test_a_draining_bank_refuses_leases_and_keeps_no_pin(transport: HostTranspor
     for bank in ex.banks.values():
         bank.fire("drain")
     with pytest.raises(ImportFailed) as info:
-        importer.import_group([ex.descriptor(r) for r in range(2)], blocks=BlockRequest("prefix-a", epoch, (11, 13)))
+        importer.import_group([ex.descriptor(r) for r in range(2)],
+                              blocks=BlockRequest("prefix-a", (epoch, epoch), (11, 13)))
     cause = info.value.__cause__
     assert isinstance(cause, LeaseRefused) and cause.code == "not_leasing", cause
     assert "'grant_lease' is not declared in state 'draining'" in str(cause)

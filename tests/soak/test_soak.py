@@ -13,8 +13,7 @@ import os
 
 import pytest
 
-from kvstate.harness.cluster import PHASES, ROLES
-from kvstate.harness.soak import SOAK_SPEC, run_soak
+from kvstate.harness.soak import PHASES, ROLES, SOAK_SPEC, run_soak
 
 CYCLES = int(os.environ.get("KVSTATE_SOAK_CYCLES", "200"))
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from kvstate.core.errors import GuardRejected
 from kvstate.core.machine import Lifecycle, effect, guard
-from kvstate.derive.promela import BANKS, MAX_LEASES, OP_SLOTS
+from kvstate.derive.promela import MAX_LEASES, OP_SLOTS
 from kvstate.core.spec import MachineSpec, Spec
 
 
@@ -24,7 +24,7 @@ class World:
     def __init__(self, tp: int) -> None:
         self.tp = tp
         self.pins = [0] * tp
-        self.leases = [0] * BANKS
+        self.leases = [0] * tp  # a bank per rank
         self.incompatible = False
         self.objects: dict[str, Any] = {}
 
@@ -40,7 +40,7 @@ class World:
             found.append("INV-GROUP-COMPLETE")
         if group.state == "failed" and "imported" in states:
             found.append("INV-ROLLBACK-COMPLETE")
-        for b in range(BANKS):
+        for b in range(self.tp):
             if self.objects[f"bank[{b}]"].state == "released" and (self.leases[b] or self.pins[b]):
                 found.append("INV-RELEASE-QUIESCENT")
         if any(self.pins[r] and states[r] != "imported" for r in range(self.tp)):
@@ -132,7 +132,7 @@ def build(spec: Spec, tp: int, world: dict[str, int] | None = None) -> World:
     """Objects keyed ``machine[index]`` (as in trails), bound to ``spec``'s tables."""
     w = World(tp)
     w.incompatible = bool((world or {}).get("incompatible", 0))
-    for b in range(BANKS):
+    for b in range(tp):
         w.objects[f"bank[{b}]"] = _bind(spec["bank"], _bank(w, b))(label=f"bank[{b}]")
     w.objects["group[0]"] = _bind(spec["group"], _group(w))(label="group[0]")
     for r in range(tp):

@@ -33,6 +33,7 @@ DEFAULTS: Mapping[str, tuple[str, ...]] = {
     "datapath/test_buffer_safety.py": ("native", "multiproc", "slow"),  # a process per failure path
     "fuzz/": ("native",),                  # targets include the exporter's request handler
     "lifecycle/": ("native",),             # a real exporter on the host backend, in-process
+    "lifecycle/test_coordinated_stateful.py": ("stateful", "multiproc", "slow"),
     "lifecycle/test_demo.py": ("multiproc",),
     "lifecycle/test_processes.py": ("multiproc", "slow"),
     "lifecycle/test_stateful_lifecycle.py": ("stateful", "native", "slow"),
@@ -48,6 +49,7 @@ DEFAULTS: Mapping[str, tuple[str, ...]] = {
     "test_bench_smoke.py": ("multiproc", "slow"),
     "test_codemap.py": ("unit",),
     "test_conformance.py": ("unit",),
+    "test_coordinator_model.py": ("models",),
     "test_contracts.py": ("unit", "slow"),  # crosshair
     "test_cuda_cpu.py": ("native",),
     "test_docs.py": ("unit",),
@@ -64,6 +66,7 @@ DEFAULTS: Mapping[str, tuple[str, ...]] = {
     "test_machine.py": ("unit",),
     "test_models.py": ("models",),
     "test_nixl_handle.py": ("unit",),
+    "test_nixl_coordinated.py": ("native", "multiproc", "slow"),
     "test_nixl_transport.py": ("native", "multiproc", "slow"),
     "test_optable.py": ("unit",),
     "test_packaging.py": ("multiproc", "slow"),

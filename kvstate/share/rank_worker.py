@@ -1,0 +1,602 @@
+"""A prefill rank worker: its own rank's share of each coordinated group, driven by
+``spec/rank.toml``.
+
+Theory of operation
+-------------------
+
+One :class:`RankWorker` per TP rank process (in vLLM: the worker-side connector of that
+rank). It connects to its coordinator (:mod:`kvstate.share.coordinator`), says hello with
+its rank, and from then on keeps one :class:`RankShare` per group the coordinator names.
+A share holds one :class:`~kvstate.share.importer.Part`, of this worker's rank only: the
+worker leases, checks, opens and maps nothing of any other rank.
+
+Commands arrive on one reader thread: ``check`` (decode and validate this rank's
+descriptor completely, with this worker's own expectations: its transport's handle kinds,
+its devices, the socket path), ``open`` (lease, open and map, on a separate thread so the
+reader stays responsive), ``ready`` (loads may run), ``drain``, ``close`` and ``abort``.
+Each step the coordinator needs is reported back (the table's ``report`` effect marks the
+row; the report, naming the state entered, goes out once the state is committed).
+
+What the worker sees for itself: its exporter's death (the part's channel, through the
+importer's watcher) and its coordinator's death: EOF or pidfd on the coordinator's
+connection, or silence past ``silence_s`` (the coordinator ticks every heartbeat, so a
+hung coordinator is told from a busy one). A worker that survives its coordinator cleans
+up alone, within the silence bound (at most the lease time): before ready it rolls back
+at once, after ready it drains (loads in flight finish) and then closes.
+
+A command for a share that already ended is dropped; a command the table does not declare
+in the share's state is a protocol violation: the worker closes the coordinator's
+connection and cleans up as if the coordinator had died.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Generic, Literal
+
+import attrs
+
+from kvstate import channel as chan
+from kvstate.core.descriptor import Descriptor, decode
+from kvstate.core.errors import (
+    ChannelClosed,
+    ChannelError,
+    ChannelTimeout,
+    CoordinatorRefused,
+    DescriptorRejected,
+    GuardRejected,
+    IllegalTransition,
+    InventoryError,
+    KvStateError,
+    LoadFailed,
+    ProtocolError,
+    TransferRejected,
+    TransitionError,
+)
+from kvstate.core.handles import HandleKind
+from kvstate.core.identity import Deployment, host_boot_id
+from kvstate.core.machine import Lifecycle, Observer, StateChange, effect, guard
+from kvstate.core.reasons import RejectReason, TransferReason
+from kvstate.core.spec import load_machine
+from kvstate.core.validate import Expectation, descriptor_problems
+from kvstate.share import load as loads
+from kvstate.share import protocol_msgs as msgs
+from kvstate.share.importer import BlockRequest, ImportConfig, Importer, LoadResult, Part
+from kvstate.share.plan import Plan, block_ids
+from kvstate.share.remote_part import RemotePart
+from kvstate.share.transfer import TransferHandle, check_timeout
+from kvstate.transport.nixl.transport import NixlAllocation, NixlTransport
+from kvstate.transport.protocol import A, E, H, M, MappedTransport, PendingOp, R
+
+log = logging.getLogger(__name__)
+
+_REPORT_STATES: dict[str, msgs.ReportState] = {s: s for s in msgs.REPORTS}
+
+#: Share events a coordinator command fires (``check`` creates the share first).
+CommandEvent = Literal["check", "open", "ready", "drain", "close", "abort"]
+
+
+@attrs.frozen
+class WorkerConfig:
+    deployment: Deployment
+    rank: int
+    tp: int
+    coordinator_path: Path
+    request_timeout_s: float = 5.0    # hello, lease requests
+    max_tp: int = 64
+    geometry_fingerprint: bytes | None = None
+    device_uuids: frozenset[bytes] | None = None
+    check_socket: bool = True
+    drain_poll_s: float = 0.002       # how often a draining share looks at its pins
+    keep_ended: int = 32              # ended shares kept for inspection
+
+    def __attrs_post_init__(self) -> None:
+        if not 1 <= self.tp <= self.max_tp or not 0 <= self.rank < self.tp:
+            raise ValueError(f"rank {self.rank} of tp {self.tp} (max tp {self.max_tp})")
+
+
+class RankShare(Lifecycle, Generic[H, A, R, M, E]):
+    """One worker's share of one coordinated group: its own rank's part. Driven by
+    spec/rank.toml; it is also the :class:`~kvstate.share.importer.PartOwner` of that part.
+    ``H, A, R, M, E``: the transport's types."""
+
+    table = load_machine("rank")
+
+    def __init__(self, worker: RankWorker[H, A, R, M, E], gid: str) -> None:
+        super().__init__(label=f"rank{worker.config.rank}/{gid}", observers=(self._after, *worker.observers))
+        self.worker = worker
+        self.gid = gid
+        self.rank = worker.config.rank
+        self.observers: tuple[Observer, ...] = worker.observers
+        self.importer: Importer[H, A, R, M, E] = worker.importer
+        self.blocks: BlockRequest | None = None
+        self.validated: Descriptor | None = None
+        self.part: Part[H, A, R, M, E] | None = None
+        #: Loads submitted and not yet finished: their ops pin the part.
+        self.loads: set[TransferHandle] = set()
+        self.problems: list[DescriptorRejected] = []
+        self.cause = ""
+        self.import_s: float | None = None
+        self.unmapped_at: float | None = None  # time.monotonic() when its part was unmapped
+        #: Committed steps whose report has not gone out yet.
+        self.reports_due = 0
+        self.changed = threading.Condition(self._kv_lock)
+
+    # -- reports ------------------------------------------------------------------------
+
+    def _after(self, change: StateChange) -> None:
+        """Observers run after the commit, outside the lock, in commit order: a step's
+        report goes out once its state is committed, and before any later step's. Whether
+        a step reports is its row's (the ``report`` effect)."""
+        row = next(r for r in self.table.rows(change.event, change.source) if r.dest == change.dest)
+        with self.changed:
+            if "report" in row.effects:
+                self.reports_due -= 1
+            self.changed.notify_all()
+        if "report" in row.effects:
+            self.worker.report(self, change.dest)
+
+    # -- guards -------------------------------------------------------------------------
+
+    @guard("part_unpinned")
+    def _unpinned(self, **kw: Any) -> bool:
+        return not self.loads and (self.part is None or self.part.pins() == 0)
+
+    @guard("coordinator_gone")
+    def _coordinator_gone(self, **kw: Any) -> bool:
+        return self.worker.coordinator_gone
+
+    # -- effects ------------------------------------------------------------------------
+
+    @effect("report")
+    def _queue_report(self, **kw: Any) -> Callable[[], None]:
+        self.reports_due += 1  # sent by _after once the step is committed (it names the state entered)
+
+        def undo() -> None:
+            self.reports_due -= 1
+        return undo
+
+    @effect("import_part")
+    def _import_part(self, **kw: Any) -> Callable[[], None]:
+        part: Part[H, A, R, M, E] | None = self.part
+        assert part is not None  # validate made it
+        start = time.monotonic()
+        try:
+            part.fire("open")
+        except BaseException:
+            if part.may("import_failed"):
+                part.fire("import_failed")
+            raise
+        self.import_s = time.monotonic() - start
+        return self._close_part
+
+    @effect("rollback_part")
+    def _rollback(self, **kw: Any) -> None:
+        self._close_part()
+
+    @effect("unmap_part")
+    def _unmap(self, **kw: Any) -> None:
+        self._close_part()
+
+    def _close_part(self) -> None:
+        part: Part[H, A, R, M, E] | None = self.part
+        if part is not None and part.may("close"):
+            was_mapped = part.channel is not None  # imported: mapped here, or a remote view
+            part.fire("close")
+            if was_mapped:
+                self.unmapped_at = time.monotonic()
+
+    @effect("submit_load")
+    def _submit(self, *, plan: Plan | None = None, **kw: Any) -> Callable[[], None] | None:
+        part = self.part
+        assert part is not None
+        if isinstance(part, RemotePart):  # a NIXL READ follows, outside the lock; it pins until done
+            return part.pin()
+        if not isinstance(plan, Plan) or plan.kind != "load":
+            raise TransferRejected(TransferReason.PLAN, "fire('load')", "needs the plan RankShare.load builds")
+        handle = plan.submit(self.importer.transport)  # all or nothing; raises LoadFailed
+        self.loads.add(handle)
+        handle._activate(self._load_finished)
+        return None
+
+    def _load_finished(self, handle: TransferHandle) -> None:
+        self.loads.discard(handle)  # its ops no longer pin the part: a drain may quiesce
+        self.worker.kick()
+
+    # -- what the part and the engine call ----------------------------------------------
+
+    def peer_closed(self, part: Part[H, A, R, M, E]) -> None:
+        """The exporter of this share's part went away."""
+        with self.locked():
+            if self.may("exporter_died"):
+                self.fire("exporter_died")
+        self.worker.kick()
+
+    def load(self, bank_block_ids: Sequence[int], dst_tensors: Mapping[str, Any],
+             dst_block_ids: Sequence[int]) -> TransferHandle:
+        """Scatter bank blocks of this rank's part into the engine's paged KV tensors:
+        for every region, bank block ``bank_block_ids[i]`` into page ``dst_block_ids[i]`` of
+        ``dst_tensors[name]`` (``Group.load`` for one rank: the same checks, the same handle
+        with per-region waits). Returns at once. Only in ``ready``: IllegalTransition before
+        the coordinator released loads or after a drain; TransferRejected for bad
+        arguments, before anything is submitted."""
+        if not self.may("load"):
+            raise IllegalTransition(self.table.name, self.state, "load")
+        part = self._mapped_part()
+        plan = loads.paged_parts(self.label, part.descriptor.geometry, {self.rank: part}, {self.rank: dst_tensors},
+                                 bank_block_ids, dst_block_ids)
+        return self._fire_load(plan)
+
+    def load_prefix(self, blocks: Sequence[int], dst: E | NixlAllocation, *, timeout: float = 30.0) -> LoadResult:
+        """Copy ``blocks`` (in order) of this rank's part into one dense buffer, and wait: a
+        native gather from a mapped part, or NIXL READs of a remote part (``dst`` is then
+        memory registered with this worker's NIXL agent). Only in ``ready``."""
+        t = check_timeout(timeout)
+        if not self.may("load"):
+            raise IllegalTransition(self.table.name, self.state, "load")
+        part = self.part
+        if isinstance(part, RemotePart):
+            return self._read_remote(part, blocks, dst, t)
+        mapped = self._mapped_part()
+        if isinstance(dst, NixlAllocation):
+            raise TransferRejected(TransferReason.TENSOR, "dst", "a mapped part loads into host memory")
+        g = mapped.descriptor.geometry
+        ids = block_ids(blocks, g.num_blocks, "blocks")
+        host = hasattr(self.importer.transport, "submit_blocks")
+        handle = self._fire_load(loads.dense_parts(self.label, g, {self.rank: mapped}, {self.rank: dst}, ids, host))
+        if not handle.wait(t):
+            handle.cancel()
+            raise LoadFailed(f"{self.label}: prefix load still running after {timeout} s; cancelled")
+        result = handle.result()
+        if result is None or not result.ok:
+            raise LoadFailed(f"{self.label}: prefix load failed")
+        return LoadResult(result.blocks, result.bytes, result.seconds)
+
+    def _mapped_part(self) -> Part[H, A, R, M, E]:
+        part = self.part
+        if part is None or part.mapping is None or part.state != "imported":
+            raise TransferRejected(TransferReason.STATE, self.label, "its part is not mapped")
+        return part
+
+    def _fire_load(self, plan: Plan) -> TransferHandle:
+        try:
+            self.fire("load", plan=plan)
+        finally:
+            plan.release()  # a plan the share refused still holds its tensors
+        assert plan.handle is not None
+        return plan.handle
+
+    def _read_remote(self, part: RemotePart[H, A, R, M, E], blocks: Sequence[int], dst: object,
+                     timeout: float) -> LoadResult:
+        if not isinstance(dst, NixlAllocation):
+            raise TransferRejected(TransferReason.TENSOR, "dst", "a NIXL part reads into memory registered with "
+                                   "this worker's NixlTransport")
+        ids = block_ids(blocks, part.descriptor.geometry.num_blocks, "blocks")
+        start = time.monotonic()
+        self.fire("load")  # submit_load pins the part (one step under the lock); the READ runs outside it
+        try:
+            done = part.read(ids, dst, timeout=timeout)
+        except KvStateError as exc:
+            raise LoadFailed(f"{self.label}: load failed: {exc}") from exc
+        finally:
+            part.unpin()
+            self.worker.kick()
+        return LoadResult(len(ids), done, time.monotonic() - start)
+
+
+def _blocks(raw: Any) -> BlockRequest | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or set(raw) != {"group", "epochs", "hashes"} or not isinstance(raw["group"], str) \
+            or not isinstance(raw["hashes"], list) or not all(type(h) is int for h in raw["hashes"]):
+        raise InventoryError(f"malformed block request {raw!r:.100}")
+    return BlockRequest(raw["group"], raw["epochs"], tuple(raw["hashes"]))
+
+
+class RankWorker(Generic[H, A, R, M, E]):
+    """One TP rank's worker side; see the module docstring."""
+
+    share_class: type[RankShare[H, A, R, M, E]] = RankShare
+
+    def __init__(self, config: WorkerConfig, transport: MappedTransport[H, A, R, M, E], *,
+                 remote: NixlTransport | None = None, observers: Iterable[Observer] = ()) -> None:
+        self.config = config
+        self.transport = transport
+        #: Reads parts on other nodes (NIXL descriptors); None: only parts this node can map.
+        self.remote = remote
+        self.observers = tuple(observers)
+        self.importer: Importer[H, A, R, M, E] = Importer(ImportConfig(config.deployment, request_timeout_s=config.request_timeout_s,
+                                              max_tp=config.max_tp, geometry_fingerprint=config.geometry_fingerprint,
+                                              device_uuids=config.device_uuids), transport)
+        self.boot_id = host_boot_id()
+        self.shares: dict[str, RankShare[H, A, R, M, E]] = {}
+        self.ended: collections.deque[RankShare[H, A, R, M, E]] = collections.deque(maxlen=config.keep_ended)
+        self.coordinator_gone = False
+        self.silence_s = 5.0
+        self._channel: chan.Channel | None = None
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._last_heard = time.monotonic()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # -- life ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Connect to the coordinator and say hello; CoordinatorRefused if it refuses."""
+        timeout = self.config.request_timeout_s
+        ch = chan.connect(self.config.coordinator_path, timeout=timeout)
+        try:
+            ch.send(msgs.encode(msgs.Hello(self.config.rank, self.config.tp, os.getpid())), timeout=timeout)
+            with ch.recv(timeout=timeout) as msg:
+                answer = msgs.decode(msg.payload)
+            if isinstance(answer, msgs.Refused):
+                raise CoordinatorRefused(answer.code, answer.detail)
+            if not isinstance(answer, msgs.Welcome) or answer.tp != self.config.tp:
+                raise ProtocolError(f"expected a welcome for tp {self.config.tp}, got {answer!r:.100}")
+        except BaseException:
+            ch.close()
+            self.importer.close()
+            raise
+        self._channel, self.silence_s = ch, answer.silence_s
+        self._last_heard = time.monotonic()
+        for target, name in ((self._read_loop, "reader"), (self._housekeep, "housekeeper")):
+            t = threading.Thread(target=target, name=f"kvstate-rank{self.config.rank}-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Leave the coordinator: every share cleans up as if it had died (loads in flight
+        finish first), then stop. Idempotent."""
+        if self._stopping.is_set():
+            return
+        ch = self._channel
+        if ch is not None:
+            ch.close()
+        self._orphaned("the worker is closing")
+        deadline = time.monotonic() + timeout
+        while any(not s.is_terminal for s in list(self.shares.values())) and time.monotonic() < deadline:
+            self._wake.set()
+            time.sleep(self.config.drain_poll_s)
+        self._stopping.set()
+        self._wake.set()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(2.0)
+        self.importer.close()
+
+    def kick(self) -> None:
+        """Wake the housekeeper: a share may be able to quiesce now."""
+        self._wake.set()
+
+    # -- what the engine reads ----------------------------------------------------------
+
+    def share(self, gid: str) -> RankShare[H, A, R, M, E] | None:
+        with self._lock:
+            found = self.shares.get(gid)
+            return found if found is not None else next((s for s in self.ended if s.gid == gid), None)
+
+    def wait(self, gid: str, states: Iterable[str], timeout: float) -> RankShare[H, A, R, M, E] | None:
+        """Wait until this worker's share of ``gid`` exists and is in ``states`` (or ended)."""
+        wanted = set(states)
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.share(gid)
+            if s is not None:
+                with s.changed:
+                    while s.state not in wanted and not s.is_terminal and time.monotonic() < deadline:
+                        s.changed.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+                return s
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.002)
+
+    def leases(self) -> int:
+        """Leases this worker holds now (one per mapped part of its own rank)."""
+        with self._lock:
+            shares = list(self.shares.values())
+        return sum(1 for s in shares if s.part is not None and s.part.lease_id is not None and s.part.channel is not None)
+
+    # -- talking to the coordinator -----------------------------------------------------
+
+    def report(self, share: RankShare[H, A, R, M, E], state: str) -> None:
+        """Tell the coordinator the state ``share`` entered (called once it is committed)."""
+        ch = self._channel
+        if ch is None or self.coordinator_gone:
+            return
+        info = self.imported_info(share) if state == "imported" else None
+        report = msgs.Report(share.gid, self.config.rank, _REPORT_STATES[state], detail=share.cause,
+                             reasons=tuple(p.reason.value for p in share.problems), info=info)
+        try:
+            with self._send_lock:
+                ch.send(msgs.encode(report), timeout=self.config.request_timeout_s)
+        except ChannelError as exc:
+            log.info("rank %d: report %s not delivered (%s)", self.config.rank, state, exc)
+
+    def imported_info(self, share: RankShare[H, A, R, M, E]) -> dict[str, Any] | None:
+        """What an imported report tells the coordinator of the part it mapped."""
+        part = share.part
+        if part is None:
+            return None
+        if isinstance(part, RemotePart):
+            size = None if part.remote is None else part.remote.size
+        else:
+            size = None if part.mapping is None else part.mapping.size
+        if size is None:
+            return None
+        d = part.descriptor
+        return {"fingerprint": d.geometry.fingerprint(), "tp": d.tp, "generation": d.generation,
+                "size": int(size), "leases": self.leases(), "import_s": share.import_s or 0.0}
+
+    def _read_loop(self) -> None:
+        ch = self._channel
+        assert ch is not None
+        why = "its connection closed"
+        try:
+            while not self._stopping.is_set():
+                try:
+                    msg = ch.recv(timeout=0.25)
+                except ChannelTimeout:
+                    continue
+                self._last_heard = time.monotonic()
+                with msg:
+                    message = msgs.decode(msg.payload)
+                if isinstance(message, msgs.Command):
+                    self._command(message)
+                elif not isinstance(message, msgs.Tick):
+                    raise ProtocolError(f"unexpected {type(message).__name__} from the coordinator")
+        except ChannelClosed as exc:
+            why = str(exc)
+        except (KvStateError, TransitionError) as exc:
+            why = f"protocol violation: {exc}"
+            log.error("rank %d: %s; leaving the coordinator", self.config.rank, why)
+        finally:
+            ch.close()
+            self._orphaned(why)
+
+    def _command(self, cmd: msgs.Command) -> None:
+        if cmd.cmd == "check":
+            self._check(cmd)
+            return
+        with self._lock:
+            found = self.shares.get(cmd.group)
+        if found is None:
+            return  # the share ended and was forgotten (or never existed here): nothing to do
+        share: RankShare[H, A, R, M, E] = found
+        event: CommandEvent = cmd.cmd
+        with share.locked():  # the check and the fire are one step: an open may end the share meanwhile
+            if share.is_terminal:
+                return  # the share ended: it holds nothing any more
+            share.fire(event)  # an undeclared command is the coordinator's protocol violation
+        if cmd.cmd == "open":
+            self._spawn(self._open, share)
+        self._forget_ended()
+        self.kick()
+
+    def _check(self, cmd: msgs.Command) -> None:
+        with self._lock:
+            if cmd.group in self.shares:
+                raise ProtocolError(f"check for group {cmd.group} twice")
+            share: RankShare[H, A, R, M, E] = self.share_class(self, cmd.group)
+            self.shares[cmd.group] = share
+        share.fire("check")
+        descriptor: Descriptor | None = None
+        try:
+            if cmd.descriptor is None:
+                raise DescriptorRejected(RejectReason.MALFORMED, "the check carries no descriptor", self.config.rank)
+            descriptor = decode(cmd.descriptor, self.config.deployment)
+            share.problems = self._problems(descriptor)
+            share.blocks = _blocks(cmd.blocks)
+        except DescriptorRejected as exc:
+            share.problems = [exc]
+        except InventoryError as exc:
+            share.problems = [DescriptorRejected(RejectReason.MALFORMED, str(exc), self.config.rank)]
+        part: Part[H, A, R, M, E]
+        if share.problems:
+            share.cause = "; ".join(str(p) for p in share.problems)
+            if descriptor is not None:
+                part = Part(share, descriptor)
+                share.part = part
+                part.fire("reject")
+            share.fire("reject")
+            self._forget_ended()
+            return
+        assert descriptor is not None
+        share.validated = descriptor
+        if descriptor.handle_kind is HandleKind.NIXL and self.remote is not None:
+            part = RemotePart(share, descriptor, self.remote)  # another node's bank: read, never mapped
+        else:
+            part = Part(share, descriptor)
+        share.part = part
+        part.fire("validate")
+        share.fire("validate")
+
+    def _problems(self, d: Descriptor) -> list[DescriptorRejected]:
+        """Every rule this rank's descriptor breaks, checked by this worker completely."""
+        kinds = self.transport.capabilities.handle_kinds
+        if self.remote is not None:
+            kinds |= self.remote.capabilities.handle_kinds
+        expect = Expectation(deployment=self.config.deployment, now_ns=time.time_ns(),
+                             handle_kinds=kinds, host_boot_id=self.boot_id,
+                             uid=os.getuid(), geometry_fingerprint=self.config.geometry_fingerprint,
+                             device_uuids=self.config.device_uuids, max_tp=self.config.max_tp,
+                             check_socket=self.config.check_socket)
+        problems = descriptor_problems(d, expect)
+        if d.tp != self.config.tp:
+            problems.append(DescriptorRejected(RejectReason.TP_MISMATCH, f"descriptor of a tp={d.tp} group for the "
+                                               f"worker of a tp={self.config.tp} group", d.rank))
+        if d.rank != self.config.rank:
+            problems.append(DescriptorRejected(RejectReason.RANK_RANGE, f"descriptor of rank {d.rank} sent to the "
+                                               f"worker of rank {self.config.rank}", d.rank))
+        return problems
+
+    def _open(self, share: RankShare[H, A, R, M, E]) -> None:
+        with share.locked():
+            if not share.may("mapped"):
+                return  # aborted (or orphaned) before the open started
+            try:
+                share.fire("mapped")
+            except (KvStateError, OSError) as exc:
+                share.cause = f"{type(exc).__name__}: {exc}"
+                if share.may("import_failed"):
+                    share.fire("import_failed")
+        self._forget_ended()
+
+    def _spawn(self, target: Callable[[RankShare[H, A, R, M, E]], None], share: RankShare[H, A, R, M, E]) -> None:
+        t = threading.Thread(target=target, args=(share,), name=f"kvstate-rank{self.config.rank}-open", daemon=True)
+        t.start()
+        with self._lock:
+            self._threads = [x for x in self._threads if x.is_alive()] + [t]
+
+    # -- on its own ---------------------------------------------------------------------
+
+    def _orphaned(self, why: str) -> None:
+        """The coordinator is gone: every share cleans up alone (the rank table's
+        coordinator_died rows; draining shares close once quiescent)."""
+        if not self.coordinator_gone:
+            log.info("rank %d: coordinator gone (%s)", self.config.rank, why)
+        self.coordinator_gone = True
+        with self._lock:
+            shares = list(self.shares.values())
+        share: RankShare[H, A, R, M, E]
+        for share in shares:
+            with share.locked():
+                if share.may("coordinator_died"):
+                    share.fire("coordinator_died")
+        self._forget_ended()
+        self.kick()
+
+    def _housekeep(self) -> None:
+        """Quiesce draining shares as soon as their pins drop; notice a silent coordinator."""
+        while not self._stopping.is_set():
+            with self._lock:
+                draining = [s for s in self.shares.values() if s.state == "draining"]
+            self._wake.wait(self.config.drain_poll_s if draining else 0.05)
+            self._wake.clear()
+            share: RankShare[H, A, R, M, E]
+            for share in draining:
+                with share.locked():
+                    if share.may("quiesce"):
+                        try:
+                            share.fire("quiesce")
+                        except GuardRejected:
+                            pass  # a load still pins the part: the next round looks again
+            if draining:
+                self._forget_ended()
+            if not self.coordinator_gone and time.monotonic() - self._last_heard > self.silence_s:
+                ch = self._channel
+                if ch is not None:
+                    ch.close()  # the reader wakes with ChannelClosed and orphans every share
+                self._orphaned(f"silent for {self.silence_s} s")
+
+    def _forget_ended(self) -> None:
+        with self._lock:
+            for gid in [g for g, s in self.shares.items() if s.is_terminal]:
+                self.ended.append(self.shares.pop(gid))

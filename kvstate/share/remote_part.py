@@ -1,0 +1,125 @@
+"""A rank part on another node, read through NIXL, under the same part machine.
+
+A :class:`RemotePart` is a :class:`~kvstate.share.importer.Part` (``spec/part.toml``, the
+same rows, guards and effects by name) whose bank lives on another node, exported by
+:class:`~kvstate.transport.nixl.exporting.NixlExportingHost`:
+
+- leased: ``native_import`` asks the exporter for a lease over the control channel (TCP
+  across nodes, :mod:`kvstate.channel.tcp`; the descriptor names the address), then
+  checks the NIXL handle bytes and loads the peer agent's metadata. Nothing is mapped: a
+  NIXL part is read with one-sided READs, each under a :class:`LeaseGate` whose deadline
+  the importer computes from the moment it asked, so it never outlives the exporter's;
+- pinned: every READ in flight counts as a pin, so ``part_unpinned`` (and with it a
+  drain, and ``close``) waits for the READs, as it waits for native ops on a mapping;
+- drained and released: ``unmap_close`` ends the gate, retires the remote view, then
+  returns the lease; the exporter's bank reaches ``quiescent`` and is released only when
+  no lease is live (its ``native_quiescent``), the one thing that stops a peer's READ.
+
+The exporter's death is seen on the lease channel (EOF or reset on TCP; pidfd too on one
+node) through the importer's watcher, as for a local part.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from typing import Any
+
+from kvstate import channel as chan
+from kvstate.channel.tcp import SCHEME, connect_tcp
+from kvstate.core.descriptor import Descriptor
+from kvstate.core.errors import LeaseRefused, LoadFailed
+from kvstate.core.machine import effect, guard
+from kvstate.share.importer import Part, PartOwner, _grant_fields, lease_request
+from kvstate.transport.nixl.transport import LeaseGate, NixlAllocation, NixlRemote, NixlTransport
+from kvstate.transport.protocol import A, E, H, M, R
+
+
+def connect_lease_channel(address: str, part: Part[Any, Any, Any, Any, Any], timeout: float) -> chan.Channel:
+    """The control channel a descriptor names: ``tcp://`` across nodes, a socket path on one."""
+    if address.startswith(SCHEME):
+        return connect_tcp(address, part.group.importer.config.deployment, timeout=timeout)
+    return chan.connect(address, timeout=timeout)
+
+
+class RemotePart(Part[H, A, R, M, E]):
+    """One rank part on another node; see the module docstring."""
+
+    def __init__(self, group: PartOwner[H, A, R, M, E], descriptor: Descriptor, nixl: NixlTransport) -> None:
+        super().__init__(group, descriptor)
+        self.nixl = nixl
+        self.remote: NixlRemote | None = None
+        self.gate: LeaseGate | None = None
+        self.inflight = 0
+        self._inflight_lock = threading.Lock()
+
+    def pins(self) -> int:
+        """READs in flight: NIXL pins nothing, so the part counts its own."""
+        return self.inflight
+
+    @guard("part_unpinned")
+    def _unpinned(self, **kw: Any) -> bool:
+        return self.pins() == 0
+
+    @effect("native_import")
+    def _import(self, **kw: Any) -> Callable[[], None]:
+        d = self.descriptor
+        timeout = self.group.importer.config.request_timeout_s
+        asked_ns = time.monotonic_ns()
+        with ExitStack() as undo:
+            ch = connect_lease_channel(d.socket_path, self, timeout)
+            undo.callback(ch.close)
+            ch.send(lease_request(d, self.group.blocks), timeout=timeout)
+            with ch.recv(timeout=timeout) as msg:
+                reply = chan.decode(msg.payload)
+            if not reply.get("ok"):
+                raise LeaseRefused(str(reply.get("code")), str(reply.get("detail")))
+            lease_id, expires_in_s = _grant_fields(reply, d.rank)
+            gate = LeaseGate(self.label, requested_at_ns=asked_ns, duration_s=max(expires_in_s, 1e-3))
+            remote = self.nixl.import_(d.handle, d.size)  # checks the handle bytes before NIXL sees them
+            undo.callback(self.nixl.close_remote, remote, "import rolled back")
+            ch.send(chan.encode({"op": "mapped", "rank": d.rank, "lease": lease_id}), timeout=timeout)
+            undo.pop_all()
+        self.channel, self.lease_id = ch, lease_id
+        self.lease_expires_at = time.monotonic() + expires_in_s
+        self.remote, self.gate = remote, gate
+        self.group.importer.watch(self)
+        return self._unmap_close
+
+    @effect("unmap_close")
+    def _unmap_close(self, **kw: Any) -> None:
+        """End the gate (no READ starts after this), retire the view, return the lease."""
+        if self.gate is not None:
+            self.gate.end("closed")
+        if self.remote is not None:
+            self.nixl.close_remote(self.remote, "closed")
+        self.remote = self.gate = None
+        self._return_lease()
+
+    # -- loads --------------------------------------------------------------------------
+
+    def pin(self) -> Callable[[], None]:
+        """Count one READ in flight; returns its undo (:meth:`unpin`)."""
+        with self._inflight_lock:
+            self.inflight += 1
+        return self.unpin
+
+    def unpin(self) -> None:
+        """The READ ended (done, failed or never posted)."""
+        with self._inflight_lock:
+            self.inflight -= 1
+
+    def read(self, blocks: Sequence[int], dst: NixlAllocation, *, timeout: float) -> int:
+        """READ bank blocks ``blocks`` into blocks 0..n-1 of ``dst`` (registered with this
+        process's agent); the caller pinned the part. Returns the bytes read."""
+        g = self.descriptor.geometry
+        if g.block_extents(0) != [(0, g.block_bytes)] or \
+                (g.num_blocks > 1 and g.block_extents(1) != [(g.block_bytes, g.block_bytes)]):
+            raise LoadFailed(f"{self.label}: NIXL parts read banks whose block b is bytes "
+                             f"[b*block_bytes, (b+1)*block_bytes) (one contiguous extent per block)")
+        if self.remote is None or self.gate is None:
+            raise LoadFailed(f"{self.label}: not imported")
+        self.nixl.load(self.remote, dst, list(blocks), block_bytes=g.block_bytes, lease=self.gate, timeout=timeout)
+        return len(blocks) * g.block_bytes

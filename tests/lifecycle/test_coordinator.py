@@ -1,0 +1,417 @@
+"""The coordinator and its rank workers on real sockets, in this process (the multi-process
+versions are test_processes.py and test_coordinated_stateful.py).
+
+Each test names the invariant it checks; the leak check of this directory covers every
+thread, fd and mapping the coordinator, the workers and the exporters took.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import DEPLOYMENT, GEOMETRY, expected_blocks, make_exporter
+from kvstate import channel as chan
+from kvstate.core.errors import (
+    CoordinatorRefused,
+    FrameError,
+    GroupFailed,
+    GroupRejected,
+    IllegalTransition,
+    KvStateError,
+    ProtocolError,
+)
+from kvstate.core.reasons import RejectReason
+from kvstate.share import protocol_msgs as msgs
+from kvstate.share.coordinator import Coordinator, CoordinatorConfig
+from kvstate.share.exporter import Exporter
+from kvstate.share.rank_worker import RankShare, RankWorker, WorkerConfig
+from kvstate.transport.host import HostTransport
+
+
+class CountingTransport(HostTransport):
+    """The host transport, counting handle opens: a rejection must leave it at zero."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.opens = 0
+
+    def import_(self, handle: Any, size: int) -> Any:
+        self.opens += 1
+        return super().import_(handle, size)
+
+
+def _dir() -> Path:
+    d = Path(tempfile.mkdtemp(prefix="kvs-coord-"))
+    os.chmod(d, 0o700)
+    return d / "s"
+
+
+class Prefill:
+    """A coordinator and its workers, each worker with its own transport."""
+
+    def __init__(self, tp: int, *, worker_class: type[RankWorker[Any, Any, Any, Any, Any]] = RankWorker,
+                 config: dict[str, Any] | None = None, start_workers: bool = True, **worker_kw: Any) -> None:
+        cfg = {"phase_timeout_s": 2.0, "heartbeat_s": 0.05, "silence_s": 0.5, **(config or {})}
+        self.coordinator = Coordinator(CoordinatorConfig(DEPLOYMENT, tp, _dir(), **cfg))
+        self.coordinator.start()
+        self.transports = [CountingTransport(granularity=64 * 1024) for _ in range(tp)]
+        self.workers = [worker_class(WorkerConfig(DEPLOYMENT, r, tp, self.coordinator.socket_path, **worker_kw),
+                                     self.transports[r]) for r in range(tp)]
+        if start_workers:
+            for w in self.workers:
+                w.start()
+            self.coordinator.wait_for_workers(5.0)
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+        self.coordinator.close()
+
+
+@pytest.fixture
+def prefill_factory() -> Iterator[Any]:
+    made: list[Prefill] = []
+
+    def make(tp: int, **kw: Any) -> Prefill:
+        p = Prefill(tp, **kw)
+        made.append(p)
+        return p
+    yield make
+    for p in made:
+        p.close()
+
+
+def _leases(ex: Exporter[Any, Any, Any, Any, Any]) -> int:
+    return sum(len(b.leases) for b in ex.banks.values())
+
+
+def _wait(predicate: Any, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+# -- the protocol, end to end -------------------------------------------------------------
+
+
+def test_each_worker_leases_and_maps_only_its_own_rank(transport: HostTransport, prefill_factory: Any) -> None:
+    """INV-COORD-LEASES and INV-COORD-READY-COMPLETE: tp leases in all, one per worker, and
+    each worker loads its own rank's bytes (INV-LOAD-BYTES)."""
+    ex = make_exporter(4, transport)
+    p = prefill_factory(4)
+    group = p.coordinator.import_group([ex.descriptor(r) for r in range(4)])
+    assert group.state == "ready" and group.reports["imported"] == {0, 1, 2, 3}
+    assert [w.leases() for w in p.workers] == [1, 1, 1, 1] and _leases(ex) == 4
+    assert [len(b.leases) for b in ex.banks.values()] == [1, 1, 1, 1]
+    assert [t.opens for t in p.transports] == [1, 1, 1, 1]
+    for w in p.workers:
+        share = w.wait(group.gid, ("ready",), 5.0)  # the ready command is on its way
+        assert share is not None and share.state == "ready"
+        dst = bytearray(3 * GEOMETRY.block_bytes)
+        share.load_prefix([2, 9, 4], dst)
+        assert bytes(dst) == expected_blocks(w.config.rank, [2, 9, 4])
+        # the engine's path: bank blocks scattered into its pages, per region, one handle
+        pages = {r.name: np.zeros((8, *r.block_shape), dtype=np.uint16) for r in GEOMETRY.regions}
+        with share.load([2, 9], pages, [5, 1]) as handle:
+            assert all(handle.wait_region(name, 5.0) for name in GEOMETRY.names) and handle.wait(5.0)
+            assert not handle.failed_blocks()
+        got = b"".join(pages[name][page].tobytes() for page in (5, 1) for name in GEOMETRY.names)
+        assert got == expected_blocks(w.config.rank, [2, 9])
+    group.drain(5.0)
+    assert group.state == "closed" and _wait(lambda: _leases(ex) == 0)
+    states = [h for h, _ in group.history]
+    assert [s for i, s in enumerate(states) if i == 0 or s != states[i - 1]] == [
+        "advertised", "checking", "importing", "ready", "draining", "quiescent", "closed"]
+    assert all(w.share(group.gid).state == "closed" for w in p.workers)  # type: ignore[union-attr]
+
+
+def test_loads_wait_for_the_coordinators_ready(transport: HostTransport, prefill_factory: Any) -> None:
+    """INV-COORD-LOAD-AFTER-READY on the real worker: a share that is imported but not yet
+    released refuses a load with IllegalTransition."""
+    from kvstate.harness.prefill_procs import HoldingWorker
+
+    ex = make_exporter(2, transport)
+    p = prefill_factory(2, worker_class=HoldingWorker)
+    p.workers[1].hold({"open"})
+    group = p.coordinator.start_group([ex.descriptor(r) for r in range(2)])
+    share = p.workers[0].wait(group.gid, ("imported",), 5.0)
+    assert share is not None and share.state == "imported" and group.state == "importing"
+    with pytest.raises(IllegalTransition) as info:
+        share.load_prefix([0], bytearray(GEOMETRY.block_bytes))
+    with pytest.raises(IllegalTransition):
+        share.load([0], {r.name: np.zeros((1, *r.block_shape), np.uint16) for r in GEOMETRY.regions}, [0])
+    assert (info.value.state, info.value.event) == ("imported", "load")
+    p.workers[1].release()
+    assert group.wait(("ready",), 5.0)
+    assert p.workers[0].wait(group.gid, ("ready",), 5.0) is share and share.state == "ready"
+    share.load_prefix([0], bytearray(GEOMETRY.block_bytes))
+    group.drain(5.0)
+
+
+@pytest.mark.parametrize("decode_tp, prefill_tp", [(4, 2), (4, 8), (2, 4)])
+def test_heterogeneous_tp_is_refused_before_any_open(decode_tp: int, prefill_tp: int, transport: HostTransport,
+                                                     prefill_factory: Any) -> None:
+    """A decode group at one tp feeding a prefill group at another is refused by the
+    coordinator with reason tp_mismatch, before any worker hears of it: zero opens, zero
+    leases (INV-COORD-VALIDATE-BEFORE-OPEN)."""
+    ex = make_exporter(decode_tp, transport)
+    p = prefill_factory(prefill_tp)
+    with pytest.raises(GroupRejected) as info:
+        p.coordinator.import_group([ex.descriptor(r) for r in range(decode_tp)])
+    assert RejectReason.TP_MISMATCH in info.value.reasons
+    assert "heterogeneous TP" in str(info.value)
+    group = list(p.coordinator.groups.values())[-1]
+    assert group.state == "rejected" and [h for h, _ in group.history] == ["advertised", "rejected"]
+    assert [t.opens for t in p.transports] == [0] * prefill_tp and _leases(ex) == 0
+    assert all(not w.shares and not w.ended for w in p.workers)
+
+
+def test_one_workers_rejection_leaves_every_rank_unopened(transport: HostTransport, prefill_factory: Any) -> None:
+    """Per-rank validation is complete before any open: rank 1's worker accepts no device
+    of this exporter, so it rejects its descriptor, and no rank opened anything."""
+    ex = make_exporter(2, transport)
+    p = prefill_factory(2, start_workers=False)
+    p.workers[1].close()
+    p.workers[1] = RankWorker(WorkerConfig(DEPLOYMENT, 1, 2, p.coordinator.socket_path,
+                                           device_uuids=frozenset({bytes(16)})), p.transports[1])
+    for w in p.workers:
+        w.start()
+    p.coordinator.wait_for_workers(5.0)
+    with pytest.raises(GroupRejected) as info:
+        p.coordinator.import_group([ex.descriptor(r) for r in range(2)])
+    assert info.value.reasons == {RejectReason.DEVICE_UUID} and info.value.problems[0].rank == 1
+    assert [t.opens for t in p.transports] == [0, 0] and _leases(ex) == 0
+    assert _wait(lambda: all(w.share(list(p.coordinator.groups)[-1]).state in ("failed", "rejected")  # type: ignore[union-attr]
+                             for w in p.workers))
+
+
+def test_a_worker_that_dies_before_import_fails_the_group_at_once(transport: HostTransport,
+                                                                    prefill_factory: Any) -> None:
+    ex = make_exporter(2, transport)
+    p = prefill_factory(2)
+    p.workers[1].close()
+    assert _wait(lambda: 1 not in p.coordinator.links)
+    with pytest.raises(GroupFailed) as info:
+        p.coordinator.import_group([ex.descriptor(r) for r in range(2)])
+    assert info.value.event == "worker_died" and info.value.rank == 1
+    assert [t.opens for t in p.transports] == [0, 0]
+
+
+def test_a_phase_timeout_fails_the_group_and_rolls_every_part_back(transport: HostTransport,
+                                                                   prefill_factory: Any) -> None:
+    """A worker stuck in its open: the coordinator's deadline fails the group (aborting,
+    then failed once the others rolled back); the stuck one opens nothing afterwards."""
+    from kvstate.harness.prefill_procs import HoldingWorker
+
+    ex = make_exporter(2, transport)
+    p = prefill_factory(2, worker_class=HoldingWorker, config={"phase_timeout_s": 0.3})
+    p.workers[1].hold({"open"})
+    with pytest.raises(GroupFailed) as info:
+        p.coordinator.import_group([ex.descriptor(r) for r in range(2)])
+    assert info.value.event == "timeout"
+    group = list(p.coordinator.groups.values())[-1]
+    assert "aborting" in [h for h, _ in group.history] and group.state == "failed"
+    p.workers[1].release()
+    assert _wait(lambda: all(w.share(group.gid).state == "failed" for w in p.workers))  # type: ignore[union-attr]
+    assert _wait(lambda: _leases(ex) == 0) and p.transports[1].opens == 0
+    assert all(w.leases() == 0 for w in p.workers)
+
+
+class LyingWorker(RankWorker[Any, Any, Any, Any, Any]):
+    """Rank 1 reports a part of another size than its descriptor's."""
+
+    def imported_info(self, share: RankShare[Any, Any, Any, Any, Any]) -> dict[str, Any] | None:
+        info = super().imported_info(share)
+        if info is not None and self.config.rank == 1:
+            info["size"] *= 2
+        return info
+
+
+def test_an_incompatible_part_aborts_the_group(transport: HostTransport, prefill_factory: Any) -> None:
+    ex = make_exporter(2, transport)
+    p = prefill_factory(2, worker_class=LyingWorker)
+    with pytest.raises(GroupFailed) as info:
+        p.coordinator.import_group([ex.descriptor(r) for r in range(2)])
+    assert (info.value.event, info.value.rank) == ("part_imported", 1)
+    assert _wait(lambda: _leases(ex) == 0)
+
+
+def test_a_silent_coordinator_is_left_within_the_silence_bound(transport: HostTransport,
+                                                               prefill_factory: Any) -> None:
+    """A coordinator that is alive but silent (hung): each worker cleans up alone within
+    ``silence_s`` (after ready: drain, then close), and the exporter's leases end."""
+    ex = make_exporter(2, transport)
+    p = prefill_factory(2)
+    group = p.coordinator.import_group([ex.descriptor(r) for r in range(2)])
+    p.coordinator._stopping.set()  # no more ticks, no more reading: hung, not dead
+    start = time.monotonic()
+    assert _wait(lambda: all(w.share(group.gid).state == "closed" for w in p.workers), 5.0)  # type: ignore[union-attr]
+    took = time.monotonic() - start
+    assert took < p.workers[0].silence_s + 1.0
+    assert _wait(lambda: _leases(ex) == 0)
+    assert all(w.coordinator_gone for w in p.workers)
+
+
+# -- the coordinator's side of the protocol, spoken by hand --------------------------------
+
+
+def _raw_worker(path: Path, rank: int, tp: int) -> tuple[chan.Channel, msgs.Message]:
+    ch = chan.connect(path, timeout=5.0)
+    ch.send(msgs.encode(msgs.Hello(rank, tp, os.getpid())), timeout=5.0)
+    with ch.recv(timeout=5.0) as m:
+        return ch, msgs.decode(m.payload)
+
+
+@pytest.mark.parametrize("rank, tp, code", [(0, 2, "duplicate_rank"), (2, 2, "rank_range"), (0, 3, "tp_mismatch")])
+def test_hello_is_refused_with_a_code(rank: int, tp: int, code: str, prefill_factory: Any) -> None:
+    p = prefill_factory(2)
+    ch, answer = _raw_worker(p.coordinator.socket_path, rank, tp)
+    try:
+        assert isinstance(answer, msgs.Refused) and answer.code == code
+    finally:
+        ch.close()
+    w = RankWorker(WorkerConfig(DEPLOYMENT, 0, 2, p.coordinator.socket_path), HostTransport(granularity=64 * 1024))
+    with pytest.raises(CoordinatorRefused) as info:
+        w.start()
+    assert info.value.code == "duplicate_rank"
+
+
+def test_a_repeated_report_counts_once(transport: HostTransport, prefill_factory: Any) -> None:
+    """INV-COORD-READY-COMPLETE in Python: rank 0 reporting imported twice never stands in
+    for rank 1 (the planted counting coordinator of tests/planted would be ready here)."""
+    ex = make_exporter(2, transport)
+    p = prefill_factory(2, start_workers=False)
+    links = [_raw_worker(p.coordinator.socket_path, r, 2)[0] for r in range(2)]
+    try:
+        p.coordinator.wait_for_workers(5.0)
+        group = p.coordinator.start_group([ex.descriptor(r) for r in range(2)])
+        for r, ch in enumerate(links):
+            ch.send(msgs.encode(msgs.Report(group.gid, r, "validated")), timeout=5.0)
+        assert group.wait(("importing",), 5.0)
+        d = group.validated.parts[0]  # type: ignore[union-attr]
+        info = {"fingerprint": d.geometry.fingerprint(), "tp": 2, "generation": d.generation, "size": d.size,
+                "leases": 1, "import_s": 0.001}
+        for _ in range(2):
+            links[0].send(msgs.encode(msgs.Report(group.gid, 0, "imported", info=info)), timeout=5.0)
+        assert _wait(lambda: len(group.history) >= 6)  # checking x3, importing, two reports
+        time.sleep(0.05)
+        assert group.state == "importing" and group.reports["imported"] == {0}
+    finally:
+        for ch in links:
+            ch.close()
+    assert _wait(lambda: group.is_terminal) and group.state == "failed"  # both workers gone
+
+
+def test_a_report_for_another_rank_closes_the_connection(transport: HostTransport, prefill_factory: Any) -> None:
+    ex = make_exporter(2, transport)
+    p = prefill_factory(2, start_workers=False)
+    links = [_raw_worker(p.coordinator.socket_path, r, 2)[0] for r in range(2)]
+    try:
+        p.coordinator.wait_for_workers(5.0)
+        group = p.coordinator.start_group([ex.descriptor(r) for r in range(2)])
+        links[0].send(msgs.encode(msgs.Report(group.gid, 1, "validated")), timeout=5.0)
+        assert _wait(lambda: group.state == "failed")
+        assert group.failure is not None and group.failure.event == "worker_died" and group.failure.rank == 0
+    finally:
+        for ch in links:
+            ch.close()
+
+
+def test_an_undeclared_command_is_the_coordinators_fault_and_the_worker_cleans_up(
+        transport: HostTransport) -> None:
+    """A coordinator that says ``ready`` to a share that is only validated breaks the rank
+    table: the worker leaves it and ends the share alone, having opened nothing."""
+    server = chan.Server(chan.make_socket_dir(_dir()) / "fake.sock")
+    w = RankWorker(WorkerConfig(DEPLOYMENT, 0, 2, server.path), CountingTransport(granularity=64 * 1024))
+    ex = make_exporter(2, transport)
+    try:
+        from threading import Thread
+        t = Thread(target=w.start)
+        t.start()
+        ch = server.accept(5.0)
+        with ch.recv(5.0) as m:
+            assert isinstance(msgs.decode(m.payload), msgs.Hello)
+        ch.send(msgs.encode(msgs.Welcome(2, 0.05, 1.0)), timeout=5.0)
+        t.join(5.0)
+        ch.send(msgs.encode(msgs.Command("check", "g1", descriptor=ex.descriptor(0))), timeout=5.0)
+        with ch.recv(5.0) as m:
+            assert msgs.decode(m.payload) == msgs.Report("g1", 0, "validated")
+        ch.send(msgs.encode(msgs.Command("ready", "g1")), timeout=5.0)
+        assert _wait(lambda: w.coordinator_gone and w.share("g1").state == "failed")  # type: ignore[union-attr]
+        assert w.transport.opens == 0  # type: ignore[attr-defined]
+        ch.close()
+    finally:
+        w.close()
+        server.close()
+
+
+# -- messages ------------------------------------------------------------------------------
+
+
+def test_protocol_names_are_the_tables() -> None:
+    msgs.check_against_tables()
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8)
+                     | st.binary(max_size=8), lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=8)
+_fields = st.sampled_from(["kind", "rank", "tp", "pid", "version", "cmd", "group", "state", "descriptor", "blocks",
+                           "why", "detail", "reasons", "info", "code", "heartbeat_s", "silence_s"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(body=st.dictionaries(_fields, _json, max_size=7),
+       kind=st.sampled_from(["hello", "welcome", "refused", "tick", "command", "report", "other"]))
+def test_a_peers_message_decodes_or_is_refused_with_a_typed_error(body: dict[str, Any], kind: str) -> None:
+    body = {**body, "kind": kind}
+    try:
+        data = chan.encode(body)
+    except FrameError:
+        return
+    try:
+        message = msgs.decode(data)
+    except (ProtocolError, FrameError):
+        return
+    assert msgs.decode(msgs.encode(message)) == message  # what decodes, re-encodes the same
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=64))
+def test_arbitrary_bytes_are_refused_with_a_typed_error(data: bytes) -> None:
+    try:
+        msgs.decode(data)
+    except KvStateError:
+        pass
+
+
+_ints = st.integers(-(2**40), 2**40)
+_messages = st.one_of(
+    st.builds(msgs.Hello, _ints, _ints, _ints, _ints),
+    st.builds(msgs.Welcome, _ints, st.floats(0, 1e6), st.floats(0, 1e6)),
+    st.builds(msgs.Refused, st.text(max_size=10), st.text(max_size=10)),
+    st.just(msgs.Tick()),
+    st.builds(msgs.Command, st.sampled_from(msgs.COMMANDS), st.text(max_size=10), st.none() | st.binary(max_size=20),
+              st.none() | st.just({"group": "g", "epochs": [1], "hashes": [2]}), st.text(max_size=10)),
+    st.builds(msgs.Report, st.text(max_size=10), _ints, st.sampled_from(msgs.REPORTS), st.text(max_size=10),
+              st.lists(st.text(max_size=5), max_size=3).map(tuple),
+              st.none() | st.just({"fingerprint": b"f", "tp": 2, "generation": 1, "size": 4096, "leases": 1,
+                                   "import_s": 0.5})))
+
+
+@settings(max_examples=100, deadline=None)
+@given(_messages)
+def test_every_message_round_trips(message: msgs.Message) -> None:
+    assert msgs.decode(msgs.encode(message)) == message
