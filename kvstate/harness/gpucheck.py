@@ -12,10 +12,13 @@ It checks, printing one JSON summary on stdout (progress on stderr):
    must refuse (no release) until this side closed;
 4. a gather (blocks of a mapped bank into device memory) and a scatter (device memory
    into blocks of a bank), checked bit for bit;
-5. a kill during a copy: a child imports the exporter's bank and loads in a loop, is
-   SIGKILLed mid-copy, and the exporter must still drain to quiescent and release;
+5. a kill during a copy: a child imports the exporter's bank, loads, keeps copies of it
+   queued on the device and is SIGKILLed while some are unfinished (it says how many just
+   before); the exporter must still drain to quiescent and release;
 6. figures: group import time, and the bandwidth of a gather and of one contiguous op
-   against a plain ``cudaMemcpy`` of the same bytes (``kvs_cuda_memcpy``).
+   against a plain ``cudaMemcpy`` of the same bytes (``kvs_cuda_memcpy``);
+7. its own wall time, each check's and the whole run's: the run passes only within
+   ``--budget-s`` (five minutes by default), so every run checks that claim.
 
 It needs a CUDA driver and device; the same run goes through the CPU shim driver with
 ``KVSTATE_LIBCUDA=tests/cudashim/_build/libcudashim.so`` (a test does, to exercise its
@@ -35,10 +38,11 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstate.core.capabilities import Access
 from kvstate.core.errors import BackendUnavailable, KvStateError
@@ -46,11 +50,16 @@ from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.core.handles import HandleKind
 from kvstate.core.identity import Deployment
 
+if TYPE_CHECKING:
+    from kvstate.transport.native import Op
+
 DEPLOYMENT = Deployment("kvstate-gpu-check", bytes(range(32)))
 #: A Llama-8B-like rank: 32 layers, 8 KV heads of 128, 16-token blocks, bf16.
 GEOMETRY = Geometry.uniform(layers=32, kv_heads=8, head_dim=128, block_tokens=16, dtype=DType.BF16,
                             layout=Layout.LAYER_MAJOR, num_blocks=64)
 TIMEOUT_S = 60.0
+#: The whole run, discovery to summary, must take less than this (``--budget-s``).
+BUDGET_S = 300.0
 #: Slows the shim's copies in the killed child so that the kill lands during one; the
 #: real driver never reads it.
 SHIM_DELAY_ENV = "KVSTATE_CUDASHIM_DELAY_US"
@@ -260,6 +269,11 @@ def gather_scatter(device: bytes, mib: int, block_kib: int, repeats: int) -> dic
 # -- 5: a kill during a copy ------------------------------------------------------------------
 
 
+#: Whole-bank copies the killed child keeps queued, so that the device is busy with its
+#: ops when the kill lands (a GPU copies the bank far faster than Python submits one op).
+IN_FLIGHT = 16
+
+
 def _loader(device: bytes, wire: bytes, delay_us: int, conn: Connection) -> None:
     os.environ[SHIM_DELAY_ENV] = str(delay_us)  # before the driver loads
     from kvstate.share.importer import ImportConfig, Importer
@@ -268,17 +282,26 @@ def _loader(device: bytes, wire: bytes, delay_us: int, conn: Connection) -> None
     t = CudaTransport(device)
     importer = Importer(ImportConfig(DEPLOYMENT), t)
     group = importer.import_group([wire])
-    blocks = list(range(GEOMETRY.num_blocks))
     dst = t.alloc_buffer(GEOMETRY.nbytes)
+    group.load_prefix([0], [dst], timeout=TIMEOUT_S)  # the data path, once (one block: the shim's delay)
+    src = group.parts[0].mapped()
     conn.send("loading")
-    while True:  # until killed
-        group.load_prefix(blocks, [dst], timeout=TIMEOUT_S)
+    ops: deque[Op] = deque()
+    while True:  # until killed: copies of the imported bank queued on the device
+        while len(ops) < IN_FLIGHT:
+            ops.append(t.submit_copy(src, dst, GEOMETRY.nbytes))
+        if conn.poll():  # the parent kills right after this answer: how many the device still has
+            conn.recv()
+            conn.send(sum(not op.poll() for op in ops))
+        if ops[0].wait(0.002):
+            ops.popleft().result(0)
 
 
 def kill_during_copy(device: bytes, delay_us: int) -> dict[str, Any]:
-    """The exporter here; a child imports and loads in a loop and is SIGKILLed mid-copy.
-    The exporter must see the death, drain to quiescent and release; the device must still
-    work afterwards."""
+    """The exporter here; a child imports, loads once, then keeps copies of the imported
+    bank queued on the device, and is SIGKILLed right after it reported how many are still
+    unfinished (so the kill lands during a copy). The exporter must see the death, drain
+    to quiescent and release; the device must still work afterwards."""
     from kvstate.share.exporter import ExportConfig, Exporter
     from kvstate.transport.cuda import CudaTransport
 
@@ -293,7 +316,9 @@ def kill_during_copy(device: bytes, delay_us: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
         out["child_loading"] = _wait(conn, "loading report") == "loading"
-        time.sleep(0.2)  # loads in flight
+        time.sleep(0.2)  # copies in flight
+        conn.send("report")
+        out["child_ops_unfinished_at_kill"] = _wait(conn, "in-flight report")
         os.kill(proc.pid, signal.SIGKILL)
         out["child_exit"] = _reap(proc)
         out["exporter_drain_s"] = ex.drain(TIMEOUT_S)
@@ -305,7 +330,8 @@ def kill_during_copy(device: bytes, delay_us: int) -> dict[str, Any]:
     out["device_usable"] = t.read(buf, 1 << 16) == pattern(1 << 16, 5)
     t.free_buffer(buf)
     t.close()
-    out["ok"] = bool(out["child_loading"] and out["child_exit"] == -signal.SIGKILL and out["bank_state"] == "released"
+    out["ok"] = bool(out["child_loading"] and out["child_ops_unfinished_at_kill"] > 0
+                     and out["child_exit"] == -signal.SIGKILL and out["bank_state"] == "released"
                      and out["device_usable"])
     return out
 
@@ -314,9 +340,10 @@ def kill_during_copy(device: bytes, delay_us: int) -> dict[str, Any]:
 
 
 def run(device: bytes | None, *, rounds: int, repeats: int, mib: int, block_kib: int,
-        kill_delay_us: int) -> dict[str, Any]:
+        kill_delay_us: int, budget_s: float = BUDGET_S) -> dict[str, Any]:
     from kvstate.transport.cuda import CudaTransport, devices, driver_info, rules
 
+    started = time.perf_counter()
     drv = driver_info()
     seen = devices()
     if not seen:
@@ -344,10 +371,12 @@ def run(device: bytes | None, *, rounds: int, repeats: int, mib: int, block_kib:
     ]
     for key, what, check in plan:
         _say(what)
+        begun = time.perf_counter()
         try:
             checks[key] = check()
-        except (KvStateError, OSError, TimeoutError) as exc:  # reported; the other checks still run
+        except (KvStateError, OSError, TimeoutError, EOFError) as exc:  # reported; the other checks still run
             checks[key] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        checks[key]["elapsed_s"] = time.perf_counter() - begun
     report["checks"] = checks
     gs, vmm, ipc = checks["gather_scatter"], checks["vmm_two_process"], checks["legacy_ipc_two_process"]
     report["figures"] = {
@@ -356,7 +385,9 @@ def run(device: bytes | None, *, rounds: int, repeats: int, mib: int, block_kib:
         "memcpy_GBps": gs.get("memcpy_GBps"), "gather_vs_memcpy": gs.get("gather_vs_memcpy"),
         "op_copy_vs_memcpy": gs.get("op_copy_vs_memcpy"),
     }
-    report["ok"] = all(c["ok"] for c in checks.values())
+    elapsed = time.perf_counter() - started
+    report.update(elapsed_s=elapsed, budget_s=budget_s, within_budget=elapsed < budget_s)
+    report["ok"] = all(c["ok"] for c in checks.values()) and report["within_budget"]
     return report
 
 
@@ -368,6 +399,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-kib", type=int, default=256, help="block size of the gather and scatter")
     p.add_argument("--kill-delay-us", type=int, default=0,
                    help="slow each copy of the killed child by this much (the CPU shim only)")
+    p.add_argument("--budget-s", type=float, default=BUDGET_S, help="the run fails when it takes longer than this")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -380,10 +412,13 @@ def run_args(args: argparse.Namespace) -> int:
     from kvstate.transport.cuda.rules import parse_uuid
 
     try:
-        if min(args.rounds, args.repeats, args.mib, args.block_kib) < 1 or args.kill_delay_us < 0:
-            raise KvStateError("--rounds, --repeats, --mib and --block-kib must be at least 1")
+        if min(args.rounds, args.repeats, args.mib, args.block_kib) < 1 or args.kill_delay_us < 0 \
+                or not args.budget_s > 0:
+            raise KvStateError("--rounds, --repeats, --mib and --block-kib must be at least 1, --budget-s positive "
+                               "and --kill-delay-us not negative")
         report = run(parse_uuid(args.device) if args.device else None, rounds=args.rounds, repeats=args.repeats,
-                     mib=args.mib, block_kib=args.block_kib, kill_delay_us=args.kill_delay_us)
+                     mib=args.mib, block_kib=args.block_kib, kill_delay_us=args.kill_delay_us,
+                     budget_s=args.budget_s)
     except BackendUnavailable as exc:
         print(json.dumps({"ok": False, "not_run": exc.why}))
         print(f"GPU CHECK NOT RUN: {exc}", file=sys.stderr)

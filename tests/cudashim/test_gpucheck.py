@@ -24,8 +24,8 @@ def shim_env(**extra: str) -> dict[str, str]:
     return {**env, "KVSTATE_LIBCUDA": str(path), **extra}
 
 
-def gpucheck(**env: str) -> tuple[int, dict[str, object]]:
-    out = subprocess.run([sys.executable, "-m", "kvstate", "gpucheck", *SMALL], capture_output=True, text=True,
+def gpucheck(*args: str, **env: str) -> tuple[int, dict[str, object]]:
+    out = subprocess.run([sys.executable, "-m", "kvstate", "gpucheck", *SMALL, *args], capture_output=True, text=True,
                          timeout=240, env=shim_env(**env), cwd=ROOT)
     return out.returncode, json.loads(out.stdout)
 
@@ -40,6 +40,9 @@ def test_gpucheck_runs_end_to_end_on_the_shim() -> None:
     assert all(c["ok"] for c in checks.values())
     assert checks["legacy_ipc_two_process"]["exporter_refused_while_open"]["refused"] is True
     assert checks["kill_during_copy"]["child_exit"] == -9
+    assert checks["kill_during_copy"]["child_ops_unfinished_at_kill"] > 0, "the kill landed during copies"
+    assert all(c["elapsed_s"] > 0 for c in checks.values())
+    assert report["within_budget"] is True and 0 < report["elapsed_s"] < report["budget_s"] == 300
     figures = report["figures"]
     assert isinstance(figures, dict) and all(isinstance(v, float) and v > 0 for v in figures.values()), figures
     assert report["device_name"] == "kvstate CUDA shim 0" and report["batched_copy"] is True
@@ -52,6 +55,15 @@ def test_gpucheck_fails_when_the_device_faults() -> None:
     assert code == 1 and report["ok"] is False, report
     checks = report["checks"]
     assert isinstance(checks, dict) and not all(c["ok"] for c in checks.values())
+
+
+@pytest.mark.slow
+def test_gpucheck_fails_over_its_time_budget() -> None:
+    """Every check passes, but the run took longer than --budget-s: the run fails."""
+    code, report = gpucheck("--budget-s", "0.01")
+    assert code == 1 and report["ok"] is False and report["within_budget"] is False, report
+    checks = report["checks"]
+    assert isinstance(checks, dict) and all(c["ok"] for c in checks.values())
 
 
 @pytest.mark.slow
