@@ -23,6 +23,7 @@ from kvstate.core import errors
 from kvstate.core.capabilities import Access
 from kvstate.core.handles import HandleKind
 from kvstate.transport.cuda import CudaTransport
+from kvstate.transport.host import HostTransport
 from kvstate.transport.native import Native, default
 from kvstate.transport.optable import OPS
 
@@ -55,6 +56,51 @@ def test_a_cuda_op_follows_the_generated_table(cuda: CudaTransport, shim: Shim) 
     assert (after.completed - before.completed, after.ops_live, after.ops_running) == (1, before.ops_live, 0)
     cuda.free_buffer(buf)
     unmapped(cuda, m)
+
+
+def test_host_and_cuda_ops_live_in_one_engine_table(cuda: CudaTransport, shim: Shim) -> None:
+    """One engine for both: a host op (queued: the worker pool is paused) and a CUDA op
+    (running: the stalled shim holds its stream) in flight together, with distinct ids of
+    one sequence, one set of counters, one kvs_wait and kvs_reap; each steps through the
+    same generated table (cancel applies to the queued host op, not the running CUDA op)."""
+    host = HostTransport()
+    nat = default()
+    assert host.native is nat and cuda.native is nat
+    g = host.granularity()
+    hm = host.map(host.reserve(g), 0, host.create(g))
+    host.set_access(hm, Access.READ_WRITE)
+    m = mapped(cuda)
+    buf = cuda.alloc_buffer(4096)
+    before = nat.stats()
+    nat.pause(True)
+    shim.stall(True)
+    try:
+        h_op = host.submit_gather(hm, hm, [(0, 8192, 4096)])
+        c_op = cuda.submit_copy(m, buf, 4096)
+        assert h_op.id != c_op.id
+        mid = nat.stats()
+        assert (mid.ops_live - before.ops_live, mid.ops_queued - before.ops_queued,
+                mid.ops_running - before.ops_running, mid.submitted - before.submitted) == (2, 1, 1, 2)
+        assert (h_op.info().state, c_op.info().state) == ("queued", "running")
+        assert OPS.may("queued", "cancel") and not OPS.may("running", "cancel")
+        h_op.cancel()
+        with pytest.raises(errors.IllegalTransition) as info:
+            c_op.cancel()
+        assert (info.value.machine, info.value.state) == ("op", "running")
+        assert h_op.poll() and not c_op.poll()
+    finally:
+        shim.stall(False)
+        nat.pause(False)
+    assert c_op.wait(5.0)
+    assert (h_op.reap().state, c_op.reap().state) == ("cancelled", "done")
+    after = nat.stats()
+    assert (after.ops_live, after.submitted - before.submitted, after.cancelled - before.cancelled,
+            after.completed - before.completed) == (before.ops_live, 2, 1, 1)
+    cuda.free_buffer(buf)
+    unmapped(cuda, m)
+    host.unmap(hm)
+    host.free(hm.reservation)
+    host.release(hm.allocation)
 
 
 def test_no_unmap_release_or_lower_access_before_the_streams_event(cuda: CudaTransport, shim: Shim) -> None:
