@@ -19,6 +19,7 @@ from kvstate import channel as chan
 from kvstate.reuse import profile
 from kvstate.core.descriptor import MAX_DESCRIPTOR_BYTES, decode, encode
 from kvstate.core.errors import (
+    KvStateError,
     CapabilitiesInvalid,
     ChannelClosed,
     ChannelTimeout,
@@ -143,7 +144,7 @@ def _lease_or_none(ch: chan.Channel, ex: Exporter) -> bool:
 
 
 def test_server_rejects_a_zero_connection_cap() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(KvStateError):  # typed, with a reason (issue 14, class 1)
         chan.Server(private_dir() / "x.sock", max_connections=0)
 
 
@@ -169,9 +170,9 @@ def test_channel_payload_and_fd_caps() -> None:
         big_end.send(b"ok")  # the channel still works after refusals
         with small_end.recv(timeout=1.0) as msg:
             assert msg.payload == b"ok"
-    with pytest.raises(ValueError):
+    with pytest.raises(KvStateError):  # typed, with a reason (issue 14, class 1)
         chan.Limits(max_payload=chan.HARD_MAX_PAYLOAD + 1)
-    with pytest.raises(ValueError):
+    with pytest.raises(KvStateError):  # typed, with a reason (issue 14, class 1)
         chan.Limits(max_fds=chan.HARD_MAX_FDS + 1)
 
 
@@ -182,7 +183,7 @@ def test_every_channel_wait_has_a_timeout() -> None:
         with pytest.raises(ChannelTimeout):
             ch.recv(timeout=0.05)
         assert time.monotonic() - start < 1.0
-        with pytest.raises(ValueError):
+        with pytest.raises(KvStateError):  # typed, with a reason (issue 14, class 1)
             ch.recv(timeout=float("inf"))
     b.close()
 

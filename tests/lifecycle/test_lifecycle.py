@@ -127,12 +127,12 @@ def test_peer_death_after_ready_drains_group(transport: HostTransport, importer:
     deadline = time.monotonic() + 3
     while group.state == "ready" and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert group.state == "draining"
+    # Drained; and, its leases unrenewable, the group lets go of the banks on its own
+    # once nothing pins them (issue 14, class 7), so it may be closed already.
+    assert group.state in ("draining", "quiescent", "closed")
     dst = buffers(2, 1)
     with pytest.raises(IllegalTransition):  # INV-DRAIN-NO-NEW: no load after peer death
         group.load_prefix([0], dst)
-    # Mappings of a dead exporter stay readable until unmapped.
-    assert bytes(transport.view(group.parts[1].mapping)[:64]) == expected_blocks(1, [0])[:64]
     group.drain()
     assert group.state == "closed"
     ex.stop()
