@@ -119,14 +119,17 @@ class DecodeRank:
     def finished(self, finished_req_ids: set[str]) -> set[str]:
         """Requests whose stores all finished on this rank and that vLLM has named finished
         (it counts a request done once every rank reported it)."""
+        # done() may run a store's callback (_stored takes the lock): poll outside the lock.
         with self._lock:
+            polled = list(self._handles)
+        ended = [h for h in polled if h.done()]
+        with self._lock:
+            self._handles = [h for h in self._handles if h not in ended]
             self._announced |= finished_req_ids
             out = self._done & self._announced
             self._done -= out
             self._announced -= out
-            handles = [h for h in self._handles if h.done()]
-            self._handles = [h for h in self._handles if not h.done()]
-        for h in handles:
+        for h in ended:
             h.close()
         return out
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import Iterator, Sequence
 
 import attrs
@@ -50,6 +51,8 @@ from kvstate.share.importer import BlockRequest
 
 log = logging.getLogger(__name__)
 
+#: how long a failed load's reason may take to reach the coordinator before it counts as load_failed
+REASON_WAIT_S = 2.0
 _LEASE_CODE = re.compile(r"lease refused \((\w+)\)")
 
 
@@ -111,6 +114,7 @@ class SchedulerSide:
         self._active: dict[str, _Active] = {}     # req id -> its load
         self._groups: list[_Group] = []
         self._counted: set[str] = set()           # requests whose miss was counted
+        self._unexplained: list[tuple[str, _Group, float]] = []   # failed loads, reason not yet known
         dep = cfg.deployment
         if cfg.producer:
             table = SlotTable(bank_blocks(compat, cfg.retain_bytes), compat.tp, lambda h, s: block_key(dep, h, s))
@@ -281,12 +285,25 @@ class SchedulerSide:
             g = a.group
             g.users -= 1
             if a.failed:
-                why = failure_reason(g.group) if g.group.failure is not None or g.group.rejections else "load_failed"
-                self.tally.reason("rejections", why)
                 self.clients[g.source].drop_descriptors()
-                log.warning("kvstate: load of %s from %r failed (%s): its blocks are recomputed", req_id, g.source, why)
+                # A worker may report its failure before the coordinator recorded why: the
+                # reason is counted once known (or as load_failed after REASON_WAIT_S).
+                self._unexplained.append((req_id, g, time.monotonic() + REASON_WAIT_S))
             if g.users == 0:
                 self._drain(g)
+        self._explain()
+
+    def _explain(self) -> None:
+        now, left = time.monotonic(), []
+        for req_id, g, deadline in self._unexplained:
+            known = g.group.failure is not None or bool(g.group.rejections)
+            if not known and now < deadline:
+                left.append((req_id, g, deadline))
+                continue
+            why = failure_reason(g.group) if known else "load_failed"
+            self.tally.reason("rejections", why)
+            log.warning("kvstate: load of %s from %r failed (%s): its blocks are recomputed", req_id, g.source, why)
+        self._unexplained = left
 
     def _drain(self, g: _Group) -> None:
         with g.group.locked():
