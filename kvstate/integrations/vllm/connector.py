@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import attrs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -48,7 +48,7 @@ class KvStateMetadata(KVConnectorMetadata):
     orders: StepOrders
 
 
-def _guarded(default: Callable[[], T]) -> Callable[[Callable[..., T]], Callable[..., T]]:
+def _guarded(default: Callable[[], object]) -> Callable[[Callable[..., T]], Callable[..., T]]:
     """Never raise into the engine from a step hook: log, and return ``default()``."""
     def wrap(fn: Callable[..., T]) -> Callable[..., T]:
         @functools.wraps(fn)
@@ -57,7 +57,7 @@ def _guarded(default: Callable[[], T]) -> Callable[[Callable[..., T]], Callable[
                 return fn(*args, **kwargs)
             except Exception:
                 log.exception("kvstate connector: %s failed", fn.__name__)
-                return default()
+                return cast(T, default())  # the hook's "nothing happened" answer
         return run
     return wrap
 

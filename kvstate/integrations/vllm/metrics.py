@@ -26,7 +26,8 @@ class KvStateStats(KVConnectorStats):
     """kvstate's counters for one interval (``data``: see :mod:`.stats`)."""
 
     def reset(self) -> None:
-        self.data = {}
+        empty: dict[str, Any] = {}
+        self.data = empty
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         if isinstance(other, KvStateStats):

@@ -87,7 +87,7 @@ def failure_reason(group: CoordinatedGroup) -> str:
     """Why a coordinated group ended without loading: the first worker rejection's reason,
     the exporter's lease refusal code (``stale_incarnation``...), or the coordinator event."""
     if group.rejections:
-        return group.rejections[0].reason.value
+        return str(group.rejections[0].reason.value)
     failure = group.failure
     if failure is None:
         return group.state
@@ -114,6 +114,7 @@ class SchedulerSide:
         self._active: dict[str, _Active] = {}     # req id -> its load
         self._groups: list[_Group] = []
         self._counted: set[str] = set()           # requests whose miss was counted
+        self._failed: set[str] = set()            # requests whose load failed: computed from then on
         self._unexplained: list[tuple[str, _Group, float]] = []   # failed loads, reason not yet known
         dep = cfg.deployment
         if cfg.producer:
@@ -173,6 +174,8 @@ class SchedulerSide:
         settings, bs = self.cfg.policy, self.compat.block_size
         if not settings.enable_decode_to_prefill_reuse:
             return self._miss(req_id, DecisionReason.REUSE_DISABLED.value)
+        if req_id in self._failed:
+            return self._miss(req_id, "after_failed_load")  # vLLM asks again after a failure: compute
         local, most = local_tokens // bs, (num_tokens - 1) // bs  # vLLM computes the last token itself
         if most <= local:
             return self._miss(req_id, "nothing_beyond_local")
@@ -220,9 +223,9 @@ class SchedulerSide:
                 return "tp_mismatch"
             validate_group(decoded, self.coordinator.expectation())
         except DescriptorRejected as exc:
-            return exc.reason.value
+            return str(exc.reason.value)
         except GroupRejected as exc:
-            return exc.problems[0].reason.value if exc.problems else "rejected"
+            return str(exc.problems[0].reason.value) if exc.problems else "rejected"
         return None
 
     def allocated(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
@@ -259,6 +262,7 @@ class SchedulerSide:
 
     def _refused(self, req_id: str, m: _Match, dst: tuple[int, ...], why: str) -> None:
         self.clients[m.source].drop_descriptors()
+        self._failed.add(req_id)
         self.tally.reason("rejections", why)
         log.warning("kvstate: load of %s from %r refused (%s): recomputing", req_id, m.source, why)
         self._loads.append(LoadOrder(req_id, None, m.slots, dst, why))
@@ -275,8 +279,8 @@ class SchedulerSide:
         """What vLLM aggregated from the workers this step: loads every rank finished, and
         pages some rank failed to load (possibly in an earlier step than the finish)."""
         if invalid_pages:
-            for a in self._active.values():
-                a.failed = a.failed or not a.pages.isdisjoint(invalid_pages)
+            for active in self._active.values():
+                active.failed = active.failed or not active.pages.isdisjoint(invalid_pages)
         for req_id in finished:
             self._counted.discard(req_id)
             a = self._active.pop(req_id, None)
@@ -285,6 +289,7 @@ class SchedulerSide:
             g = a.group
             g.users -= 1
             if a.failed:
+                self._failed.add(req_id)
                 self.clients[g.source].drop_descriptors()
                 # A worker may report its failure before the coordinator recorded why: the
                 # reason is counted once known (or as load_failed after REASON_WAIT_S).
@@ -302,7 +307,9 @@ class SchedulerSide:
                 continue
             why = failure_reason(g.group) if known else "load_failed"
             self.tally.reason("rejections", why)
-            log.warning("kvstate: load of %s from %r failed (%s): its blocks are recomputed", req_id, g.source, why)
+            detail = g.group.failure.detail if g.group.failure is not None else ""
+            log.warning("kvstate: load of %s from %r failed (%s%s): its blocks are recomputed", req_id, g.source, why,
+                        f": {detail}" if detail else "")
         self._unexplained = left
 
     def _drain(self, g: _Group) -> None:
@@ -314,6 +321,7 @@ class SchedulerSide:
     def request_done(self, req_id: str) -> None:
         """vLLM finished the request (its load, if any, still reports through worker_output)."""
         self._matches.pop(req_id, None)
+        self._failed.discard(req_id)
         if req_id not in self._active:
             self._counted.discard(req_id)
 
