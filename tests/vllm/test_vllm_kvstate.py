@@ -67,7 +67,7 @@ def pair(model_dir: Path, memory: MemorySampler, tmp_path_factory: pytest.TempPa
 
 def test_reuse_gives_a_plain_engines_tokens_and_computes_only_the_rest(pair: Pair, plain_pair: Run) -> None:
     batch = prompts()
-    pair.produced["a"] = pair.decode.generate(batch, MAX_TOKENS)
+    pair.produced["a"] = kit.produce(pair.decode, batch, MAX_TOKENS)
     got = pair.fresh(pair.prefill, batch)
     assert got.tokens == plain_pair.generations["a"].tokens
     assert got.finish_reasons == ["length"] * len(batch)
@@ -107,7 +107,7 @@ def test_a_partly_shared_prefix_loads_only_the_shared_blocks(pair: Pair) -> None
 def test_a_corrupted_bank_changes_the_tokens(pair: Pair) -> None:
     """The negative control: the loaded bytes are what the prefill engine computes with."""
     batch = prompts((100, 75, 140), seed=3)
-    reference = pair.decode.generate(batch, MAX_TOKENS)
+    reference = kit.produce(pair.decode, batch, MAX_TOKENS)
     assert kit.corrupt_banks(pair.decode) > 0
     got = pair.fresh(pair.prefill, batch)
     assert evidence.reuse(got).external_problems(loadable((100, 75, 140))) == []
@@ -128,7 +128,7 @@ def _no_bank_left(engine: Engine, timeout: float = 20.0) -> list[str]:
 
 def test_decode_killed_before_the_load_then_restarted(pair: Pair) -> None:
     batch = prompts((100, 140), seed=4)
-    reference = pair.decode.generate(batch, MAX_TOKENS)
+    reference = kit.produce(pair.decode, batch, MAX_TOKENS)
     pair.decode.kill()
     got = pair.fresh(pair.prefill, batch)              # the source is gone: computed
     assert got.tokens == reference.tokens
@@ -140,7 +140,7 @@ def test_decode_killed_before_the_load_then_restarted(pair: Pair) -> None:
     # A new incarnation at the same source name and socket paths.
     pair.decode = start_all([pair.box.make("decode-2", kit.spec(pair.model, "kv_both", pair.sockets))])[0]
     batch = prompts((100, 140), seed=5)
-    reference = pair.decode.generate(batch, MAX_TOKENS)
+    reference = kit.produce(pair.decode, batch, MAX_TOKENS)
     stale = pair.fresh(pair.prefill, batch)           # with the descriptors of the dead incarnation
     assert stale.tokens == reference.tokens
     c = kit.counters(stale)
@@ -159,7 +159,7 @@ def test_decode_killed_before_the_load_then_restarted(pair: Pair) -> None:
 
 def test_decode_killed_during_the_load(pair: Pair) -> None:
     batch = prompts((140, 4096), seed=6)
-    reference = pair.decode.generate(batch, MAX_TOKENS)
+    reference = kit.produce(pair.decode, batch, MAX_TOKENS)
     more = prompts((100,), seed=12)
     more_reference = pair.fresh(pair.decode, more)
     assert pair.prefill.reset_prefix_cache()

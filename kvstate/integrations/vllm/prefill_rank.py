@@ -76,8 +76,10 @@ class PrefillRank:
                 worker.start()
             except CoordinatorRefused as exc:
                 log.error("kvstate: the coordinator refused prefill rank %d: %s", self.rank, exc)
+                worker.close(timeout=0.0)
                 return
             except (ChannelError, OSError):
+                worker.close(timeout=0.0)  # its importer's threads, else one set per retry
                 self._stopping.wait(RETRY_S)  # the scheduler side is not up yet
                 continue
             self.worker = worker
@@ -143,6 +145,10 @@ class PrefillRank:
         else:
             self.tally.add("loads_ok")
             self.tally.add("tokens_loaded", len(load.order.dst_blocks) * self.compat.block_size)
+
+    def busy(self) -> bool:
+        """Loads in flight: this rank's threads (imports, leases) have work to do."""
+        return bool(self._loads)
 
     def finished(self) -> tuple[set[str], set[int]]:
         """Loads that ended since the last call, and the pages of those that failed."""

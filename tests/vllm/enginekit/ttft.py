@@ -80,7 +80,7 @@ def measure(workdir: Path, lengths: tuple[int, ...] = LENGTHS, repeats: int = 3,
         for row in rows:
             for r in range(repeats):
                 p = _prompt(row.length, 1000 * row.length + r)
-                decode.generate([p], 16)
+                kvstate_kit.produce(decode, [p], 16)
                 g = _fresh(prefill, p, 1)
                 row.reuse_s.append(g.seconds)
                 row.reused = g.num_cached_tokens[0]
