@@ -96,8 +96,8 @@ def test_a_partly_shared_prefix_loads_only_the_shared_blocks(pair: Pair) -> None
     shared = a[2][:2 * BS + 5]                        # two full blocks of a retained prompt, then a split
     tail = prompts((90,), seed=11)[0]
     batch = [shared + tail]
-    reference = pair.fresh(pair.decode, batch)
     got = pair.fresh(pair.prefill, batch)
+    reference = pair.fresh(pair.decode, batch)        # after: the decode engine then retains all of it
     assert got.tokens == reference.tokens
     assert evidence.reuse(got).external_problems([2 * BS]) == []
     c = kit.counters(got)
@@ -158,7 +158,9 @@ def test_decode_killed_before_the_load_then_restarted(pair: Pair) -> None:
 
 
 def test_decode_killed_during_the_load(pair: Pair) -> None:
-    batch = prompts((140, 4096), seed=6)
+    # Short enough to be computed in one step either way: a 4,096-token prompt recomputed
+    # in other chunks than the decode engine used can flip a near-tie bf16 token (seen).
+    batch = prompts((140, 600), seed=6)
     reference = kit.produce(pair.decode, batch, MAX_TOKENS)
     more = prompts((100,), seed=12)
     more_reference = pair.fresh(pair.decode, more)

@@ -121,14 +121,16 @@ RECOVERED = re.compile(r"Recovered from KV load failure[^\n]*")
 def produce(engine: Engine, batch: list[list[int]], max_tokens: int, timeout: float = 30.0) -> Generation:
     """Generate on a decode engine and wait until its stores of every request finished
     (kvstate's ``stores_ok``): vLLM returns the outputs a step before the stores report,
-    and a prefill engine asking sooner finds nothing yet (a miss, rightly). Then a moment
-    more for the index to learn of them from the ranks."""
+    and a prefill engine asking sooner finds nothing yet (a miss, rightly). The front end
+    takes in the stats of later steps only with its next request, hence the one-token
+    requests (too short to retain anything). Then a moment more for the index to learn
+    of the stores from the ranks."""
     import time
 
     g = engine.generate(batch, max_tokens)
     want = g.metrics_before.get(PREFIX + "stores_ok", 0.0) + len(batch)
     deadline = time.monotonic() + timeout
-    while engine.refresh_metrics().get(PREFIX + "stores_ok", 0.0) < want:
+    while engine.generate([[5, 6, 7]], 1).metrics.get(PREFIX + "stores_ok", 0.0) < want:
         if time.monotonic() > deadline:
             raise AssertionError(f"{engine.name}: stores of {len(batch)} request(s) not reported in {timeout} s")
         time.sleep(0.1)
