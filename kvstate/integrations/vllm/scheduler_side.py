@@ -313,9 +313,10 @@ class SchedulerSide:
         self._unexplained = left
 
     def _drain(self, g: _Group) -> None:
-        with g.group.locked():
-            if g.group.may("drain"):
-                g.group.fire("drain")  # the workers drain and close their parts; nothing waits here
+        group: CoordinatedGroup = g.group
+        with group.locked():
+            if group.may("drain"):
+                group.fire("drain")  # the workers drain and close their parts; nothing waits here
         self._groups = [x for x in self._groups if x is not g]
 
     def request_done(self, req_id: str) -> None:
