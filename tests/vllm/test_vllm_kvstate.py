@@ -76,7 +76,7 @@ def test_reuse_gives_a_plain_engines_tokens_and_computes_only_the_rest(pair: Pai
     c = kit.counters(got)
     assert c.get("hits") == len(batch) and c.get("tokens_matched") == sum(expected), c
     assert c.get("loads_ok") == len(batch) and c.get("tokens_loaded") == sum(expected), c
-    assert c.get("bytes_loaded", 0) > 0 and c.get("load_seconds", 0) > 0, c
+    assert c.get("bytes_loaded", 0) > 0 and c.get("load_ms", 0) > 0, c
     assert not any(k.startswith(("loads_failed", "rejections", "misses")) for k in c), c
     computed = evidence.reuse(got).by_source["local_compute"]
     assert computed == sum(PROMPT_LENGTHS) - sum(expected), computed

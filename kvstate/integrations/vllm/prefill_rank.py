@@ -136,7 +136,7 @@ class PrefillRank:
         if load.handle is not None:
             load.handle.close()
         self._finished.add(req_id)
-        self.tally.add("load_seconds", time.monotonic() - load.started)
+        self.tally.add("load_ms", 1000.0 * (time.monotonic() - load.started))
         if why:
             self._failed_blocks.update(load.order.dst_blocks)
             self.tally.add("loads_failed")

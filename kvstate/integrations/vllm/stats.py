@@ -26,7 +26,8 @@ COUNTERS: Mapping[str, str] = {
     "loads_failed": "prefill: loads that failed on a rank (vLLM recomputes their blocks)",
     "tokens_loaded": "prefill: tokens loaded (per rank)",
     "bytes_loaded": "prefill: KV bytes loaded (per rank)",
-    "load_seconds": "prefill: from the load order to the load finished (per rank, summed)",
+    # milliseconds: vLLM's metric reader (LLM.get_metrics) keeps whole numbers
+    "load_ms": "prefill: milliseconds from the load order to the load finished (per rank, summed)",
     "blocks_retained": "decode: prefix blocks assigned a bank block",
     "stores_ok": "decode: stores that completed on a rank",
     "stores_failed": "decode: stores that failed on a rank",

@@ -124,7 +124,8 @@ def produce(engine: Engine, batch: list[list[int]], max_tokens: int, timeout: fl
     and a prefill engine asking sooner finds nothing yet (a miss, rightly). The front end
     takes in the stats of later steps only with its next request, hence the one-token
     requests (too short to retain anything). Then a moment more for the index to learn
-    of the stores from the ranks."""
+    of the stores from the ranks: their link thread sends that, and vLLM's worker
+    busy-polls (holding the GIL most of the time) for 1 s after its last step."""
     import time
 
     g = engine.generate(batch, max_tokens)
@@ -134,5 +135,5 @@ def produce(engine: Engine, batch: list[list[int]], max_tokens: int, timeout: fl
         if time.monotonic() > deadline:
             raise AssertionError(f"{engine.name}: stores of {len(batch)} request(s) not reported in {timeout} s")
         time.sleep(0.1)
-    time.sleep(0.3)
+    time.sleep(1.5)
     return g

@@ -44,6 +44,7 @@ class Row:
     computed: int = 0                 # prompt tokens the prefill engine computed (last run)
     identical: bool = True            # 16 greedy tokens, reuse vs recompute, every run
     example_reused: int = 0
+    failed_loads: int = 0             # kvstate loads that failed (recomputed), all runs
 
     @staticmethod
     def med(xs: list[float]) -> float | None:
@@ -85,6 +86,7 @@ def measure(workdir: Path, lengths: tuple[int, ...] = LENGTHS, repeats: int = 3,
                 row.reuse_s.append(g.seconds)
                 row.reused = g.num_cached_tokens[0]
                 row.computed = int(evidence.reuse(g).by_source["local_compute"])
+                row.failed_loads += int(kvstate_kit.counters(g).get("loads_failed", 0))
                 row.recompute_s.append(_fresh(off, p, 1).seconds)
                 row.identical &= _fresh(prefill, p, 16).tokens == _fresh(off, p, 16).tokens
             progress(f"  {row.length}: reuse {Row.med(row.reuse_s)}, recompute {Row.med(row.recompute_s)}")
@@ -125,11 +127,11 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 def demo_table(rows: list[Row]) -> str:
     head = ("| prompt tokens | TTFT reuse (ms) | TTFT recompute (ms) | recompute / reuse | computed with reuse "
-            "| reused | tokens identical |\n|---|---|---|---|---|---|---|")
+            "| reused | failed loads | tokens identical |\n|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         lines.append(f"| {r.length} | {_ms(r.med(r.reuse_s))} | {_ms(r.med(r.recompute_s))} "
-                     f"| {_ratio(r.med(r.reuse_s), r.med(r.recompute_s))} | {r.computed} | {r.reused} "
+                     f"| {_ratio(r.med(r.reuse_s), r.med(r.recompute_s))} | {r.computed} | {r.reused} | {r.failed_loads} "
                      f"| {'yes' if r.identical else 'NO'} |")
     return "\n".join(lines)
 
