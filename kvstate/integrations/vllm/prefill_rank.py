@@ -69,7 +69,8 @@ class PrefillRank:
 
     def _connect(self) -> None:
         config = WorkerConfig(self.cfg.deployment, self.rank, self.compat.tp, self.coordinator_path,
-                              request_timeout_s=max(self.cfg.load_timeout_s / 2, 1.0))
+                              request_timeout_s=max(self.cfg.load_timeout_s / 2, 1.0),
+                              reuse=self.cfg.policy)  # the importer enforces the same switches
         while not self._stopping.is_set():
             worker: RankWorker[Any, Any, Any, Any, Any] = RankWorker(config, HostTransport())
             try:
