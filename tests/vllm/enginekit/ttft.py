@@ -89,7 +89,7 @@ def measure(workdir: Path, lengths: tuple[int, ...] = LENGTHS, repeats: int = 3,
                 row.failed_loads += int(kvstate_kit.counters(g).get("loads_failed", 0))
                 row.recompute_s.append(_fresh(off, p, 1).seconds)
                 row.identical &= _fresh(prefill, p, 16).tokens == _fresh(off, p, 16).tokens
-            progress(f"  {row.length}: reuse {Row.med(row.reuse_s)}, recompute {Row.med(row.recompute_s)}")
+            progress(f"  {row.length} tokens: reuse {Row.med(row.reuse_s) * 1e3:.1f} ms, recompute {Row.med(row.recompute_s) * 1e3:.1f} ms")
     finally:
         box.close_all()
         shutil.rmtree(sockets, ignore_errors=True)
@@ -111,7 +111,7 @@ def measure(workdir: Path, lengths: tuple[int, ...] = LENGTHS, repeats: int = 3,
                 g = _fresh(consumer, p, 1)
                 row.example_s.append(g.seconds)
                 row.example_reused = g.num_cached_tokens[0]
-            progress(f"  {row.length}: example {Row.med(row.example_s)}")
+            progress(f"  {row.length} tokens: example {Row.med(row.example_s) * 1e3:.1f} ms")
     finally:
         box.close_all()
     return rows
