@@ -57,7 +57,7 @@ from typing import Any, Literal
 import attrs
 
 from kvstate import channel as chan
-from kvstate.core.descriptor import Descriptor, decode
+from kvstate.core.descriptor import Descriptor, decode_cached
 from kvstate.core.errors import (
     ChannelClosed,
     ChannelError,
@@ -441,7 +441,7 @@ class Coordinator:
         descriptors: list[Descriptor] = []
         for i, data in enumerate(wire):
             try:
-                descriptors.append(decode(data, self.config.deployment))
+                descriptors.append(decode_cached(data, self.config.deployment))
             except DescriptorRejected as exc:
                 exc.rank = i if exc.rank is None else exc.rank
                 problems.append(exc)

@@ -9,7 +9,10 @@ Every descriptor is decoded and the whole group validated *before* any connectio
 made or handle opened (INV-REJECT-BEFORE-OPEN, INV-GROUP-ATOMIC); a rejected group ends
 ``rejected`` and nothing was touched. Then each rank part is imported: lease requested
 over the exporter's channel, fd received and checked, address reserved, mapped, read
-access set. If any part fails, every part imported so far is unmapped and closed and
+access set. The channel to each exporter is persistent and every rank an exporter serves
+is leased in one request, whose answer carries every fd (:mod:`kvstate.share.peers`);
+the parts then open one after another in the calling thread (native calls only: no
+thread pool on this path). If any part fails, every part imported so far is unmapped and closed and
 the group ends ``failed`` (INV-ROLLBACK-COMPLETE). The group becomes ``ready`` only when
 every rank 0..tp-1 has an imported, compatible part (INV-GROUP-COMPLETE).
 
@@ -39,7 +42,6 @@ import os
 import threading
 import time
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from typing import Any, Generic, Literal, Protocol
@@ -47,7 +49,7 @@ from typing import Any, Generic, Literal, Protocol
 import attrs
 
 from kvstate import channel as chan
-from kvstate.core.descriptor import Descriptor, decode
+from kvstate.core.descriptor import Descriptor, decode_cached
 from kvstate.core.errors import (
     ChannelError,
     DescriptorRejected,
@@ -71,6 +73,7 @@ from kvstate.core.capabilities import Access
 from kvstate.transport.protocol import A, E, H, M, MappedTransport, R, require_mapped
 from kvstate.core.validate import Expectation, ValidatedGroup, group_complete, validate_group
 from kvstate.share import load as loads
+from kvstate.share import peers
 from kvstate.share.plan import Plan
 from kvstate.share.transfer import TransferHandle, check_timeout, stop_dispatcher_if_idle
 
@@ -136,7 +139,8 @@ class ImportConfig:
     deployment: Deployment
     request_timeout_s: float = 5.0
     max_tp: int = 64
-    max_parallel_imports: int = 8    # threads opening rank parts at once
+    max_parallel_imports: int = 8    # kept for compatibility: parts now open without threads
+    link_idle_s: float = 2.0         # a channel to an exporter no lease uses closes after this
     geometry_fingerprint: bytes | None = None   # Geometry.fingerprint() of the banks, if fixed
     block_format: bytes | None = None           # Geometry.format_fingerprint() the engine's pages hold
     device_uuids: frozenset[bytes] | None = None
@@ -154,6 +158,7 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         self.descriptor = descriptor
         self.rank = descriptor.rank
         self.channel: chan.Channel | None = None
+        self.link: peers.PeerLink | None = None  # the persistent channel the lease is on, if any
         self.lease_id: int | None = None
         self.lease_expires_at = 0.0
         self.allocation: A | None = None
@@ -178,20 +183,23 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         return self.pins() == 0
 
     @effect("native_import")
-    def _import(self, **kw: Any) -> Callable[[], None]:
+    def _import(self, *, grant: peers.Grant | None = None, **kw: Any) -> Callable[[], None]:
+        """Lease (unless the group's batched request already did: ``grant``), receive and
+        check the fd, reserve, map, set access, tell the exporter. Any failure gives the
+        lease back and undoes every step."""
         d, t = self.descriptor, self.transport
-        timeout = self.group.importer.config.request_timeout_s
+        importer = self.group.importer
+        timeout = importer.config.request_timeout_s
         with ExitStack() as undo:
-            ch = chan.connect(d.socket_path, timeout=timeout)
-            undo.callback(ch.close)
-            ch.send(lease_request(d, self.group.blocks), timeout=timeout)
-            with ch.recv(timeout=timeout) as msg:
-                reply = chan.decode(msg.payload)
-                if not reply.get("ok"):
-                    raise LeaseRefused(str(reply.get("code")), str(reply.get("detail")))
-                lease_id, expires_in_s = _grant_fields(reply, d.rank)
-                handle = t.receive_handle(d.handle_kind, d.handle, msg.fds)
+            if grant is None:
+                grant = importer.lease_one(d, self.group.blocks)
+            grant.taken = True
+            undo.callback(grant.give_back)
+            try:
+                handle = t.receive_handle(d.handle_kind, d.handle, grant.fds)
                 allocation = t.import_(handle, d.size)
+            finally:
+                grant.close_fds()  # the transport holds its own duplicate
             undo.callback(t.release, allocation)
             reservation = t.reserve(d.size)
             undo.callback(t.free, reservation)
@@ -199,12 +207,14 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
             undo.callback(t.unmap, mapping)
             t.set_access(mapping, Access.READ)
             # A notification (no answer awaited): the bank moves from importing to ready.
-            ch.send(chan.encode({"op": "mapped", "rank": d.rank, "lease": lease_id}), timeout=timeout)
+            # A group's batched opens report every rank of a link in one message instead.
+            if grant.report_mapped:
+                grant.link.notify(peers.mapped_payload([(d.rank, grant.lease_id)]), timeout)
             undo.pop_all()
-        self.channel, self.lease_id = ch, lease_id
-        self.lease_expires_at = time.monotonic() + expires_in_s
+        self.link, self.channel, self.lease_id = grant.link, grant.link.channel, grant.lease_id
+        self.lease_expires_at = time.monotonic() + grant.expires_in_s
         self.allocation, self.reservation, self.mapping = allocation, reservation, mapping
-        self.group.importer.watch(self)
+        importer.watch(self)
         return self._unmap_close  # the undo of an import is its teardown
 
     @effect("unmap_close")
@@ -222,7 +232,15 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         self._return_lease()
 
     def _return_lease(self) -> None:
-        """Return the lease and close its channel (after the memory is gone)."""
+        """Return the lease (after the memory is gone): over the persistent link, which
+        stays open for later imports, or on the part's own channel, which then closes."""
+        link, self.link = self.link, None
+        if link is not None:
+            self.channel = None
+            self.group.importer.unwatch_part(self, link)
+            link.release(self.rank, self.lease_id)
+            self.group.importer.peers.let_go(link)
+            return
         ch, self.channel = self.channel, None
         if ch is not None:
             self.group.importer.unwatch(ch)
@@ -234,11 +252,16 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
             ch.close()
 
 
+def lease_fields(d: Descriptor, blocks: BlockRequest | None) -> dict[str, Any]:
+    """What a lease request of one rank part names (without its ``op``)."""
+    return {"rank": d.rank, "generation": d.generation, "incarnation": d.incarnation.hex(),
+            "blocks": None if blocks is None else {"group": blocks.group, "epoch": blocks.epoch(d.rank),
+                                                   "hashes": list(blocks.hashes)}}
+
+
 def lease_request(d: Descriptor, blocks: BlockRequest | None) -> bytes:
     """The lease request of one rank part (whatever transport then opens its handle)."""
-    return chan.encode({"op": "lease", "rank": d.rank, "generation": d.generation, "incarnation": d.incarnation.hex(),
-                        "blocks": None if blocks is None else {"group": blocks.group, "epoch": blocks.epoch(d.rank),
-                                                               "hashes": list(blocks.hashes)}})
+    return chan.encode({"op": "lease", **lease_fields(d, blocks)})
 
 
 def _grant_fields(reply: dict[str, Any], rank: int) -> tuple[int, float]:
@@ -443,11 +466,15 @@ class Importer(Generic[H, A, R, M, E]):
         self.observers = tuple(observers)
         self.boot_id = host_boot_id()
         self._watcher = chan.Watcher(name="kvstate-importer-watch")
-        self._owners: dict[int, Part[H, A, R, M, E]] = {}
+        #: Parts by the id of the channel their lease is on (one channel: many parts).
+        self._owners: dict[int, dict[int, Part[H, A, R, M, E]]] = {}
+        self._watched: set[int] = set()  # ids of the channels the watcher watches
+        self._owners_lock = threading.Lock()
+        #: One persistent channel per exporter address (kvstate.share.peers).
+        self.peers = peers.Peers(self._connect, config.link_idle_s)
         self._count = 0
         #: Groups this importer made and that have not reached a terminal state.
         self.groups: list[Group[H, A, R, M, E]] = []
-        self._executor: ThreadPoolExecutor | None = None
         self._stopping = threading.Event()
         self._expiry = threading.Thread(target=self._expire_loop, name="kvstate-importer-expiry", daemon=True)
         self._expiry.start()
@@ -458,9 +485,8 @@ class Importer(Generic[H, A, R, M, E]):
             return
         self._stopping.set()
         self._expiry.join(2.0)
+        self.peers.close()  # idle channels now, busy ones when their last lease returns
         self._watcher.close()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
         stop_dispatcher_if_idle()
 
     def expectation(self, **overrides: Any) -> Expectation:
@@ -489,7 +515,7 @@ class Importer(Generic[H, A, R, M, E]):
         problems: list[DescriptorRejected] = []
         for i, data in enumerate(wire):
             try:
-                descriptors.append(decode(data, self.config.deployment))
+                descriptors.append(decode_cached(data, self.config.deployment))
             except DescriptorRejected as exc:
                 exc.rank = i if exc.rank is None else exc.rank
                 problems.append(exc)
@@ -545,50 +571,114 @@ class Importer(Generic[H, A, R, M, E]):
                     pass  # a concurrent transition already moved the group on
 
     def _open_parts(self, parts: Sequence[Part[H, A, R, M, E]]) -> dict[int, BaseException]:
-        """Open every part, concurrently: each waits on its own exporter's channel, so the
-        group's import costs about one round trip, not tp of them. Returns failures by rank."""
+        """Open every part: one batched lease request per exporter, all sent before any
+        answer is read (one round trip for the group), then each part opens in this
+        thread with its grant. Returns failures by rank."""
         failures: dict[int, BaseException] = {}
-
-        def open_one(part: Part[H, A, R, M, E]) -> None:
+        timeout = self.config.request_timeout_s
+        by_peer: dict[str, list[Part[H, A, R, M, E]]] = {}
+        for part in parts:
+            by_peer.setdefault(part.descriptor.socket_path, []).append(part)
+        requests: list[tuple[peers.PeerLink, list[Part[H, A, R, M, E]]]] = []
+        for address, served in by_peer.items():
             try:
-                # A fault may fail the group (and close this part) before its open starts:
-                # that is the group's failure, reported below, not this part's.
-                with part.locked():
-                    if part.may("open"):
-                        part.fire("open")
+                requests.append((self.peers.link(address, timeout), served))
             except (KvStateError, OSError) as exc:
-                failures[part.rank] = exc
-
-        if len(parts) == 1:
-            open_one(parts[0])
-        else:
-            list(self._pool().map(open_one, parts))
+                failures.update((p.rank, exc) for p in served)
+        items = {id(served): [lease_fields(p.descriptor, p.group.blocks) for p in served] for _, served in requests}
+        answers = peers.exchange([(link, peers.lease_payload(items[id(served)])) for link, served in requests],
+                                 timeout)
+        granted: list[peers.Grant] = []
+        try:
+            for (link, served), answer in zip(requests, answers):
+                try:
+                    if isinstance(answer, KvStateError):
+                        raise answer
+                    got = peers.grants(link, items[id(served)], answer)
+                except (KvStateError, OSError) as exc:
+                    failures.update((p.rank, exc) for p in served)
+                    continue
+                granted += got
+                opened: list[tuple[int, int]] = []
+                for part, grant in zip(served, got):
+                    grant.report_mapped = False
+                    try:
+                        # A fault may fail the group (and close this part) before its open
+                        # starts: that is the group's failure, reported by the caller.
+                        with part.locked():
+                            if part.may("open"):
+                                part.fire("open", grant=grant)
+                                opened.append((part.rank, grant.lease_id))
+                    except (KvStateError, OSError) as exc:
+                        failures[part.rank] = exc
+                if opened:  # one notification for every part this exporter's link mapped
+                    try:
+                        link.notify(peers.mapped_payload(opened), timeout)
+                    except ChannelError as exc:
+                        failures.update((rank, exc) for rank, _ in opened)
+        finally:
+            for grant in granted:
+                if not grant.taken:  # its part never opened: the lease goes back
+                    grant.give_back()
         return failures
 
-    def _pool(self) -> ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=self.config.max_parallel_imports,
-                                                thread_name_prefix="kvstate-import")
-        return self._executor
+    def lease_one(self, d: Descriptor, blocks: BlockRequest | None) -> peers.Grant:
+        """One rank's lease over the persistent link to its exporter (a part opened on its
+        own, as a rank worker's is)."""
+        timeout = self.config.request_timeout_s
+        link = self.peers.link(d.socket_path, timeout)
+        items = [lease_fields(d, blocks)]
+        try:
+            answer = link.request(peers.lease_payload(items), timeout)
+        except ChannelError:
+            link.close()  # a link that broke mid-request is not reused
+            raise
+        (grant,) = peers.grants(link, items, answer)
+        return grant
+
+    def _connect(self, address: str, timeout: float) -> chan.Channel:
+        return chan.connect(address, timeout=timeout, limits=peers.LINK_LIMITS)
 
     # -- fault detection ------------------------------------------------------------------
 
     def watch(self, part: Part[H, A, R, M, E]) -> None:
-        assert part.channel is not None
-        self._owners[id(part.channel)] = part
-        self._watcher.watch(part.channel, self._peer_closed)
+        """Hear when the exporter of ``part`` goes: its channel is watched once, however
+        many parts hold leases on it."""
+        ch = part.channel
+        assert ch is not None
+        with self._owners_lock:
+            self._owners.setdefault(id(ch), {})[id(part)] = part
+            first = id(ch) not in self._watched
+            self._watched.add(id(ch))
+            if part.link is not None:
+                self.peers.hold(part.link)
+        if first:  # a link stays watched while it is open, used or not: no watcher wake-up per import
+            self._watcher.watch(ch, self._peer_closed)
 
     def unwatch(self, ch: chan.Channel) -> None:
-        self._owners.pop(id(ch), None)
+        with self._owners_lock:
+            self._owners.pop(id(ch), None)
+            self._watched.discard(id(ch))
         self._watcher.unwatch(ch)
 
+    def unwatch_part(self, part: Part[H, A, R, M, E], link: peers.PeerLink) -> None:
+        """``part`` let go of its lease on ``link`` (the link stays watched while open)."""
+        with self._owners_lock:
+            owners = self._owners.get(id(link.channel))
+            if owners is not None:
+                owners.pop(id(part), None)
+
     def _peer_closed(self, ch: chan.Channel) -> None:
-        part = self._owners.pop(id(ch), None)
-        if part is not None:
+        self.peers.forget(ch)
+        with self._owners_lock:
+            owners = self._owners.pop(id(ch), {})
+            self._watched.discard(id(ch))
+        for part in owners.values():
             part.group.peer_closed(part)
 
     def _expire_loop(self) -> None:
         while not self._stopping.wait(0.05):
+            self.peers.close_idle()
             try:
                 self.expire_leases([g for g in self.groups if g.state == "ready"])
             except TransitionError:

@@ -26,7 +26,7 @@ import importlib
 import mmap
 import time
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Protocol
 
 from kvstate.core.descriptor import Descriptor
 from kvstate.core.machine import Observer
@@ -50,7 +50,15 @@ def _geometry(bank_bytes: int) -> Any:
 _DEPLOYMENT_KEY = bytes(range(32))
 
 
-def _kvstate_exporter(conn: Connection, p: dict[str, Any]) -> None:
+class Pipe(Protocol):
+    """The exporter's end of the pipe to its importer (a Connection, or a profiler's tap)."""
+
+    def send(self, obj: Any) -> None: ...
+
+    def recv(self) -> Any: ...
+
+
+def _kvstate_exporter(conn: Pipe, p: dict[str, Any]) -> None:
     import os
     import tempfile
     from pathlib import Path
@@ -126,11 +134,11 @@ def import_rank(importer: Importer[Any, Any, Any, Any, Any], wire: bytes, rank: 
                 tp: int) -> Part[Any, Any, Any, Any, Any]:
     """One rank worker's import of its own part (RankWorker's check, then its open): decode
     and check the descriptor on its own, then lease, receive the fd, check, map, set access."""
-    from kvstate.core.descriptor import decode
+    from kvstate.core.descriptor import decode_cached
     from kvstate.core.errors import GroupRejected
     from kvstate.core.validate import descriptor_problems
 
-    d = decode(wire, importer.config.deployment)
+    d = decode_cached(wire, importer.config.deployment)
     problems = descriptor_problems(d, importer.expectation())
     if problems:
         raise GroupRejected(problems)
