@@ -259,11 +259,12 @@ class Peers:
         link.close()
 
     def forget(self, channel: chan.Channel) -> None:
-        """The peer of ``channel`` hung up: drop its link."""
+        """The peer of ``channel`` hung up: drop its link and close our end."""
         with self._lock:
             dead = [k for k, v in self._links.items() if v.channel is channel]
             for k in dead:
                 del self._links[k]
+        channel.close()
 
     def close_idle(self, now: float | None = None) -> None:
         """Close links no lease has used for ``idle_s`` (all idle ones while closing)."""
