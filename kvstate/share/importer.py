@@ -577,6 +577,7 @@ class Importer(Generic[H, A, R, M, E]):
         failures: dict[int, BaseException] = {}
         timeout = self.config.request_timeout_s
         by_peer: dict[str, list[Part[H, A, R, M, E]]] = {}
+        part: Part[H, A, R, M, E]
         for part in parts:
             by_peer.setdefault(part.descriptor.socket_path, []).append(part)
         requests: list[tuple[peers.PeerLink, list[Part[H, A, R, M, E]]]] = []
