@@ -596,6 +596,9 @@ class Importer(Generic[H, A, R, M, E]):
                     if isinstance(answer, KvStateError):
                         raise answer
                     got = peers.grants(link, items[id(served)], answer)
+                except peers.RankRefused as refused:  # that rank's failure; the others hold no lease
+                    failures[refused.rank] = refused.refusal
+                    continue
                 except (KvStateError, OSError) as exc:
                     failures.update((p.rank, exc) for p in served)
                     continue

@@ -117,6 +117,17 @@ class Grant:
         self.link.release(self.rank, self.lease_id)
 
 
+class RankRefused(Exception):
+    """A batched request the exporter refused because of one rank (it names the rank); the
+    other ranks of the batch were not refused themselves, and none of them is leased.
+    Internal: the importer reports ``refusal`` for ``rank``."""
+
+    def __init__(self, rank: int, refusal: LeaseRefused) -> None:
+        super().__init__(rank, refusal)
+        self.rank = rank
+        self.refusal = refusal
+
+
 def _grant(link: PeerLink, reply: Any, rank: int, fds: tuple[int, ...]) -> Grant:
     """A grant from the exporter's answer, checked: the exporter is a peer."""
     lease: Any = reply.get("lease") if isinstance(reply, dict) else None
@@ -136,13 +147,18 @@ def lease_payload(items: Sequence[dict[str, Any]]) -> bytes:
 
 def grants(link: PeerLink, items: Sequence[dict[str, Any]], msg: chan.Message) -> list[Grant]:
     """The grants in the answer ``msg`` to :func:`lease_payload` of ``items``, one per item
-    in order. LeaseRefused when the exporter refused (it then holds none of them);
-    ImportFailed when the answer is malformed (every lease it granted is given back)."""
+    in order. LeaseRefused when the exporter refused (it then holds none of them): as
+    :class:`RankRefused` when a batch names the rank refused; ImportFailed when the answer
+    is malformed (every lease it granted is given back)."""
     with ExitStack() as undo:
         undo.callback(msg.close)
         reply = chan.decode(msg.payload)
         if not reply.get("ok"):
-            raise LeaseRefused(str(reply.get("code")), str(reply.get("detail")))
+            refusal = LeaseRefused(str(reply.get("code")), str(reply.get("detail")))
+            rank = reply.get("rank")
+            if len(items) > 1 and type(rank) is int and any(item["rank"] == rank for item in items):
+                raise RankRefused(rank, refusal)
+            raise refusal
         if len(items) == 1:
             answers: Any = [{**reply, "nfds": len(msg.fds)}]
         else:
