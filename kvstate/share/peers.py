@@ -282,12 +282,13 @@ class Peers:
                 del self._links[k]
         channel.close()
 
-    def close_idle(self, now: float | None = None) -> None:
-        """Close links no lease has used for ``idle_s`` (all idle ones while closing)."""
+    def close_idle(self, now: float | None = None, *, everything: bool = False) -> None:
+        """Close links no lease has used for ``idle_s`` (every idle one while closing, or
+        with ``everything``: when the caller knows its exporters are going away)."""
         now = time.monotonic() if now is None else now
         with self._lock:
             idle = [link for link in self._links.values() if link.users == 0 and
-                    (self._closing or now - link.idle_since >= self.idle_s)]
+                    (self._closing or everything or now - link.idle_since >= self.idle_s)]
         for link in idle:
             self._drop(link)
 

@@ -125,6 +125,9 @@ class _Worker:
         self.blocks: BlockRequest | None = None
         self.validated: object = descriptor
         self.state = "importing"
+        self.leasing = True     # validated: its part may lease
+        self.releasing = True   # the bench closes its part itself once timed
+        self.parts: list[Part[Any, Any, Any, Any, Any]] = []  # its own rank's part only
 
     def peer_closed(self, part: Part[Any, Any, Any, Any, Any]) -> None:
         pass
@@ -143,7 +146,9 @@ def import_rank(importer: Importer[Any, Any, Any, Any, Any], wire: bytes, rank: 
     if problems:
         raise GroupRejected(problems)
     assert d.rank == rank and d.tp == tp, (d.rank, d.tp)
-    part: Part[Any, Any, Any, Any, Any] = Part(_Worker(importer, d), d)
+    owner = _Worker(importer, d)
+    part: Part[Any, Any, Any, Any, Any] = Part(owner, d)
+    owner.parts.append(part)
     part.fire("validate")
     part.fire("open")
     return part
