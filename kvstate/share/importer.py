@@ -580,31 +580,23 @@ class Importer(Generic[H, A, R, M, E]):
         part: Part[H, A, R, M, E]
         for part in parts:
             by_peer.setdefault(part.descriptor.socket_path, []).append(part)
-        requests: list[tuple[peers.PeerLink, list[Part[H, A, R, M, E]]]] = []
-        for address, served in by_peer.items():
-            try:
-                requests.append((self.peers.link(address, timeout), served))
-            except (KvStateError, OSError) as exc:
-                failures.update((p.rank, exc) for p in served)
-        items = {id(served): [lease_fields(p.descriptor, p.group.blocks) for p in served] for _, served in requests}
-        answers = peers.exchange([(link, peers.lease_payload(items[id(served)])) for link, served in requests],
-                                 timeout)
+        batches = list(by_peer.values())
+        answers = self.peers.leases([(served[0].descriptor.socket_path,
+                                      [lease_fields(p.descriptor, p.group.blocks) for p in served])
+                                     for served in batches], timeout)
         granted: list[peers.Grant] = []
         try:
-            for (link, served), answer in zip(requests, answers):
-                try:
-                    if isinstance(answer, KvStateError):
-                        raise answer
-                    got = peers.grants(link, items[id(served)], answer)
-                except peers.RankRefused as refused:  # that rank's failure; the others hold no lease
-                    failures[refused.rank] = refused.refusal
+            for served, answer in zip(batches, answers):
+                if isinstance(answer, peers.RankRefused):  # that rank's failure; the others hold no lease
+                    failures[answer.rank] = answer.refusal
                     continue
-                except (KvStateError, OSError) as exc:
-                    failures.update((p.rank, exc) for p in served)
+                if isinstance(answer, Exception):
+                    failures.update((p.rank, answer) for p in served)
                     continue
-                granted += got
+                granted += answer
                 opened: list[tuple[int, int]] = []
-                for part, grant in zip(served, got):
+                link = answer[0].link
+                for part, grant in zip(served, answer):
                     grant.report_mapped = False
                     try:
                         # A fault may fail the group (and close this part) before its open
@@ -629,16 +621,12 @@ class Importer(Generic[H, A, R, M, E]):
     def lease_one(self, d: Descriptor, blocks: BlockRequest | None) -> peers.Grant:
         """One rank's lease over the persistent link to its exporter (a part opened on its
         own, as a rank worker's is)."""
-        timeout = self.config.request_timeout_s
-        link = self.peers.link(d.socket_path, timeout)
-        items = [lease_fields(d, blocks)]
-        try:
-            answer = link.request(peers.lease_payload(items), timeout)
-        except ChannelError:
-            link.close()  # a link that broke mid-request is not reused
-            raise
-        (grant,) = peers.grants(link, items, answer)
-        return grant
+        (answer,) = self.peers.leases([(d.socket_path, [lease_fields(d, blocks)])], self.config.request_timeout_s)
+        if isinstance(answer, peers.RankRefused):
+            raise answer.refusal
+        if isinstance(answer, Exception):
+            raise answer
+        return answer[0]
 
     def _connect(self, address: str, timeout: float) -> chan.Channel:
         return chan.connect(address, timeout=timeout, limits=peers.LINK_LIMITS)

@@ -31,6 +31,7 @@ sent, then every answer read.
 
 from __future__ import annotations
 
+import select
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -64,6 +65,18 @@ class PeerLink:
     @property
     def closed(self) -> bool:
         return self.channel.closed
+
+    def usable(self) -> bool:
+        """Open, its peer process alive, and not hung up: an exporter that stopped (or
+        restarted at the same address) is noticed here before the watcher says so."""
+        if self.channel.closed or not self.channel.peer_alive():
+            return False
+        p = select.poll()
+        try:
+            p.register(self.channel.fileno(), select.POLLRDHUP)
+        except (ValueError, OSError):
+            return False
+        return not p.poll(0)
 
     def request(self, payload: bytes, timeout: float) -> chan.Message:
         """Send one request and return its answer (the caller closes the message's fds)."""
@@ -237,23 +250,59 @@ class Peers:
         self._lock = threading.Lock()
         self._closing = False
 
-    def link(self, address: str, timeout: float) -> PeerLink:
-        """The live link to ``address``, connecting (and checking the peer) if there is none."""
+    def link(self, address: str, timeout: float, *, fresh: bool = False) -> PeerLink:
+        """The live link to ``address``, connecting (and checking the peer) if there is
+        none, or if ``fresh``."""
         with self._lock:
             if self._closing:
                 raise ChannelError("the importer is closed")
             link = self._links.get(address)
-            if link is not None and not link.closed and link.channel.peer_alive():
-                return link
+        if link is not None and not fresh and link.usable():
+            return link
         channel = self._connect(address, timeout)
-        fresh = PeerLink(address, channel)
+        made = PeerLink(address, channel)
         with self._lock:
             old = self._links.get(address)
-            if old is not None and not old.closed and old.channel.peer_alive():
+            if old is not None and old is not link and not fresh and old.usable():
                 channel.close()  # another thread connected meanwhile: use that one
                 return old
-            self._links[address] = fresh
-        return fresh
+            self._links[address] = made
+        if old is not None and old.users == 0:
+            old.close()  # replaced; a link still in use closes when its last lease returns
+        return made
+
+    def leases(self, batches: Sequence[tuple[str, Sequence[dict[str, Any]]]],
+               timeout: float) -> list[list[Grant] | Exception]:
+        """Lease each batch of ``(address, lease fields of its ranks)``: every request is
+        sent before any answer is read. Per batch: its grants, or what failed
+        (:class:`RankRefused`, a KvStateError, an OSError). A request that met a closed
+        link it had reused is sent once more on a fresh connection (the exporter ended
+        whatever the closed one held)."""
+        out: list[list[Grant] | Exception | None] = [None] * len(batches)
+        pending = list(range(len(batches)))
+        for attempt in (0, 1):
+            links: dict[int, PeerLink] = {}
+            for i in pending:
+                try:
+                    links[i] = self.link(batches[i][0], timeout, fresh=attempt > 0)
+                except Exception as exc:
+                    out[i] = exc
+            order = list(links)
+            answers = exchange([(links[i], lease_payload(batches[i][1])) for i in order], timeout)
+            pending = []
+            for i, answer in zip(order, answers):
+                if isinstance(answer, ChannelError) and attempt == 0:
+                    pending.append(i)  # a stale link: once more, freshly connected
+                    continue
+                try:
+                    if isinstance(answer, KvStateError):
+                        raise answer
+                    out[i] = grants(links[i], batches[i][1], answer)
+                except (RankRefused, KvStateError, OSError) as exc:
+                    out[i] = exc
+            if not pending:
+                break
+        return [x if x is not None else ChannelError("no answer") for x in out]
 
     def hold(self, link: PeerLink) -> None:
         with self._lock:
@@ -264,7 +313,7 @@ class Peers:
             link.users -= 1
             if link.users == 0:
                 link.idle_since = time.monotonic()
-            close = self._closing and link.users == 0
+            close = link.users == 0 and (self._closing or self._links.get(link.address) is not link)
         if close:
             self._drop(link)
 
