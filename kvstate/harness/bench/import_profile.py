@@ -43,7 +43,8 @@ IMPORTER = [
     ("kvstate.share.importer:Group.__init__", "part/group objects"),
     ("kvstate.core.machine:Lifecycle.fire", "machine transitions"),
     ("transitions.core:Machine.callback", "effect bodies (Python glue)"),
-    ("kvstate.share.importer:Importer._open_parts", "thread pool dispatch + wait"),
+    ("kvstate.core.machine:_apply_effects", "effect bodies (Python glue)"),  # fire's own dispatch
+    ("kvstate.share.importer:Importer._open_parts", "open_parts glue (+ thread pool wait before)"),
     ("kvstate.share.importer:Importer._pool", "thread pool dispatch + wait"),
     ("kvstate.channel:connect", "connect (socket path checks, connect(2))"),
     ("kvstate.channel.conn:check_socket_path", "connect (socket path checks, connect(2))"),
@@ -61,8 +62,10 @@ IMPORTER = [
     ("kvstate.share.importer:Importer.watch", "watcher arm"),
     ("kvstate.share.importer:Importer._watch", "watcher arm"),
     # Added by the fast path, when present:
+    ("kvstate.share.peers:exchange", "wait for the exporter (lease round trip)"),
     ("kvstate.share.peers:PeerLink.request", "wait for the exporter (lease round trip)"),
-    ("kvstate.share.peers:Peers.link", "connect (socket path checks, connect(2))"),
+    ("kvstate.share.peers:Peers.link", "connect, or reuse a checked link"),
+    ("kvstate.share.peers:grants", "grant parsing (batched answer)"),
 ]
 
 #: The exporter process: what it spends per import (waits are idle time, left out; its
