@@ -32,7 +32,7 @@ from kvstate.core.descriptor import Descriptor
 from kvstate.core.machine import Observer
 from kvstate.harness.bench.framework import Figure, Skipped
 from kvstate.harness.bench.procs import run_pair
-from kvstate.share.importer import BlockRequest, Importer, Part
+from kvstate.share.importer import BlockRequest, ImportConfig, Importer, Part
 
 LOOPBACK = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN", "UCX_LOG_LEVEL": "error"}
 
@@ -48,6 +48,12 @@ def _geometry(bank_bytes: int) -> Any:
 
 
 _DEPLOYMENT_KEY = bytes(range(32))
+
+
+def import_config() -> ImportConfig:
+    """The importers' config in every kvstate row (and the import profile)."""
+    from kvstate.core.identity import Deployment
+    return ImportConfig(Deployment("bench", _DEPLOYMENT_KEY))
 
 
 class Pipe(Protocol):
@@ -83,13 +89,11 @@ def _kvstate_exporter(conn: Pipe, p: dict[str, Any]) -> None:
 
 
 def _kvstate_group_importer(conn: Connection, p: dict[str, Any]) -> tuple[float, ...]:
-    from kvstate.core.identity import Deployment
-    from kvstate.share.importer import ImportConfig, Importer
     from kvstate.transport.host import HostTransport
 
     wire = conn.recv()
     t = HostTransport()
-    im = Importer(ImportConfig(Deployment("bench", _DEPLOYMENT_KEY)), t)
+    im = Importer(import_config(), t)
     samples = []
     try:
         for i in range(p["repeats"] + 1):
@@ -155,13 +159,11 @@ def import_rank(importer: Importer[Any, Any, Any, Any, Any], wire: bytes, rank: 
 
 
 def _kvstate_rank_importer(conn: Connection, p: dict[str, Any]) -> tuple[float, ...]:
-    from kvstate.core.identity import Deployment
-    from kvstate.share.importer import ImportConfig, Importer
     from kvstate.transport.host import HostTransport
 
     wire = conn.recv()
     t = HostTransport()
-    im = Importer(ImportConfig(Deployment("bench", _DEPLOYMENT_KEY)), t)
+    im = Importer(import_config(), t)
     samples = []
     try:
         for i in range(p["repeats"] + 1):

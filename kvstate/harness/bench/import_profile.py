@@ -115,14 +115,13 @@ def _exporter(conn: Connection, p: dict[str, Any]) -> None:
 
 
 def _importer(conn: Connection, p: dict[str, Any]) -> dict[str, Any]:
-    from kvstate.core.identity import Deployment
-    from kvstate.harness.bench.b1_import import _DEPLOYMENT_KEY, import_rank
-    from kvstate.share.importer import ImportConfig, Importer
+    from kvstate.harness.bench.b1_import import import_config, import_rank
+    from kvstate.share.importer import Importer
     from kvstate.transport.host import HostTransport
 
     wire = conn.recv()
     t = HostTransport()
-    im: Any = Importer(ImportConfig(Deployment("bench", _DEPLOYMENT_KEY)), t)
+    im: Any = Importer(import_config(), t)
     if p["serial"] and hasattr(im, "_pool"):  # the code before the fast path opened parts on a pool
         def serial(parts: Any) -> dict[int, BaseException]:
             failures: dict[int, BaseException] = {}
