@@ -17,6 +17,7 @@ from kvstate.core.descriptor import decode
 from kvstate.transport.host import HostTransport
 
 from conftest import DEPLOYMENT, make_exporter
+from support.reuse import REUSE_ON
 
 
 def _wait(predicate: Callable[[], bool], timeout: float = 3.0) -> bool:
@@ -64,7 +65,7 @@ def test_a_batch_refused_for_one_rank_leases_none_and_names_that_rank(transport:
 
 def test_leases_end_when_the_link_closes(transport: HostTransport) -> None:
     ex = make_exporter(2, transport)
-    im = Importer(ImportConfig(DEPLOYMENT), transport)
+    im = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON), transport)
     group = im.import_group([ex.descriptor(r) for r in range(2)])
     assert all(len(b.leases) == 1 for b in ex.banks.values())
     link = group.parts[0].link
@@ -78,7 +79,7 @@ def test_leases_end_when_the_link_closes(transport: HostTransport) -> None:
 
 def test_an_idle_link_closes_and_a_new_import_reconnects(transport: HostTransport) -> None:
     ex = make_exporter(1, transport)
-    im = Importer(ImportConfig(DEPLOYMENT, link_idle_s=0.1), transport)
+    im = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON, link_idle_s=0.1), transport)
     try:
         im.import_group([ex.descriptor(0)]).drain()
         assert len(im.peers) == 1

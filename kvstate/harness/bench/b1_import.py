@@ -53,7 +53,8 @@ _DEPLOYMENT_KEY = bytes(range(32))
 def import_config() -> ImportConfig:
     """The importers' config in every kvstate row (and the import profile)."""
     from kvstate.core.identity import Deployment
-    return ImportConfig(Deployment("bench", _DEPLOYMENT_KEY))
+    from kvstate.reuse.policy import ReuseSettings
+    return ImportConfig(Deployment("bench", _DEPLOYMENT_KEY), reuse=ReuseSettings(enable_decode_to_prefill_reuse=True))
 
 
 class Pipe(Protocol):
@@ -145,6 +146,7 @@ def import_rank(importer: Importer[Any, Any, Any, Any, Any], wire: bytes, rank: 
     from kvstate.core.errors import GroupRejected
     from kvstate.core.validate import descriptor_problems
 
+    importer.check_gates()  # reuse enabled, as a worker's check requires
     d = decode_cached(wire, importer.config.deployment)
     problems = descriptor_problems(d, importer.expectation())
     if problems:
@@ -154,6 +156,7 @@ def import_rank(importer: Importer[Any, Any, Any, Any, Any], wire: bytes, rank: 
     part: Part[Any, Any, Any, Any, Any] = Part(owner, d)
     owner.parts.append(part)
     part.fire("validate")
+    part.fire("lease")
     part.fire("open")
     return part
 
