@@ -6,7 +6,7 @@ VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-vllm spec docs generate check clean bench spin bench-models fuzz soak cudashim gpucheck
+.PHONY: demo test test-fast test-vllm demo-vllm bench-vllm spec docs generate check clean bench spin bench-models fuzz soak cudashim gpucheck
 
 # Spin for the model tests: installed from Debian when we can (root or sudo); otherwise the
 # model tests skip loudly (and fail when CI is set).
@@ -50,6 +50,16 @@ VLLM_VENV := .venv-vllm
 test-vllm:
 	PYTHON=$(PYTHON) bash tools/vllm-venv.sh $(VLLM_VENV)
 	KVSTATE_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest tests/vllm --durations=0 -p no:cacheprovider
+
+# kvstate's connector between live vLLM engines: TTFT with reuse and recompute per prompt length.
+demo-vllm:
+	PYTHON=$(PYTHON) bash tools/vllm-venv.sh $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python tools/vllm-demo.py
+
+# Prefill TTFT: kvstate reuse, recompute, vLLM's ExampleConnector (LMCache: see docs/vllm.md).
+bench-vllm:
+	PYTHON=$(PYTHON) bash tools/vllm-venv.sh $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m kvstate bench --suite vllm
 
 # The edit loop: mypy and every test that is neither slow nor a Spin run.
 test-fast: $(STAMP) cudashim

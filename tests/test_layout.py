@@ -53,8 +53,8 @@ def test_layout_check_catches_a_missing_and_a_stale_row() -> None:
     stale = [*rows, "kvstate/exporter/"]
     assert layout_problems(stale, packages()) == [
         "the table names kvstate/exporter/, which is not a package under kvstate/"]
-    assert layout_problems(rows, packages() | {"kvstate/integrations/"}) == [
-        "package kvstate/integrations/ is not in the table"]
+    assert layout_problems(rows, packages() | {"kvstate/plugins/"}) == [
+        "package kvstate/plugins/ is not in the table"]
 
 
 # -- the layer picture -------------------------------------------------------------------

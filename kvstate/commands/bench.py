@@ -20,8 +20,9 @@ help = "run the benchmarks against peers, side by side"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of seconds")
-    parser.add_argument("--suite", action="append", choices=["B1", "B2", "B3", "B4"],
-                        help="run only this suite (repeatable); default: all")
+    parser.add_argument("--suite", action="append", choices=["B1", "B2", "B3", "B4", "vllm"],
+                        help="run only this suite (repeatable); default: all but vllm (real vLLM engines, "
+                             "run it with the vLLM venv's interpreter)")
     parser.add_argument("--repeats", type=int, help="timed repeats per row (default 7, quick 2)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"), help="where bench.md and bench.png go")
     parser.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
@@ -39,6 +40,11 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats is not None and args.repeats < 1:
         print("kvstate bench: --repeats must be at least 1", file=sys.stderr)
         return 2
+    if args.suite and "vllm" in args.suite:
+        status = _vllm(args)
+        args.suite = [s for s in args.suite if s != "vllm"]
+        if not args.suite:
+            return status
     framework, suites, report = _benchmarks()
     chosen = [s for s in suites.suites(quick=args.quick, repeats=args.repeats)
               if not args.suite or s.key in args.suite]
@@ -65,4 +71,17 @@ def run(args: argparse.Namespace) -> int:
     if failed:
         print(f"kvstate bench: {len(failed)} row(s) failed: {', '.join(failed)}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _vllm(args: argparse.Namespace) -> int:
+    """The vLLM suite: engines in their own processes, its own table (bench-vllm.md)."""
+    from kvstate.harness.bench import b5_vllm
+
+    why = b5_vllm.problem()
+    if why is not None:
+        print(f"kvstate bench --suite vllm: {why}", file=sys.stderr)
+        return 1
+    print(b5_vllm.run(args.out, repeats=args.repeats or 3, quick=args.quick))
+    print(f"\nwrote {args.out / 'bench-vllm.md'}")
     return 0

@@ -581,6 +581,11 @@ class Exporter(Generic[H, A, R, M, E]):
             self._handlers_done.wait_for(lambda: self._handlers == 0, timeout=2.0)
         stop_dispatcher_if_idle()
 
+    def connections(self) -> int:
+        """Importer connections being served now (a lease holds one for its lifetime)."""
+        with self._handlers_done:
+            return self._handlers
+
     def _serve(self, ch: chan.Channel) -> None:
         watcher = self._watcher
         if watcher is None:  # stopped while this connection was being accepted

@@ -141,8 +141,10 @@ class AsyncLoads(RuleBasedStateMachine):
     @rule(data=st.data())
     def close(self, data: st.DataObject) -> None:
         load = data.draw(st.sampled_from(self.loads))
-        if self.paused:
-            load.cancelled = True  # closing an unfinished load cancels what is queued
+        if not load.handle.done():
+            # Closing an unfinished load cancels what is still queued; an unpaused engine
+            # on a loaded machine may not have run every op yet.
+            load.cancelled = True
         load.handle.close()
         self.check_finished(load)
         self.loads.remove(load)

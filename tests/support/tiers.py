@@ -33,6 +33,8 @@ DEFAULTS: Mapping[str, tuple[str, ...]] = {
     "datapath/test_async_stateful.py": ("stateful", "native", "slow"),
     "datapath/test_buffer_safety.py": ("native", "multiproc", "slow"),  # a process per failure path
     "fuzz/": ("native",),                  # targets include the exporter's request handler
+    "integrations/": ("native",),          # engine integrations without the engine (tests/vllm has it)
+    "integrations/test_vllm_parts.py": ("unit",),
     "lifecycle/": ("native",),             # a real exporter on the host backend, in-process
     "lifecycle/test_coordinated_stateful.py": ("stateful", "multiproc", "slow"),
     "lifecycle/test_demo.py": ("multiproc",),

@@ -14,8 +14,7 @@ from typing import Any
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
-#: The public names a vLLM user writes to enable kvstate (issue 17); the connector
-#: itself lands later, so nothing here starts an engine with it yet.
+#: The public names a vLLM user writes to enable kvstate (issue 17).
 KVSTATE_CONNECTOR = "KvStateConnector"
 KVSTATE_MODULE = "kvstate.integrations.vllm"
 

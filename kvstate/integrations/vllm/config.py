@@ -1,0 +1,189 @@
+"""The connector's settings: ``kv_connector_extra_config``, parsed strictly. Pure.
+
+vLLM hands the connector a plain dict in every process of an engine (front end,
+EngineCore, each worker). :func:`parse` turns it into a :class:`ConnectorConfig` or raises
+:class:`~kvstate.core.errors.ConfigInvalid` naming the key: an unknown key, a value of the
+wrong type or range, or a missing deployment key. A refused config stops the engine at
+start-up, which is where a wrong setting should surface; nothing here raises later.
+
+The deployment key is never taken from the dict itself: vLLM logs its whole config at
+start-up, so a key there would end up in logs. It comes from a file
+(``deployment_key_file``: 32 raw bytes or 64 hex digits, owned by this user, no access for
+group or others) or from the environment variable ``KVSTATE_DEPLOYMENT_KEY`` (64 hex
+digits).
+
+Every key, its default and its meaning are listed in :data:`KEYS` and in docs/vllm.md (a
+test checks that the two agree).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from kvstate.core.errors import ConfigInvalid, SettingsError
+from kvstate.core.identity import DEPLOYMENT_KEY_BYTES, Deployment
+from kvstate.reuse.policy import ReuseSettings
+
+KEY_ENV = "KVSTATE_DEPLOYMENT_KEY"
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+#: Roles that retain finished requests' KV (decode side) and that load it (prefill side).
+PRODUCERS = ("kv_producer", "kv_both")
+CONSUMERS = ("kv_consumer", "kv_both")
+
+#: key -> (default, meaning). The default ``None`` of ``socket_dir`` means
+#: ``/tmp/kvstate-<uid>-<deployment>``.
+KEYS: Mapping[str, tuple[object, str]] = {
+    "deployment": ("kvstate", "deployment name; engines share KV only within one deployment"),
+    "deployment_key_file": (None, "file holding the deployment's 32-byte key (else $KVSTATE_DEPLOYMENT_KEY)"),
+    "socket_dir": (None, "private directory (0700) for the control sockets of every engine of the deployment"),
+    "source": ("decode", "decode side: the name this engine's retained KV is looked up by"),
+    "sources": (["decode"], "prefill side: the decode sources asked, in order"),
+    "retain_bytes": (256 << 20, "decode side: bytes of KV retained per TP rank (the bank's size)"),
+    "policy": ({}, "prefill side: reuse settings (kvstate.reuse.policy); reuse is off unless enabled here"),
+    "load_timeout_s": (10.0, "prefill side: a load not finished this long after it was scheduled fails"),
+    "lookup_timeout_s": (0.5, "prefill side: the most one inventory lookup may wait for its answer"),
+    "lease_timeout_s": (30.0, "decode side: a lease not renewed or returned this long ends"),
+    "descriptor_ttl_s": (3600.0, "decode side: descriptors expire after this; re-advertised at half"),
+    "model_id": (None, "the model's identity in the compatibility key (default: vLLM's model name)"),
+}
+
+
+def _name(field: str, value: object) -> str:
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
+        raise ConfigInvalid(field, f"must be 1-64 characters of A-Z a-z 0-9 _ . -, not {value!r:.60}")
+    return value
+
+
+def _seconds(field: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e6:
+        raise ConfigInvalid(field, f"must be a number of seconds in (0, 1e6), not {value!r:.60}")
+    return float(value)
+
+
+def _key_from_file(path: Path) -> bytes:
+    try:
+        st = os.stat(path)
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigInvalid("deployment_key_file", f"{path}: {exc.strerror}") from None
+    if st.st_uid != os.getuid() or st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigInvalid("deployment_key_file", f"{path} must belong to uid {os.getuid()} and grant group "
+                            f"and others nothing (mode {stat.S_IMODE(st.st_mode):o})")
+    if len(raw) == DEPLOYMENT_KEY_BYTES:
+        return raw
+    return _key_from_hex("deployment_key_file", raw.decode("ascii", "replace").strip())
+
+
+def _key_from_hex(field: str, text: str) -> bytes:
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        key = b""
+    if len(key) != DEPLOYMENT_KEY_BYTES:
+        raise ConfigInvalid(field, f"must hold {DEPLOYMENT_KEY_BYTES} raw bytes or {2 * DEPLOYMENT_KEY_BYTES} "
+                            "hex digits")
+    return key
+
+
+@attrs.frozen
+class ConnectorConfig:
+    """One engine's connector settings (see :data:`KEYS`)."""
+
+    role: str
+    deployment: Deployment
+    socket_dir: Path
+    source: str
+    sources: tuple[str, ...]
+    retain_bytes: int
+    policy: ReuseSettings
+    load_timeout_s: float
+    lookup_timeout_s: float
+    lease_timeout_s: float
+    descriptor_ttl_s: float
+    model_id: str | None
+
+    @property
+    def producer(self) -> bool:
+        return self.role in PRODUCERS
+
+    @property
+    def consumer(self) -> bool:
+        return self.role in CONSUMERS
+
+    def index_path(self, source: str) -> Path:
+        """The decode source's inventory socket (served by its scheduler side)."""
+        return self.socket_dir / f"{source}.index.sock"
+
+    def exporter_name(self, rank: int) -> str:
+        """The decode rank's exporter socket name: fixed per source and rank, so a restarted
+        engine serves at the same path and refuses its predecessor's descriptors as stale."""
+        return f"{self.source}.r{rank}"
+
+    def coordinator_name(self, engine_id: str) -> str:
+        return f"p-{re.sub(r'[^A-Za-z0-9]', '', engine_id)[:12]}"
+
+
+def parse(extra: Mapping[str, Any] | None, role: str, environ: Mapping[str, str] | None = None) -> ConnectorConfig:
+    """The settings in ``kv_connector_extra_config`` for ``role`` (vLLM's ``kv_role``)."""
+    if role not in ("kv_producer", "kv_consumer", "kv_both"):
+        raise ConfigInvalid("kv_role", f"must be kv_producer, kv_consumer or kv_both, not {role!r:.40}")
+    given = dict(extra or {})
+    unknown = sorted(set(given) - set(KEYS), key=str)
+    if unknown:
+        raise ConfigInvalid(str(unknown[0]), f"unknown key; the keys are {sorted(KEYS)}")
+    v: dict[str, Any] = {k: given.get(k, default) for k, (default, _) in KEYS.items()}
+    env = os.environ if environ is None else environ
+
+    name = _name("deployment", v["deployment"])
+    if v["deployment_key_file"] is not None:
+        if not isinstance(v["deployment_key_file"], str):
+            raise ConfigInvalid("deployment_key_file", "must be a path")
+        key = _key_from_file(Path(v["deployment_key_file"]))
+    elif KEY_ENV in env:
+        key = _key_from_hex(KEY_ENV, env[KEY_ENV].strip())
+    else:
+        raise ConfigInvalid("deployment_key_file", f"no deployment key: set deployment_key_file or ${KEY_ENV} "
+                            "(the same key on every engine of the deployment)")
+
+    socket_dir = v["socket_dir"]
+    if socket_dir is None:
+        socket_dir = f"/tmp/kvstate-{os.getuid()}-{name}"
+    if not isinstance(socket_dir, str) or not os.path.isabs(socket_dir):
+        raise ConfigInvalid("socket_dir", f"must be an absolute path, not {socket_dir!r:.80}")
+
+    sources = v["sources"]
+    if not isinstance(sources, (list, tuple)) or not sources:
+        raise ConfigInvalid("sources", "must be a non-empty list of source names")
+    retain = v["retain_bytes"]
+    if isinstance(retain, bool) or not isinstance(retain, int) or not 1 <= retain <= 1 << 44:
+        raise ConfigInvalid("retain_bytes", f"must be an int in 1..2**44, not {retain!r:.40}")
+    policy = v["policy"]
+    if not isinstance(policy, Mapping):
+        raise ConfigInvalid("policy", "must be a mapping of reuse settings (docs/policy.md)")
+    try:
+        settings = ReuseSettings.from_mapping(policy, source="kv_connector_extra_config.policy")
+    except SettingsError as exc:
+        raise ConfigInvalid("policy", str(exc)) from None
+    model_id = v["model_id"]
+    if model_id is not None and (not isinstance(model_id, str) or not model_id):
+        raise ConfigInvalid("model_id", "must be a non-empty string")
+
+    return ConnectorConfig(
+        role=role, deployment=Deployment(name, key), socket_dir=Path(os.path.normpath(socket_dir)),
+        source=_name("source", v["source"]),
+        sources=tuple(_name(f"sources[{i}]", s) for i, s in enumerate(sources)),
+        retain_bytes=retain, policy=settings,
+        load_timeout_s=_seconds("load_timeout_s", v["load_timeout_s"]),
+        lookup_timeout_s=_seconds("lookup_timeout_s", v["lookup_timeout_s"]),
+        lease_timeout_s=_seconds("lease_timeout_s", v["lease_timeout_s"]),
+        descriptor_ttl_s=_seconds("descriptor_ttl_s", v["descriptor_ttl_s"]),
+        model_id=model_id,
+    )

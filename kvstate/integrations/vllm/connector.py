@@ -1,0 +1,266 @@
+"""``KvStateConnector``: vLLM's KV connector API mapped onto kvstate. Imports vLLM.
+
+vLLM (0.32) builds one instance per process of an engine: the scheduler side in the
+EngineCore process (``role=SCHEDULER``) and the worker side in each TP rank's worker
+process (``role=WORKER``); the front end only uses the class methods (stats, Prometheus).
+This module is the only one of the integration that touches vLLM objects; it reads what
+it needs from them and hands plain values to :mod:`.scheduler_side`,
+:mod:`.decode_rank` and :mod:`.prefill_rank`.
+
+Errors: a wrong ``kv_connector_extra_config`` or an engine kvstate cannot serve (not the
+CPU backend, a hybrid or FP8 KV cache, pipeline parallelism) raises
+:class:`~kvstate.core.errors.ConfigInvalid` when the engine starts. After that nothing
+raises into the engine: a step hook that fails logs the error and fails its loads, which
+vLLM recomputes (with ``kv_load_failure_policy="recompute"``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import attrs
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvstate.core.errors import ConfigInvalid
+from kvstate.integrations.vllm.config import ConnectorConfig, parse
+from kvstate.integrations.vllm.hashing import Compat
+from kvstate.integrations.vllm.layout import TORCH_DTYPES, tensor_problem
+from kvstate.integrations.vllm.orders import StepOrders
+from kvstate.integrations.vllm.stats import Tally
+
+log = logging.getLogger(__name__)
+
+#: how long a worker step gives kvstate's threads the GIL while they have work (see get_finished)
+YIELD_S = 0.001
+
+T = TypeVar("T")
+
+
+@attrs.frozen
+class KvStateMetadata(KVConnectorMetadata):
+    """The step's orders, pickled to every worker."""
+
+    orders: StepOrders
+
+
+def _guarded(default: Callable[[], object]) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """Never raise into the engine from a step hook: log, and return ``default()``."""
+    def wrap(fn: Callable[..., T]) -> Callable[..., T]:
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> T:
+            try:
+                return fn(*args, **kwargs)
+            except Exception:
+                log.exception("kvstate connector: %s failed", fn.__name__)
+                return cast(T, default())  # the hook's "nothing happened" answer
+        return run
+    return wrap
+
+
+def compat_of(vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig) -> Compat:
+    """The engine's compatibility key, from its config (every process of the engine
+    computes the same); ConfigInvalid for an engine kvstate does not serve."""
+    import vllm
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        raise ConfigInvalid("platform", "kvstate's vLLM connector supports vLLM's CPU backend (the one tested)")
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size != 1:
+        raise ConfigInvalid("pipeline_parallel_size", "pipeline parallelism is not supported")
+    groups = kv_cache_config.kv_cache_groups
+    spec = groups[0].kv_cache_spec if len(groups) == 1 else None
+    if spec is None or type(spec).__name__ != "FullAttentionSpec":
+        raise ConfigInvalid("kv_cache_groups", "one full-attention KV cache group is supported (no hybrid, "
+                            f"sliding-window or MLA caches): {[type(g.kv_cache_spec).__name__ for g in groups]}")
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    dtype = TORCH_DTYPES.get(str(spec.dtype))
+    if dtype is None or cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
+        raise ConfigInvalid("cache_dtype", f"KV dtype {spec.dtype} ({cache_dtype}) is not supported")
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # private: how blocks are packed
+
+        isa = str(_get_attn_isa(spec.dtype, spec.block_size, spec.head_size))
+    except (ImportError, NotImplementedError) as exc:
+        raise ConfigInvalid("attention", f"cannot tell the CPU attention ISA: {exc}") from None
+    return Compat(model=cfg.model_id or str(vllm_config.model_config.model), dtype=dtype.value,
+                  block_size=int(spec.block_size), head_dim=int(spec.head_size), kv_heads=int(spec.num_kv_heads),
+                  layers=tuple(groups[0].layer_names), tp=int(parallel.tensor_parallel_size), isa=isa,
+                  engine=f"vllm-{vllm.__version__}")
+
+
+def _supported(request: Any) -> bool:
+    """Plain token prompts only: LoRA, multimodal inputs and prompt embeddings change the
+    KV without changing the token ids."""
+    return (request.lora_request is None and not request.mm_features and request.prompt_embeds is None
+            and request.prompt_token_ids is not None)
+
+
+class KvStateConnector(KVConnectorBase_V1):
+    """kvstate's KV connector; see docs/vllm.md. Enable it with ``KVTransferConfig(
+    kv_connector="KvStateConnector", kv_connector_module_path="kvstate.integrations.vllm",
+    kv_role=..., kv_connector_extra_config={...}, kv_load_failure_policy="recompute")``."""
+
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self._cfg = parse(transfer.kv_connector_extra_config, transfer.kv_role)
+        self._compat = compat_of(vllm_config, kv_cache_config, self._cfg)
+        self._engine_id = str(transfer.engine_id)
+        self._tally = Tally()
+        self._sched: Any = None
+        self._decode: Any = None
+        self._prefill: Any = None
+        self._load_errors: set[int] = set()
+        if role == KVConnectorRole.SCHEDULER:
+            from kvstate.integrations.vllm.scheduler_side import SchedulerSide
+
+            self._sched = SchedulerSide(self._cfg, self._compat, self._engine_id)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._rank = int(get_tensor_model_parallel_rank())
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a store dropped on preemption is a later miss
+
+    # -- worker side --------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        problem = tensor_problem(self._compat, kv_caches)
+        if problem is not None:
+            raise ConfigInvalid("kv_caches", problem)
+        caches = {name: kv_caches[name] for name in self._compat.layers}
+        if self._cfg.producer:
+            from kvstate.integrations.vllm.decode_rank import DecodeRank
+
+            self._decode = DecodeRank(self._cfg, self._compat, self._rank, caches, self._tally)
+        if self._cfg.consumer:
+            from kvstate.integrations.vllm.prefill_rank import PrefillRank
+
+            path = self._cfg.socket_dir / f"{self._cfg.coordinator_name(self._engine_id)}.sock"
+            self._prefill = PrefillRank(self._cfg, self._compat, self._rank, caches, self._tally, path)
+
+    @_guarded(lambda: None)
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if not isinstance(connector_metadata, KvStateMetadata):
+            return
+        for store in connector_metadata.orders.stores:
+            if self._decode is not None:
+                self._decode.store(store)
+        for load in connector_metadata.orders.loads:
+            if self._prefill is not None:
+                self._prefill.load(load)
+
+    @_guarded(lambda: None)
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self._prefill is not None:
+            self._prefill.progress()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are asynchronous: the request waits until they finished
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # stores run when a request finished, from its pages
+
+    def wait_for_save(self) -> None:
+        return None
+
+    @_guarded(lambda: (None, None))
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if any(part is not None and part.busy() for part in (self._decode, self._prefill)):
+            # vLLM's worker busy-polls its message queue with os.sched_yield, which releases
+            # the GIL and takes it straight back: kvstate's threads here (leases, imports,
+            # store completions) can starve for seconds on busy cores. A real sleep, only
+            # while they have work, hands them the GIL once per step.
+            time.sleep(YIELD_S)
+        sending = self._decode.finished(set(finished_req_ids)) if self._decode is not None else set()
+        recving: set[str] = set()
+        if self._prefill is not None:
+            recving, failed = self._prefill.finished()
+            self._load_errors |= failed
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def get_kv_connector_stats(self) -> Any:
+        data = (self._sched.tally if self._sched is not None else self._tally).take()
+        if not data:
+            return None
+        from kvstate.integrations.vllm.metrics import KvStateStats
+
+        return KvStateStats(data=data)
+
+    def shutdown(self) -> None:
+        for part in (self._sched, self._prefill, self._decode):
+            if part is not None:
+                try:
+                    part.close()
+                except Exception:
+                    log.exception("kvstate connector: shutdown of %s failed", type(part).__name__)
+
+    # -- scheduler side -----------------------------------------------------------------------------
+
+    @_guarded(lambda: (0, False))
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not _supported(request):
+            return 0, False
+        n = self._sched.match(request.request_id, request.all_token_ids, request.num_tokens, num_computed_tokens,
+                              request.cache_salt)
+        return n, n > 0
+
+    @_guarded(lambda: None)
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if num_external_tokens > 0:
+            self._sched.allocated(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        try:
+            return KvStateMetadata(self._sched.step_orders())
+        except Exception:
+            log.exception("kvstate connector: build_connector_meta failed")
+            return KvStateMetadata(StepOrders())
+
+    @_guarded(lambda: None)
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._sched.worker_output(sorted(connector_output.finished_recving or ()),
+                                  set(connector_output.invalid_block_ids or ()))
+
+    @_guarded(lambda: (False, None))
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._sched.request_done(request.request_id)
+        if not self._cfg.producer or not _supported(request):
+            return False, None
+        delay = self._sched.request_finished(request.request_id, request.all_token_ids, request.num_computed_tokens,
+                                             block_ids, request.cache_salt)
+        return delay, None
+
+    # -- front end ----------------------------------------------------------------------------------
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        from kvstate.integrations.vllm.metrics import KvStateStats
+
+        return KvStateStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: Any,
+                           per_engine_labelvalues: Any) -> Any:
+        from kvstate.integrations.vllm.metrics import KvStatePromMetrics
+
+        return KvStatePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,0 +1,220 @@
+"""The decode side of one TP rank, in its worker process: the rank's bank, its exporter,
+its inventory, and its link to the index.
+
+- At registration the rank builds a bank of the configured size (the engine's layout,
+  :mod:`.layout`), registers and advertises it, serves leases at a fixed socket name
+  (``<source>.r<rank>``), and connects to the index in its scheduler process (a thread
+  that retries until the scheduler side is up: vLLM builds workers first).
+- Each step's :class:`~.orders.StoreOrder`\\ s are submitted with ``Bank.store`` at once;
+  when a store finishes, its blocks are recorded in the inventory (what leases pin) and
+  reported to the index, and the request is reported finished so that vLLM frees its
+  pages only then (:meth:`DecodeRank.finished`).
+- The index's ``evict`` is answered with the keys the inventory dropped and those a lease
+  still pins (it asks again later).
+- Descriptors are re-advertised at half their time to live.
+
+Nothing here raises into the engine once registered: a failed store is reported failed
+(its blocks are not advertised) and its request still finishes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from kvstate import channel as chan
+from kvstate.core.errors import BlockBusy, ChannelError, ChannelTimeout, KvStateError, ProtocolError
+from kvstate.integrations.vllm import wire
+from kvstate.integrations.vllm.config import ConnectorConfig
+from kvstate.integrations.vllm.hashing import Compat, source_id
+from kvstate.integrations.vllm.layout import INVENTORY_GROUP, bank_blocks, bank_geometry
+from kvstate.integrations.vllm.orders import StoreOrder
+from kvstate.integrations.vllm.stats import Tally
+from kvstate.reuse.inventory import Inventory
+from kvstate.share.exporter import Bank, ExportConfig, Exporter
+from kvstate.share.transfer import TransferHandle
+from kvstate.transport.host import HostTransport
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 0.05
+
+
+class DecodeRank:
+    """See the module docstring."""
+
+    def __init__(self, cfg: ConnectorConfig, compat: Compat, rank: int, kv_caches: Mapping[str, Any],
+                 tally: Tally) -> None:
+        self.cfg, self.compat, self.rank, self.tally = cfg, compat, rank, tally
+        self.kv_caches = dict(kv_caches)
+        self.num_blocks = bank_blocks(compat, cfg.retain_bytes)
+        self.inventory = Inventory(budget_blocks=self.num_blocks)
+        self.inventory.clear(INVENTORY_GROUP)  # the group exists from epoch 1 on
+        self.exporter: Exporter[Any, Any, Any, Any, Any] = Exporter(
+            ExportConfig(cfg.deployment, cfg.socket_dir, source_id(cfg.deployment, cfg.source), compat.tp,
+                         lease_timeout_s=cfg.lease_timeout_s, descriptor_ttl_s=cfg.descriptor_ttl_s),
+            HostTransport(), name=cfg.exporter_name(rank), inventory=self.inventory)
+        self.bank: Bank[Any, Any, Any, Any, Any] = self.exporter.add_bank(rank, bank_geometry(compat, self.num_blocks))
+        self.bank.register()
+        self.bank.advertise()
+        self.exporter.start()
+        self._advertised_at = time.monotonic()
+        self._lock = threading.Lock()
+        self._pending: dict[str, int] = {}        # req id -> stores not finished on this rank
+        self._done: set[str] = set()              # stores finished, not yet reported to vLLM
+        self._announced: set[str] = set()         # vLLM named them finished (get_finished)
+        self._handles: list[TransferHandle] = []
+        self._outbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._link, name=f"kvstate-decode-r{rank}", daemon=True)
+        self._thread.start()
+
+    # -- stores -----------------------------------------------------------------------------
+
+    def store(self, order: StoreOrder) -> None:
+        with self._lock:
+            self._pending[order.req_id] = self._pending.get(order.req_id, 0) + 1
+        try:
+            handle = self.bank.store(self.kv_caches, list(order.src_blocks), list(order.slots))
+        except KvStateError as exc:
+            log.warning("kvstate: rank %d could not store %s: %s", self.rank, order.req_id, exc)
+            self._finish(order, frozenset(order.slots), 0)
+            return
+        with self._lock:
+            self._handles.append(handle)
+        handle.add_done_callback(lambda h: self._stored(order, h))
+
+    def _stored(self, order: StoreOrder, handle: TransferHandle) -> None:
+        result = handle.result()
+        failed = frozenset(order.slots) if result is None else result.failed_blocks
+        self._finish(order, failed, 0 if result is None else result.bytes)
+
+    def _finish(self, order: StoreOrder, failed_slots: frozenset[int], nbytes: int) -> None:
+        ok = [k for s, k in zip(order.slots, order.keys) if s not in failed_slots]
+        bad = [k for s, k in zip(order.slots, order.keys) if s in failed_slots]
+        if ok:
+            try:
+                kept = self.inventory.store(INVENTORY_GROUP, ok).not_retained
+            except KvStateError as exc:
+                log.error("kvstate: rank %d inventory refused stored blocks: %s", self.rank, exc)
+                kept = tuple(ok)
+            if kept:  # cannot happen while the index assigns at most num_blocks blocks
+                ok, bad = [k for k in ok if k not in kept], bad + list(kept)
+        self._outbox.put(wire.encode("stored", rank=self.rank, keys=ok, failed=bad))
+        self.tally.add("stores_ok" if not bad else "stores_failed")
+        self.tally.add("bytes_stored", nbytes)
+        with self._lock:
+            left = self._pending[order.req_id] - 1
+            if left:
+                self._pending[order.req_id] = left
+            else:
+                del self._pending[order.req_id]
+                self._done.add(order.req_id)
+
+    def finished(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests whose stores all finished on this rank and that vLLM has named finished
+        (it counts a request done once every rank reported it)."""
+        # done() may run a store's callback (_stored takes the lock): poll outside the lock.
+        with self._lock:
+            polled = list(self._handles)
+        ended = [h for h in polled if h.done()]
+        with self._lock:
+            self._handles = [h for h in self._handles if h not in ended]
+            self._announced |= finished_req_ids
+            out = self._done & self._announced
+            self._done -= out
+            self._announced -= out
+        for h in ended:
+            h.close()
+        return out
+
+    def busy(self) -> bool:
+        """Stores in flight, or importers connected (lease requests are served by threads)."""
+        with self._lock:
+            pending = bool(self._pending or self._handles)
+        return pending or self.exporter.connections() > 0
+
+    # -- the link to the index ----------------------------------------------------------------
+
+    def _link(self) -> None:
+        path = self.cfg.index_path(self.cfg.source)
+        while not self._stopping.is_set():
+            try:
+                ch = chan.connect(path, timeout=2.0, limits=wire.LIMITS)
+            except (ChannelError, OSError):
+                self._stopping.wait(RETRY_S)  # the scheduler side is not up yet
+                continue
+            try:
+                if not self._serve(ch):
+                    return  # refused for good (another rank holds ours, or an incompatible key)
+            except (ChannelError, ProtocolError) as exc:
+                if not self._stopping.is_set():
+                    log.info("kvstate: rank %d lost the index (%s); reconnecting", self.rank, exc)
+            finally:
+                ch.close()
+            self._stopping.wait(RETRY_S)
+
+    def _serve(self, ch: chan.Channel) -> bool:
+        epoch = self.inventory.epoch(INVENTORY_GROUP) or 0
+        ch.send(wire.encode("hello", rank=self.rank, tp=self.compat.tp, pid=os.getpid(), epoch=epoch,
+                            compat=self.compat.as_dict()), timeout=2.0)
+        with ch.recv(timeout=5.0) as msg:
+            answer = wire.decode(msg.payload, "welcome", "refused")
+        if answer["kind"] == "refused":
+            log.error("kvstate: the index refused rank %d: %s (%s)", self.rank, answer["reason"], answer["detail"])
+            return False
+        self._advertise(ch, again=False)
+        while not self._stopping.is_set():
+            while True:
+                try:
+                    ch.send(self._outbox.get_nowait(), timeout=2.0)
+                except queue.Empty:
+                    break
+            if time.monotonic() - self._advertised_at > self.cfg.descriptor_ttl_s / 2:
+                self._advertise(ch, again=True)
+            try:
+                msg = ch.recv(timeout=0.02)
+            except ChannelTimeout:
+                continue
+            with msg:
+                cmd = wire.decode(msg.payload, "evict")
+            self._evict(ch, cmd["keys"])
+        return True
+
+    def _advertise(self, ch: chan.Channel, again: bool) -> None:
+        if again:
+            self.bank.advertise()
+            self._advertised_at = time.monotonic()
+        ch.send(wire.encode("advertised", rank=self.rank, descriptor=self.exporter.descriptor(self.rank),
+                            generation=self.bank.generation), timeout=2.0)
+
+    def _evict(self, ch: chan.Channel, keys: list[int]) -> None:
+        removed, busy = [], []
+        for key in keys:
+            try:
+                self.inventory.remove(INVENTORY_GROUP, [key])
+                removed.append(key)
+            except BlockBusy:
+                busy.append(key)  # a lease pins it: the index asks again later
+        ch.send(wire.encode("removed", rank=self.rank, keys=removed, busy=busy), timeout=2.0)
+
+    # -- shutdown -------------------------------------------------------------------------------
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stopping.set()
+        self._thread.join(2.0)
+        with self._lock:
+            handles, self._handles = self._handles, []
+        for h in handles:
+            h.close()
+        self.exporter.stop()
+        try:
+            self.exporter.drain(timeout)
+        except KvStateError as exc:  # a prefill worker still holds a lease: its death ends it
+            log.warning("kvstate: rank %d bank not drained at shutdown: %s", self.rank, exc)
+

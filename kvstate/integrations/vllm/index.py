@@ -1,0 +1,371 @@
+"""The decode engine's index, in its scheduler process, and the prefill side's client.
+
+Theory of operation
+-------------------
+
+**Where the inventory lives.** A decode engine has one scheduler process (vLLM's
+EngineCore) and one worker process per TP rank. The index runs in the scheduler process,
+next to the :class:`~.slots.SlotTable`, which alone assigns bank blocks: lookups and block
+assignment are then one process and one lock, and every rank stores a prefix block in the
+same bank block. Each rank's exporter keeps its own
+:class:`~kvstate.reuse.inventory.Inventory` (what a prefill worker's lease re-validates and
+pins atomically, in that rank's process, under that rank's lease). The index drives those
+inventories in lockstep: a block is advertised only once every rank reported it stored,
+and a bank block is reused only once every rank confirmed its key removed (refused while
+leased). Rank 0 as home would make the other ranks' inventories follow a peer that may die
+first; the scheduler outlives its workers.
+
+**Peers.** Decode ranks connect (``hello``) and report; prefill schedulers connect and ask
+(``lookup``, ``descriptors``); see :mod:`.wire`. The index answers lookups only while every
+rank is connected and advertised descriptors of one generation.
+
+**Evictions.** When free bank blocks run low, the least recently used blocks stop being
+advertised and every rank is asked to drop their keys; a rank refuses a key a lease pins,
+and the index asks again every second until every rank dropped it.
+
+**The client.** :class:`IndexClient` keeps one connection per source (reconnecting after a
+failure) and caches the source's descriptors. A ``found`` reply names the generation of
+the descriptors it was computed under; the client fetches them again when that changes or
+when they near expiry. It does not carry the exporter's incarnation: a reply is never
+atomic with the exporters anyway (a decode engine may restart right after it), so the
+lease is the one authority on staleness. After a decode restart the first load with the
+old descriptors is refused (``stale_incarnation``), the connector drops the cache, and
+vLLM recomputes those blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from kvstate import channel as chan
+from kvstate.core.descriptor import decode as decode_descriptor
+from kvstate.core.errors import ChannelError, ChannelTimeout, DescriptorRejected, ProtocolError
+from kvstate.core.identity import Deployment
+from kvstate.integrations.vllm import wire
+from kvstate.integrations.vllm.hashing import HASH_BYTES, Compat
+from kvstate.integrations.vllm.slots import Reservation, SlotTable
+
+log = logging.getLogger(__name__)
+
+RETRY_EVICT_S = 1.0
+
+
+@attrs.define(eq=False)
+class _Rank:
+    rank: int
+    pid: int
+    epoch: int
+    channel: chan.Channel
+    send_lock: threading.Lock = attrs.Factory(threading.Lock)
+    descriptor: bytes | None = None
+    generation: int = 0
+
+
+class DecodeIndex:
+    """The decode engine's index (see the module docstring). ``capacity``: bank blocks
+    per rank, the same on every rank."""
+
+    def __init__(self, path: Path, compat: Compat, table: SlotTable, *, request_timeout_s: float = 2.0) -> None:
+        self.path = Path(path)
+        self.compat = compat
+        self.table = table
+        self.tp = compat.tp
+        self.request_timeout_s = request_timeout_s
+        self._ranks: dict[int, _Rank] = {}
+        self._lock = threading.Lock()
+        self._server: chan.Server | None = None
+        self._stopping = threading.Event()
+        self._timer: threading.Thread | None = None
+        self.lookups = 0
+
+    # -- life -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        chan.make_socket_dir(self.path.parent)
+        self._server = chan.Server(self.path, limits=wire.LIMITS, max_connections=256)
+        self._server.serve_in_thread(self._serve, name="kvstate-index")
+        self._timer = threading.Thread(target=self._retry_loop, name="kvstate-index-evict", daemon=True)
+        self._timer.start()
+
+    def close(self) -> None:
+        self._stopping.set()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        with self._lock:
+            ranks = list(self._ranks.values())
+        for r in ranks:
+            r.channel.close()
+        if self._timer is not None:
+            self._timer.join(2.0)
+            self._timer = None
+
+    def ready(self) -> bool:
+        """Every rank connected and advertised, all at one generation."""
+        with self._lock:
+            return self._ready()
+
+    def _ready(self) -> bool:
+        ranks = [self._ranks.get(r) for r in range(self.tp)]
+        if any(r is None or r.descriptor is None for r in ranks):
+            return False
+        return len({r.generation for r in ranks if r is not None}) == 1
+
+    # -- what the scheduler calls -------------------------------------------------------------
+
+    def reserve(self, hashes: Sequence[bytes]) -> list[Reservation]:
+        """Bank blocks for a finished request's prefix blocks (none while not ready)."""
+        if not self.ready():
+            return []
+        out = self.table.reserve(hashes)
+        keys = self.table.choose_evictions()
+        if keys:
+            self._broadcast(wire.encode("evict", keys=keys))
+        return out
+
+    # -- serving --------------------------------------------------------------------------------
+
+    def _serve(self, ch: chan.Channel) -> None:
+        try:
+            with ch.recv(timeout=self.request_timeout_s) as first:
+                msg = wire.decode(first.payload, "hello", "lookup", "descriptors")
+            if msg["kind"] == "hello":
+                self._serve_rank(ch, msg)
+            else:
+                self._serve_client(ch, msg)
+        except (ChannelError, ProtocolError) as exc:
+            if not self._stopping.is_set():
+                log.info("kvstate index: a connection ended: %s", exc)
+        finally:
+            ch.close()
+
+    def _refuse(self, ch: chan.Channel, reason: str, detail: str) -> None:
+        try:
+            ch.send(wire.encode("refused", reason=reason, detail=detail[:4000]), timeout=self.request_timeout_s)
+        except ChannelError:
+            pass
+
+    def _serve_rank(self, ch: chan.Channel, hello: dict[str, Any]) -> None:
+        rank, tp = hello["rank"], hello["tp"]
+        theirs = Compat.from_dict(hello["compat"])
+        problem = None
+        if tp != self.tp or not rank < tp:
+            problem = ("tp_mismatch", f"rank {rank} of tp {tp}; this decode engine has tp {self.tp}")
+        elif hello["pid"] != ch.peer.pid:
+            problem = ("pid", f"hello says pid {hello['pid']}, the socket says {ch.peer.pid}")
+        elif theirs is None:
+            problem = ("malformed", "unreadable compatibility key")
+        else:
+            problem = self.compat.mismatch(theirs)
+        link = _Rank(rank, hello["pid"], hello["epoch"], ch)
+        with self._lock:
+            if problem is None and rank in self._ranks:
+                problem = ("duplicate_rank", f"rank {rank} is connected (pid {self._ranks[rank].pid})")
+            if problem is None:
+                self._ranks[rank] = link
+        if problem is not None:
+            log.error("kvstate index: refusing decode rank %d: %s (%s)", rank, *problem)
+            self._refuse(ch, *problem)
+            return
+        try:
+            self._send(link, wire.encode("welcome", tp=self.tp))
+            while not self._stopping.is_set():
+                try:
+                    msg = ch.recv(timeout=0.25)
+                except ChannelTimeout:
+                    continue
+                with msg:
+                    report = wire.decode(msg.payload, "advertised", "stored", "removed")
+                if report["rank"] != rank:
+                    raise ProtocolError(f"rank {rank} reported for rank {report['rank']}")
+                self._on_report(link, report)
+        finally:
+            with self._lock:
+                if self._ranks.get(rank) is link:
+                    del self._ranks[rank]
+
+    def _on_report(self, link: _Rank, report: dict[str, Any]) -> None:
+        kind = report["kind"]
+        if kind == "advertised":
+            with self._lock:
+                link.descriptor, link.generation = report["descriptor"], report["generation"]
+        elif kind == "stored":
+            again = self.table.stored(link.rank, report["keys"]) + self.table.store_failed(link.rank, report["failed"])
+            if again:
+                self._broadcast(wire.encode("evict", keys=again))
+        else:
+            self.table.removed(link.rank, report["keys"])
+
+    def _serve_client(self, ch: chan.Channel, msg: dict[str, Any]) -> None:
+        while True:
+            ch.send(self._answer(msg), timeout=self.request_timeout_s)
+            while True:
+                if self._stopping.is_set():
+                    return
+                try:
+                    nxt = ch.recv(timeout=0.25)
+                except ChannelTimeout:
+                    continue
+                break
+            with nxt:
+                msg = wire.decode(nxt.payload, "lookup", "descriptors")
+
+    def _answer(self, msg: dict[str, Any]) -> bytes:
+        theirs = Compat.from_dict(msg["compat"])
+        if theirs is None:
+            return wire.encode("refused", reason="malformed", detail="unreadable compatibility key")
+        problem = self.compat.mismatch(theirs)
+        if problem is not None:
+            return wire.encode("refused", reason=problem[0], detail=problem[1])
+        with self._lock:
+            ready = self._ready()
+            ranks = [self._ranks[r] for r in range(self.tp)] if ready else []
+        if not ready:
+            return wire.encode("refused", reason="decode_not_ready",
+                               detail="not every decode rank is connected with descriptors of one generation")
+        if msg["kind"] == "descriptors":
+            return wire.encode("descriptor_set", descriptors=[r.descriptor for r in ranks])
+        self.lookups += 1
+        held = self.table.lookup(wire.split_hashes(msg["hashes"], HASH_BYTES))
+        return wire.encode("found", blocks=len(held), slots=[h.slot for h in held], keys=[h.key for h in held],
+                           epochs=[r.epoch for r in ranks], generation=ranks[0].generation)
+
+    # -- to the ranks ---------------------------------------------------------------------------
+
+    def _send(self, link: _Rank, payload: bytes) -> None:
+        try:
+            with link.send_lock:
+                link.channel.send(payload, timeout=self.request_timeout_s)
+        except ChannelError as exc:
+            log.warning("kvstate index: rank %d cannot be told (%s): closing its connection", link.rank, exc)
+            link.channel.close()
+
+    def _broadcast(self, payload: bytes) -> None:
+        with self._lock:
+            ranks = list(self._ranks.values())
+        for link in ranks:
+            self._send(link, payload)
+
+    def _retry_loop(self) -> None:
+        while not self._stopping.wait(RETRY_EVICT_S):
+            keys = self.table.evicting()
+            if keys:
+                self._broadcast(wire.encode("evict", keys=keys[:wire.MAX_BLOCKS]))
+
+
+# -- the prefill side ----------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Found:
+    """A lookup's answer: the first ``blocks`` prefix blocks are retained, in these bank
+    blocks under these inventory keys; ``epochs[r]`` is rank r's inventory epoch, all under
+    descriptors of ``generation``."""
+
+    blocks: int
+    slots: tuple[int, ...]
+    keys: tuple[int, ...]
+    epochs: tuple[int, ...]
+    generation: int
+
+
+@attrs.frozen
+class Refusal:
+    """No answer to use: ``reason`` is a short code (``unreachable``, ``timeout``,
+    ``protocol``, ``decode_not_ready``, ``tp_mismatch`` and the other compatibility
+    reasons)."""
+
+    reason: str
+    detail: str
+
+
+class IndexClient:
+    """One prefill scheduler's connection to one decode source's index (see the module
+    docstring). Not thread-safe: the scheduler calls it from its one thread."""
+
+    def __init__(self, path: Path, deployment: Deployment, timeout_s: float, *, refresh_before_s: float = 60.0) -> None:
+        self.path = Path(path)
+        self.deployment = deployment
+        self.timeout_s = timeout_s
+        self.refresh_before_s = refresh_before_s
+        self._ch: chan.Channel | None = None
+        self._descriptors: tuple[bytes, ...] | None = None
+        self._generation = -1
+        self._expires_ns = 0
+
+    def close(self) -> None:
+        if self._ch is not None:
+            self._ch.close()
+            self._ch = None
+
+    def _ask(self, payload: bytes) -> dict[str, Any] | Refusal:
+        for attempt in (0, 1):  # one reconnect: the index may have restarted since
+            if self._ch is None:
+                try:
+                    self._ch = chan.connect(self.path, timeout=self.timeout_s, limits=wire.LIMITS)
+                except (ChannelError, OSError) as exc:
+                    return Refusal("unreachable", str(exc))
+            ch = self._ch
+            try:
+                ch.send(payload, timeout=self.timeout_s)
+                with ch.recv(timeout=self.timeout_s) as msg:
+                    return wire.decode(msg.payload, "found", "descriptor_set", "refused")
+            except ChannelTimeout as exc:
+                self.close()  # a late answer must never be read as the next one's
+                return Refusal("timeout", str(exc))
+            except ProtocolError as exc:
+                self.close()
+                return Refusal("protocol", str(exc))
+            except ChannelError as exc:
+                self.close()
+                if attempt:
+                    return Refusal("unreachable", str(exc))
+        return Refusal("unreachable", "no answer")  # not reached
+
+    def lookup(self, compat: Compat, hashes: Sequence[bytes]) -> Found | Refusal:
+        reply = self._ask(wire.encode("lookup", compat=compat.as_dict(), hashes=b"".join(hashes[:wire.MAX_BLOCKS])))
+        if isinstance(reply, Refusal):
+            return reply
+        if reply["kind"] == "refused":
+            return Refusal(reply["reason"], reply["detail"])
+        if reply["kind"] != "found" or not reply["epochs"] or \
+                not len(reply["slots"]) == len(reply["keys"]) == reply["blocks"] <= len(hashes):
+            self.close()
+            return Refusal("protocol", f"malformed answer to a lookup: {reply!r:.100}")
+        return Found(reply["blocks"], tuple(reply["slots"]), tuple(reply["keys"]), tuple(reply["epochs"]),
+                     reply["generation"])
+
+    def descriptors(self, compat: Compat, generation: int) -> tuple[bytes, ...] | Refusal:
+        """The source's descriptors: the cached ones unless ``generation`` differs from
+        theirs or they expire within ``refresh_before_s``."""
+        if self._descriptors is not None and generation == self._generation \
+                and time.time_ns() + self.refresh_before_s * 1e9 < self._expires_ns:
+            return self._descriptors
+        reply = self._ask(wire.encode("descriptors", compat=compat.as_dict()))
+        if isinstance(reply, Refusal):
+            return reply
+        if reply["kind"] == "refused":
+            return Refusal(reply["reason"], reply["detail"])
+        if reply["kind"] != "descriptor_set" or not reply["descriptors"]:
+            self.close()
+            return Refusal("protocol", "malformed answer to a descriptor request")
+        try:
+            decoded = [decode_descriptor(d, self.deployment) for d in reply["descriptors"]]
+        except DescriptorRejected as exc:
+            return Refusal(exc.reason.value, str(exc))
+        self._descriptors = tuple(reply["descriptors"])
+        self._generation = decoded[0].generation
+        self._expires_ns = min(d.expires_at_ns for d in decoded)
+        return self._descriptors
+
+    def drop_descriptors(self) -> None:
+        """Forget the cached descriptors (a lease or the validation refused them)."""
+        self._descriptors = None
+        self._generation = -1

@@ -1,0 +1,61 @@
+"""The banks' geometry, derived from the compatibility key and checked against the KV
+tensors vLLM registers. Pure (tensors are read through their ``dtype`` and ``shape``).
+
+vLLM's CPU backend (0.32) gives each attention layer a tensor
+``[num_blocks, kv_heads, block_size, 2 * head_dim]``; every layer is a view of one buffer
+and a block ``T[b]`` is opaque bytes packed by the attention ISA. A bank has the same
+regions with its own number of blocks, so ``Bank.store`` and a load copy whole blocks.
+Any other layout (a GPU backend, a hybrid model) is refused, and the connector stays
+inactive on that engine: only the CPU layout is tested.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvstate.core import layouts
+from kvstate.core.geometry import DType, Geometry
+from kvstate.integrations.vllm.hashing import Compat
+
+#: torch dtype names -> kvstate dtypes (the KV dtypes vLLM's CPU backend uses).
+TORCH_DTYPES: Mapping[str, DType] = {"torch.bfloat16": DType.BF16, "torch.float16": DType.FP16,
+                                     "torch.float32": DType.FP32}
+
+#: The inventory group every rank's exporter records prefix blocks under.
+INVENTORY_GROUP = "vllm-prefix"
+
+
+def dtype_of(compat: Compat) -> DType:
+    return DType(compat.dtype)
+
+
+def block_bytes(compat: Compat) -> int:
+    """Bytes of one block in every layer of one rank."""
+    return len(compat.layers) * compat.kv_heads * compat.block_size * 2 * compat.head_dim * dtype_of(compat).itemsize
+
+
+def bank_blocks(compat: Compat, retain_bytes: int) -> int:
+    """Blocks a bank of ``retain_bytes`` holds (at least one)."""
+    return max(1, retain_bytes // block_bytes(compat))
+
+
+def bank_geometry(compat: Compat, num_blocks: int) -> Geometry:
+    return layouts.vllm_cpu(list(compat.layers), num_blocks=num_blocks, num_kv_heads=compat.kv_heads,
+                            block_size=compat.block_size, head_dim=compat.head_dim, dtype=dtype_of(compat))
+
+
+def tensor_problem(compat: Compat, kv_caches: Mapping[str, Any]) -> str | None:
+    """Why the registered tensors are not the layout ``compat`` describes, or None."""
+    if list(kv_caches) != list(compat.layers):
+        return f"layers {list(kv_caches)[:4]} registered, {list(compat.layers)[:4]} configured"
+    want = (compat.kv_heads, compat.block_size, 2 * compat.head_dim)
+    for name, t in kv_caches.items():
+        dtype = TORCH_DTYPES.get(str(getattr(t, "dtype", None)))
+        shape = tuple(getattr(t, "shape", ()))
+        if dtype is None or dtype.value != compat.dtype:
+            return f"{name}: dtype {getattr(t, 'dtype', None)}, configured {compat.dtype}"
+        if len(shape) != 4 or tuple(shape[1:]) != want:
+            return (f"{name}: shape {list(shape)}; the CPU layout [num_blocks, {want[0]}, {want[1]}, {want[2]}] "
+                    "is the one kvstate supports")
+    return None

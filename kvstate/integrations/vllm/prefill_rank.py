@@ -1,0 +1,169 @@
+"""The prefill side of one TP rank, in its worker process: a
+:class:`~kvstate.share.rank_worker.RankWorker` for this rank, and the loads of each step.
+
+- At registration a thread connects the rank's worker to the coordinator in the scheduler
+  process, retrying until it is up (vLLM builds workers before the scheduler).
+- Each :class:`~.orders.LoadOrder` waits for this rank's share of its group to be
+  ``ready`` (the coordinator says so only once every rank imported its part), then
+  scatters the bank blocks into the engine's pages with ``RankShare.load``.
+- Every order finishes, one way or the other, within ``load_timeout_s``: a load that
+  completed, or a failure (the group failed or was rejected, the share ended, the load
+  failed, the time ran out, this rank never connected). A failure names every page of the
+  order, which vLLM (``kv_load_failure_policy="recompute"``) then recomputes; the request
+  is reported finished either way (:meth:`PrefillRank.finished`).
+
+Loads are asynchronous in vLLM's sense: the request waits (``WAITING_FOR_REMOTE_KVS``)
+until every rank reported its load finished, so no forward pass reads a page while it
+loads and no per-layer wait is needed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from kvstate.core.errors import ChannelError, CoordinatorRefused, KvStateError
+from kvstate.integrations.vllm.config import ConnectorConfig
+from kvstate.integrations.vllm.hashing import Compat
+from kvstate.integrations.vllm.orders import LoadOrder
+from kvstate.integrations.vllm.stats import Tally
+from kvstate.share.rank_worker import RankWorker, WorkerConfig
+from kvstate.share.transfer import TransferHandle
+from kvstate.transport.host import HostTransport
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 0.05
+#: share states in which a load can no longer start
+_ENDED = ("draining", "quiescent", "closed", "rejected", "failed")
+
+
+@attrs.define(eq=False)
+class _Load:
+    order: LoadOrder
+    started: float
+    handle: TransferHandle | None = None
+
+
+class PrefillRank:
+    """See the module docstring."""
+
+    def __init__(self, cfg: ConnectorConfig, compat: Compat, rank: int, kv_caches: Mapping[str, Any],
+                 tally: Tally, coordinator_path: Path) -> None:
+        self.cfg, self.compat, self.rank, self.tally = cfg, compat, rank, tally
+        self.kv_caches = dict(kv_caches)
+        self.coordinator_path = coordinator_path
+        self.worker: RankWorker[Any, Any, Any, Any, Any] | None = None
+        self._loads: dict[str, _Load] = {}
+        self._finished: set[str] = set()
+        self._failed_blocks: set[int] = set()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._connect, name=f"kvstate-prefill-r{rank}", daemon=True)
+        self._thread.start()
+
+    def _connect(self) -> None:
+        config = WorkerConfig(self.cfg.deployment, self.rank, self.compat.tp, self.coordinator_path,
+                              request_timeout_s=max(self.cfg.load_timeout_s / 2, 1.0),
+                              reuse=self.cfg.policy)  # the importer enforces the same switches
+        while not self._stopping.is_set():
+            worker: RankWorker[Any, Any, Any, Any, Any] = RankWorker(config, HostTransport())
+            try:
+                worker.start()
+            except CoordinatorRefused as exc:
+                log.error("kvstate: the coordinator refused prefill rank %d: %s", self.rank, exc)
+                worker.close(timeout=0.0)
+                return
+            except (ChannelError, OSError):
+                worker.close(timeout=0.0)  # its importer's threads, else one set per retry
+                self._stopping.wait(RETRY_S)  # the scheduler side is not up yet
+                continue
+            self.worker = worker
+            return
+
+    # -- loads ------------------------------------------------------------------------------------
+
+    def load(self, order: LoadOrder) -> None:
+        self._loads[order.req_id] = _Load(order, time.monotonic())
+
+    def progress(self) -> None:
+        """Start the loads whose share is ready; finish those that ended either way."""
+        now = time.monotonic()
+        for req_id, load in list(self._loads.items()):
+            why = self._step(load, now)
+            if why is not None:
+                self._end(req_id, load, why)
+
+    def _step(self, load: _Load, now: float) -> str | None:
+        """None while the load goes on; "" once it completed; else why it failed."""
+        order = load.order
+        if order.gid is None:
+            return order.why or "not_started"
+        late = now - load.started > self.cfg.load_timeout_s
+        if load.handle is None:
+            worker = self.worker
+            if worker is None:
+                return "rank_not_connected" if late else None
+            share = worker.share(order.gid)
+            if share is not None and share.state == "ready":
+                try:
+                    load.handle = share.load(list(order.slots), self.kv_caches, list(order.dst_blocks))
+                except KvStateError as exc:
+                    return f"load_refused:{type(exc).__name__}"
+            elif share is not None and share.state in _ENDED:
+                return f"share_{share.state}"
+            elif late:
+                return "timeout"
+            else:
+                return None
+        handle = load.handle
+        if not handle.done():
+            if late:
+                handle.cancel()  # what has not started is cancelled; the rest completes
+            return None
+        result = handle.result()
+        if result is None or not result.ok:
+            return "load_failed"
+        self.tally.add("bytes_loaded", result.bytes)
+        return ""
+
+    def _end(self, req_id: str, load: _Load, why: str) -> None:
+        del self._loads[req_id]
+        if load.handle is not None:
+            load.handle.close()
+        self._finished.add(req_id)
+        self.tally.add("load_ms", 1000.0 * (time.monotonic() - load.started))
+        if why:
+            self._failed_blocks.update(load.order.dst_blocks)
+            self.tally.add("loads_failed")
+            log.warning("kvstate: rank %d load of %s failed (%s): %d block(s) to recompute", self.rank, req_id, why,
+                        len(load.order.dst_blocks))
+        else:
+            self.tally.add("loads_ok")
+            self.tally.add("tokens_loaded", len(load.order.dst_blocks) * self.compat.block_size)
+
+    def busy(self) -> bool:
+        """Loads in flight: this rank's threads (imports, leases) have work to do."""
+        return bool(self._loads)
+
+    def finished(self) -> tuple[set[str], set[int]]:
+        """Loads that ended since the last call, and the pages of those that failed."""
+        self.progress()
+        done, failed = self._finished, self._failed_blocks
+        self._finished, self._failed_blocks = set(), set()
+        return done, failed
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._thread.join(2.0)
+        for load in self._loads.values():
+            if load.handle is not None:
+                load.handle.close()
+        self._loads.clear()
+        if self.worker is not None:
+            self.worker.close()

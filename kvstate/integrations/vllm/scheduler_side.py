@@ -1,0 +1,345 @@
+"""The connector's scheduler side, in vLLM's EngineCore process: plain values in, step
+orders out. No vLLM import: :mod:`.connector` maps vLLM's calls onto these methods.
+
+Decode (``kv_producer``/``kv_both``): :meth:`SchedulerSide.request_finished` names the
+bank blocks for a finished request's full prefix blocks (:class:`~.slots.SlotTable`, in
+the :class:`~.index.DecodeIndex` this process serves) and orders every rank to store them;
+vLLM keeps the request's pages until every rank reported its stores finished.
+
+Prefill (``kv_consumer``/``kv_both``), per request:
+
+1. :meth:`SchedulerSide.match` (vLLM's ``get_num_new_matched_tokens``; it may be asked
+   again for the same request, so it only remembers its answer): the reuse policy decides
+   (off unless enabled), asking each decode source's index lazily within the lookup
+   budget; the chosen source's descriptors (cached) are validated as a group here, before
+   any load is promised. The answer is the tokens to load asynchronously.
+2. :meth:`SchedulerSide.allocated` (``update_state_after_alloc``): with vLLM's pages for
+   those tokens, the group import starts through the :class:`Coordinator` this process
+   hosts (it returns at once; every worker imports its own rank's part), or a live group
+   whose lease already pins those blocks is shared; a load order goes to the workers.
+3. :meth:`SchedulerSide.worker_output` (vLLM's aggregated ``finished_recving``): the
+   group is drained once no request uses it; a group that failed is counted by reason,
+   and the source's cached descriptors are dropped.
+
+Nothing here raises into the engine: every refusal is a miss or a rejection with a reason
+(:mod:`.stats`), and the blocks are recomputed.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Iterator, Sequence
+
+import attrs
+
+from kvstate.core.capabilities import MemoryKind
+from kvstate.core.descriptor import decode as decode_descriptor
+from kvstate.core.errors import DescriptorRejected, GroupFailed, GroupRejected, KvStateError
+from kvstate.core.validate import validate_group
+from kvstate.integrations.vllm.config import ConnectorConfig
+from kvstate.integrations.vllm.hashing import Compat, block_key, prefix_hashes, root
+from kvstate.integrations.vllm.index import DecodeIndex, Found, IndexClient, Refusal
+from kvstate.integrations.vllm.layout import INVENTORY_GROUP, bank_blocks
+from kvstate.integrations.vllm.orders import LoadOrder, StepOrders, StoreOrder
+from kvstate.integrations.vllm.slots import SlotTable
+from kvstate.integrations.vllm.stats import Tally
+from kvstate.reuse.policy import Candidate, DecisionReason, choose_transfer_source
+from kvstate.share.coordinator import CoordinatedGroup, Coordinator, CoordinatorConfig
+from kvstate.share.importer import BlockRequest
+
+log = logging.getLogger(__name__)
+
+#: how long a failed load's reason may take to reach the coordinator before it counts as load_failed
+REASON_WAIT_S = 2.0
+_LEASE_CODE = re.compile(r"lease refused \((\w+)\)")
+
+
+@attrs.frozen
+class _Match:
+    source: str
+    first: int                      # the first block to load (the local prefix cache has those before)
+    slots: tuple[int, ...]
+    keys: tuple[int, ...]
+    epochs: tuple[int, ...]
+    descriptors: tuple[bytes, ...]
+
+
+@attrs.define(eq=False)
+class _Group:
+    group: CoordinatedGroup
+    source: str
+    keys: frozenset[int]
+    users: int = 0
+
+
+@attrs.define(eq=False)
+class _Active:
+    """A request whose load was ordered, until every rank reported it finished."""
+
+    group: _Group
+    pages: frozenset[int]
+    failed: bool = False
+
+
+def failure_reason(group: CoordinatedGroup) -> str:
+    """Why a coordinated group ended without loading: the first worker rejection's reason,
+    the exporter's lease refusal code (``stale_incarnation``...), or the coordinator event."""
+    if group.rejections:
+        return str(group.rejections[0].reason.value)
+    failure = group.failure
+    if failure is None:
+        return group.state
+    code = _LEASE_CODE.search(failure.detail)
+    if code is not None:
+        return code.group(1)
+    if failure.event == "part_failed" and ("no server" in failure.detail or "closed" in failure.detail):
+        return "decode_gone"
+    return failure.event
+
+
+class SchedulerSide:
+    """See the module docstring. ``tp``: this engine's tensor-parallel size."""
+
+    def __init__(self, cfg: ConnectorConfig, compat: Compat, engine_id: str) -> None:
+        self.cfg, self.compat = cfg, compat
+        self.tally = Tally()
+        self.index: DecodeIndex | None = None
+        self.coordinator: Coordinator | None = None
+        self.clients: dict[str, IndexClient] = {}
+        self._stores: list[StoreOrder] = []
+        self._loads: list[LoadOrder] = []
+        self._matches: dict[str, _Match] = {}
+        self._active: dict[str, _Active] = {}     # req id -> its load
+        self._groups: list[_Group] = []
+        self._counted: set[str] = set()           # requests whose miss was counted
+        self._failed: set[str] = set()            # requests whose load failed: computed from then on
+        self._unexplained: list[tuple[str, _Group, float]] = []   # failed loads, reason not yet known
+        dep = cfg.deployment
+        if cfg.producer:
+            table = SlotTable(bank_blocks(compat, cfg.retain_bytes), compat.tp, lambda h, s: block_key(dep, h, s))
+            self.index = DecodeIndex(cfg.index_path(cfg.source), compat, table)
+            self.index.start()
+        if cfg.consumer:
+            self.coordinator = Coordinator(CoordinatorConfig(
+                dep, compat.tp, cfg.socket_dir, name=cfg.coordinator_name(engine_id),
+                phase_timeout_s=max(cfg.load_timeout_s / 2, 1.0)))
+            self.coordinator.start()
+            self.clients = {s: IndexClient(cfg.index_path(s), dep, cfg.lookup_timeout_s) for s in cfg.sources}
+
+    @property
+    def coordinator_path(self) -> str:
+        assert self.coordinator is not None
+        return str(self.coordinator.socket_path)
+
+    # -- decode ---------------------------------------------------------------------------------
+
+    def request_finished(self, req_id: str, tokens: Sequence[int], num_computed: int, block_ids: Sequence[int],
+                         salt: str | None) -> bool:
+        """Retain the request's full blocks; True when vLLM must keep its pages until the
+        workers report the stores finished."""
+        if self.index is None:
+            return False
+        bs = self.compat.block_size
+        full = min(min(num_computed, len(tokens)) // bs, len(block_ids))
+        if full == 0:
+            return False
+        hashes = prefix_hashes(self.cfg.deployment, root(self.cfg.deployment, self.compat, salt), tokens[:full * bs], bs)
+        reserved = self.index.reserve(hashes)
+        counts = self.index.table.counts()
+        self.tally.gauge("retained_blocks", counts["stored"])
+        self.tally.gauge("free_blocks", counts["free"])
+        if not reserved:
+            return False
+        self.tally.add("blocks_retained", len(reserved))
+        self._stores.append(StoreOrder(req_id, tuple(block_ids[r.index] for r in reserved),
+                                       tuple(r.slot for r in reserved), tuple(r.key for r in reserved)))
+        return True
+
+    # -- prefill --------------------------------------------------------------------------------
+
+    def _miss(self, req_id: str, reason: str) -> int:
+        if req_id not in self._counted:
+            self._counted.add(req_id)
+            self.tally.reason("misses", reason)
+        self._matches.pop(req_id, None)
+        return 0
+
+    def match(self, req_id: str, tokens: Sequence[int], num_tokens: int, local_tokens: int,
+              salt: str | None) -> int:
+        """Tokens beyond ``local_tokens`` to load for this prompt (0: compute them)."""
+        if self.coordinator is None:
+            return 0
+        settings, bs = self.cfg.policy, self.compat.block_size
+        if not settings.enable_decode_to_prefill_reuse:
+            return self._miss(req_id, DecisionReason.REUSE_DISABLED.value)
+        if req_id in self._failed:
+            return self._miss(req_id, "after_failed_load")  # vLLM asks again after a failure: compute
+        local, most = local_tokens // bs, (num_tokens - 1) // bs  # vLLM computes the last token itself
+        if most <= local:
+            return self._miss(req_id, "nothing_beyond_local")
+        hashes = prefix_hashes(self.cfg.deployment, root(self.cfg.deployment, self.compat, salt),
+                               tokens[:most * bs], bs)
+        found: dict[str, Found] = {}
+        refused: list[Refusal] = []
+
+        def candidates() -> Iterator[Candidate]:
+            for name, client in self.clients.items():
+                answer = client.lookup(self.compat, hashes)
+                self.tally.add("lookups")
+                if isinstance(answer, Refusal):
+                    refused.append(answer)
+                    continue
+                found[name] = answer
+                yield Candidate(name, answer.blocks, MemoryKind.HOST)
+
+        decision = choose_transfer_source(local, candidates(), settings, block_tokens=bs)
+        if not decision.recommended or decision.source is None:
+            reason = decision.reason.value
+            if decision.reason is DecisionReason.NO_ELIGIBLE_SOURCE and not found and refused:
+                reason = refused[0].reason  # why the lookups failed: unreachable, tp_mismatch, ...
+            return self._miss(req_id, reason)
+        name = decision.source.source_id
+        hit = found[name]
+        descriptors = self.clients[name].descriptors(self.compat, hit.generation)
+        if isinstance(descriptors, Refusal):
+            return self._miss(req_id, descriptors.reason)
+        problem = self._precheck(descriptors)
+        if problem is not None:
+            self.clients[name].drop_descriptors()
+            self.tally.reason("rejections", problem)
+            return self._miss(req_id, "rejected")
+        self._matches[req_id] = _Match(name, local, hit.slots[local:hit.blocks], hit.keys[local:hit.blocks],
+                                       hit.epochs, descriptors)
+        return (hit.blocks - local) * bs
+
+    def _precheck(self, descriptors: Sequence[bytes]) -> str | None:
+        """The whole group's validation, as the coordinator will do it: the first reason."""
+        assert self.coordinator is not None
+        try:
+            decoded = [decode_descriptor(d, self.cfg.deployment) for d in descriptors]
+            if len(decoded) != self.compat.tp or any(d.tp != self.compat.tp for d in decoded):
+                return "tp_mismatch"
+            validate_group(decoded, self.coordinator.expectation())
+        except DescriptorRejected as exc:
+            return str(exc.reason.value)
+        except GroupRejected as exc:
+            return str(exc.problems[0].reason.value) if exc.problems else "rejected"
+        return None
+
+    def allocated(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """vLLM allocated the request's pages (``block_ids``: all of them, in order)."""
+        m = self._matches.pop(req_id, None)
+        if m is None or num_external_tokens <= 0 or req_id in self._active:
+            return
+        bs = self.compat.block_size
+        n = num_external_tokens // bs
+        dst = tuple(block_ids[m.first:m.first + n])
+        if n != len(m.slots) or len(dst) != n or num_external_tokens % bs:
+            self._loads.append(LoadOrder(req_id, None, m.slots, dst, "block_mismatch"))
+            self.tally.reason("rejections", "block_mismatch")
+            return
+        shared = self._live_group(m)
+        if shared is None:
+            assert self.coordinator is not None
+            try:
+                group = self.coordinator.start_group(m.descriptors, blocks=BlockRequest(INVENTORY_GROUP, m.epochs,
+                                                                                        m.keys))
+            except (GroupRejected, GroupFailed) as exc:
+                why = exc.problems[0].reason.value if isinstance(exc, GroupRejected) and exc.problems else \
+                    getattr(exc, "event", "rejected")
+                return self._refused(req_id, m, dst, why)
+            except KvStateError as exc:
+                return self._refused(req_id, m, dst, type(exc).__name__)
+            shared = _Group(group, m.source, frozenset(m.keys))
+            self._groups.append(shared)
+        shared.users += 1
+        self._active[req_id] = _Active(shared, frozenset(dst))
+        self.tally.add("hits")
+        self.tally.add("tokens_matched", num_external_tokens)
+        self._loads.append(LoadOrder(req_id, shared.group.gid, m.slots, dst))
+
+    def _refused(self, req_id: str, m: _Match, dst: tuple[int, ...], why: str) -> None:
+        self.clients[m.source].drop_descriptors()
+        self._failed.add(req_id)
+        self.tally.reason("rejections", why)
+        log.warning("kvstate: load of %s from %r refused (%s): recomputing", req_id, m.source, why)
+        self._loads.append(LoadOrder(req_id, None, m.slots, dst, why))
+
+    def _live_group(self, m: _Match) -> _Group | None:
+        """A group of the same source whose lease already pins every block wanted."""
+        for g in self._groups:
+            if g.source == m.source and g.group.state in ("checking", "importing", "ready") \
+                    and g.keys.issuperset(m.keys):
+                return g
+        return None
+
+    def worker_output(self, finished: Sequence[str], invalid_pages: set[int]) -> None:
+        """What vLLM aggregated from the workers this step: loads every rank finished, and
+        pages some rank failed to load (possibly in an earlier step than the finish)."""
+        if invalid_pages:
+            for active in self._active.values():
+                active.failed = active.failed or not active.pages.isdisjoint(invalid_pages)
+        for req_id in finished:
+            self._counted.discard(req_id)
+            a = self._active.pop(req_id, None)
+            if a is None:
+                continue
+            g = a.group
+            g.users -= 1
+            if a.failed:
+                self._failed.add(req_id)
+                self.clients[g.source].drop_descriptors()
+                # A worker may report its failure before the coordinator recorded why: the
+                # reason is counted once known (or as load_failed after REASON_WAIT_S).
+                self._unexplained.append((req_id, g, time.monotonic() + REASON_WAIT_S))
+            if g.users == 0:
+                self._drain(g)
+        self._explain()
+
+    def _explain(self) -> None:
+        now, left = time.monotonic(), []
+        for req_id, g, deadline in self._unexplained:
+            known = g.group.failure is not None or bool(g.group.rejections)
+            if not known and now < deadline:
+                left.append((req_id, g, deadline))
+                continue
+            why = failure_reason(g.group) if known else "load_failed"
+            self.tally.reason("rejections", why)
+            detail = g.group.failure.detail if g.group.failure is not None else ""
+            log.warning("kvstate: load of %s from %r failed (%s%s): its blocks are recomputed", req_id, g.source, why,
+                        f": {detail}" if detail else "")
+        self._unexplained = left
+
+    def _drain(self, g: _Group) -> None:
+        group: CoordinatedGroup = g.group
+        with group.locked():
+            if group.may("drain"):
+                group.fire("drain")  # the workers drain and close their parts; nothing waits here
+        self._groups = [x for x in self._groups if x is not g]
+
+    def request_done(self, req_id: str) -> None:
+        """vLLM finished the request (its load, if any, still reports through worker_output)."""
+        self._matches.pop(req_id, None)
+        self._failed.discard(req_id)
+        if req_id not in self._active:
+            self._counted.discard(req_id)
+
+    # -- every step -----------------------------------------------------------------------------
+
+    def step_orders(self) -> StepOrders:
+        orders = StepOrders(tuple(self._stores), tuple(self._loads))
+        self._stores, self._loads = [], []
+        return orders
+
+    def pending(self) -> int:
+        return len(self._active)
+
+    def close(self) -> None:
+        if self.coordinator is not None:
+            self.coordinator.close()
+        for c in self.clients.values():
+            c.close()
+        if self.index is not None:
+            self.index.close()

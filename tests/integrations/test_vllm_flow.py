@@ -1,0 +1,241 @@
+"""The connector's two halves end to end without vLLM: a decode engine's scheduler side
+(index, slot table) and its ranks (banks, exporters, inventories), a prefill engine's
+scheduler side (policy, lookups, coordinator) and its ranks (rank workers, loads), all in
+this process on the host transport, with torch tensors in vLLM's CPU layout standing in
+for the engines' KV caches. What vLLM itself does around them runs in tests/vllm."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvstate.integrations.vllm import config as cfgmod
+from kvstate.integrations.vllm.decode_rank import DecodeRank
+from kvstate.integrations.vllm.hashing import Compat
+from kvstate.integrations.vllm.orders import StepOrders
+from kvstate.integrations.vllm.prefill_rank import PrefillRank
+from kvstate.integrations.vllm.scheduler_side import SchedulerSide
+from kvstate.integrations.vllm.stats import Tally
+
+BS, HD, HEADS, PAGES = 4, 8, 2, 64
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+ENV = {cfgmod.KEY_ENV: bytes(range(32)).hex()}
+POLICY = {"enable_decode_to_prefill_reuse": True, "minimum_transfer_prefix_blocks": 1,
+          "minimum_estimated_ttft_saving_ms": 0.0, "transfer_source_lookup_budget_ms": 2000.0,
+          "transfer_source_prefill_token_us": 1e6}  # the saving estimate counts the whole budget as lookup cost
+
+
+def wait_for(cond: Callable[[], Any], what: str, timeout: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.005)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def caches(seed: int | None) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed or 0)
+    out = {}
+    for name in LAYERS:
+        t = torch.randn(PAGES, HEADS, BS, 2 * HD, generator=g).to(torch.bfloat16)
+        out[name] = t if seed is not None else torch.zeros_like(t)
+    return out
+
+
+class Engine:
+    """One engine's scheduler side and its ranks."""
+
+    def __init__(self, role: str, extra: dict[str, Any], tp: int, name: str) -> None:
+        # A small bank: the default (256 MiB) of these tiny blocks is half a million slots.
+        self.cfg = cfgmod.parse({"retain_bytes": 16 * 2 * HEADS * BS * 2 * HD * 2, **extra}, role, ENV)
+        self.compat = Compat(model="tiny", dtype="bf16", block_size=BS, head_dim=HD, kv_heads=HEADS, layers=LAYERS,
+                             tp=tp, isa="vec", engine="test")
+        self.sched = SchedulerSide(self.cfg, self.compat, name)
+        self.tally = Tally()
+        self.tp = tp
+        self._sent: dict[str, int] = {}
+        self._loaded: dict[str, int] = {}
+        self.caches = [caches(r + 1 if self.cfg.producer else None) for r in range(tp)]
+        self.decode: list[DecodeRank] = []
+        self.prefill: list[PrefillRank] = []
+        if self.cfg.producer:
+            self.decode = [DecodeRank(self.cfg, self.compat, r, self.caches[r], self.tally) for r in range(tp)]
+            wait_for(lambda: self.sched.index is not None and self.sched.index.ready(), "decode index ready")
+        if self.cfg.consumer:
+            path = Path(self.sched.coordinator_path)
+            self.prefill = [PrefillRank(self.cfg, self.compat, r, self.caches[r], self.tally, path) for r in range(tp)]
+            assert self.sched.coordinator is not None
+            self.sched.coordinator.wait_for_workers(10.0)
+
+    def step(self, finished: set[str] = frozenset()) -> tuple[set[str], set[str], set[int]]:
+        """One engine step: orders to every rank, then what every rank finished."""
+        orders: StepOrders = self.sched.step_orders()
+        for r in self.decode:
+            for s in orders.stores:
+                r.store(s)
+        for p in self.prefill:
+            for order in orders.loads:
+                p.load(order)
+        # As vLLM's KVOutputAggregator: a request is finished once every rank reported it,
+        # counted across steps (ranks may report it in different steps).
+        sending = [r.finished(set(finished)) for r in self.decode]
+        loads = [p.finished() for p in self.prefill]
+        all_sent = self._count(self._sent, sending)
+        all_loaded = self._count(self._loaded, [d for d, _ in loads])
+        failed = set().union(*[f for _, f in loads]) if loads else set()
+        self.sched.worker_output(sorted(all_loaded), failed)
+        return all_sent, all_loaded, failed
+
+    def _count(self, seen: dict[str, int], reports: list[set[str]]) -> set[str]:
+        for report in reports:
+            for req in report:
+                seen[req] = seen.get(req, 0) + 1
+        done = {req for req, n in seen.items() if n == self.tp}
+        for req in done:
+            del seen[req]
+        return done
+
+    def close(self) -> None:
+        for p in self.prefill:
+            p.close()
+        for r in self.decode:
+            r.close()
+        self.sched.close()
+
+
+@pytest.fixture
+def sockets(tmp_path: Path) -> Path:
+    d = tmp_path / "s"
+    return d
+
+
+def finish(decode: Engine, req: str, tokens: list[int], pages: list[int]) -> None:
+    assert decode.sched.request_finished(req, tokens, len(tokens), pages, None)
+    wait_for(lambda: req in decode.step({req})[0], f"stores of {req}")
+    index = decode.sched.index
+    assert index is not None
+    wait_for(lambda: index.table.counts()["storing"] == 0, "every rank reported its stores")
+
+
+def load(prefill: Engine, req: str, prompt: list[int], pages: list[int]) -> tuple[int, set[int]]:
+    n = prefill.sched.match(req, prompt, len(prompt), 0, None)
+    if n == 0:
+        print("miss", prefill.sched.tally.take())
+        return 0, set()
+    prefill.sched.allocated(req, pages, n)
+    failed: set[int] = set()
+
+    def done() -> bool:
+        _, loaded, f = prefill.step()
+        failed.update(f)
+        return req in loaded
+    try:
+        wait_for(done, f"load of {req}", 30.0)
+    except AssertionError:
+        groups = [(g.group.gid, g.group.state, g.group.failure) for g in prefill.sched._groups]
+        shares = [(p.worker is not None, p._loads, p.worker and [(s.gid, s.state) for s in p.worker.shares.values()])
+                  for p in prefill.prefill]
+        raise AssertionError(f"{groups} {shares}") from None
+    return n, failed
+
+
+@pytest.fixture(params=[1, 2], ids=["tp1", "tp2"])
+def pair(request: pytest.FixtureRequest, sockets: Path) -> Iterator[tuple[Engine, Engine]]:
+    tp = request.param
+    common = {"socket_dir": str(sockets), "retain_bytes": 16 * 2 * HEADS * BS * 2 * HD * 2}
+    decode = Engine("kv_producer", common, tp, "decode-engine")
+    prefill = Engine("kv_consumer", {**common, "policy": POLICY}, tp, "prefill-engine")
+    yield decode, prefill
+    prefill.close()
+    decode.close()
+
+
+def test_a_finished_requests_blocks_load_into_another_engines_pages(pair: tuple[Engine, Engine]) -> None:
+    decode, prefill = pair
+    tokens = list(range(1000, 1019))                       # 4 full blocks and 3 tokens
+    src = [9, 3, 40, 17, 22]
+    finish(decode, "d1", tokens, src)
+    prompt = tokens[:18] + [5, 6, 7, 8, 9, 10]             # shares the 4 full blocks
+    dst = [30, 31, 2, 60, 61, 62, 63]
+    n, failed = load(prefill, "p1", prompt, dst)
+    assert (n, failed) == (4 * BS, set())
+    for rank in range(len(decode.decode)):
+        for layer in LAYERS:
+            for s, d in zip(src[:4], dst[:4]):
+                assert torch.equal(prefill.caches[rank][layer][d], decode.caches[rank][layer][s])
+            assert not prefill.caches[rank][layer][dst[4]].any()   # nothing beyond the shared blocks
+    counted = prefill.sched.tally.take()
+    assert counted["hits"] == 1 and counted["tokens_matched"] == 4 * BS
+    ranks = prefill.tally.take()
+    assert ranks["loads_ok"] == len(prefill.prefill) and ranks["tokens_loaded"] == 4 * BS * len(prefill.prefill)
+
+
+def test_only_the_shared_blocks_load_and_the_local_cache_is_respected(pair: tuple[Engine, Engine]) -> None:
+    decode, prefill = pair
+    tokens = list(range(2000, 2017))
+    finish(decode, "d1", tokens, [1, 2, 3, 4, 5])
+    prompt = tokens[:8] + [1] * 9                          # two blocks shared
+    assert prefill.sched.match("p1", prompt, len(prompt), 0, None) == 2 * BS
+    assert prefill.sched.match("p2", prompt, len(prompt), BS, None) == BS   # block 0 is in the local cache
+    assert prefill.sched.match("p3", prompt, len(prompt), 2 * BS, None) == 0
+    assert prefill.sched.tally.take()["misses"] == {"no_eligible_source": 1}   # the source holds no more
+
+
+def test_policy_off_asks_nobody(sockets: Path) -> None:
+    decode = Engine("kv_producer", {"socket_dir": str(sockets)}, 1, "d")
+    prefill = Engine("kv_consumer", {"socket_dir": str(sockets)}, 1, "p")
+    try:
+        tokens = list(range(100, 117))
+        finish(decode, "d1", tokens, [1, 2, 3, 4, 5])
+        assert prefill.sched.match("p1", tokens, len(tokens), 0, None) == 0
+        counted = prefill.sched.tally.take()
+        assert counted == {"misses": {"reuse_disabled": 1}}
+        assert decode.sched.index is not None and decode.sched.index.lookups == 0
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_heterogeneous_tp_is_refused_by_name(sockets: Path) -> None:
+    decode = Engine("kv_producer", {"socket_dir": str(sockets)}, 2, "d")
+    prefill = Engine("kv_consumer", {"socket_dir": str(sockets), "policy": POLICY}, 1, "p")
+    try:
+        tokens = list(range(100, 117))
+        finish(decode, "d1", tokens, [1, 2, 3, 4, 5])
+        assert prefill.sched.match("p1", tokens, len(tokens), 0, None) == 0
+        assert prefill.sched.tally.take()["misses"] == {"tp_mismatch": 1}
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_dead_decode_is_a_miss_and_a_restarted_one_refuses_old_descriptors(sockets: Path) -> None:
+    common = {"socket_dir": str(sockets)}
+    decode = Engine("kv_producer", common, 1, "d")
+    prefill = Engine("kv_consumer", {**common, "policy": POLICY}, 1, "p")
+    try:
+        tokens = list(range(300, 317))
+        finish(decode, "d1", tokens, [1, 2, 3, 4, 5])
+        assert load(prefill, "p1", tokens, [10, 11, 12, 13, 14]) == (4 * BS, set())
+        decode.close()
+        assert prefill.sched.match("p2", tokens, len(tokens), 0, None) == 0
+        # in one process the index outlives its ranks by a moment; a killed engine is "unreachable"
+        assert prefill.sched.tally.take()["misses"] in ({"unreachable": 1}, {"decode_not_ready": 1})
+        decode = Engine("kv_producer", common, 1, "d")     # a new incarnation at the same paths
+        finish(decode, "d2", tokens, [7, 8, 9, 10, 11])
+        n, failed = load(prefill, "p3", tokens, [20, 21, 22, 23, 24])
+        assert n == 4 * BS and failed == {20, 21, 22, 23}  # loaded with the cached, stale descriptors
+        counted = wait_for(lambda: prefill.step() and prefill.sched.tally.take().get("rejections"), "the reason")
+        assert counted == {"stale_incarnation": 1}
+        assert load(prefill, "p4", tokens, [30, 31, 32, 33, 34]) == (4 * BS, set())   # fetched anew
+        assert torch.equal(prefill.caches[0][LAYERS[1]][33], decode.caches[0][LAYERS[1]][10])
+    finally:
+        prefill.close()
+        decode.close()

@@ -1,0 +1,255 @@
+"""The vLLM connector's parts that need no vLLM: settings, hashing, the slot table, the
+index protocol, the counters. (tests/vllm runs the connector in real engines.)"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import attrs
+import pytest
+
+from kvstate.core.errors import ConfigInvalid, ProtocolError
+from kvstate.core.identity import Deployment
+from kvstate.integrations.vllm import config as cfgmod
+from kvstate.integrations.vllm import stats, wire
+from kvstate.integrations.vllm.hashing import Compat, block_key, prefix_hashes, root, source_id
+from kvstate.integrations.vllm.layout import bank_blocks, bank_geometry, block_bytes, tensor_problem
+from kvstate.integrations.vllm.slots import SlotTable
+
+KEY = bytes(range(32))
+ENV = {cfgmod.KEY_ENV: KEY.hex()}
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "vllm.md"
+
+
+BASE = Compat(model="tiny", dtype="bf16", block_size=4, head_dim=8, kv_heads=2, layers=("l0", "l1"), tp=1,
+              isa="vec", engine="vllm-0.32.0")
+
+
+def compat(**kw: object) -> Compat:
+    return attrs.evolve(BASE, **kw)
+
+
+def reason(a: Compat, b: Compat) -> str | None:
+    found = a.mismatch(b)
+    return None if found is None else found[0]
+
+
+# -- settings ----------------------------------------------------------------------------------
+
+
+def test_defaults_keep_reuse_off_and_need_a_key() -> None:
+    c = cfgmod.parse({}, "kv_consumer", ENV)
+    assert not c.policy.enable_decode_to_prefill_reuse
+    assert c.consumer and not c.producer and c.sources == ("decode",)
+    assert c.socket_dir == Path(f"/tmp/kvstate-{os.getuid()}-kvstate")
+    with pytest.raises(ConfigInvalid) as e:
+        cfgmod.parse({}, "kv_producer", {})
+    assert e.value.field == "deployment_key_file"
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"nope": 1}, "nope"),
+    ({"retain_bytes": 0}, "retain_bytes"),
+    ({"retain_bytes": True}, "retain_bytes"),
+    ({"sources": []}, "sources"),
+    ({"sources": ["a/b"]}, "sources[0]"),
+    ({"socket_dir": "relative"}, "socket_dir"),
+    ({"load_timeout_s": -1}, "load_timeout_s"),
+    ({"policy": {"enable_decode_to_prefill_reuse": "maybe"}}, "policy"),
+    ({"policy": {"unknown_setting": 1}}, "policy"),
+    ({"deployment": ""}, "deployment"),
+])
+def test_every_bad_key_is_refused_by_name(extra: dict[str, object], field: str) -> None:
+    with pytest.raises(ConfigInvalid) as e:
+        cfgmod.parse(extra, "kv_both", ENV)
+    assert e.value.field == field
+
+
+def test_role_must_be_vllms() -> None:
+    with pytest.raises(ConfigInvalid):
+        cfgmod.parse({}, "kv_decoder", ENV)
+
+
+def test_key_file_must_be_private(tmp_path: Path) -> None:
+    f = tmp_path / "key"
+    f.write_text(KEY.hex())
+    f.chmod(0o644)
+    with pytest.raises(ConfigInvalid, match="grant group"):
+        cfgmod.parse({"deployment_key_file": str(f)}, "kv_both", {})
+    f.chmod(0o600)
+    assert cfgmod.parse({"deployment_key_file": str(f)}, "kv_both", {}).deployment.key == KEY
+    f.write_bytes(KEY[:31])
+    with pytest.raises(ConfigInvalid, match="32 raw bytes"):
+        cfgmod.parse({"deployment_key_file": str(f)}, "kv_both", {})
+
+
+def test_policy_enables_reuse() -> None:
+    c = cfgmod.parse({"policy": {"enable_decode_to_prefill_reuse": True}}, "kv_consumer", ENV)
+    assert c.policy.enable_decode_to_prefill_reuse
+
+
+def test_docs_list_every_key_and_counter_with_its_default() -> None:
+    text = DOCS.read_text(encoding="utf-8")
+    for key in cfgmod.KEYS:
+        assert re.search(rf"^\| `{key}` \|", text, re.M), f"docs/vllm.md lacks the key {key}"
+    for name in [*stats.COUNTERS, *stats.GROUPS]:
+        assert f"`{name}`" in text, f"docs/vllm.md lacks the counter {name}"
+
+
+# -- hashing -------------------------------------------------------------------------------------
+
+
+def test_prefix_hashes_chain_like_a_prefix_cache() -> None:
+    dep = Deployment("d", KEY)
+    r = root(dep, compat())
+    toks = list(range(100, 118))                 # 4 full blocks of 4, and 2 tokens
+    hs = prefix_hashes(dep, r, toks, 4)
+    assert len(hs) == 4 and len(set(hs)) == 4
+    changed = toks.copy()
+    changed[9] += 1                              # block 2
+    hc = prefix_hashes(dep, r, changed, 4)
+    assert hc[:2] == hs[:2] and not set(hc[2:]) & set(hs)
+    assert prefix_hashes(dep, r, toks[:9], 4) == hs[:2]   # a shorter prompt shares the prefix
+
+
+def test_hashes_are_keyed_salted_and_compat_bound() -> None:
+    dep = Deployment("d", KEY)
+    toks = list(range(8))
+    base = prefix_hashes(dep, root(dep, compat()), toks, 4)
+    others = [
+        prefix_hashes(Deployment("d", bytes(32)), root(Deployment("d", bytes(32)), compat()), toks, 4),
+        prefix_hashes(dep, root(dep, compat(), salt="tenant"), toks, 4),
+        prefix_hashes(dep, root(dep, compat(tp=2)), toks, 4),
+        prefix_hashes(dep, root(dep, compat(model="other")), toks, 4),
+    ]
+    for o in others:
+        assert not set(o) & set(base)
+    assert block_key(dep, base[0], 1) != block_key(dep, base[0], 2)
+    assert 0 <= block_key(dep, base[0], 1) < 2**64
+    assert source_id(dep, "decode") != source_id(dep, "decode2") and len(source_id(dep, "decode")) == 16
+
+
+def test_compat_mismatch_names_the_reason_tp_first() -> None:
+    a = compat()
+    assert reason(a, compat()) is None
+    assert reason(a, compat(tp=2, dtype="fp32")) == "tp_mismatch"
+    assert reason(a, compat(dtype="fp32")) == "dtype"
+    assert reason(a, compat(isa="amx")) == "attention_isa"
+    assert reason(a, compat(layers=("l0",))) == "geometry"
+    assert Compat.from_dict(a.as_dict()) == a
+    for bad in ({}, {**a.as_dict(), "tp": "2"}, {**a.as_dict(), "layers": "l0"}, {**a.as_dict(), "x": 1}):
+        assert Compat.from_dict(bad) is None
+
+
+def test_bank_geometry_matches_the_cpu_layout() -> None:
+    c = compat()
+    assert block_bytes(c) == 2 * 2 * 4 * 16 * 2
+    assert bank_blocks(c, 10 * block_bytes(c) + 1) == 10 and bank_blocks(c, 1) == 1
+    g = bank_geometry(c, 10)
+    assert g.names == ("l0", "l1") and g.block_bytes == block_bytes(c)
+
+    class T:
+        def __init__(self, dtype: str, shape: tuple[int, ...]) -> None:
+            self.dtype, self.shape = dtype, shape
+
+    good = {"l0": T("torch.bfloat16", (64, 2, 4, 16)), "l1": T("torch.bfloat16", (64, 2, 4, 16))}
+    assert tensor_problem(c, good) is None
+    assert "dtype" in str(tensor_problem(c, {**good, "l1": T("torch.float16", (64, 2, 4, 16))}))
+    assert "CPU layout" in str(tensor_problem(c, {**good, "l1": T("torch.bfloat16", (2, 64, 4, 2, 8))}))
+    assert "layers" in str(tensor_problem(c, {"l0": good["l0"]}))
+
+
+# -- the slot table ------------------------------------------------------------------------------
+
+
+def table(capacity: int = 8, tp: int = 2) -> SlotTable:
+    return SlotTable(capacity, tp, lambda h, s: int.from_bytes(h[:4], "little") * 1000 + s)
+
+
+def H(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def test_a_block_is_advertised_only_once_every_rank_stored_it() -> None:
+    t = table()
+    res = t.reserve([H(1), H(2), H(3)])
+    assert [r.index for r in res] == [0, 1, 2] and len({r.slot for r in res}) == 3
+    assert t.lookup([H(1)]) == []                       # storing: not advertised
+    keys = [r.key for r in res]
+    t.stored(0, keys)
+    assert t.lookup([H(1)]) == []                       # rank 1 has not stored yet
+    t.stored(1, keys)
+    assert [h.slot for h in t.lookup([H(1), H(2), H(3), H(4)])] == [r.slot for r in res]
+    assert [h.slot for h in t.lookup([H(1), H(9), H(3)])] == [res[0].slot]   # a prefix only
+    assert t.reserve([H(1), H(2), H(4)])[0].index == 2  # retained blocks are not stored again
+
+
+def test_a_store_that_failed_on_one_rank_is_removed_where_it_succeeded() -> None:
+    t = table()
+    (r,) = t.reserve([H(1)])
+    assert t.stored(0, [r.key]) == []
+    assert t.store_failed(1, [r.key]) == [r.key]        # rank 0 must drop it
+    assert t.lookup([H(1)]) == [] and t.counts()["evicting"] == 1
+    t.removed(0, [r.key])
+    assert t.counts() == {"capacity": 8, "free": 8, "storing": 0, "stored": 0, "evicting": 0}
+
+
+def test_a_bank_block_is_reused_only_after_every_rank_dropped_its_key() -> None:
+    t = table(capacity=4, tp=2)
+    first = t.reserve([H(i) for i in range(4)])
+    for rank in (0, 1):
+        t.stored(rank, [r.key for r in first])
+    t.lookup([H(2), H(3)]) and t.lookup([H(0)])         # recency: 1 is the least recently used
+    assert t.reserve([H(10)]) == []                     # full: nothing stored, nothing evicted
+    victims = t.choose_evictions()
+    assert victims == [first[1].key] and t.lookup([H(1)]) == []
+    t.removed(0, victims)                                # rank 1 still holds it (a lease)
+    assert t.reserve([H(10)]) == [] and t.evicting() == victims
+    t.removed(1, victims)
+    (again,) = t.reserve([H(10)])
+    assert again.slot == first[1].slot and again.key != first[1].key   # a new key for the old block
+
+
+def test_storing_blocks_are_never_evicted() -> None:
+    t = table(capacity=2, tp=1)
+    t.reserve([H(1), H(2)])
+    assert t.choose_evictions() == []
+
+
+def test_reserve_stops_at_the_first_block_without_room() -> None:
+    t = table(capacity=2, tp=1)
+    assert [r.index for r in t.reserve([H(1), H(2), H(3)])] == [0, 1]
+
+
+# -- the protocol and the counters --------------------------------------------------------------
+
+
+def test_messages_are_checked_field_by_field() -> None:
+    payload = wire.encode("found", blocks=1, slots=[3], keys=[2**63], epochs=[1], generation=1)
+    assert wire.decode(payload, "found")["keys"] == [2**63]
+    for kind, fields in [("found", {"blocks": 1}), ("nope", {}),
+                         ("evict", {"keys": [-1]}), ("evict", {"keys": [2**64]}), ("stored", {"rank": 0, "keys": [],
+                                                                                              "failed": "x"})]:
+        with pytest.raises(ProtocolError):
+            wire.encode(kind, **fields)
+    with pytest.raises(ProtocolError):
+        wire.decode(payload, "refused")
+    with pytest.raises(ProtocolError):
+        wire.split_hashes(b"x" * 17, 16)
+    assert wire.split_hashes(b"a" * 16 + b"b" * 16, 16) == [b"a" * 16, b"b" * 16]
+
+
+def test_counters_merge_across_ranks_and_flatten() -> None:
+    a = {"hits": 1, "misses": {"unreachable": 2}, "gauges": {"free_blocks": 5}}
+    b = {"hits": 2, "misses": {"unreachable": 1, "tp_mismatch": 1}, "gauges": {"free_blocks": 3}, "bytes_loaded": 10}
+    m = stats.merge(a, b)
+    assert m == {"hits": 3, "misses": {"unreachable": 3, "tp_mismatch": 1}, "gauges": {"free_blocks": 3},
+                 "bytes_loaded": 10}
+    assert a["misses"] == {"unreachable": 2}            # inputs are not changed
+    assert stats.flatten(m)["misses.tp_mismatch"] == 1.0
+    t = stats.Tally()
+    t.add("hits")
+    t.reason("rejections", "timeout")
+    assert t.take() == {"hits": 1, "rejections": {"timeout": 1}} and t.take() == {}

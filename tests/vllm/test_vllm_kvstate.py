@@ -1,0 +1,185 @@
+"""kvstate's connector between real vLLM engines alive at once: a decode engine
+(``kv_both`` with reuse off, the default) retains finished requests' KV in its bank and
+serves it, and is the plain reference for prompts the session's plain engines did not run
+(it never loads); a prefill engine (``kv_consumer``, reuse on) loads it.
+
+The tests run in file order on one set of engines (module fixture): reuse, policy off,
+partial prefix, the corrupted-bank control, the decode engine killed before a load and
+restarted (stale descriptors), and killed during a load. Every prefill generation starts
+from an empty local prefix cache, so that any reuse is kvstate's."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from enginekit import evidence
+from enginekit import kvstate_kit as kit
+from enginekit.memory import MemorySampler
+from enginekit.runner import Engine, Generation, start_all
+from enginekit.suite import MAX_TOKENS, PROMPT_LENGTHS, Engines, Run, prompts
+
+BS = 32
+
+
+def loadable(lengths: tuple[int, ...]) -> list[int]:
+    """Tokens a prefill engine loads per prompt: full blocks before the last token."""
+    return [(n - 1) // BS * BS for n in lengths]
+
+
+@dataclass
+class Pair:
+    box: Engines
+    sockets: Path
+    model: str
+    decode: Engine
+    prefill: Engine
+    produced: dict[str, Generation] = field(default_factory=dict)
+
+    def fresh(self, engine: Engine, batch: list[list[int]]) -> Generation:
+        assert engine.reset_prefix_cache()
+        return engine.generate(batch, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def pair(model_dir: Path, memory: MemorySampler, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    work = tmp_path_factory.mktemp("kvstate")
+    sockets = kit.socket_dir(work)
+    box = Engines(work, memory)
+    try:
+        decode, prefill = start_all([
+            box.make("decode", kit.spec(str(model_dir), "kv_both", sockets)),
+            box.make("prefill", kit.spec(str(model_dir), "kv_consumer", sockets, policy=kit.POLICY_ON)),
+        ])
+        yield Pair(box, sockets, str(model_dir), decode, prefill)
+    finally:
+        leaks = box.close_all()
+        shutil.rmtree(sockets, ignore_errors=True)
+    assert not leaks, leaks
+
+
+def test_reuse_gives_a_plain_engines_tokens_and_computes_only_the_rest(pair: Pair, plain_pair: Run) -> None:
+    batch = prompts()
+    pair.produced["a"] = kit.produce(pair.decode, batch, MAX_TOKENS)
+    got = pair.fresh(pair.prefill, batch)
+    assert got.tokens == plain_pair.generations["a"].tokens
+    assert got.finish_reasons == ["length"] * len(batch)
+    expected = loadable(PROMPT_LENGTHS)
+    assert evidence.reuse(got).external_problems(expected) == []
+    c = kit.counters(got)
+    assert c.get("hits") == len(batch) and c.get("tokens_matched") == sum(expected), c
+    assert c.get("loads_ok") == len(batch) and c.get("tokens_loaded") == sum(expected), c
+    assert c.get("bytes_loaded", 0) > 0 and c.get("load_ms", 0) > 0, c
+    assert not any(k.startswith(("loads_failed", "rejections", "misses")) for k in c), c
+    computed = evidence.reuse(got).by_source["local_compute"]
+    assert computed == sum(PROMPT_LENGTHS) - sum(expected), computed
+
+
+def test_with_the_policy_off_nothing_is_asked_or_loaded(pair: Pair, plain_pair: Run) -> None:
+    got = pair.fresh(pair.decode, prompts())          # it retained them, and would not load them
+    assert got.tokens == plain_pair.generations["a"].tokens
+    assert evidence.reuse(got).none_problems() == []
+    c = kit.counters(got)
+    assert c.get("misses{reason=reuse_disabled}") == len(PROMPT_LENGTHS), c
+    assert "lookups" not in c and "hits" not in c, c
+
+
+def test_a_partly_shared_prefix_loads_only_the_shared_blocks(pair: Pair) -> None:
+    a = prompts()
+    shared = a[2][:2 * BS + 5]                        # two full blocks of a retained prompt, then a split
+    tail = prompts((90,), seed=11)[0]
+    batch = [shared + tail]
+    got = pair.fresh(pair.prefill, batch)
+    reference = pair.fresh(pair.decode, batch)        # after: the decode engine then retains all of it
+    assert got.tokens == reference.tokens
+    assert evidence.reuse(got).external_problems([2 * BS]) == []
+    c = kit.counters(got)
+    assert c.get("tokens_loaded") == 2 * BS and c.get("loads_ok") == 1, c
+
+
+def test_a_corrupted_bank_changes_the_tokens(pair: Pair) -> None:
+    """The negative control: the loaded bytes are what the prefill engine computes with."""
+    batch = prompts((100, 75, 140), seed=3)
+    reference = kit.produce(pair.decode, batch, MAX_TOKENS)
+    assert kit.corrupt_banks(pair.decode) > 0
+    got = pair.fresh(pair.prefill, batch)
+    assert evidence.reuse(got).external_problems(loadable((100, 75, 140))) == []
+    for mine, theirs in zip(got.tokens, reference.tokens):
+        assert mine != theirs
+
+
+def _no_bank_left(engine: Engine, timeout: float = 20.0) -> list[str]:
+    """kvstate memfds still open or mapped in the engine's workers once loads drained."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [f"{pid}: fd {fd}" for pid in kit.worker_pids(engine) for fd in kit.bank_fds(pid)]
+        left += [f"{pid}: {m}" for pid in kit.worker_pids(engine) for m in kit.bank_mappings(pid)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
+
+
+def test_decode_killed_before_the_load_then_restarted(pair: Pair) -> None:
+    batch = prompts((100, 140), seed=4)
+    reference = kit.produce(pair.decode, batch, MAX_TOKENS)
+    pair.decode.kill()
+    got = pair.fresh(pair.prefill, batch)              # the source is gone: computed
+    assert got.tokens == reference.tokens
+    assert evidence.reuse(got).none_problems() == []
+    c = kit.counters(got)
+    assert c.get("misses{reason=unreachable}") == len(batch), c
+    assert _no_bank_left(pair.prefill) == []
+
+    # A new incarnation at the same source name and socket paths.
+    pair.decode = start_all([pair.box.make("decode-2", kit.spec(pair.model, "kv_both", pair.sockets))])[0]
+    batch = prompts((100, 140), seed=5)
+    reference = kit.produce(pair.decode, batch, MAX_TOKENS)
+    stale = pair.fresh(pair.prefill, batch)           # with the descriptors of the dead incarnation
+    assert stale.tokens == reference.tokens
+    c = kit.counters(stale)
+    deadline = time.monotonic() + 10
+    while not any(k.startswith("rejections") for k in c) and time.monotonic() < deadline:
+        time.sleep(0.5)                                # the reason is counted once the coordinator knows it
+        m = pair.prefill.refresh_metrics()
+        c = {k[len(kit.PREFIX):]: v - stale.metrics_before.get(k, 0.0) for k, v in m.items()
+             if k.startswith(kit.PREFIX) and v - stale.metrics_before.get(k, 0.0)}
+    assert c.get("rejections{reason=stale_incarnation}", 0) >= 1, c
+    again = pair.fresh(pair.prefill, batch)           # descriptors fetched anew: loaded
+    assert again.tokens == reference.tokens
+    assert evidence.reuse(again).external_problems(loadable((100, 140))) == []
+    assert _no_bank_left(pair.prefill) == []
+
+
+def test_decode_killed_during_the_load(pair: Pair) -> None:
+    # Short enough to be computed in one step either way: a 4,096-token prompt recomputed
+    # in other chunks than the decode engine used can flip a near-tie bf16 token (seen).
+    batch = prompts((140, 600), seed=6)
+    reference = kit.produce(pair.decode, batch, MAX_TOKENS)
+    more = prompts((100,), seed=12)
+    more_reference = pair.fresh(pair.decode, more)
+    assert pair.prefill.reset_prefix_cache()
+    workers = kit.worker_pids(pair.decode)
+    assert workers
+    for pid in workers:                                # its index still answers; its exporter does not
+        os.kill(pid, signal.SIGSTOP)
+    out: dict[str, Generation] = {}
+    t = threading.Thread(target=lambda: out.setdefault("g", pair.prefill.generate(batch, MAX_TOKENS)))
+    t.start()
+    time.sleep(3.0)
+    pair.decode.kill()
+    t.join(300)
+    got = out["g"]
+    assert got.tokens == reference.tokens
+    c = kit.counters(got)
+    assert c.get("hits") == len(batch), c              # the loads were promised...
+    assert "loads_ok" not in c and c.get("loads_failed", 0) >= 1, c   # ...and recomputed
+    assert _no_bank_left(pair.prefill) == []
+    # The prefill engine keeps serving.
+    assert pair.fresh(pair.prefill, more).tokens == more_reference.tokens
