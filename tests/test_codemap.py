@@ -40,8 +40,8 @@ def test_fire_sites_name_the_function_that_fires() -> None:
     labels = {m: {e: [s.label for s in code.fired_by(m, e)] for e in spec[m].event_names} for m in spec.machines}
     assert "kvstate.share.exporter:Bank.register" in labels["bank"]["register_failed"]
     assert "kvstate.share.importer:Importer._note_restarts" in labels["group"]["incarnation_changed"]
-    assert "kvstate.share.importer:Importer._each_part.<locals>.one" in labels["part"]["open"]
-    assert "kvstate.share.importer:Importer._each_part.<locals>.one" in labels["part"]["lease"]
+    assert "kvstate.share.importer:Importer._each_part" in labels["part"]["open"]
+    assert "kvstate.share.importer:Importer._fire_lease" in labels["part"]["lease"]
     # host ops start in a worker, CUDA ops as their copies go on a stream: one table
     assert labels["op"]["start"] == ["ffi/kvs_cuda_ops.c:kvs_cuda_submit", "ffi/kvs_ops.c:worker"]
     assert labels["op"]["finish"] == ["ffi/kvs_cuda_ops.c:settle", "ffi/kvs_ops.c:worker"]

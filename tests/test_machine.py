@@ -388,3 +388,69 @@ def test_transitions_library_logging_is_quiet_by_default(caplog: pytest.LogCaptu
         Op().fire("submit")
     assert not [r for r in caplog.records if r.name.startswith("transitions")]
     assert logging.getLogger("transitions.core").getEffectiveLevel() == logging.WARNING
+
+
+TABLES = ["bank", "group", "part", "op", "rank", "coordinator"]
+
+
+def _dispatch_disagreements(name: str, fast: Any) -> tuple[int, list[Any]]:
+    """Run ``fast(compiled, obj, event, source)`` and ``transitions``' own Event.trigger on
+    the same shared machine for every (event, state), every assignment of the guards its
+    rows name, and each of its effects failing; return (cases, disagreements)."""
+    import itertools
+
+    spec = load_machine(name)
+    cls = harness_class(spec)
+    compiled = cls._kv_compiled
+    cases, bad = 0, []
+    for (event, source) in compiled.rows:
+        names = sorted({g for r in spec.rows(event, source) for g in (*r.guards, *r.unless)})
+        effects = sorted({e for r in spec.rows(event, source) for e in r.effects})
+        for values in itertools.product([True, False], repeat=len(names)):
+            for failing in [None, *effects]:
+                outcomes = []
+                for dispatch in ("fast", "transitions"):
+                    obj = cls()
+                    obj._kv_state = source
+                    obj.guard_values = dict(zip(names, values))
+                    obj.failing = {failing} if failing else set()
+                    try:
+                        fired = fast(compiled, obj, event, source) if dispatch == "fast" else \
+                            compiled.machine.events[event].trigger(obj)
+                        error = None
+                    except Exception as exc:  # the harness's EffectFailed
+                        fired, error = None, type(exc).__name__
+                    outcomes.append((fired, error, obj.state, tuple(obj.log)))
+                cases += 1
+                if outcomes[0] != outcomes[1]:
+                    bad.append((event, source, values, failing, outcomes))
+    return cases, bad
+
+
+@pytest.mark.parametrize("name", TABLES)
+def test_fire_dispatches_every_row_as_transitions_does(name: str) -> None:
+    """``fire`` runs the compiled rows itself (the fast path); ``transitions``' own
+    ``Event.trigger`` on the same shared machine is the reference: both pick the same row
+    (fired flag, destination, effect log and its rollback) in every case."""
+    cases, bad = _dispatch_disagreements(name, lambda c, obj, e, s: c.trigger(obj, e, s, {}))
+    assert cases >= len(harness_class(load_machine(name))._kv_compiled.rows)
+    assert bad == []
+
+
+def test_the_dispatch_check_catches_a_planted_bug() -> None:
+    """A fast path that skips ``unless`` guards, or every guard, disagrees with
+    transitions: the check above can fail."""
+    def no_unless(c: Any, obj: Any, event: str, source: str) -> bool:
+        for row in c.rows[(event, source)]:
+            if all(g(obj) for g in row.guards):
+                obj._kv_state = row.dest
+                return True
+        return False
+
+    def no_guards(c: Any, obj: Any, event: str, source: str) -> bool:
+        obj._kv_state = c.rows[(event, source)][0].dest
+        return True
+
+    assert any(_dispatch_disagreements(name, no_guards)[1] for name in TABLES)
+    with_unless = [n for n in TABLES if any(r.unless for r in load_machine(n).transitions)]
+    assert all(_dispatch_disagreements(name, no_unless)[1] for name in with_unless)

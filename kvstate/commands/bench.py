@@ -1,7 +1,9 @@
 """``kvstate bench``: every suite side by side in one run (see kvstate.harness.bench).
 
-Prints ratios and absolute figures, and writes ``bench.md`` (a Markdown table) and
+Prints ratios and absolute figures, and writes ``bench.md`` (a Markdown table),
+``bench.json`` (every row: suite, name, median, p10, p90, ratio; and the comparisons) and
 ``bench.png`` (a plot; skipped with a message when matplotlib is absent) to ``--out``.
+``--json`` prints the JSON document on stdout instead of the table (messages go to stderr).
 The suites live in :mod:`kvstate.harness.bench`.
 """
 
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, help="timed repeats per row (default 7, quick 2)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"), help="where bench.md and bench.png go")
     parser.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
+    parser.add_argument("--json", action="store_true",
+                        help="print every row (suite, name, median, p10, p90, ratio) as JSON on stdout")
 
 
 def _benchmarks() -> tuple[Any, Any, Any]:
@@ -44,18 +49,24 @@ def run(args: argparse.Namespace) -> int:
     chosen = [s for s in suites.suites(quick=args.quick, repeats=args.repeats)
               if not args.suite or s.key in args.suite]
     results = framework.run_suites(chosen, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
-    print(report.terminal(results))
+    say = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
+    say(report.terminal(results))
     args.out.mkdir(parents=True, exist_ok=True)
     command = "kvstate bench" + (" --quick" if args.quick else "") + "".join(f" --suite {s}" for s in args.suite or [])
+    when = dt.datetime.now(dt.timezone.utc)
     md = args.out / "bench.md"
-    md.write_text(report.markdown(results, when=dt.datetime.now(dt.timezone.utc), command=command), encoding="utf-8")
-    print(f"\nwrote {md}")
+    md.write_text(report.markdown(results, when=when, command=command), encoding="utf-8")
+    doc = json.dumps(report.rows_json(results, when=when, command=command), indent=2)
+    (args.out / "bench.json").write_text(doc + "\n", encoding="utf-8")
+    if args.json:
+        print(doc)
+    say(f"\nwrote {md} and {args.out / 'bench.json'}")
     if args.no_plot:
-        print("plot skipped: --no-plot")
+        say("plot skipped: --no-plot")
     else:
         png = args.out / "bench.png"
         why = report.plot(results, png)
-        print(f"wrote {png}" if why is None else f"plot skipped: {why}")
+        say(f"wrote {png}" if why is None else f"plot skipped: {why}")
     failed = [r.name for res in results for r in res.rows if r.failed]
     if failed:
         print(f"kvstate bench: {len(failed)} row(s) failed: {', '.join(failed)}", file=sys.stderr)

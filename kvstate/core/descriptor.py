@@ -17,6 +17,7 @@ Decoding is strict: exact key set, exact types, bounded sizes; every refusal is 
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import struct
@@ -236,3 +237,19 @@ def _from_body(body: Any) -> Descriptor:
         handle=f["handle"], size=f["size"], granularity=f["granularity"], generation=f["generation"],
         expires_at_ns=f["expires_at_ns"], socket_path=f["socket_path"], inventory_epoch=f["inventory_epoch"],
     )
+
+
+@functools.lru_cache(maxsize=1024)
+def _decode_bytes(data: bytes, deployment: Deployment) -> Descriptor:
+    return decode(data, deployment)
+
+
+def decode_cached(data: bytes, deployment: Deployment) -> Descriptor:
+    """:func:`decode`, remembering what it accepted: the same wire bytes under the same
+    deployment (name and key) always decode to the same frozen Descriptor, so an importer
+    that sees one group's descriptors again skips the MAC and the parse. Nothing is
+    skipped that depends on time or on the importer: validation (expiry, generation,
+    socket path, ...) runs on every import. Refusals are not remembered."""
+    if type(data) is bytes:
+        return _decode_bytes(data, deployment)
+    return decode(data, deployment)

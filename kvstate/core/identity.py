@@ -9,6 +9,7 @@ deployment fail authentication.
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import os
 import uuid
@@ -99,7 +100,7 @@ class Deployment:
     @property
     def id(self) -> bytes:
         """Public 16-byte id; descriptors carry it as their domain."""
-        return digest(Purpose.DEPLOYMENT, self.name.encode(), size=UUID_BYTES)
+        return _deployment_id(self.name)
 
     def __repr__(self) -> str:  # never print the key
         return f"Deployment(name={self.name!r}, id={self.id.hex()})"
@@ -107,6 +108,12 @@ class Deployment:
     @classmethod
     def generate(cls, name: str) -> Deployment:
         return cls(name, os.urandom(DEPLOYMENT_KEY_BYTES))
+
+
+@functools.lru_cache(maxsize=256)
+def _deployment_id(name: str) -> bytes:
+    # Asked for by every decode and validation: a keyed hash computed once per name.
+    return digest(Purpose.DEPLOYMENT, name.encode(), size=UUID_BYTES)
 
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"

@@ -49,9 +49,15 @@ Logging: the ``transitions`` library logs every state change at INFO. kvstate se
 loggers to WARNING unless the application set a level on them itself.
 
 Scale: objects are never added to the shared machine with ``Machine.add_model``, whose
-membership test on a list makes creating N models cost O(N^2). Triggers are called on
-the shared machine's ``Event`` objects with the model passed in, and the initial state
-is set directly, so creating an object is O(1).
+membership test on a list makes creating N models cost O(N^2). The initial state is set
+directly, so creating an object is O(1).
+
+Dispatch: ``transitions`` builds and checks the shared machine from the table (states,
+events, rows, conditions). ``fire`` then runs the rows of (event, state) itself, from a
+dict compiled with it: guards in order, then ``unless`` guards, effects, state -- the
+order ``Event.trigger`` follows, without its per-call EventData and callback
+resolution, which cost most of a transition (B3; ``kvstate.harness.bench.import_profile``).
+tests/test_machine.py checks both dispatchers agree on every row of every table.
 """
 
 from __future__ import annotations
@@ -139,12 +145,35 @@ Observer = Callable[[StateChange], None]
 
 
 @attrs.frozen
+class _Row:
+    """One table row, resolved to functions: what :meth:`Lifecycle.fire` runs."""
+
+    guards: tuple[Callable[..., Any], ...]
+    unless: tuple[Callable[..., Any], ...]
+    effects: tuple[Callable[..., Any], ...]
+    dest: str
+
+
+@attrs.frozen
 class _Compiled:
     spec: MachineSpec
     machine: Any  # transitions.Machine; untyped library
     declared: frozenset[tuple[str, str]]
     guards: dict[str, Callable[..., Any]]
     effects: dict[str, Callable[..., Any]]
+    rows: dict[tuple[str, str], tuple[_Row, ...]]  # (event, source) -> rows in table order
+
+    def trigger(self, model: Any, event: str, source: str, kwargs: dict[str, Any]) -> bool:
+        """Fire the first row of (event, source) whose guards hold; False if none does.
+        Effects run before the state is committed (rolled back as :func:`_run_effects`)."""
+        for row in self.rows[(event, source)]:
+            if all(_check(g, model, kwargs) for g in row.guards) and \
+                    not any(_check(u, model, kwargs) for u in row.unless):
+                if row.effects:
+                    _apply_effects(row.effects, model, kwargs)
+                model._kv_state = row.dest
+                return True
+        return False
 
 
 class _StepFailed(Exception):
@@ -158,8 +187,12 @@ class _StepFailed(Exception):
 
 
 def _call_guard(fn: Callable[..., Any], event_data: Any) -> bool:
+    return _check(fn, event_data.model, event_data.kwargs)
+
+
+def _check(fn: Callable[..., Any], model: Any, kwargs: dict[str, Any]) -> bool:
     try:
-        return bool(fn(event_data.model, **event_data.kwargs))
+        return bool(fn(model, **kwargs))
     except (KvStateError, _StepFailed):
         raise
     except Exception as exc:  # a guard that raises refuses nothing silently: it fails the event
@@ -167,13 +200,16 @@ def _call_guard(fn: Callable[..., Any], event_data: Any) -> bool:
 
 
 def _run_effects(fns: tuple[Callable[..., Any], ...], event_data: Any) -> None:
-    model = event_data.model
+    _apply_effects(fns, event_data.model, event_data.kwargs)
+
+
+def _apply_effects(fns: tuple[Callable[..., Any], ...], model: Any, kwargs: dict[str, Any]) -> None:
     undos: list[Undo] = []
     step = ""
     try:
         for fn in fns:
             step = f"effect {getattr(fn, _EFFECT_ATTR, fn.__name__)}"
-            undo = fn(model, **event_data.kwargs)
+            undo = fn(model, **kwargs)
             if undo is not None:
                 undos.append(undo)
     except BaseException as exc:
@@ -227,7 +263,12 @@ def compile_table(cls: type, spec: MachineSpec) -> _Compiled:
             before=[partial(_run_effects, tuple(effects[e] for e in row.effects))] if row.effects else [],
         )
     declared = frozenset((t.trigger, t.source) for t in spec.transitions)
-    return _Compiled(spec=spec, machine=machine, declared=declared, guards=guards, effects=effects)
+    rows: dict[tuple[str, str], tuple[_Row, ...]] = {}
+    for row in spec.transitions:
+        rows[(row.trigger, row.source)] = (*rows.get((row.trigger, row.source), ()), _Row(
+            tuple(guards[g] for g in row.guards), tuple(guards[g] for g in row.unless),
+            tuple(effects[e] for e in row.effects), row.dest))
+    return _Compiled(spec=spec, machine=machine, declared=declared, guards=guards, effects=effects, rows=rows)
 
 
 class _Held(threading.local):
@@ -352,7 +393,7 @@ class Lifecycle:
                         raise IllegalTransition(spec.name, source, event)
                     self._kv_firing = True
                     try:
-                        fired = compiled.machine.events[event].trigger(self, **kwargs)
+                        fired = compiled.trigger(self, event, source, kwargs)
                     except _StepFailed as failed:
                         raise EffectFailed(spec.name, source, event, failed.step, failed.cause) from failed.cause
                     finally:

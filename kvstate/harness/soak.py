@@ -195,6 +195,9 @@ def importer_worker(conn: multiprocessing.connection.Connection, spec_json: str,
                 waited = 0.0
                 if group is not None and not group.is_terminal:
                     waited = group.drain(timeout=spec.timeout_s)
+                # This cycle's exporters go away with it: its channels to them are not kept
+                # for the next cycle (whose leak check would otherwise count them).
+                im.peers.close_idle(everything=True)
                 if loader is not None:
                     loader.join(spec.timeout_s)  # its reply goes out before the drain's
                     loader = None

@@ -59,7 +59,7 @@ import attrs
 from kvstate import channel as chan
 from kvstate.core.args import (need, need_int, need_callables, need_items, need_kinds, need_mapping_keys, need_path, need_seconds,
                                need_text)
-from kvstate.core.descriptor import Descriptor, decode
+from kvstate.core.descriptor import Descriptor, decode_cached
 from kvstate.core.errors import (
     ArgumentInvalid,
     ChannelClosed,
@@ -461,7 +461,7 @@ class Coordinator:
         descriptors: list[Descriptor] = []
         for i, data in enumerate(wire):
             try:
-                descriptors.append(decode(data, self.config.deployment))
+                descriptors.append(decode_cached(data, self.config.deployment))
             except DescriptorRejected as exc:
                 exc.rank = i if exc.rank is None else exc.rank
                 problems.append(exc)

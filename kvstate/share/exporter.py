@@ -554,7 +554,9 @@ class Exporter(Generic[H, A, R, M, E]):
     def start(self) -> None:
         """Listen for importers, watch their connections and expire their leases."""
         chan.make_socket_dir(self.config.socket_dir)
-        self._server = chan.Server(self.socket_path, max_connections=self.config.max_connections)
+        # A batched lease answers with every bank's fd in one message (kvstate.share.peers).
+        limits = chan.Limits(max_fds=min(chan.HARD_MAX_FDS, max(chan.DEFAULT_MAX_FDS, len(self.banks))))
+        self._server = chan.Server(self.socket_path, max_connections=self.config.max_connections, limits=limits)
         self._watcher = chan.Watcher(name="kvstate-exporter-watch")
         self._server.serve_in_thread(self._serve, name="kvstate-exporter")
         if self._tcp is not None:
@@ -606,7 +608,12 @@ class Exporter(Generic[H, A, R, M, E]):
                 request: dict[str, Any] = {}
                 try:
                     request = chan.decode(msg.payload)
-                    reply, fds = self._handle(ch, request)
+                    if request.get("op") == "leases":
+                        reply, fds = self._handle_batch(ch, request)
+                    elif request.get("op") == "mapped" and "items" in request:
+                        reply, fds = self._handle_mapped(ch, request)
+                    else:
+                        reply, fds = self._handle(ch, request)
                 except KvStateError as exc:
                     reply, fds = {"ok": False, "code": type(exc).__name__, "detail": str(exc)}, ()
                 if request.get("op") == "mapped":
@@ -685,6 +692,52 @@ class Exporter(Generic[H, A, R, M, E]):
                 return self._refuse("not_renewing", f"{'expired' if held.expired else bank.state}: {exc}")
             return {"ok": True, "expires_in_s": held.expires_at - time.monotonic()}, ()
         return self._refuse("bad_request", f"unknown op {op!r}")
+
+    def _handle_batch(self, ch: chan.Channel, req: dict[str, Any]) -> tuple[dict[str, Any], tuple[int, ...]]:
+        """``leases``: several ranks' lease requests in one message (kvstate.share.peers),
+        each checked exactly as a single ``lease``; all or nothing: on any refusal every
+        lease granted by this request is returned and the refusal names the rank. The
+        answer carries every fd in one SCM_RIGHTS message, in item order (``nfds`` each)."""
+        items = req.get("items")
+        if set(req) != {"op", "items"} or not isinstance(items, list) or not items or \
+                len(items) > len(self.banks) or not all(isinstance(i, dict) and "op" not in i for i in items):
+            raise FrameError(f"leases: items must be 1..{len(self.banks)} lease requests (objects without 'op')")
+        ranks = [i.get("rank") for i in items]
+        if any(type(r) is not int for r in ranks) or len(set(ranks)) != len(ranks):
+            raise FrameError("leases: every item names a different int rank")
+        granted: list[tuple[int, int]] = []  # (rank, lease id)
+        answers: list[dict[str, Any]] = []
+        fds: list[int] = []
+        try:
+            for item in items:
+                reply, got = self._handle(ch, {**item, "op": "lease"})
+                if not reply.get("ok"):
+                    self._return_granted(ch, granted)
+                    return {**reply, "rank": item["rank"]}, ()
+                granted.append((item["rank"], reply["lease"]))
+                answers.append({**reply, "nfds": len(got)})
+                fds.extend(got)
+        except BaseException:
+            self._return_granted(ch, granted)
+            raise
+        return {"ok": True, "grants": answers}, tuple(fds)
+
+    def _handle_mapped(self, ch: chan.Channel, req: dict[str, Any]) -> tuple[dict[str, Any], tuple[int, ...]]:
+        """``mapped`` with ``items``: one notification for several ranks' leases (each
+        checked as a single ``mapped``). Nothing is answered; a bad item is logged."""
+        items = req.get("items")
+        if set(req) != {"op", "items"} or not isinstance(items, list) or len(items) > len(self.banks) or \
+                not all(isinstance(i, dict) and set(i) == {"rank", "lease"} for i in items):
+            raise FrameError(f"mapped: items must be at most {len(self.banks)} objects of rank and lease")
+        for item in items:
+            reply, _ = self._handle(ch, {"op": "mapped", **item})
+            if not reply.get("ok"):
+                log.info("mapped notification refused for rank %r: %s", item.get("rank"), reply.get("detail"))
+        return {"ok": True}, ()
+
+    def _return_granted(self, ch: chan.Channel, granted: list[tuple[int, int]]) -> None:
+        for rank, lease_id in granted:
+            self._handle(ch, {"op": "release", "rank": rank, "lease": lease_id})
 
     def _lease_blocks(self, want: Any) -> LeaseGrant | tuple[dict[str, Any], tuple[int, ...]]:
         """Re-validate and pin the requested inventory blocks in one step, or a refusal."""

@@ -9,7 +9,10 @@ Every descriptor is decoded and the whole group validated *before* any connectio
 made or handle opened (INV-REJECT-BEFORE-OPEN, INV-GROUP-ATOMIC); a rejected group ends
 ``rejected`` and nothing was touched. Then each rank part is imported: lease requested
 over the exporter's channel, fd received and checked, address reserved, mapped, read
-access set. If any part fails, every part imported so far is unmapped and closed and
+access set. The channel to each exporter is persistent and every rank an exporter serves
+is leased in one request, whose answer carries every fd (:mod:`kvstate.share.peers`); the
+parts then open one after another in the calling thread (native calls only: no thread
+pool on this path). If any part fails, every part imported so far is unmapped and closed and
 the group ends ``failed`` (INV-ROLLBACK-COMPLETE). The group becomes ``ready`` only when
 every rank 0..tp-1 has an imported, compatible part (INV-GROUP-COMPLETE).
 
@@ -39,7 +42,6 @@ import os
 import threading
 import time
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from typing import Any, Generic, Literal, NoReturn, Protocol, get_args
@@ -47,7 +49,7 @@ from typing import Any, Generic, Literal, NoReturn, Protocol, get_args
 import attrs
 
 from kvstate import channel as chan
-from kvstate.core.descriptor import Descriptor, decode
+from kvstate.core.descriptor import Descriptor, decode_cached
 from kvstate.core.errors import (
     ArgumentInvalid,
     ChannelError,
@@ -80,6 +82,7 @@ from kvstate.core.capabilities import Access, MemoryKind
 from kvstate.transport.protocol import A, E, H, M, MappedTransport, R, require_mapped
 from kvstate.core.validate import MAX_TP, Expectation, ValidatedGroup, group_complete, validate_group
 from kvstate.share import load as loads
+from kvstate.share import peers
 from kvstate.share.plan import Plan
 from kvstate.share.transfer import TransferHandle, check_timeout, stop_dispatcher_if_idle
 
@@ -180,7 +183,9 @@ class ImportConfig:
     deployment: Deployment = attrs.field(validator=typed(Deployment))
     request_timeout_s: float = attrs.field(default=5.0, validator=_seconds)
     max_tp: int = attrs.field(default=64, validator=_count(MAX_TP))
-    max_parallel_imports: int = attrs.field(default=8, validator=_count(256))  # threads opening parts at once
+    max_parallel_imports: int = attrs.field(default=8, validator=_count(256))  # kept: parts open without threads now
+    #: A channel to an exporter that no lease uses closes after this (kvstate.share.peers).
+    link_idle_s: float = attrs.field(default=2.0, validator=_seconds)
     geometry_fingerprint: bytes | None = attrs.field(default=None, validator=_optional(bytes))  # of the banks
     block_format: bytes | None = attrs.field(default=None, validator=_optional(bytes))  # the engine's pages hold
     device_uuids: frozenset[bytes] | None = attrs.field(default=None, validator=_optional(frozenset))
@@ -205,12 +210,13 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         self.descriptor = descriptor
         self.rank = descriptor.rank
         self.channel: chan.Channel | None = None
-        self._channel_lock = threading.Lock()  # one request and its answer at a time
+        self.link: peers.PeerLink | None = None  # the persistent channel the lease is on, if any
+        self._channel_lock = threading.Lock()  # one request and its answer at a time (own channel)
         self.lease_id: int | None = None
         self.lease_s = 0.0                # the lease's length as the exporter granted it
         self.renewed_at = 0.0             # time.monotonic() of the grant or last renewal
         self.lease_expires_at = 0.0       # time.monotonic()
-        self.received: chan.Message | None = None  # phase 1's grant, with the handle's fds
+        self.received: peers.Grant | None = None  # phase 1's grant, with the handle's fds
         self.handle: H | None = None      # checked, not opened (phase 1)
         self.allocation: A | None = None
         self.reservation: R | None = None
@@ -247,38 +253,34 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         return self.pins() == 0
 
     @effect("native_lease")
-    def _lease(self, **kw: Any) -> Callable[[], None]:
-        """Phase 1: lease, receive the handle, check the exporter's report. Opens nothing."""
+    def _lease(self, *, grant: peers.Grant | None = None, **kw: Any) -> Callable[[], None]:
+        """Phase 1: lease (unless the group's batched request already did: ``grant``),
+        receive the handle, check the exporter's report. Opens nothing."""
         d, t = self.descriptor, self.transport
-        timeout = self.group.importer.config.request_timeout_s
+        importer = self.group.importer
         with ExitStack() as undo:
-            ch = chan.connect(d.socket_path, timeout=timeout)
-            undo.callback(ch.close)
-            ch.send(lease_request(d, self.group.blocks), timeout=timeout)
-            msg = ch.recv(timeout=timeout)
-            undo.callback(msg.close)
-            reply = chan.decode(msg.payload)
-            if not reply.get("ok"):
-                raise LeaseRefused(str(reply.get("code")), str(reply.get("detail")))
-            lease_id, expires_in_s = _grant_fields(reply, d.rank)
-            # Refused below: give the lease back now, not when the exporter sees the close.
-            undo.callback(_release_quietly, ch, d.rank, lease_id)
-            _check_report(reply, d)
-            handle = t.receive_handle(d.handle_kind, d.handle, msg.fds)
+            if grant is None:
+                grant = importer.lease_one(d, self.group.blocks)
+            grant.taken = True
+            # Refused below: give the lease back now, not when the exporter sees a close.
+            undo.callback(grant.give_back)
+            _check_report(grant.reply, d)
+            handle = t.receive_handle(d.handle_kind, d.handle, grant.fds)
             undo.pop_all()
-        self.channel, self.lease_id, self.received, self.handle = ch, lease_id, msg, handle
-        self.lease_s = expires_in_s
+        self.link, self.channel, self.lease_id = grant.link, grant.link.channel, grant.lease_id
+        self.received, self.handle = grant, handle
+        self.lease_s = grant.expires_in_s
         self.renewed_at = time.monotonic()
-        self.lease_expires_at = self.renewed_at + expires_in_s
-        self.group.importer._watch(self)
+        self.lease_expires_at = self.renewed_at + grant.expires_in_s
+        importer._watch(self)
         return self._return_lease
 
     @effect("native_import")
     def _import(self, **kw: Any) -> None:
         """Phase 2: open the handle leased in phase 1, reserve, map, set access."""
         d, t = self.descriptor, self.transport
-        ch, handle, msg = self.channel, self.handle, self.received
-        if ch is None or handle is None or msg is None:
+        link, handle, grant = self.link, self.handle, self.received
+        if link is None or handle is None or grant is None:
             raise ImportFailed(d.rank, KvStateError(f"{self.label} holds no lease to open"))
         timeout = self.group.importer.config.request_timeout_s
         with ExitStack() as undo:
@@ -290,10 +292,11 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
             undo.callback(t.unmap, mapping)
             t.set_access(mapping, Access.READ)
             # A notification (no answer awaited): the bank moves from importing to ready.
-            with self._channel_lock:  # the renewal thread sends on this channel too
-                ch.send(chan.encode({"op": "mapped", "rank": d.rank, "lease": self.lease_id}), timeout=timeout)
+            # A group's opens report every rank of a link in one message instead.
+            if grant.report_mapped:
+                link.notify(peers.mapped_payload([(d.rank, grant.lease_id)]), timeout)
             undo.pop_all()
-        msg.close()  # the transport holds its own duplicate of the fd now
+        grant.close_fds()  # the transport holds its own duplicate of the fd now
         self.received = self.handle = None
         self.allocation, self.reservation, self.mapping = allocation, reservation, mapping
 
@@ -303,14 +306,19 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         Returns the seconds to the new expiry. LeaseRefused when the exporter refuses (the
         lease expired there, or the bank drains: unmap and return it), ChannelError when
         the exporter is gone."""
-        ch, lease_id = self.channel, self.lease_id
+        ch, link, lease_id = self.channel, self.link, self.lease_id
         if ch is None or lease_id is None:
             raise LeaseRefused("not_leased", f"{self.label} holds no lease to renew")
         timeout = self.group.importer.config.request_timeout_s
-        with self._channel_lock:
-            ch.send(chan.encode({"op": "renew", "rank": self.rank, "lease": lease_id}), timeout=timeout)
-            with ch.recv(timeout=timeout) as msg:
+        payload = chan.encode({"op": "renew", "rank": self.rank, "lease": lease_id})
+        if link is not None:  # the link's lock keeps other parts' requests apart
+            with link.request(payload, timeout) as msg:
                 reply = chan.decode(msg.payload)
+        else:
+            with self._channel_lock:
+                ch.send(payload, timeout=timeout)
+                with ch.recv(timeout=timeout) as msg:
+                    reply = chan.decode(msg.payload)
         if not reply.get("ok"):
             raise LeaseRefused(str(reply.get("code")), str(reply.get("detail")))
         expires: Any = reply.get("expires_in_s")
@@ -344,11 +352,19 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
             self.allocation = None
 
     def _return_lease(self) -> None:
-        """Close the received handle, tell the exporter, close the channel (which ends the
-        lease on its own if the message does not get through)."""
-        msg, self.received, self.handle = self.received, None, None
-        if msg is not None:
-            msg.close()
+        """Close the received handle, tell the exporter, and let go of the channel: a
+        persistent link stays open for later imports (it closes if the release is not
+        answered, which ends the lease too); a part's own channel closes."""
+        grant, self.received, self.handle = self.received, None, None
+        if grant is not None:
+            grant.close_fds()
+        link, self.link = self.link, None
+        if link is not None:
+            self.channel = None
+            self.group.importer._unwatch_part(self, link)
+            link.release(self.rank, self.lease_id)
+            self.group.importer.peers.let_go(link)
+            return
         ch, self.channel = self.channel, None
         if ch is not None:
             self.group.importer._unwatch(ch)
@@ -386,11 +402,16 @@ def _check_report(reply: dict[str, Any], d: Descriptor) -> None:
                                f"the descriptor says {value!r:.80}")
 
 
+def lease_fields(d: Descriptor, blocks: BlockRequest | None) -> dict[str, Any]:
+    """What a lease request of one rank part names (without its ``op``)."""
+    return {"rank": d.rank, "generation": d.generation, "incarnation": d.incarnation.hex(),
+            "blocks": None if blocks is None else {"group": blocks.group, "epoch": blocks.epoch(d.rank),
+                                                   "hashes": list(blocks.hashes)}}
+
+
 def lease_request(d: Descriptor, blocks: BlockRequest | None) -> bytes:
     """The lease request of one rank part (whatever transport then opens its handle)."""
-    return chan.encode({"op": "lease", "rank": d.rank, "generation": d.generation, "incarnation": d.incarnation.hex(),
-                        "blocks": None if blocks is None else {"group": blocks.group, "epoch": blocks.epoch(d.rank),
-                                                               "hashes": list(blocks.hashes)}})
+    return chan.encode({"op": "lease", **lease_fields(d, blocks)})
 
 
 def _grant_fields(reply: dict[str, Any], rank: int) -> tuple[int, float]:
@@ -643,11 +664,15 @@ class Importer(Generic[H, A, R, M, E]):
         self.observers = tuple(observers)
         self.boot_id = host_boot_id()
         self._watcher = chan.Watcher(name="kvstate-importer-watch")
-        self._owners: dict[int, Part[H, A, R, M, E]] = {}
+        #: Parts by the id of the channel their lease is on (one channel: many parts).
+        self._owners: dict[int, dict[int, Part[H, A, R, M, E]]] = {}
+        self._watched: set[int] = set()  # ids of the channels the watcher watches
+        self._owners_lock = threading.Lock()
+        #: One persistent channel per exporter address (kvstate.share.peers).
+        self.peers = peers.Peers(self._connect, config.link_idle_s)
         self._count = 0
         #: Groups this importer made and that have not reached a terminal state.
         self.groups: list[Group[H, A, R, M, E]] = []
-        self._executor: ThreadPoolExecutor | None = None
         self._stopping = threading.Event()
         self._expiry = threading.Thread(target=self._expire_loop, name="kvstate-importer-expiry", daemon=True)
         self._expiry.start()
@@ -658,9 +683,8 @@ class Importer(Generic[H, A, R, M, E]):
             return
         self._stopping.set()
         self._expiry.join(2.0)
+        self.peers.close()  # idle channels now, busy ones when their last lease returns
         self._watcher.close()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
         stop_dispatcher_if_idle()
 
     def check_gates(self) -> None:
@@ -709,7 +733,7 @@ class Importer(Generic[H, A, R, M, E]):
         problems: list[DescriptorRejected] = []
         for i, data in enumerate(wire):
             try:
-                descriptors.append(decode(data, self.config.deployment))
+                descriptors.append(decode_cached(data, self.config.deployment))
             except DescriptorRejected as exc:
                 exc.rank = i if exc.rank is None else exc.rank
                 problems.append(exc)
@@ -779,51 +803,137 @@ class Importer(Generic[H, A, R, M, E]):
                     pass  # a concurrent transition already moved the group on
 
     def _each_part(self, parts: Sequence[Part[H, A, R, M, E]], event: Literal["lease", "open"]) -> dict[int, Exception]:
-        """Fire ``event`` on every part, concurrently: each waits on its own exporter's
-        channel, so a phase costs about one round trip, not tp of them. Returns failures
-        by rank (anything raised, typed or not: the caller rolls back on every one)."""
+        """Fire ``event`` on every part, in this thread. ``lease``: one batched request per
+        exporter, every request sent before any answer is read (one round trip for the
+        group, :mod:`kvstate.share.peers`), then each part takes its grant. ``open``:
+        native calls only, then one ``mapped`` note per exporter. Returns failures by rank
+        (anything raised, typed or not: the caller rolls back on every one)."""
+        if event == "lease":
+            return self._lease_parts(parts)
         failures: dict[int, Exception] = {}
-
-        def one(part: Part[H, A, R, M, E]) -> None:
+        opened: dict[int, tuple[peers.PeerLink, list[tuple[int, int]]]] = {}
+        part: Part[H, A, R, M, E]
+        for part in parts:
+            grant, link = part.received, part.link
+            if grant is not None:
+                grant.report_mapped = False
             try:
                 # A fault may fail the group (and close this part) before its step starts:
                 # that is the group's failure, reported by the caller, not this part's.
                 with part.locked():
-                    if part.may(event):
-                        part.fire(event)
+                    if part.may("open"):
+                        part.fire("open")
+                        if grant is not None and link is not None and part.lease_id is not None:
+                            opened.setdefault(id(link), (link, []))[1].append((part.rank, part.lease_id))
             except Exception as exc:
                 failures[part.rank] = exc
-
-        if len(parts) == 1:
-            one(parts[0])
-        else:
-            list(self._pool().map(one, parts))
+        for link, leases in opened.values():  # one notification per exporter
+            try:
+                link.notify(peers.mapped_payload(leases), self.config.request_timeout_s)
+            except ChannelError as exc:
+                failures.update((rank, exc) for rank, _ in leases)
         return failures
 
-    def _pool(self) -> ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=self.config.max_parallel_imports,
-                                                thread_name_prefix="kvstate-import")
-        return self._executor
+    def _lease_parts(self, parts: Sequence[Part[H, A, R, M, E]]) -> dict[int, Exception]:
+        """Phase 1 of every part: batched per exporter address (parts of another kind, or
+        reached over TCP, lease on their own)."""
+        failures: dict[int, Exception] = {}
+        timeout = self.config.request_timeout_s
+        by_peer: dict[str, list[Part[H, A, R, M, E]]] = {}
+        part: Part[H, A, R, M, E]
+        for part in parts:
+            if type(part) is Part and "://" not in part.descriptor.socket_path:
+                by_peer.setdefault(part.descriptor.socket_path, []).append(part)
+            else:
+                self._fire_lease(part, None, failures)
+        batches = list(by_peer.values())
+        answers = self.peers.leases([(served[0].descriptor.socket_path,
+                                      [lease_fields(p.descriptor, p.group.blocks) for p in served])
+                                     for served in batches], timeout)
+        granted: list[peers.Grant] = []
+        try:
+            for served, answer in zip(batches, answers):
+                if isinstance(answer, peers.RankRefused):  # that rank's failure; the others hold no lease
+                    failures[answer.rank] = answer.refusal
+                    continue
+                if isinstance(answer, Exception):
+                    failures.update((p.rank, answer) for p in served)
+                    continue
+                granted += answer
+                for part, grant in zip(served, answer):
+                    self._fire_lease(part, grant, failures)
+        finally:
+            for grant in granted:
+                if not grant.taken:  # its part never leased: the lease goes back
+                    grant.give_back()
+        return failures
+
+    @staticmethod
+    def _fire_lease(part: Part[H, A, R, M, E], grant: peers.Grant | None, failures: dict[int, Exception]) -> None:
+        try:
+            # A fault may fail the group (and close this part) before its step starts.
+            with part.locked():
+                if part.may("lease"):
+                    if grant is None:
+                        part.fire("lease")
+                    else:
+                        part.fire("lease", grant=grant)
+        except Exception as exc:
+            failures[part.rank] = exc
+
+    def lease_one(self, d: Descriptor, blocks: BlockRequest | None) -> peers.Grant:
+        """One rank's lease over the persistent link to its exporter (a part leased on
+        its own, as a rank worker's is)."""
+        (answer,) = self.peers.leases([(d.socket_path, [lease_fields(d, blocks)])], self.config.request_timeout_s)
+        if isinstance(answer, peers.RankRefused):
+            raise answer.refusal
+        if isinstance(answer, Exception):
+            raise answer
+        return answer[0]
+
+    def _connect(self, address: str, timeout: float) -> chan.Channel:
+        return chan.connect(address, timeout=timeout, limits=peers.LINK_LIMITS)
 
     # -- fault detection ------------------------------------------------------------------
 
     def _watch(self, part: Part[H, A, R, M, E]) -> None:
-        assert part.channel is not None
-        self._owners[id(part.channel)] = part
-        self._watcher.watch(part.channel, self._peer_closed)
+        """Hear when the exporter of ``part`` goes: its channel is watched once, however
+        many parts hold leases on it."""
+        ch = part.channel
+        assert ch is not None
+        with self._owners_lock:
+            self._owners.setdefault(id(ch), {})[id(part)] = part
+            first = id(ch) not in self._watched
+            self._watched.add(id(ch))
+            if part.link is not None:
+                self.peers.hold(part.link)
+        if first:  # a link stays watched while it is open, used or not: no watcher wake-up per import
+            self._watcher.watch(ch, self._peer_closed)
 
     def _unwatch(self, ch: chan.Channel) -> None:
-        self._owners.pop(id(ch), None)
+        with self._owners_lock:
+            self._owners.pop(id(ch), None)
+            self._watched.discard(id(ch))
         self._watcher.unwatch(ch)
 
+    def _unwatch_part(self, part: Part[H, A, R, M, E], link: peers.PeerLink) -> None:
+        """``part`` let go of its lease on ``link`` (the link stays watched while open)."""
+        with self._owners_lock:
+            owners = self._owners.get(id(link.channel))
+            if owners is not None:
+                owners.pop(id(part), None)
+
     def _peer_closed(self, ch: chan.Channel) -> None:
-        part = self._owners.pop(id(ch), None)
-        if part is not None:
+        self.peers.forget(ch)
+        with self._owners_lock:
+            owners = self._owners.pop(id(ch), {})
+            self._watched.discard(id(ch))
+        for part in owners.values():
             part.group.peer_closed(part)
 
     def _expire_loop(self) -> None:
         while not self._stopping.wait(0.05):
+            self.peers.close_idle()
             live = [g for g in self.groups if g.state in ("importing", "ready", "draining", "quiescent")]
             try:
                 self.renew_leases(live)

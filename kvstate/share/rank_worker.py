@@ -48,7 +48,7 @@ import attrs
 from kvstate import channel as chan
 from kvstate.core.args import need, need_bytes, need_callables, need_int, need_items, need_kinds, need_path, \
     need_seconds, need_text
-from kvstate.core.descriptor import Descriptor, decode
+from kvstate.core.descriptor import Descriptor, decode_cached
 from kvstate.core.errors import (
     ChannelClosed,
     ChannelError,
@@ -582,7 +582,7 @@ class RankWorker(Generic[H, A, R, M, E]):
         try:
             if cmd.descriptor is None:
                 raise DescriptorRejected(RejectReason.MALFORMED, "the check carries no descriptor", self.config.rank)
-            descriptor = decode(cmd.descriptor, self.config.deployment)
+            descriptor = decode_cached(cmd.descriptor, self.config.deployment)
             share.problems = self._problems(descriptor)
             share.blocks = _blocks(cmd.blocks)
         except DescriptorRejected as exc:

@@ -3,7 +3,14 @@
 Every row runs a real exporter process that owns ``tp`` banks of ``bank_bytes`` and an
 importer process that times, per repeat, what it must do before the group is usable:
 
-- kvstate host backend: validate descriptors, receive fds, map, ready (the lead's row);
+- kvstate whole group: decode and validate every descriptor, lease, receive fds, map,
+  ready (one importer holding every rank, :meth:`Importer.import_group`);
+- kvstate per rank, the coordinator topology: what one rank worker does for its own part
+  (decode and check its descriptor, lease, receive its fd, map), timed per rank, ranks
+  0..tp-1 in turn from one worker process (its channel to the exporter stays warm, as a
+  worker's does between groups); the coordinator's messages are not in it;
+- the floor (:mod:`kvstate.harness.bench.b1_floor`): raw SCM_RIGHTS of the same kind of
+  fds plus mmap, with no checks, whole group and per rank;
 - ``multiprocessing.shared_memory``: attach every segment by name (shm_open + mmap);
 - torch.multiprocessing fd sharing: receive the shared tensors (fds over a unix socket,
   rebuilt and mapped), when torch is installed;
@@ -19,10 +26,13 @@ import importlib
 import mmap
 import time
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Protocol
 
+from kvstate.core.descriptor import Descriptor
+from kvstate.core.machine import Observer
 from kvstate.harness.bench.framework import Figure, Skipped
 from kvstate.harness.bench.procs import run_pair
+from kvstate.share.importer import BlockRequest, ImportConfig, Importer, Part
 
 LOOPBACK = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN", "UCX_LOG_LEVEL": "error"}
 
@@ -40,7 +50,22 @@ def _geometry(bank_bytes: int) -> Any:
 _DEPLOYMENT_KEY = bytes(range(32))
 
 
-def _kvstate_exporter(conn: Connection, p: dict[str, Any]) -> None:
+def import_config() -> ImportConfig:
+    """The importers' config in every kvstate row (and the import profile)."""
+    from kvstate.core.identity import Deployment
+    from kvstate.reuse.policy import ReuseSettings
+    return ImportConfig(Deployment("bench", _DEPLOYMENT_KEY), reuse=ReuseSettings(enable_decode_to_prefill_reuse=True))
+
+
+class Pipe(Protocol):
+    """The exporter's end of the pipe to its importer (a Connection, or a profiler's tap)."""
+
+    def send(self, obj: Any) -> None: ...
+
+    def recv(self) -> Any: ...
+
+
+def _kvstate_exporter(conn: Pipe, p: dict[str, Any]) -> None:
     import os
     import tempfile
     from pathlib import Path
@@ -64,15 +89,12 @@ def _kvstate_exporter(conn: Connection, p: dict[str, Any]) -> None:
     ex.stop()
 
 
-def _kvstate_importer(conn: Connection, p: dict[str, Any]) -> tuple[float, ...]:
-    from kvstate.core.identity import Deployment
-    from kvstate.share.importer import ImportConfig, Importer
-    from kvstate.reuse.policy import ReuseSettings
+def _kvstate_group_importer(conn: Connection, p: dict[str, Any]) -> tuple[float, ...]:
     from kvstate.transport.host import HostTransport
 
     wire = conn.recv()
     t = HostTransport()
-    im = Importer(ImportConfig(Deployment("bench", _DEPLOYMENT_KEY), reuse=ReuseSettings(enable_decode_to_prefill_reuse=True)), t)
+    im = Importer(import_config(), t)
     samples = []
     try:
         for i in range(p["repeats"] + 1):
@@ -90,11 +112,82 @@ def _kvstate_importer(conn: Connection, p: dict[str, Any]) -> tuple[float, ...]:
     return tuple(samples)
 
 
-def kvstate_host_import(params: dict[str, Any]) -> Figure:
+def kvstate_group_import(params: dict[str, Any]) -> Figure:
     """kvstate's row: decode and validate every descriptor, lease, receive the fds over the
     control channel, check and map them, set access, ready (the group machine's guard)."""
-    samples = run_pair(_kvstate_exporter, _kvstate_importer, params)
-    return Figure(tuple(samples), note=f"validate + lease + SCM_RIGHTS + map of {params['tp']} banks")
+    samples = run_pair(_kvstate_exporter, _kvstate_group_importer, params)
+    return Figure(tuple(samples), note=f"import_group: validate + lease + SCM_RIGHTS + map of {params['tp']} banks")
+
+
+class _Worker:
+    """The owner of one rank's part, as a rank worker's share is (the PartOwner protocol):
+    its group passed the coordinator's validation and is importing."""
+
+    def __init__(self, importer: Importer[Any, Any, Any, Any, Any], descriptor: Descriptor) -> None:
+        self.label = f"rank{descriptor.rank}"
+        self.observers: tuple[Observer, ...] = ()
+        self.importer = importer
+        self.blocks: BlockRequest | None = None
+        self.validated: object = descriptor
+        self.state = "importing"
+        self.leasing = True     # validated: its part may lease
+        self.releasing = True   # the bench closes its part itself once timed
+        self.parts: list[Part[Any, Any, Any, Any, Any]] = []  # its own rank's part only
+
+    def peer_closed(self, part: Part[Any, Any, Any, Any, Any]) -> None:
+        pass
+
+
+def import_rank(importer: Importer[Any, Any, Any, Any, Any], wire: bytes, rank: int,
+                tp: int) -> Part[Any, Any, Any, Any, Any]:
+    """One rank worker's import of its own part (RankWorker's check, then its open): decode
+    and check the descriptor on its own, then lease, receive the fd, check, map, set access."""
+    from kvstate.core.descriptor import decode_cached
+    from kvstate.core.errors import GroupRejected
+    from kvstate.core.validate import descriptor_problems
+
+    importer.check_gates()  # reuse enabled, as a worker's check requires
+    d = decode_cached(wire, importer.config.deployment)
+    problems = descriptor_problems(d, importer.expectation())
+    if problems:
+        raise GroupRejected(problems)
+    assert d.rank == rank and d.tp == tp, (d.rank, d.tp)
+    owner = _Worker(importer, d)
+    part: Part[Any, Any, Any, Any, Any] = Part(owner, d)
+    owner.parts.append(part)
+    part.fire("validate")
+    part.fire("lease")
+    part.fire("open")
+    return part
+
+
+def _kvstate_rank_importer(conn: Connection, p: dict[str, Any]) -> tuple[float, ...]:
+    from kvstate.transport.host import HostTransport
+
+    wire = conn.recv()
+    t = HostTransport()
+    im = Importer(import_config(), t)
+    samples = []
+    try:
+        for i in range(p["repeats"] + 1):
+            for rank in range(p["tp"]):
+                t0 = time.perf_counter()
+                part = import_rank(im, wire[rank], rank, p["tp"])
+                t1 = time.perf_counter()
+                assert part.state == "imported" and t.view(part.mapped())[0] == 1
+                part.fire("close")
+                if i:  # the first round is a warm-up
+                    samples.append(t1 - t0)
+    finally:
+        im.close()
+        conn.send("done")
+    return tuple(samples)
+
+
+def kvstate_rank_import(params: dict[str, Any]) -> Figure:
+    """kvstate's per-rank row: one worker's import of its own part, per rank."""
+    samples = run_pair(_kvstate_exporter, _kvstate_rank_importer, params)
+    return Figure(tuple(samples), note="one part per worker: check own descriptor + lease + SCM_RIGHTS + map")
 
 
 # -- multiprocessing.shared_memory -----------------------------------------------------

@@ -1,4 +1,4 @@
-"""Reports of a bench run: terminal table, Markdown table and PNG plot."""
+"""Reports of a bench run: terminal table, Markdown table, JSON rows and PNG plot."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import platform
 from importlib import metadata
 from pathlib import Path
 
-from kvstate.harness.bench.framework import Row, SuiteResult
+from typing import Any
+
+from kvstate.harness.bench.framework import Comparison, Row, SuiteResult
 
 
 def _time(seconds: float) -> str:
@@ -57,22 +59,63 @@ def _reference_line(result: SuiteResult) -> str:
     ref, declared = result.reference()
     if ref is None:
         return "ratio: no row was measured"
+    if any(r.reference is not None for r in result.rows):
+        return (f"ratio = time of the row's reference (the floor at its tp; else '{ref.name}') / time of the row "
+                "(higher is faster)")
     if declared:
         return f"ratio = time of '{ref.name}' / time of the row (higher is faster)"
     return (f"ratio = time of '{ref.name}' / time of the row; the declared reference "
             f"'{result.suite.reference}' was skipped, so the fastest measured row stands in")
 
 
+def _comparison_cells(result: SuiteResult, c: Comparison) -> list[str]:
+    x = result.multiple(c)
+    if x is None:
+        return [c.numerator, c.denominator, "-", "" if c.goal is None else f"<= {c.goal:g}", "not measured"]
+    verdict = "" if c.goal is None else ("met" if x <= c.goal else "MISSED")
+    return [c.numerator, c.denominator, f"{x:.2f}x", "" if c.goal is None else f"<= {c.goal:g}x", verdict]
+
+
+COMPARISON_HEADER = ["row", "as a multiple of", "times", "goal", "verdict"]
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
 def terminal(results: list[SuiteResult]) -> str:
     out = []
     for res in results:
         out.append(f"\n{res.suite.key}: {res.suite.title}   (goal: {res.suite.goal})")
-        rows = [HEADER, *(_cells(res, r) for r in res.rows)]
-        widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
-        for r in rows:
-            out.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        out += _table([HEADER, *(_cells(res, r) for r in res.rows)])
         out.append("  " + _reference_line(res))
+        if res.suite.comparisons:
+            out.append("")
+            out += _table([COMPARISON_HEADER, *(_comparison_cells(res, c) for c in res.suite.comparisons)])
     return "\n".join(out)
+
+
+def rows_json(results: list[SuiteResult], *, when: dt.datetime, command: str) -> dict[str, Any]:
+    """Every row of the run (suite, name, median, p10, p90, ratio; seconds) and every
+    comparison, for comparing runs over time. A row that did not run has null figures."""
+    rows: list[dict[str, Any]] = []
+    comparisons: list[dict[str, Any]] = []
+    for res in results:
+        for r in res.rows:
+            f = r.figure
+            rows.append({"suite": r.suite, "name": r.name, "kvstate": r.kvstate,
+                         "median": None if f is None else f.median, "p10": None if f is None else f.p10,
+                         "p90": None if f is None else f.p90, "ratio": res.ratio(r),
+                         "reference": r.reference or (res.reference()[0] or r).name,
+                         "samples": None if f is None else len(f.samples),
+                         "skipped": r.skipped, "failed": r.failed})
+        for c in res.suite.comparisons:
+            x = res.multiple(c)
+            comparisons.append({"suite": res.suite.key, "row": c.numerator, "of": c.denominator, "times": x,
+                                "goal": c.goal, "met": None if x is None or c.goal is None else x <= c.goal})
+    return {"when": when.isoformat(), "command": command, "machine": machine(), "rows": rows,
+            "comparisons": comparisons}
 
 
 def markdown(results: list[SuiteResult], *, when: dt.datetime, command: str) -> str:
@@ -82,6 +125,10 @@ def markdown(results: list[SuiteResult], *, when: dt.datetime, command: str) -> 
                 "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
         out += ["| " + " | ".join(c.replace("|", "\\|") for c in _cells(res, r)) + " |" for r in res.rows]
         out.append("")
+        if res.suite.comparisons:
+            out += ["| " + " | ".join(COMPARISON_HEADER) + " |", "|" + "---|" * len(COMPARISON_HEADER)]
+            out += ["| " + " | ".join(_comparison_cells(res, c)) + " |" for c in res.suite.comparisons]
+            out.append("")
     return "\n".join(out)
 
 

@@ -6,16 +6,69 @@ kvstate's rows plug in as one function each: ``b1_import.kvstate_host_import``,
 
 from __future__ import annotations
 
-from kvstate.harness.bench import b1_import, b2_load, b3_lifecycle, b4_scatter
-from kvstate.harness.bench.framework import Case, Suite
+from collections.abc import Callable
+from typing import Any
+
+from kvstate.harness.bench import b1_floor, b1_import, b2_load, b3_lifecycle, b4_scatter
+from kvstate.harness.bench.framework import Case, Comparison, Figure, Suite
 
 MiB = 1 << 20
 READINESS_TP = (1, 2, 4, 8, 16, 32, 64)
+IMPORT_TP = (1, 8, 64)
+#: Bank size per tp in B1: 64 MiB, but 8 MiB at tp=64 (64 banks of 64 MiB would take 4 GiB in
+#: each of two processes per row). No row populates page tables, so mapping costs do not
+#: grow with the bank size; the per-rank rows compare like with like at every tp.
+B1_BANK_MIB = {1: 64, 8: 64, 64: 8}
+
+
+def _at(fn: Callable[[dict[str, Any]], Figure], tp: int, bank_mib: int) -> Callable[[dict[str, Any]], Figure]:
+    def run(params: dict[str, Any]) -> Figure:
+        return fn({**params, "tp": tp, "bank_bytes": bank_mib * MiB})
+    return run
+
+
+def b1_rows(tp: int) -> dict[str, str]:
+    """The names of B1's rows at ``tp``."""
+    return {"group": f"kvstate whole-group import tp={tp}", "rank": f"kvstate per-rank import tp={tp}",
+            "floor_group": f"floor: SCM_RIGHTS + mmap, whole group tp={tp}",
+            "floor_rank": f"floor: SCM_RIGHTS + mmap, per rank tp={tp}",
+            "shm": f"shared_memory attach tp={tp}", "nixl": f"NIXL register + metadata load tp={tp}"}
+
+
+def b1_suite(quick: bool, repeats: int) -> Suite:
+    tps = (1, 8) if quick else IMPORT_TP
+    cases: list[Case] = []
+    comparisons: list[Comparison] = []
+    for tp in tps:
+        mib = 1 if quick else B1_BANK_MIB[tp]
+        n = b1_rows(tp)
+        cases += [
+            Case(n["group"], _at(b1_import.kvstate_group_import, tp, mib), kvstate=True, reference=n["floor_group"]),
+            Case(n["rank"], _at(b1_import.kvstate_rank_import, tp, mib), kvstate=True, reference=n["floor_rank"]),
+            Case(n["floor_group"], _at(b1_floor.floor_group, tp, mib), reference=n["floor_group"]),
+            Case(n["floor_rank"], _at(b1_floor.floor_rank, tp, mib), reference=n["floor_rank"]),
+            Case(n["shm"], _at(b1_import.shm_attach, tp, mib), reference=n["floor_group"]),
+            Case(n["nixl"], _at(b1_import.nixl_register_and_load, tp, mib), reference=n["floor_group"]),
+        ]
+        if tp == 8:
+            cases.append(Case("torch.multiprocessing fd sharing tp=8", _at(b1_import.torch_fd_sharing, tp, mib),
+                              reference=n["floor_group"]))
+        comparisons += [
+            Comparison(n["group"], n["nixl"], 1.0 if tp == 8 else None),
+            Comparison(n["group"], n["shm"], 3.0 if tp == 8 else None),
+            Comparison(n["group"], n["floor_group"]),
+            Comparison(n["rank"], n["floor_rank"], 2.0),
+        ]
+    first, last = b1_rows(tps[0])["rank"], b1_rows(tps[-1])["rank"]
+    comparisons.append(Comparison(last, first, 1.5, "per-rank cost flat in tp"))
+    return Suite("B1", f"group import at tp {', '.join(map(str, tps))}: one bank per rank of "
+                 + ("1 MiB" if quick else ", ".join(f"{B1_BANK_MIB[t]} MiB at tp={t}" for t in tps)),
+                 "tp=8 whole group no slower than NIXL and <= 3x shared_memory; per rank <= 2x the floor, flat in tp",
+                 b1_rows(8)["floor_group"], tuple(cases), {"repeats": repeats}, tuple(comparisons))
 
 
 def suites(quick: bool = False, repeats: int | None = None) -> list[Suite]:
     r = repeats or (2 if quick else 7)
-    b1 = {"tp": 8, "bank_bytes": (1 if quick else 64) * MiB, "repeats": r}
     b2 = {"n_blocks": 64 if quick else 4096, "bank_blocks": 128 if quick else 8192,
           "block_bytes": 64 * 1024, "seed": 7, "repeats": r}
     b4 = {"n_blocks": 128 if quick else 4096, "regions": 8 if quick else 32, "block_bytes": 64 * 1024,
@@ -23,13 +76,7 @@ def suites(quick: bool = False, repeats: int | None = None) -> list[Suite]:
     b3 = {"cycles": 200 if quick else 5000, "groups": 20 if quick else 500, "repeats": r}
     tps = READINESS_TP[:3] if quick else READINESS_TP
     return [
-        Suite("B1", f"group import, tp={b1['tp']}, {b1['tp']} banks of {b1['bank_bytes'] // MiB} MiB",
-              "kvstate host backend faster than every peer", "kvstate host import", (
-                  Case("kvstate host import", b1_import.kvstate_host_import, kvstate=True),
-                  Case("multiprocessing.shared_memory attach", b1_import.shm_attach),
-                  Case("torch.multiprocessing fd sharing", b1_import.torch_fd_sharing),
-                  Case("NIXL register + metadata load", b1_import.nixl_register_and_load),
-              ), b1),
+        b1_suite(quick, r),
         Suite("B2", f"prefix load, {b2['n_blocks']} random blocks of {b2['block_bytes'] // 1024} KiB",
               ">= 90% of memcpy and ahead of every peer", "contiguous memcpy", (
                   Case("kvstate op engine gather", b2_load.kvstate_op_gather, kvstate=True),

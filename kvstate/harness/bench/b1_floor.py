@@ -1,0 +1,107 @@
+"""B1's floor: raw SCM_RIGHTS of the same kind of fds plus mmap, with no checks.
+
+The exporter process owns ``tp`` sealed memfds of ``bank_bytes`` (every page touched) and
+serves them on one AF_UNIX SOCK_SEQPACKET connection, which the importer opens before the
+clock starts. Per repeat the importer asks for the fds, receives them and maps each one
+readable (PROT_READ, MAP_SHARED): the least any fd-passing import can do, with no
+descriptor, no lease, no identity or seal check and no address reservation.
+
+- whole group: one request, every fd in one message, tp mmaps;
+- per rank: one request per rank, one fd each, one mmap (timed per rank).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import tempfile
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from kvstate.harness.bench.framework import Figure
+from kvstate.harness.bench.procs import run_pair
+
+
+def _memfd(size: int) -> int:
+    fd = os.memfd_create("kvs-floor", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    with mmap.mmap(fd, size) as m:
+        m[:: mmap.PAGESIZE] = b"\1" * len(range(0, size, mmap.PAGESIZE))  # touch every page
+    return fd
+
+
+def _floor_exporter(conn: Connection, p: dict[str, Any]) -> None:
+    fds = [_memfd(p["bank_bytes"]) for _ in range(p["tp"])]
+    d = Path(tempfile.mkdtemp(prefix="kvs-floor-"))
+    path = d / "s"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        srv.bind(str(path))
+        srv.listen(1)
+        conn.send(str(path))
+        peer, _ = srv.accept()
+        with peer:
+            while True:
+                req = peer.recv(16)
+                if not req or req == b"q":
+                    break
+                if req == b"g":
+                    socket.send_fds(peer, [b"g"], fds)
+                else:
+                    socket.send_fds(peer, [b"r"], [fds[int(req)]])
+    finally:
+        srv.close()
+        path.unlink(missing_ok=True)
+        d.rmdir()
+        for fd in fds:
+            os.close(fd)
+        conn.send("bye")
+
+
+def _receive_and_map(sock: socket.socket, request: bytes, n: int, size: int) -> list[mmap.mmap]:
+    sock.send(request)
+    _, fds, _, _ = socket.recv_fds(sock, 16, n)
+    try:
+        return [mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ) for fd in fds]
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _floor_importer(conn: Connection, p: dict[str, Any]) -> tuple[float, ...]:
+    path = conn.recv()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.connect(path)
+    samples = []
+    per_rank = p["floor"] == "rank"
+    try:
+        for i in range(p["repeats"] + 1):
+            batches = [(str(r).encode(), 1) for r in range(p["tp"])] if per_rank else [(b"g", p["tp"])]
+            for request, n in batches:
+                t0 = time.perf_counter()
+                maps = _receive_and_map(sock, request, n, p["bank_bytes"])
+                t1 = time.perf_counter()
+                assert len(maps) == n and all(m[0] == 1 for m in maps)
+                for m in maps:
+                    m.close()
+                if i:  # the first round is a warm-up
+                    samples.append(t1 - t0)
+    finally:
+        sock.send(b"q")
+        sock.close()
+        conn.recv()
+    return tuple(samples)
+
+
+def floor_group(params: dict[str, Any]) -> Figure:
+    samples = run_pair(_floor_exporter, _floor_importer, {**params, "floor": "group"})
+    return Figure(tuple(samples), note=f"one request, {params['tp']} fds in one SCM_RIGHTS message, "
+                  f"{params['tp']} mmaps; no checks")
+
+
+def floor_rank(params: dict[str, Any]) -> Figure:
+    samples = run_pair(_floor_exporter, _floor_importer, {**params, "floor": "rank"})
+    return Figure(tuple(samples), note="per rank: one request, one fd, one mmap; no checks")

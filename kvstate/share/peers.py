@@ -1,0 +1,352 @@
+"""Persistent control channels from an importer to its exporters, and batched leases.
+
+Why
+---
+
+An import used to open a connection per rank part: connect, credential checks, a pidfd,
+a handler thread started by the exporter, a watcher wake-up, and one lease round trip
+each. Measured at tp=8 (``python -m kvstate.harness.bench.import_profile``), that set-up
+was most of the import's time. Now an importer keeps one :class:`PeerLink` per exporter
+address, reused across imports, and asks for every rank that exporter serves in one
+request whose answer carries every fd in one SCM_RIGHTS message.
+
+What stays the same
+-------------------
+
+- Leases are still bound to the connection: when the link closes (the importer closes
+  it, or its process dies), the exporter ends every lease on it. A part that ends sends
+  ``release`` and waits for the answer; if that fails the link is closed, so the lease
+  ends anyway.
+- Credentials (SO_PEERCRED, uid) and the socket path are checked when a link connects;
+  every import still validates each descriptor (socket path rule included) before any
+  handle is opened.
+- A batched request is all or nothing on the exporter (:meth:`Exporter._handle_batch`):
+  a refusal of any rank returns every lease it granted in that request.
+
+Threads: one request and its answer at a time per link (:attr:`PeerLink.lock`), so a
+lease renewal, a release and an import never read each other's answers. Requests to
+several exporters are pipelined without threads (:func:`exchange`): every request is
+sent, then every answer read.
+"""
+
+from __future__ import annotations
+
+import select
+import threading
+import time
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from typing import Any
+
+import attrs
+
+from kvstate import channel as chan
+from kvstate.channel.framing import close_quietly
+from kvstate.core.errors import ChannelError, ImportFailed, KvStateError, LeaseRefused
+
+#: How many fds one message may carry on a link: every rank of the largest group.
+LINK_LIMITS = chan.Limits(max_fds=chan.HARD_MAX_FDS)
+
+
+class PeerLink:
+    """One persistent channel to one exporter address."""
+
+    def __init__(self, address: str, channel: chan.Channel) -> None:
+        self.address = address
+        self.channel = channel
+        #: Held from a request's send to its answer's receipt (and for notifications).
+        self.lock = threading.Lock()
+        self.users = 0                 # parts holding a lease on this link
+        self.idle_since = time.monotonic()
+
+    def __repr__(self) -> str:
+        return f"<PeerLink {self.address} users={self.users}{' closed' if self.closed else ''}>"
+
+    @property
+    def closed(self) -> bool:
+        return self.channel.closed
+
+    def usable(self) -> bool:
+        """Open, its peer process alive, and not hung up: an exporter that stopped (or
+        restarted at the same address) is noticed here before the watcher says so."""
+        if self.channel.closed or not self.channel.peer_alive():
+            return False
+        p = select.poll()
+        try:
+            p.register(self.channel.fileno(), select.POLLRDHUP)
+        except (ValueError, OSError):
+            return False
+        return not p.poll(0)
+
+    def request(self, payload: bytes, timeout: float) -> chan.Message:
+        """Send one request and return its answer (the caller closes the message's fds)."""
+        with self.lock:
+            self.channel.send(payload, timeout=timeout)
+            return self.channel.recv(timeout=timeout)
+
+    def notify(self, payload: bytes, timeout: float) -> None:
+        """Send a message that has no answer."""
+        with self.lock:
+            self.channel.send(payload, timeout=timeout)
+
+    def release(self, rank: int, lease_id: int | None, timeout: float = 1.0) -> None:
+        """Return a lease and wait for the answer. An exporter that is gone, or a lease that
+        already ended, is fine; if the answer does not come, the link is closed so that the
+        exporter ends the lease (and every other on this link) by itself."""
+        try:
+            with self.request(chan.encode({"op": "release", "rank": rank, "lease": lease_id}), timeout) as msg:
+                chan.decode(msg.payload)
+        except ChannelError:
+            self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+@attrs.define(eq=False)
+class Grant:
+    """One rank's lease as the exporter granted it, with the fds that came for it. The
+    fds belong to the grant until :meth:`close_fds`; a grant nobody took is given back."""
+
+    link: PeerLink
+    rank: int
+    lease_id: int
+    expires_in_s: float
+    reply: dict[str, Any]
+    fds: tuple[int, ...]
+    taken: bool = False
+    #: Whether the part reports its mapping itself; False when its group reports every
+    #: mapping of this link in one message (:func:`mapped_payload`) once its parts opened.
+    report_mapped: bool = True
+
+    def close_fds(self) -> None:
+        fds, self.fds = self.fds, ()
+        for fd in fds:
+            close_quietly(fd)
+
+    def give_back(self) -> None:
+        """Close the fds and return the lease (a grant whose part never opened)."""
+        self.close_fds()
+        self.link.release(self.rank, self.lease_id)
+
+
+class RankRefused(Exception):
+    """A batched request the exporter refused because of one rank (it names the rank); the
+    other ranks of the batch were not refused themselves, and none of them is leased.
+    Internal: the importer reports ``refusal`` for ``rank``."""
+
+    def __init__(self, rank: int, refusal: LeaseRefused) -> None:
+        super().__init__(rank, refusal)
+        self.rank = rank
+        self.refusal = refusal
+
+
+def _grant(link: PeerLink, reply: Any, rank: int, fds: tuple[int, ...]) -> Grant:
+    """A grant from the exporter's answer, checked: the exporter is a peer."""
+    lease: Any = reply.get("lease") if isinstance(reply, dict) else None
+    expires: Any = reply.get("expires_in_s") if isinstance(reply, dict) else None
+    if type(lease) is not int or type(expires) not in (int, float) or not 0 <= expires < 1e9:
+        raise ImportFailed(rank, KvStateError(f"malformed lease grant {reply!r:.200}"))
+    return Grant(link, rank, lease, float(expires), reply, fds)
+
+
+def lease_payload(items: Sequence[dict[str, Any]]) -> bytes:
+    """The request for the lease fields of one rank (``op: lease``, what every exporter
+    understands) or of several (``op: leases``, one answer with every fd)."""
+    if len(items) == 1:
+        return chan.encode({"op": "lease", **items[0]})
+    return chan.encode({"op": "leases", "items": list(items)})
+
+
+def grants(link: PeerLink, items: Sequence[dict[str, Any]], msg: chan.Message) -> list[Grant]:
+    """The grants in the answer ``msg`` to :func:`lease_payload` of ``items``, one per item
+    in order. LeaseRefused when the exporter refused (it then holds none of them): as
+    :class:`RankRefused` when a batch names the rank refused; ImportFailed when the answer
+    is malformed (every lease it granted is given back)."""
+    with ExitStack() as undo:
+        undo.callback(msg.close)
+        reply = chan.decode(msg.payload)
+        if not reply.get("ok"):
+            refusal = LeaseRefused(str(reply.get("code")), str(reply.get("detail")))
+            rank = reply.get("rank")
+            if len(items) > 1 and type(rank) is int and any(item["rank"] == rank for item in items):
+                raise RankRefused(rank, refusal)
+            raise refusal
+        if len(items) == 1:
+            answers: Any = [{**reply, "nfds": len(msg.fds)}]
+        else:
+            answers = reply.get("grants")
+        ranks = [int(item["rank"]) for item in items]
+        if not isinstance(answers, list) or len(answers) != len(items) or \
+                any(not isinstance(a, dict) or type(a.get("nfds")) is not int or a["nfds"] < 0 for a in answers) or \
+                sum(a["nfds"] for a in answers) != len(msg.fds):
+            for a, rank in zip(answers if isinstance(answers, list) else [], ranks):
+                if isinstance(a, dict) and type(a.get("lease")) is int:
+                    link.release(rank, a["lease"])
+            raise ImportFailed(ranks[0], KvStateError(f"malformed batched lease answer {reply!r:.200}"))
+        out: list[Grant] = []
+
+        def give_back_all() -> None:
+            for g in out:
+                g.give_back()
+        undo.callback(give_back_all)
+        at = 0
+        for a, rank in zip(answers, ranks):
+            fds = msg.fds[at:at + a["nfds"]]
+            at += a["nfds"]
+            g = _grant(link, a, rank, ())
+            g.fds = fds
+            out.append(g)
+        undo.pop_all()  # every fd now belongs to exactly one grant
+        return out
+
+
+def mapped_payload(leases: Sequence[tuple[int, int]]) -> bytes:
+    """The notification that parts are mapped: ``(rank, lease id)`` each; one message for
+    every rank of a link (``op: mapped`` with ``items``), or the single-rank form."""
+    if len(leases) == 1:
+        rank, lease_id = leases[0]
+        return chan.encode({"op": "mapped", "rank": rank, "lease": lease_id})
+    return chan.encode({"op": "mapped", "items": [{"rank": r, "lease": lease} for r, lease in leases]})
+
+
+def exchange(requests: Sequence[tuple[PeerLink, bytes]], timeout: float) -> list[chan.Message | KvStateError]:
+    """Send every request, then read every answer: one round trip for several exporters,
+    without threads. Each link is held from its send to its answer (locks taken in address
+    order). A failure is returned in its slot; a link that failed is closed."""
+    order = sorted(range(len(requests)), key=lambda i: requests[i][0].address)
+    out: list[chan.Message | KvStateError | None] = [None] * len(requests)
+    with ExitStack() as held:
+        for i in order:
+            link = requests[i][0]
+            if not any(requests[j][0] is link for j in order[:order.index(i)]):
+                held.enter_context(link.lock)
+        sent: list[int] = []
+        for i in order:
+            link, payload = requests[i]
+            try:
+                link.channel.send(payload, timeout=timeout)
+                sent.append(i)
+            except ChannelError as exc:
+                out[i] = exc
+                link.close()
+        for i in sent:
+            link = requests[i][0]
+            try:
+                out[i] = link.channel.recv(timeout=timeout)
+            except ChannelError as exc:
+                out[i] = exc
+                link.close()
+    return [x for x in out if x is not None]
+
+
+class Peers:
+    """An importer's links, one per exporter address. Idle links close after ``idle_s``."""
+
+    def __init__(self, connect: Callable[[str, float], chan.Channel], idle_s: float) -> None:
+        self._connect = connect
+        self.idle_s = idle_s
+        self._links: dict[str, PeerLink] = {}
+        self._lock = threading.Lock()
+        self._closing = False
+
+    def link(self, address: str, timeout: float, *, fresh: bool = False) -> PeerLink:
+        """The live link to ``address``, connecting (and checking the peer) if there is
+        none, or if ``fresh``."""
+        with self._lock:
+            if self._closing:
+                raise ChannelError("the importer is closed")
+            link = self._links.get(address)
+        if link is not None and not fresh and link.usable():
+            return link
+        channel = self._connect(address, timeout)
+        made = PeerLink(address, channel)
+        with self._lock:
+            old = self._links.get(address)
+            if old is not None and old is not link and not fresh and old.usable():
+                channel.close()  # another thread connected meanwhile: use that one
+                return old
+            self._links[address] = made
+        if old is not None and old.users == 0:
+            old.close()  # replaced; a link still in use closes when its last lease returns
+        return made
+
+    def leases(self, batches: Sequence[tuple[str, Sequence[dict[str, Any]]]],
+               timeout: float) -> list[list[Grant] | Exception]:
+        """Lease each batch of ``(address, lease fields of its ranks)``: every request is
+        sent before any answer is read. Per batch: its grants, or what failed
+        (:class:`RankRefused`, a KvStateError, an OSError). A request that met a closed
+        link it had reused is sent once more on a fresh connection (the exporter ended
+        whatever the closed one held)."""
+        out: list[list[Grant] | Exception | None] = [None] * len(batches)
+        pending = list(range(len(batches)))
+        for attempt in (0, 1):
+            links: dict[int, PeerLink] = {}
+            for i in pending:
+                try:
+                    links[i] = self.link(batches[i][0], timeout, fresh=attempt > 0)
+                except Exception as exc:
+                    out[i] = exc
+            order = list(links)
+            answers = exchange([(links[i], lease_payload(batches[i][1])) for i in order], timeout)
+            pending = []
+            for i, answer in zip(order, answers):
+                if isinstance(answer, ChannelError) and attempt == 0:
+                    pending.append(i)  # a stale link: once more, freshly connected
+                    continue
+                try:
+                    if isinstance(answer, KvStateError):
+                        raise answer
+                    out[i] = grants(links[i], batches[i][1], answer)
+                except (RankRefused, KvStateError, OSError) as exc:
+                    out[i] = exc
+            if not pending:
+                break
+        return [x if x is not None else ChannelError("no answer") for x in out]
+
+    def hold(self, link: PeerLink) -> None:
+        with self._lock:
+            link.users += 1
+
+    def let_go(self, link: PeerLink) -> None:
+        with self._lock:
+            link.users -= 1
+            if link.users == 0:
+                link.idle_since = time.monotonic()
+            close = link.users == 0 and (self._closing or self._links.get(link.address) is not link)
+        if close:
+            self._drop(link)
+
+    def _drop(self, link: PeerLink) -> None:
+        with self._lock:
+            if self._links.get(link.address) is link:
+                del self._links[link.address]
+        link.close()
+
+    def forget(self, channel: chan.Channel) -> None:
+        """The peer of ``channel`` hung up: drop its link and close our end."""
+        with self._lock:
+            dead = [k for k, v in self._links.items() if v.channel is channel]
+            for k in dead:
+                del self._links[k]
+        channel.close()
+
+    def close_idle(self, now: float | None = None, *, everything: bool = False) -> None:
+        """Close links no lease has used for ``idle_s`` (every idle one while closing, or
+        with ``everything``: when the caller knows its exporters are going away)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            idle = [link for link in self._links.values() if link.users == 0 and
+                    (self._closing or everything or now - link.idle_since >= self.idle_s)]
+        for link in idle:
+            self._drop(link)
+
+    def close(self) -> None:
+        """Close every idle link now, and each busy one when its last lease returns."""
+        with self._lock:
+            self._closing = True
+        self.close_idle()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._links)

@@ -1,0 +1,129 @@
+"""The fast import path (kvstate.share.peers): one persistent channel per exporter, one
+batched lease per exporter with every fd in one message, and the rules that stay: leases
+bound to the connection, all-or-nothing batches, refusals naming their rank."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+from kvstate import channel as chan
+from kvstate.core.errors import FrameError, ImportFailed, LeaseRefused
+from kvstate.share import peers
+from kvstate.share.importer import ImportConfig, Importer, lease_fields
+from kvstate.core.descriptor import decode
+from kvstate.transport.host import HostTransport
+
+from conftest import DEPLOYMENT, make_exporter
+from support.reuse import REUSE_ON
+
+
+def _wait(predicate: Callable[[], bool], timeout: float = 3.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def test_imports_reuse_one_channel_and_lease_every_rank_in_one_request(transport: HostTransport,
+                                                                      importer: Importer) -> None:
+    ex = make_exporter(4, transport)
+    wire = [ex.descriptor(r) for r in range(4)]
+    requests: list[str] = []
+    handle = ex._handle_batch
+
+    def counting(ch: chan.Channel, req: dict[str, object]) -> tuple[dict[str, object], tuple[int, ...]]:
+        requests.append("leases")
+        return handle(ch, req)
+    ex._handle_batch = counting  # type: ignore[method-assign]
+    links = set()
+    for _ in range(3):
+        group = importer.import_group(wire)
+        assert group.state == "ready" and len({p.lease_id for p in group.parts}) == 4
+        links |= {id(p.link) for p in group.parts}
+        group.drain()
+    assert requests == ["leases"] * 3  # one request per import, for all four ranks
+    assert len(links) == 1 and len(importer.peers) == 1
+    assert ex._handlers == 1  # one connection (one handler) served all three imports
+
+
+def test_a_batch_refused_for_one_rank_leases_none_and_names_that_rank(transport: HostTransport,
+                                                                     importer: Importer) -> None:
+    ex = make_exporter(3, transport)
+    wire = [ex.descriptor(r) for r in range(3)]
+    ex.banks[1].generation += 1  # rank 1 moved on (as a re-advertise does): its descriptor is stale
+    with pytest.raises(ImportFailed) as info:
+        importer.import_group(wire)
+    assert info.value.rank == 1 and isinstance(info.value.__cause__, LeaseRefused)
+    assert info.value.__cause__.code == "stale_generation"
+    assert all(not b.leases for b in ex.banks.values())  # all or nothing on the exporter
+
+
+def test_leases_end_when_the_link_closes(transport: HostTransport) -> None:
+    ex = make_exporter(2, transport)
+    im = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON), transport)
+    group = im.import_group([ex.descriptor(r) for r in range(2)])
+    assert all(len(b.leases) == 1 for b in ex.banks.values())
+    link = group.parts[0].link
+    assert link is not None
+    link.close()  # what the importer's death does: the exporter ends every lease on it
+    assert _wait(lambda: all(not b.leases for b in ex.banks.values()))
+    assert _wait(lambda: group.state in ("draining", "quiescent", "closed", "failed"))
+    group.drain()
+    im.close()
+
+
+def test_an_idle_link_closes_and_a_new_import_reconnects(transport: HostTransport) -> None:
+    ex = make_exporter(1, transport)
+    im = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON, link_idle_s=0.1), transport)
+    try:
+        im.import_group([ex.descriptor(0)]).drain()
+        assert len(im.peers) == 1
+        assert _wait(lambda: len(im.peers) == 0)  # closed by the expiry thread once idle
+        group = im.import_group([ex.descriptor(0)])
+        assert group.state == "ready"
+        group.drain()
+    finally:
+        im.close()
+    assert _wait(lambda: ex._handlers == 0)  # the importer's close closed its idle link
+
+
+def test_exporter_refuses_malformed_batches(transport: HostTransport) -> None:
+    ex = make_exporter(2, transport)
+    d = decode(ex.descriptor(0), DEPLOYMENT)
+    ch = chan.connect(ex.socket_path)
+    try:
+        item = lease_fields(d, None)
+        for bad in ([], [item, item], [{**item, "op": "release"}], "x", [item] * 3):
+            ch.send(chan.encode({"op": "leases", "items": bad}))
+            with ch.recv() as msg:
+                reply = chan.decode(msg.payload)
+                assert not msg.fds
+            assert reply["ok"] is False and reply["code"] == FrameError.__name__, (bad, reply)
+        assert all(not b.leases for b in ex.banks.values())
+    finally:
+        ch.close()
+
+
+def test_a_malformed_batched_answer_gives_every_grant_back(transport: HostTransport) -> None:
+    """The exporter is a peer: an answer whose fd counts do not add up is refused and its
+    leases are returned."""
+    ex = make_exporter(2, transport)
+    ds = [decode(ex.descriptor(r), DEPLOYMENT) for r in range(2)]
+    ch = chan.connect(ex.socket_path, limits=peers.LINK_LIMITS)
+    link = peers.PeerLink(str(ex.socket_path), ch)
+    try:
+        items = [lease_fields(d, None) for d in ds]
+        msg = link.request(peers.lease_payload(items), 5.0)
+        short = chan.Message(msg.payload, msg.fds[:1])  # one fd "lost"
+        for fd in msg.fds[1:]:
+            chan.framing.close_quietly(fd)
+        with pytest.raises(ImportFailed):
+            peers.grants(link, items, short)
+        assert _wait(lambda: all(not b.leases for b in ex.banks.values()))
+    finally:
+        ch.close()
