@@ -339,9 +339,12 @@ def run(mutants: Sequence[Mutant], *, root: Path = ROOT, check_baseline: bool = 
         tree = scratch_copy(Path(scratch) / "tree", root)
         imports_the_copy(tree)
         if check_baseline:
+            started = time.monotonic()
             red = baseline(mutants, tree)
             if red:
                 raise MutantError("the selections fail without any mutant: " + "; ".join(red[:5]))
+            if echo:
+                print(f"baseline: every selection passes unmutated ({time.monotonic() - started:.0f} s)", flush=True)
         results = []
         for i, m in enumerate(mutants, 1):
             r = run_one(m, tree)
