@@ -6,7 +6,7 @@ VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-vllm spec docs generate check clean bench spin bench-models fuzz soak mutants
+.PHONY: demo test test-fast test-vllm spec docs generate check clean bench spin bench-models fuzz soak cudashim gpucheck mutants
 
 # Spin for the model tests: installed from Debian when we can (root or sudo); otherwise the
 # model tests skip loudly (and fail when CI is set).
@@ -38,7 +38,7 @@ demo: $(STAMP)
 
 # Every test (CI runs this). Tiers are pytest markers (unit, stateful, native, multiproc,
 # models, slow; tests/support/tiers.py), e.g. `.venv/bin/python -m pytest -m native`.
-test: $(STAMP) spin
+test: $(STAMP) spin cudashim
 	$(VPY) -m mypy
 	KVSTATE_REQUIRE_NIXL=1 $(VPY) -m pytest
 
@@ -52,9 +52,18 @@ test-vllm:
 	KVSTATE_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest tests/vllm --durations=0 -p no:cacheprovider
 
 # The edit loop: mypy and every test that is neither slow nor a Spin run.
-test-fast: $(STAMP)
+test-fast: $(STAMP) cudashim
 	$(VPY) -m mypy
 	$(VPY) -m pytest -q -m "not slow and not models"
+
+# The CPU stand-in for libcuda that the cuda backend's tests load (KVSTATE_LIBCUDA): built
+# from tests/cudashim/*.c with the C compiler, never committed (the tests also build it
+# on first use). `make gpucheck` runs the GPU check on this machine's real driver.
+cudashim:
+	$(PYTHON) tests/cudashim/build.py
+
+gpucheck: $(STAMP)
+	$(VPY) -m kvstate gpucheck
 
 spec: $(STAMP)
 	$(VPY) -m kvstate spec show
@@ -97,4 +106,4 @@ soak: $(STAMP)
 	$(VPY) -c 'import sys; from kvstate.harness.soak import main; sys.exit(main(sys.argv[1:]))' --cycles $(SOAK_CYCLES)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .mypy_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .mypy_cache .hypothesis tests/cudashim/_build

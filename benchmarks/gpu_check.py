@@ -1,9 +1,7 @@
-"""The GPU check of the cuda backend, in one run (see kvstate/harness/gpucheck.py for what it does).
+"""The GPU check of the cuda backend, in one run: the same as ``kvstate gpucheck`` (see
+kvstate/harness/gpucheck.py for what it does and its exit statuses).
 
-    python benchmarks/gpu_check.py [--device GPU-...] [--rounds 50] [--repeats 20] [--json] [--strict]
-
-Exit status: 0 checks passed (goals printed as MET or MISSED), 1 a check failed (or, with
---strict, a goal was missed), 2 not run: no GPU, driver or cuda-python here.
+    python benchmarks/gpu_check.py [--device GPU-...] [--rounds 50] [--repeats 20] [--mib 512]
 """
 
 import sys

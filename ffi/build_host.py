@@ -20,8 +20,8 @@ from pathlib import Path
 from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("kvs_slots.c", "kvs_host.c", "kvs_ops.c")
-DEPENDS = ("kvs.h", "kvs_slots.h", "kvs_op_table.h", *SOURCES)
+SOURCES = ("kvs_slots.c", "kvs_host.c", "kvs_ops.c", "kvs_cuda_load.c", "kvs_cuda_mem.c", "kvs_cuda_ops.c")
+DEPENDS = ("kvs.h", "kvs_slots.h", "kvs_engine.h", "kvs_cuda.h", "kvs_cuda_driver.h", "kvs_op_table.h", *SOURCES)
 
 _COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.S)
 _DEFINE = re.compile(r"#define\s+(\w+)(\s+\S.*)?$")
@@ -68,7 +68,7 @@ def builder(module: str = "kvstate._native", defines: Sequence[tuple[str, str | 
         depends=[str(root / d) for d in DEPENDS],
         define_macros=list(defines),
         extra_compile_args=["-std=c11", "-O2", "-Wall", "-Wextra", "-fvisibility=hidden"],
-        libraries=["pthread"],
+        libraries=["pthread", "dl"],
         py_limited_api=True,
     )
     return ffi

@@ -21,10 +21,23 @@
  * or revoked under an in-flight copy. Release refuses while the allocation is mapped.
  * Holders other than ops (leases) may take explicit pins with kvs_region_pin().
  *
+ * CUDA. The same tables hold CUDA device memory (kvs_cuda_*): VMM allocations exported
+ * as POSIX fds (or FABRIC handles) and legacy cuMemAlloc memory exported as IPC handles,
+ * reserved, mapped and given access with the host backend's semantics; their regions are
+ * pinned by CUDA ops, which are ops of the same engine stepped through the same generated
+ * table: submit pins, the copies go on a stream of their own with an event behind them,
+ * and finish or fail (which unpin) fire only once that event reports completion, so unmap
+ * and release refuse until the device is done. libcuda is never linked: kvs_cuda_load()
+ * opens the library it is given at run time, and every kvs_cuda_* call refuses with
+ * KVS_E_NODRIVER until it did.
+ *
  * Files: kvs_slots.c holds the slot tables, the lock, regions and their pins (shared);
  * kvs_host.c the memory objects (allocations, reservations, mapping and unmapping);
  * kvs_ops.c the op engine. The last two build on kvs_slots.h and on nothing of each
- * other. Python declares this header to cffi by deriving from it (ffi/build_host.py).
+ * other. kvs_cuda_load.c loads the driver (kvs_cuda_driver.h declares the calls it
+ * uses), kvs_cuda_mem.c keeps the device memory objects and kvs_cuda_ops.c runs CUDA ops
+ * on the engine's face for other backends (kvs_engine.h). Python declares this header
+ * to cffi by deriving from it (ffi/build_host.py).
  *
  * Every function returns KVS_OK (0) or a negative KVS_E_* code; on KVS_E_SYS, errno is
  * left set by the failing system call. Every wait takes a timeout. Types across the
@@ -55,6 +68,9 @@
 #define KVS_E_BUSY (-14)      /* the engine has live ops (reconfigure) */
 #define KVS_E_NOMEM (-15)     /* allocation of bookkeeping memory failed */
 #define KVS_E_INJECTED (-16)  /* the op failed because KVS_OPF_FAIL asked it to */
+#define KVS_E_NODRIVER (-17)  /* no CUDA driver library, or one without a call kvstate needs */
+#define KVS_E_CUDA (-18)      /* a driver call failed: kvs_cuda_last_call/_result say which */
+#define KVS_E_OWNIPC (-19)    /* a legacy IPC handle this process exported itself */
 
 /* Access rights, ordered: each includes the previous. */
 #define KVS_ACCESS_NONE 0
@@ -113,6 +129,7 @@ typedef struct kvs_global_info {
 typedef struct kvs_op_info {
     int32_t state;        /* enum kvs_op_state */
     int32_t error;        /* KVS_OK or the reason the op failed */
+    int32_t result;       /* with KVS_E_CUDA: the CUresult the device reported */
     uint64_t bytes;       /* bytes the op moves */
     uint64_t nblocks;
 } kvs_op_info;
@@ -156,6 +173,80 @@ int kvs_op_notify(int64_t op, int32_t fd);
 int kvs_op_info_get(int64_t op, kvs_op_info *out);
 int kvs_wait(int64_t op, int64_t timeout_ns); /* 0 polls; KVS_E_TIMEOUT if not finished */
 int kvs_reap(int64_t op, kvs_op_info *out); /* out: the state it ended in */
+
+/* -- cuda backend ------------------------------------------------------------------- */
+
+/* Handle types of an allocation, as the driver numbers the VMM ones. */
+#define KVS_CUDA_LEGACY_IPC 0u  /* cuMemAlloc memory, shared by cuIpcGetMemHandle */
+#define KVS_CUDA_POSIX_FD 1u    /* CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR */
+#define KVS_CUDA_FABRIC 8u      /* CU_MEM_HANDLE_TYPE_FABRIC */
+#define KVS_CUDA_HANDLE_BYTES 64
+
+typedef struct kvs_cuda_driver_info {
+    int32_t version;      /* cuDriverGetVersion */
+    int32_t devices;      /* cuDeviceGetCount */
+    int32_t batch;        /* the driver has cuMemcpyBatchAsync (CUDA 12.8) */
+} kvs_cuda_driver_info;
+
+typedef struct kvs_cuda_device_info {
+    char uuid[16];
+    char name[96];
+    int32_t vmm;          /* virtual memory management supported */
+    int32_t posix_fd;     /* POSIX fd handles supported */
+    int32_t fabric;       /* FABRIC handles reported supported (a trial decides) */
+    int64_t max_pitch;
+} kvs_cuda_device_info;
+
+/* Open the driver library at `path` (dlopen; "libcuda.so.1" normally), resolve every call
+ * kvs_cuda_driver.h lists and cuInit(0). Once per process: again with the same path is
+ * KVS_OK, with another KVS_E_BUSY. KVS_E_NODRIVER: no such library or a call is missing
+ * (kvs_cuda_load_error() says which); KVS_E_CUDA: cuInit failed (no device, ...). */
+int kvs_cuda_load(const char *path);
+const char *kvs_cuda_load_error(void);
+/* After KVS_E_CUDA on this thread: the driver call that failed and its CUresult. */
+const char *kvs_cuda_last_call(void);
+int32_t kvs_cuda_last_result(void);
+const char *kvs_cuda_result_name(int32_t result); /* cuGetErrorName, or NULL */
+const char *kvs_cuda_call_name(int32_t index);    /* the driver calls used, NULL past the end */
+int kvs_cuda_driver_info_get(kvs_cuda_driver_info *out);
+int kvs_cuda_device_info_get(int32_t ordinal, kvs_cuda_device_info *out);
+
+/* A device, found by its 16 UUID bytes, whose allocations are of `handle_type`: its
+ * primary context is retained until kvs_cuda_close (refused with KVS_E_BUSY while it has
+ * memory objects or ops in flight). KVS_E_NOENT: no visible device has that UUID. */
+int kvs_cuda_open(const char *uuid, uint32_t handle_type, uint64_t *device);
+int kvs_cuda_close(uint64_t device);
+int kvs_cuda_granularity(uint64_t device, uint32_t handle_type, int32_t minimum, uint64_t *out);
+int kvs_cuda_create(uint64_t device, uint64_t size, uint32_t handle_type, uint64_t *allocation);
+/* POSIX_FD: *fd (owned by the allocation, closed at release: do not close it); FABRIC and
+ * LEGACY_IPC: KVS_CUDA_HANDLE_BYTES bytes at `handle`. */
+int kvs_cuda_export(uint64_t allocation, uint32_t handle_type, int32_t *fd, char *handle);
+/* POSIX_FD: `fd` (the caller keeps and closes it); otherwise the handle bytes. A legacy
+ * IPC handle this process exported is refused (KVS_E_OWNIPC) before the driver is asked. */
+int kvs_cuda_import(uint64_t device, uint32_t handle_type, int32_t fd, const char *handle,
+                    uint64_t size, uint64_t *allocation);
+int kvs_cuda_release(uint64_t allocation); /* KVS_E_PINNED, KVS_E_MAPPED as kvs_release */
+/* Address space aligned to the granularity; for a legacy IPC device a placeholder (legacy
+ * memory is mapped where it was allocated or opened). */
+int kvs_cuda_reserve(uint64_t device, uint64_t size, uint64_t *reservation, uint64_t *addr);
+int kvs_cuda_free_reservation(uint64_t reservation);
+int kvs_cuda_map(uint64_t reservation, uint64_t offset, uint64_t allocation, uint64_t *region,
+                 uint64_t *addr);
+int kvs_cuda_set_access(uint64_t region, int32_t access);
+int kvs_cuda_unmap(uint64_t region);
+/* Device memory the caller owns (cuMemAlloc), for op endpoints; not pinned by ops. */
+int kvs_cuda_buffer_alloc(uint64_t device, uint64_t size, uint64_t *addr);
+int kvs_cuda_buffer_free(uint64_t device, uint64_t addr);
+/* Synchronous copies outside the op engine: host to device, device to host, and device to
+ * device on the device's own stream (the plain cudaMemcpy that ops are measured against). */
+int kvs_cuda_write(uint64_t device, uint64_t dst, const char *src, uint64_t len);
+int kvs_cuda_read(uint64_t device, char *dst, uint64_t src, uint64_t len);
+int kvs_cuda_memcpy(uint64_t device, uint64_t dst, uint64_t src, uint64_t len);
+/* A gather on the device: each end a region of this device or device memory by address.
+ * The op is reaped with kvs_wait/kvs_reap like a host op; it cannot be cancelled once
+ * submitted (it is running as soon as its copies are on the stream). */
+int kvs_cuda_submit(uint64_t device, const kvs_endpoint *src, const kvs_endpoint *dst,
+                    const kvs_block *blocks, uint64_t nblocks, uint32_t flags, int64_t *op);
 
 /* -- the generated op table, for the Python side's consistency check ---------------- */
 

@@ -215,6 +215,13 @@ int kvs_free_reservation(uint64_t reservation) {
 
 /* -- regions (mappings) --------------------------------------------------------------- */
 
+/* A region this backend mapped: a CUDA region's address is device memory, never mprotected
+ * or re-reserved here. */
+static struct kvs_region *host_region(uint64_t id) {
+    struct kvs_region *g = kvs_region_find(id);
+    return g && g->backend == KVS_BACKEND_HOST ? g : NULL;
+}
+
 int kvs_map(uint64_t reservation, uint64_t offset, uint64_t allocation, uint64_t *region,
             uint64_t *addr) {
     pthread_mutex_lock(&kvs_g.mu);
@@ -282,7 +289,7 @@ int kvs_set_access(uint64_t region, int32_t access) {
     }
     pthread_mutex_lock(&kvs_g.mu);
     int rc = KVS_OK;
-    struct kvs_region *g = kvs_region_find(region);
+    struct kvs_region *g = host_region(region);
     if (!g) {
         rc = KVS_E_NOENT;
     } else if (access < g->access && g->pins) {
@@ -299,7 +306,7 @@ int kvs_set_access(uint64_t region, int32_t access) {
 int kvs_unmap(uint64_t region) {
     pthread_mutex_lock(&kvs_g.mu);
     int rc = KVS_OK;
-    struct kvs_region *g = kvs_region_find(region);
+    struct kvs_region *g = host_region(region);
     if (!g) {
         rc = KVS_E_NOENT;
     } else if (KVS_CHECK_PINS && g->pins) {
@@ -316,7 +323,13 @@ int kvs_unmap(uint64_t region) {
     return rc;
 }
 
-int32_t kvs_planted_bug(void) { return !KVS_CHECK_PINS; }
+#ifdef KVS_PLANT_CUDA_EARLY_UNPIN
+#define KVS_PLANTED_CUDA 1
+#else
+#define KVS_PLANTED_CUDA 0
+#endif
+
+int32_t kvs_planted_bug(void) { return !KVS_CHECK_PINS || KVS_PLANTED_CUDA; }
 
 const char *kvs_strerror(int32_t code) {
     switch (code) {

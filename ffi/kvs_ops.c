@@ -18,7 +18,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "kvs_slots.h"
+#include "kvs_engine.h"
 
 #define KVS_DEFAULT_WORKERS 2
 #define KVS_MAX_WORKERS 64
@@ -28,6 +28,7 @@ struct kvs_op {
     uint64_t id; /* first: slot-table id; the public op id is this value as int64_t */
     int32_t state;
     int32_t error;
+    int32_t result; /* an external backend's own code for a failure (a CUresult) */
     uint32_t flags;
     uint64_t src_region, dst_region; /* 0 for caller buffers */
     uint64_t src_base, dst_base;     /* resolved addresses */
@@ -120,7 +121,7 @@ static int effect(struct kvs_op *op, uint32_t fx, int undo) {
 }
 
 /* Fire `event` on `op`, under kvs_g.mu. Nothing changes unless KVS_OK is returned. */
-static int kvs_op_step(struct kvs_op *op, int event) {
+int kvs_op_step(struct kvs_op *op, int event) {
     if (op->state < 0 || op->state >= KVS_OP_NSTATES || event < 0 || event >= KVS_OP_NEVENTS)
         return KVS_E_ILLEGAL;
     int first = kvs_op_first[op->state][event];
@@ -485,8 +486,8 @@ int kvs_op_notify(int64_t id, int32_t fd) {
 }
 
 static void info(const struct kvs_op *op, kvs_op_info *out) {
-    *out = (kvs_op_info){.state = op->state, .error = op->error, .bytes = op->bytes,
-                         .nblocks = op->nblocks};
+    *out = (kvs_op_info){.state = op->state, .error = op->error, .result = op->result,
+                         .bytes = op->bytes, .nblocks = op->nblocks};
 }
 
 int kvs_op_info_get(int64_t id, kvs_op_info *out) {
@@ -546,6 +547,64 @@ int kvs_reap(int64_t id, kvs_op_info *out) {
     }
     unlock();
     return rc;
+}
+
+/* -- ops of other backends (kvs_engine.h) --------------------------------------------- */
+
+void kvs_engine_lock(void) { lock(); }
+void kvs_engine_unlock(void) { unlock(); }
+
+int kvs_op_external(uint64_t src_region, uint64_t dst_region, uint64_t bytes, uint64_t nblocks,
+                    uint32_t flags, struct kvs_op **out, int64_t *id) {
+    if (!table_usable()) return KVS_E_ILLEGAL;
+    struct kvs_op *op = calloc(1, sizeof *op);
+    if (!op) return KVS_E_NOMEM;
+    op->state = KVS_OP_INITIAL;
+    op->flags = flags;
+    op->src_region = src_region;
+    op->dst_region = dst_region;
+    op->bytes = bytes;
+    op->nblocks = nblocks;
+    op->nparts = 1; /* a worker never takes it; kvs_cancel sees none taken */
+    op->blocks = op->inline_blocks;
+    uint64_t slot;
+    int rc = kvs_slots_put(&E.ops, op, &slot);
+    if (rc != KVS_OK) {
+        free(op);
+        return rc;
+    }
+    *out = op;
+    *id = (int64_t)slot;
+    return KVS_OK;
+}
+
+void kvs_op_drop(struct kvs_op *op) {
+    kvs_slots_del(&E.ops, op->id);
+    free_op(op);
+}
+
+void kvs_op_stepped(struct kvs_op *op, int event, int32_t error, int32_t result) {
+    switch (event) {
+    case KVS_OP_EV_SUBMIT:
+        E.queued++;
+        E.submitted++;
+        break;
+    case KVS_OP_EV_START:
+        E.queued--;
+        E.running++;
+        break;
+    case KVS_OP_EV_FINISH:
+    case KVS_OP_EV_FAIL:
+        op->error = error;
+        op->result = result;
+        E.running--;
+        account(op);
+        notify(op);
+        pthread_cond_broadcast(&E.done_cv);
+        break;
+    default:
+        break;
+    }
 }
 
 /* -- observation ---------------------------------------------------------------------- */

@@ -27,7 +27,7 @@ int kvs_slots_put(struct kvs_slots *t, void *item, uint64_t *id) {
         }
         slot = t->used++;
     }
-    *id = (++t->seq << KVS_SLOT_BITS) | slot;
+    *id = (++kvs_g.seq << KVS_SLOT_BITS) | slot;
     *(uint64_t *)item = *id;
     t->items[slot] = item;
     t->live++;
@@ -100,8 +100,8 @@ int kvs_region_info_get(uint64_t region, kvs_region_info *out) {
 }
 
 void kvs_slots_global(kvs_global_info *out) {
-    out->allocations = kvs_g.allocs.live;
-    out->reservations = kvs_g.resvs.live;
+    out->allocations = kvs_g.allocs.live + kvs_g.cu_allocs.live;
+    out->reservations = kvs_g.resvs.live + kvs_g.cu_resvs.live;
     out->regions = kvs_g.regions.live;
     out->pins = 0;
     for (uint32_t s = 0; s < kvs_g.regions.used; s++) {

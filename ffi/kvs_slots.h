@@ -16,7 +16,8 @@
 #define KVS_HIDDEN __attribute__((visibility("hidden")))
 
 /* A slot table: ids are (sequence << 24 | slot), so a stale id never names a new object.
- * Every item starts with its uint64_t id. */
+ * The sequence is shared by every table, so no two objects of any kind (a host and a CUDA
+ * allocation, say) ever have the same id. Every item starts with its uint64_t id. */
 #define KVS_SLOT_BITS 24
 #define KVS_SLOT_MASK ((UINT64_C(1) << KVS_SLOT_BITS) - 1)
 
@@ -26,7 +27,6 @@ struct kvs_slots {
     uint32_t *free;
     uint32_t nfree;
     uint32_t used;   /* slots ever handed out */
-    uint64_t seq;
     uint64_t live;
 };
 
@@ -35,9 +35,14 @@ KVS_HIDDEN void *kvs_slots_get(const struct kvs_slots *t, uint64_t id);
 KVS_HIDDEN void kvs_slots_del(struct kvs_slots *t, uint64_t id);
 KVS_HIDDEN void *kvs_slots_at(const struct kvs_slots *t, uint32_t slot); /* iteration */
 
+/* Which backend made a region: only that backend's unmap and set_access act on it. */
+#define KVS_BACKEND_HOST 0
+#define KVS_BACKEND_CUDA 1
+
 /* One mapping of memory that ops may touch. pins = explicit (lease) pins + in-flight ops. */
 struct kvs_region {
     uint64_t id;
+    int32_t backend; /* KVS_BACKEND_*; calloc makes a host region */
     uint64_t addr;
     uint64_t size;
     uint64_t alloc;
@@ -51,11 +56,13 @@ struct kvs_region {
     uint64_t bytes;
 };
 
-/* Process-global state behind one mutex. allocs and resvs hold the memory side's own
- * items (opaque here); regions holds struct kvs_region. */
+/* Process-global state behind one mutex. allocs and resvs hold the host memory side's own
+ * items, cu_allocs and cu_resvs the CUDA side's (opaque here); regions holds struct
+ * kvs_region of both, since ops of both pin them. */
 struct kvs_state {
     pthread_mutex_t mu;
-    struct kvs_slots allocs, resvs, regions;
+    uint64_t seq;
+    struct kvs_slots allocs, resvs, regions, cu_allocs, cu_resvs;
 };
 
 KVS_HIDDEN extern struct kvs_state kvs_g;

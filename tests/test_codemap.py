@@ -41,7 +41,9 @@ def test_fire_sites_name_the_function_that_fires() -> None:
     assert "kvstate.share.exporter:Bank.register" in labels["bank"]["register_failed"]
     assert "kvstate.share.importer:Importer._note_restarts" in labels["group"]["incarnation_changed"]
     assert "kvstate.share.importer:Importer._open_parts.<locals>.open_one" in labels["part"]["open"]
-    assert labels["op"]["start"] == ["ffi/kvs_ops.c:worker"]
+    # host ops start in a worker, CUDA ops as their copies go on a stream: one table
+    assert labels["op"]["start"] == ["ffi/kvs_cuda_ops.c:kvs_cuda_submit", "ffi/kvs_ops.c:worker"]
+    assert labels["op"]["finish"] == ["ffi/kvs_cuda_ops.c:settle", "ffi/kvs_ops.c:worker"]
     assert [s.label for s in code.implemented_by("op", "effect", "pin_regions")] == ["ffi/kvs_ops.c:effect"]
     assert code.runner("op") == codemap.Site("ffi/kvs_ops.c:kvs_op_step", "ffi/kvs_ops.c")
 

@@ -22,6 +22,7 @@ COMMANDS = {
     "bench": "bench",
     "check": "check",
     "generate": "generate",
+    "gpucheck": "gpucheck",
 }
 
 

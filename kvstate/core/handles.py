@@ -43,6 +43,12 @@ HANDLE_BYTES: dict[HandleKind, int | None] = {
 #: Kinds whose handle is a file descriptor passed over the control channel.
 FD_KINDS = frozenset({HandleKind.MEMFD, HandleKind.POSIX_FD})
 
+#: Kinds whose memory nobody counts across processes: a legacy cuIpc allocation is freed
+#: by its exporter's cuMemFree whoever still has it open (memfds and VMM handles are
+#: reference-counted by the kernel and the driver). The exporter keeps such memory alive
+#: itself, for as long as any importer may have it open (kvstate.share.exporter).
+UNCOUNTED_KINDS = frozenset({HandleKind.CUDA_IPC})
+
 
 def fd_identity(st_dev: int, st_ino: int) -> bytes:
     """The handle bytes of an fd-backed handle: (dev, ino) as two little-endian u64."""

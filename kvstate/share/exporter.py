@@ -24,6 +24,17 @@ The engine fills a bank in one of two ways (:mod:`kvstate.share.store`): ``Bank.
 copies pages of its own KV tensors into bank blocks on the op engine, or ``Bank.tensors``
 (``Exporter.allocate``) hands it tensors over the bank's memory to use as its KV cache,
 zero copy; the bank then refuses release while any of those tensors is alive.
+
+Memory nobody counts across processes (legacy CUDA IPC, ``UNCOUNTED_KINDS``): the driver
+frees it at the exporter's release whoever still has it open, so the bank keeps a *hold*
+for every importer that may have it open: a pin on its mapping, taken with the lease and
+dropped only on evidence that the importer closed it: its ``release`` request (an
+importer closes its handle before returning the lease), its connection closing from its
+side (it let go, or its process exited), or, once this exporter stopped serving and so
+closed the connection itself, the importer's process having exited (a pidfd kept with
+the hold). A lease that expires ends as a lease, but its hold stays, so the pins keep the
+bank out of ``quiescent`` and its memory is never freed under an importer that still has
+it open.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ from __future__ import annotations
 import gc
 import itertools
 import os
+import select
 import threading
 import time
 import weakref
@@ -62,7 +74,7 @@ from kvstate.core.errors import (
 )
 from kvstate.core.reasons import TransferReason
 from kvstate.core.geometry import Geometry
-from kvstate.core.handles import HandleKind
+from kvstate.core.handles import UNCOUNTED_KINDS, HandleKind
 from kvstate.core.identity import Deployment, FabricDomain, FabricKind, Incarnation, host_boot_id
 from kvstate.reuse.inventory import Inventory, LeaseGrant, Stale
 from kvstate.core.machine import Lifecycle, Observer, effect, guard
@@ -106,6 +118,18 @@ class ExportConfig:
     tcp_listen: tuple[str, int] | None = None   # also serve leases over TCP: banks read from other nodes (NIXL)
 
 
+@attrs.define(eq=False)
+class Hold:
+    """An importer that may have a bank open (see the module docstring), and a pidfd of its
+    process that outlives the connection."""
+
+    channel: chan.Channel
+    pidfd: int | None  # None: the process was gone when the lease was granted
+
+    def exited(self) -> bool:
+        return self.pidfd is None or bool(select.select([self.pidfd], [], [], 0)[0])
+
+
 @attrs.define
 class BankLease:
     id: int
@@ -147,6 +171,10 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         self.descriptor_expires_ns = 0
         self.inventory_epoch = 0
         self.leases: dict[int, BankLease] = {}
+        #: lease id -> the importer that may have the bank open, for memory nobody counts
+        #: across processes (UNCOUNTED_KINDS): each is a pin.
+        self.holds: dict[int, Hold] = {}
+        self.uncounted = exporter.config.handle_kind in UNCOUNTED_KINDS
         self.stores: set[TransferHandle] = set()
         self._views: list[weakref.ref[Any]] = []  # buffers under the engine's tensors (Bank.tensors)
 
@@ -299,18 +327,51 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
     @effect("grant_lease")
     def _grant(self, *, lease_id: int, channel: chan.Channel, blocks: LeaseGrant | None = None,
                **kw: Any) -> Callable[[], None]:
+        if self.uncounted:
+            pidfd = channel.pidfd
+            self.transport.pin(self.mapped())  # the hold: unmap and release refuse from here
+            self.holds[lease_id] = Hold(channel, None if pidfd is None else os.dup(pidfd))
         self.leases[lease_id] = BankLease(lease_id, channel, time.monotonic() + self.exporter.config.lease_timeout_s,
                                       blocks)
 
         def undo() -> None:
             self.leases.pop(lease_id, None)
+            self.drop_hold(lease_id)
         return undo
 
     @effect("end_lease")
-    def _end(self, *, lease_id: int, **kw: Any) -> None:
+    def _end(self, *, lease_id: int, still_open: bool = False, **kw: Any) -> None:
+        """``still_open``: the lease ended without evidence that its importer closed the
+        bank (it expired), so a hold it has stays until that evidence comes."""
         lease = self.leases.pop(lease_id)
+        if not still_open:
+            self.drop_hold(lease_id)
         if lease.blocks is not None and self.exporter.inventory is not None:
             self.exporter.inventory.release(lease.blocks)  # the blocks may be evicted again
+
+    def drop_hold(self, lease_id: int) -> bool:
+        """Let go of a lease's hold (its importer closed the bank): one pin fewer."""
+        with self.locked():
+            hold = self.holds.pop(lease_id, None)
+            if hold is None:
+                return False
+            if hold.pidfd is not None:
+                os.close(hold.pidfd)
+            self.transport.unpin(self.mapped())
+            return True
+
+    def drop_holds(self, channel: chan.Channel) -> None:
+        """The importer on ``channel`` closed its end: none of its holds is open any more."""
+        with self.locked():
+            for lease_id in [i for i, h in self.holds.items() if h.channel is channel]:
+                self.drop_hold(lease_id)
+
+    def drop_exited_holds(self) -> None:
+        """Holds whose connection this side closed (it stopped serving) end only once the
+        importer's process exited (the driver closes a dead process's opens)."""
+        with self.locked():
+            for lease_id in [i for i, h in self.holds.items() if h.channel.closed and h.exited()]:
+                self.drop_hold(lease_id)
 
     @effect("submit_store")
     def _submit_store(self, *, plan: object = None, **kw: Any) -> None:
@@ -455,6 +516,7 @@ class Exporter(Generic[H, A, R, M, E]):
         with self._handlers_done:
             self._handlers += 1
         watcher.watch(ch, self._connection_closed)
+        importer_closed = False
         try:
             while not self._stopping.is_set():
                 try:
@@ -462,6 +524,7 @@ class Exporter(Generic[H, A, R, M, E]):
                 except ChannelTimeout:
                     continue
                 except ChannelClosed:
+                    importer_closed = True
                     break
                 msg.close()  # importers send no fds
                 request: dict[str, Any] = {}
@@ -477,7 +540,12 @@ class Exporter(Generic[H, A, R, M, E]):
                 except ChannelError:
                     break
         finally:
-            self._connection_closed(ch)
+            # Only the importer's end closing says it closed the bank; a stop or a failed send
+            # closes ours, and its holds then wait for its process (drop_exited_holds).
+            self._end_leases("peer_died", lambda lease: lease.channel is ch, still_open=not importer_closed)
+            if importer_closed:
+                for bank in list(self.banks.values()):
+                    bank.drop_holds(ch)
             ch.close()
             with self._handlers_done:
                 self._handlers -= 1
@@ -518,6 +586,10 @@ class Exporter(Generic[H, A, R, M, E]):
             fds = () if fd is None else (fd,)  # FABRIC and CUDA_IPC carry bytes only
             return {"ok": True, "lease": lease_id, "expires_in_s": remaining}, fds
         held = bank.leases.get(req.get("lease", -1))
+        hold = bank.holds.get(req.get("lease", -1))
+        if held is None and op == "release" and hold is not None and hold.channel is ch:
+            bank.drop_hold(req["lease"])  # an expired lease's importer closed the bank after all
+            return {"ok": True}, ()
         if held is None or held.channel is not ch:
             return self._refuse("unknown_lease", f"no live lease {req.get('lease')!r} on this connection")
         if op == "mapped":
@@ -541,22 +613,29 @@ class Exporter(Generic[H, A, R, M, E]):
                                 f"{len(result.missing)} block(s) gone): recompute")
         return result
 
-    def _end_leases(self, event: LeaseEnd, select: Callable[[BankLease], bool]) -> None:
+    def _end_leases(self, event: LeaseEnd, select: Callable[[BankLease], bool], *, still_open: bool) -> None:
+        """Fire ``event`` for the selected leases; ``still_open``: their importers may still
+        have the bank open, so their holds stay (Bank.end_lease)."""
         bank: Bank[H, A, R, M, E]
         for bank in list(self.banks.values()):
             for lease in [lease for lease in list(bank.leases.values()) if select(lease)]:
                 try:
-                    bank.fire(event, lease_id=lease.id)
+                    bank.fire(event, lease_id=lease.id, still_open=still_open)
                 except (TransitionError, KeyError):
                     pass  # already ended by another path (release, expiry, death)
 
     def _connection_closed(self, ch: chan.Channel) -> None:
-        self._end_leases("peer_died", lambda lease: lease.channel is ch)
+        """The watcher saw ``ch`` close: its leases end; its holds too, unless this side
+        closed it (stopping), which says nothing of whether the importer closed the bank."""
+        self._end_leases("peer_died", lambda lease: lease.channel is ch, still_open=ch.closed)
+        if not ch.closed:
+            for bank in list(self.banks.values()):
+                bank.drop_holds(ch)
 
     def _expire_loop(self) -> None:
         while not self._stopping.wait(0.05):
             now = time.monotonic()
-            self._end_leases("lease_expired", lambda lease: lease.expires_at <= now)
+            self._end_leases("lease_expired", lambda lease: lease.expires_at <= now, still_open=True)
 
     # -- draining -----------------------------------------------------------------------
 
@@ -579,9 +658,10 @@ class Exporter(Generic[H, A, R, M, E]):
                 try:
                     bank.fire("quiesce")
                 except TransitionError:
+                    bank.drop_exited_holds()
                     if time.monotonic() >= deadline:
-                        raise DrainTimeout(f"{bank.label}: {len(bank.leases)} lease(s), {bank.pins()} pin(s) "
-                                           f"after {timeout} s; nothing released") from None
+                        raise DrainTimeout(f"{bank.label}: {len(bank.leases)} lease(s), {len(bank.holds)} hold(s), "
+                                           f"{bank.pins()} pin(s) after {timeout} s; nothing released") from None
                     time.sleep(0.005)
             waited = time.monotonic() - start
             bank.fire("release")

@@ -67,7 +67,7 @@ from kvstate.core.reasons import TransferReason
 from kvstate.core.identity import Deployment, host_boot_id
 from kvstate.core.machine import Lifecycle, Observer, effect, guard
 from kvstate.core.spec import load_machine
-from kvstate.core.capabilities import Access
+from kvstate.core.capabilities import Access, MemoryKind
 from kvstate.transport.protocol import A, E, H, M, MappedTransport, R, require_mapped
 from kvstate.core.validate import Expectation, ValidatedGroup, group_complete, validate_group
 from kvstate.share import load as loads
@@ -379,7 +379,9 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
         t = check_timeout(timeout)
         if not self.may("load"):
             raise IllegalTransition(self.table.name, self.state, "load")
-        host = hasattr(self.importer.transport, "submit_blocks")
+        # Host memory is reached through the caller's tensors (tensors.adapt); device memory
+        # (the cuda backend) goes to the transport as it is.
+        host = MemoryKind.HOST in self.importer.transport.capabilities.memory_kinds
         handle = self._fire_load(loads.dense(self, blocks, destinations, host))
         if not handle.wait(t):
             handle.cancel()

@@ -125,7 +125,7 @@ class Plan:
                 blocks = c.blocks() if callable(c.blocks) else c.blocks  # built as late as possible
                 if notify:
                     op = transport.submit_blocks(c.src, c.dst, blocks)
-                else:  # a backend without completion fds (cuda): waiters poll its ops
+                else:  # a backend without completion fds: waiters poll its ops
                     op = transport.submit_gather(c.src, c.dst, blocks)
                 h._add(op, c.region, c.rank, c.nbytes)
                 submitted += 1

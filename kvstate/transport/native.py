@@ -140,7 +140,7 @@ class Op:
         info = self.reap()
         if OPS.faulted(info.state):
             raise errors.OpFailed("kvs_reap", info.error, f"op {self.id} {info.state}: "
-                                  f"{self._native.strerror(info.error)}", self.id)
+                                  f"{self._native.reason(info)}", self.id)
         return info
 
 
@@ -201,10 +201,33 @@ class Native:
     def strerror(self, code: int) -> str:
         return self.ffi.string(self.lib.kvs_strerror(code)).decode()
 
+    def reason(self, info: OpInfo) -> str:
+        """Why an op failed, with the CUresult the device reported for a CUDA op."""
+        if info.error == self.lib.KVS_E_CUDA:
+            return f"the device reported CUresult {info.result} ({self.cuda_result_name(info.result)})"
+        return self.strerror(info.error)
+
+    def cuda_result_name(self, result: int) -> str:
+        """cuGetErrorName of a CUresult ("" before the driver is loaded, or if it has none)."""
+        name = self.lib.kvs_cuda_result_name(result)
+        return self.ffi.string(name).decode() if name != self.ffi.NULL else ""
+
     def error(self, rc: int, call: str, what: str, state: str = "", event: str = "") -> KvStateError:
         """The typed error for C return code ``rc`` of ``call`` (about ``what``); the caller
         raises it straight after the call, so errno is still the failing call's."""
         detail = f"{what}: {self.strerror(rc)}"
+        if rc == self.lib.KVS_E_CUDA:
+            from kvstate.transport.cuda.rules import cuda_error  # driver-free; imported here (no cycle)
+
+            call_name = self.ffi.string(self.lib.kvs_cuda_last_call()).decode() or call
+            result = self.lib.kvs_cuda_last_result()
+            return cuda_error(call_name, result, self.cuda_result_name(result), what)
+        if rc == self.lib.KVS_E_NODRIVER:
+            return BackendUnavailable("cuda", self.ffi.string(self.lib.kvs_cuda_load_error()).decode()
+                                      or "the CUDA driver is not loaded")
+        if rc == self.lib.KVS_E_OWNIPC:
+            return errors.LegacyIpcRefused(f"{call}: {what}: a process may not open a legacy IPC handle it "
+                                           "exported itself")
         if rc == self.lib.KVS_E_SYS:
             err = self.ffi.errno
             return errors.NativeOSError(call, rc, f"{detail} (errno {err})", err)
@@ -322,16 +345,7 @@ class Native:
         try:
             sr, sa, ss, sk = self._endpoint(src, False)
             dr, da, ds, dk = self._endpoint(dst, True)
-            if isinstance(blocks, (list, tuple)):
-                try:
-                    cblocks = ffi.new("kvs_block[]", [tuple(b) for b in blocks])
-                except (TypeError, OverflowError, ValueError) as exc:
-                    raise errors.NativeInvalidArgument("kvs_submit", -1, f"blocks: {exc}") from None
-            else:
-                try:
-                    cblocks = ffi.from_buffer("kvs_block[]", blocks)
-                except (TypeError, BufferError, ValueError) as exc:
-                    raise errors.NativeInvalidArgument("kvs_submit", -1, f"blocks: {exc}") from None
+            cblocks = self._blocks(blocks, "kvs_submit")
             n = len(cblocks)
             s = ffi.new("kvs_endpoint *", (sr, sa, ss))
             d = ffi.new("kvs_endpoint *", (dr, da, ds))
@@ -349,6 +363,20 @@ class Native:
             self.notify(op.id, notify_fd)  # cannot fail: a fresh op, a positive fd, checked above
         return op
 
+    def _blocks(self, blocks: Sequence[Block] | HostBuffer, call: str) -> BlockArray:
+        """The C array of a block list: triples, or a buffer of native-endian uint64 triples
+        (exported: the caller releases it once the engine copied it)."""
+        ffi = self.ffi
+        if isinstance(blocks, (list, tuple)):
+            try:
+                return ffi.new("kvs_block[]", [tuple(b) for b in blocks])
+            except (TypeError, OverflowError, ValueError) as exc:
+                raise errors.NativeInvalidArgument(call, -1, f"blocks: {exc}") from None
+        try:
+            return ffi.from_buffer("kvs_block[]", blocks)
+        except (TypeError, BufferError, ValueError) as exc:
+            raise errors.NativeInvalidArgument(call, -1, f"blocks: {exc}") from None
+
     def notify(self, op: int, fd: int) -> None:
         """Have the engine add 1 to the eventfd ``fd`` once ``op`` is collectable (done,
         failed or cancelled), at once if it already is. ``fd`` must stay open until the
@@ -357,12 +385,36 @@ class Native:
         if rc:
             raise self.error(rc, "kvs_op_notify", f"op {op}, fd {fd}")
 
+    def submit_cuda(self, device: int, src: tuple[int, int, int], dst: tuple[int, int, int],
+                    blocks: Sequence[Block] | HostBuffer, *, fail: bool = False, notify_fd: int | None = None) -> Op:
+        """A gather on a CUDA device (``kvs_cuda_submit``): each end is ``(region, addr,
+        size)``, a region of that device (addr and size 0) or device memory by address;
+        ``blocks`` as :meth:`submit_gather`. The op is the engine's like any other: wait,
+        reap, ``result`` or ``notify`` it here."""
+        if notify_fd is not None and (type(notify_fd) is not int or notify_fd <= 0):
+            raise errors.NativeInvalidArgument("kvs_op_notify", -1, f"notify_fd must be a positive fd, not {notify_fd!r}")
+        ffi = self.ffi
+        cblocks = self._blocks(blocks, "kvs_cuda_submit")
+        try:
+            n = len(cblocks)
+            out = ffi.new("int64_t *")
+            rc = self.lib.kvs_cuda_submit(device, ffi.new("kvs_endpoint *", src), ffi.new("kvs_endpoint *", dst),
+                                          cblocks, n, self._fail_flag if fail else 0, out)
+            if rc:
+                raise self.error(rc, "kvs_cuda_submit", f"gather of {n} blocks", OPS.initial, SUBMIT)
+        finally:
+            self._release(cblocks)  # the engine copied the list
+        op = Op(self, int(out[0]))
+        if notify_fd is not None:
+            self.notify(op.id, notify_fd)  # cannot fail: a fresh op, a positive fd, checked above
+        return op
+
     def op_info(self, op: int) -> OpInfo:
         out = self.ffi.new("kvs_op_info *")
         rc = self.lib.kvs_op_info_get(op, out)
         if rc:
             raise self.error(rc, "kvs_op_info_get", f"op {op}")
-        return OpInfo(op, self.op_states[out.state], out.error, out.bytes, out.nblocks)
+        return OpInfo(op, self.op_states[out.state], out.error, out.bytes, out.nblocks, out.result)
 
     def wait(self, op: int, timeout: float) -> bool:
         """Block up to ``timeout`` s (0 polls) without the GIL; True once the op finished."""
@@ -386,7 +438,7 @@ class Native:
         if rc:
             raise self.error(rc, "kvs_reap", f"op {op}", self._state_or_unknown(op), REAP)
         self._release(*self._keep.pop(op, ()))
-        return OpInfo(op, self.op_states[out.state], out.error, out.bytes, out.nblocks)
+        return OpInfo(op, self.op_states[out.state], out.error, out.bytes, out.nblocks, out.result)
 
     def _state_or_unknown(self, op: int) -> str:
         out = self.ffi.new("kvs_op_info *")

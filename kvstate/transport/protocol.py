@@ -80,13 +80,15 @@ class RegionStats:
 
 @attrs.frozen
 class OpInfo:
-    """How an op stands or ended; ``state`` is a state of ``spec/op.toml``."""
+    """How an op stands or ended; ``state`` is a state of ``spec/op.toml``. ``error`` is the
+    native layer's reason (``KVS_E_*``), ``result`` the CUresult a CUDA op's device reported."""
 
     op: int
     state: str
     error: int
     bytes: int
     nblocks: int
+    result: int = 0
 
 
 class PendingOp(Protocol):

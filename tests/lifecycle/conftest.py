@@ -14,6 +14,7 @@ from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.core.identity import Deployment
 from kvstate.share.importer import ImportConfig, Importer
 from kvstate.transport.host import HostTransport
+from backends import CudaBackend, HostBackend
 
 DEPLOYMENT = Deployment("lifecycle-tests", bytes(range(32)))
 GEOMETRY = Geometry.uniform(layers=2, kv_heads=2, head_dim=16, block_tokens=8, dtype=DType.BF16,
@@ -28,17 +29,23 @@ def pattern(rank: int, nbytes: int, salt: int = 0) -> bytes:
 
 
 def make_exporter(tp: int, transport: object, name: str = "exporter", lease_timeout_s: float = 30.0,
-                  source: bytes | None = None, socket_dir: Path | None = None) -> Exporter:
+                  source: bytes | None = None, socket_dir: Path | None = None,
+                  backend: HostBackend | CudaBackend | None = None) -> Exporter:
+    """``backend`` says how to fill a bank and which handles to export (default: host)."""
     if socket_dir is None:
         d = Path(tempfile.mkdtemp(prefix="kvs-life-"))
         os.chmod(d, 0o700)
         socket_dir = d / "sock"
+    kind = backend.handle_kind if backend is not None else HostBackend.handle_kind
     ex = Exporter(ExportConfig(DEPLOYMENT, socket_dir, source or os.urandom(16), tp,
-                               lease_timeout_s=lease_timeout_s), transport, name=name)  # type: ignore[arg-type]
+                               lease_timeout_s=lease_timeout_s, handle_kind=kind), transport, name=name)  # type: ignore[arg-type]
     for r in range(tp):
         bank = ex.add_bank(r, GEOMETRY)
         bank.fire("register")
-        bank.view()[:GEOMETRY.nbytes] = pattern(r, GEOMETRY.nbytes)
+        if backend is None:
+            bank.view()[:GEOMETRY.nbytes] = pattern(r, GEOMETRY.nbytes)
+        else:
+            backend.fill(bank, pattern(r, GEOMETRY.nbytes))
         bank.fire("advertise")
     ex.start()
     _created.append(ex)

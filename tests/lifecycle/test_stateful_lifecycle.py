@@ -1,9 +1,14 @@
-"""Hypothesis stateful test of the real exporter and importer on the real host transport.
+"""Hypothesis stateful test of the real exporter and importer, over each backend.
 
 Two exporters (sources of tp 1 and 3) serve real sockets in this process; one importer
 imports, loads and drains groups from them while rules inject faults: registration
 failure at each step, part import failure, peer death, incarnation change, expiry, drain
 during import and drain during load. Invariants are checked after every step, by id.
+
+It runs over the host backend (memfds), and over the cuda backend on the C engine with
+the CPU shim driver (tests/cudashim): the same machine, the real CUDA code path, with
+registration also failed inside the driver, and the shim's record of what would be
+undefined on a GPU (an unmap under a queued copy...) checked after every step.
 """
 
 from __future__ import annotations
@@ -19,14 +24,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
-from conftest import DEPLOYMENT, GEOMETRY, GRANULARITY, expected_blocks, make_exporter
+from backends import CudaBackend, HostBackend
+from conftest import DEPLOYMENT, GEOMETRY, expected_blocks, make_exporter
 from kvstate.core.errors import (DrainTimeout, GroupRejected, IllegalTransition, ImportFailed, KvStateError,
                             LoadFailed, RegistrationFailed, TransitionError)
 from kvstate.share.exporter import Exporter, ExportConfig
 from kvstate.core.identity import Incarnation
 from kvstate.share.importer import Group, ImportConfig, Importer
 from kvstate.core.machine import StateChange, effect
-from kvstate.transport.host import HostTransport
 from support.faults import FaultyTransport
 
 TPS = (1, 3)
@@ -43,14 +48,16 @@ def wait_until(predicate: Any, timeout: float = 3.0) -> bool:
 
 class LifecycleMachine(RuleBasedStateMachine):
     importer_class: type[Importer] = Importer
+    backend_class: type[HostBackend] | type[CudaBackend] = HostBackend
 
     @initialize()
     def start(self) -> None:
-        self.transport = HostTransport(granularity=GRANULARITY)
+        self.backend = self.backend_class()
+        self.transport = self.backend.transport
         self.baseline = self.transport.native.stats()
         self.faulty = FaultyTransport(self.transport)
         self.changes: list[StateChange] = []
-        self.exporters = {tp: make_exporter(tp, self.transport, name=f"tp{tp}") for tp in TPS}
+        self.exporters = {tp: make_exporter(tp, self.transport, name=f"tp{tp}", backend=self.backend) for tp in TPS}
         for ex in self.exporters.values():
             for bank in ex.banks.values():
                 bank.observe(self.changes.append)
@@ -67,7 +74,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if not hasattr(self, "importer"):
             return
-        self.transport.native.pause(False)
+        self.backend.hold(False)
         for g in self.importer.groups:
             if not g.is_terminal:
                 g.drain(timeout=5)
@@ -78,6 +85,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         s, b = self.transport.native.stats(), self.baseline
         assert (s.allocations, s.reservations, s.regions, s.pins) == \
             (b.allocations, b.reservations, b.regions, b.pins), "leaked native objects"
+        self.backend.close()
 
     def live(self, state: str) -> list[Group]:
         return [g for g in self.importer.groups if g.state == state]
@@ -116,8 +124,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         ex.drain(5.0)
         mine = [g for g in self.importer.groups if g.parts and g.parts[0].descriptor.source_id == ex.config.source_id]
         assert wait_until(lambda: all(g.state != "ready" for g in mine)), "peer death not noticed"
-        self.exporters[tp] = new = make_exporter(tp, self.transport, name=f"tp{tp}",
-                                                 socket_dir=ex.config.socket_dir, source=ex.config.source_id)
+        self.exporters[tp] = new = make_exporter(tp, self.transport, name=f"tp{tp}", socket_dir=ex.config.socket_dir,
+                                                 source=ex.config.source_id, backend=self.backend)
         for bank in new.banks.values():
             bank.observe(self.changes.append)
         with pytest.raises(ImportFailed, match="stale_incarnation"):
@@ -131,17 +139,23 @@ class LifecycleMachine(RuleBasedStateMachine):
         """INV-LOAD-BYTES: what a ready group reads equals what the exporter wrote."""
         group = data.draw(st.sampled_from(self.live("ready")))
         blocks = data.draw(st.lists(st.integers(0, GEOMETRY.num_blocks - 1), min_size=1, max_size=6))
-        dst = [bytearray(len(blocks) * GEOMETRY.block_bytes) for _ in range(group.tp)]
-        group.load_prefix(blocks, dst)
-        for part, buf in zip(group.parts, dst):
-            assert bytes(buf) == expected_blocks(part.rank, blocks), "INV-LOAD-BYTES: bytes differ"
+        n = len(blocks) * GEOMETRY.block_bytes
+        dst = [self.backend.destination(n) for _ in range(group.tp)]
+        try:
+            group.load_prefix(blocks, dst)
+            for part, buf in zip(group.parts, dst):
+                assert self.backend.read(buf, n) == expected_blocks(part.rank, blocks), "INV-LOAD-BYTES: bytes differ"
+        finally:
+            for buf in dst:
+                self.backend.free(buf)
 
     @precondition(lambda self: bool(self.live("ready")))
     @rule(data=st.data())
     def drain_during_load(self, data: st.DataObject) -> None:
         group = data.draw(st.sampled_from(self.live("ready")))
-        dst = [bytearray(2 * GEOMETRY.block_bytes) for _ in range(group.tp)]
-        self.transport.native.pause(True)
+        n = 2 * GEOMETRY.block_bytes
+        dst = [self.backend.destination(n) for _ in range(group.tp)]
+        self.backend.hold(True)
         errors: list[BaseException] = []
 
         def load() -> None:
@@ -157,11 +171,12 @@ class LifecycleMachine(RuleBasedStateMachine):
         except DrainTimeout:
             assert group.state == "draining" and all(p.mapping is not None for p in group.parts)
         finally:
-            self.transport.native.pause(False)
+            self.backend.hold(False)
         t.join(5)
         assert not errors, errors
         for part, buf in zip(group.parts, dst):
-            assert bytes(buf) == expected_blocks(part.rank, [1, 2])
+            assert self.backend.read(buf, n) == expected_blocks(part.rank, [1, 2])
+            self.backend.free(buf)
 
     # -- faults and drains ---------------------------------------------------------------
 
@@ -195,10 +210,14 @@ class LifecycleMachine(RuleBasedStateMachine):
     @rule(tp=st.sampled_from(TPS), step=st.sampled_from(["reserve", "map", "set_access", "export"]))
     def registration_fails(self, tp: int, step: str) -> None:
         """INV-REGISTER-ATOMIC: a failing step leaves the bank allocated, owned by the engine."""
-        ex = Exporter(ExportConfig(DEPLOYMENT, Path(tempfile.mkdtemp()) / "s", bytes(16), 1), self.faulty)  # type: ignore[arg-type]
+        self.register_failing(lambda: self.faulty.fail(step), self.faulty)
+
+    def register_failing(self, plant: Any, transport: Any) -> None:
+        ex = Exporter(ExportConfig(DEPLOYMENT, Path(tempfile.mkdtemp()) / "s", bytes(16), 1,
+                                   handle_kind=self.backend.handle_kind), transport)
         bank = ex.add_bank(0, GEOMETRY)
         before = self.transport.native.stats()
-        self.faulty.fail(step)
+        plant()
         with pytest.raises(RegistrationFailed):
             bank.fire("register")
         self.faulty.clear()
@@ -239,6 +258,13 @@ class LifecycleMachine(RuleBasedStateMachine):
     # -- invariants ----------------------------------------------------------------------
 
     @invariant()
+    def nothing_undefined_reached_the_driver(self) -> None:
+        """INV-NO-UNMAP-PINNED at the driver: nothing unmapped, freed or closed under a
+        queued copy, no copy outside device memory with access (the cuda backend's shim)."""
+        if hasattr(self, "backend"):
+            assert not self.backend.violations(), f"INV-NO-UNMAP-PINNED: {self.backend.violations()}"
+
+    @invariant()
     def no_partial_group_is_ready(self) -> None:
         """INV-GROUP-COMPLETE."""
         if not hasattr(self, "importer"):
@@ -266,6 +292,21 @@ TestLifecycle = LifecycleMachine.TestCase
 TestLifecycle.settings = settings(max_examples=25, stateful_step_count=25, deadline=None)
 
 
+class CudaLifecycleMachine(LifecycleMachine):
+    backend_class = CudaBackend
+
+    @rule(call=st.sampled_from(["cuMemAddressReserve", "cuMemMap", "cuMemSetAccess", "cuMemExportToShareableHandle"]))
+    def registration_fails_in_the_driver(self, call: str) -> None:
+        """INV-REGISTER-ATOMIC with the failure inside the driver."""
+        assert isinstance(self.backend, CudaBackend)
+        shim = self.backend.shim
+        self.register_failing(lambda: shim.fail(call, 1, 2), self.transport)
+
+
+TestCudaLifecycle = CudaLifecycleMachine.TestCase
+TestCudaLifecycle.settings = settings(max_examples=20, stateful_step_count=25, deadline=None)
+
+
 class LeakyGroup(Group):
     """Planted bug: rolling back a failed import forgets to unmap the imported parts."""
 
@@ -285,7 +326,7 @@ def test_self_test_stateful_catches_rollback_that_leaks_parts() -> None:
 
         def teardown(self) -> None:  # the planted bug leaks mappings on purpose
             if hasattr(self, "importer"):
-                self.transport.native.pause(False)
+                self.backend.hold(False)
                 self.importer.close()
                 for ex in self.exporters.values():
                     ex.stop()

@@ -1,7 +1,9 @@
 """The C sources' structure: the memory side (kvs_host.c) and the op engine (kvs_ops.c)
-each build on the shared slot-and-pin table (kvs_slots.c) and on nothing of each other,
+each build on the shared slot-and-pin table (kvs_slots.c) and on nothing of each other;
+the CUDA backend (kvs_cuda_*.c) builds on the slot table and on the engine's face for
+other backends (kvs_engine.h) only, and neither host side takes anything from it;
 includes form no cycle, and every file compiles clean under -Wall -Wextra -Werror.
-The dependency check is shown to catch a planted call across the two."""
+The dependency check is shown to catch a planted call across."""
 
 from __future__ import annotations
 
@@ -13,7 +15,11 @@ from pathlib import Path
 import pytest
 
 FFI = Path(__file__).resolve().parents[2] / "ffi"
-SOURCES = ("kvs_slots.c", "kvs_host.c", "kvs_ops.c")
+SOURCES = ("kvs_slots.c", "kvs_host.c", "kvs_ops.c", "kvs_cuda_load.c", "kvs_cuda_mem.c", "kvs_cuda_ops.c")
+CUDA = ("kvs_cuda_load.c", "kvs_cuda_mem.c", "kvs_cuda_ops.c")
+#: What the CUDA backend may take from the op engine: kvs_engine.h, and the public reap.
+ENGINE_FACE = {"kvs_engine_lock", "kvs_engine_unlock", "kvs_op_external", "kvs_op_drop", "kvs_op_step",
+               "kvs_op_stepped", "kvs_reap"}
 FLAGS = ["-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden", "-c"]
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None or shutil.which("nm") is None,
@@ -27,7 +33,9 @@ def includes(path: Path) -> list[str]:
 def test_local_includes_form_no_cycle_and_the_two_sides_share_only_the_slot_table() -> None:
     graph = {p.name: includes(p) for p in FFI.glob("kvs*.[ch]")}
     assert includes(FFI / "kvs_host.c") == ["kvs_slots.h"]
-    assert includes(FFI / "kvs_ops.c") == ["kvs_slots.h"]
+    assert includes(FFI / "kvs_ops.c") == ["kvs_engine.h"] and includes(FFI / "kvs_engine.h") == ["kvs_slots.h"]
+    assert includes(FFI / "kvs_cuda.h") == ["kvs_cuda_driver.h", "kvs_slots.h"]
+    assert [includes(FFI / c) for c in CUDA] == [["kvs_cuda.h"], ["kvs_cuda.h"], ["kvs_cuda.h", "kvs_engine.h"]]
     seen: set[str] = set()
 
     def visit(name: str, path: tuple[str, ...]) -> None:
@@ -61,10 +69,17 @@ def _objects(src_dir: Path, out: Path) -> dict[str, tuple[set[str], set[str]]]:
 
 
 def cross_uses(symbols: dict[str, tuple[set[str], set[str]]]) -> list[str]:
-    """Symbols one of kvs_host.c and kvs_ops.c takes from the other."""
+    """Symbols one of kvs_host.c and kvs_ops.c takes from the other, either takes from the
+    CUDA backend, or the CUDA backend takes from them beyond the engine's face."""
     found = []
-    for user, provider in (("kvs_host.c", "kvs_ops.c"), ("kvs_ops.c", "kvs_host.c")):
+    pairs = [("kvs_host.c", "kvs_ops.c"), ("kvs_ops.c", "kvs_host.c")]
+    pairs += [(host, cuda) for host in ("kvs_host.c", "kvs_ops.c") for cuda in CUDA]
+    pairs += [(cuda, "kvs_host.c") for cuda in CUDA]
+    for user, provider in pairs:
         found += [f"{user} uses {s} of {provider}" for s in sorted(symbols[user][1] & symbols[provider][0])]
+    for cuda in CUDA:
+        found += [f"{cuda} uses {s} of kvs_ops.c" for s in
+                  sorted((symbols[cuda][1] & symbols["kvs_ops.c"][0]) - ENGINE_FACE)]
     return found
 
 
@@ -74,6 +89,10 @@ def test_memory_side_and_op_engine_take_nothing_from_each_other(tmp_path: Path) 
     slots_defined = symbols["kvs_slots.c"][0]
     for src in ("kvs_host.c", "kvs_ops.c"):
         assert symbols[src][1] <= slots_defined, f"{src} uses {symbols[src][1] - slots_defined}"
+    cuda_defined = set().union(*(symbols[c][0] for c in CUDA))
+    for src in CUDA:
+        extra = symbols[src][1] - slots_defined - cuda_defined - ENGINE_FACE
+        assert not extra, f"{src} uses {extra}"
 
 
 def test_the_dependency_check_catches_a_planted_call_across(tmp_path: Path) -> None:
@@ -81,5 +100,8 @@ def test_the_dependency_check_catches_a_planted_call_across(tmp_path: Path) -> N
     shutil.copytree(FFI, src, ignore=shutil.ignore_patterns("__pycache__", "*.o", "*.so"))
     with open(src / "kvs_host.c", "a", encoding="utf-8") as f:
         f.write("\nint kvs_planted_cross(void) { return kvs_engine_pause(0); }\n")
+    with open(src / "kvs_cuda_mem.c", "a", encoding="utf-8") as f:
+        f.write("\nint kvs_planted_engine(void) { return kvs_engine_configure(2); }\n")
     (tmp_path / "out").mkdir()
-    assert cross_uses(_objects(src, tmp_path / "out")) == ["kvs_host.c uses kvs_engine_pause of kvs_ops.c"]
+    assert cross_uses(_objects(src, tmp_path / "out")) == ["kvs_host.c uses kvs_engine_pause of kvs_ops.c",
+                                                           "kvs_cuda_mem.c uses kvs_engine_configure of kvs_ops.c"]

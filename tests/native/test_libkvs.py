@@ -33,9 +33,12 @@ _C_TO_PY: dict[str, Any] = {
     "struct kvs_region_info *": libkvs.RegionInfoPtr,
     "struct kvs_global_info *": libkvs.GlobalInfoPtr,
     "struct kvs_op_info *": libkvs.OpInfoPtr,
+    "struct kvs_cuda_driver_info *": libkvs.CudaDriverInfoPtr,
+    "struct kvs_cuda_device_info *": libkvs.CudaDeviceInfoPtr,
 }
 _STRUCTS = {"kvs_region_info": libkvs.RegionInfoPtr, "kvs_global_info": libkvs.GlobalInfoPtr,
-            "kvs_op_info": libkvs.OpInfoPtr}
+            "kvs_op_info": libkvs.OpInfoPtr, "kvs_cuda_driver_info": libkvs.CudaDriverInfoPtr,
+            "kvs_cuda_device_info": libkvs.CudaDeviceInfoPtr}
 
 
 def _builder() -> Any:

@@ -24,6 +24,10 @@ DEFAULTS: Mapping[str, tuple[str, ...]] = {
     # directories: the kind of everything in them
     "bounds/": ("native",),
     "cuda/": ("native",),
+    "cudashim/": ("native",),              # the C engine's CUDA path on the shim driver, in-process
+    "cudashim/test_failures.py": ("native", "multiproc"),  # a peer process, subprocesses per driver setting
+    "cudashim/test_processes.py": ("native", "multiproc"),
+    "cudashim/test_gpucheck.py": ("native", "multiproc", "slow"),  # gpucheck and the GPU suite, end to end
     "datapath/": ("native",),              # a real exporter and importer, in-process, over the op engine
     "datapath/test_async_stateful.py": ("stateful", "native", "slow"),
     "datapath/test_buffer_safety.py": ("native", "multiproc", "slow"),  # a process per failure path
@@ -48,7 +52,6 @@ DEFAULTS: Mapping[str, tuple[str, ...]] = {
     "test_coordinator_model.py": ("models",),
     "test_contracts.py": ("unit", "slow"),  # crosshair
     "test_cuda_cpu.py": ("native",),
-    "test_cuda_ops_cpu.py": ("native",),   # host memory (ctypes) standing in for device memory
     "test_docs.py": ("unit",),
     "test_generate.py": ("unit",),
     "test_geometry.py": ("unit",),

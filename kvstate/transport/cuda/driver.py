@@ -1,118 +1,112 @@
-"""Loading cuda-python and the driver, and the driver calls the CUDA backend shares:
-error mapping, device lookup by UUID, and the VMM structs built from :mod:`.rules`.
+"""The CUDA driver, loaded by the native layer at run time, and device discovery.
 
-Nothing here runs at import; :func:`load_driver` loads ``cuda.bindings.driver`` on first
-use and raises :class:`BackendUnavailable` when it (or the driver library) is missing.
+The C engine (``ffi/kvs_cuda_*.c``) opens the driver library itself (``dlopen``, never a
+link-time dependency) and makes every driver call kvstate needs, discovery included: a
+device's UUID, name and attributes are a handful of calls on the same resolved table, so
+cuda-python is not needed at all. One loader per process also means one driver: a test
+that points ``KVSTATE_LIBCUDA`` at the CPU shim (``tests/cudashim``) runs every CUDA code
+path, discovery too, against it.
+
+Nothing here runs at import. :func:`load_driver` loads the native module, then the driver
+library named by ``KVSTATE_LIBCUDA`` (default ``libcuda.so.1``), and raises
+:class:`BackendUnavailable` when either is missing or the driver sees no device.
 """
 
 from __future__ import annotations
 
-import ctypes
-from types import ModuleType
-from typing import Any
+import os
 
-from kvstate.core import errors
-from kvstate.core.capabilities import Access
+import attrs
+
 from kvstate.core.errors import BackendUnavailable
-from kvstate.core.optional import require
+from kvstate.transport import native as native_layer
 from kvstate.transport.cuda import rules
+from kvstate.transport.native import Native
+
+#: The environment variable naming the driver library (a path, or a name dlopen searches).
+LIBCUDA_ENV = "KVSTATE_LIBCUDA"
+DEFAULT_LIBRARY = "libcuda.so.1"
 
 
+def library() -> str:
+    """The driver library this process loads: ``$KVSTATE_LIBCUDA`` or ``libcuda.so.1``."""
+    return os.environ.get(LIBCUDA_ENV) or DEFAULT_LIBRARY
 
 
+@attrs.frozen
+class DriverInfo:
+    version: int      # cuDriverGetVersion: 12080 is CUDA 12.8
+    devices: int
+    batch: bool       # cuMemcpyBatchAsync is used for gathers
+    library: str
 
-def load_driver() -> ModuleType:
-    """``cuda.bindings.driver`` with ``cuInit`` done, or BackendUnavailable.
 
-    Unavailable means: cuda-python not installed (ModuleNotFoundError for ``cuda``), no
-    driver library (cuda-python's ``cuda.pathfinder.DynamicLibNotFoundError`` from
-    ``cuInit``), or no device (CUDA_ERROR_NO_DEVICE). Anything else propagates.
-    """
-    driver = require("cuda.bindings.driver", "cuda", hint="install kvstate[cuda]")
-    not_found = _no_driver_errors()
-    try:
-        (err,) = driver.cuInit(0)
-    except not_found as exc:
-        raise BackendUnavailable("cuda", f"no CUDA driver library: {exc}") from exc
-    if int(err) == rules.CUDA_ERROR_NO_DEVICE:
+@attrs.frozen
+class DeviceInfo:
+    uuid: bytes
+    name: str
+    vmm: bool
+    posix_fd: bool
+    fabric: bool      # the device reports FABRIC support; only a trial decides (rules.fabric_decision)
+    max_pitch: int
+
+
+def load_driver(nat: Native | None = None) -> Native:
+    """The native layer (``nat``, default the process's) with the driver loaded and
+    initialised, or BackendUnavailable: no native module, no driver library (or one
+    without a call kvstate needs), or no device."""
+    if nat is None:
+        try:
+            nat = native_layer.default()
+        except BackendUnavailable as exc:
+            raise BackendUnavailable("cuda", exc.why) from None
+    path = library()
+    lib, ffi = nat.lib, nat.ffi
+    rc = lib.kvs_cuda_load(ffi.new("char[]", path.encode()))
+    if rc == lib.KVS_E_CUDA and lib.kvs_cuda_last_result() == rules.CUDA_ERROR_NO_DEVICE:
         raise BackendUnavailable("cuda", "the driver sees no CUDA device")
-    check(driver, "cuInit", err)
-    return driver
+    if rc == lib.KVS_E_BUSY:
+        raise BackendUnavailable("cuda", f"this process already loaded another CUDA driver library, not {path}")
+    if rc == lib.KVS_E_NODRIVER:
+        raise BackendUnavailable("cuda", f"no CUDA driver library: {ffi.string(lib.kvs_cuda_load_error()).decode()}")
+    if rc:
+        raise nat.error(rc, "kvs_cuda_load", path)
+    return nat
 
 
-def _no_driver_errors() -> tuple[type[BaseException], ...]:
-    """The exception cuda-python raises when libcuda cannot be loaded. cuda-bindings 12.9
-    and 13.x raise ``cuda.pathfinder.DynamicLibNotFoundError`` (a RuntimeError); an older
-    cuda-bindings without cuda.pathfinder has no such class to catch."""
-    try:
-        from cuda.pathfinder import DynamicLibNotFoundError
-    except ModuleNotFoundError as exc:
-        if exc.name in ("cuda.pathfinder", "cuda"):
-            return ()
-        raise
-    return (DynamicLibNotFoundError,)
+def driver_info(nat: Native | None = None) -> DriverInfo:
+    nat = load_driver(nat)
+    out = nat.ffi.new("kvs_cuda_driver_info *")
+    rc = nat.lib.kvs_cuda_driver_info_get(out)
+    if rc:
+        raise nat.error(rc, "kvs_cuda_driver_info_get", "the driver")
+    return DriverInfo(out.version, out.devices, bool(out.batch), library())
 
 
-def check(driver: ModuleType, call: str, err: Any, detail: str = "") -> None:
-    code = int(err)
-    if code != rules.CUDA_SUCCESS:
-        name = getattr(err, "name", "")
-        if not name:
-            e, s = driver.cuGetErrorName(err)
-            name = s.decode() if int(e) == 0 and s else ""
-        raise rules.cuda_error(call, code, name, detail)
+def device_info(nat: Native, ordinal: int) -> DeviceInfo:
+    out = nat.ffi.new("kvs_cuda_device_info *")
+    rc = nat.lib.kvs_cuda_device_info_get(ordinal, out)
+    if rc:
+        raise nat.error(rc, "kvs_cuda_device_info_get", f"device ordinal {ordinal}")
+    ffi = nat.ffi
+    return DeviceInfo(bytes(ffi.buffer(out.uuid, 16)), ffi.string(out.name).decode(errors="replace"),
+                      bool(out.vmm), bool(out.posix_fd), bool(out.fabric), int(out.max_pitch))
+
+
+def devices() -> list[DeviceInfo]:
+    """Every device the driver sees, in the driver's order (name them by UUID, not position)."""
+    nat = load_driver()
+    return [device_info(nat, i) for i in range(driver_info().devices)]
 
 
 def visible_devices() -> list[bytes]:
-    """The UUIDs of the devices this process can see, in no meaningful order."""
-    driver = load_driver()
-    (err, n) = driver.cuDeviceGetCount()
-    check(driver, "cuDeviceGetCount", err)
-    return [uuid_of(driver, device_at(driver, i)) for i in range(n)]
+    """The UUIDs of the devices this process can see."""
+    return [d.uuid for d in devices()]
 
 
-def device_at(driver: ModuleType, ordinal: int) -> Any:
-    err, dev = driver.cuDeviceGet(ordinal)
-    check(driver, "cuDeviceGet", err)
-    return dev
-
-
-def uuid_of(driver: ModuleType, dev: Any) -> bytes:
-    err, uuid = driver.cuDeviceGetUuid(dev)
-    check(driver, "cuDeviceGetUuid", err)
-    return bytes(uuid.bytes)[:16]
-
-
-def struct_bytes(obj: Any, n: int) -> bytes:
-    """The first ``n`` bytes of a cuda-python struct (CUmemFabricHandle, CUipcMemHandle)."""
-    data = getattr(obj, "data", None)
-    if isinstance(data, bytes) and len(data) == n:
-        return data
-    return ctypes.string_at(int(obj.getPtr()), n)
-
-
-def struct_from(cls: Any, data: bytes) -> Any:
-    obj = cls()
-    ctypes.memmove(int(obj.getPtr()), data, len(data))
-    return obj
-
-
-def allocation_prop(driver: ModuleType, fields: rules.AllocationFields) -> Any:
-    """A CUmemAllocationProp with exactly ``fields`` set (one VMM handle type)."""
-    prop = driver.CUmemAllocationProp()
-    prop.type = driver.CUmemAllocationType(fields.type)
-    prop.location.type = driver.CUmemLocationType(fields.location_type)
-    prop.location.id = fields.location_id
-    prop.requestedHandleTypes = driver.CUmemAllocationHandleType(fields.requested_handle_types)
-    return prop
-
-
-def access_desc(driver: ModuleType, device_ordinal: int, access: Access) -> Any:
-    """A CUmemAccessDesc granting ``access`` to one device."""
-    desc = driver.CUmemAccessDesc()
-    desc.location.type = driver.CUmemLocationType(rules.CU_MEM_LOCATION_TYPE_DEVICE)
-    desc.location.id = device_ordinal
-    desc.flags = driver.CUmemAccess_flags(rules.access_flags(access))
-    return desc
-
-
+def find_device(nat: Native, uuid: bytes) -> DeviceInfo | None:
+    for i in range(driver_info(nat).devices):
+        info = device_info(nat, i)
+        if info.uuid == uuid:
+            return info
+    return None

@@ -6,28 +6,24 @@ driver lives here, as plain functions over ints and bytes:
 - which kvstate error a ``CUresult`` becomes (:func:`cuda_error`);
 - what a received handle must look like for its kind (:func:`check_received`);
 - the FABRIC trial decision table (:func:`fabric_decision`);
-- the fields of ``CUmemAllocationProp`` and ``CUmemAccessDesc`` (:func:`allocation_fields`,
-  :func:`access_flags`);
-- how a gather's block list becomes the fewest device copies (:func:`coalesce`);
 - device UUID text (:func:`format_uuid`, :func:`parse_uuid`).
 
-The CUresult and enum values below are the driver ABI (``cuda.h``); a CPU test checks
-each against cuda-python's enums where cuda-python is installed.
+What the driver structs hold and how a gather becomes device copies is the C engine's
+(``ffi/kvs_cuda_*.c``). The CUresult values below are the driver ABI (``cuda.h``); a CPU
+test checks each against cuda-python's enums where cuda-python is installed.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
 from typing import Final
 
 import attrs
 
 from kvstate.core import errors
-from kvstate.core.errors import HandleFdsMismatch, HandleWrongSize, OutOfRange
-from kvstate.core.handles import FD_KINDS, HANDLE_BYTES, HandleKind
 from kvstate.core.capabilities import FabricTrial
-from kvstate.core.capabilities import Access
+from kvstate.core.errors import HandleFdsMismatch, HandleWrongSize
+from kvstate.core.handles import FD_KINDS, HANDLE_BYTES, HandleKind
 
 # -- CUresult values (cuda.h) ------------------------------------------------------------
 
@@ -121,121 +117,6 @@ def fabric_decision(*, requested: bool, attribute: bool, export_result: int | No
     if import_result != CUDA_SUCCESS:
         return FabricDecision(FabricTrial.FAILED, f"the trial import failed with CUresult {import_result}")
     return FabricDecision(FabricTrial.PASSED, "trial export and import succeeded")
-
-
-# -- struct fields -----------------------------------------------------------------------
-
-CU_MEM_ALLOCATION_TYPE_PINNED: Final = 1
-CU_MEM_LOCATION_TYPE_DEVICE: Final = 1
-CU_MEM_HANDLE_TYPE_NONE: Final = 0
-CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: Final = 1
-CU_MEM_HANDLE_TYPE_FABRIC: Final = 8
-CU_MEM_ACCESS_FLAGS_PROT_NONE: Final = 0
-CU_MEM_ACCESS_FLAGS_PROT_READ: Final = 1
-CU_MEM_ACCESS_FLAGS_PROT_READWRITE: Final = 3
-
-_VMM_HANDLE_TYPE: Final = {
-    HandleKind.POSIX_FD: CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-    HandleKind.FABRIC: CU_MEM_HANDLE_TYPE_FABRIC,
-}
-
-
-def vmm_handle_type(kind: HandleKind) -> int:
-    """The CUmemAllocationHandleType of a VMM kind (legacy CUDA_IPC is not VMM)."""
-    try:
-        return _VMM_HANDLE_TYPE[kind]
-    except KeyError:
-        raise errors.HandleRefused(f"{kind.value} is not a VMM shareable handle type") from None
-
-
-@attrs.frozen
-class AllocationFields:
-    """The fields kvstate sets in CUmemAllocationProp; every other field stays zero."""
-
-    type: int
-    location_type: int
-    location_id: int
-    requested_handle_types: int
-
-
-def allocation_fields(device_ordinal: int, kinds: Iterable[HandleKind]) -> AllocationFields:
-    """Pinned device memory on one device, exportable as every VMM kind in ``kinds``.
-    The ordinal is the driver's handle for the device the transport found by UUID."""
-    mask = 0
-    for k in kinds:
-        mask |= vmm_handle_type(k)
-    if device_ordinal < 0:
-        raise errors.CudaDeviceNotFound(f"device ordinal {device_ordinal} is not a device")
-    return AllocationFields(CU_MEM_ALLOCATION_TYPE_PINNED, CU_MEM_LOCATION_TYPE_DEVICE,
-                            device_ordinal, mask)
-
-
-def access_flags(access: Access) -> int:
-    """CUmemAccess_flags for an Access level."""
-    return {Access.NONE: CU_MEM_ACCESS_FLAGS_PROT_NONE, Access.READ: CU_MEM_ACCESS_FLAGS_PROT_READ,
-            Access.READ_WRITE: CU_MEM_ACCESS_FLAGS_PROT_READWRITE}[access]
-
-
-# -- gather ------------------------------------------------------------------------------
-
-
-def coalesce(blocks: Sequence[tuple[int, int, int]], src_size: int, dst_size: int) -> list[tuple[int, int, int]]:
-    """Check every (src_off, dst_off, len) against both extents, then merge neighbours that
-    are contiguous on both sides, so a gather issues the fewest device copies."""
-    runs: list[tuple[int, int, int]] = []
-    for i, (s, d, n) in enumerate(blocks):
-        if n <= 0 or s < 0 or d < 0 or s + n > src_size or d + n > dst_size:
-            raise OutOfRange("gather", -1, f"block {i} ({s}, {d}, {n}) outside source of {src_size} "
-                             f"bytes or destination of {dst_size} bytes")
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            ps, pd, pn = runs[-1]
-            runs[-1] = (ps, pd, pn + n)
-        else:
-            runs.append((s, d, n))
-    return runs
-
-
-@attrs.frozen
-class Copy:
-    """``height`` rows of ``width`` bytes; row ``i`` goes from ``src + i * src_pitch`` to
-    ``dst + i * dst_pitch``. One row is a plain 1D copy; more is one cuMemcpy2DAsync."""
-
-    src: int
-    dst: int
-    width: int
-    height: int = 1
-    src_pitch: int = 0
-    dst_pitch: int = 0
-
-    def rows(self) -> Iterable[tuple[int, int, int]]:
-        for i in range(self.height):
-            yield self.src + i * self.src_pitch, self.dst + i * self.dst_pitch, self.width
-
-
-def plan_copies(runs: Sequence[tuple[int, int, int]], max_pitch: int = (1 << 31) - 1) -> list[Copy]:
-    """Fold runs of equal length at constant source and destination strides into 2D copies.
-
-    A layer-major KV bank stores one block as ``layers`` equal extents a layer apart; a
-    gather writes them back to back. That is one 2D copy per block instead of one copy
-    per extent, which keeps the number of driver calls (each costs microseconds from
-    Python) independent of the layer count. Pitches must be at least the width (rows
-    never overlap) and at most the device's maximum pitch.
-    """
-    plan: list[Copy] = []
-    for s, d, n in runs:
-        if plan:
-            c = plan[-1]
-            if c.width == n:
-                if c.height == 1:
-                    sp, dp = s - c.src, d - c.dst
-                    if n <= sp <= max_pitch and n <= dp <= max_pitch:
-                        plan[-1] = Copy(c.src, c.dst, n, 2, sp, dp)
-                        continue
-                elif s == c.src + c.height * c.src_pitch and d == c.dst + c.height * c.dst_pitch:
-                    plan[-1] = attrs.evolve(c, height=c.height + 1)
-                    continue
-        plan.append(Copy(s, d, n))
-    return plan
 
 
 # -- device UUIDs ------------------------------------------------------------------------
