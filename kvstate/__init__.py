@@ -21,6 +21,7 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "kvstate.share.exporter": ("ExportConfig", "Exporter"),
     "kvstate.share.importer": ("ImportConfig", "Importer"),
+    "kvstate.reuse.policy": ("ReuseSettings",),
     "kvstate.share.coordinator": ("Coordinator", "CoordinatorConfig"),
     "kvstate.share.rank_worker": ("RankWorker", "WorkerConfig"),
     "kvstate.transport.host": ("HostTransport",),
@@ -50,6 +51,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "GeometryInvalid", "ConfigInvalid", "BlockOutOfRange", "TransferError", "TransferRejected",
         "StoreFailed", "ViewsOutstanding",
         "ProtocolError", "CoordinatorRefused", "GroupFailed", "PeerUnauthenticated",
+        "EffectFailed", "ReuseRefused", "ArgumentInvalid",
     ),
 }
 
@@ -60,6 +62,7 @@ __all__ = ["__version__", *sorted(_HOME)]
 if TYPE_CHECKING:  # what mypy and IDEs see; at run time __getattr__ imports on first use
     from kvstate.share.exporter import ExportConfig as ExportConfig, Exporter as Exporter
     from kvstate.share.importer import ImportConfig as ImportConfig, Importer as Importer
+    from kvstate.reuse.policy import ReuseSettings as ReuseSettings
     from kvstate.share.coordinator import Coordinator as Coordinator, CoordinatorConfig as CoordinatorConfig
     from kvstate.share.rank_worker import RankWorker as RankWorker, WorkerConfig as WorkerConfig
     from kvstate.transport.host import HostTransport as HostTransport
@@ -111,6 +114,7 @@ if TYPE_CHECKING:  # what mypy and IDEs see; at run time __getattr__ imports on 
         ConfigInvalid as ConfigInvalid, BlockOutOfRange as BlockOutOfRange,
         TransferError as TransferError, TransferRejected as TransferRejected,
         StoreFailed as StoreFailed, ViewsOutstanding as ViewsOutstanding,
+        EffectFailed as EffectFailed, ReuseRefused as ReuseRefused, ArgumentInvalid as ArgumentInvalid,
         ProtocolError as ProtocolError,
         CoordinatorRefused as CoordinatorRefused, GroupFailed as GroupFailed,
         PeerUnauthenticated as PeerUnauthenticated,

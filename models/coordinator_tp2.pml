@@ -80,6 +80,8 @@ bit g_died;
 bit g_drain_asked;
 bit g_validated[TP];
 bit g_imported[TP];
+/* rank q holds its lease, or no longer needs one: its share ended or a process died */
+#define LEASE_OR_GONE(q) (leases[q] > 0 || RANK_ENDED(q) || !w_alive[q] || !e_alive[q])
 
 /* A command to a dead worker, or to a share that ended, is lost or dropped on arrival. */
 inline command(q, m) {
@@ -269,6 +271,11 @@ proctype coordinator()
 		check_invariants() }
 	:: atomic { c_alive && !dead[0] && rep[0]?[REP_failed] -> rep[0]?REP_failed;
 		if
+		:: coord == COORD_checking ->
+			note_part_failed(0);
+			command(0, CMD_abort); command(1, CMD_abort);
+			coord = COORD_failed;
+			printf("@@ coordinator 0 part_failed checking failed r0\n")
 		:: coord == COORD_importing ->
 			note_part_failed(0);
 			command(0, CMD_abort); command(1, CMD_abort);
@@ -291,6 +298,11 @@ proctype coordinator()
 		check_invariants() }
 	:: atomic { c_alive && !dead[1] && rep[1]?[REP_failed] -> rep[1]?REP_failed;
 		if
+		:: coord == COORD_checking ->
+			note_part_failed(1);
+			command(0, CMD_abort); command(1, CMD_abort);
+			coord = COORD_failed;
+			printf("@@ coordinator 0 part_failed checking failed r1\n")
 		:: coord == COORD_importing ->
 			note_part_failed(1);
 			command(0, CMD_abort); command(1, CMD_abort);
@@ -475,7 +487,8 @@ proctype worker(byte r)
 		:: else -> printf("@@ violated INV-EVENT-DECLARED: rank %d got check\n", r); assert(false)
 		fi;
 		check_invariants() }
-	:: atomic { w_alive[r] && rank[r] == RANK_checking ->
+	:: atomic { w_alive[r] && (e_alive[r]) && rank[r] == RANK_checking ->
+		leases[r]++;
 		report(r, REP_validated);
 		rank[r] = RANK_validated;
 		g_validated[r] = 1;
@@ -496,13 +509,19 @@ proctype worker(byte r)
 		fi;
 		check_invariants() }
 	:: atomic { w_alive[r] && (e_alive[r]) && rank[r] == RANK_importing ->
-		if :: !(g_checked && ((g_validated[0]) && (g_validated[1]))) -> printf("@@ violated INV-COORD-VALIDATE-BEFORE-OPEN\n"); assert(false) :: else -> skip fi;
-		mapped[r] = 1; leases[r]++; g_imported[r] = 1;
+		if :: !(g_checked && ((g_validated[0]) && (g_validated[1])) && (LEASE_OR_GONE(0)) && (LEASE_OR_GONE(1))) -> printf("@@ violated INV-COORD-VALIDATE-BEFORE-OPEN\n"); assert(false) :: else -> skip fi;
+		mapped[r] = 1; g_imported[r] = 1;
 		report(r, REP_imported);
 		rank[r] = RANK_imported;
 		printf("@@ rank %d mapped importing imported\n", r);
 		check_invariants() }
+	:: atomic { w_alive[r] && rank[r] == RANK_checking ->
+		report(r, REP_failed);
+		rank[r] = RANK_failed;
+		printf("@@ rank %d import_failed checking failed\n", r);
+		check_invariants() }
 	:: atomic { w_alive[r] && rank[r] == RANK_importing ->
+		unmap(r);
 		report(r, REP_failed);
 		rank[r] = RANK_failed;
 		printf("@@ rank %d import_failed importing failed\n", r);
@@ -557,10 +576,12 @@ proctype worker(byte r)
 			rank[r] = RANK_failed;
 			printf("@@ rank %d abort checking failed\n", r)
 		:: rank[r] == RANK_validated ->
+			unmap(r);
 			report(r, REP_failed);
 			rank[r] = RANK_failed;
 			printf("@@ rank %d abort validated failed\n", r)
 		:: rank[r] == RANK_importing ->
+			unmap(r);
 			report(r, REP_failed);
 			rank[r] = RANK_failed;
 			printf("@@ rank %d abort importing failed\n", r)
@@ -572,6 +593,20 @@ proctype worker(byte r)
 		:: RANK_ENDED(r) -> skip
 		:: else -> printf("@@ violated INV-EVENT-DECLARED: rank %d got abort\n", r); assert(false)
 		fi;
+		check_invariants() }
+	:: atomic { w_alive[r] && (!e_alive[r] && !e_noticed[r]) && rank[r] == RANK_validated ->
+		unmap(r);
+		report(r, REP_failed);
+		rank[r] = RANK_failed;
+		e_noticed[r] = 1;
+		printf("@@ rank %d exporter_died validated failed\n", r);
+		check_invariants() }
+	:: atomic { w_alive[r] && (!e_alive[r] && !e_noticed[r]) && rank[r] == RANK_importing ->
+		unmap(r);
+		report(r, REP_failed);
+		rank[r] = RANK_failed;
+		e_noticed[r] = 1;
+		printf("@@ rank %d exporter_died importing failed\n", r);
 		check_invariants() }
 	:: atomic { w_alive[r] && (!e_alive[r] && !e_noticed[r]) && rank[r] == RANK_imported ->
 		unmap(r);
@@ -600,11 +635,13 @@ proctype worker(byte r)
 		printf("@@ rank %d coordinator_died checking failed\n", r);
 		check_invariants() }
 	:: atomic { w_alive[r] && (!c_alive && !c_noticed[r]) && rank[r] == RANK_validated ->
+		unmap(r);
 		rank[r] = RANK_failed;
 		c_noticed[r] = 1;
 		printf("@@ rank %d coordinator_died validated failed\n", r);
 		check_invariants() }
 	:: atomic { w_alive[r] && (!c_alive && !c_noticed[r]) && rank[r] == RANK_importing ->
+		unmap(r);
 		rank[r] = RANK_failed;
 		c_noticed[r] = 1;
 		printf("@@ rank %d coordinator_died importing failed\n", r);

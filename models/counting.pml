@@ -18,11 +18,12 @@
 
 #define PART_received 0
 #define PART_validated 1
-#define PART_imported 2
-#define PART_closed 3
-#define PART_rejected 4
-#define PART_failed 5
-#define PART_STATES 6
+#define PART_leased 2
+#define PART_imported 3
+#define PART_closed 4
+#define PART_rejected 5
+#define PART_failed 6
+#define PART_STATES 7
 
 #define OP_created 0
 #define OP_queued 1
@@ -102,15 +103,17 @@ proctype importer()
 		check_invariants() }
 	:: atomic { (group == GROUP_quiescent) ->
 		if :: part_n[PART_received] > 0 && (true) -> g_moved = part_n[PART_received]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_received] = 0; printf("@@> part * close received closed x%d\n", g_moved) :: else -> skip fi;
-		if :: part_n[PART_validated] > 0 && (true) -> g_moved = part_n[PART_validated]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_validated] = 0; printf("@@> part * close validated closed x%d\n", g_moved) :: else -> skip fi;
-		if :: part_n[PART_imported] > 0 && ((pins == 0)) -> g_moved = part_n[PART_imported]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_imported] = 0; printf("@@> part * close imported closed x%d\n", g_moved) :: else -> skip fi;
+		if :: part_n[PART_validated] > 0 && ((group != GROUP_ready && group != GROUP_draining)) -> g_moved = part_n[PART_validated]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_validated] = 0; printf("@@> part * close validated closed x%d\n", g_moved) :: else -> skip fi;
+		if :: part_n[PART_leased] > 0 && ((group != GROUP_ready && group != GROUP_draining)) -> g_moved = part_n[PART_leased]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_leased] = 0; printf("@@> part * close leased closed x%d\n", g_moved) :: else -> skip fi;
+		if :: part_n[PART_imported] > 0 && ((pins == 0) && (group != GROUP_ready && group != GROUP_draining)) -> g_moved = part_n[PART_imported]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_imported] = 0; printf("@@> part * close imported closed x%d\n", g_moved) :: else -> skip fi;
 		group = GROUP_closed;
 		printf("@@ group 0 close quiescent closed\n");
 		check_invariants() }
 	:: atomic { (group == GROUP_importing) && (part_n[PART_failed] > 0) ->
 		if :: part_n[PART_received] > 0 && (true) -> g_moved = part_n[PART_received]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_received] = 0; printf("@@> part * close received closed x%d\n", g_moved) :: else -> skip fi;
-		if :: part_n[PART_validated] > 0 && (true) -> g_moved = part_n[PART_validated]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_validated] = 0; printf("@@> part * close validated closed x%d\n", g_moved) :: else -> skip fi;
-		if :: part_n[PART_imported] > 0 && ((pins == 0)) -> g_moved = part_n[PART_imported]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_imported] = 0; printf("@@> part * close imported closed x%d\n", g_moved) :: else -> skip fi;
+		if :: part_n[PART_validated] > 0 && ((group != GROUP_ready && group != GROUP_draining)) -> g_moved = part_n[PART_validated]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_validated] = 0; printf("@@> part * close validated closed x%d\n", g_moved) :: else -> skip fi;
+		if :: part_n[PART_leased] > 0 && ((group != GROUP_ready && group != GROUP_draining)) -> g_moved = part_n[PART_leased]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_leased] = 0; printf("@@> part * close leased closed x%d\n", g_moved) :: else -> skip fi;
+		if :: part_n[PART_imported] > 0 && ((pins == 0) && (group != GROUP_ready && group != GROUP_draining)) -> g_moved = part_n[PART_imported]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_imported] = 0; printf("@@> part * close imported closed x%d\n", g_moved) :: else -> skip fi;
 		group = GROUP_failed;
 		printf("@@ group 0 part_failed importing failed\n");
 		check_invariants() }
@@ -120,8 +123,9 @@ proctype importer()
 		check_invariants() }
 	:: atomic { (group == GROUP_importing) ->
 		if :: part_n[PART_received] > 0 && (true) -> g_moved = part_n[PART_received]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_received] = 0; printf("@@> part * close received closed x%d\n", g_moved) :: else -> skip fi;
-		if :: part_n[PART_validated] > 0 && (true) -> g_moved = part_n[PART_validated]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_validated] = 0; printf("@@> part * close validated closed x%d\n", g_moved) :: else -> skip fi;
-		if :: part_n[PART_imported] > 0 && ((pins == 0)) -> g_moved = part_n[PART_imported]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_imported] = 0; printf("@@> part * close imported closed x%d\n", g_moved) :: else -> skip fi;
+		if :: part_n[PART_validated] > 0 && ((group != GROUP_ready && group != GROUP_draining)) -> g_moved = part_n[PART_validated]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_validated] = 0; printf("@@> part * close validated closed x%d\n", g_moved) :: else -> skip fi;
+		if :: part_n[PART_leased] > 0 && ((group != GROUP_ready && group != GROUP_draining)) -> g_moved = part_n[PART_leased]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_leased] = 0; printf("@@> part * close leased closed x%d\n", g_moved) :: else -> skip fi;
+		if :: part_n[PART_imported] > 0 && ((pins == 0) && (group != GROUP_ready && group != GROUP_draining)) -> g_moved = part_n[PART_imported]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_imported] = 0; printf("@@> part * close imported closed x%d\n", g_moved) :: else -> skip fi;
 		group = GROUP_failed;
 		printf("@@ group 0 peer_died importing failed\n");
 		check_invariants() }
@@ -142,8 +146,9 @@ proctype importer()
 		check_invariants() }
 	:: atomic { (group == GROUP_importing) ->
 		if :: part_n[PART_received] > 0 && (true) -> g_moved = part_n[PART_received]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_received] = 0; printf("@@> part * close received closed x%d\n", g_moved) :: else -> skip fi;
-		if :: part_n[PART_validated] > 0 && (true) -> g_moved = part_n[PART_validated]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_validated] = 0; printf("@@> part * close validated closed x%d\n", g_moved) :: else -> skip fi;
-		if :: part_n[PART_imported] > 0 && ((pins == 0)) -> g_moved = part_n[PART_imported]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_imported] = 0; printf("@@> part * close imported closed x%d\n", g_moved) :: else -> skip fi;
+		if :: part_n[PART_validated] > 0 && ((group != GROUP_ready && group != GROUP_draining)) -> g_moved = part_n[PART_validated]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_validated] = 0; printf("@@> part * close validated closed x%d\n", g_moved) :: else -> skip fi;
+		if :: part_n[PART_leased] > 0 && ((group != GROUP_ready && group != GROUP_draining)) -> g_moved = part_n[PART_leased]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_leased] = 0; printf("@@> part * close leased closed x%d\n", g_moved) :: else -> skip fi;
+		if :: part_n[PART_imported] > 0 && ((pins == 0) && (group != GROUP_ready && group != GROUP_draining)) -> g_moved = part_n[PART_imported]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_imported] = 0; printf("@@> part * close imported closed x%d\n", g_moved) :: else -> skip fi;
 		group = GROUP_failed;
 		printf("@@ group 0 incarnation_changed importing failed\n");
 		check_invariants() }
@@ -164,8 +169,9 @@ proctype importer()
 		check_invariants() }
 	:: atomic { (group == GROUP_importing) ->
 		if :: part_n[PART_received] > 0 && (true) -> g_moved = part_n[PART_received]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_received] = 0; printf("@@> part * close received closed x%d\n", g_moved) :: else -> skip fi;
-		if :: part_n[PART_validated] > 0 && (true) -> g_moved = part_n[PART_validated]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_validated] = 0; printf("@@> part * close validated closed x%d\n", g_moved) :: else -> skip fi;
-		if :: part_n[PART_imported] > 0 && ((pins == 0)) -> g_moved = part_n[PART_imported]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_imported] = 0; printf("@@> part * close imported closed x%d\n", g_moved) :: else -> skip fi;
+		if :: part_n[PART_validated] > 0 && ((group != GROUP_ready && group != GROUP_draining)) -> g_moved = part_n[PART_validated]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_validated] = 0; printf("@@> part * close validated closed x%d\n", g_moved) :: else -> skip fi;
+		if :: part_n[PART_leased] > 0 && ((group != GROUP_ready && group != GROUP_draining)) -> g_moved = part_n[PART_leased]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_leased] = 0; printf("@@> part * close leased closed x%d\n", g_moved) :: else -> skip fi;
+		if :: part_n[PART_imported] > 0 && ((pins == 0) && (group != GROUP_ready && group != GROUP_draining)) -> g_moved = part_n[PART_imported]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_imported] = 0; printf("@@> part * close imported closed x%d\n", g_moved) :: else -> skip fi;
 		group = GROUP_failed;
 		printf("@@ group 0 expired importing failed\n");
 		check_invariants() }
@@ -194,25 +200,42 @@ proctype importer()
 	:: atomic { (part_n[PART_validated] > 0) && ((group == GROUP_importing)) ->
 		if :: !(g_admitted) -> printf("@@ violated INV-GROUP-ATOMIC\n"); assert(false) :: else -> skip fi;
 		part_n[PART_validated]--;
+		part_n[PART_leased]++;
+		printf("@@ part * lease validated leased\n");
+		check_invariants() }
+	:: atomic { (part_n[PART_leased] > 0) && ((group == GROUP_importing && part_n[PART_leased] + part_n[PART_imported] == TP)) ->
+		if :: !(g_admitted) -> printf("@@ violated INV-GROUP-ATOMIC\n"); assert(false) :: else -> skip fi;
+		if :: !(part_n[PART_leased] + part_n[PART_imported] == TP) -> printf("@@ violated INV-LEASE-BEFORE-OPEN\n"); assert(false) :: else -> skip fi;
+		part_n[PART_leased]--;
 		part_n[PART_imported]++;
-		printf("@@ part * open validated imported\n");
+		printf("@@ part * open leased imported\n");
 		check_invariants() }
 	:: atomic { (part_n[PART_validated] > 0) && (group == GROUP_importing) ->
 		part_n[PART_validated]--;
 		part_n[PART_failed]++;
 		printf("@@ part * import_failed validated failed\n");
 		check_invariants() }
-	:: atomic { (part_n[PART_received] > 0) && (GROUP_FINISHED) ->
+	:: atomic { (part_n[PART_leased] > 0) && (group == GROUP_importing) ->
+		part_n[PART_leased]--;
+		part_n[PART_failed]++;
+		printf("@@ part * import_failed leased failed\n");
+		check_invariants() }
+	:: atomic { (part_n[PART_received] > 0) && (GROUP_FINISHED || group == GROUP_ready || group == GROUP_draining) ->
 		part_n[PART_received]--;
 		part_n[PART_closed]++;
 		printf("@@ part * close received closed\n");
 		check_invariants() }
-	:: atomic { (part_n[PART_validated] > 0) && (GROUP_FINISHED) ->
+	:: atomic { (part_n[PART_validated] > 0) && (GROUP_FINISHED || group == GROUP_ready || group == GROUP_draining) && ((group != GROUP_ready && group != GROUP_draining)) ->
 		part_n[PART_validated]--;
 		part_n[PART_closed]++;
 		printf("@@ part * close validated closed\n");
 		check_invariants() }
-	:: atomic { (part_n[PART_imported] > 0) && (GROUP_FINISHED) && ((pins == 0)) ->
+	:: atomic { (part_n[PART_leased] > 0) && (GROUP_FINISHED || group == GROUP_ready || group == GROUP_draining) && ((group != GROUP_ready && group != GROUP_draining)) ->
+		part_n[PART_leased]--;
+		part_n[PART_closed]++;
+		printf("@@ part * close leased closed\n");
+		check_invariants() }
+	:: atomic { (part_n[PART_imported] > 0) && (GROUP_FINISHED || group == GROUP_ready || group == GROUP_draining) && ((pins == 0) && (group != GROUP_ready && group != GROUP_draining)) ->
 		part_n[PART_imported]--;
 		part_n[PART_closed]++;
 		printf("@@ part * close imported closed\n");
@@ -231,8 +254,9 @@ proctype operator()
 		check_invariants() }
 	:: atomic { (group == GROUP_importing) ->
 		if :: part_n[PART_received] > 0 && (true) -> g_moved = part_n[PART_received]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_received] = 0; printf("@@> part * close received closed x%d\n", g_moved) :: else -> skip fi;
-		if :: part_n[PART_validated] > 0 && (true) -> g_moved = part_n[PART_validated]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_validated] = 0; printf("@@> part * close validated closed x%d\n", g_moved) :: else -> skip fi;
-		if :: part_n[PART_imported] > 0 && ((pins == 0)) -> g_moved = part_n[PART_imported]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_imported] = 0; printf("@@> part * close imported closed x%d\n", g_moved) :: else -> skip fi;
+		if :: part_n[PART_validated] > 0 && ((group != GROUP_ready && group != GROUP_draining)) -> g_moved = part_n[PART_validated]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_validated] = 0; printf("@@> part * close validated closed x%d\n", g_moved) :: else -> skip fi;
+		if :: part_n[PART_leased] > 0 && ((group != GROUP_ready && group != GROUP_draining)) -> g_moved = part_n[PART_leased]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_leased] = 0; printf("@@> part * close leased closed x%d\n", g_moved) :: else -> skip fi;
+		if :: part_n[PART_imported] > 0 && ((pins == 0) && (group != GROUP_ready && group != GROUP_draining)) -> g_moved = part_n[PART_imported]; part_n[PART_closed] = part_n[PART_closed] + g_moved; part_n[PART_imported] = 0; printf("@@> part * close imported closed x%d\n", g_moved) :: else -> skip fi;
 		group = GROUP_failed;
 		printf("@@ group 0 drain importing failed\n");
 		check_invariants() }

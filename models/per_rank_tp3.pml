@@ -28,11 +28,12 @@
 
 #define PART_received 0
 #define PART_validated 1
-#define PART_imported 2
-#define PART_closed 3
-#define PART_rejected 4
-#define PART_failed 5
-#define PART_STATES 6
+#define PART_leased 2
+#define PART_imported 3
+#define PART_closed 4
+#define PART_rejected 5
+#define PART_failed 6
+#define PART_STATES 7
 
 #define OP_created 0
 #define OP_queued 1
@@ -47,7 +48,10 @@
 #define OPS_PINNING ((op[0] == OP_queued || op[0] == OP_running))
 
 byte bank[BANKS];              /* bank machine of each rank (exporter side) */
-byte leases[BANKS];            /* live leases on each bank */
+byte leases[BANKS];            /* leases on each bank (expired ones included) */
+byte xl[BANKS];                /* of which expired (bounds expiry: each lease expires once) */
+bit ilease[TP];                /* the group's importer holds a lease on its rank's bank */
+bit mapped[TP];                /* the group's importer maps its rank's bank (importer pin) */
 byte pins[TP];                 /* native pins on each rank's region */
 byte group;                    /* group machine (importer side) */
 byte part[TP];                 /* part machine of each rank */
@@ -75,6 +79,8 @@ inline check_invariants() {
 	if :: !((!g_rejected[0] || part[0] != PART_imported) && (!g_rejected[1] || part[1] != PART_imported) && (!g_rejected[2] || part[2] != PART_imported)) -> printf("@@ violated INV-REJECT-BEFORE-OPEN\n"); assert(false) :: else -> skip fi;
 	/* INV-NO-UNMAP-PINNED: A region is never unmapped or released while a native op holds a pin on it. */
 	if :: !(((pins[0] == 0 || part[0] == PART_imported) && (pins[1] == 0 || part[1] == PART_imported) && (pins[2] == 0 || part[2] == PART_imported)) && ((pins[0] == 0 || bank[0] != BANK_released) && (pins[1] == 0 || bank[1] != BANK_released) && (pins[2] == 0 || bank[2] != BANK_released))) -> printf("@@ violated INV-NO-UNMAP-PINNED\n"); assert(false) :: else -> skip fi;
+	/* INV-NO-RELEASE-MAPPED: An exporter never releases a bank while an importer maps it: lease expiry drains the bank, and release waits for the importer's unmap or its closed connection. */
+	if :: !((bank[0] != BANK_released || !mapped[0]) && (bank[1] != BANK_released || !mapped[1]) && (bank[2] != BANK_released || !mapped[2])) -> printf("@@ violated INV-NO-RELEASE-MAPPED\n"); assert(false) :: else -> skip fi;
 	/* INV-RELEASE-QUIESCENT: A registered bank is released only from quiescent, when the native layer reports zero pins and zero leases. */
 	if :: !((bank[0] != BANK_released || (leases[0] == 0 && pins[0] == 0 && (!g_registered[0] || g_quiesced[0]))) && (bank[1] != BANK_released || (leases[1] == 0 && pins[1] == 0 && (!g_registered[1] || g_quiesced[1]))) && (bank[2] != BANK_released || (leases[2] == 0 && pins[2] == 0 && (!g_registered[2] || g_quiesced[2])))) -> printf("@@ violated INV-RELEASE-QUIESCENT\n"); assert(false) :: else -> skip fi;
 	/* INV-OP-PINS: A native op holds pins on its regions exactly while it is queued or running. */
@@ -96,6 +102,28 @@ proctype exporter(byte i)
 		bank[i] = BANK_advertised;
 		g_advertised[i] = 1;
 		printf("@@ bank %d advertise registered advertised\n", i);
+		check_invariants() }
+	:: atomic { (bank[i] == BANK_advertised) ->
+		g_advertised[i] = 1;
+		printf("@@ bank %d advertise advertised advertised\n", i);
+		check_invariants() }
+	:: atomic { (bank[i] == BANK_importing) ->
+		g_advertised[i] = 1;
+		printf("@@ bank %d advertise importing importing\n", i);
+		check_invariants() }
+	:: atomic { (bank[i] == BANK_ready) ->
+		g_advertised[i] = 1;
+		printf("@@ bank %d advertise ready ready\n", i);
+		check_invariants() }
+	:: atomic { (bank[i] == BANK_advertised) ->
+		bank[i] = BANK_registered;
+		printf("@@ bank %d descriptor_expired advertised registered\n", i);
+		check_invariants() }
+	:: atomic { (bank[i] == BANK_importing) ->
+		printf("@@ bank %d descriptor_expired importing importing\n", i);
+		check_invariants() }
+	:: atomic { (bank[i] == BANK_ready) ->
+		printf("@@ bank %d descriptor_expired ready ready\n", i);
 		check_invariants() }
 	:: atomic { (bank[i] == BANK_registered) && (false) ->
 		printf("@@ bank %d store registered registered\n", i);
@@ -144,18 +172,18 @@ proctype exporter(byte i)
 proctype lessee(byte i)
 {
 	do
-	:: atomic { (bank[i] == BANK_advertised) && (part[i] == PART_validated || part[i] == PART_imported) && ((leases[i] < MAX_LEASES)) ->
+	:: atomic { (bank[i] == BANK_advertised) && ((leases[i] < MAX_LEASES)) ->
 		if :: !(!g_drained[i]) -> printf("@@ violated INV-DRAIN-NO-NEW\n"); assert(false) :: else -> skip fi;
 		leases[i]++;
 		bank[i] = BANK_importing;
 		printf("@@ bank %d grant_lease advertised importing\n", i);
 		check_invariants() }
-	:: atomic { (bank[i] == BANK_importing) && (part[i] == PART_validated || part[i] == PART_imported) && ((leases[i] < MAX_LEASES)) ->
+	:: atomic { (bank[i] == BANK_importing) && ((leases[i] < MAX_LEASES)) ->
 		if :: !(!g_drained[i]) -> printf("@@ violated INV-DRAIN-NO-NEW\n"); assert(false) :: else -> skip fi;
 		leases[i]++;
 		printf("@@ bank %d grant_lease importing importing\n", i);
 		check_invariants() }
-	:: atomic { (bank[i] == BANK_ready) && (part[i] == PART_validated || part[i] == PART_imported) && ((leases[i] < MAX_LEASES)) ->
+	:: atomic { (bank[i] == BANK_ready) && ((leases[i] < MAX_LEASES)) ->
 		if :: !(!g_drained[i]) -> printf("@@ violated INV-DRAIN-NO-NEW\n"); assert(false) :: else -> skip fi;
 		leases[i]++;
 		printf("@@ bank %d grant_lease ready ready\n", i);
@@ -167,71 +195,71 @@ proctype lessee(byte i)
 	:: atomic { (bank[i] == BANK_ready) && (part[i] == PART_imported) ->
 		printf("@@ bank %d lease_mapped ready ready\n", i);
 		check_invariants() }
-	:: atomic { (bank[i] == BANK_importing) && (leases[i] > 0) && ((leases[i] == 1)) ->
-		leases[i]--;
+	:: atomic { (bank[i] == BANK_importing) && (leases[i] > ilease[i]) && ((leases[i] == 1)) ->
+		leases[i]--; if :: xl[i] > leases[i] -> xl[i] = leases[i] :: else -> skip fi;
 		bank[i] = BANK_advertised;
 		printf("@@ bank %d release_lease importing advertised\n", i);
 		check_invariants() }
-	:: atomic { (bank[i] == BANK_importing) && (leases[i] > 0) && (!(leases[i] == 1)) ->
-		leases[i]--;
+	:: atomic { (bank[i] == BANK_importing) && (leases[i] > ilease[i]) && (!(leases[i] == 1)) ->
+		leases[i]--; if :: xl[i] > leases[i] -> xl[i] = leases[i] :: else -> skip fi;
 		printf("@@ bank %d release_lease importing importing\n", i);
 		check_invariants() }
-	:: atomic { (bank[i] == BANK_ready) && (leases[i] > 0) && ((leases[i] == 1)) ->
-		leases[i]--;
+	:: atomic { (bank[i] == BANK_ready) && (leases[i] > ilease[i]) && ((leases[i] == 1)) ->
+		leases[i]--; if :: xl[i] > leases[i] -> xl[i] = leases[i] :: else -> skip fi;
 		bank[i] = BANK_advertised;
 		printf("@@ bank %d release_lease ready advertised\n", i);
 		check_invariants() }
-	:: atomic { (bank[i] == BANK_ready) && (leases[i] > 0) && (!(leases[i] == 1)) ->
-		leases[i]--;
+	:: atomic { (bank[i] == BANK_ready) && (leases[i] > ilease[i]) && (!(leases[i] == 1)) ->
+		leases[i]--; if :: xl[i] > leases[i] -> xl[i] = leases[i] :: else -> skip fi;
 		printf("@@ bank %d release_lease ready ready\n", i);
 		check_invariants() }
-	:: atomic { (bank[i] == BANK_draining) && (leases[i] > 0) ->
-		leases[i]--;
+	:: atomic { (bank[i] == BANK_draining) && (leases[i] > ilease[i]) ->
+		leases[i]--; if :: xl[i] > leases[i] -> xl[i] = leases[i] :: else -> skip fi;
 		printf("@@ bank %d release_lease draining draining\n", i);
 		check_invariants() }
-	:: atomic { (bank[i] == BANK_importing) && (leases[i] > 0) && ((leases[i] == 1)) ->
-		leases[i]--;
+	:: atomic { (bank[i] == BANK_importing) && (leases[i] > ilease[i]) && ((leases[i] == 1)) ->
+		leases[i]--; if :: xl[i] > leases[i] -> xl[i] = leases[i] :: else -> skip fi;
 		bank[i] = BANK_advertised;
 		printf("@@ bank %d peer_died importing advertised\n", i);
 		check_invariants() }
-	:: atomic { (bank[i] == BANK_importing) && (leases[i] > 0) && (!(leases[i] == 1)) ->
-		leases[i]--;
+	:: atomic { (bank[i] == BANK_importing) && (leases[i] > ilease[i]) && (!(leases[i] == 1)) ->
+		leases[i]--; if :: xl[i] > leases[i] -> xl[i] = leases[i] :: else -> skip fi;
 		printf("@@ bank %d peer_died importing importing\n", i);
 		check_invariants() }
-	:: atomic { (bank[i] == BANK_ready) && (leases[i] > 0) && ((leases[i] == 1)) ->
-		leases[i]--;
+	:: atomic { (bank[i] == BANK_ready) && (leases[i] > ilease[i]) && ((leases[i] == 1)) ->
+		leases[i]--; if :: xl[i] > leases[i] -> xl[i] = leases[i] :: else -> skip fi;
 		bank[i] = BANK_advertised;
 		printf("@@ bank %d peer_died ready advertised\n", i);
 		check_invariants() }
-	:: atomic { (bank[i] == BANK_ready) && (leases[i] > 0) && (!(leases[i] == 1)) ->
-		leases[i]--;
+	:: atomic { (bank[i] == BANK_ready) && (leases[i] > ilease[i]) && (!(leases[i] == 1)) ->
+		leases[i]--; if :: xl[i] > leases[i] -> xl[i] = leases[i] :: else -> skip fi;
 		printf("@@ bank %d peer_died ready ready\n", i);
 		check_invariants() }
-	:: atomic { (bank[i] == BANK_draining) && (leases[i] > 0) ->
-		leases[i]--;
+	:: atomic { (bank[i] == BANK_draining) && (leases[i] > ilease[i]) ->
+		leases[i]--; if :: xl[i] > leases[i] -> xl[i] = leases[i] :: else -> skip fi;
 		printf("@@ bank %d peer_died draining draining\n", i);
 		check_invariants() }
-	:: atomic { (bank[i] == BANK_importing) && (leases[i] > 0) && ((leases[i] == 1)) ->
-		leases[i]--;
-		bank[i] = BANK_advertised;
-		printf("@@ bank %d lease_expired importing advertised\n", i);
+	:: atomic { (bank[i] == BANK_importing) && (leases[i] > 0) && ((leases[i] > xl[i])) ->
+		xl[i]++;
+		bank[i] = BANK_draining;
+		g_drained[i] = 1;
+		printf("@@ bank %d lease_expired importing draining\n", i);
 		check_invariants() }
-	:: atomic { (bank[i] == BANK_importing) && (leases[i] > 0) && (!(leases[i] == 1)) ->
-		leases[i]--;
-		printf("@@ bank %d lease_expired importing importing\n", i);
+	:: atomic { (bank[i] == BANK_ready) && (leases[i] > 0) && ((leases[i] > xl[i])) ->
+		xl[i]++;
+		bank[i] = BANK_draining;
+		g_drained[i] = 1;
+		printf("@@ bank %d lease_expired ready draining\n", i);
 		check_invariants() }
-	:: atomic { (bank[i] == BANK_ready) && (leases[i] > 0) && ((leases[i] == 1)) ->
-		leases[i]--;
-		bank[i] = BANK_advertised;
-		printf("@@ bank %d lease_expired ready advertised\n", i);
-		check_invariants() }
-	:: atomic { (bank[i] == BANK_ready) && (leases[i] > 0) && (!(leases[i] == 1)) ->
-		leases[i]--;
-		printf("@@ bank %d lease_expired ready ready\n", i);
-		check_invariants() }
-	:: atomic { (bank[i] == BANK_draining) && (leases[i] > 0) ->
-		leases[i]--;
+	:: atomic { (bank[i] == BANK_draining) && (leases[i] > 0) && ((leases[i] > xl[i])) ->
+		xl[i]++;
 		printf("@@ bank %d lease_expired draining draining\n", i);
+		check_invariants() }
+	:: atomic { (bank[i] == BANK_importing) && (leases[i] > 0) && ((leases[i] > xl[i])) ->
+		printf("@@ bank %d renew_lease importing importing\n", i);
+		check_invariants() }
+	:: atomic { (bank[i] == BANK_ready) && (leases[i] > 0) && ((leases[i] > xl[i])) ->
+		printf("@@ bank %d renew_lease ready ready\n", i);
 		check_invariants() }
 	:: bank[i] == BANK_released -> break
 	od
@@ -273,16 +301,16 @@ proctype importer()
 		printf("@@ group 0 quiesce draining quiescent\n");
 		check_invariants() }
 	:: atomic { (group == GROUP_quiescent) ->
-		if :: (part[0] == PART_received) && (true) -> part[0] = PART_closed; printf("@@> part 0 close received closed\n") :: (part[0] == PART_validated) && (true) -> part[0] = PART_closed; printf("@@> part 0 close validated closed\n") :: (part[0] == PART_imported) && ((pins[0] == 0)) -> part[0] = PART_closed; printf("@@> part 0 close imported closed\n") :: else -> skip fi;
-		if :: (part[1] == PART_received) && (true) -> part[1] = PART_closed; printf("@@> part 1 close received closed\n") :: (part[1] == PART_validated) && (true) -> part[1] = PART_closed; printf("@@> part 1 close validated closed\n") :: (part[1] == PART_imported) && ((pins[1] == 0)) -> part[1] = PART_closed; printf("@@> part 1 close imported closed\n") :: else -> skip fi;
-		if :: (part[2] == PART_received) && (true) -> part[2] = PART_closed; printf("@@> part 2 close received closed\n") :: (part[2] == PART_validated) && (true) -> part[2] = PART_closed; printf("@@> part 2 close validated closed\n") :: (part[2] == PART_imported) && ((pins[2] == 0)) -> part[2] = PART_closed; printf("@@> part 2 close imported closed\n") :: else -> skip fi;
+		if :: (part[0] == PART_received) && (true) -> part[0] = PART_closed; printf("@@> part 0 close received closed\n") :: (part[0] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[0] = PART_closed; printf("@@> part 0 close validated closed\n") :: (part[0] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> ilease[0] = 0; part[0] = PART_closed; printf("@@> part 0 close leased closed\n") :: (part[0] == PART_imported) && ((pins[0] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> mapped[0] = 0; ilease[0] = 0; part[0] = PART_closed; printf("@@> part 0 close imported closed\n") :: else -> skip fi;
+		if :: (part[1] == PART_received) && (true) -> part[1] = PART_closed; printf("@@> part 1 close received closed\n") :: (part[1] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[1] = PART_closed; printf("@@> part 1 close validated closed\n") :: (part[1] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> ilease[1] = 0; part[1] = PART_closed; printf("@@> part 1 close leased closed\n") :: (part[1] == PART_imported) && ((pins[1] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> mapped[1] = 0; ilease[1] = 0; part[1] = PART_closed; printf("@@> part 1 close imported closed\n") :: else -> skip fi;
+		if :: (part[2] == PART_received) && (true) -> part[2] = PART_closed; printf("@@> part 2 close received closed\n") :: (part[2] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[2] = PART_closed; printf("@@> part 2 close validated closed\n") :: (part[2] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> ilease[2] = 0; part[2] = PART_closed; printf("@@> part 2 close leased closed\n") :: (part[2] == PART_imported) && ((pins[2] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> mapped[2] = 0; ilease[2] = 0; part[2] = PART_closed; printf("@@> part 2 close imported closed\n") :: else -> skip fi;
 		group = GROUP_closed;
 		printf("@@ group 0 close quiescent closed\n");
 		check_invariants() }
 	:: atomic { (group == GROUP_importing) && ((part[0] == PART_failed) || (part[1] == PART_failed) || (part[2] == PART_failed)) ->
-		if :: (part[0] == PART_received) && (true) -> part[0] = PART_closed; printf("@@> part 0 close received closed\n") :: (part[0] == PART_validated) && (true) -> part[0] = PART_closed; printf("@@> part 0 close validated closed\n") :: (part[0] == PART_imported) && ((pins[0] == 0)) -> part[0] = PART_closed; printf("@@> part 0 close imported closed\n") :: else -> skip fi;
-		if :: (part[1] == PART_received) && (true) -> part[1] = PART_closed; printf("@@> part 1 close received closed\n") :: (part[1] == PART_validated) && (true) -> part[1] = PART_closed; printf("@@> part 1 close validated closed\n") :: (part[1] == PART_imported) && ((pins[1] == 0)) -> part[1] = PART_closed; printf("@@> part 1 close imported closed\n") :: else -> skip fi;
-		if :: (part[2] == PART_received) && (true) -> part[2] = PART_closed; printf("@@> part 2 close received closed\n") :: (part[2] == PART_validated) && (true) -> part[2] = PART_closed; printf("@@> part 2 close validated closed\n") :: (part[2] == PART_imported) && ((pins[2] == 0)) -> part[2] = PART_closed; printf("@@> part 2 close imported closed\n") :: else -> skip fi;
+		if :: (part[0] == PART_received) && (true) -> part[0] = PART_closed; printf("@@> part 0 close received closed\n") :: (part[0] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[0] = PART_closed; printf("@@> part 0 close validated closed\n") :: (part[0] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> ilease[0] = 0; part[0] = PART_closed; printf("@@> part 0 close leased closed\n") :: (part[0] == PART_imported) && ((pins[0] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> mapped[0] = 0; ilease[0] = 0; part[0] = PART_closed; printf("@@> part 0 close imported closed\n") :: else -> skip fi;
+		if :: (part[1] == PART_received) && (true) -> part[1] = PART_closed; printf("@@> part 1 close received closed\n") :: (part[1] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[1] = PART_closed; printf("@@> part 1 close validated closed\n") :: (part[1] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> ilease[1] = 0; part[1] = PART_closed; printf("@@> part 1 close leased closed\n") :: (part[1] == PART_imported) && ((pins[1] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> mapped[1] = 0; ilease[1] = 0; part[1] = PART_closed; printf("@@> part 1 close imported closed\n") :: else -> skip fi;
+		if :: (part[2] == PART_received) && (true) -> part[2] = PART_closed; printf("@@> part 2 close received closed\n") :: (part[2] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[2] = PART_closed; printf("@@> part 2 close validated closed\n") :: (part[2] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> ilease[2] = 0; part[2] = PART_closed; printf("@@> part 2 close leased closed\n") :: (part[2] == PART_imported) && ((pins[2] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> mapped[2] = 0; ilease[2] = 0; part[2] = PART_closed; printf("@@> part 2 close imported closed\n") :: else -> skip fi;
 		group = GROUP_failed;
 		printf("@@ group 0 part_failed importing failed\n");
 		check_invariants() }
@@ -291,9 +319,9 @@ proctype importer()
 		printf("@@ group 0 peer_died advertised rejected\n");
 		check_invariants() }
 	:: atomic { (group == GROUP_importing) ->
-		if :: (part[0] == PART_received) && (true) -> part[0] = PART_closed; printf("@@> part 0 close received closed\n") :: (part[0] == PART_validated) && (true) -> part[0] = PART_closed; printf("@@> part 0 close validated closed\n") :: (part[0] == PART_imported) && ((pins[0] == 0)) -> part[0] = PART_closed; printf("@@> part 0 close imported closed\n") :: else -> skip fi;
-		if :: (part[1] == PART_received) && (true) -> part[1] = PART_closed; printf("@@> part 1 close received closed\n") :: (part[1] == PART_validated) && (true) -> part[1] = PART_closed; printf("@@> part 1 close validated closed\n") :: (part[1] == PART_imported) && ((pins[1] == 0)) -> part[1] = PART_closed; printf("@@> part 1 close imported closed\n") :: else -> skip fi;
-		if :: (part[2] == PART_received) && (true) -> part[2] = PART_closed; printf("@@> part 2 close received closed\n") :: (part[2] == PART_validated) && (true) -> part[2] = PART_closed; printf("@@> part 2 close validated closed\n") :: (part[2] == PART_imported) && ((pins[2] == 0)) -> part[2] = PART_closed; printf("@@> part 2 close imported closed\n") :: else -> skip fi;
+		if :: (part[0] == PART_received) && (true) -> part[0] = PART_closed; printf("@@> part 0 close received closed\n") :: (part[0] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[0] = PART_closed; printf("@@> part 0 close validated closed\n") :: (part[0] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> ilease[0] = 0; part[0] = PART_closed; printf("@@> part 0 close leased closed\n") :: (part[0] == PART_imported) && ((pins[0] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> mapped[0] = 0; ilease[0] = 0; part[0] = PART_closed; printf("@@> part 0 close imported closed\n") :: else -> skip fi;
+		if :: (part[1] == PART_received) && (true) -> part[1] = PART_closed; printf("@@> part 1 close received closed\n") :: (part[1] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[1] = PART_closed; printf("@@> part 1 close validated closed\n") :: (part[1] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> ilease[1] = 0; part[1] = PART_closed; printf("@@> part 1 close leased closed\n") :: (part[1] == PART_imported) && ((pins[1] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> mapped[1] = 0; ilease[1] = 0; part[1] = PART_closed; printf("@@> part 1 close imported closed\n") :: else -> skip fi;
+		if :: (part[2] == PART_received) && (true) -> part[2] = PART_closed; printf("@@> part 2 close received closed\n") :: (part[2] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[2] = PART_closed; printf("@@> part 2 close validated closed\n") :: (part[2] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> ilease[2] = 0; part[2] = PART_closed; printf("@@> part 2 close leased closed\n") :: (part[2] == PART_imported) && ((pins[2] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> mapped[2] = 0; ilease[2] = 0; part[2] = PART_closed; printf("@@> part 2 close imported closed\n") :: else -> skip fi;
 		group = GROUP_failed;
 		printf("@@ group 0 peer_died importing failed\n");
 		check_invariants() }
@@ -313,9 +341,9 @@ proctype importer()
 		printf("@@ group 0 incarnation_changed advertised rejected\n");
 		check_invariants() }
 	:: atomic { (group == GROUP_importing) ->
-		if :: (part[0] == PART_received) && (true) -> part[0] = PART_closed; printf("@@> part 0 close received closed\n") :: (part[0] == PART_validated) && (true) -> part[0] = PART_closed; printf("@@> part 0 close validated closed\n") :: (part[0] == PART_imported) && ((pins[0] == 0)) -> part[0] = PART_closed; printf("@@> part 0 close imported closed\n") :: else -> skip fi;
-		if :: (part[1] == PART_received) && (true) -> part[1] = PART_closed; printf("@@> part 1 close received closed\n") :: (part[1] == PART_validated) && (true) -> part[1] = PART_closed; printf("@@> part 1 close validated closed\n") :: (part[1] == PART_imported) && ((pins[1] == 0)) -> part[1] = PART_closed; printf("@@> part 1 close imported closed\n") :: else -> skip fi;
-		if :: (part[2] == PART_received) && (true) -> part[2] = PART_closed; printf("@@> part 2 close received closed\n") :: (part[2] == PART_validated) && (true) -> part[2] = PART_closed; printf("@@> part 2 close validated closed\n") :: (part[2] == PART_imported) && ((pins[2] == 0)) -> part[2] = PART_closed; printf("@@> part 2 close imported closed\n") :: else -> skip fi;
+		if :: (part[0] == PART_received) && (true) -> part[0] = PART_closed; printf("@@> part 0 close received closed\n") :: (part[0] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[0] = PART_closed; printf("@@> part 0 close validated closed\n") :: (part[0] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> ilease[0] = 0; part[0] = PART_closed; printf("@@> part 0 close leased closed\n") :: (part[0] == PART_imported) && ((pins[0] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> mapped[0] = 0; ilease[0] = 0; part[0] = PART_closed; printf("@@> part 0 close imported closed\n") :: else -> skip fi;
+		if :: (part[1] == PART_received) && (true) -> part[1] = PART_closed; printf("@@> part 1 close received closed\n") :: (part[1] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[1] = PART_closed; printf("@@> part 1 close validated closed\n") :: (part[1] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> ilease[1] = 0; part[1] = PART_closed; printf("@@> part 1 close leased closed\n") :: (part[1] == PART_imported) && ((pins[1] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> mapped[1] = 0; ilease[1] = 0; part[1] = PART_closed; printf("@@> part 1 close imported closed\n") :: else -> skip fi;
+		if :: (part[2] == PART_received) && (true) -> part[2] = PART_closed; printf("@@> part 2 close received closed\n") :: (part[2] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[2] = PART_closed; printf("@@> part 2 close validated closed\n") :: (part[2] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> ilease[2] = 0; part[2] = PART_closed; printf("@@> part 2 close leased closed\n") :: (part[2] == PART_imported) && ((pins[2] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> mapped[2] = 0; ilease[2] = 0; part[2] = PART_closed; printf("@@> part 2 close imported closed\n") :: else -> skip fi;
 		group = GROUP_failed;
 		printf("@@ group 0 incarnation_changed importing failed\n");
 		check_invariants() }
@@ -335,9 +363,9 @@ proctype importer()
 		printf("@@ group 0 expired advertised rejected\n");
 		check_invariants() }
 	:: atomic { (group == GROUP_importing) ->
-		if :: (part[0] == PART_received) && (true) -> part[0] = PART_closed; printf("@@> part 0 close received closed\n") :: (part[0] == PART_validated) && (true) -> part[0] = PART_closed; printf("@@> part 0 close validated closed\n") :: (part[0] == PART_imported) && ((pins[0] == 0)) -> part[0] = PART_closed; printf("@@> part 0 close imported closed\n") :: else -> skip fi;
-		if :: (part[1] == PART_received) && (true) -> part[1] = PART_closed; printf("@@> part 1 close received closed\n") :: (part[1] == PART_validated) && (true) -> part[1] = PART_closed; printf("@@> part 1 close validated closed\n") :: (part[1] == PART_imported) && ((pins[1] == 0)) -> part[1] = PART_closed; printf("@@> part 1 close imported closed\n") :: else -> skip fi;
-		if :: (part[2] == PART_received) && (true) -> part[2] = PART_closed; printf("@@> part 2 close received closed\n") :: (part[2] == PART_validated) && (true) -> part[2] = PART_closed; printf("@@> part 2 close validated closed\n") :: (part[2] == PART_imported) && ((pins[2] == 0)) -> part[2] = PART_closed; printf("@@> part 2 close imported closed\n") :: else -> skip fi;
+		if :: (part[0] == PART_received) && (true) -> part[0] = PART_closed; printf("@@> part 0 close received closed\n") :: (part[0] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[0] = PART_closed; printf("@@> part 0 close validated closed\n") :: (part[0] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> ilease[0] = 0; part[0] = PART_closed; printf("@@> part 0 close leased closed\n") :: (part[0] == PART_imported) && ((pins[0] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> mapped[0] = 0; ilease[0] = 0; part[0] = PART_closed; printf("@@> part 0 close imported closed\n") :: else -> skip fi;
+		if :: (part[1] == PART_received) && (true) -> part[1] = PART_closed; printf("@@> part 1 close received closed\n") :: (part[1] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[1] = PART_closed; printf("@@> part 1 close validated closed\n") :: (part[1] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> ilease[1] = 0; part[1] = PART_closed; printf("@@> part 1 close leased closed\n") :: (part[1] == PART_imported) && ((pins[1] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> mapped[1] = 0; ilease[1] = 0; part[1] = PART_closed; printf("@@> part 1 close imported closed\n") :: else -> skip fi;
+		if :: (part[2] == PART_received) && (true) -> part[2] = PART_closed; printf("@@> part 2 close received closed\n") :: (part[2] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[2] = PART_closed; printf("@@> part 2 close validated closed\n") :: (part[2] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> ilease[2] = 0; part[2] = PART_closed; printf("@@> part 2 close leased closed\n") :: (part[2] == PART_imported) && ((pins[2] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> mapped[2] = 0; ilease[2] = 0; part[2] = PART_closed; printf("@@> part 2 close imported closed\n") :: else -> skip fi;
 		group = GROUP_failed;
 		printf("@@ group 0 expired importing failed\n");
 		check_invariants() }
@@ -379,20 +407,44 @@ proctype importer()
 		g_rejected[2] = 1;
 		printf("@@ part 2 reject received rejected\n");
 		check_invariants() }
-	:: atomic { (part[0] == PART_validated) && (leases[0] > 0) && ((group == GROUP_importing)) ->
+	:: atomic { (part[0] == PART_validated) && (leases[0] > ilease[0]) && ((group == GROUP_importing)) ->
 		if :: !(g_admitted) -> printf("@@ violated INV-GROUP-ATOMIC\n"); assert(false) :: else -> skip fi;
+		ilease[0] = 1;
+		part[0] = PART_leased;
+		printf("@@ part 0 lease validated leased\n");
+		check_invariants() }
+	:: atomic { (part[1] == PART_validated) && (leases[1] > ilease[1]) && ((group == GROUP_importing)) ->
+		if :: !(g_admitted) -> printf("@@ violated INV-GROUP-ATOMIC\n"); assert(false) :: else -> skip fi;
+		ilease[1] = 1;
+		part[1] = PART_leased;
+		printf("@@ part 1 lease validated leased\n");
+		check_invariants() }
+	:: atomic { (part[2] == PART_validated) && (leases[2] > ilease[2]) && ((group == GROUP_importing)) ->
+		if :: !(g_admitted) -> printf("@@ violated INV-GROUP-ATOMIC\n"); assert(false) :: else -> skip fi;
+		ilease[2] = 1;
+		part[2] = PART_leased;
+		printf("@@ part 2 lease validated leased\n");
+		check_invariants() }
+	:: atomic { (part[0] == PART_leased) && (leases[0] > 0) && ((group == GROUP_importing && ((part[0] == PART_leased || part[0] == PART_imported) && (part[1] == PART_leased || part[1] == PART_imported) && (part[2] == PART_leased || part[2] == PART_imported)))) ->
+		if :: !(g_admitted) -> printf("@@ violated INV-GROUP-ATOMIC\n"); assert(false) :: else -> skip fi;
+		if :: !((part[0] == PART_leased || part[0] == PART_imported) && (part[1] == PART_leased || part[1] == PART_imported) && (part[2] == PART_leased || part[2] == PART_imported)) -> printf("@@ violated INV-LEASE-BEFORE-OPEN\n"); assert(false) :: else -> skip fi;
+		mapped[0] = 1;
 		part[0] = PART_imported;
-		printf("@@ part 0 open validated imported\n");
+		printf("@@ part 0 open leased imported\n");
 		check_invariants() }
-	:: atomic { (part[1] == PART_validated) && (leases[1] > 0) && ((group == GROUP_importing)) ->
+	:: atomic { (part[1] == PART_leased) && (leases[1] > 0) && ((group == GROUP_importing && ((part[0] == PART_leased || part[0] == PART_imported) && (part[1] == PART_leased || part[1] == PART_imported) && (part[2] == PART_leased || part[2] == PART_imported)))) ->
 		if :: !(g_admitted) -> printf("@@ violated INV-GROUP-ATOMIC\n"); assert(false) :: else -> skip fi;
+		if :: !((part[0] == PART_leased || part[0] == PART_imported) && (part[1] == PART_leased || part[1] == PART_imported) && (part[2] == PART_leased || part[2] == PART_imported)) -> printf("@@ violated INV-LEASE-BEFORE-OPEN\n"); assert(false) :: else -> skip fi;
+		mapped[1] = 1;
 		part[1] = PART_imported;
-		printf("@@ part 1 open validated imported\n");
+		printf("@@ part 1 open leased imported\n");
 		check_invariants() }
-	:: atomic { (part[2] == PART_validated) && (leases[2] > 0) && ((group == GROUP_importing)) ->
+	:: atomic { (part[2] == PART_leased) && (leases[2] > 0) && ((group == GROUP_importing && ((part[0] == PART_leased || part[0] == PART_imported) && (part[1] == PART_leased || part[1] == PART_imported) && (part[2] == PART_leased || part[2] == PART_imported)))) ->
 		if :: !(g_admitted) -> printf("@@ violated INV-GROUP-ATOMIC\n"); assert(false) :: else -> skip fi;
+		if :: !((part[0] == PART_leased || part[0] == PART_imported) && (part[1] == PART_leased || part[1] == PART_imported) && (part[2] == PART_leased || part[2] == PART_imported)) -> printf("@@ violated INV-LEASE-BEFORE-OPEN\n"); assert(false) :: else -> skip fi;
+		mapped[2] = 1;
 		part[2] = PART_imported;
-		printf("@@ part 2 open validated imported\n");
+		printf("@@ part 2 open leased imported\n");
 		check_invariants() }
 	:: atomic { (part[0] == PART_validated) && (group == GROUP_importing) ->
 		part[0] = PART_failed;
@@ -406,39 +458,72 @@ proctype importer()
 		part[2] = PART_failed;
 		printf("@@ part 2 import_failed validated failed\n");
 		check_invariants() }
-	:: atomic { (part[0] == PART_received) && (GROUP_FINISHED) ->
+	:: atomic { (part[0] == PART_leased) && (group == GROUP_importing) ->
+		ilease[0] = 0;
+		part[0] = PART_failed;
+		printf("@@ part 0 import_failed leased failed\n");
+		check_invariants() }
+	:: atomic { (part[1] == PART_leased) && (group == GROUP_importing) ->
+		ilease[1] = 0;
+		part[1] = PART_failed;
+		printf("@@ part 1 import_failed leased failed\n");
+		check_invariants() }
+	:: atomic { (part[2] == PART_leased) && (group == GROUP_importing) ->
+		ilease[2] = 0;
+		part[2] = PART_failed;
+		printf("@@ part 2 import_failed leased failed\n");
+		check_invariants() }
+	:: atomic { (part[0] == PART_received) && (GROUP_FINISHED || group == GROUP_ready || group == GROUP_draining) ->
 		part[0] = PART_closed;
 		printf("@@ part 0 close received closed\n");
 		check_invariants() }
-	:: atomic { (part[1] == PART_received) && (GROUP_FINISHED) ->
+	:: atomic { (part[1] == PART_received) && (GROUP_FINISHED || group == GROUP_ready || group == GROUP_draining) ->
 		part[1] = PART_closed;
 		printf("@@ part 1 close received closed\n");
 		check_invariants() }
-	:: atomic { (part[2] == PART_received) && (GROUP_FINISHED) ->
+	:: atomic { (part[2] == PART_received) && (GROUP_FINISHED || group == GROUP_ready || group == GROUP_draining) ->
 		part[2] = PART_closed;
 		printf("@@ part 2 close received closed\n");
 		check_invariants() }
-	:: atomic { (part[0] == PART_validated) && (GROUP_FINISHED) ->
+	:: atomic { (part[0] == PART_validated) && (GROUP_FINISHED || group == GROUP_ready || group == GROUP_draining) && ((group != GROUP_ready && group != GROUP_draining)) ->
 		part[0] = PART_closed;
 		printf("@@ part 0 close validated closed\n");
 		check_invariants() }
-	:: atomic { (part[1] == PART_validated) && (GROUP_FINISHED) ->
+	:: atomic { (part[1] == PART_validated) && (GROUP_FINISHED || group == GROUP_ready || group == GROUP_draining) && ((group != GROUP_ready && group != GROUP_draining)) ->
 		part[1] = PART_closed;
 		printf("@@ part 1 close validated closed\n");
 		check_invariants() }
-	:: atomic { (part[2] == PART_validated) && (GROUP_FINISHED) ->
+	:: atomic { (part[2] == PART_validated) && (GROUP_FINISHED || group == GROUP_ready || group == GROUP_draining) && ((group != GROUP_ready && group != GROUP_draining)) ->
 		part[2] = PART_closed;
 		printf("@@ part 2 close validated closed\n");
 		check_invariants() }
-	:: atomic { (part[0] == PART_imported) && (GROUP_FINISHED) && ((pins[0] == 0)) ->
+	:: atomic { (part[0] == PART_leased) && (GROUP_FINISHED || group == GROUP_ready || group == GROUP_draining) && ((group != GROUP_ready && group != GROUP_draining)) ->
+		ilease[0] = 0;
+		part[0] = PART_closed;
+		printf("@@ part 0 close leased closed\n");
+		check_invariants() }
+	:: atomic { (part[1] == PART_leased) && (GROUP_FINISHED || group == GROUP_ready || group == GROUP_draining) && ((group != GROUP_ready && group != GROUP_draining)) ->
+		ilease[1] = 0;
+		part[1] = PART_closed;
+		printf("@@ part 1 close leased closed\n");
+		check_invariants() }
+	:: atomic { (part[2] == PART_leased) && (GROUP_FINISHED || group == GROUP_ready || group == GROUP_draining) && ((group != GROUP_ready && group != GROUP_draining)) ->
+		ilease[2] = 0;
+		part[2] = PART_closed;
+		printf("@@ part 2 close leased closed\n");
+		check_invariants() }
+	:: atomic { (part[0] == PART_imported) && (GROUP_FINISHED || group == GROUP_ready || group == GROUP_draining) && ((pins[0] == 0) && (group != GROUP_ready && group != GROUP_draining)) ->
+		mapped[0] = 0; ilease[0] = 0;
 		part[0] = PART_closed;
 		printf("@@ part 0 close imported closed\n");
 		check_invariants() }
-	:: atomic { (part[1] == PART_imported) && (GROUP_FINISHED) && ((pins[1] == 0)) ->
+	:: atomic { (part[1] == PART_imported) && (GROUP_FINISHED || group == GROUP_ready || group == GROUP_draining) && ((pins[1] == 0) && (group != GROUP_ready && group != GROUP_draining)) ->
+		mapped[1] = 0; ilease[1] = 0;
 		part[1] = PART_closed;
 		printf("@@ part 1 close imported closed\n");
 		check_invariants() }
-	:: atomic { (part[2] == PART_imported) && (GROUP_FINISHED) && ((pins[2] == 0)) ->
+	:: atomic { (part[2] == PART_imported) && (GROUP_FINISHED || group == GROUP_ready || group == GROUP_draining) && ((pins[2] == 0) && (group != GROUP_ready && group != GROUP_draining)) ->
+		mapped[2] = 0; ilease[2] = 0;
 		part[2] = PART_closed;
 		printf("@@ part 2 close imported closed\n");
 		check_invariants() }
@@ -524,9 +609,9 @@ proctype operator()
 		printf("@@ group 0 drain ready draining\n");
 		check_invariants() }
 	:: atomic { (group == GROUP_importing) ->
-		if :: (part[0] == PART_received) && (true) -> part[0] = PART_closed; printf("@@> part 0 close received closed\n") :: (part[0] == PART_validated) && (true) -> part[0] = PART_closed; printf("@@> part 0 close validated closed\n") :: (part[0] == PART_imported) && ((pins[0] == 0)) -> part[0] = PART_closed; printf("@@> part 0 close imported closed\n") :: else -> skip fi;
-		if :: (part[1] == PART_received) && (true) -> part[1] = PART_closed; printf("@@> part 1 close received closed\n") :: (part[1] == PART_validated) && (true) -> part[1] = PART_closed; printf("@@> part 1 close validated closed\n") :: (part[1] == PART_imported) && ((pins[1] == 0)) -> part[1] = PART_closed; printf("@@> part 1 close imported closed\n") :: else -> skip fi;
-		if :: (part[2] == PART_received) && (true) -> part[2] = PART_closed; printf("@@> part 2 close received closed\n") :: (part[2] == PART_validated) && (true) -> part[2] = PART_closed; printf("@@> part 2 close validated closed\n") :: (part[2] == PART_imported) && ((pins[2] == 0)) -> part[2] = PART_closed; printf("@@> part 2 close imported closed\n") :: else -> skip fi;
+		if :: (part[0] == PART_received) && (true) -> part[0] = PART_closed; printf("@@> part 0 close received closed\n") :: (part[0] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[0] = PART_closed; printf("@@> part 0 close validated closed\n") :: (part[0] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> ilease[0] = 0; part[0] = PART_closed; printf("@@> part 0 close leased closed\n") :: (part[0] == PART_imported) && ((pins[0] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> mapped[0] = 0; ilease[0] = 0; part[0] = PART_closed; printf("@@> part 0 close imported closed\n") :: else -> skip fi;
+		if :: (part[1] == PART_received) && (true) -> part[1] = PART_closed; printf("@@> part 1 close received closed\n") :: (part[1] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[1] = PART_closed; printf("@@> part 1 close validated closed\n") :: (part[1] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> ilease[1] = 0; part[1] = PART_closed; printf("@@> part 1 close leased closed\n") :: (part[1] == PART_imported) && ((pins[1] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> mapped[1] = 0; ilease[1] = 0; part[1] = PART_closed; printf("@@> part 1 close imported closed\n") :: else -> skip fi;
+		if :: (part[2] == PART_received) && (true) -> part[2] = PART_closed; printf("@@> part 2 close received closed\n") :: (part[2] == PART_validated) && ((group != GROUP_ready && group != GROUP_draining)) -> part[2] = PART_closed; printf("@@> part 2 close validated closed\n") :: (part[2] == PART_leased) && ((group != GROUP_ready && group != GROUP_draining)) -> ilease[2] = 0; part[2] = PART_closed; printf("@@> part 2 close leased closed\n") :: (part[2] == PART_imported) && ((pins[2] == 0) && (group != GROUP_ready && group != GROUP_draining)) -> mapped[2] = 0; ilease[2] = 0; part[2] = PART_closed; printf("@@> part 2 close imported closed\n") :: else -> skip fi;
 		group = GROUP_failed;
 		printf("@@ group 0 drain importing failed\n");
 		check_invariants() }
@@ -588,5 +673,5 @@ init {
 	}
 }
 
-/* INV-DRAIN-QUIESCES: After a drain, a bank reaches quiescent once its leases end and its ops complete (under weak fairness). (every rank's bank) */
-ltl drain_quiesces { [] (((bank[0] == BANK_draining) -> <> (bank[0] == BANK_quiescent)) && ((bank[1] == BANK_draining) -> <> (bank[1] == BANK_quiescent)) && ((bank[2] == BANK_draining) -> <> (bank[2] == BANK_quiescent))) }
+/* INV-DRAIN-QUIESCES: After a drain, a bank reaches quiescent once its leases end and its ops complete (under weak fairness). (every rank's bank, once the importer lets go) */
+ltl drain_quiesces { (<> GROUP_FINISHED) -> [] (((bank[0] == BANK_draining) -> <> (bank[0] == BANK_quiescent)) && ((bank[1] == BANK_draining) -> <> (bank[1] == BANK_quiescent)) && ((bank[2] == BANK_draining) -> <> (bank[2] == BANK_quiescent))) }

@@ -40,7 +40,8 @@ def test_fire_sites_name_the_function_that_fires() -> None:
     labels = {m: {e: [s.label for s in code.fired_by(m, e)] for e in spec[m].event_names} for m in spec.machines}
     assert "kvstate.share.exporter:Bank.register" in labels["bank"]["register_failed"]
     assert "kvstate.share.importer:Importer._note_restarts" in labels["group"]["incarnation_changed"]
-    assert "kvstate.share.importer:Importer._open_parts.<locals>.open_one" in labels["part"]["open"]
+    assert "kvstate.share.importer:Importer._each_part.<locals>.one" in labels["part"]["open"]
+    assert "kvstate.share.importer:Importer._each_part.<locals>.one" in labels["part"]["lease"]
     # host ops start in a worker, CUDA ops as their copies go on a stream: one table
     assert labels["op"]["start"] == ["ffi/kvs_cuda_ops.c:kvs_cuda_submit", "ffi/kvs_ops.c:worker"]
     assert labels["op"]["finish"] == ["ffi/kvs_cuda_ops.c:settle", "ffi/kvs_ops.c:worker"]
@@ -65,10 +66,10 @@ EXTERNAL = 'external = "the engine registers banks"'
      ["fires 'validate' on group, which", "event 'load' is fired nowhere"]),
     # a receiver without an annotated class cannot be attributed
     ("kvstate/share/exporter.py", "bank: Bank[H, A, R, M, E] | None = self.banks", "bank = self.banks", None,
-     ["exporter.py: cannot tell which machine `bank.fire` drives: `bank` needs an annotation"] * 3
-     + [f"event {e!r} is fired nowhere" for e in ("grant_lease", "lease_mapped", "release_lease")]),
+     ["exporter.py: cannot tell which machine `bank.fire` drives: `bank` needs an annotation"] * 4
+     + [f"event {e!r} is fired nowhere" for e in ("grant_lease", "lease_mapped", "release_lease", "renew_lease")]),
     # a helper taking any string cannot say which events it fires
-    ("kvstate/share/importer.py", "def fault(self, event: GroupFault)", "def fault(self, event: str)", None,
+    ("kvstate/share/importer.py", "def fault(self, event: GroupFault, *", "def fault(self, event: str, *", None,
      ["`self.fire` fires an event that is neither a string literal nor a name annotated Literal"]),
     # marked external although kvstate fires it: the marker would mislead
     (None, "", "", ("bank.toml", 'register = { doc', f'register = {{ {EXTERNAL}, doc'),

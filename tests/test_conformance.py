@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvstate.core.capabilities import Access
+from support.reuse import REUSE_ON
 
 api = pytest.importorskip("mypy.api")
 
@@ -77,4 +78,4 @@ def test_lifecycle_sides_refuse_a_backend_that_cannot_map_before_touching_it() -
     with pytest.raises(TransportUnsuitable, match="load-only"):
         Exporter(ExportConfig(deployment, ROOT / "nonexistent", bytes(16), 1), t)  # type: ignore[arg-type]
     with pytest.raises(TransportUnsuitable, match="load-only"):
-        Importer(ImportConfig(deployment), t)  # type: ignore[arg-type]
+        Importer(ImportConfig(deployment, reuse=REUSE_ON), t)  # type: ignore[arg-type]

@@ -271,15 +271,35 @@ def test_only_host_memory_has_a_host_view() -> None:
 # -- the host backend's side of the generalised hand-off ------------------------------------
 
 def test_host_receive_handle_checks_kind_and_fd_count() -> None:
-    from kvstate.transport.host import HandleKindUnsupported, HostHandle, HostTransport
+    """The host's receive_handle checks kind, fd count, and (issue 14, class 3: so phase 1
+    refuses a wrong fd before any rank opens) that the fd is the sealed memfd named."""
+    from kvstate.core.errors import FdIdentityMismatch, FdNotMemfd, FdUnsealed
+    from kvstate.transport.host import HandleKindUnsupported, HostHandle, HostTransport, fd_identity_of
 
     t = HostTransport(granularity=64 * 1024)
-    assert t.receive_handle(HandleKind.MEMFD, b"x" * 16, [7]) == HostHandle(7, b"x" * 16)
-    with pytest.raises(HandleKindUnsupported):
-        t.receive_handle(HandleKind.POSIX_FD, b"x" * 16, [7])
-    for fds in ([], [7, 8]):
-        with pytest.raises(HandleFdsMismatch):
-            t.receive_handle(HandleKind.MEMFD, b"x" * 16, fds)
+    a = t.create(64 * 1024)
+    try:
+        h = t.export(a, HandleKind.MEMFD)
+        assert t.receive_handle(HandleKind.MEMFD, h.identity, [h.fd]) == HostHandle(h.fd, h.identity)
+        with pytest.raises(HandleKindUnsupported):
+            t.receive_handle(HandleKind.POSIX_FD, h.identity, [h.fd])
+        for fds in ([], [h.fd, h.fd]):
+            with pytest.raises(HandleFdsMismatch):
+                t.receive_handle(HandleKind.MEMFD, h.identity, fds)
+        with pytest.raises(FdIdentityMismatch):
+            t.receive_handle(HandleKind.MEMFD, b"x" * 16, [h.fd])
+        unsealed = os.memfd_create("unsealed", os.MFD_ALLOW_SEALING)
+        r, w = os.pipe()
+        try:
+            with pytest.raises(FdUnsealed):
+                t.receive_handle(HandleKind.MEMFD, fd_identity_of(unsealed), [unsealed])
+            with pytest.raises(FdNotMemfd):
+                t.receive_handle(HandleKind.MEMFD, fd_identity_of(r), [r])
+        finally:
+            for fd in (unsealed, r, w):
+                os.close(fd)
+    finally:
+        t.release(a)
 
 
 # -- the GPU suite and the GPU check skip loudly here ------------------------------------------

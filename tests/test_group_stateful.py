@@ -17,17 +17,61 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
-from kvstate.core.errors import GuardRejected, IllegalTransition
+from kvstate.core.errors import EffectFailed, GuardRejected, IllegalTransition
 from kvstate.core.machine import Lifecycle, effect, guard
 from kvstate.core.spec import MachineSpec, load_machine, parse_machine
 
 GROUP = load_machine("group")
+PART = load_machine("part")
 EVENTS = GROUP.event_names
 FAULTS = sorted(e.name for e in GROUP.events if e.fault and e.name != "part_failed")  # part_failed: importing only
 
 
 class Injected(RuntimeError):
     pass
+
+
+class PartUnderTest(Lifecycle):
+    """A rank part on the real part table, over its group's simple state: importing it
+    adds its rank to the group's imported set, closing it removes it."""
+
+    table = PART
+
+    def __init__(self, group: GroupUnderTest, rank: int) -> None:
+        super().__init__(label=f"{group.label}/part[{rank}]")
+        self.group, self.rank = group, rank
+
+    @guard("group_importing")
+    def _importing(self, **kw: Any) -> bool:
+        return self.group.state == "importing"
+
+    @guard("group_admitted")
+    def _admitted(self, **kw: Any) -> bool:
+        return self.group.state == "importing" and all(p.state in ("leased", "imported") for p in self.group.parts)
+
+    @guard("group_releasing")
+    def _releasing(self, **kw: Any) -> bool:
+        return self.group.state not in ("ready", "draining")
+
+    @guard("part_unpinned")
+    def _unpinned(self, **kw: Any) -> bool:
+        return self.group.pins == 0
+
+    @effect("native_lease")
+    def _lease(self, **kw: Any) -> None:
+        return None
+
+    @effect("native_import")
+    def _import(self, **kw: Any) -> None:
+        self.group.imported.add(self.rank)
+
+    @effect("return_lease")
+    def _return(self, **kw: Any) -> None:
+        return None
+
+    @effect("unmap_close")
+    def _close(self, **kw: Any) -> None:
+        self.group.imported.discard(self.rank)
 
 
 class GroupUnderTest(Lifecycle):
@@ -43,6 +87,12 @@ class GroupUnderTest(Lifecycle):
         self.pins = 0
         self.loads = 0  # submitted and not yet collected
         self.failing: str | None = None
+        self.parts = [PartUnderTest(self, r) for r in range(tp)]
+
+    def close_parts(self) -> None:
+        for p in self.parts:
+            if p.may("close"):
+                p.fire("close")
 
     def _maybe_fail(self, name: str) -> None:
         if self.failing == name:
@@ -72,7 +122,7 @@ class GroupUnderTest(Lifecycle):
     @effect("rollback_parts")
     def _rollback(self, **kw: Any) -> None:
         self._maybe_fail("rollback_parts")
-        self.imported.clear()
+        self.close_parts()
 
     @effect("submit_load")
     def _submit(self, **kw: Any) -> Any:
@@ -94,7 +144,7 @@ class GroupUnderTest(Lifecycle):
     def _unmap(self, **kw: Any) -> None:
         assert self.pins == 0, "INV-NO-UNMAP-PINNED: unmap under pins"
         self._maybe_fail("unmap_parts")
-        self.imported.clear()
+        self.close_parts()
 
 
 class GroupModel:
@@ -160,10 +210,31 @@ def group_machine(table: MachineSpec) -> type[RuleBasedStateMachine]:
 
         @precondition(lambda self: self.model.state == "importing")
         @rule(data=st.data())
-        def part_imported(self, data: st.DataObject) -> None:
-            rank = data.draw(st.integers(0, self.model.tp - 1))
-            self.sut.imported.add(rank)
-            self.model.imported.add(rank)
+        def part_step(self, data: st.DataObject) -> None:
+            """One rank takes its next import step through the part table: validate, lease
+            (phase 1), open (phase 2, only once every rank holds a lease)."""
+            part = self.sut.parts[data.draw(st.integers(0, self.model.tp - 1))]
+            step = {"received": "validate", "validated": "lease", "leased": "open"}.get(part.state)
+            if step is None:
+                return
+            try:
+                part.fire(step)
+            except GuardRejected:
+                assert step == "open" and not all(p.state in ("leased", "imported") for p in self.sut.parts)
+            if part.state == "imported":
+                self.model.imported.add(part.rank)
+
+        @precondition(lambda self: self.model.state in ("ready", "draining"))
+        @rule(data=st.data())
+        def part_event_on_live_group(self, data: st.DataObject) -> None:
+            """Issue 14, class 5: any part event on any part of a ready or draining group is
+            refused and changes nothing: a ready group keeps every part imported."""
+            part = data.draw(st.sampled_from(self.sut.parts))
+            event = data.draw(st.sampled_from(sorted(PART.event_names)))
+            before = (self.sut.state, part.state, set(self.sut.imported))
+            with pytest.raises((IllegalTransition, GuardRejected)):
+                part.fire(event)
+            assert (self.sut.state, part.state, set(self.sut.imported)) == before
 
         @precondition(lambda self: self.model.pins > 0)
         @rule()
@@ -213,7 +284,8 @@ def group_machine(table: MachineSpec) -> type[RuleBasedStateMachine]:
                 got = self.sut.fire(event)
             except GuardRejected:
                 got = "refused"
-            except Injected:
+            except EffectFailed as exc:  # the untyped failure, rolled back and typed
+                assert isinstance(exc.cause, Injected)
                 got = "injected"
             finally:
                 self.sut.failing = None

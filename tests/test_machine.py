@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from kvstate.core.errors import BindingError, GuardRejected, IllegalTransition, ReentrantTransition
+from kvstate.core.errors import (BindingError, EffectFailed, GuardRejected, IllegalTransition, LoadFailed,
+                                 ReentrantTransition)
 from kvstate.core.machine import Lifecycle, StateChange, effect, guard
 from kvstate.core.spec import load_machine, parse_machine
 from support.harness import harness_class
@@ -161,6 +162,121 @@ count = "count"
         t.join()
     assert c.state == "s8" and c.count == 8
     assert sorted(wins) == [f"s{i}" for i in range(1, 9)] and len(errors) == 8
+
+
+# -- INV-EFFECT-ATOMIC for anything an effect raises (issue 14, class 6) ---------------------
+
+THREE_EFFECTS = parse_machine("""
+[machine]
+name = "three"
+title = "A row with three effects"
+initial = "a"
+terminal = ["b"]
+doc = "A test table: one row whose three effects each take something an undo gives back."
+[states]
+a = "Nothing taken."
+b = "All three taken."
+[events]
+go = { doc = "Take all three." }
+[effects]
+take_lease = "Take a lease."
+open_handle = "Open a handle."
+map_it = "Map it."
+[[transitions]]
+trigger = "go"
+source = "a"
+dest = "b"
+effects = ["take_lease", "open_handle", "map_it"]
+""", "tests/three-effects.toml")
+
+
+class Three(Lifecycle):
+    """Each effect takes a resource and returns its undo; ``fail`` makes one raise."""
+
+    table = THREE_EFFECTS
+
+    def __init__(self, fail: str | None, exc: BaseException) -> None:
+        super().__init__(label="three")
+        self.fail, self.exc = fail, exc
+        self.held: list[str] = []
+        self.log: list[str] = []
+
+    def _take(self, name: str) -> Any:
+        if name == self.fail:
+            raise self.exc
+        self.held.append(name)
+        self.log.append(name)
+
+        def undo() -> None:
+            self.held.remove(name)
+            self.log.append(f"undo {name}")
+        return undo
+
+    @effect("take_lease")
+    def _lease(self, **kw: Any) -> Any:
+        return self._take("take_lease")
+
+    @effect("open_handle")
+    def _open(self, **kw: Any) -> Any:
+        return self._take("open_handle")
+
+    @effect("map_it")
+    def _map(self, **kw: Any) -> Any:
+        return self._take("map_it")
+
+
+@pytest.mark.parametrize("exc", [OSError(5, "EIO"), RuntimeError("boom"), MemoryError(), KeyError("k"),
+                                 ValueError("v"), TypeError("t")], ids=lambda e: type(e).__name__)
+@pytest.mark.parametrize("fail", ["take_lease", "open_handle", "map_it"])
+def test_untyped_effect_failure_rolls_back_and_is_typed(fail: str, exc: BaseException) -> None:
+    """Whatever an effect raises, the earlier effects are undone in reverse (the lease is
+    given back), later ones never run, the state stays, and only EffectFailed leaves,
+    naming the step with the original exception chained."""
+    obj = Three(fail, exc)
+    with pytest.raises(EffectFailed) as info:
+        obj.fire("go")
+    order = ["take_lease", "open_handle", "map_it"]
+    done = order[:order.index(fail)]
+    assert obj.state == "a" and obj.held == []
+    assert obj.log == done + [f"undo {e}" for e in reversed(done)]
+    err = info.value
+    assert (err.machine, err.state, err.event, err.step) == ("three", "a", "go", f"effect {fail}")
+    assert err.cause is exc and err.__cause__ is exc
+    obj.fail = None
+    assert obj.fire("go") == "b" and obj.held == order  # and the machine still works
+
+
+def test_typed_effect_failure_passes_through_after_rollback() -> None:
+    obj = Three("map_it", LoadFailed("typed"))
+    with pytest.raises(LoadFailed):
+        obj.fire("go")
+    assert obj.state == "a" and obj.held == []
+
+
+def test_interrupt_in_effect_rolls_back_and_propagates_as_is() -> None:
+    obj = Three("open_handle", KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        obj.fire("go")
+    assert obj.state == "a" and obj.held == [] and obj.log == ["take_lease", "undo take_lease"]
+
+
+def test_guard_that_raises_is_a_typed_failure() -> None:
+    class Op(harness_class(OP)):  # type: ignore[misc]
+        def _guard(self, name: str) -> bool:
+            raise ZeroDivisionError("guard bug")
+
+    op = Op()
+    with pytest.raises(EffectFailed, match="guard regions_mapped") as info:
+        op.fire("submit")
+    assert op.state == "created" and isinstance(info.value.cause, ZeroDivisionError)
+
+
+def test_reason_of_an_event_is_observed() -> None:
+    seen: list[StateChange] = []
+    op = harness_class(OP)()
+    op.observe(seen.append)
+    op.fire("submit", reason="test: why")
+    assert seen[-1].reason == "test: why"
 
 
 # -- observers run outside the machine's lock -------------------------------------------------

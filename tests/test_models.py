@@ -22,6 +22,7 @@ from kvstate.core.spec import load_spec
 from support.model_harness import build
 from support.spin import require_spin
 from support.variants import ROOT, variant
+from support.reuse import REUSE_ON
 
 PLANTED = sorted((ROOT / "tests" / "planted").glob("spec_*.toml"))
 
@@ -139,7 +140,7 @@ def test_counterexample_replays_against_the_real_exporter_and_importer(tmp_path:
     assert trace is not None and "INV-GROUP-COMPLETE" in trace.violated
 
     transport = HostTransport(granularity=4096)
-    importer = Importer(ImportConfig(DEPLOYMENT), transport)
+    importer = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON), transport)
     banks: list[Bank] = []
 
     def real_objects(group_cls: type[Group]) -> dict[str, object]:

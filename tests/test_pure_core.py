@@ -86,7 +86,7 @@ def test_descriptor_roundtrip() -> None:
 
 
 @given(st.integers(0, 2**32 - 1), st.integers(1, 2**32 - 1), st.binary(min_size=0, max_size=64),
-       st.integers(0, 2**64 - 1), st.text(max_size=40))
+       st.integers(0, 2**64 - 1), st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), min_size=1, max_size=40))
 def test_descriptor_roundtrip_any_values(rank: int, tp: int, handle: bytes, gen: int, fabric: str) -> None:
     d = descriptor(rank=rank, tp=tp, handle=handle, generation=gen, fabric=FabricDomain(FabricKind.NVLINK, fabric))
     assert decode(encode(d, DEPLOYMENT), DEPLOYMENT) == d

@@ -98,12 +98,16 @@ def test_part_opens_only_after_group_admission() -> None:
     part = harness_class(SPEC["part"])()
     run(part, [
         ("validate", {}, "validated"),
-        ("open", {"group_admitted": False}, "GuardRejected"),
+        ("open", {}, "IllegalTransition"),                     # INV-LEASE-BEFORE-OPEN: no lease yet
+        ("lease", {"group_importing": False}, "GuardRejected"),
+        ("lease", {"group_importing": True}, "leased"),
+        ("open", {"group_admitted": False}, "GuardRejected"),   # another rank holds no lease yet
         ("open", {"group_admitted": True}, "imported"),
-        ("close", {"part_unpinned": False}, "GuardRejected"),   # INV-NO-UNMAP-PINNED
-        ("close", {"part_unpinned": True}, "closed"),
+        ("close", {"part_unpinned": False, "group_releasing": True}, "GuardRejected"),   # INV-NO-UNMAP-PINNED
+        ("close", {"part_unpinned": True, "group_releasing": False}, "GuardRejected"),   # its group is ready
+        ("close", {"part_unpinned": True, "group_releasing": True}, "closed"),
     ])
-    assert part.log == ["native_import", "unmap_close"]
+    assert part.log == ["native_lease", "native_import", "unmap_close"]
 
 
 def test_op_pins_exactly_while_queued_or_running() -> None:

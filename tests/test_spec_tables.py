@@ -10,7 +10,7 @@ import pytest
 
 from kvstate.core.errors import GuardRejected, IllegalTransition
 from kvstate.core.spec import MACHINE_NAMES, load_spec
-from support.harness import EffectFailed, drive_to, harness_class, paths_to_states
+from support.harness import EffectFailed, PlantedFailure, drive_to, harness_class, paths_to_states
 
 SPEC = load_spec()
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,21 +96,23 @@ def test_guards_pick_the_first_admitted_row_or_refuse(name: str) -> None:
 
 @pytest.mark.parametrize("name", MACHINE_NAMES)
 def test_failing_effect_leaves_state_and_rolls_back(name: str) -> None:
-    """INV-EFFECT-ATOMIC on every row with effects: the last effect fails, earlier ones are undone."""
+    """INV-EFFECT-ATOMIC on every row with effects: each effect in turn fails with an
+    untyped exception; the earlier ones are undone in reverse, the later ones never run,
+    and the failure leaves as EffectFailed naming the effect."""
     m = SPEC[name]
     cls = harness_class(m)
     paths = paths_to_states(m)
     for row in m.transitions:
-        if not row.effects:
-            continue
-        obj = drive_to(cls, paths[row.source])
-        obj.admit(row)
-        obj.failing = {row.effects[-1]}
-        with pytest.raises(EffectFailed):
-            obj.fire(row.trigger)
-        assert obj.state == row.source
-        done = list(row.effects[:-1])
-        assert obj.log == done + [f"undo {e}" for e in reversed(done)]
+        for k, failing in enumerate(row.effects):
+            obj = drive_to(cls, paths[row.source])
+            obj.admit(row)
+            obj.failing = {failing}
+            with pytest.raises(EffectFailed) as info:
+                obj.fire(row.trigger)
+            assert isinstance(info.value.cause, PlantedFailure) and info.value.step == f"effect {failing}"
+            assert obj.state == row.source
+            done = list(row.effects[:k])
+            assert obj.log == done + [f"undo {e}" for e in reversed(done)]
 
 
 def test_fault_events_declared() -> None:

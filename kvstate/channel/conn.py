@@ -33,7 +33,7 @@ from kvstate.channel.framing import (
     remaining_ms,
     unpack,
 )
-from kvstate.channel.paths import check_socket_path
+from kvstate.channel.paths import as_path, check_socket_path
 from kvstate.core.errors import ChannelClosed, ChannelError, ChannelTimeout, PeerDied, PeerRejected
 
 _PEERCRED = struct.Struct("3i")
@@ -186,11 +186,21 @@ class Channel:
                 raise PeerDied(f"peer process {self.peer.pid} exited")
 
 
+def check_uids(allowed_uids: object) -> None:
+    """``allowed_uids`` is None or a collection of ints (checked before any socket exists)."""
+    if allowed_uids is not None and (not isinstance(allowed_uids, (list, tuple, set, frozenset)) or not all(
+            type(u) is int and u >= 0 for u in allowed_uids)):
+        raise ChannelError(f"allowed_uids must be a collection of uids, not {allowed_uids!r:.40}")
+
+
 def connect(path: str | os.PathLike[str], *, timeout: float = DEFAULT_TIMEOUT,
             allowed_uids: Iterable[int] | None = None, limits: Limits = Limits()) -> Channel:
     """Connect to a server's socket after checking its directory and the server's uid."""
     check_timeout(timeout)
-    p = Path(path)
+    if not isinstance(limits, Limits):
+        raise ChannelError(f"limits must be Limits, not {type(limits).__name__}")
+    check_uids(allowed_uids)
+    p = as_path(path)
     check_socket_path(p, must_exist=False)  # a missing socket is "no server" (ChannelClosed)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     try:

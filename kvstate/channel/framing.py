@@ -21,7 +21,7 @@ from typing import Any
 
 import attrs
 
-from kvstate.core.errors import ChannelClosed, FrameError
+from kvstate.core.errors import ChannelClosed, ChannelError, FrameError
 
 MAGIC = b"KVS\x01"
 HEADER = struct.Struct("<4sIH2x")
@@ -59,9 +59,9 @@ class Limits:
 
     def __attrs_post_init__(self) -> None:
         if not 0 < self.max_payload <= HARD_MAX_PAYLOAD:
-            raise ValueError(f"max_payload must be in 1..{HARD_MAX_PAYLOAD}")
+            raise FrameError(f"max_payload must be in 1..{HARD_MAX_PAYLOAD}")
         if not 0 <= self.max_fds <= HARD_MAX_FDS:
-            raise ValueError(f"max_fds must be in 0..{HARD_MAX_FDS}")
+            raise FrameError(f"max_fds must be in 0..{HARD_MAX_FDS}")
 
 
 def close_quietly(fd: int) -> None:
@@ -72,8 +72,9 @@ def close_quietly(fd: int) -> None:
 
 
 def check_timeout(timeout: float) -> float:
-    if not (timeout >= 0 and timeout != float("inf")):
-        raise ValueError(f"timeout must be finite and >= 0, not {timeout!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
+            not (timeout >= 0 and timeout != float("inf")):
+        raise ChannelError(f"timeout must be a finite number of seconds >= 0, not {timeout!r:.40}")
     return timeout
 
 
@@ -134,6 +135,9 @@ def encode(obj: Mapping[str, Any]) -> bytes:
 
 def decode(data: bytes) -> dict[str, Any]:
     """The inverse of :func:`encode`. Refuses duplicate keys, NaN/Infinity and non-objects."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise FrameError(f"a message is bytes, not {type(data).__name__}")
+    data = bytes(data)
 
     def pairs(items: list[tuple[str, Any]]) -> Any:
         obj = dict(items)

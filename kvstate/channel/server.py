@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from kvstate.channel.conn import Channel
+from kvstate.channel.conn import Channel, check_uids
 from kvstate.channel.framing import DEFAULT_TIMEOUT, Limits, check_timeout, encode, remaining_ms
 from kvstate.channel.paths import check_socket_path
 from kvstate.core.errors import (
@@ -39,8 +39,13 @@ class Server:
     def __init__(self, path: str | os.PathLike[str], *, allowed_uids: Iterable[int] | None = None,
                  limits: Limits = Limits(), backlog: int = 64,
                  max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
-        if max_connections < 1:
-            raise ValueError("max_connections must be at least 1")
+        if type(max_connections) is not int or max_connections < 1:
+            raise ChannelError(f"max_connections must be an int >= 1, not {max_connections!r:.40}")
+        if type(backlog) is not int or not 1 <= backlog <= 4096:
+            raise ChannelError(f"backlog must be an int in 1..4096, not {backlog!r:.40}")
+        if not isinstance(limits, Limits):
+            raise ChannelError(f"limits must be Limits, not {type(limits).__name__}")
+        check_uids(allowed_uids)
         self.path = Path(path)
         self.limits = limits
         self.max_connections = max_connections

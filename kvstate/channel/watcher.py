@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from kvstate.channel.conn import Channel
 from kvstate.channel.framing import DEFAULT_TIMEOUT, check_timeout, close_quietly
+from kvstate.core.errors import ChannelClosed, ChannelError
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +33,17 @@ class Watcher:
         self._watched: dict[int, tuple[Channel, Callable[[Channel], None]]] = {}
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._stop = False
+        self._wake_closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def watch(self, channel: Channel, on_close: Callable[[Channel], None]) -> None:
+        if not isinstance(channel, Channel) or not callable(on_close):
+            raise ChannelError(f"watch takes a Channel and a callable, not {type(channel).__name__} and "
+                               f"{type(on_close).__name__}")
         with self._lock:
+            if self._stop:
+                raise ChannelClosed("this watcher is closed: nothing would tell when the channel closes")
             self._watched[id(channel)] = (channel, on_close)
         self._wake()
 
@@ -46,10 +53,15 @@ class Watcher:
         self._wake()
 
     def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except BlockingIOError:
-            pass
+        # Under the lock, and never after close: the wake-up fds are closed then, and a
+        # write to a closed fd number could land in whatever file reused it.
+        with self._lock:
+            if self._wake_closed:
+                return
+            try:
+                os.write(self._wake_w, b"x")
+            except BlockingIOError:
+                pass
 
     def _run(self) -> None:
         while True:
@@ -95,8 +107,11 @@ class Watcher:
         self._wake()
         self._thread.join(check_timeout(timeout))
         if not self._thread.is_alive():
-            close_quietly(self._wake_r)
-            close_quietly(self._wake_w)
+            with self._lock:
+                if not self._wake_closed:
+                    self._wake_closed = True
+                    close_quietly(self._wake_r)
+                    close_quietly(self._wake_w)
 
     def __enter__(self) -> Watcher:
         return self

@@ -4,8 +4,9 @@ Wire format (all lengths checked before anything is parsed)::
 
     b"KVSD" | version: u8 | body length: u32 LE | body | MAC: 32 bytes
 
-``body`` is canonical JSON (sorted keys, no whitespace, ASCII, integers only, bytes as
-lower-case hex). The geometry travels as its canonical text (:mod:`kvstate.core.geometry`),
+``body`` is canonical JSON (sorted keys, no whitespace, ASCII with the shortest escapes,
+integers only, bytes as lower-case hex, no duplicate keys, no lone surrogates): decoding
+accepts a body only if it is byte for byte the re-encoding of what it decodes to. The geometry travels as its canonical text (:mod:`kvstate.core.geometry`),
 which must parse and re-encode to itself. Version 2 replaced version 1's single block
 shape (seven keys) by that text; version 1 descriptors are refused (VERSION). The MAC is keyed BLAKE2b (purpose ``DESCRIPTOR_MAC``) with the
 deployment key over everything before it, so a descriptor from another deployment or a
@@ -82,8 +83,23 @@ class Descriptor:
         }
 
 
+def _canonical(body: dict[str, Any]) -> bytes:
+    """The one byte form of a body: sorted keys, no whitespace, ASCII with JSON's
+    shortest escapes. Strings must be valid Unicode (no lone surrogates)."""
+    for key, value in body.items():
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise DescriptorRejected(RejectReason.MALFORMED, f"{key} holds a lone surrogate") from None
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
 def encode(desc: Descriptor, deployment: Deployment) -> bytes:
-    body = json.dumps(desc.body(), sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    if not isinstance(desc, Descriptor) or not isinstance(deployment, Deployment):
+        raise DescriptorRejected(RejectReason.MALFORMED, f"encode takes a Descriptor and a Deployment, not "
+                                 f"{type(desc).__name__} and {type(deployment).__name__}")
+    body = _canonical(desc.body())
     signed = _HEAD.pack(MAGIC, desc.version, len(body)) + body
     out = signed + digest(Purpose.DESCRIPTOR_MAC, signed, key=deployment.key, size=MAC_BYTES)
     if len(out) > MAX_DESCRIPTOR_BYTES:
@@ -92,7 +108,14 @@ def encode(desc: Descriptor, deployment: Deployment) -> bytes:
 
 
 def decode(data: bytes, deployment: Deployment) -> Descriptor:
-    """Authenticate, then parse strictly. Raises DescriptorRejected with one reason."""
+    """Authenticate, then parse strictly. Raises DescriptorRejected with one reason.
+
+    The MAC is checked before a byte of the body is parsed. A body that authenticates is
+    accepted only in its canonical form: the wire must equal the re-encoding of what it
+    decodes to, byte for byte, so duplicate keys, whitespace, other escapes or key orders
+    and lone surrogates are refused (MALFORMED), and one descriptor has one wire form."""
+    if not isinstance(deployment, Deployment):
+        raise DescriptorRejected(RejectReason.MALFORMED, f"decode needs a Deployment, not {type(deployment).__name__}")
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise DescriptorRejected(RejectReason.MALFORMED, f"expected bytes, got {type(data).__name__}")
     data = bytes(data)
@@ -111,14 +134,27 @@ def decode(data: bytes, deployment: Deployment) -> Descriptor:
     expected = digest(Purpose.DESCRIPTOR_MAC, signed, key=deployment.key, size=MAC_BYTES)
     if not hmac.compare_digest(mac, expected):
         raise DescriptorRejected(RejectReason.AUTHENTICATION, "MAC does not verify with this deployment's key")
+    raw = signed[_HEAD.size:]
     try:
-        body = json.loads(signed[_HEAD.size:].decode("ascii"), parse_constant=_no_constants)
+        body = json.loads(raw.decode("ascii"), parse_constant=_no_constants, object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: deep nesting
         raise DescriptorRejected(RejectReason.MALFORMED, f"body is not canonical JSON: {exc}") from None
     desc = _from_body(body)
+    if _canonical(desc.body()) != raw:
+        raise DescriptorRejected(RejectReason.MALFORMED, "body is not in canonical form (sorted keys, no "
+                                 "whitespace, shortest escapes): one descriptor has one wire form", desc.rank)
     if desc.deployment_id != deployment.id:
         raise DescriptorRejected(RejectReason.DOMAIN, "descriptor names another deployment", desc.rank)
     return desc
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key[:40]!r}")  # JSON's last-one-wins would hide a field
+        out[key] = value
+    return out
 
 
 def _no_constants(name: str) -> Any:
@@ -148,6 +184,10 @@ def _field(body: dict[str, Any], key: str) -> Any:
         if len(value) > MAX_CANONICAL:
             raise DescriptorRejected(RejectReason.OVERSIZE, f"geometry is longer than {MAX_CANONICAL} characters")
         return value
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise DescriptorRejected(RejectReason.MALFORMED, f"{key} holds a lone surrogate") from None
     if kind == "str":
         if len(value) > 4096:
             raise DescriptorRejected(RejectReason.OVERSIZE, f"{key} is longer than 4096 characters")

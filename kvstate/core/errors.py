@@ -74,6 +74,22 @@ class ReentrantTransition(TransitionError):
         )
 
 
+class EffectFailed(KvStateError):
+    """A guard or effect raised an untyped exception (``OSError``, ``RuntimeError``,
+    ``MemoryError``, a bug). The transition was rolled back like any failing effect: the
+    machine is still in ``state`` and the earlier effects' undos ran. ``step`` names the
+    guard or effect (the reason); the original exception is ``cause`` (and chained)."""
+
+    def __init__(self, machine: str, state: str, event: str, step: str, cause: BaseException) -> None:
+        self.machine = machine
+        self.state = state
+        self.event = event
+        self.step = step
+        self.cause = cause
+        super().__init__(f"{machine}: {step} of event {event!r} in state {state!r} raised "
+                         f"{type(cause).__name__}: {cause}; rolled back")
+
+
 # -- optional backends ---------------------------------------------------------------
 
 
@@ -116,6 +132,18 @@ class ConfigInvalid(KvStateError, ValueError):
     def __init__(self, field: str, problem: str) -> None:
         self.field = field
         super().__init__(f"{field}: {problem}")
+
+
+class ArgumentInvalid(KvStateError, ValueError):
+    """A public entry point refused an argument before any side effect. ``argument`` names
+    it; ``reason`` is a :class:`kvstate.core.reasons.ArgumentReason` (type, range, length,
+    encoding, state)."""
+
+    def __init__(self, argument: str, reason: Any, problem: str) -> None:
+        self.argument = argument
+        self.reason = reason
+        self.problem = problem
+        super().__init__(f"{argument}: {reason.value}: {problem}")
 
 
 class BlockOutOfRange(KvStateError, IndexError):
@@ -341,6 +369,18 @@ class StoreFailed(TransferError):
 class ViewsOutstanding(KvStateError):
     """Engine views of a bank's memory (from ``Bank.tensors``) are still alive, so the
     memory is not unmapped or released under them."""
+
+
+class ReuseRefused(KvStateError):
+    """The importer refused to import because a reuse gate is closed: reuse is off (the
+    default), or a GPU import lacks GPU reuse or an admitted deployment profile. Nothing
+    was decoded, connected or opened. ``reason`` is a
+    :class:`kvstate.reuse.policy.DecisionReason`."""
+
+    def __init__(self, reason: Any, detail: str) -> None:
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"import refused ({reason.value}): {detail}")
 
 
 class DrainTimeout(KvStateError):

@@ -59,12 +59,20 @@ class DType(enum.Enum):
     def itemsize(self) -> int:
         return 4 if self is DType.FP32 else 1 if self.value.startswith("fp8") else 2
 
+    @classmethod
+    def _missing_(cls, value: object) -> DType:
+        raise GeometryInvalid("dtype", f"{value!r:.40} is not one of {', '.join(d.value for d in cls)}")
+
 
 class Layout(enum.Enum):
     """The two single-shape layouts of :meth:`Geometry.uniform`."""
 
     BLOCK_MAJOR = "block_major"   # one region, a block's bytes for every layer contiguous
     LAYER_MAJOR = "layer_major"   # one region per layer, all blocks of layer 0 first
+
+    @classmethod
+    def _missing_(cls, value: object) -> Layout:
+        raise GeometryInvalid("layout", f"{value!r:.40} is not one of {', '.join(x.value for x in cls)}")
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:

@@ -17,6 +17,9 @@ from typing import Any
 
 import attrs
 
+from kvstate.core.args import need_text
+from kvstate.core.errors import ConfigInvalid
+
 UUID_BYTES = 16
 DEPLOYMENT_KEY_BYTES = 32
 
@@ -40,8 +43,12 @@ def digest(purpose: Purpose, data: bytes, *, key: bytes = b"", size: int = 32) -
 def _exact_bytes(n: int) -> Callable[[Any, attrs.Attribute[bytes], bytes], None]:
     def check(instance: Any, attribute: attrs.Attribute[bytes], value: bytes) -> None:
         if not isinstance(value, bytes) or len(value) != n:
-            raise ValueError(f"{attribute.name} must be exactly {n} bytes")
+            raise ConfigInvalid(f"{type(instance).__name__}.{attribute.name}", f"must be exactly {n} bytes")
     return check
+
+
+def _name(instance: Any, attribute: attrs.Attribute[str], value: str) -> None:
+    need_text(f"{type(instance).__name__}.{attribute.name}", value, 256)
 
 
 @attrs.frozen
@@ -79,14 +86,14 @@ class FabricDomain:
     """Where a handle can be opened: one node, one NVLink clique, or the network."""
 
     kind: FabricKind
-    name: str = attrs.field(validator=attrs.validators.max_len(256))
+    name: str = attrs.field(validator=_name)
 
 
 @attrs.frozen(repr=False)
 class Deployment:
     """A serving deployment: its name and the secret key its descriptors are MAC'd with."""
 
-    name: str = attrs.field(validator=attrs.validators.max_len(256))
+    name: str = attrs.field(validator=_name)
     key: bytes = attrs.field(validator=_exact_bytes(DEPLOYMENT_KEY_BYTES))
 
     @property

@@ -21,7 +21,15 @@ Objects are driven only through :meth:`Lifecycle.fire`:
    an undo callable. If a later effect raises, the undos of the earlier ones run in
    reverse order and the exception propagates with the state unchanged
    (INV-EFFECT-ATOMIC). An effect that raises must itself leave nothing half done.
-4. The state is committed and a :class:`StateChange` is queued for the observers.
+   Whatever an effect or guard raises is rolled back the same way: an untyped exception
+   (``OSError``, ``RuntimeError``, ``MemoryError``, a bug) leaves the machine as
+   :class:`~kvstate.core.errors.EffectFailed`, which names the machine, state, event and
+   step and chains the cause, so only typed errors leave ``fire`` and callers that roll
+   back on ``KvStateError`` roll back on these too. (``KeyboardInterrupt`` and
+   ``SystemExit`` are rolled back and re-raised as they are.)
+4. The state is committed and a :class:`StateChange` is queued for the observers. A
+   ``reason`` keyword of the event (a short text: why a lease expired, which rank failed)
+   travels on the StateChange, so observed faults say why.
 
 Concurrency: each object carries its own ``threading.RLock`` and ``fire`` holds it for
 the whole transition, so a transition is atomic with respect to other threads driving
@@ -62,10 +70,13 @@ import transitions
 
 from kvstate.core.errors import (
     BindingError,
+    EffectFailed,
     GuardRejected,
     IllegalTransition,
     ReentrantTransition,
 )
+from kvstate.core.args import need, need_callable, need_text
+from kvstate.core.errors import KvStateError
 from kvstate.core.spec import MachineSpec, TransitionSpec
 
 log = logging.getLogger(__name__)
@@ -121,6 +132,7 @@ class StateChange:
     source: str
     dest: str
     monotonic_ns: int
+    reason: str | None = None   # the event's ``reason`` keyword, for faults observed from outside
 
 
 Observer = Callable[[StateChange], None]
@@ -135,15 +147,32 @@ class _Compiled:
     effects: dict[str, Callable[..., Any]]
 
 
+class _StepFailed(Exception):
+    """Carries an untyped exception of a guard or effect out of ``transitions`` to
+    :meth:`Lifecycle.fire`, which raises it as EffectFailed with the machine's context."""
+
+    def __init__(self, step: str, cause: Exception) -> None:
+        self.step = step
+        self.cause = cause
+        super().__init__(step)
+
+
 def _call_guard(fn: Callable[..., Any], event_data: Any) -> bool:
-    return bool(fn(event_data.model, **event_data.kwargs))
+    try:
+        return bool(fn(event_data.model, **event_data.kwargs))
+    except (KvStateError, _StepFailed):
+        raise
+    except Exception as exc:  # a guard that raises refuses nothing silently: it fails the event
+        raise _StepFailed(f"guard {getattr(fn, _GUARD_ATTR, fn.__name__)}", exc) from exc
 
 
 def _run_effects(fns: tuple[Callable[..., Any], ...], event_data: Any) -> None:
     model = event_data.model
     undos: list[Undo] = []
+    step = ""
     try:
         for fn in fns:
+            step = f"effect {getattr(fn, _EFFECT_ATTR, fn.__name__)}"
             undo = fn(model, **event_data.kwargs)
             if undo is not None:
                 undos.append(undo)
@@ -153,6 +182,8 @@ def _run_effects(fns: tuple[Callable[..., Any], ...], event_data: Any) -> None:
                 undo()
             except Exception as undo_exc:  # keep the original error; report the second
                 exc.add_note(f"rollback step {undo!r} also failed: {undo_exc!r}")
+        if isinstance(exc, Exception) and not isinstance(exc, (KvStateError, _StepFailed)):
+            raise _StepFailed(step, exc) from exc
         raise
 
 
@@ -246,6 +277,7 @@ class Lifecycle:
         such as a deliberately broken one in a self-test). Implementations of guards and
         effects that ``table`` does not declare are dropped, so the binding check passes
         exactly when the variant only removes names."""
+        need("table", table, MachineSpec)
         ns: dict[str, Any] = {"table": table}
         for attr in dir(cls):
             value = getattr(cls, attr, None)
@@ -293,9 +325,10 @@ class Lifecycle:
 
     def may(self, event: str) -> bool:
         """Whether ``event`` is declared in the current state (guards not evaluated)."""
-        return (event, self._kv_state) in type(self)._kv_compiled.declared
+        return isinstance(event, str) and (event, self._kv_state) in type(self)._kv_compiled.declared
 
     def observe(self, observer: Observer) -> None:
+        need_callable("observer", observer)
         with self._kv_lock:
             self._observers = (*self._observers, observer)
 
@@ -303,6 +336,10 @@ class Lifecycle:
         """Apply ``event``; return the new state. See the module docstring for the rules."""
         compiled = type(self)._kv_compiled
         spec = compiled.spec
+        if not isinstance(event, str):  # no such event: undeclared, and said so in words
+            raise IllegalTransition(spec.name, self._kv_state, f"{event!r:.40}")
+        if "reason" in kwargs and kwargs["reason"] is not None:
+            need_text("reason", kwargs["reason"], allow_empty=True)
         p = _held
         try:
             with self._kv_lock:
@@ -316,6 +353,8 @@ class Lifecycle:
                     self._kv_firing = True
                     try:
                         fired = compiled.machine.events[event].trigger(self, **kwargs)
+                    except _StepFailed as failed:
+                        raise EffectFailed(spec.name, source, event, failed.step, failed.cause) from failed.cause
                     finally:
                         self._kv_firing = False
                     if not fired:
@@ -323,8 +362,10 @@ class Lifecycle:
                                             self._refusing_guards(spec.rows(event, source), kwargs))
                     dest = self._kv_state
                     if self._observers:
+                        reason = kwargs.get("reason")
                         self._kv_pending.append(StateChange(spec.name, self.label, event, source, dest,
-                                                            time.monotonic_ns()))
+                                                            time.monotonic_ns(),
+                                                            reason if isinstance(reason, str) else None))
                         p.dirty.append(self)
                 finally:
                     p.depth -= 1

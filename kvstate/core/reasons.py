@@ -18,6 +18,7 @@ class RejectReason(enum.Enum):
     MISSING_RANK = "missing_rank"              # a rank of 0..tp-1 has no descriptor
     MIXED_GROUP = "mixed_group"                # parts of different sources
     GEOMETRY = "geometry"                      # fingerprint differs in the group or from expectation
+    DTYPE = "dtype"                            # element type differs within the group
     DEVICE_UUID = "device_uuid"                # device not acceptable to this importer
     HOST = "host"                              # same-node handle from another host or boot
     INCARNATION = "incarnation"                # exporter restarted since
@@ -47,3 +48,13 @@ class TransferReason(enum.Enum):
     STATE = "state"                  # the group, part or bank cannot move data now (closed, not mapped)
     TIMEOUT = "timeout"              # not a finite number of seconds >= 0
     PLAN = "plan"                    # `load`/`store` fired without a plan built by Group.load/Bank.store
+
+
+class ArgumentReason(enum.Enum):
+    """Why a public entry point refused an argument before doing anything."""
+
+    TYPE = "type"                # not the type the parameter takes
+    RANGE = "range"              # outside the values the parameter takes (or an unknown name)
+    LENGTH = "length"            # empty where it may not be, or longer than its bound
+    ENCODING = "encoding"        # a NUL, or a lone surrogate, in text an OS interface would take
+    STATE = "state"              # the object cannot take the call in its state (released, closed)

@@ -16,9 +16,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import attrs
 
+from kvstate.core.args import typed
 from kvstate.core.descriptor import Descriptor
 from kvstate.core.errors import DescriptorRejected, GroupRejected
-from kvstate.core.geometry import round_up
+from kvstate.core.geometry import Geometry, round_up
 from kvstate.core.handles import FD_KINDS, HANDLE_BYTES, NIXL_HANDLE_MAX_BYTES, HandleKind
 from kvstate.core.identity import Deployment, FabricKind
 from kvstate.core.paths import socket_path_problem
@@ -108,6 +109,19 @@ def rank_set_problems(tp: int, ranks: Sequence[int]) -> list[tuple[RejectReason,
     return problems
 
 
+def geometry_problem(a: Geometry, b: Geometry) -> tuple[RejectReason, str] | None:
+    """Why two ranks' geometries cannot form one group, or None when every field of every
+    region agrees (the group's ``parts_compatible`` guard compares the same: all of
+    them). A dtype difference has its own reason: the bytes would be read as another
+    number format."""
+    differs = a.mismatch(b)
+    if differs is None:
+        return None
+    field = differs.split(":", 1)[0]
+    reason = RejectReason.DTYPE if field.endswith(".dtype") else RejectReason.GEOMETRY
+    return reason, f"geometry differs within the group: {differs}"
+
+
 # -- socket path -------------------------------------------------------------------------
 
 
@@ -124,18 +138,18 @@ def socket_path_reason(path: str, uid: int, lstat: Callable[[str], os.stat_resul
 class Expectation:
     """What an importer accepts. Built by the importer from its own identity and config."""
 
-    deployment: Deployment
-    now_ns: int
-    handle_kinds: frozenset[HandleKind]
-    host_boot_id: bytes
-    uid: int
-    geometry_fingerprint: bytes | None = None     # Geometry.fingerprint(); None: any, but the group must agree
-    block_format: bytes | None = None             # Geometry.format_fingerprint(); None: any
-    device_uuids: frozenset[bytes] | None = None  # None: any device
-    incarnations: Mapping[int, bytes] | None = None  # rank -> its exporter's current incarnation
-    min_generation: int = 0
-    max_tp: int = 64
-    check_socket: bool = True
+    deployment: Deployment = attrs.field(validator=typed(Deployment))
+    now_ns: int = attrs.field(validator=typed(int))
+    handle_kinds: frozenset[HandleKind] = attrs.field(validator=typed(frozenset))
+    host_boot_id: bytes = attrs.field(validator=typed(bytes))
+    uid: int = attrs.field(validator=typed(int))
+    geometry_fingerprint: bytes | None = attrs.field(default=None, validator=typed(bytes, optional=True))
+    block_format: bytes | None = attrs.field(default=None, validator=typed(bytes, optional=True))
+    device_uuids: frozenset[bytes] | None = attrs.field(default=None, validator=typed(frozenset, optional=True))
+    incarnations: Mapping[int, bytes] | None = attrs.field(default=None, validator=typed(dict, optional=True))
+    min_generation: int = attrs.field(default=0, validator=typed(int))
+    max_tp: int = attrs.field(default=64, validator=typed(int))
+    check_socket: bool = attrs.field(default=True, validator=typed(bool))
 
 
 def descriptor_problems(d: Descriptor, expect: Expectation,
@@ -203,10 +217,10 @@ def validate_group(descriptors: Iterable[Descriptor], expect: Expectation) -> Va
             problems.append(DescriptorRejected(RejectReason.TP_SIZE, f"tp {d.tp} differs from {first.tp}", d.rank))
         if d.source_id != first.source_id:
             problems.append(DescriptorRejected(RejectReason.MIXED_GROUP, "parts of different sources", d.rank))
-        differs = first.geometry.mismatch(d.geometry)
+        differs = geometry_problem(first.geometry, d.geometry)
         if differs is not None:
-            problems.append(DescriptorRejected(RejectReason.GEOMETRY, f"geometry differs from rank "
-                                               f"{first.rank}'s: {differs}", d.rank))
+            reason, detail = differs
+            problems.append(DescriptorRejected(reason, f"{detail} (rank {first.rank} vs rank {d.rank})", d.rank))
         if d.generation != first.generation:
             problems.append(DescriptorRejected(RejectReason.GENERATION, "generations differ within the group", d.rank))
     if 1 <= first.tp <= min(expect.max_tp, MAX_TP):  # else TP_SIZE is reported per part already;

@@ -61,7 +61,8 @@ REGISTRY: Mapping[tuple[str, str, str], str] = {
     ("rank", "guard", "part_unpinned"): "pins[{r}] == 0",
     ("rank", "guard", "coordinator_gone"): "c_noticed[{r}]",
     ("rank", "effect", "report"): "report({r}, REP_{dest})",
-    ("rank", "effect", "import_part"): "mapped[{r}] = 1; leases[{r}]++; g_imported[{r}] = 1",
+    ("rank", "effect", "lease_part"): "leases[{r}]++",
+    ("rank", "effect", "import_part"): "mapped[{r}] = 1; g_imported[{r}] = 1",
     ("rank", "effect", "rollback_part"): "unmap({r})",
     ("rank", "effect", "unmap_part"): "unmap({r})",
     ("rank", "effect", "submit_load"): "pins[{r}] = 1",
@@ -83,6 +84,7 @@ WORLD_RULES: Mapping[tuple[str, str], str] = {
     ("coordinator", "reject"): "bad_group",
     ("coordinator", "drain"): "!g_drain_asked",
     ("coordinator", "worker_died"): "!w_alive[{r}] && !dead[{r}]",
+    ("rank", "validate"): "e_alive[{r}]",    # phase 1 leases: a dead exporter grants nothing
     ("rank", "mapped"): "e_alive[{r}]",
     ("rank", "load"): "pins[{r}] == 0",
     ("rank", "exporter_died"): "!e_alive[{r}] && !e_noticed[{r}]",
@@ -102,7 +104,10 @@ POST: Mapping[tuple[str, str, str], str] = {
 #: transition monitors: (machine, event) -> (invariant, condition asserted before the effects)
 PRE: Mapping[tuple[str, str], tuple[str, str]] = {
     ("rank", "load"): ("INV-COORD-LOAD-AFTER-READY", "g_ready && (all: g_imported[{q}])"),
-    ("rank", "mapped"): ("INV-COORD-VALIDATE-BEFORE-OPEN", "g_checked && (all: g_validated[{q}])"),
+    # two-phase: every rank validated under a lease, and each lease is still held unless
+    # that rank ended or a process died (the kernel then ended it)
+    ("rank", "mapped"): ("INV-COORD-VALIDATE-BEFORE-OPEN",
+                         "g_checked && (all: g_validated[{q}]) && all: LEASE_OR_GONE({q})"),
 }
 
 #: state invariants, asserted after every step
@@ -148,4 +153,6 @@ bit g_ready;
 bit g_died;
 bit g_drain_asked;
 bit g_validated[TP];
-bit g_imported[TP];"""
+bit g_imported[TP];
+/* rank q holds its lease, or no longer needs one: its share ended or a process died */
+#define LEASE_OR_GONE(q) (leases[q] > 0 || RANK_ENDED(q) || !w_alive[q] || !e_alive[q])"""

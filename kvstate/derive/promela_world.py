@@ -74,10 +74,17 @@ REGISTRY: Mapping[tuple[str, str, str], Code] = {
     ("bank", "guard", "accepting_leases"): Code("leases[{i}] < MAX_LEASES"),
     ("bank", "guard", "last_lease"): Code("leases[{i}] == 1"),
     ("bank", "guard", "native_quiescent"): Code("(leases[{i}] == 0 && pins[{i}] == 0)"),
+    # expired leases are counted apart (xl) only to bound expiry: each lease expires once
+    ("bank", "guard", "lease_live"): Code("leases[{i}] > xl[{i}]"),
     ("bank", "effect", "native_register"): Code("g_registered[{i}] = 1"),
     ("bank", "effect", "publish_descriptor"): Code("skip"),
     ("bank", "effect", "grant_lease"): Code("leases[{i}]++"),
-    ("bank", "effect", "end_lease"): Code("leases[{i}]--"),
+    # the lease that ends may be an expired one: keep xl <= leases
+    ("bank", "effect", "end_lease"): Code("leases[{i}]--; if :: xl[{i}] > leases[{i}] -> xl[{i}] = leases[{i}] "
+                                          ":: else -> skip fi"),
+    ("bank", "effect", "expire_lease"): Code("xl[{i}]++"),
+    ("bank", "effect", "renew_lease"): Code("skip"),
+    ("bank", "effect", "withdraw_descriptor"): Code("skip"),
     ("bank", "effect", "stop_new_leases"): Code("skip"),
     ("bank", "effect", "native_release"): Code("skip"),
     # stores copy engine pages into the bank; the models leave the exporter's own ops out
@@ -96,10 +103,19 @@ REGISTRY: Mapping[tuple[str, str, str], Code] = {
     ("group", "effect", "collect_load"): same("skip"),
     ("group", "effect", "unmap_parts"): same(Cascade("part", "close")),
     # part
-    ("part", "guard", "group_admitted"): same("group == GROUP_importing"),
+    ("part", "guard", "group_importing"): same("group == GROUP_importing"),
+    ("part", "guard", "group_admitted"): Code(
+        "group == GROUP_importing && (all: part[{r}] == PART_leased || part[{r}] == PART_imported)",
+        "group == GROUP_importing && part_n[PART_leased] + part_n[PART_imported] == TP"),
+    ("part", "guard", "group_releasing"): same("group != GROUP_ready && group != GROUP_draining"),
     ("part", "guard", "part_unpinned"): Code("pins[{i}] == 0", "pins == 0"),
-    ("part", "effect", "native_import"): same("skip"),
-    ("part", "effect", "unmap_close"): same("skip"),
+    # the importer's own lease on its rank's bank (ilease) and its mapping of it (mapped),
+    # kept apart from the bank's lease count and from op pins: returning the lease only
+    # lets the lessee's release_lease happen; the bank sees it when that event fires
+    ("part", "effect", "native_lease"): Code("ilease[{i}] = 1", "skip"),
+    ("part", "effect", "native_import"): Code("mapped[{i}] = 1", "skip"),
+    ("part", "effect", "return_lease"): Code("ilease[{i}] = 0", "skip"),
+    ("part", "effect", "unmap_close"): Code("mapped[{i}] = 0; ilease[{i}] = 0", "skip"),
     # op: one gather op pins the region of every rank
     ("op", "guard", "regions_mapped"): Code("all: part[{r}] == PART_imported",
                                             "part_n[PART_imported] == TP"),
@@ -116,11 +132,12 @@ ACTORS: Mapping[str, Mapping[str, str | None]] = {
     "bank": {"register": EXPORTER, "register_failed": EXPORTER, "advertise": EXPORTER,
              "quiesce": EXPORTER, "release": EXPORTER, "drain": OPERATOR,
              "grant_lease": LESSEE, "lease_mapped": LESSEE, "release_lease": LESSEE,
-             "peer_died": LESSEE, "lease_expired": LESSEE, "store": EXPORTER, "stored": EXPORTER},
+             "peer_died": LESSEE, "lease_expired": LESSEE, "renew_lease": LESSEE,
+             "descriptor_expired": EXPORTER, "store": EXPORTER, "stored": EXPORTER},
     "group": {"begin_import": IMPORTER, "reject": IMPORTER, "complete": IMPORTER, "load": IMPORTER, "loaded": IMPORTER,
               "drain": OPERATOR, "quiesce": IMPORTER, "close": IMPORTER, "part_failed": IMPORTER,
               "peer_died": IMPORTER, "incarnation_changed": IMPORTER, "expired": IMPORTER},
-    "part": {"validate": IMPORTER, "reject": IMPORTER, "open": IMPORTER, "close": IMPORTER,
+    "part": {"validate": IMPORTER, "reject": IMPORTER, "lease": IMPORTER, "open": IMPORTER, "close": IMPORTER,
              "import_failed": IMPORTER},
     "op": {"submit": None, "start": ENGINE, "finish": ENGINE, "fail": ENGINE, "cancel": ENGINE,
            "reap": ENGINE},
@@ -134,24 +151,31 @@ WORLD_RULES: Mapping[tuple[str, str], Code] = {
     ("bank", "store"): same("false"),
     ("bank", "stored"): same("false"),
     ("group", "loaded"): same("false"),
-    # an ending lease names a live lease
-    ("bank", "release_lease"): Code("leases[{i}] > 0"),
-    ("bank", "peer_died"): Code("leases[{i}] > 0"),
+    # an ending lease names a live lease; the group's importer returns its own (ilease)
+    # only after unmapping (its part's close), and its process does not die here (that
+    # would take the mapping with it). Any lease, the importer's included, may run out
+    # unrenewed at any time: expiry is nondeterministic.
+    ("bank", "release_lease"): Code("leases[{i}] > ilease[{i}]"),
+    ("bank", "peer_died"): Code("leases[{i}] > ilease[{i}]"),
     ("bank", "lease_expired"): Code("leases[{i}] > 0"),
-    # the group's importer is the lease holder of the per-rank model: it asks for a lease
-    # for a part it is importing, and reports a mapping once the part is imported
-    ("bank", "grant_lease"): Code("part[{i}] == PART_validated || part[{i}] == PART_imported"),
+    ("bank", "renew_lease"): Code("leases[{i}] > 0"),
+    # the group's importer reports a mapping once its part is imported
+    ("bank", "grant_lease"): Code("true"),  # the group's importer, or another lessee, at any time
     ("bank", "lease_mapped"): Code("part[{i}] == PART_imported"),
     # a descriptor arrives only once its bank was advertised
     ("part", "validate"): Code("g_advertised[{i}]", "true"),
     ("part", "reject"): Code("g_advertised[{i}]", "true"),
     # opening a handle fails only while the group imports (an open was attempted)
     ("part", "import_failed"): same("group == GROUP_importing"),
-    # a part is imported under a live lease on its own rank's bank
+    # a part is leased and imported under a live lease on its own rank's bank (the
+    # lease it claims is one the importer has not claimed already)
+    ("part", "lease"): Code("leases[{i}] > ilease[{i}]", "true"),
     ("part", "open"): Code("leases[{i}] > 0", "true"),
-    # the importer closes a part directly only to discard the parts of a finished group;
-    # before that, the group's own effects close its parts
-    ("part", "close"): same("GROUP_FINISHED"),
+    # the importer closes a part directly to discard the parts of a finished group, and
+    # (an attack, or a bug) tries to close a part of a ready or draining group: the table
+    # must refuse that one (INV-GROUP-COMPLETE). Before that, the group's own effects
+    # close its parts.
+    ("part", "close"): same("GROUP_FINISHED || group == GROUP_ready || group == GROUP_draining"),
     # the group hears of a failed part only once one failed
     ("group", "part_failed"): Code("any: part[{r}] == PART_failed", "part_n[PART_failed] > 0"),
     # a load runs under live leases on every rank, in a free op slot
@@ -163,7 +187,10 @@ WORLD_RULES: Mapping[tuple[str, str], Code] = {
 PRE_MONITORS: Mapping[tuple[str, str], tuple[tuple[str, Code], ...]] = {
     ("bank", "grant_lease"): (("INV-DRAIN-NO-NEW", Code("!g_drained[{i}]")),),
     ("group", "load"): (("INV-DRAIN-NO-NEW", same("!g_group_drained")),),
-    ("part", "open"): (("INV-GROUP-ATOMIC", same("g_admitted")),),
+    ("part", "lease"): (("INV-GROUP-ATOMIC", same("g_admitted")),),
+    ("part", "open"): (("INV-GROUP-ATOMIC", same("g_admitted")),
+                       ("INV-LEASE-BEFORE-OPEN", Code("all: part[{r}] == PART_leased || part[{r}] == PART_imported",
+                                                      "part_n[PART_leased] + part_n[PART_imported] == TP"))),
 }
 
 #: ghost updates after the commit: (machine, "event"|"enter", name) -> statement
@@ -190,6 +217,7 @@ STATE_INVARIANTS: tuple[tuple[str, Code], ...] = (
     ("INV-NO-UNMAP-PINNED", Code("(all: pins[{r}] == 0 || part[{r}] == PART_imported) "
                                  "&& (banks: pins[{b}] == 0 || bank[{b}] != BANK_released)",
                                  "pins == 0 || part_n[PART_imported] == TP")),
+    ("INV-NO-RELEASE-MAPPED", Code("banks: bank[{b}] != BANK_released || !mapped[{b}]")),
     ("INV-RELEASE-QUIESCENT", Code("banks: bank[{b}] != BANK_released || (leases[{b}] == 0 && pins[{b}] == 0 "
                                    "&& (!g_registered[{b}] || g_quiesced[{b}]))")),
     ("INV-OP-PINS", Code("all: pins[{r}] == OPS_PINNING", "pins == OPS_PINNING")),
@@ -198,7 +226,10 @@ STATE_INVARIANTS: tuple[tuple[str, Code], ...] = (
 GLOBALS = {
     PER_RANK: """\
 byte bank[BANKS];              /* bank machine of each rank (exporter side) */
-byte leases[BANKS];            /* live leases on each bank */
+byte leases[BANKS];            /* leases on each bank (expired ones included) */
+byte xl[BANKS];                /* of which expired (bounds expiry: each lease expires once) */
+bit ilease[TP];                /* the group's importer holds a lease on its rank's bank */
+bit mapped[TP];                /* the group's importer maps its rank's bank (importer pin) */
 byte pins[TP];                 /* native pins on each rank's region */
 byte group;                    /* group machine (importer side) */
 byte part[TP];                 /* part machine of each rank */

@@ -112,7 +112,9 @@ def _exporter(device: bytes, kind_value: str, socket_dir: str, lease_timeout_s: 
         cmd = _wait(conn, "command")
         if cmd == "try_drain":  # must refuse while the importer has the memory open
             try:
-                ex.drain(0.5)
+                # Short: the importer lets go on its own once a renewal is refused (<= half
+                # a lease later); what is checked is that release waits for that.
+                ex.drain(0.05)
                 conn.send({"refused": False, "bank_state": bank.state})
             except KvStateError as exc:
                 conn.send({"refused": True, "why": str(exc), "bank_state": bank.state, "holds": len(bank.holds)})
@@ -122,6 +124,33 @@ def _exporter(device: bytes, kind_value: str, socket_dir: str, lease_timeout_s: 
             t.close()
             conn.send({"bank_state": bank.state, "drain_s": waited})
             return
+
+
+def gpu_admission(t: Any, device: bytes) -> Any:
+    """The deployment profile admission a GPU import needs (kvstate.reuse.gates): this
+    worker publishes its CUDA transport and is admitted under gpu-single-node."""
+    from kvstate.core.capabilities import FabricTrial
+    from kvstate.reuse.profile import (PROTOCOL_VERSION, DeploymentProfile, PublishedCapabilities,
+                                       TransportCapabilities, admit)
+
+    caps = PublishedCapabilities(device_uuids=(device,), handle_kinds=t.capabilities.handle_kinds,
+                                 fabric_trial=FabricTrial.NOT_RUN,
+                                 transports=(TransportCapabilities(t.name, t.capabilities),),
+                                 geometry_fingerprint=GEOMETRY.fingerprint(), protocol_version=PROTOCOL_VERSION)
+    admission = admit(DeploymentProfile.GPU_SINGLE_NODE, caps)
+    if not admission.admitted:
+        raise KvStateError(f"this GPU worker is not admitted under gpu-single-node: {admission}")
+    return admission
+
+
+def gpu_import_config(t: Any, device: bytes) -> Any:
+    """An importer config that may import GPU memory: reuse and GPU reuse enabled (both
+    off by default) under this worker's admission (kvstate.reuse.gates)."""
+    from kvstate.reuse.policy import ReuseSettings
+    from kvstate.share.importer import ImportConfig
+
+    reuse = ReuseSettings(enable_decode_to_prefill_reuse=True, enable_decode_to_prefill_gpu_reuse=True)
+    return ImportConfig(DEPLOYMENT, reuse=reuse, admission=gpu_admission(t, device))
 
 
 def _spawn(target: Callable[..., None], *args: Any) -> tuple[Any, Connection]:
@@ -148,15 +177,16 @@ def _reap(proc: Any, wait: bool = True) -> int | None:
 
 def two_process_import(device: bytes, kind: HandleKind, rounds: int) -> dict[str, Any]:
     """A tp=1 group exported by a child process and imported here ``rounds`` times; the
-    first load is checked bit for bit. For legacy IPC the child's lease then expires while
-    this side still has the memory open: its drain must refuse until this side closed."""
-    from kvstate.share.importer import ImportConfig, Importer
+    first load is checked bit for bit. For legacy IPC, more than a lease term later (this
+    side renews its lease) and while this side still has the memory open, the child's drain
+    must refuse: it may release only once this side closed."""
+    from kvstate.share.importer import Importer
     from kvstate.transport.cuda import CudaTransport
 
     legacy = kind is HandleKind.CUDA_IPC
     t = CudaTransport(device, kind=kind, legacy_ipc=legacy)
     proc, conn = _spawn(_exporter, device, kind.value, str(_socket_dir()), 1.0 if legacy else 30.0)
-    importer = Importer(ImportConfig(DEPLOYMENT), t)
+    importer = Importer(gpu_import_config(t, device), t)
     blocks = list(range(0, GEOMETRY.num_blocks, 3))
     want = _expected(blocks)
     times: list[float] = []
@@ -173,7 +203,7 @@ def two_process_import(device: bytes, kind: HandleKind, rounds: int) -> dict[str
                 result = group.load_prefix(blocks, [dst], timeout=TIMEOUT_S)
                 out["load_ok"] = result.bytes == len(want) and t.read(dst, len(want)) == want
             if legacy and i == rounds - 1:
-                time.sleep(1.5)  # the exporter's lease expires; this side keeps the memory open
+                time.sleep(1.5)  # past the exporter's lease term; renewed, and the memory stays open
                 conn.send("try_drain")
                 out["exporter_refused_while_open"] = _wait(conn, "drain attempt")
             group.drain(TIMEOUT_S)
@@ -276,11 +306,11 @@ IN_FLIGHT = 16
 
 def _loader(device: bytes, wire: bytes, delay_us: int, conn: Connection) -> None:
     os.environ[SHIM_DELAY_ENV] = str(delay_us)  # before the driver loads
-    from kvstate.share.importer import ImportConfig, Importer
+    from kvstate.share.importer import Importer
     from kvstate.transport.cuda import CudaTransport
 
     t = CudaTransport(device)
-    importer = Importer(ImportConfig(DEPLOYMENT), t)
+    importer = Importer(gpu_import_config(t, device), t)
     group = importer.import_group([wire])
     dst = t.alloc_buffer(GEOMETRY.nbytes)
     group.load_prefix([0], [dst], timeout=TIMEOUT_S)  # the data path, once (one block: the shim's delay)

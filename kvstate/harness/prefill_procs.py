@@ -31,6 +31,7 @@ from kvstate.core.identity import Deployment
 from kvstate.core.machine import StateChange
 from kvstate.harness.cluster import ClusterSpec, leaks_since, recv, resources, send
 from kvstate.share import protocol_msgs as msgs
+from kvstate.reuse.policy import ReuseSettings
 from kvstate.share.rank_worker import RankShare, RankWorker
 from kvstate.share.remote_part import RemotePart
 from kvstate.transport.protocol import A, E, H, M, R
@@ -143,8 +144,9 @@ def coordinator_main(conn: multiprocessing.connection.Connection, spec_json: str
 
 
 class HoldingWorker(RankWorker[H, A, R, M, E]):
-    """A RankWorker that can be held at ``check`` (before validating) or ``open`` (before
-    leasing and mapping), so a parent can kill a process while that phase is open."""
+    """A RankWorker that can be held at ``check`` (before validating and leasing) or
+    ``open`` (before opening and mapping), so a parent can kill a process while that phase
+    is open."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -217,7 +219,9 @@ def worker_main(conn: multiprocessing.connection.Connection, spec_json: str, key
         return found
 
     worker = HoldingWorker(WorkerConfig(Deployment(DEPLOYMENT_NAME, bytes.fromhex(key_hex)), rank, spec.tp,
-                                        Path(coordinator_path)), t, remote=remote, observers=[on_change])
+                                        Path(coordinator_path),
+                                        reuse=ReuseSettings(enable_decode_to_prefill_reuse=True)),
+                           t, remote=remote, observers=[on_change])
     if spec.plant is not None:  # a self-test: a deliberately broken share (tests/planted)
         module, _, name = spec.plant.partition(":")
         worker.share_class = getattr(importlib.import_module(module), name)

@@ -132,6 +132,7 @@ def importer_worker(conn: multiprocessing.connection.Connection, spec_json: str,
     """One prefill-rank process: one Importer for its whole life, a new group per cycle.
     ``plant`` plants a bug for the soak's self-test: ``leak_fd`` or ``corrupt``."""
     from kvstate.share.importer import ImportConfig, Importer
+    from kvstate.reuse.policy import ReuseSettings
     from kvstate.core.machine import StateChange
     from kvstate.transport.host import HostTransport
 
@@ -148,7 +149,7 @@ def importer_worker(conn: multiprocessing.connection.Connection, spec_json: str,
             if imported != list(range(spec.tp)):
                 partial.append(f"{group.label} ready with parts {imported} of tp {spec.tp}")
 
-    im = Importer(ImportConfig(Deployment("kvstate-soak", bytes.fromhex(key_hex))), t, observers=[on_change])
+    im = Importer(ImportConfig(Deployment("kvstate-soak", bytes.fromhex(key_hex)), reuse=ReuseSettings(enable_decode_to_prefill_reuse=True)), t, observers=[on_change])
     im_box.append(im)
     group: HostGroup | None = None
     loader: threading.Thread | None = None

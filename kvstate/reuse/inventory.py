@@ -51,8 +51,8 @@ HASH_LIMIT = 2**64
 
 
 def _hashes(values: Iterable[int], *, allow_empty: bool = False) -> tuple[int, ...]:
-    if isinstance(values, (str, bytes)):
-        raise InvalidBlockHash(f"block hashes must be a sequence of integers, got {values!r}")
+    if isinstance(values, (str, bytes, bytearray, memoryview)) or not isinstance(values, Iterable):
+        raise InvalidBlockHash(f"block hashes must be a sequence of integers, got {values!r:.60}")
     out = tuple(values)
     for h in out:
         if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < HASH_LIMIT:
@@ -315,11 +315,13 @@ class Inventory:
     # -- views (for publication, tests and debugging) --
 
     def epoch(self, group: str) -> int | None:
+        _group(group)
         with self._lock:
             g = self._groups.get(group)
             return None if g is None else g.epoch
 
     def hashes(self, group: str) -> frozenset[int]:
+        _group(group)
         with self._lock:
             g = self._groups.get(group)
             return frozenset() if g is None else frozenset(g.blocks)
@@ -331,6 +333,8 @@ class Inventory:
 
     def busy(self, group: str, block_hash: int) -> tuple[int, int]:
         """(engine pins, leases) on one held block; (0, 0) if it is not held."""
+        _group(group)
+        _hashes([block_hash])
         with self._lock:
             g = self._groups.get(group)
             b = None if g is None else g.blocks.get(block_hash)

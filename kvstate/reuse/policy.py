@@ -163,7 +163,9 @@ class ReuseSettings:
         are exactly ``true``, ``false``, ``1`` or ``0``. Unknown names raise
         :class:`UnknownSetting`; bad values raise :class:`InvalidSetting`.
         """
-        base = base or cls()
+        base = _base(cls, base)
+        if not isinstance(mapping, Mapping):
+            raise InvalidSetting("mapping", type(mapping).__name__, "settings must be a mapping of name to value", source)
         changes: dict[str, Any] = {}  # values of any type: the class validators check each
         for name, value in mapping.items():
             if name not in SETTING_NAMES:
@@ -179,6 +181,10 @@ class ReuseSettings:
                  base: ReuseSettings | None = None) -> ReuseSettings:
         """Settings from ``KVSTATE_POLICY_<NAME>`` variables; any other such name is unknown."""
         environ = os.environ if environ is None else environ
+        if not isinstance(environ, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
+                                                       for k, v in environ.items()):
+            raise InvalidSetting("environ", type(environ).__name__, "must map names to strings", "environment")
+        base = _base(cls, base)
         found: dict[str, object] = {}
         for var, value in environ.items():
             if not var.startswith(ENV_PREFIX):
@@ -195,6 +201,10 @@ class ReuseSettings:
 
         Every argument must be a settings flag with a value; a flag given twice is refused.
         """
+        if isinstance(argv, (str, bytes)) or not isinstance(argv, Sequence) or \
+                not all(isinstance(a, str) for a in argv):
+            raise InvalidSetting("argv", type(argv).__name__, "must be a sequence of strings", "command line")
+        base = _base(cls, base)
         found: dict[str, object] = {}
         i = 0
         while i < len(argv):
@@ -235,6 +245,14 @@ class ReuseSettings:
 SETTING_NAMES: tuple[str, ...] = tuple(a.name for a in attrs.fields(ReuseSettings))
 _BOOL_SETTINGS = frozenset(a.name for a in attrs.fields(ReuseSettings) if a.type in (bool, "bool"))
 _COUNT_SETTINGS = frozenset(a.name for a in attrs.fields(ReuseSettings) if a.type in (int, "int"))
+
+
+def _base(cls: type[ReuseSettings], base: object) -> ReuseSettings:
+    if base is None:
+        return cls()
+    if not isinstance(base, ReuseSettings):
+        raise InvalidSetting("base", type(base).__name__, "must be ReuseSettings or None")
+    return base
 
 
 def env_var(name: str) -> str:
@@ -474,6 +492,13 @@ class Decision:
         return "\n".join(lines)
 
 
+def _now(clock: Callable[[], float]) -> float:
+    now = clock()
+    if isinstance(now, bool) or not isinstance(now, (int, float)) or now != now:
+        raise PolicyInputError(f"clock() must return seconds, got {now!r:.40}")
+    return float(now)
+
+
 def choose_transfer_source(target_prefix_blocks: int, candidates: Iterable[Candidate],
                            settings: ReuseSettings, *, block_tokens: int,
                            admitted: Admitted | None = None,
@@ -488,6 +513,15 @@ def choose_transfer_source(target_prefix_blocks: int, candidates: Iterable[Candi
     """
     _require_blocks("target_prefix_blocks", target_prefix_blocks)
     _require_block_tokens(block_tokens)
+    if not isinstance(settings, ReuseSettings):
+        raise PolicyInputError(f"settings must be ReuseSettings, got {type(settings).__name__}")
+    if admitted is not None and not hasattr(admitted, "gpu_reuse_allowed"):
+        raise PolicyInputError(f"admitted must be an admission (kvstate.reuse.profile.admit) or None, "
+                               f"got {type(admitted).__name__}")
+    if not callable(clock):
+        raise PolicyInputError(f"clock must be callable, got {type(clock).__name__}")
+    if isinstance(candidates, (str, bytes)) or not isinstance(candidates, Iterable):
+        raise PolicyInputError(f"candidates must be an iterable of Candidate values, got {type(candidates).__name__}")
     minimum_blocks = settings.minimum_transfer_prefix_blocks
     minimum_saving = settings.minimum_estimated_ttft_saving_ms
 
@@ -504,21 +538,21 @@ def choose_transfer_source(target_prefix_blocks: int, candidates: Iterable[Candi
     gpu_admitted = admitted is not None and admitted.gpu_reuse_allowed
 
     budget_s = settings.transfer_source_lookup_budget_ms / 1000.0
-    start = clock()
+    start = _now(clock)
     considered = 0
     exhausted = False
     skipped: list[tuple[Candidate, DecisionReason]] = []
     best: tuple[Candidate, SavingTerms] | None = None
     pending = iter(candidates)
     while True:
-        if clock() - start > budget_s:
+        if _now(clock) - start > budget_s:
             exhausted = True  # do not start another lookup
             break
         try:
             cand = next(pending)
         except StopIteration:
             break
-        if clock() - start > budget_s:
+        if _now(clock) - start > budget_s:
             exhausted = True  # this one arrived too late; stop reading
             break
         if not isinstance(cand, Candidate):

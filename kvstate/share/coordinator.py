@@ -57,8 +57,11 @@ from typing import Any, Literal
 import attrs
 
 from kvstate import channel as chan
+from kvstate.core.args import (need, need_int, need_callables, need_items, need_kinds, need_mapping_keys, need_path, need_seconds,
+                               need_text)
 from kvstate.core.descriptor import Descriptor, decode
 from kvstate.core.errors import (
+    ArgumentInvalid,
     ChannelClosed,
     ChannelError,
     ChannelTimeout,
@@ -75,9 +78,9 @@ from kvstate.core.errors import (
 from kvstate.core.handles import HandleKind
 from kvstate.core.identity import Deployment, host_boot_id
 from kvstate.core.machine import Lifecycle, Observer, StateChange, effect, guard
-from kvstate.core.reasons import RejectReason
+from kvstate.core.reasons import ArgumentReason, RejectReason
 from kvstate.core.spec import load_machine
-from kvstate.core.validate import Expectation, ValidatedGroup, validate_group
+from kvstate.core.validate import MAX_TP, Expectation, ValidatedGroup, validate_group
 from kvstate.share import protocol_msgs as msgs
 from kvstate.share.importer import BlockRequest
 
@@ -116,14 +119,20 @@ class CoordinatorConfig:
     handle_kinds: frozenset[HandleKind] = frozenset(HandleKind)
 
     def __attrs_post_init__(self) -> None:
-        if not 1 <= self.tp <= self.max_tp:
-            raise ValueError(f"tp must be in 1..{self.max_tp}, not {self.tp}")
+        """Every field checked where the config is made (ArgumentInvalid naming it)."""
+        n = "CoordinatorConfig."
+        need(n + "deployment", self.deployment, Deployment)
+        need_int(n + "max_tp", self.max_tp, 1, MAX_TP)
+        need_int(n + "tp", self.tp, 1, self.max_tp)
+        need_path(n + "socket_dir", self.socket_dir)
+        if "/" in need_text(n + "name", self.name, 64) or self.name in (".", ".."):
+            raise ArgumentInvalid(n + "name", ArgumentReason.RANGE, "names the socket file: no '/', '.' or '..'")
         for name in ("phase_timeout_s", "heartbeat_s", "silence_s", "request_timeout_s"):
-            value = getattr(self, name)
-            if not 0 < value < 1e6:
-                raise ValueError(f"{name} must be positive and finite, not {value!r}")
+            need_seconds(n + name, getattr(self, name), allow_zero=False)
+        need(n + "check_socket", self.check_socket, bool)
+        need_kinds(n + "handle_kinds", self.handle_kinds, HandleKind)
         if self.silence_s <= 2 * self.heartbeat_s:
-            raise ValueError("silence_s must exceed two heartbeats")
+            raise ArgumentInvalid(n + "silence_s", ArgumentReason.RANGE, "must exceed two heartbeats")
 
 
 @attrs.define(eq=False)
@@ -193,7 +202,9 @@ class CoordinatedGroup(Lifecycle):
     def wait(self, states: Iterable[str], timeout: float) -> bool:
         """Wait until the group's last delivered change entered one of ``states`` (or a
         terminal state); whether it did."""
-        wanted = set(states)
+        timeout = need_seconds("timeout", timeout)
+        wanted = set(need_items("states", tuple(states) if isinstance(states, (set, frozenset)) else states,
+                                str, max_len=64))
         ended = self.table.terminal
         deadline = time.monotonic() + timeout
         with self.changed:  # the history, not the state: it is complete once a change was delivered
@@ -207,6 +218,7 @@ class CoordinatedGroup(Lifecycle):
     def drain(self, timeout: float = 30.0) -> float:
         """Stop the group (or abandon its import): fan out drain and close, wait until every
         live worker reported its part closed. Returns the seconds that took."""
+        timeout = need_seconds("timeout", timeout)
         start = time.monotonic()
         with self.locked():
             if self.may("drain"):
@@ -332,8 +344,8 @@ class Coordinator:
     them, fans out drains; see the module docstring."""
 
     def __init__(self, config: CoordinatorConfig, *, observers: Iterable[Observer] = ()) -> None:
-        self.config = config
-        self.observers = tuple(observers)
+        self.config = need("config", config, CoordinatorConfig)
+        self.observers = need_callables("observers", observers)
         self.socket_path = Path(config.socket_dir) / f"{config.name}.sock"
         self.links: dict[int, WorkerLink] = {}
         self.groups: dict[str, CoordinatedGroup] = {}
@@ -375,6 +387,7 @@ class Coordinator:
 
     def wait_for_workers(self, timeout: float) -> None:
         """Wait until a worker is connected for every rank."""
+        timeout = need_seconds("timeout", timeout)
         deadline = time.monotonic() + timeout
         with self._joined:
             while len([r for r, link in self.links.items() if link.alive]) < self.config.tp:
@@ -386,6 +399,7 @@ class Coordinator:
     # -- groups -------------------------------------------------------------------------
 
     def expectation(self, **overrides: Any) -> Expectation:
+        overrides = need_mapping_keys("overrides", overrides, [a.name for a in attrs.fields(Expectation)])
         e = Expectation(deployment=self.config.deployment, now_ns=time.time_ns(),
                         handle_kinds=self.config.handle_kinds, host_boot_id=self.boot_id, uid=os.getuid(),
                         max_tp=self.config.max_tp, check_socket=self.config.check_socket)
@@ -396,6 +410,10 @@ class Coordinator:
         """Validate the whole group here, then send each worker its descriptor to check.
         Returns at once (the group is ``checking``); GroupRejected if this validation refuses
         it (the group is ``rejected`` and no worker heard of it)."""
+        need_items("wire", wire, object, max_len=self.config.max_tp)  # each item: decode checks it
+        if blocks is not None:
+            need("blocks", blocks, BlockRequest)
+        expect = need_mapping_keys("expect", expect, [a.name for a in attrs.fields(Expectation)])
         gid = f"g{next(self._ids)}-{secrets.token_hex(3)}"
         group: CoordinatedGroup = CoordinatedGroup(self, gid, wire, blocks, self.observers)
         with self._lock:
@@ -420,7 +438,9 @@ class Coordinator:
                      timeout: float | None = None, **expect: Any) -> CoordinatedGroup:
         """:meth:`start_group`, then wait until the group is ready. Raises GroupRejected
         (a worker refused its rank's descriptor; nothing was opened) or GroupFailed; either
-        way, every live worker has rolled back when this returns."""
+        way no live worker maps a part of it when this returns. A group that ends while
+        checking opened nothing, so it does not wait: the abort it sent makes the workers
+        return the leases phase 1 took (or their connections' close does)."""
         group = self.start_group(wire, blocks=blocks, **expect)
         limit = timeout if timeout is not None else 3 * self.config.phase_timeout_s + 1.0
         group.wait(("ready",), limit)

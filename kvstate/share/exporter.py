@@ -14,7 +14,13 @@ unchanged (INV-REGISTER-ATOMIC). ``advertise`` bumps the generation and signs a
 descriptor. Importers then ask for leases over the channel; a lease is granted only
 when the request names the current incarnation and generation, and it is bound to the
 requesting connection: when the importer closes it or dies, its leases end
-(``peer_died``); a lease that outlives ``lease_timeout_s`` ends too (``lease_expired``).
+(``peer_died``). Importers renew their leases while they map the bank (``renew``); a
+lease that outlives ``lease_timeout_s`` unrenewed drains its bank (``lease_expired``) but
+is *kept*, because its importer may still map the bank: the bank is released only after
+that importer returns the lease (after unmapping) or its connection closes
+(INV-NO-RELEASE-MAPPED). The descriptor's TTL running out withdraws it
+(``descriptor_expired``); :meth:`Bank.advertise` publishes a new generation at any time
+before or after, so a long-running decode worker stays reusable.
 
 ``drain`` refuses new leases; the bank becomes ``quiescent`` only when it has no lease,
 no store left to collect, and the native layer reports zero pins on its mapping, and
@@ -41,6 +47,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import logging
 import os
 import select
 import threading
@@ -72,7 +79,9 @@ from kvstate.core.errors import (
     TransitionError,
     ViewsOutstanding,
 )
-from kvstate.core.reasons import TransferReason
+from kvstate.core.args import need, need_callables, need_choice, need_int, need_path, need_seconds, typed
+from kvstate.core.errors import ArgumentInvalid
+from kvstate.core.reasons import ArgumentReason, TransferReason
 from kvstate.core.geometry import Geometry
 from kvstate.core.handles import UNCOUNTED_KINDS, HandleKind
 from kvstate.core.identity import Deployment, FabricDomain, FabricKind, Incarnation, host_boot_id
@@ -102,19 +111,35 @@ def _positive_int(_: object, attribute: attrs.Attribute[int], value: object) -> 
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigInvalid(f"ExportConfig.{attribute.name}", f"must be an int >= 1, not {value!r:.40}")
 
+log = logging.getLogger(__name__)
+
+
+def _seconds(_: object, attribute: attrs.Attribute[float], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1e9 or value != value:
+        raise ConfigInvalid(f"ExportConfig.{attribute.name}", f"must be a finite number of seconds > 0, "
+                            f"not {value!r:.40}")
+
+
+def _socket_dir(_: object, attribute: attrs.Attribute[Path], value: object) -> None:
+    try:
+        need_path("ExportConfig.socket_dir", value)
+    except KvStateError as exc:
+        raise ConfigInvalid("ExportConfig.socket_dir", str(exc)) from None
+
 
 @attrs.frozen
 class ExportConfig:
-    deployment: Deployment
-    socket_dir: Path
+    deployment: Deployment = attrs.field(validator=typed(Deployment))
+    socket_dir: Path = attrs.field(validator=_socket_dir)
     source_id: bytes = attrs.field(validator=_source_id)  # the logical KV source: 16 bytes
     tp: int = attrs.field(validator=_positive_int)
-    lease_timeout_s: float = 30.0
-    descriptor_ttl_s: float = 300.0
-    max_leases: int = 64             # per bank
-    max_connections: int = chan.DEFAULT_MAX_CONNECTIONS  # concurrent importer connections
-    request_timeout_s: float = 5.0
-    handle_kind: HandleKind = HandleKind.MEMFD  # what the banks are exported as (the transport's kind)
+    lease_timeout_s: float = attrs.field(default=30.0, validator=_seconds)
+    descriptor_ttl_s: float = attrs.field(default=300.0, validator=_seconds)
+    max_leases: int = attrs.field(default=64, validator=_positive_int)  # per bank
+    max_connections: int = attrs.field(default=chan.DEFAULT_MAX_CONNECTIONS, validator=_positive_int)
+    request_timeout_s: float = attrs.field(default=5.0, validator=_seconds)
+    handle_kind: HandleKind = attrs.field(default=HandleKind.MEMFD,  # what the banks are exported as
+                                          validator=typed(HandleKind))
     tcp_listen: tuple[str, int] | None = None   # also serve leases over TCP: banks read from other nodes (NIXL)
 
 
@@ -134,8 +159,9 @@ class Hold:
 class BankLease:
     id: int
     channel: chan.Channel
-    expires_at: float                # time.monotonic()
+    expires_at: float                # time.monotonic(); moved on by each renewal
     blocks: LeaseGrant | None = None  # the inventory blocks this lease pins, if any
+    expired: bool = False            # ran out unrenewed: kept until returned or disconnected
 
 
 #: The bank events that end a lease without the importer asking.
@@ -187,7 +213,7 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         with self.locked():
             try:
                 self.fire("register")
-            except RegistrationFailed:
+            except KvStateError:  # RegistrationFailed, or EffectFailed: rolled back either way
                 self.fire("register_failed")
                 raise
 
@@ -238,6 +264,7 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         """Zero copy: one tensor (``"torch"``) or array (``"numpy"``) per region over the
         bank's own memory, for the engine to use as its KV cache. The bank is not
         released while any of them, or anything viewing them, is alive."""
+        need_choice("framework", framework, ("torch", "numpy"))
         if self.mapping is None or self.state in ("draining", "quiescent", "released"):
             raise TransferRejected(TransferReason.STATE, self.label, f"the bank is {self.state}; views need a "
                                    "registered bank that is not draining")
@@ -258,7 +285,13 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
 
     @guard("accepting_leases")
     def _accepting(self, **kw: Any) -> bool:
-        return len(self.leases) < self.exporter.config.max_leases and time.time_ns() < self.descriptor_expires_ns
+        return len(self.leases) < self.exporter.config.max_leases and self.descriptor is not None \
+            and time.time_ns() < self.descriptor_expires_ns
+
+    @guard("lease_live")
+    def _lease_live(self, *, lease_id: int, **kw: Any) -> bool:
+        lease = self.leases.get(lease_id)
+        return lease is not None and not lease.expired
 
     @guard("last_lease")
     def _last_lease(self, *, lease_id: int, **kw: Any) -> bool:
@@ -285,7 +318,7 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
                 t.set_access(mapping, Access.READ_WRITE)
                 step = "export"
                 handle = t.export(self.allocation, self.exporter.config.handle_kind)
-            except (KvStateError, OSError) as exc:
+            except Exception as exc:  # typed or not, every step so far is undone by the stack
                 raise RegistrationFailed(step, exc) from exc
             undo.pop_all()
         self.reservation, self.mapping, self.handle, self.owner = reservation, mapping, handle, "kvstate"
@@ -337,6 +370,35 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         def undo() -> None:
             self.leases.pop(lease_id, None)
             self.drop_hold(lease_id)
+        return undo
+
+    @effect("expire_lease")
+    def _expire(self, *, lease_id: int, **kw: Any) -> Callable[[], None]:
+        # Kept, not ended: the importer may still map the bank (INV-NO-RELEASE-MAPPED).
+        lease = self.leases[lease_id]
+        lease.expired = True
+
+        def undo() -> None:
+            lease.expired = False
+        return undo
+
+    @effect("renew_lease")
+    def _renew(self, *, lease_id: int, **kw: Any) -> Callable[[], None]:
+        lease = self.leases[lease_id]
+        before = lease.expires_at
+        lease.expires_at = time.monotonic() + self.exporter.config.lease_timeout_s
+
+        def undo() -> None:
+            lease.expires_at = before
+        return undo
+
+    @effect("withdraw_descriptor")
+    def _withdraw(self, **kw: Any) -> Callable[[], None]:
+        before = (self.descriptor, self.descriptor_expires_ns)
+        self.descriptor, self.descriptor_expires_ns = None, 0
+
+        def undo() -> None:
+            self.descriptor, self.descriptor_expires_ns = before
         return undo
 
     @effect("end_lease")
@@ -419,6 +481,9 @@ class Exporter(Generic[H, A, R, M, E]):
         directory. A name another live exporter serves is refused by :meth:`start`."""
         if not isinstance(config, ExportConfig):
             raise ConfigInvalid("config", f"must be an ExportConfig, not {type(config).__name__}")
+        if inventory is not None:
+            need("inventory", inventory, Inventory)
+        observers = need_callables("observers", observers)
         require_mapped(transport)
         self.config = config
         self.transport = transport
@@ -450,8 +515,10 @@ class Exporter(Generic[H, A, R, M, E]):
     # -- banks --------------------------------------------------------------------------
 
     def add_bank(self, rank: int, geometry: Geometry) -> Bank[H, A, R, M, E]:
+        need_int("rank", rank, 0, self.config.tp - 1)
+        need("geometry", geometry, Geometry)
         if rank in self.banks:
-            raise KvStateError(f"rank {rank} already has a bank in this exporter")
+            raise ArgumentInvalid("rank", ArgumentReason.STATE, f"rank {rank} already has a bank in this exporter")
         bank: Bank[H, A, R, M, E] = Bank(self, rank, geometry, observers=self._observers)
         self.banks[rank] = bank
         return bank
@@ -461,6 +528,7 @@ class Exporter(Generic[H, A, R, M, E]):
         """Zero copy: a registered bank for ``rank`` and one tensor per region over its
         memory (:meth:`Bank.tensors`), for the engine to use as its KV cache. Advertise
         the bank once the engine has filled blocks worth reusing."""
+        need_choice("framework", framework, ("torch", "numpy"))
         bank: Bank[H, A, R, M, E] = self.add_bank(rank, geometry)
         bank.register()
         try:
@@ -473,6 +541,9 @@ class Exporter(Generic[H, A, R, M, E]):
             raise
 
     def descriptor(self, rank: int) -> bytes:
+        need_int("rank", rank, 0, self.config.tp - 1)
+        if rank not in self.banks:
+            raise ArgumentInvalid("rank", ArgumentReason.STATE, f"no bank of rank {rank} in this exporter")
         d = self.banks[rank].descriptor
         if d is None:
             raise KvStateError(f"bank of rank {rank} is not advertised")
@@ -584,7 +655,11 @@ class Exporter(Generic[H, A, R, M, E]):
             remaining = lease.expires_at - time.monotonic()
             fd = bank.exported().fd
             fds = () if fd is None else (fd,)  # FABRIC and CUDA_IPC carry bytes only
-            return {"ok": True, "lease": lease_id, "expires_in_s": remaining}, fds
+            # What the importer checks against its descriptor before it opens anything.
+            report = {"rank": bank.rank, "generation": bank.generation, "incarnation": self.incarnation.value.hex(),
+                      "geometry": bank.geometry.fingerprint().hex(), "num_blocks": bank.geometry.num_blocks,
+                      "device_uuid": self.transport.device_uuid().hex(), "size": bank.size}
+            return {"ok": True, "lease": lease_id, "expires_in_s": remaining, "bank": report}, fds
         held = bank.leases.get(req.get("lease", -1))
         hold = bank.holds.get(req.get("lease", -1))
         if held is None and op == "release" and hold is not None and hold.channel is ch:
@@ -598,6 +673,12 @@ class Exporter(Generic[H, A, R, M, E]):
         if op == "release":
             bank.fire("release_lease", lease_id=held.id)
             return {"ok": True}, ()
+        if op == "renew":
+            try:
+                bank.fire("renew_lease", lease_id=held.id)
+            except TransitionError as exc:  # expired, or the bank drains: unmap and return it
+                return self._refuse("not_renewing", f"{'expired' if held.expired else bank.state}: {exc}")
+            return {"ok": True, "expires_in_s": held.expires_at - time.monotonic()}, ()
         return self._refuse("bad_request", f"unknown op {op!r}")
 
     def _lease_blocks(self, want: Any) -> LeaseGrant | tuple[dict[str, Any], tuple[int, ...]]:
@@ -613,16 +694,19 @@ class Exporter(Generic[H, A, R, M, E]):
                                 f"{len(result.missing)} block(s) gone): recompute")
         return result
 
-    def _end_leases(self, event: LeaseEnd, select: Callable[[BankLease], bool], *, still_open: bool) -> None:
-        """Fire ``event`` for the selected leases; ``still_open``: their importers may still
-        have the bank open, so their holds stay (Bank.end_lease)."""
+    def _end_leases(self, event: LeaseEnd, select: Callable[[BankLease], bool], *, still_open: bool,
+                    why: str = "the importer's connection closed") -> None:
+        """Fire ``event`` for the selected leases, with ``why`` as its reason; ``still_open``:
+        their importers may still have the bank open, so their holds stay (Bank.end_lease)."""
         bank: Bank[H, A, R, M, E]
         for bank in list(self.banks.values()):
             for lease in [lease for lease in list(bank.leases.values()) if select(lease)]:
                 try:
-                    bank.fire(event, lease_id=lease.id, still_open=still_open)
+                    bank.fire(event, lease_id=lease.id, still_open=still_open, reason=f"lease {lease.id}: {why}")
                 except (TransitionError, KeyError):
                     pass  # already ended by another path (release, expiry, death)
+                except KvStateError as exc:  # an effect failed and was rolled back: try again next round
+                    log.warning("%s: %s of lease %d failed: %s", bank.label, event, lease.id, exc)
 
     def _connection_closed(self, ch: chan.Channel) -> None:
         """The watcher saw ``ch`` close: its leases end; its holds too, unless this side
@@ -634,13 +718,29 @@ class Exporter(Generic[H, A, R, M, E]):
 
     def _expire_loop(self) -> None:
         while not self._stopping.wait(0.05):
-            now = time.monotonic()
-            self._end_leases("lease_expired", lambda lease: lease.expires_at <= now, still_open=True)
+            self.expire()
+
+    def expire(self) -> None:
+        """One round of the expiry thread: a lease past its time without renewal drains its
+        bank (kept until returned or disconnected); a descriptor past its TTL is withdrawn.
+        Both are observed events with a reason."""
+        now = time.monotonic()
+        self._end_leases("lease_expired", lambda lease: not lease.expired and lease.expires_at <= now,
+                         still_open=True, why=f"not renewed within {self.config.lease_timeout_s} s")
+        now_ns = time.time_ns()
+        bank: Bank[H, A, R, M, E]
+        for bank in list(self.banks.values()):
+            with bank.locked():
+                if bank.descriptor is not None and now_ns >= bank.descriptor_expires_ns \
+                        and bank.may("descriptor_expired"):
+                    bank.fire("descriptor_expired", reason=f"generation {bank.generation}: TTL of "
+                              f"{self.config.descriptor_ttl_s} s ran out")
 
     # -- draining -----------------------------------------------------------------------
 
     def drain(self, timeout: float) -> float:
         """Drain every bank, wait for native quiescence, release. Returns seconds to quiescent."""
+        timeout = need_seconds("timeout", timeout)
         start = time.monotonic()
         deadline = start + timeout
         bank: Bank[H, A, R, M, E]

@@ -42,34 +42,43 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import ExitStack
-from typing import Any, Generic, Literal, Protocol
+from typing import Any, Generic, Literal, NoReturn, Protocol, get_args
 
 import attrs
 
 from kvstate import channel as chan
 from kvstate.core.descriptor import Descriptor, decode
 from kvstate.core.errors import (
+    ArgumentInvalid,
     ChannelError,
+    ConfigInvalid,
     DescriptorRejected,
     DrainTimeout,
     GroupRejected,
+    GuardRejected,
     IllegalTransition,
     ImportFailed,
     InventoryError,
     KvStateError,
     LeaseRefused,
     LoadFailed,
+    ReuseRefused,
     ReuseStale,
     TransferRejected,
     TransitionError,
 )
-from kvstate.core.reasons import TransferReason
+from kvstate.core.args import (need, need_callables, need_choice, need_items, need_mapping_keys, need_seconds,
+                               need_text, typed)
 from kvstate.core.identity import Deployment, host_boot_id
+from kvstate.core.reasons import ArgumentReason, TransferReason
+from kvstate.reuse.gates import import_refusal
+from kvstate.reuse.policy import ReuseSettings
+from kvstate.reuse.profile import Admitted
 from kvstate.core.machine import Lifecycle, Observer, effect, guard
 from kvstate.core.spec import load_machine
 from kvstate.core.capabilities import Access, MemoryKind
 from kvstate.transport.protocol import A, E, H, M, MappedTransport, R, require_mapped
-from kvstate.core.validate import Expectation, ValidatedGroup, group_complete, validate_group
+from kvstate.core.validate import MAX_TP, Expectation, ValidatedGroup, group_complete, validate_group
 from kvstate.share import load as loads
 from kvstate.share.plan import Plan
 from kvstate.share.transfer import TransferHandle, check_timeout, stop_dispatcher_if_idle
@@ -127,19 +136,61 @@ class PartOwner(Protocol[H, A, R, M, E]):
     @property
     def state(self) -> str: ...
 
+    @property
+    def leasing(self) -> bool:
+        """True while the owner, validated whole, may take its parts' leases (phase 1)."""
+
+    @property
+    def parts(self) -> Sequence[Part[H, A, R, M, E]]:
+        """The parts that import together: phase 2 (open) starts once every one holds a
+        checked lease (a coordinated share owns its own rank's part only)."""
+
+    @property
+    def releasing(self) -> bool:
+        """True only while the owner itself closes its parts (rolling back, or closing
+        when nothing pins them): a part never closes on its own under a live owner."""
+
     def peer_closed(self, part: Part[H, A, R, M, E]) -> None:
         """The exporter of ``part`` closed its channel or exited."""
 
 
+def _seconds(_: object, attribute: attrs.Attribute[float], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1e9 or value != value:
+        raise ConfigInvalid(f"ImportConfig.{attribute.name}", f"must be a finite number of seconds > 0, "
+                            f"not {value!r:.40}")
+
+
+def _count(most: int) -> Callable[[object, attrs.Attribute[int], object], None]:
+    def check(_: object, attribute: attrs.Attribute[int], value: object) -> None:
+        if type(value) is not int or not 1 <= value <= most:
+            raise ConfigInvalid(f"ImportConfig.{attribute.name}", f"must be an int in 1..{most}, not {value!r:.40}")
+    return check
+
+
+def _optional(kind: type) -> Callable[[object, attrs.Attribute[Any], object], None]:
+    def check(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if value is not None and not isinstance(value, kind):
+            raise ConfigInvalid(f"ImportConfig.{attribute.name}", f"must be {kind.__name__} or None, "
+                                f"not {type(value).__name__}")
+    return check
+
+
 @attrs.frozen
 class ImportConfig:
-    deployment: Deployment
-    request_timeout_s: float = 5.0
-    max_tp: int = 64
-    max_parallel_imports: int = 8    # threads opening rank parts at once
-    geometry_fingerprint: bytes | None = None   # Geometry.fingerprint() of the banks, if fixed
-    block_format: bytes | None = None           # Geometry.format_fingerprint() the engine's pages hold
-    device_uuids: frozenset[bytes] | None = None
+    deployment: Deployment = attrs.field(validator=typed(Deployment))
+    request_timeout_s: float = attrs.field(default=5.0, validator=_seconds)
+    max_tp: int = attrs.field(default=64, validator=_count(MAX_TP))
+    max_parallel_imports: int = attrs.field(default=8, validator=_count(256))  # threads opening parts at once
+    geometry_fingerprint: bytes | None = attrs.field(default=None, validator=_optional(bytes))  # of the banks
+    block_format: bytes | None = attrs.field(default=None, validator=_optional(bytes))  # the engine's pages hold
+    device_uuids: frozenset[bytes] | None = attrs.field(default=None, validator=_optional(frozenset))
+    #: Leases are renewed every min(half the lease, this) seconds while leased or mapped,
+    #: so a bank that drains (and refuses renewal) gets its mappings back within this.
+    renew_interval_s: float = attrs.field(default=1.0, validator=_seconds)
+    #: The reuse switches, enforced by import_group (kvstate.reuse.gates): off by default.
+    reuse: ReuseSettings = attrs.field(default=ReuseSettings(), validator=typed(ReuseSettings))
+    #: The deployment profile admission (kvstate.reuse.profile.admit); GPU imports need one.
+    admission: Admitted | None = attrs.field(default=None, validator=_optional(Admitted))
 
 
 class Part(Lifecycle, Generic[H, A, R, M, E]):
@@ -154,8 +205,13 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         self.descriptor = descriptor
         self.rank = descriptor.rank
         self.channel: chan.Channel | None = None
+        self._channel_lock = threading.Lock()  # one request and its answer at a time
         self.lease_id: int | None = None
-        self.lease_expires_at = 0.0
+        self.lease_s = 0.0                # the lease's length as the exporter granted it
+        self.renewed_at = 0.0             # time.monotonic() of the grant or last renewal
+        self.lease_expires_at = 0.0       # time.monotonic()
+        self.received: chan.Message | None = None  # phase 1's grant, with the handle's fds
+        self.handle: H | None = None      # checked, not opened (phase 1)
         self.allocation: A | None = None
         self.reservation: R | None = None
         self.mapping: M | None = None
@@ -169,29 +225,64 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
             raise LoadFailed(f"{self.label} is not mapped")
         return self.mapping
 
+    @guard("group_importing")
+    def _importing(self, **kw: Any) -> bool:
+        return self.group.leasing
+
     @guard("group_admitted")
     def _admitted(self, **kw: Any) -> bool:
-        return self.group.state == "importing" and self.group.validated is not None
+        """Phase 2 may start: every part of the group holds a checked lease."""
+        return self.group.state == "importing" and self.group.validated is not None \
+            and all(p.state in ("leased", "imported") for p in self.group.parts)
+
+    @guard("group_releasing")
+    def _releasing(self, **kw: Any) -> bool:
+        # A ready or draining group may have loads on every part: only the owner's own rows
+        # (rollback while importing, close when quiescent) let a part go. Stricter than the
+        # model's reading (the group neither ready nor draining), which it implies.
+        return self.group.releasing
 
     @guard("part_unpinned")
     def _unpinned(self, **kw: Any) -> bool:
         return self.pins() == 0
 
-    @effect("native_import")
-    def _import(self, **kw: Any) -> Callable[[], None]:
+    @effect("native_lease")
+    def _lease(self, **kw: Any) -> Callable[[], None]:
+        """Phase 1: lease, receive the handle, check the exporter's report. Opens nothing."""
         d, t = self.descriptor, self.transport
         timeout = self.group.importer.config.request_timeout_s
         with ExitStack() as undo:
             ch = chan.connect(d.socket_path, timeout=timeout)
             undo.callback(ch.close)
             ch.send(lease_request(d, self.group.blocks), timeout=timeout)
-            with ch.recv(timeout=timeout) as msg:
-                reply = chan.decode(msg.payload)
-                if not reply.get("ok"):
-                    raise LeaseRefused(str(reply.get("code")), str(reply.get("detail")))
-                lease_id, expires_in_s = _grant_fields(reply, d.rank)
-                handle = t.receive_handle(d.handle_kind, d.handle, msg.fds)
-                allocation = t.import_(handle, d.size)
+            msg = ch.recv(timeout=timeout)
+            undo.callback(msg.close)
+            reply = chan.decode(msg.payload)
+            if not reply.get("ok"):
+                raise LeaseRefused(str(reply.get("code")), str(reply.get("detail")))
+            lease_id, expires_in_s = _grant_fields(reply, d.rank)
+            # Refused below: give the lease back now, not when the exporter sees the close.
+            undo.callback(_release_quietly, ch, d.rank, lease_id)
+            _check_report(reply, d)
+            handle = t.receive_handle(d.handle_kind, d.handle, msg.fds)
+            undo.pop_all()
+        self.channel, self.lease_id, self.received, self.handle = ch, lease_id, msg, handle
+        self.lease_s = expires_in_s
+        self.renewed_at = time.monotonic()
+        self.lease_expires_at = self.renewed_at + expires_in_s
+        self.group.importer._watch(self)
+        return self._return_lease
+
+    @effect("native_import")
+    def _import(self, **kw: Any) -> None:
+        """Phase 2: open the handle leased in phase 1, reserve, map, set access."""
+        d, t = self.descriptor, self.transport
+        ch, handle, msg = self.channel, self.handle, self.received
+        if ch is None or handle is None or msg is None:
+            raise ImportFailed(d.rank, KvStateError(f"{self.label} holds no lease to open"))
+        timeout = self.group.importer.config.request_timeout_s
+        with ExitStack() as undo:
+            allocation = t.import_(handle, d.size)
             undo.callback(t.release, allocation)
             reservation = t.reserve(d.size)
             undo.callback(t.free, reservation)
@@ -199,39 +290,100 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
             undo.callback(t.unmap, mapping)
             t.set_access(mapping, Access.READ)
             # A notification (no answer awaited): the bank moves from importing to ready.
-            ch.send(chan.encode({"op": "mapped", "rank": d.rank, "lease": lease_id}), timeout=timeout)
+            with self._channel_lock:  # the renewal thread sends on this channel too
+                ch.send(chan.encode({"op": "mapped", "rank": d.rank, "lease": self.lease_id}), timeout=timeout)
             undo.pop_all()
-        self.channel, self.lease_id = ch, lease_id
-        self.lease_expires_at = time.monotonic() + expires_in_s
+        msg.close()  # the transport holds its own duplicate of the fd now
+        self.received = self.handle = None
         self.allocation, self.reservation, self.mapping = allocation, reservation, mapping
-        self.group.importer.watch(self)
-        return self._unmap_close  # the undo of an import is its teardown
+
+    def renew(self) -> float:
+        """Renew this part's lease: the importer's expiry thread calls this for every part
+        that is leased or mapped, once half the lease has run (:meth:`Importer.renew_leases`).
+        Returns the seconds to the new expiry. LeaseRefused when the exporter refuses (the
+        lease expired there, or the bank drains: unmap and return it), ChannelError when
+        the exporter is gone."""
+        ch, lease_id = self.channel, self.lease_id
+        if ch is None or lease_id is None:
+            raise LeaseRefused("not_leased", f"{self.label} holds no lease to renew")
+        timeout = self.group.importer.config.request_timeout_s
+        with self._channel_lock:
+            ch.send(chan.encode({"op": "renew", "rank": self.rank, "lease": lease_id}), timeout=timeout)
+            with ch.recv(timeout=timeout) as msg:
+                reply = chan.decode(msg.payload)
+        if not reply.get("ok"):
+            raise LeaseRefused(str(reply.get("code")), str(reply.get("detail")))
+        expires: Any = reply.get("expires_in_s")
+        if type(expires) not in (int, float) or not 0 <= expires < 1e9:
+            raise LeaseRefused("malformed", f"malformed renewal {reply!r:.200}")
+        self.renewed_at = time.monotonic()
+        self.lease_expires_at = self.renewed_at + float(expires)
+        return float(expires)
+
+    @effect("return_lease")
+    def _return(self, **kw: Any) -> None:
+        self._return_lease()
 
     @effect("unmap_close")
     def _unmap_close(self, **kw: Any) -> None:
         """Unmap and release first (pins were checked by the guard), then return the lease.
         The transport calls straight into C: row -> this effect -> transport -> C."""
+        self._unmap()
+        self._return_lease()
+
+    def _unmap(self) -> None:
         t = self.transport
         if self.mapping is not None:
             t.unmap(self.mapping)
+            self.mapping = None
         if self.reservation is not None:
             t.free(self.reservation)
+            self.reservation = None
         if self.allocation is not None:
             t.release(self.allocation)
-        self.mapping = self.reservation = self.allocation = None
-        self._return_lease()
+            self.allocation = None
 
     def _return_lease(self) -> None:
-        """Return the lease and close its channel (after the memory is gone)."""
+        """Close the received handle, tell the exporter, close the channel (which ends the
+        lease on its own if the message does not get through)."""
+        msg, self.received, self.handle = self.received, None, None
+        if msg is not None:
+            msg.close()
         ch, self.channel = self.channel, None
         if ch is not None:
-            self.group.importer.unwatch(ch)
-            try:
-                ch.send(chan.encode({"op": "release", "rank": self.rank, "lease": self.lease_id}), timeout=1.0)
-                _expect_ok(ch, 1.0)
-            except (ChannelError, LeaseRefused):
-                pass  # exporter gone or lease already ended: closing the channel ends it too
+            self.group.importer._unwatch(ch)
+            with self._channel_lock:
+                _release_quietly(ch, self.rank, self.lease_id)
             ch.close()
+
+
+def _release_quietly(ch: chan.Channel, rank: int, lease_id: int | None) -> None:
+    """Return a lease and wait for the answer; an exporter that is gone, or a lease that
+    already ended, is fine: closing the channel ends the lease too."""
+    try:
+        ch.send(chan.encode({"op": "release", "rank": rank, "lease": lease_id}), timeout=1.0)
+        _expect_ok(ch, 1.0)
+    except (ChannelError, LeaseRefused):
+        pass
+
+
+def _check_report(reply: dict[str, Any], d: Descriptor) -> None:
+    """Phase 1's check of what the exporter reports about the bank it leased against the
+    descriptor: a restarted, re-advertised, resized or re-shaped bank is refused here,
+    before anything is opened. Exporters that report nothing are checked by the grant's
+    own refusals (incarnation and generation) only."""
+    report = reply.get("bank")
+    if report is None:
+        return
+    want = {"rank": d.rank, "generation": d.generation, "incarnation": d.incarnation.hex(),
+            "geometry": d.geometry.fingerprint().hex(), "num_blocks": d.geometry.num_blocks,
+            "device_uuid": d.device_uuid.hex(), "size": d.size}
+    if not isinstance(report, dict):
+        raise LeaseRefused("lease_mismatch", f"malformed bank report {report!r:.100}")
+    for key, value in want.items():
+        if report.get(key) != value:
+            raise LeaseRefused("lease_mismatch", f"the exporter reports {key} {report.get(key)!r:.80}, "
+                               f"the descriptor says {value!r:.80}")
 
 
 def lease_request(d: Descriptor, blocks: BlockRequest | None) -> bytes:
@@ -276,12 +428,22 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
         self.validated: ValidatedGroup | None = None
         self.blocks: BlockRequest | None = None
         self.parts: list[Part[H, A, R, M, E]] = []
+        #: Set only while the group's own rows close its parts (see Part's group_releasing).
+        self.releasing = False
+        #: When a lease of the group was lost (``expired``): it is then closed as soon as
+        #: no load pins it, so the exporter gets its bank back (INV-NO-RELEASE-MAPPED).
+        self.expired_at: float | None = None
         #: Loads submitted and not yet collected (their `loaded` has not fired).
         self.loads: set[TransferHandle] = set()
 
     @property
     def tp(self) -> int:
         return len(self.parts)
+
+    @property
+    def leasing(self) -> bool:
+        """Phase 1 runs while the group, validated whole, is importing (PartOwner)."""
+        return self.state == "importing" and self.validated is not None
 
     # -- guards -----------------------------------------------------------------------
 
@@ -316,10 +478,23 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
         self._close_parts()
 
     def _close_parts(self) -> None:
+        """Close every part that is open, trying each even when one refuses, so one
+        failing part does not keep the others' mappings and leases; then raise the first
+        failure (the group stays where it was and the caller may retry)."""
+        first: KvStateError | None = None
         p: Part[H, A, R, M, E]
-        for p in self.parts:
-            if p.may("close"):
-                p.fire("close")
+        self.releasing = True
+        try:
+            for p in self.parts:
+                try:
+                    if p.may("close"):
+                        p.fire("close")
+                except KvStateError as exc:
+                    first = first or exc
+        finally:
+            self.releasing = False
+        if first is not None:
+            raise first
 
     @effect("submit_load")
     def _submit(self, *, plan: object = None, **kw: Any) -> None:
@@ -401,35 +576,55 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
         except TransitionError:
             pass  # a concurrent transition already moved the group on
 
-    def fault(self, event: GroupFault) -> bool:
+    def fault(self, event: GroupFault, *, reason: str | None = None) -> bool:
         """Report a fault event; False when it is not declared in the current state (for
-        example a terminal one). Check and transition are one atomic step."""
+        example a terminal one). Check and transition are one atomic step. ``reason``
+        travels to the observers (StateChange.reason)."""
+        need_choice("event", event, get_args(GroupFault))
+        if reason is not None:
+            need_text("reason", reason, allow_empty=True)
         with self.locked():
             if not self.may(event):
                 return False
-            self.fire(event)
+            self.fire(event, reason=reason)
+            if event == "expired":  # the importer's expiry thread closes it once unpinned
+                self.expired_at = time.monotonic()
             return True
 
     def drain(self, timeout: float = 30.0) -> float:
-        """Refuse new loads, wait for native quiescence, close. Returns seconds to quiescent."""
+        """Refuse new loads, wait for native quiescence, close. Returns seconds to quiescent.
+        Safe to call while the importer's expiry thread settles the same group."""
+        timeout = need_seconds("timeout", timeout)
         start = time.monotonic()
-        if self.may("drain"):
-            self.fire("drain")
-        if self.state != "draining":
-            return 0.0  # an import in progress was aborted (failed), or already quiescent/closed
+        with self.locked():
+            if self.may("drain"):
+                self.fire("drain")
         while True:
             for handle in list(self.loads):
                 handle.done()  # finishes loads of backends without completion fds
-            try:
-                self.fire("quiesce")
+            if self.settle():
                 break
-            except TransitionError:
-                if time.monotonic() - start > timeout:
-                    raise DrainTimeout(f"{self.label}: pins still held after {timeout} s; nothing unmapped") from None
-                time.sleep(0.002)
-        waited = time.monotonic() - start
-        self.fire("close")
-        return waited
+            if self.state != "draining":
+                return 0.0  # an import in progress was aborted (failed), or already closed
+            if time.monotonic() - start > timeout:
+                raise DrainTimeout(f"{self.label}: pins still held after {timeout} s; nothing unmapped")
+            time.sleep(0.002)
+        return time.monotonic() - start
+
+    def settle(self) -> bool:
+        """One step of a drain that does not wait: a draining group with no pins left is
+        quiesced, and a quiescent one closed (unmapped, its leases returned). True when
+        this call closed the group."""
+        with self.locked():
+            if self.state == "draining":
+                try:
+                    self.fire("quiesce")
+                except GuardRejected:
+                    return False  # loads or pins still running
+            if self.state == "quiescent":
+                self.fire("close")
+                return True
+        return False
 
 
 class Importer(Generic[H, A, R, M, E]):
@@ -439,6 +634,9 @@ class Importer(Generic[H, A, R, M, E]):
 
     def __init__(self, config: ImportConfig, transport: MappedTransport[H, A, R, M, E], *,
                  observers: Iterable[Observer] = ()) -> None:
+        if not isinstance(config, ImportConfig):
+            raise ConfigInvalid("config", f"must be an ImportConfig, not {type(config).__name__}")
+        observers = need_callables("observers", observers)
         require_mapped(transport)
         self.config = config
         self.transport = transport
@@ -465,7 +663,17 @@ class Importer(Generic[H, A, R, M, E]):
             self._executor.shutdown(wait=True)
         stop_dispatcher_if_idle()
 
+    def check_gates(self) -> None:
+        """ReuseRefused unless this importer's config enables reuse and, for a transport
+        over device memory, GPU reuse under an admitted deployment profile
+        (:mod:`kvstate.reuse.gates`). Every path that leases or opens calls it first."""
+        refusal = import_refusal(self.config.reuse, self.config.admission, self.transport.name,
+                                 self.transport.capabilities)
+        if refusal is not None:
+            raise ReuseRefused(*refusal)
+
     def expectation(self, **overrides: Any) -> Expectation:
+        overrides = need_mapping_keys("overrides", overrides, [a.name for a in attrs.fields(Expectation)])
         e = Expectation(deployment=self.config.deployment, now_ns=time.time_ns(),
                         handle_kinds=self.transport.capabilities.handle_kinds, host_boot_id=self.boot_id, uid=os.getuid(),
                         geometry_fingerprint=self.config.geometry_fingerprint,
@@ -480,7 +688,17 @@ class Importer(Generic[H, A, R, M, E]):
         ``blocks`` names inventory blocks every part's lease must pin; if the decode
         worker no longer holds them (the inventory is advisory) this raises ReuseStale
         and the caller recomputes. ``expect`` overrides fields of the Expectation.
+        Refused with ReuseRefused, before anything is decoded or opened, unless the
+        config enables reuse (and, for a GPU transport, GPU reuse under an admitted
+        deployment profile): see :mod:`kvstate.reuse.gates`.
         """
+        self.check_gates()
+        need_items("wire", wire, object, max_len=self.config.max_tp)  # each item: decode checks it
+        if blocks is not None:
+            need("blocks", blocks, BlockRequest)
+        expect = need_mapping_keys("expect", expect, [a.name for a in attrs.fields(Expectation)])
+        if self._stopping.is_set():
+            raise ArgumentInvalid("importer", ArgumentReason.STATE, "this importer is closed")
         if blocks is not None and len(blocks.epochs) != len(wire):
             raise InventoryError(f"the block request names {len(blocks.epochs)} epoch(s) for a group of "
                                  f"{len(wire)} descriptor(s): one per rank")
@@ -513,25 +731,39 @@ class Importer(Generic[H, A, R, M, E]):
         group.fire("begin_import")
         for part in group.parts:
             part.fire("validate")
-        failures = self._open_parts(group.parts)
-        for rank in sorted(failures):
-            part = group.parts[rank]
-            if part.may("import_failed"):
-                part.fire("import_failed")
-        # Either fault rolls back every part imported so far.
-        if any(isinstance(c, LeaseRefused) and c.code == "stale_incarnation" for c in failures.values()):
-            group.fault("incarnation_changed")
-        elif failures:
-            group.fault("part_failed")
-        if failures:
-            first, cause = min(failures.items())
-            if isinstance(cause, LeaseRefused) and cause.code == "stale_inventory":
-                raise ReuseStale(first, cause) from cause
-            raise ImportFailed(first, cause) from cause
+        # Phase 1 leases and checks every rank; phase 2 opens only when all passed.
+        for phase in ("lease", "open"):
+            failures = self._each_part(group.parts, phase)
+            if failures:
+                self._fail(group, failures)
         if group.state != "importing":  # a fault arrived while importing
             raise ImportFailed(0, KvStateError(f"group {group.state} during import"))
-        group.fire("complete")
+        try:
+            group.fire("complete")
+        except TransitionError as exc:  # refused (or a concurrent fault): never left importing
+            if group.may("drain"):
+                group.fire("drain", reason=f"complete refused: {exc}")
+            raise ImportFailed(0, exc) from exc
         return group
+
+    def _fail(self, group: Group[H, A, R, M, E], failures: dict[int, Exception]) -> NoReturn:
+        """Fail the group after part failures: every part leased or imported so far is
+        rolled back (its lease returned), and the first failure is raised."""
+        part: Part[H, A, R, M, E]
+        for rank in sorted(failures):
+            part = group.parts[rank]
+            with part.locked():
+                if part.may("import_failed"):
+                    part.fire("import_failed", reason=str(failures[rank]))
+        first, cause = min(failures.items())
+        reason = f"rank {first}: {cause}"
+        if any(isinstance(c, LeaseRefused) and c.code == "stale_incarnation" for c in failures.values()):
+            group.fault("incarnation_changed", reason=reason)
+        else:
+            group.fault("part_failed", reason=reason)
+        if isinstance(cause, LeaseRefused) and cause.code == "stale_inventory":
+            raise ReuseStale(first, cause) from cause
+        raise ImportFailed(first, cause) from cause
 
     def _note_restarts(self, validated: ValidatedGroup) -> None:
         """A validated descriptor of a (source, rank) that a live group imported, from
@@ -546,25 +778,26 @@ class Importer(Generic[H, A, R, M, E]):
                 except TransitionError:
                     pass  # a concurrent transition already moved the group on
 
-    def _open_parts(self, parts: Sequence[Part[H, A, R, M, E]]) -> dict[int, BaseException]:
-        """Open every part, concurrently: each waits on its own exporter's channel, so the
-        group's import costs about one round trip, not tp of them. Returns failures by rank."""
-        failures: dict[int, BaseException] = {}
+    def _each_part(self, parts: Sequence[Part[H, A, R, M, E]], event: Literal["lease", "open"]) -> dict[int, Exception]:
+        """Fire ``event`` on every part, concurrently: each waits on its own exporter's
+        channel, so a phase costs about one round trip, not tp of them. Returns failures
+        by rank (anything raised, typed or not: the caller rolls back on every one)."""
+        failures: dict[int, Exception] = {}
 
-        def open_one(part: Part[H, A, R, M, E]) -> None:
+        def one(part: Part[H, A, R, M, E]) -> None:
             try:
-                # A fault may fail the group (and close this part) before its open starts:
-                # that is the group's failure, reported below, not this part's.
+                # A fault may fail the group (and close this part) before its step starts:
+                # that is the group's failure, reported by the caller, not this part's.
                 with part.locked():
-                    if part.may("open"):
-                        part.fire("open")
-            except (KvStateError, OSError) as exc:
+                    if part.may(event):
+                        part.fire(event)
+            except Exception as exc:
                 failures[part.rank] = exc
 
         if len(parts) == 1:
-            open_one(parts[0])
+            one(parts[0])
         else:
-            list(self._pool().map(open_one, parts))
+            list(self._pool().map(one, parts))
         return failures
 
     def _pool(self) -> ThreadPoolExecutor:
@@ -575,12 +808,12 @@ class Importer(Generic[H, A, R, M, E]):
 
     # -- fault detection ------------------------------------------------------------------
 
-    def watch(self, part: Part[H, A, R, M, E]) -> None:
+    def _watch(self, part: Part[H, A, R, M, E]) -> None:
         assert part.channel is not None
         self._owners[id(part.channel)] = part
         self._watcher.watch(part.channel, self._peer_closed)
 
-    def unwatch(self, ch: chan.Channel) -> None:
+    def _unwatch(self, ch: chan.Channel) -> None:
         self._owners.pop(id(ch), None)
         self._watcher.unwatch(ch)
 
@@ -591,18 +824,46 @@ class Importer(Generic[H, A, R, M, E]):
 
     def _expire_loop(self) -> None:
         while not self._stopping.wait(0.05):
+            live = [g for g in self.groups if g.state in ("importing", "ready", "draining", "quiescent")]
             try:
-                self.expire_leases([g for g in self.groups if g.state == "ready"])
-            except TransitionError:
+                self.renew_leases(live)
+                self.expire_leases([g for g in live if g.state == "ready"])
+                for group in live:  # a group that lost a lease lets go of the bank promptly
+                    if group.expired_at is not None:
+                        group.settle()
+            except KvStateError:
                 pass  # the group moved on concurrently; the next round looks again
+
+    def renew_leases(self, groups: Iterable[Group[H, A, R, M, E]]) -> list[Group[H, A, R, M, E]]:
+        """Renew every lease of every part still leased or mapped, once half its term or
+        ``renew_interval_s`` has passed since its grant or last renewal (the expiry thread
+        calls this every 50 ms). A renewal the exporter refuses, or cannot
+        answer, is the group's ``expired`` fault, with the reason: the group drains, then
+        unmaps and returns its leases. Returns the groups that faulted."""
+        groups = need_items("groups", groups, Group)
+        faulted: list[Group[H, A, R, M, E]] = []
+        every = self.config.renew_interval_s
+        group: Group[H, A, R, M, E]
+        for group in groups:
+            for part in list(group.parts):
+                if part.channel is None or time.monotonic() - part.renewed_at < min(part.lease_s / 2, every):
+                    continue
+                try:
+                    part.renew()
+                except KvStateError as exc:
+                    if group.fault("expired", reason=f"{part.label}: lease renewal failed: {exc}"):
+                        faulted.append(group)
+                    break
+        return faulted
 
     def expire_leases(self, groups: Iterable[Group[H, A, R, M, E]]) -> list[Group[H, A, R, M, E]]:
         """Fire ``expired`` on every group holding a lease past its expiry; return them."""
+        groups = need_items("groups", groups, Group)
         now = time.monotonic()
         expired: list[Group[H, A, R, M, E]] = []
         group: Group[H, A, R, M, E]
         for group in groups:
-            if any(p.lease_id is not None and p.lease_expires_at <= now for p in group.parts) \
-                    and group.fault("expired"):
+            late = [p.label for p in group.parts if p.lease_id is not None and p.lease_expires_at <= now]
+            if late and group.fault("expired", reason=f"lease of {', '.join(late)} ran out unrenewed"):
                 expired.append(group)
         return expired

@@ -12,13 +12,16 @@ worker leases, checks, opens and maps nothing of any other rank.
 
 Commands arrive on one reader thread: ``check`` (decode and validate this rank's
 descriptor completely, with this worker's own expectations: its transport's handle kinds,
-its devices, the socket path), ``open`` (lease, open and map, on a separate thread so the
-reader stays responsive), ``ready`` (loads may run), ``drain``, ``close`` and ``abort``.
+its devices, the socket path; then, on a separate thread so the reader stays responsive,
+lease this rank's bank and check the exporter's report: phase 1, nothing opened), ``open``
+(open and map the leased part, on a separate thread; sent only once every rank holds a
+checked lease), ``ready`` (loads may run), ``drain``, ``close`` and ``abort``.
 Each step the coordinator needs is reported back (the table's ``report`` effect marks the
 row; the report, naming the state entered, goes out once the state is committed).
 
 What the worker sees for itself: its exporter's death (the part's channel, through the
-importer's watcher) and its coordinator's death: EOF or pidfd on the coordinator's
+importer's watcher) or withdrawal (the housekeeper renews each lease while it is held; a
+refused renewal or a lapsed lease counts as the exporter's death), and its coordinator's death: EOF or pidfd on the coordinator's
 connection, or silence past ``silence_s`` (the coordinator ticks every heartbeat, so a
 hung coordinator is told from a busy one). A worker that survives its coordinator cleans
 up alone, within the silence bound (at most the lease time): before ready it rolls back
@@ -43,6 +46,8 @@ from typing import Any, Generic, Literal
 import attrs
 
 from kvstate import channel as chan
+from kvstate.core.args import need, need_bytes, need_callables, need_int, need_items, need_kinds, need_path, \
+    need_seconds, need_text
 from kvstate.core.descriptor import Descriptor, decode
 from kvstate.core.errors import (
     ChannelClosed,
@@ -64,9 +69,11 @@ from kvstate.core.identity import Deployment, host_boot_id
 from kvstate.core.machine import Lifecycle, Observer, StateChange, effect, guard
 from kvstate.core.reasons import RejectReason, TransferReason
 from kvstate.core.spec import load_machine
-from kvstate.core.validate import Expectation, descriptor_problems
+from kvstate.core.validate import MAX_TP, Expectation, descriptor_problems
 from kvstate.share import load as loads
 from kvstate.share import protocol_msgs as msgs
+from kvstate.reuse.policy import ReuseSettings
+from kvstate.reuse.profile import Admitted
 from kvstate.share.importer import BlockRequest, ImportConfig, Importer, LoadResult, Part
 from kvstate.share.plan import Plan, block_ids
 from kvstate.share.remote_part import RemotePart
@@ -89,16 +96,38 @@ class WorkerConfig:
     tp: int
     coordinator_path: Path
     request_timeout_s: float = 5.0    # hello, lease requests
+    #: Leases are renewed every min(half the lease, this) seconds while the part holds one
+    #: (phase 1 on), as the in-process importer does (ImportConfig.renew_interval_s).
+    renew_interval_s: float = 1.0
     max_tp: int = 64
     geometry_fingerprint: bytes | None = None
     device_uuids: frozenset[bytes] | None = None
     check_socket: bool = True
     drain_poll_s: float = 0.002       # how often a draining share looks at its pins
     keep_ended: int = 32              # ended shares kept for inspection
+    #: The reuse switches and profile admission its importer enforces (off by default).
+    reuse: ReuseSettings = ReuseSettings()
+    admission: Admitted | None = None
 
     def __attrs_post_init__(self) -> None:
-        if not 1 <= self.tp <= self.max_tp or not 0 <= self.rank < self.tp:
-            raise ValueError(f"rank {self.rank} of tp {self.tp} (max tp {self.max_tp})")
+        """Every field checked where the config is made (ArgumentInvalid naming it)."""
+        n = "WorkerConfig."
+        need(n + "deployment", self.deployment, Deployment)
+        need_int(n + "max_tp", self.max_tp, 1, MAX_TP)
+        need_int(n + "tp", self.tp, 1, self.max_tp)
+        need_int(n + "rank", self.rank, 0, self.tp - 1)
+        need_path(n + "coordinator_path", self.coordinator_path)
+        for name in ("request_timeout_s", "renew_interval_s", "drain_poll_s"):
+            need_seconds(n + name, getattr(self, name), allow_zero=False)
+        if self.geometry_fingerprint is not None:
+            need_bytes(n + "geometry_fingerprint", self.geometry_fingerprint, 64)
+        if self.device_uuids is not None:
+            need_kinds(n + "device_uuids", self.device_uuids, bytes)
+        need(n + "check_socket", self.check_socket, bool)
+        need_int(n + "keep_ended", self.keep_ended, 1, 1 << 16)
+        need(n + "reuse", self.reuse, ReuseSettings)
+        if self.admission is not None:
+            need(n + "admission", self.admission, Admitted)
 
 
 class RankShare(Lifecycle, Generic[H, A, R, M, E]):
@@ -118,15 +147,29 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
         self.blocks: BlockRequest | None = None
         self.validated: Descriptor | None = None
         self.part: Part[H, A, R, M, E] | None = None
+        self.releasing = False  # True only while the share's own row closes its part
         #: Loads submitted and not yet finished: their ops pin the part.
         self.loads: set[TransferHandle] = set()
         self.problems: list[DescriptorRejected] = []
         self.cause = ""
         self.import_s: float | None = None
+        self.lease_took_s = 0.0
+        self.bank_withdrawn = False  # exporter_died was fired: renewal stops
         self.unmapped_at: float | None = None  # time.monotonic() when its part was unmapped
         #: Committed steps whose report has not gone out yet.
         self.reports_due = 0
         self.changed = threading.Condition(self._kv_lock)
+
+    @property
+    def leasing(self) -> bool:
+        """Phase 1 runs while this rank checks its descriptor: the coordinator validated the
+        whole group first, and opens only once every rank reported a checked lease."""
+        return self.state == "checking" and self.validated is not None
+
+    @property
+    def parts(self) -> list[Part[H, A, R, M, E]]:
+        """The parts that import together here: this rank's own (PartOwner)."""
+        return [] if self.part is None else [self.part]
 
     # -- reports ------------------------------------------------------------------------
 
@@ -162,18 +205,32 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
             self.reports_due -= 1
         return undo
 
+    @effect("lease_part")
+    def _lease_part(self, **kw: Any) -> Callable[[], None]:
+        """Phase 1 for this rank: lease its bank and check the exporter's report against the
+        descriptor. Nothing is opened: the coordinator says open only once every rank
+        reported this (so a rank refused here means zero opens for the whole group)."""
+        part: Part[H, A, R, M, E] | None = self.part
+        assert part is not None  # _check made it
+        self.importer.check_gates()  # reuse enabled (and, for GPU memory, an admitted profile)
+        start = time.monotonic()
+        part.fire("lease")
+        self.lease_took_s = time.monotonic() - start
+        return self._close_part
+
     @effect("import_part")
     def _import_part(self, **kw: Any) -> Callable[[], None]:
+        """Phase 2: open and map the handle leased in phase 1."""
         part: Part[H, A, R, M, E] | None = self.part
-        assert part is not None  # validate made it
+        assert part is not None  # _check made it
         start = time.monotonic()
         try:
             part.fire("open")
         except BaseException:
             if part.may("import_failed"):
-                part.fire("import_failed")
+                part.fire("import_failed")  # returns the lease
             raise
-        self.import_s = time.monotonic() - start
+        self.import_s = self.lease_took_s + time.monotonic() - start  # both phases
         return self._close_part
 
     @effect("rollback_part")
@@ -187,8 +244,12 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
     def _close_part(self) -> None:
         part: Part[H, A, R, M, E] | None = self.part
         if part is not None and part.may("close"):
-            was_mapped = part.channel is not None  # imported: mapped here, or a remote view
-            part.fire("close")
+            was_mapped = part.state == "imported"  # mapped here, or a remote view
+            self.releasing = True  # the share's own row lets its part go (Part's group_releasing)
+            try:
+                part.fire("close")
+            finally:
+                self.releasing = False
             if was_mapped:
                 self.unmapped_at = time.monotonic()
 
@@ -213,10 +274,33 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
 
     def peer_closed(self, part: Part[H, A, R, M, E]) -> None:
         """The exporter of this share's part went away."""
+        self.withdrawn("its exporter's connection closed")
+
+    def withdrawn(self, why: str) -> None:
+        """The bank under this share's part is gone for it (its exporter died, refused to
+        renew the lease, or the lease ran out): before ready roll back, after ready drain."""
         with self.locked():
+            self.bank_withdrawn = True
             if self.may("exporter_died"):
-                self.fire("exporter_died")
+                self.cause = self.cause or why
+                self.fire("exporter_died", reason=why)
         self.worker.kick()
+
+    def renew_due(self, every: float) -> None:
+        """Renew the part's lease once half its term or ``every`` seconds have passed since
+        the grant or the last renewal; a refusal or a lapse withdraws the bank."""
+        part: Part[H, A, R, M, E] | None = self.part
+        if part is None or part.channel is None or part.lease_id is None or self.is_terminal or self.bank_withdrawn:
+            return
+        now = time.monotonic()
+        if part.lease_expires_at <= now:
+            self.withdrawn(f"the lease of {part.label} ran out unrenewed")
+        elif now - part.renewed_at >= min(part.lease_s / 2, every):
+            try:
+                part.renew()
+            except (KvStateError, OSError) as exc:
+                if part.channel is not None:  # not just closed by the share's own row
+                    self.withdrawn(f"lease renewal of {part.label} failed: {exc}")
 
     def load(self, bank_block_ids: Sequence[int], dst_tensors: Mapping[str, Any],
              dst_block_ids: Sequence[int]) -> TransferHandle:
@@ -306,14 +390,15 @@ class RankWorker(Generic[H, A, R, M, E]):
 
     def __init__(self, config: WorkerConfig, transport: MappedTransport[H, A, R, M, E], *,
                  remote: NixlTransport | None = None, observers: Iterable[Observer] = ()) -> None:
-        self.config = config
-        self.transport = transport
+        self.config = need("config", config, WorkerConfig)
+        self.transport = transport  # the importer below checks it
         #: Reads parts on other nodes (NIXL descriptors); None: only parts this node can map.
-        self.remote = remote
-        self.observers = tuple(observers)
-        self.importer: Importer[H, A, R, M, E] = Importer(ImportConfig(config.deployment, request_timeout_s=config.request_timeout_s,
-                                              max_tp=config.max_tp, geometry_fingerprint=config.geometry_fingerprint,
-                                              device_uuids=config.device_uuids), transport)
+        self.remote = None if remote is None else need("remote", remote, NixlTransport)
+        self.observers = need_callables("observers", observers)
+        self.importer: Importer[H, A, R, M, E] = Importer(ImportConfig(
+            config.deployment, request_timeout_s=config.request_timeout_s, max_tp=config.max_tp,
+            geometry_fingerprint=config.geometry_fingerprint, device_uuids=config.device_uuids,
+            reuse=config.reuse, admission=config.admission), transport)
         self.boot_id = host_boot_id()
         self.shares: dict[str, RankShare[H, A, R, M, E]] = {}
         self.ended: collections.deque[RankShare[H, A, R, M, E]] = collections.deque(maxlen=config.keep_ended)
@@ -355,6 +440,7 @@ class RankWorker(Generic[H, A, R, M, E]):
     def close(self, timeout: float = 10.0) -> None:
         """Leave the coordinator: every share cleans up as if it had died (loads in flight
         finish first), then stop. Idempotent."""
+        timeout = need_seconds("timeout", timeout)
         if self._stopping.is_set():
             return
         ch = self._channel
@@ -379,12 +465,17 @@ class RankWorker(Generic[H, A, R, M, E]):
     # -- what the engine reads ----------------------------------------------------------
 
     def share(self, gid: str) -> RankShare[H, A, R, M, E] | None:
+        need_text("gid", gid, 256)
         with self._lock:
             found = self.shares.get(gid)
             return found if found is not None else next((s for s in self.ended if s.gid == gid), None)
 
     def wait(self, gid: str, states: Iterable[str], timeout: float) -> RankShare[H, A, R, M, E] | None:
         """Wait until this worker's share of ``gid`` exists and is in ``states`` (or ended)."""
+        need_text("gid", gid, 256)
+        timeout = need_seconds("timeout", timeout)
+        states = need_items("states", tuple(states) if isinstance(states, (set, frozenset)) else states,
+                            str, max_len=64)
         wanted = set(states)
         deadline = time.monotonic() + timeout
         while True:
@@ -516,7 +607,26 @@ class RankWorker(Generic[H, A, R, M, E]):
             part = Part(share, descriptor)
         share.part = part
         part.fire("validate")
-        share.fire("validate")
+        # Phase 1 (the lease) talks to the exporter: off the reader, like the open.
+        self._spawn(self._lease, share)
+
+    def _lease(self, share: RankShare[H, A, R, M, E]) -> None:
+        """Validate the share: lease its bank and check the report (the rank's validate
+        row); a refused or mismatched lease fails the share, having opened nothing."""
+        with share.locked():
+            if not share.may("validate"):
+                share._close_part()  # aborted (or orphaned) before the lease started
+            else:
+                try:
+                    share.fire("validate")
+                except (KvStateError, OSError) as exc:
+                    share.cause = f"lease: {type(exc).__name__}: {exc}"
+                    part: Part[H, A, R, M, E] | None = share.part
+                    if part is not None and part.may("import_failed"):
+                        part.fire("import_failed")
+                    if share.may("import_failed"):
+                        share.fire("import_failed")
+        self._forget_ended()
 
     def _problems(self, d: Descriptor) -> list[DescriptorRejected]:
         """Every rule this rank's descriptor breaks, checked by this worker completely."""
@@ -550,7 +660,8 @@ class RankWorker(Generic[H, A, R, M, E]):
         self._forget_ended()
 
     def _spawn(self, target: Callable[[RankShare[H, A, R, M, E]], None], share: RankShare[H, A, R, M, E]) -> None:
-        t = threading.Thread(target=target, args=(share,), name=f"kvstate-rank{self.config.rank}-open", daemon=True)
+        t = threading.Thread(target=target, args=(share,), name=f"kvstate-rank{self.config.rank}-{target.__name__[1:]}",
+                             daemon=True)
         t.start()
         with self._lock:
             self._threads = [x for x in self._threads if x.is_alive()] + [t]
@@ -590,6 +701,10 @@ class RankWorker(Generic[H, A, R, M, E]):
                             pass  # a load still pins the part: the next round looks again
             if draining:
                 self._forget_ended()
+            with self._lock:
+                live = [s for s in self.shares.values() if not s.is_terminal]
+            for share in live:
+                share.renew_due(self.config.renew_interval_s)
             if not self.coordinator_gone and time.monotonic() - self._last_heard > self.silence_s:
                 ch = self._channel
                 if ch is not None:

@@ -4,9 +4,11 @@ A :class:`RemotePart` is a :class:`~kvstate.share.importer.Part` (``spec/part.to
 same rows, guards and effects by name) whose bank lives on another node, exported by
 :class:`~kvstate.transport.nixl.exporting.NixlExportingHost`:
 
-- leased: ``native_import`` asks the exporter for a lease over the control channel (TCP
-  across nodes, :mod:`kvstate.channel.tcp`; the descriptor names the address), then
-  checks the NIXL handle bytes and loads the peer agent's metadata. Nothing is mapped: a
+- leased (phase 1, ``native_lease``): asks the exporter for a lease over the control
+  channel (TCP across nodes, :mod:`kvstate.channel.tcp`; the descriptor names the
+  address) and checks its report; opened (phase 2, ``native_import``, once every rank of
+  the group holds a lease): checks the NIXL handle bytes and loads the peer agent's
+  metadata. Nothing is mapped: a
   NIXL part is read with one-sided READs, each under a :class:`LeaseGate` whose deadline
   the importer computes from the moment it asked, so it never outlives the exporter's;
 - pinned: every READ in flight counts as a pin, so ``part_unpinned`` (and with it a
@@ -32,7 +34,7 @@ from kvstate.channel.tcp import SCHEME, connect_tcp
 from kvstate.core.descriptor import Descriptor
 from kvstate.core.errors import LeaseRefused, LoadFailed
 from kvstate.core.machine import effect, guard
-from kvstate.share.importer import Part, PartOwner, _grant_fields, lease_request
+from kvstate.share.importer import Part, PartOwner, _check_report, _grant_fields, _release_quietly, lease_request
 from kvstate.transport.nixl.transport import LeaseGate, NixlAllocation, NixlRemote, NixlTransport
 from kvstate.transport.protocol import A, E, H, M, R
 
@@ -63,8 +65,10 @@ class RemotePart(Part[H, A, R, M, E]):
     def _unpinned(self, **kw: Any) -> bool:
         return self.pins() == 0
 
-    @effect("native_import")
-    def _import(self, **kw: Any) -> Callable[[], None]:
+    @effect("native_lease")
+    def _lease(self, **kw: Any) -> Callable[[], None]:
+        """Phase 1: the lease over the control channel and its checks; nothing is opened
+        (NIXL has not seen the handle yet)."""
         d = self.descriptor
         timeout = self.group.importer.config.request_timeout_s
         asked_ns = time.monotonic_ns()
@@ -77,16 +81,48 @@ class RemotePart(Part[H, A, R, M, E]):
             if not reply.get("ok"):
                 raise LeaseRefused(str(reply.get("code")), str(reply.get("detail")))
             lease_id, expires_in_s = _grant_fields(reply, d.rank)
+            undo.callback(_release_quietly, ch, d.rank, lease_id)
+            _check_report(reply, d)
             gate = LeaseGate(self.label, requested_at_ns=asked_ns, duration_s=max(expires_in_s, 1e-3))
+            undo.pop_all()
+        self.channel, self.lease_id, self.gate = ch, lease_id, gate
+        self.lease_s = expires_in_s
+        self.renewed_at = time.monotonic()
+        self.lease_expires_at = self.renewed_at + expires_in_s
+        self.group.importer._watch(self)
+        return self._return_lease
+
+    @effect("native_import")
+    def _import(self, **kw: Any) -> None:
+        """Phase 2: check the NIXL handle bytes and load the peer's metadata."""
+        d = self.descriptor
+        ch = self.channel
+        if ch is None:
+            raise LeaseRefused("not_leased", f"{self.label} holds no lease to open")
+        timeout = self.group.importer.config.request_timeout_s
+        with ExitStack() as undo:
             remote = self.nixl.import_(d.handle, d.size)  # checks the handle bytes before NIXL sees them
             undo.callback(self.nixl.close_remote, remote, "import rolled back")
-            ch.send(chan.encode({"op": "mapped", "rank": d.rank, "lease": lease_id}), timeout=timeout)
+            with self._channel_lock:
+                ch.send(chan.encode({"op": "mapped", "rank": d.rank, "lease": self.lease_id}), timeout=timeout)
             undo.pop_all()
-        self.channel, self.lease_id = ch, lease_id
-        self.lease_expires_at = time.monotonic() + expires_in_s
-        self.remote, self.gate = remote, gate
-        self.group.importer.watch(self)
-        return self._unmap_close
+        self.remote = remote
+
+    def renew(self) -> float:
+        """Renew the lease, and with it the READ gate: its new deadline counts from the
+        moment the renewal was asked, so it never outlives the exporter's."""
+        asked_ns = time.monotonic_ns()
+        expires_in_s = super().renew()
+        if self.gate is not None and self.gate.live:
+            self.gate = LeaseGate(self.label, requested_at_ns=asked_ns, duration_s=max(expires_in_s, 1e-3))
+        return expires_in_s
+
+    def _return_lease(self) -> None:
+        """End the gate (no READ starts after this), then return the lease."""
+        if self.gate is not None:
+            self.gate.end("returned")
+        self.gate = None
+        super()._return_lease()
 
     @effect("unmap_close")
     def _unmap_close(self, **kw: Any) -> None:
@@ -95,7 +131,7 @@ class RemotePart(Part[H, A, R, M, E]):
             self.gate.end("closed")
         if self.remote is not None:
             self.nixl.close_remote(self.remote, "closed")
-        self.remote = self.gate = None
+        self.remote = None
         self._return_lease()
 
     # -- loads --------------------------------------------------------------------------

@@ -25,6 +25,7 @@ does not. The transport is registered explicitly (``Registry.register(HostTransp
 
 from __future__ import annotations
 
+import fcntl
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -33,7 +34,9 @@ import attrs
 
 from kvstate.core import handles, identity
 from kvstate.core.capabilities import Access, Capabilities, MemoryKind, Scope
-from kvstate.core.errors import FdIdentityMismatch, HandleFdsMismatch, ImportRefused, KvStateError, NativeInvalidArgument
+from kvstate.core.errors import (FdIdentityMismatch, FdNotMemfd, FdUnsealed, HandleFdsMismatch, ImportRefused,
+                                 KvStateError, NativeInvalidArgument)
+from kvstate.core.args import need, need_bytes, need_int, need_items
 from kvstate.core.handles import HandleKind
 from kvstate.transport.native import Native, Op, RawBuffer, default
 from kvstate.transport.protocol import Block, RegionStats
@@ -45,6 +48,7 @@ if TYPE_CHECKING:
     from kvstate.transport.protocol import ExportingTransport, HostView, MappedTransport
 
 DEFAULT_GRANULARITY = 2 << 20
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 class HandleKindUnsupported(KvStateError):
@@ -112,6 +116,9 @@ class HostTransport:
     name = "host"
 
     def __init__(self, *, granularity: int = DEFAULT_GRANULARITY, native: Native | None = None) -> None:
+        need_int("granularity", granularity, 1, 1 << 40)
+        if native is not None:
+            need("native", native, Native)
         self._native = nat = native or default()
         self._lib, self._ffi = nat.lib, nat.ffi
         page = nat.page_size
@@ -140,7 +147,8 @@ class HostTransport:
         return host_device_uuid()
 
     def _sized(self, what: str, size: int) -> None:
-        if size <= 0 or size % self._granularity:
+        need_int("size", size, 1, 1 << 48)
+        if size % self._granularity:
             raise NativeInvalidArgument(what, -1, f"size {size} is not a positive multiple of the "
                                         f"granularity {self._granularity}")
 
@@ -154,6 +162,8 @@ class HostTransport:
 
     def export(self, allocation: HostAllocation, kind: HandleKind) -> HostHandle:
         """The allocation's fd, borrowed: send it (SCM_RIGHTS dups it), never close it."""
+        need("allocation", allocation, HostAllocation)
+        need("kind", kind, HandleKind)
         if kind is not HandleKind.MEMFD:
             raise HandleKindUnsupported(f"the host backend exports only memfd handles, not {kind.value}")
         out = self._ffi.new("int32_t *")
@@ -165,15 +175,29 @@ class HostTransport:
     def receive_handle(self, kind: HandleKind, data: bytes, fds: Sequence[int]) -> HostHandle:
         """The handle a descriptor names, with the one fd received with it (borrowed: the
         caller still closes it). Checked again, against the fd itself, by import_."""
+        need("kind", kind, HandleKind)
+        need_bytes("data", data, 64)
+        fds = need_items("fds", fds, int, 16)
         if kind is not HandleKind.MEMFD:
             raise HandleKindUnsupported(f"the host backend imports only memfd handles, not {kind.value}")
         if len(fds) != 1:
             raise HandleFdsMismatch(f"expected one memfd, got {len(fds)} fd(s)")
+        # Checked here already, so a group's phase 1 refuses a wrong fd before any rank opens.
+        try:
+            identity = fd_identity_of(fds[0])
+            seals = fcntl.fcntl(fds[0], fcntl.F_GET_SEALS)
+        except OSError as exc:
+            raise FdNotMemfd("receive_handle", -1, f"fd {fds[0]} is not a sealable memfd: {exc.strerror}") from None
+        if identity != data:
+            raise FdIdentityMismatch("receive_handle", -1, f"fd {fds[0]} is not the file its descriptor names")
+        if seals & _SEALS != _SEALS:
+            raise FdUnsealed("receive_handle", -1, f"fd {fds[0]} lacks the shrink, grow and seal seals")
         return HostHandle(fds[0], data)
 
     def import_(self, handle: HostHandle, size: int) -> HostAllocation:
         """Check a received memfd and adopt a duplicate of it (C checks: a memfd, exactly
         ``size`` bytes, sealed). The caller still owns (and closes) ``handle.fd``."""
+        need("handle", handle, HostHandle)
         if handle.kind is not HandleKind.MEMFD:
             raise HandleKindUnsupported(f"the host backend imports only memfd handles, not {handle.kind.value}")
         self._sized("import", size)
@@ -203,12 +227,16 @@ class HostTransport:
 
     def free(self, reservation: HostReservation) -> None:
         """Return a reservation's address space (cuMemAddressFree); refused while mapped."""
+        need("reservation", reservation, HostReservation)
         rc = self._lib.kvs_free_reservation(reservation.id)
         if rc:
             raise self._native.error(rc, "kvs_free_reservation", f"reservation {reservation.id}")
 
     def map(self, reservation: HostReservation, offset: int, allocation: HostAllocation) -> HostMapping:
         """Map the allocation at ``offset`` in the reservation, with no access."""
+        need("reservation", reservation, HostReservation)
+        need("allocation", allocation, HostAllocation)
+        need_int("offset", offset, 0, 1 << 48)
         if offset < 0 or offset % self._granularity:
             raise NativeInvalidArgument("map", -1, f"offset {offset} is not a multiple of the "
                                         f"granularity {self._granularity}")
@@ -220,16 +248,20 @@ class HostTransport:
         return HostMapping(region[0], addr[0], allocation.size, allocation, reservation)
 
     def set_access(self, mapping: HostMapping, access: Access) -> None:
+        need("mapping", mapping, HostMapping)
+        need("access", access, Access)
         rc = self._lib.kvs_set_access(mapping.region, self._access[access])
         if rc:
             raise self._native.error(rc, "kvs_set_access", f"region {mapping.region}, access {access.value}")
 
     def unmap(self, mapping: HostMapping) -> None:
+        need("mapping", mapping, HostMapping)
         rc = self._lib.kvs_unmap(mapping.region)
         if rc:
             raise self._native.error(rc, "kvs_unmap", f"region {mapping.region}")
 
     def release(self, allocation: HostAllocation) -> None:
+        need("allocation", allocation, HostAllocation)
         rc = self._lib.kvs_release(allocation.id)
         if rc:
             raise self._native.error(rc, "kvs_release", f"allocation {allocation.id}")
@@ -247,21 +279,25 @@ class HostTransport:
 
     def pin(self, mapping: HostMapping) -> None:
         """An explicit pin (a lease's): unmap and release refuse until :meth:`unpin`."""
+        need("mapping", mapping, HostMapping)
         rc = self._lib.kvs_region_pin(mapping.region)
         if rc:
             raise self._native.error(rc, "kvs_region_pin", f"region {mapping.region}")
 
     def unpin(self, mapping: HostMapping) -> None:
+        need("mapping", mapping, HostMapping)
         rc = self._lib.kvs_region_unpin(mapping.region)
         if rc:
             raise self._native.error(rc, "kvs_region_unpin", f"region {mapping.region} (explicit pins only)")
 
     def stats(self, mapping: HostMapping) -> RegionStats:
         """Pins, ops in flight, completed and failed ops and bytes of one mapping."""
+        need("mapping", mapping, HostMapping)
         return self._native.region_stats(mapping.region)
 
     def view(self, mapping: HostMapping) -> memoryview:
         """The mapping's bytes. Touching them before set_access faults (SIGSEGV)."""
+        need("mapping", mapping, HostMapping)
         st = self._native.region_stats(mapping.region)  # refuses a mapping that is gone
         return memoryview(self._ffi.buffer(self._ffi.cast("char *", st.addr), st.size))
 

@@ -283,6 +283,8 @@ class Native:
         buffer. A buffer's export (``ffi.from_buffer``) is the keepalive: it is given back
         (:meth:`_release`) on every path, so no export outlives its op."""
         if isinstance(ep, int):
+            if isinstance(ep, bool) or not 0 < ep < 1 << 64:
+                raise errors.NativeInvalidArgument("kvs_submit", -1, f"region id {ep!r} is not a positive u64")
             return int(ep), 0, 0, None
         if isinstance(ep, RawBuffer):
             return 0, ep.addr, ep.size, None  # its owner keeps the memory alive

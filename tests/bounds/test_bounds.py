@@ -19,6 +19,7 @@ from kvstate import channel as chan
 from kvstate.reuse import profile
 from kvstate.core.descriptor import MAX_DESCRIPTOR_BYTES, decode, encode
 from kvstate.core.errors import (
+    KvStateError,
     CapabilitiesInvalid,
     ChannelClosed,
     ChannelTimeout,
@@ -42,6 +43,7 @@ from kvstate.transport.host import HostTransport
 from kvstate.core.validate import MAX_TP, validate_group
 
 from support.descriptors import DEPLOYMENT, descriptor, expectation
+from support.reuse import REUSE_ON
 
 GEOMETRY = Geometry.uniform(layers=1, kv_heads=2, head_dim=8, block_tokens=4, dtype=DType.BF16,
                     layout=Layout.BLOCK_MAJOR, num_blocks=8)
@@ -114,7 +116,7 @@ def test_connection_handlers_are_capped_with_a_typed_refusal(make_exporter: type
             with pytest.raises(ChannelClosed):
                 extra.recv(timeout=2.0)
         assert threading.active_count() <= threads
-        im = Importer(ImportConfig(DEPLOYMENT), HostTransport(granularity=64 * 1024))
+        im = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON), HostTransport(granularity=64 * 1024))
         try:
             with pytest.raises(ImportFailed) as info:
                 im.import_group([ex.descriptor(0)])
@@ -142,7 +144,7 @@ def _lease_or_none(ch: chan.Channel, ex: Exporter) -> bool:
 
 
 def test_server_rejects_a_zero_connection_cap() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(KvStateError):  # typed, with a reason (issue 14, class 1)
         chan.Server(private_dir() / "x.sock", max_connections=0)
 
 
@@ -168,9 +170,9 @@ def test_channel_payload_and_fd_caps() -> None:
         big_end.send(b"ok")  # the channel still works after refusals
         with small_end.recv(timeout=1.0) as msg:
             assert msg.payload == b"ok"
-    with pytest.raises(ValueError):
+    with pytest.raises(KvStateError):  # typed, with a reason (issue 14, class 1)
         chan.Limits(max_payload=chan.HARD_MAX_PAYLOAD + 1)
-    with pytest.raises(ValueError):
+    with pytest.raises(KvStateError):  # typed, with a reason (issue 14, class 1)
         chan.Limits(max_fds=chan.HARD_MAX_FDS + 1)
 
 
@@ -181,7 +183,7 @@ def test_every_channel_wait_has_a_timeout() -> None:
         with pytest.raises(ChannelTimeout):
             ch.recv(timeout=0.05)
         assert time.monotonic() - start < 1.0
-        with pytest.raises(ValueError):
+        with pytest.raises(KvStateError):  # typed, with a reason (issue 14, class 1)
             ch.recv(timeout=float("inf"))
     b.close()
 
@@ -210,7 +212,7 @@ def test_tp_cap() -> None:
 
 def test_importer_keeps_no_terminal_groups() -> None:
     """The importer's group list holds only live groups: rejected imports do not pile up."""
-    im = Importer(ImportConfig(DEPLOYMENT), HostTransport(granularity=64 * 1024))
+    im = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON), HostTransport(granularity=64 * 1024))
     try:
         for _ in range(50):
             with pytest.raises(GroupRejected):

@@ -44,10 +44,13 @@ def importer(kind: HandleKind) -> None:
     import hashlib
 
     from kvstate.core.identity import Deployment
+    from kvstate.harness.gpucheck import gpu_admission
+    from kvstate.reuse.policy import ReuseSettings
     from kvstate.share.importer import ImportConfig, Importer
 
     t = CudaTransport(UUID, kind=kind, legacy_ipc=kind is HandleKind.CUDA_IPC)
-    im = Importer(ImportConfig(Deployment(sys.argv[3], bytes(32))), t)
+    reuse = ReuseSettings(enable_decode_to_prefill_reuse=True, enable_decode_to_prefill_gpu_reuse=True)
+    im = Importer(ImportConfig(Deployment(sys.argv[3], bytes(32)), reuse=reuse, admission=gpu_admission(t, UUID)), t)
     group = im.import_group([bytes.fromhex(sys.stdin.readline().strip())])
     part = group.parts[0]
     g = part.descriptor.geometry

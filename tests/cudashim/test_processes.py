@@ -105,21 +105,27 @@ def wait_until(predicate: Callable[[], object], timeout: float = 5.0) -> bool:
 
 
 def test_the_exporter_never_frees_legacy_ipc_memory_an_importer_has_open(legacy: CudaTransport, shim: Shim) -> None:
-    """The lease expires while the importer still has the memory open: the bank drains but
-    is never released (no cuMemFree), release itself refuses, until the importer closed."""
+    """The lease expires while the importer still has the memory open (its process is
+    stopped, so it cannot renew): the bank drains but is never released (no cuMemFree),
+    release itself refuses, until the importer closed."""
     ex = exporter(legacy, HandleKind.CUDA_IPC, lease_timeout_s=0.3)
     bank = ex.banks[0]
     peer = Peer(HandleKind.CUDA_IPC, ex.descriptor(0))
     try:
         assert peer.expect("mapped").split()[1] == expected_digest()
-        assert wait_until(lambda: not bank.leases), "the lease did not expire"
-        assert len(bank.holds) == 1 and bank.pins() == 1, "the expired lease's hold must stay"
-        with pytest.raises(DrainTimeout, match="1 hold"):
-            ex.drain(0.3)
-        assert bank.state == "draining"
-        with pytest.raises(RegionPinned):
-            legacy.release(bank.allocation)
-        assert shim.calls("cuMemFree") == 0, "freed while another process had it open"
+        peer.proc.send_signal(signal.SIGSTOP)  # a stuck importer: no renewal
+        try:
+            assert wait_until(lambda: bank.state == "draining"), "the lease did not expire"
+            assert all(lease.expired for lease in bank.leases.values())  # kept until returned
+            assert len(bank.holds) == 1 and bank.pins() == 1, "the expired lease's hold must stay"
+            with pytest.raises(DrainTimeout, match="1 hold"):
+                ex.drain(0.3)
+            assert bank.state == "draining"
+            with pytest.raises(RegionPinned):
+                legacy.release(bank.allocation)
+            assert shim.calls("cuMemFree") == 0, "freed while another process had it open"
+        finally:
+            peer.proc.send_signal(signal.SIGCONT)
         peer.send("close")
         peer.expect("closed")  # cuIpcCloseMemHandle, then the lease returned: the hold drops
         assert wait_until(lambda: not bank.holds)
@@ -175,13 +181,15 @@ def test_a_stopped_exporter_waits_for_the_importers_process_to_exit(legacy: Cuda
 def test_a_bank_without_holds_is_caught_freeing_memory_an_importer_has_open(legacy: CudaTransport,
                                                                             shim: Shim) -> None:
     """Self-test: a planted exporter that takes no hold releases the bank once the lease
-    expired, with the importer's open still live; the shim records the cuMemFree."""
-    ex = exporter(legacy, HandleKind.CUDA_IPC, lease_timeout_s=0.3)
+    ended (this side stopped serving), with the importer's open still live; the shim
+    records the cuMemFree."""
+    ex = exporter(legacy, HandleKind.CUDA_IPC, lease_timeout_s=30.0)
     bank = ex.banks[0]
     bank.uncounted = False  # the planted bug: the memory is treated as reference-counted
     peer = Peer(HandleKind.CUDA_IPC, ex.descriptor(0))
     try:
         peer.expect("mapped")
+        ex.stop()  # the connections close from this side: the lease ends, the open does not
         assert wait_until(lambda: not bank.leases)
         ex.drain(5.0)  # nothing holds it: released under the importer
         assert bank.state == "released"

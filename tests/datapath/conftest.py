@@ -17,6 +17,7 @@ from kvstate.core.identity import Deployment
 from kvstate.share.exporter import Bank, ExportConfig, Exporter
 from kvstate.share.importer import Group, ImportConfig, Importer
 from kvstate.transport.host import HostTransport
+from support.reuse import REUSE_ON
 
 DEPLOYMENT = Deployment("datapath-tests", bytes(range(32)))
 GRANULARITY = 64 * 1024
@@ -56,7 +57,7 @@ def make_world() -> Iterator[Callable[..., World]]:
                 bank.fire("advertise")
             banks.append(bank)
         ex.start()
-        im = Importer(ImportConfig(DEPLOYMENT), transport or HostTransport(granularity=GRANULARITY),
+        im = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON), transport or HostTransport(granularity=GRANULARITY),
                       observers=observers)
         w = World(ex, im, banks)
         made.append(w)

@@ -30,6 +30,7 @@ from kvstate.share.importer import ImportConfig, Importer
 from kvstate.transport.host import HostTransport
 from datapath.conftest import DEPLOYMENT, GRANULARITY, socket_dir
 from datapath.support import GEOMETRY, FailingOps, bank_pattern, engine, live_ops, zeros
+from support.reuse import REUSE_ON
 
 NAMES = GEOMETRY.names
 
@@ -56,7 +57,7 @@ class AsyncLoads(RuleBasedStateMachine):
         self.exporter.start()
         self.bank = bank
         self.transport = FailingOps(HostTransport(granularity=GRANULARITY))
-        self.importer = Importer(ImportConfig(DEPLOYMENT), self.transport)
+        self.importer = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON), self.transport)
         self.group = self.importer.import_group([self.exporter.descriptor(0)])
         self.loads: list[Load] = []
         self.paused = False

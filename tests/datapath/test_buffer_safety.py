@@ -26,6 +26,7 @@ PRELUDE = textwrap.dedent('''
     from kvstate.core.errors import KvStateError
     from kvstate.core.identity import Deployment
     from kvstate.share.exporter import Exporter, ExportConfig
+    from kvstate.reuse.policy import ReuseSettings
     from kvstate.share.importer import Importer, ImportConfig
     from kvstate.transport.host import HostTransport
     from kvstate.transport.native import default
@@ -46,7 +47,7 @@ PRELUDE = textwrap.dedent('''
                 raise KvStateError("injected submit failure")
             return self.inner.submit_blocks(*a, **kw)
 
-    im = Importer(ImportConfig(dep), FailThird(HostTransport(granularity=65536)))
+    im = Importer(ImportConfig(dep, reuse=ReuseSettings(enable_decode_to_prefill_reuse=True)), FailThird(HostTransport(granularity=65536)))
     group = im.import_group([ex.descriptor(0)])
     def pages():  # one memoryview per region, shaped like the region, 16 pages
         return {r.name: memoryview(bytearray(16 * r.block_bytes)).cast("H", (16, *r.block_shape)) for r in g.regions}

@@ -170,7 +170,10 @@ def test_a_bank_can_be_the_engines_cache_and_is_not_released_under_it(make_world
 def test_exporter_allocate_returns_numpy_views_over_a_registered_bank(make_world: Any) -> None:
     g = LAYOUTS["vllm_cpu"](BANK_BLOCKS)
     world = make_world(g, advertise=False)
-    bank, cache = world.exporter.allocate(1, g, "numpy")
+    first = world.exporter.banks.pop(0)  # rank 0 (of tp 1) is allocated the zero-copy way instead
+    for event in ("drain", "quiesce", "release"):
+        first.fire(event)
+    bank, cache = world.exporter.allocate(0, g, "numpy")
     assert bank.state == "registered" and cache["model.layers.0.self_attn.attn"].dtype == np.uint16
     cache["model.layers.1.self_attn.attn"][3] = 7
     region = g.regions[1]

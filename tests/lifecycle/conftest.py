@@ -14,6 +14,7 @@ from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.core.identity import Deployment
 from kvstate.share.importer import ImportConfig, Importer
 from kvstate.transport.host import HostTransport
+from support.reuse import REUSE_ON
 from backends import CudaBackend, HostBackend
 
 DEPLOYMENT = Deployment("lifecycle-tests", bytes(range(32)))
@@ -75,7 +76,7 @@ def transport() -> HostTransport:
 
 @pytest.fixture
 def importer(transport: HostTransport) -> Iterator[Importer]:
-    im = Importer(ImportConfig(DEPLOYMENT), transport)
+    im = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON), transport)
     yield im
     im.close()
 

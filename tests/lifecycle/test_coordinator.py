@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from conftest import DEPLOYMENT, GEOMETRY, expected_blocks, make_exporter
 from kvstate import channel as chan
 from kvstate.core.errors import (
+    ArgumentInvalid,
     CoordinatorRefused,
     FrameError,
     GroupFailed,
@@ -36,6 +37,7 @@ from kvstate.share.coordinator import Coordinator, CoordinatorConfig
 from kvstate.share.exporter import Exporter
 from kvstate.share.rank_worker import RankShare, RankWorker, WorkerConfig
 from kvstate.transport.host import HostTransport
+from support.reuse import REUSE_ON
 
 
 class CountingTransport(HostTransport):
@@ -65,7 +67,7 @@ class Prefill:
         self.coordinator = Coordinator(CoordinatorConfig(DEPLOYMENT, tp, _dir(), **cfg))
         self.coordinator.start()
         self.transports = [CountingTransport(granularity=64 * 1024) for _ in range(tp)]
-        self.workers = [worker_class(WorkerConfig(DEPLOYMENT, r, tp, self.coordinator.socket_path, **worker_kw),
+        self.workers = [worker_class(WorkerConfig(DEPLOYMENT, r, tp, self.coordinator.socket_path, reuse=REUSE_ON, **worker_kw),
                                      self.transports[r]) for r in range(tp)]
         if start_workers:
             for w in self.workers:
@@ -185,7 +187,7 @@ def test_one_workers_rejection_leaves_every_rank_unopened(transport: HostTranspo
     ex = make_exporter(2, transport)
     p = prefill_factory(2, start_workers=False)
     p.workers[1].close()
-    p.workers[1] = RankWorker(WorkerConfig(DEPLOYMENT, 1, 2, p.coordinator.socket_path,
+    p.workers[1] = RankWorker(WorkerConfig(DEPLOYMENT, 1, 2, p.coordinator.socket_path, reuse=REUSE_ON,
                                            device_uuids=frozenset({bytes(16)})), p.transports[1])
     for w in p.workers:
         w.start()
@@ -193,9 +195,74 @@ def test_one_workers_rejection_leaves_every_rank_unopened(transport: HostTranspo
     with pytest.raises(GroupRejected) as info:
         p.coordinator.import_group([ex.descriptor(r) for r in range(2)])
     assert info.value.reasons == {RejectReason.DEVICE_UUID} and info.value.problems[0].rank == 1
-    assert [t.opens for t in p.transports] == [0, 0] and _leases(ex) == 0
+    # rank 0 leased its bank while checking (phase 1); the abort returns that lease
+    assert [t.opens for t in p.transports] == [0, 0] and _wait(lambda: _leases(ex) == 0)
     assert _wait(lambda: all(w.share(list(p.coordinator.groups)[-1]).state in ("failed", "rejected")  # type: ignore[union-attr]
                              for w in p.workers))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_lease_refused_on_one_rank_leaves_every_rank_unopened(tp: int, transport: HostTransport,
+                                                                prefill_factory: Any) -> None:
+    """Two-phase import across processes (INV-COORD-VALIDATE-BEFORE-OPEN): the last rank's
+    bank was re-advertised, so its exporter refuses that rank's lease (stale_generation),
+    which no descriptor check can see. Every worker leases while checking and the
+    coordinator says open only once every rank holds a checked lease, so no rank opens
+    anything. (A one-phase worker leased and opened on ``open``: the other ranks opened
+    while the last one was held at its open.)"""
+    from kvstate.harness.prefill_procs import HoldingWorker
+
+    ex = make_exporter(tp, transport)
+    wires = [ex.descriptor(r) for r in range(tp)]
+    ex.banks[tp - 1].advertise()  # generation 2: the wire above is stale for that rank only
+    p = prefill_factory(tp, worker_class=HoldingWorker)
+    p.workers[tp - 1].hold({"open"})
+    try:
+        with pytest.raises(GroupFailed) as info:
+            p.coordinator.import_group(wires, timeout=5.0)
+    finally:
+        p.workers[tp - 1].release()
+    assert [t.opens for t in p.transports] == [0] * tp  # whatever failed the group
+    assert (info.value.event, info.value.rank) == ("part_failed", tp - 1)
+    assert "stale_generation" in str(info.value)
+    group = list(p.coordinator.groups.values())[-1]
+    states = [h for h, _ in group.history]
+    assert [s for i, s in enumerate(states) if i == 0 or s != states[i - 1]] == ["advertised", "checking", "failed"]
+    assert [t.opens for t in p.transports] == [0] * tp
+    assert _wait(lambda: all(w.share(group.gid).state == "failed" for w in p.workers))  # type: ignore[union-attr]
+    assert _wait(lambda: _leases(ex) == 0) and all(w.leases() == 0 for w in p.workers)
+    # the same workers import the fresh descriptors whole (one generation in a group)
+    for r in range(tp - 1):
+        ex.banks[r].advertise()
+    fresh = p.coordinator.import_group([ex.descriptor(r) for r in range(tp)])
+    assert fresh.state == "ready" and [t.opens for t in p.transports] == [1] * tp
+    fresh.drain(5.0)
+
+
+def test_workers_renew_their_leases_and_give_a_draining_bank_back(transport: HostTransport,
+                                                                  prefill_factory: Any) -> None:
+    """Lease renewal across processes (class 7): each worker renews its lease while it holds
+    one, so a group outlives many lease terms with its banks ready. When the exporter
+    drains, its banks refuse renewal: each worker drains its share (the bank is withdrawn),
+    the coordinator drains and closes the group, and the exporter gets every bank back,
+    never under a mapping (INV-NO-RELEASE-MAPPED). Without renewal each lease lapses after
+    one term (the banks drain on their own) and the drain waits for mappings that stay."""
+    ex = make_exporter(2, transport, lease_timeout_s=0.5)
+    p = prefill_factory(2, renew_interval_s=0.1)
+    group = p.coordinator.import_group([ex.descriptor(r) for r in range(2)])
+    time.sleep(2.0)  # four lease terms
+    assert [b.state for b in ex.banks.values()] == ["ready", "ready"]
+    assert not any(lease.expired for b in ex.banks.values() for lease in b.leases.values())
+    for w in p.workers:
+        share = w.wait(group.gid, ("ready",), 5.0)
+        assert share is not None and share.state == "ready"
+        dst = bytearray(GEOMETRY.block_bytes)
+        share.load_prefix([3], dst)
+        assert bytes(dst) == expected_blocks(w.config.rank, [3])
+    assert ex.drain(5.0) >= 0 and all(b.state == "released" for b in ex.banks.values())
+    assert group.wait(("closed",), 5.0) and group.state == "closed"
+    assert all(w.share(group.gid).state == "closed" for w in p.workers)  # type: ignore[union-attr]
+    assert all(w.leases() == 0 for w in p.workers)
 
 
 def test_a_worker_that_dies_before_import_fails_the_group_at_once(transport: HostTransport,
@@ -283,7 +350,7 @@ def test_hello_is_refused_with_a_code(rank: int, tp: int, code: str, prefill_fac
         assert isinstance(answer, msgs.Refused) and answer.code == code
     finally:
         ch.close()
-    w = RankWorker(WorkerConfig(DEPLOYMENT, 0, 2, p.coordinator.socket_path), HostTransport(granularity=64 * 1024))
+    w = RankWorker(WorkerConfig(DEPLOYMENT, 0, 2, p.coordinator.socket_path, reuse=REUSE_ON), HostTransport(granularity=64 * 1024))
     with pytest.raises(CoordinatorRefused) as info:
         w.start()
     assert info.value.code == "duplicate_rank"
@@ -335,7 +402,7 @@ def test_an_undeclared_command_is_the_coordinators_fault_and_the_worker_cleans_u
     """A coordinator that says ``ready`` to a share that is only validated breaks the rank
     table: the worker leaves it and ends the share alone, having opened nothing."""
     server = chan.Server(chan.make_socket_dir(_dir()) / "fake.sock")
-    w = RankWorker(WorkerConfig(DEPLOYMENT, 0, 2, server.path), CountingTransport(granularity=64 * 1024))
+    w = RankWorker(WorkerConfig(DEPLOYMENT, 0, 2, server.path, reuse=REUSE_ON), CountingTransport(granularity=64 * 1024))
     ex = make_exporter(2, transport)
     try:
         from threading import Thread
@@ -415,3 +482,61 @@ _messages = st.one_of(
 @given(_messages)
 def test_every_message_round_trips(message: msgs.Message) -> None:
     assert msgs.decode(msgs.encode(message)) == message
+
+
+# -- class 1: only KvStateError leaves the coordinator's public API ------------------------
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tp", 0), ("tp", "2"), ("tp", None), ("max_tp", 10 ** 6), ("socket_dir", "a\x00b"), ("socket_dir", 3),
+    ("name", "a/b"), ("name", ".."), ("name", "\ud800"), ("phase_timeout_s", float("nan")),
+    ("heartbeat_s", "1"), ("silence_s", 0.01), ("request_timeout_s", -1.0), ("check_socket", "yes"),
+    ("handle_kinds", frozenset()), ("handle_kinds", {"memfd"}), ("deployment", b"demo"),
+])
+def test_a_bad_coordinator_config_is_refused_by_name(field: str, value: object) -> None:
+    kw: dict[str, Any] = {"deployment": DEPLOYMENT, "tp": 2, "socket_dir": _dir(), field: value}
+    with pytest.raises(ArgumentInvalid) as info:
+        CoordinatorConfig(**kw)
+    assert info.value.argument == f"CoordinatorConfig.{field}"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("rank", 2), ("rank", -1), ("rank", None), ("tp", 0), ("tp", 2.0), ("coordinator_path", 3),
+    ("coordinator_path", "x\x00"), ("request_timeout_s", float("inf")), ("renew_interval_s", 0),
+    ("drain_poll_s", None), ("device_uuids", {b"x"}), ("geometry_fingerprint", "ab"), ("keep_ended", 0),
+    ("reuse", True), ("admission", "yes"), ("check_socket", 1),
+])
+def test_a_bad_worker_config_is_refused_by_name(field: str, value: object) -> None:
+    kw: dict[str, Any] = {"deployment": DEPLOYMENT, "rank": 0, "tp": 2, "coordinator_path": _dir() / "c.sock",
+                          field: value}
+    with pytest.raises(ArgumentInvalid) as info:
+        WorkerConfig(**kw)
+    assert info.value.argument == f"WorkerConfig.{field}"
+
+
+def test_bad_arguments_to_the_coordinator_and_worker_are_typed_and_leave_them_working(
+        transport: HostTransport, prefill_factory: Any) -> None:
+    """Arguments are checked before any side effect; a valid call afterwards works."""
+    ex = make_exporter(2, transport)
+    p = prefill_factory(2)
+    c, w = p.coordinator, p.workers[0]
+    calls: list[Any] = [
+        lambda: c.import_group(None), lambda: c.import_group([b"x"] * 10 ** 3), lambda: c.start_group("ab"),
+        lambda: c.start_group([ex.descriptor(0)], blocks="b"), lambda: c.start_group([], bogus=1),
+        lambda: c.wait_for_workers(float("nan")), lambda: c.expectation(nope=1),
+        lambda: w.share(None), lambda: w.share("\x00"), lambda: w.wait("g", ["ready"], -1),
+        lambda: w.wait("g", [1], 1.0), lambda: w.close("soon"),
+        lambda: Coordinator("config"), lambda: RankWorker("config", transport),  # type: ignore[arg-type]
+    ]
+    for call in calls:
+        with pytest.raises(KvStateError):
+            call()
+    assert not c.groups and all(not x.shares for x in p.workers)
+    group = c.import_group([ex.descriptor(r) for r in range(2)])
+    assert group.state == "ready"
+    with pytest.raises(KvStateError):
+        group.drain("now")  # type: ignore[arg-type]
+    with pytest.raises(KvStateError):
+        group.wait(["ready"], None)  # type: ignore[arg-type]
+    group.drain(5.0)
+    assert group.state == "closed"

@@ -22,6 +22,7 @@ from kvstate.share.exporter import Exporter, ExportConfig
 from kvstate.share.importer import Group, ImportConfig, Importer
 from kvstate.transport.host import HostTransport
 from support.faults import FaultyTransport
+from support.reuse import REUSE_ON
 
 
 def _changes(log: list[StateChange], machine: str) -> list[tuple[str, str, str]]:
@@ -49,7 +50,7 @@ def test_failed_registration_records_register_failed(step: str, transport: HostT
 
 
 def _importer(transport: HostTransport, log: list[StateChange]) -> Importer:
-    return Importer(ImportConfig(DEPLOYMENT), transport, observers=[log.append])
+    return Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON), transport, observers=[log.append])
 
 
 def test_lease_refused_as_stale_incarnation_fires_incarnation_changed(transport: HostTransport) -> None:
@@ -71,7 +72,7 @@ def test_other_import_failures_fire_part_failed(transport: HostTransport) -> Non
     ex = make_exporter(2, transport)
     log: list[StateChange] = []
     faulty = FaultyTransport(transport)
-    importer = Importer(ImportConfig(DEPLOYMENT), faulty, observers=[log.append])  # type: ignore[arg-type]
+    importer = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON), faulty, observers=[log.append])  # type: ignore[arg-type]
     try:
         faulty.fail("map")
         with pytest.raises(ImportFailed):

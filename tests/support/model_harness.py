@@ -25,6 +25,7 @@ class World:
         self.tp = tp
         self.pins = [0] * tp
         self.leases = [0] * tp  # a bank per rank
+        self.expired = [0] * tp  # of which expired (the model's xl)
         self.incompatible = False
         self.objects: dict[str, Any] = {}
 
@@ -43,6 +44,8 @@ class World:
         for b in range(self.tp):
             if self.objects[f"bank[{b}]"].state == "released" and (self.leases[b] or self.pins[b]):
                 found.append("INV-RELEASE-QUIESCENT")
+            if self.objects[f"bank[{b}]"].state == "released" and states[b] == "imported":
+                found.append("INV-NO-RELEASE-MAPPED")
         if any(self.pins[r] and states[r] != "imported" for r in range(self.tp)):
             found.append("INV-NO-UNMAP-PINNED")
         return found
@@ -53,15 +56,19 @@ Impl = Callable[..., Any]
 
 def _bank(w: World, b: int) -> dict[str, Impl]:
     def lease_delta(d: int) -> Impl:
-        def run(self: Any, **kw: Any) -> Callable[[], None]:
+        def run(self: Any, **kw: Any) -> None:
             w.leases[b] += d
-            return lambda: w.leases.__setitem__(b, w.leases[b] - d)
+            w.expired[b] = min(w.expired[b], w.leases[b])
         return run
+
+    def expire(self: Any, **kw: Any) -> None:
+        w.expired[b] += 1
     return {
         "accepting_leases": lambda self, **kw: w.leases[b] < MAX_LEASES,
         "last_lease": lambda self, **kw: w.leases[b] == 1,
+        "lease_live": lambda self, **kw: w.leases[b] > w.expired[b],
         "native_quiescent": lambda self, **kw: w.leases[b] == 0 and w.pins[b] == 0,
-        "grant_lease": lease_delta(+1), "end_lease": lease_delta(-1),
+        "grant_lease": lease_delta(+1), "end_lease": lease_delta(-1), "expire_lease": expire,
     }
 
 
@@ -98,7 +105,10 @@ def _group(w: World) -> dict[str, Impl]:
 
 def _part(w: World, r: int) -> dict[str, Impl]:
     return {
-        "group_admitted": lambda self, **kw: w.objects["group[0]"].state == "importing",
+        "group_importing": lambda self, **kw: w.objects["group[0]"].state == "importing",
+        "group_admitted": lambda self, **kw: w.objects["group[0]"].state == "importing" and all(
+            p.state in ("leased", "imported") for p in w.parts()),
+        "group_releasing": lambda self, **kw: w.objects["group[0]"].state not in ("ready", "draining"),
         "part_unpinned": lambda self, **kw: w.pins[r] == 0,
     }
 

@@ -16,6 +16,7 @@ from kvstate.core.handles import HandleKind
 from kvstate.transport import Registry
 from kvstate.transport.nixl import LeaseGate, NixlTransport
 from kvstate.transport.nixl.handle import decode
+from support.reuse import REUSE_ON
 
 State = dict[str, Any]
 
@@ -54,7 +55,7 @@ def unsupported(state: State) -> list[str]:
     found += [f"{name}:{'present' if hasattr(t, name) else 'absent'}" for name in ("reserve", "map", "set_access", "unmap")]
     deployment = Deployment("nixl-test", bytes(32))
     for name, call in [("exporter", lambda: Exporter(ExportConfig(deployment, Path("/nonexistent"), bytes(16), 1), t)),
-                       ("importer", lambda: Importer(ImportConfig(deployment), t)),
+                       ("importer", lambda: Importer(ImportConfig(deployment, reuse=REUSE_ON), t)),
                        ("export_memfd", lambda: t.export(t.create(4096), HandleKind.MEMFD))]:
         try:
             call()

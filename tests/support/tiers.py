@@ -22,6 +22,7 @@ TIERS = (*KINDS, "slow")
 #: path under tests/ (a directory ending in "/", or a file) -> default markers
 DEFAULTS: Mapping[str, tuple[str, ...]] = {
     # directories: the kind of everything in them
+    "api/": ("native",),                   # the public API on a real exporter and importer
     "bounds/": ("native",),
     "cuda/": ("native",),
     "cudashim/": ("native",),              # the C engine's CUDA path on the shim driver, in-process
@@ -52,6 +53,7 @@ DEFAULTS: Mapping[str, tuple[str, ...]] = {
     "test_coordinator_model.py": ("models",),
     "test_contracts.py": ("unit", "slow"),  # crosshair
     "test_cuda_cpu.py": ("native",),
+    "test_descriptor_canonical.py": ("unit",),
     "test_docs.py": ("unit",),
     "test_generate.py": ("unit",),
     "test_geometry.py": ("unit",),

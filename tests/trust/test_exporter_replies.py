@@ -19,6 +19,7 @@ from kvstate.share.importer import ImportConfig, Importer
 from kvstate.transport.host import HostTransport
 
 from support.descriptors import DEPLOYMENT, GRANULARITY, descriptor
+from support.reuse import REUSE_ON
 
 BAD_GRANTS: list[Any] = [
     {"ok": True},
@@ -62,7 +63,7 @@ def test_malformed_grants_fail_the_group_typed(reply: Any) -> None:
     handle = exporting.export(allocation, HandleKind.MEMFD)
     t = threading.Thread(target=_serve_once, args=(server, reply, handle.fd, stop))
     t.start()
-    im = Importer(ImportConfig(DEPLOYMENT, request_timeout_s=1.0), HostTransport(granularity=GRANULARITY))
+    im = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON, request_timeout_s=1.0), HostTransport(granularity=GRANULARITY))
     try:
         wire = encode(descriptor(socket_path=str(d / "fake.sock"), handle=handle.identity), DEPLOYMENT)
         with pytest.raises(ImportFailed):

@@ -42,6 +42,7 @@ from kvstate.transport.host import HostTransport
 from kvstate.core.validate import socket_path_reason
 
 from support.descriptors import DEPLOYMENT, descriptor
+from support.reuse import REUSE_ON
 
 NOBODY = 65534
 GEOMETRY = Geometry.uniform(layers=1, kv_heads=2, head_dim=8, block_tokens=4, dtype=DType.BF16,
@@ -290,7 +291,7 @@ def test_every_tampered_byte_is_rejected() -> None:
 
 
 def _import(ex: Exporter, wire: bytes, **expect: object) -> Importer:
-    im = Importer(ImportConfig(DEPLOYMENT), HostTransport(granularity=64 * 1024))
+    im = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON), HostTransport(granularity=64 * 1024))
     try:
         im.import_group([wire], **expect)
     finally:

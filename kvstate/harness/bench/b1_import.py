@@ -67,11 +67,12 @@ def _kvstate_exporter(conn: Connection, p: dict[str, Any]) -> None:
 def _kvstate_importer(conn: Connection, p: dict[str, Any]) -> tuple[float, ...]:
     from kvstate.core.identity import Deployment
     from kvstate.share.importer import ImportConfig, Importer
+    from kvstate.reuse.policy import ReuseSettings
     from kvstate.transport.host import HostTransport
 
     wire = conn.recv()
     t = HostTransport()
-    im = Importer(ImportConfig(Deployment("bench", _DEPLOYMENT_KEY)), t)
+    im = Importer(ImportConfig(Deployment("bench", _DEPLOYMENT_KEY), reuse=ReuseSettings(enable_decode_to_prefill_reuse=True)), t)
     samples = []
     try:
         for i in range(p["repeats"] + 1):

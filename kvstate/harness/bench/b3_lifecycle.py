@@ -50,6 +50,22 @@ class BenchBank(Lifecycle):
     def _quiescent(self, **_: Any) -> bool:
         return self.leases == 0
 
+    @guard("lease_live")
+    def _live(self, **_: Any) -> bool:
+        return self.leases > 0
+
+    @effect("expire_lease")
+    def _expire(self, **_: Any) -> None:
+        return None
+
+    @effect("renew_lease")
+    def _renew(self, **_: Any) -> None:
+        return None
+
+    @effect("withdraw_descriptor")
+    def _withdraw(self, **_: Any) -> None:
+        return None
+
     @effect("native_register")
     def _register(self, **_: Any) -> None:
         return None
@@ -98,13 +114,29 @@ class BenchPart(Lifecycle):
         self.group = group
         self.fingerprint = b"geometry"
 
+    @guard("group_importing")
+    def _importing(self, **_: Any) -> bool:
+        return self.group.state == "importing"
+
     @guard("group_admitted")
     def _admitted(self, **_: Any) -> bool:
         return self.group.state == "importing"
 
+    @guard("group_releasing")
+    def _releasing(self, **_: Any) -> bool:
+        return self.group.state not in ("ready", "draining")
+
     @guard("part_unpinned")
     def _unpinned(self, **_: Any) -> bool:
         return True
+
+    @effect("native_lease")
+    def _lease(self, **_: Any) -> None:
+        return None
+
+    @effect("return_lease")
+    def _return(self, **_: Any) -> None:
+        return None
 
     @effect("native_import")
     def _import(self, **_: Any) -> None:
@@ -200,6 +232,7 @@ def group_transition(p: dict[str, Any]) -> Figure:
             timed_s = clock() - t0
             for g in groups:  # rank part import: not a group transition
                 g.parts[0].fire("validate")
+                g.parts[0].fire("lease")
                 g.parts[0].fire("open")
             t0 = clock()
             for g in groups:
@@ -220,6 +253,8 @@ def readiness(tp: int) -> Any:
                 g.fire("begin_import")
                 for part in g.parts:
                     part.fire("validate")
+                    part.fire("lease")
+                for part in g.parts:
                     part.fire("open")
             with no_gc():
                 t0 = clock()
@@ -238,21 +273,25 @@ def real_group_readiness(tp: int) -> Any:
     (no native call: the groups are never drained), so the row times the machine and
     guards only."""
     from kvstate.share.importer import Group, ImportConfig, Importer, Part
+    from kvstate.reuse.policy import ReuseSettings
     from kvstate.core.machine import effect
     from kvstate.core.validate import ValidatedGroup
     from kvstate.core.identity import Deployment
     from kvstate.transport.host import HostAllocation, HostHandle, HostMapping, HostReservation, HostTransport
 
     class StandInPart(Part[HostHandle, HostAllocation, HostReservation, HostMapping, "HostEndpoint"]):
+        @effect("native_lease")
+        def _lease(self, **_: Any) -> Callable[[], None]:
+            return lambda: None
+
         @effect("native_import")
-        def _import(self, **_: Any) -> Callable[[], None]:
+        def _import(self, **_: Any) -> None:
             size = self.descriptor.size
             self.mapping = HostMapping(0, 0, size, HostAllocation(0, size, True), HostReservation(0, 0, size))
-            return lambda: None
 
     def run(p: dict[str, Any]) -> Figure:
         descriptors = _descriptors(tp)
-        importer = Importer(ImportConfig(Deployment("bench", bytes(32))), HostTransport())
+        importer = Importer(ImportConfig(Deployment("bench", bytes(32)), reuse=ReuseSettings(enable_decode_to_prefill_reuse=True)), HostTransport())
         samples = []
         try:
             for _ in range(p["repeats"]):
@@ -264,6 +303,8 @@ def real_group_readiness(tp: int) -> Any:
                     g.fire("begin_import")
                     for part in g.parts:
                         part.fire("validate")
+                        part.fire("lease")
+                    for part in g.parts:
                         part.fire("open")
                     groups.append(g)
                 with no_gc():

@@ -75,6 +75,7 @@ class _Pair:
         from kvstate.core.identity import Deployment
         from kvstate.share.exporter import ExportConfig, Exporter
         from kvstate.share.importer import ImportConfig, Importer
+        from kvstate.reuse.policy import ReuseSettings
         from kvstate.transport.host import HostTransport
 
         _, heads, bs, per_token = _shape(p, p["bank_blocks"])
@@ -91,7 +92,7 @@ class _Pair:
         del views
         self.bank.advertise()
         self.exporter.start()
-        self.importer = Importer(ImportConfig(deployment), HostTransport())
+        self.importer = Importer(ImportConfig(deployment, reuse=ReuseSettings(enable_decode_to_prefill_reuse=True)), HostTransport())
         self.group = self.importer.import_group([self.exporter.descriptor(0)])
 
     def close(self) -> None:
