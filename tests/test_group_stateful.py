@@ -252,8 +252,12 @@ def group_machine(table: MachineSpec) -> type[RuleBasedStateMachine]:
             self.sut.validated = self.model.validated = True
             if self.model.state == "advertised":
                 self.fire_as_model("begin_import")
-            self.sut.imported |= set(range(self.model.tp))
-            self.model.imported |= set(range(self.model.tp))
+            for step in ("validate", "lease", "open"):  # phase 1 on every rank, then phase 2
+                for part in self.sut.parts:
+                    if part.may(step):
+                        part.fire(step)
+            assert self.sut.imported == set(range(self.model.tp))
+            self.model.imported |= self.sut.imported
             self.fire_as_model("complete")
 
         @precondition(lambda self: self.model.state in ("ready", "draining", "quiescent"))
