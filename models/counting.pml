@@ -55,6 +55,8 @@ inline check_invariants() {
 	if :: !(g_admitted || part_n[PART_imported] == 0) -> printf("@@ violated INV-GROUP-ATOMIC\n"); assert(false) :: else -> skip fi;
 	/* INV-ROLLBACK-COMPLETE: A failed group holds no imported part: every part opened for it is unmapped and closed. */
 	if :: !(group != GROUP_failed || part_n[PART_imported] == 0) -> printf("@@ violated INV-ROLLBACK-COMPLETE\n"); assert(false) :: else -> skip fi;
+	/* INV-QUIESCE-AFTER-DRAIN: A group becomes quiescent only by draining: an import that is aborted fails and rolls back, it never passes for a drained group. */
+	if :: !(group != GROUP_quiescent || g_group_drained) -> printf("@@ violated INV-QUIESCE-AFTER-DRAIN\n"); assert(false) :: else -> skip fi;
 	/* INV-REJECT-BEFORE-OPEN: A descriptor that fails any validation rule never has its handle opened or mapped. */
 	if :: !(part_n[PART_rejected] == g_rejections) -> printf("@@ violated INV-REJECT-BEFORE-OPEN\n"); assert(false) :: else -> skip fi;
 	/* INV-NO-UNMAP-PINNED: A region is never unmapped or released while a native op holds a pin on it. */

@@ -73,6 +73,8 @@ inline check_invariants() {
 	if :: !(g_admitted || ((part[0] != PART_imported) && (part[1] != PART_imported) && (part[2] != PART_imported) && (part[3] != PART_imported))) -> printf("@@ violated INV-GROUP-ATOMIC\n"); assert(false) :: else -> skip fi;
 	/* INV-ROLLBACK-COMPLETE: A failed group holds no imported part: every part opened for it is unmapped and closed. */
 	if :: !(group != GROUP_failed || ((part[0] != PART_imported) && (part[1] != PART_imported) && (part[2] != PART_imported) && (part[3] != PART_imported))) -> printf("@@ violated INV-ROLLBACK-COMPLETE\n"); assert(false) :: else -> skip fi;
+	/* INV-QUIESCE-AFTER-DRAIN: A group becomes quiescent only by draining: an import that is aborted fails and rolls back, it never passes for a drained group. */
+	if :: !(group != GROUP_quiescent || g_group_drained) -> printf("@@ violated INV-QUIESCE-AFTER-DRAIN\n"); assert(false) :: else -> skip fi;
 	/* INV-REJECT-BEFORE-OPEN: A descriptor that fails any validation rule never has its handle opened or mapped. */
 	if :: !((!g_rejected[0] || part[0] != PART_imported) && (!g_rejected[1] || part[1] != PART_imported) && (!g_rejected[2] || part[2] != PART_imported) && (!g_rejected[3] || part[3] != PART_imported)) -> printf("@@ violated INV-REJECT-BEFORE-OPEN\n"); assert(false) :: else -> skip fi;
 	/* INV-NO-UNMAP-PINNED: A region is never unmapped or released while a native op holds a pin on it. */

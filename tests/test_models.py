@@ -2,8 +2,9 @@
 and counterexamples replayed against Lifecycle machines.
 
 Invariants checked through the models: INV-GROUP-COMPLETE, INV-GROUP-ATOMIC,
-INV-ROLLBACK-COMPLETE, INV-REJECT-BEFORE-OPEN, INV-NO-UNMAP-PINNED, INV-RELEASE-QUIESCENT,
-INV-OP-PINS, INV-DRAIN-NO-NEW (safety) and INV-DRAIN-QUIESCES (liveness, weak fairness).
+INV-ROLLBACK-COMPLETE, INV-QUIESCE-AFTER-DRAIN, INV-REJECT-BEFORE-OPEN, INV-NO-UNMAP-PINNED,
+INV-RELEASE-QUIESCENT, INV-OP-PINS, INV-DRAIN-NO-NEW (safety) and INV-DRAIN-QUIESCES
+(liveness, weak fairness).
 """
 
 from __future__ import annotations

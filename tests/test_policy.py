@@ -325,6 +325,30 @@ def test_rejections_say_why() -> None:
         assert d.reason.value in d.explain()
 
 
+def test_both_minimums_are_inclusive_and_an_equal_prefix_saves_nothing() -> None:
+    """INV-POLICY-MINIMUMS at its boundaries: exactly the minimum of blocks and exactly the
+    minimum saving are enough, one block or one ulp less is not; a source that holds no
+    more than the prefix already computed is not a candidate at all."""
+    def pick(target: int, prefix: int, settings: ReuseSettings) -> policy.Decision:
+        return choose_transfer_source(target, [Candidate("d", prefix, MemoryKind.HOST)], settings,
+                                      block_tokens=16, clock=_frozen_clock())
+
+    # 20 blocks save more than the 2 ms lookup budget costs, so only the minimum decides
+    blocks = attrs.evolve(ON, minimum_transfer_prefix_blocks=20, minimum_estimated_ttft_saving_ms=0.0)
+    assert pick(10, 30, blocks).reason is DecisionReason.CHOSEN
+    assert pick(10, 29, blocks).reason is DecisionReason.BELOW_MINIMUM_BLOCKS
+    saving = estimate_ttft_saving(30, block_tokens=16, memory=MemoryKind.HOST, settings=ON).saving_ms
+    assert saving > 0
+    exact = attrs.evolve(ON, minimum_transfer_prefix_blocks=0, minimum_estimated_ttft_saving_ms=saving)
+    assert pick(10, 40, exact).reason is DecisionReason.CHOSEN
+    above = attrs.evolve(exact, minimum_estimated_ttft_saving_ms=math.nextafter(saving, math.inf))
+    assert pick(10, 40, above).reason is DecisionReason.BELOW_MINIMUM_SAVING
+    anything = attrs.evolve(ON, minimum_transfer_prefix_blocks=0, minimum_estimated_ttft_saving_ms=0.0)
+    equal = pick(10, 10, anything)
+    assert equal.reason is DecisionReason.NO_ELIGIBLE_SOURCE
+    assert equal.skipped[0][1] is DecisionReason.NO_LONGER_PREFIX
+
+
 @pytest.mark.parametrize("bad", [
     lambda: Candidate("", 1, MemoryKind.HOST),
     lambda: Candidate("d", -1, MemoryKind.HOST),

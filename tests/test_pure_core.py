@@ -26,6 +26,17 @@ def test_digests_are_domain_separated_and_keyed() -> None:
     assert digest(Purpose.DESCRIPTOR_MAC, data, key=b"k1") != digest(Purpose.DESCRIPTOR_MAC, data, key=b"k2")
 
 
+def test_every_purpose_has_its_own_personalisation() -> None:
+    """Domain separation is unique: two purposes sharing a value would make one an alias
+    of the other (an Enum folds equal values), so their digests would collide. Counted
+    over every member name, aliases included, and every digest of the same bytes differs."""
+    names = Purpose.__members__
+    assert len({p.value for p in names.values()}) == len(names) == len(list(Purpose))
+    assert all(0 < len(p.value) <= 16 for p in Purpose)  # BLAKE2b's personalisation limit
+    data = b"same bytes"
+    assert len({digest(p, data) for p in Purpose}) == len(names)
+
+
 def test_deployment_repr_hides_key() -> None:
     assert DEPLOYMENT.key.hex() not in repr(DEPLOYMENT)
 
@@ -162,6 +173,7 @@ def test_rank_rules(sock: str) -> None:
     assert reasons(parts[:3]) == {RejectReason.MISSING_RANK}
     assert RejectReason.DUPLICATE_RANK in reasons([*parts, parts[1]])
     assert RejectReason.RANK_RANGE in reasons([*parts[:3], attrs.evolve(parts[3], rank=7)])
+    assert RejectReason.RANK_RANGE in reasons([*parts[:3], attrs.evolve(parts[3], rank=4)])  # rank == tp
     assert RejectReason.TP_SIZE in reasons(group(4, sock), max_tp=2)
     assert RejectReason.TP_SIZE in reasons([*parts[:3], attrs.evolve(parts[3], tp=8)])
     assert reasons([]) == {RejectReason.MISSING_RANK}
@@ -199,6 +211,10 @@ def test_staleness_rules(sock: str) -> None:
     parts = group(2, sock)
     assert reasons(parts, min_generation=4) == {RejectReason.GENERATION}
     assert reasons(parts, now_ns=time.time_ns() + 3600 * 10**9) == {RejectReason.EXPIRED}
+    at = parts[0].expires_at_ns  # expired from that very nanosecond on, not one later
+    same = [attrs.evolve(p, expires_at_ns=at) for p in parts]
+    assert reasons(same, now_ns=at) == {RejectReason.EXPIRED}
+    assert not reasons_or_none(same, now_ns=at - 1)
     assert RejectReason.GENERATION in reasons([parts[0], attrs.evolve(parts[1], generation=9)])
 
 

@@ -211,6 +211,7 @@ STATE_INVARIANTS: tuple[tuple[str, Code], ...] = (
                               "g_admitted || part_n[PART_imported] == 0")),
     ("INV-ROLLBACK-COMPLETE", Code("group != GROUP_failed || (all: part[{r}] != PART_imported)",
                                    "group != GROUP_failed || part_n[PART_imported] == 0")),
+    ("INV-QUIESCE-AFTER-DRAIN", same("group != GROUP_quiescent || g_group_drained")),
     ("INV-REJECT-BEFORE-OPEN", Code("all: !g_rejected[{r}] || part[{r}] != PART_imported",
                                     "part_n[PART_rejected] == g_rejections")),
     ("INV-NO-UNMAP-PINNED", Code("(all: pins[{r}] == 0 || part[{r}] == PART_imported) "

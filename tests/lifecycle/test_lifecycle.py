@@ -11,6 +11,7 @@ import pytest
 from conftest import DEPLOYMENT, GEOMETRY, expected_blocks, make_exporter
 from kvstate.core.descriptor import decode, encode
 from kvstate.core.errors import DrainTimeout, GroupRejected, IllegalTransition, ImportFailed, RegistrationFailed
+from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.core.identity import Incarnation
 from kvstate.share.importer import ImportConfig, Importer
 from kvstate.core.machine import StateChange
@@ -65,6 +66,40 @@ def test_rejected_group_opens_nothing(transport: HostTransport, importer: Import
         assert all(not b.leases and b.state == "advertised" for b in ex.banks.values())
         after = transport.native.stats()
         assert (after.allocations, after.regions) == (before.allocations, before.regions)
+    finally:
+        ex.stop()
+
+
+def test_the_importers_own_expectations_reject_before_open(transport: HostTransport, importer: Importer) -> None:
+    """INV-REJECT-BEFORE-OPEN for what the importer itself fixes in its config: the banks'
+    geometry, the block format its pages hold, the devices it accepts. A group that
+    differs in one of them is rejected whole with that reason, before any lease is asked;
+    with matching expectations the same group imports."""
+    ex = make_exporter(2, transport)
+    try:
+        wire = [ex.descriptor(r) for r in range(2)]
+        other = Geometry.uniform(layers=2, kv_heads=2, head_dim=16, block_tokens=8, dtype=DType.FP16,
+                                 layout=Layout.LAYER_MAJOR, num_blocks=32)
+        for field, value, reason in [("geometry_fingerprint", other.fingerprint(), RejectReason.GEOMETRY),
+                                     ("block_format", other.format_fingerprint(), RejectReason.GEOMETRY),
+                                     ("device_uuids", frozenset({bytes(16)}), RejectReason.DEVICE_UUID)]:
+            im = Importer(attrs.evolve(importer.config, **{field: value}), transport)
+            try:
+                with pytest.raises(GroupRejected) as info:
+                    im.import_group(wire)
+                assert set(info.value.reasons) == {reason}, field
+            finally:
+                im.close()
+        assert all(not b.leases and b.state == "advertised" for b in ex.banks.values())
+        im = Importer(attrs.evolve(importer.config, geometry_fingerprint=GEOMETRY.fingerprint(),
+                                   block_format=GEOMETRY.format_fingerprint(),
+                                   device_uuids=frozenset({transport.device_uuid()})), transport)
+        try:
+            group = im.import_group(wire)
+            assert group.state == "ready"
+            group.drain()
+        finally:
+            im.close()
     finally:
         ex.stop()
 
@@ -172,6 +207,26 @@ def test_drain_during_import_fails_group_and_rolls_back(transport: HostTransport
         assert all(p.mapping is None for p in group.parts)
     finally:
         importer.close()
+        ex.stop()
+
+
+def test_exporter_drain_waits_for_pins_on_its_bank(transport: HostTransport) -> None:
+    """INV-RELEASE-QUIESCENT on the exporter side: with no lease and no store left, a pin on
+    the bank's region (an in-flight op; here an explicit pin) still keeps the bank from
+    quiescent, so the drain times out and releases nothing; once unpinned it releases."""
+    ex = make_exporter(1, transport)
+    bank = ex.banks[0]
+    try:
+        transport.pin(bank.mapped())
+        try:
+            with pytest.raises(DrainTimeout):
+                ex.drain(0.05)
+            assert bank.state == "draining" and bank.owner == "kvstate" and bank.pins() == 1
+        finally:
+            transport.unpin(bank.mapped())
+        ex.drain(5.0)
+        assert bank.state == "released"
+    finally:
         ex.stop()
 
 

@@ -100,7 +100,8 @@ def test_caps_refuse_big_messages_and_too_many_fds(server: Server) -> None:
 @pytest.mark.parametrize("frame", [
     b"short",
     b"XXXX" + HEADER.pack(MAGIC, 0, 0)[4:],
-    HEADER.pack(MAGIC, 5, 0) + b"abc",
+    HEADER.pack(MAGIC, 5, 0) + b"abc",   # the header over-states its payload
+    HEADER.pack(MAGIC, 2, 0) + b"abc",   # and under-states it: the tail would ride past the header
     HEADER.pack(MAGIC, 0, 1),
 ])
 def test_malformed_frames_are_refused(frame: bytes) -> None:

@@ -153,6 +153,37 @@ def test_undeclared_events_are_refused_by_the_c_table(nat: Native, bank: Bank) -
     nat.pause(False)
 
 
+def test_cancel_unpins_and_counts(nat: Native, bank: Bank) -> None:
+    """A cancelled op is counted as cancelled (not done, not failed) and drops its pins."""
+    nat.pause(True)
+    try:
+        before = nat.stats()
+        op = nat.submit_copy(bank.region, bytearray(16), 16)
+        assert bank.t.stats(bank.m).pins == 1
+        op.cancel()
+        after = nat.stats()
+        assert (after.cancelled, after.completed, after.failed) == \
+            (before.cancelled + 1, before.completed, before.failed)
+        assert bank.t.stats(bank.m).pins == 0 and op.reap().state == "cancelled"
+    finally:
+        nat.pause(False)
+
+
+def test_a_stale_op_id_never_names_the_op_that_reuses_its_slot(nat: Native, bank: Bank) -> None:
+    """Ids carry a sequence number beside the slot: once reaped, an op's id stays unknown
+    even after a new op takes its slot (the next free slot is the one just freed)."""
+    old = nat.submit_copy(bank.region, bytearray(16), 16)
+    old.result(10)
+    new = nat.submit_copy(bank.region, bytearray(16), 16)
+    try:
+        assert new.id != old.id
+        for call in (old.info, old.reap, old.cancel, lambda: old.wait(0.0)):
+            with pytest.raises(errors.UnknownNativeObject):
+                call()
+    finally:
+        new.result(10)
+
+
 def test_injected_failure_unpins_and_counts(nat: Native, bank: Bank) -> None:
     before = nat.stats()
     with pytest.raises(errors.OpFailed) as exc:

@@ -69,6 +69,7 @@ DEFAULTS: Mapping[str, tuple[str, ...]] = {
     "test_leak_checker.py": ("native",),
     "test_machine.py": ("unit",),
     "test_models.py": ("models",),
+    "test_mutants.py": ("unit",),           # the mutation harness on a tiny tree; `make mutants` is the run
     "test_nixl_handle.py": ("unit",),
     "test_nixl_coordinated.py": ("native", "multiproc", "slow"),
     "test_nixl_transport.py": ("native", "multiproc", "slow"),

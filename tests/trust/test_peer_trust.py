@@ -418,3 +418,26 @@ def test_mistyped_request_fields_get_a_typed_refusal(exporter: Exporter, request
         ch.send(chan.encode({"op": "nothing", "rank": 0, "lease": 1}))
         with ch.recv() as msg:
             assert chan.decode(msg.payload)["code"] == "unknown_lease"
+
+
+def test_a_lease_answers_only_to_the_connection_that_took_it(exporter: Exporter) -> None:
+    """A lease is bound to its connection: another peer that names its id (ids are small
+    integers, easy to guess) can neither return it nor report it mapped, so one importer
+    cannot end or move another's lease; the holder still can."""
+    current = decode(exporter.descriptor(0), DEPLOYMENT)
+    bank = exporter.banks[0]
+    with chan.connect(exporter.socket_path) as holder, chan.connect(exporter.socket_path) as other:
+        holder.send(chan.encode({"op": "lease", "rank": 0, "generation": current.generation,
+                                 "incarnation": current.incarnation.hex(), "blocks": None}))
+        with holder.recv() as msg:
+            lease = chan.decode(msg.payload)["lease"]
+        assert set(bank.leases) == {lease} and bank.state == "importing"
+        other.send(chan.encode({"op": "mapped", "rank": 0, "lease": lease}))  # a notification: no answer
+        other.send(chan.encode({"op": "release", "rank": 0, "lease": lease}))  # answered after it, in order
+        with other.recv() as msg:
+            assert chan.decode(msg.payload)["code"] == "unknown_lease"
+        assert set(bank.leases) == {lease} and bank.state == "importing"
+        holder.send(chan.encode({"op": "release", "rank": 0, "lease": lease}))
+        with holder.recv() as msg:
+            assert chan.decode(msg.payload)["ok"] is True
+        assert bank.leases == {} and bank.state == "advertised"
