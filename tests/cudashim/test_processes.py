@@ -18,8 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ from kvstate.core.handles import HandleKind
 from kvstate.core.identity import Deployment
 from kvstate.share.exporter import Exporter, ExportConfig
 from kvstate.transport.cuda import CudaTransport
+from support.waiting import wait_until
 
 HERE = Path(__file__).resolve().parent
 DEPLOYMENT = Deployment("cudashim-processes", bytes(32))
@@ -94,14 +94,6 @@ def legacy(shim: Shim) -> Iterator[CudaTransport]:
     yield t
     t.close()
 
-
-def wait_until(predicate: Callable[[], object], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 def test_the_exporter_never_frees_legacy_ipc_memory_an_importer_has_open(legacy: CudaTransport, shim: Shim) -> None:

@@ -38,6 +38,7 @@ from kvstate.share.exporter import Exporter
 from kvstate.share.rank_worker import RankShare, RankWorker, WorkerConfig
 from kvstate.transport.host import HostTransport
 from support.reuse import REUSE_ON
+from support.waiting import wait_until
 
 
 class CountingTransport(HostTransport):
@@ -97,14 +98,6 @@ def _leases(ex: Exporter[Any, Any, Any, Any, Any]) -> int:
     return sum(len(b.leases) for b in ex.banks.values())
 
 
-def _wait(predicate: Any, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
-
 
 # -- the protocol, end to end -------------------------------------------------------------
 
@@ -133,7 +126,7 @@ def test_each_worker_leases_and_maps_only_its_own_rank(transport: HostTransport,
         got = b"".join(pages[name][page].tobytes() for page in (5, 1) for name in GEOMETRY.names)
         assert got == expected_blocks(w.config.rank, [2, 9])
     group.drain(5.0)
-    assert group.state == "closed" and _wait(lambda: _leases(ex) == 0)
+    assert group.state == "closed" and wait_until(lambda: _leases(ex) == 0)
     states = [h for h, _ in group.history]
     assert [s for i, s in enumerate(states) if i == 0 or s != states[i - 1]] == [
         "advertised", "checking", "importing", "ready", "draining", "quiescent", "closed"]
@@ -196,8 +189,8 @@ def test_one_workers_rejection_leaves_every_rank_unopened(transport: HostTranspo
         p.coordinator.import_group([ex.descriptor(r) for r in range(2)])
     assert info.value.reasons == {RejectReason.DEVICE_UUID} and info.value.problems[0].rank == 1
     # rank 0 leased its bank while checking (phase 1); the abort returns that lease
-    assert [t.opens for t in p.transports] == [0, 0] and _wait(lambda: _leases(ex) == 0)
-    assert _wait(lambda: all(w.share(list(p.coordinator.groups)[-1]).state in ("failed", "rejected")  # type: ignore[union-attr]
+    assert [t.opens for t in p.transports] == [0, 0] and wait_until(lambda: _leases(ex) == 0)
+    assert wait_until(lambda: all(w.share(list(p.coordinator.groups)[-1]).state in ("failed", "rejected")  # type: ignore[union-attr]
                              for w in p.workers))
 
 
@@ -229,8 +222,8 @@ def test_a_lease_refused_on_one_rank_leaves_every_rank_unopened(tp: int, transpo
     states = [h for h, _ in group.history]
     assert [s for i, s in enumerate(states) if i == 0 or s != states[i - 1]] == ["advertised", "checking", "failed"]
     assert [t.opens for t in p.transports] == [0] * tp
-    assert _wait(lambda: all(w.share(group.gid).state == "failed" for w in p.workers))  # type: ignore[union-attr]
-    assert _wait(lambda: _leases(ex) == 0) and all(w.leases() == 0 for w in p.workers)
+    assert wait_until(lambda: all(w.share(group.gid).state == "failed" for w in p.workers))  # type: ignore[union-attr]
+    assert wait_until(lambda: _leases(ex) == 0) and all(w.leases() == 0 for w in p.workers)
     # the same workers import the fresh descriptors whole (one generation in a group)
     for r in range(tp - 1):
         ex.banks[r].advertise()
@@ -270,7 +263,7 @@ def test_a_worker_that_dies_before_import_fails_the_group_at_once(transport: Hos
     ex = make_exporter(2, transport)
     p = prefill_factory(2)
     p.workers[1].close()
-    assert _wait(lambda: 1 not in p.coordinator.links)
+    assert wait_until(lambda: 1 not in p.coordinator.links)
     with pytest.raises(GroupFailed) as info:
         p.coordinator.import_group([ex.descriptor(r) for r in range(2)])
     assert info.value.event == "worker_died" and info.value.rank == 1
@@ -292,8 +285,8 @@ def test_a_phase_timeout_fails_the_group_and_rolls_every_part_back(transport: Ho
     group = list(p.coordinator.groups.values())[-1]
     assert "aborting" in [h for h, _ in group.history] and group.state == "failed"
     p.workers[1].release()
-    assert _wait(lambda: all(w.share(group.gid).state == "failed" for w in p.workers))  # type: ignore[union-attr]
-    assert _wait(lambda: _leases(ex) == 0) and p.transports[1].opens == 0
+    assert wait_until(lambda: all(w.share(group.gid).state == "failed" for w in p.workers))  # type: ignore[union-attr]
+    assert wait_until(lambda: _leases(ex) == 0) and p.transports[1].opens == 0
     assert all(w.leases() == 0 for w in p.workers)
 
 
@@ -313,7 +306,7 @@ def test_an_incompatible_part_aborts_the_group(transport: HostTransport, prefill
     with pytest.raises(GroupFailed) as info:
         p.coordinator.import_group([ex.descriptor(r) for r in range(2)])
     assert (info.value.event, info.value.rank) == ("part_imported", 1)
-    assert _wait(lambda: _leases(ex) == 0)
+    assert wait_until(lambda: _leases(ex) == 0)
 
 
 def test_a_silent_coordinator_is_left_within_the_silence_bound(transport: HostTransport,
@@ -325,10 +318,10 @@ def test_a_silent_coordinator_is_left_within_the_silence_bound(transport: HostTr
     group = p.coordinator.import_group([ex.descriptor(r) for r in range(2)])
     p.coordinator._stopping.set()  # no more ticks, no more reading: hung, not dead
     start = time.monotonic()
-    assert _wait(lambda: all(w.share(group.gid).state == "closed" for w in p.workers), 5.0)  # type: ignore[union-attr]
+    assert wait_until(lambda: all(w.share(group.gid).state == "closed" for w in p.workers), 5.0)  # type: ignore[union-attr]
     took = time.monotonic() - start
     assert took < p.workers[0].silence_s + 1.0
-    assert _wait(lambda: _leases(ex) == 0)
+    assert wait_until(lambda: _leases(ex) == 0)
     assert all(w.coordinator_gone for w in p.workers)
 
 
@@ -373,13 +366,13 @@ def test_a_repeated_report_counts_once(transport: HostTransport, prefill_factory
                 "leases": 1, "import_s": 0.001}
         for _ in range(2):
             links[0].send(msgs.encode(msgs.Report(group.gid, 0, "imported", info=info)), timeout=5.0)
-        assert _wait(lambda: len(group.history) >= 6)  # checking x3, importing, two reports
+        assert wait_until(lambda: len(group.history) >= 6)  # checking x3, importing, two reports
         time.sleep(0.05)
         assert group.state == "importing" and group.reports["imported"] == {0}
     finally:
         for ch in links:
             ch.close()
-    assert _wait(lambda: group.is_terminal) and group.state == "failed"  # both workers gone
+    assert wait_until(lambda: group.is_terminal) and group.state == "failed"  # both workers gone
 
 
 def test_a_report_for_another_rank_closes_the_connection(transport: HostTransport, prefill_factory: Any) -> None:
@@ -390,7 +383,7 @@ def test_a_report_for_another_rank_closes_the_connection(transport: HostTranspor
         p.coordinator.wait_for_workers(5.0)
         group = p.coordinator.start_group([ex.descriptor(r) for r in range(2)])
         links[0].send(msgs.encode(msgs.Report(group.gid, 1, "validated")), timeout=5.0)
-        assert _wait(lambda: group.state == "failed")
+        assert wait_until(lambda: group.state == "failed")
         assert group.failure is not None and group.failure.event == "worker_died" and group.failure.rank == 0
     finally:
         for ch in links:
@@ -417,7 +410,7 @@ def test_an_undeclared_command_is_the_coordinators_fault_and_the_worker_cleans_u
         with ch.recv(5.0) as m:
             assert msgs.decode(m.payload) == msgs.Report("g1", 0, "validated")
         ch.send(msgs.encode(msgs.Command("ready", "g1")), timeout=5.0)
-        assert _wait(lambda: w.coordinator_gone and w.share("g1").state == "failed")  # type: ignore[union-attr]
+        assert wait_until(lambda: w.coordinator_gone and w.share("g1").state == "failed")  # type: ignore[union-attr]
         assert w.transport.opens == 0  # type: ignore[attr-defined]
         ch.close()
     finally:

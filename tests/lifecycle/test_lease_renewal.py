@@ -19,15 +19,8 @@ from kvstate.core.machine import StateChange
 from kvstate.share.importer import Group, ImportConfig, Importer
 from kvstate.transport.host import HostTransport
 from support.reuse import REUSE_ON
+from support.waiting import wait_until
 
-
-def wait_until(predicate: Any, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 class HungImporter(Importer):  # type: ignore[type-arg]

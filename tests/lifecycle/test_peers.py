@@ -4,8 +4,6 @@ bound to the connection, all-or-nothing batches, refusals naming their rank."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 
 import pytest
 
@@ -18,15 +16,8 @@ from kvstate.transport.host import HostTransport
 
 from conftest import DEPLOYMENT, make_exporter
 from support.reuse import REUSE_ON
+from support.waiting import wait_until
 
-
-def _wait(predicate: Callable[[], bool], timeout: float = 3.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.005)
-    return False
 
 
 def test_imports_reuse_one_channel_and_lease_every_rank_in_one_request(transport: HostTransport,
@@ -71,8 +62,8 @@ def test_leases_end_when_the_link_closes(transport: HostTransport) -> None:
     link = group.parts[0].link
     assert link is not None
     link.close()  # what the importer's death does: the exporter ends every lease on it
-    assert _wait(lambda: all(not b.leases for b in ex.banks.values()))
-    assert _wait(lambda: group.state in ("draining", "quiescent", "closed", "failed"))
+    assert wait_until(lambda: all(not b.leases for b in ex.banks.values()))
+    assert wait_until(lambda: group.state in ("draining", "quiescent", "closed", "failed"))
     group.drain()
     im.close()
 
@@ -83,13 +74,13 @@ def test_an_idle_link_closes_and_a_new_import_reconnects(transport: HostTranspor
     try:
         im.import_group([ex.descriptor(0)]).drain()
         assert len(im.peers) == 1
-        assert _wait(lambda: len(im.peers) == 0)  # closed by the expiry thread once idle
+        assert wait_until(lambda: len(im.peers) == 0)  # closed by the expiry thread once idle
         group = im.import_group([ex.descriptor(0)])
         assert group.state == "ready"
         group.drain()
     finally:
         im.close()
-    assert _wait(lambda: ex._handlers == 0)  # the importer's close closed its idle link
+    assert wait_until(lambda: ex._handlers == 0)  # the importer's close closed its idle link
 
 
 def test_exporter_refuses_malformed_batches(transport: HostTransport) -> None:
@@ -124,6 +115,6 @@ def test_a_malformed_batched_answer_gives_every_grant_back(transport: HostTransp
             chan.framing.close_quietly(fd)
         with pytest.raises(ImportFailed):
             peers.grants(link, items, short)
-        assert _wait(lambda: all(not b.leases for b in ex.banks.values()))
+        assert wait_until(lambda: all(not b.leases for b in ex.banks.values()))
     finally:
         ch.close()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,18 +33,11 @@ from kvstate.share.importer import Group, ImportConfig, Importer, Part
 from kvstate.core.machine import StateChange, effect
 from support.faults import KINDS as FAULT_KINDS, FaultyTransport
 from support.reuse import reuse_for
+from support.waiting import wait_until
 
 TPS = (1, 3)
 GROUP_STATES = tuple(Group.table.state_names)
 
-
-def wait_until(predicate: Any, timeout: float = 3.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.002)
-    return True
 
 
 class LifecycleMachine(RuleBasedStateMachine):
