@@ -21,6 +21,7 @@ import functools
 import hmac
 import json
 import struct
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -253,3 +254,17 @@ def decode_cached(data: bytes, deployment: Deployment) -> Descriptor:
     if type(data) is bytes:
         return _decode_bytes(data, deployment)
     return decode(data, deployment)
+
+
+def decode_group(wire: Sequence[bytes], deployment: Deployment) -> tuple[list[Descriptor], list[DescriptorRejected]]:
+    """Decode one group's descriptors, rank by rank, keeping every refusal (each names its
+    rank: the wire position when the body could not say) so a group is refused whole."""
+    descriptors: list[Descriptor] = []
+    problems: list[DescriptorRejected] = []
+    for i, data in enumerate(wire):
+        try:
+            descriptors.append(decode_cached(data, deployment))
+        except DescriptorRejected as exc:
+            exc.rank = i if exc.rank is None else exc.rank
+            problems.append(exc)
+    return descriptors, problems

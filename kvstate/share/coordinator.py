@@ -59,7 +59,7 @@ import attrs
 from kvstate import channel as chan
 from kvstate.core.args import (need, need_int, need_callables, need_items, need_kinds, need_mapping_keys, need_path, need_seconds,
                                need_text)
-from kvstate.core.descriptor import Descriptor, decode_cached
+from kvstate.core.descriptor import Descriptor, decode_group
 from kvstate.core.errors import (
     ArgumentInvalid,
     ChannelClosed,
@@ -457,14 +457,7 @@ class Coordinator:
                   expect: Mapping[str, Any]) -> ValidatedGroup:
         """The whole group, before any worker hears of it (every rule, every rank)."""
         tp = self.config.tp
-        problems: list[DescriptorRejected] = []
-        descriptors: list[Descriptor] = []
-        for i, data in enumerate(wire):
-            try:
-                descriptors.append(decode_cached(data, self.config.deployment))
-            except DescriptorRejected as exc:
-                exc.rank = i if exc.rank is None else exc.rank
-                problems.append(exc)
+        descriptors, problems = decode_group(wire, self.config.deployment)
         for d in descriptors:
             if d.tp != tp:
                 problems.append(DescriptorRejected(

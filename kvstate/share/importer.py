@@ -49,7 +49,7 @@ from typing import Any, Generic, Literal, NoReturn, Protocol, get_args
 import attrs
 
 from kvstate import channel as chan
-from kvstate.core.descriptor import Descriptor, decode_cached
+from kvstate.core.descriptor import Descriptor, decode_group
 from kvstate.core.errors import (
     ArgumentInvalid,
     ChannelError,
@@ -729,14 +729,7 @@ class Importer(Generic[H, A, R, M, E]):
         self._count += 1
         group: Group[H, A, R, M, E] = self.group_class(self, f"group#{self._count}", self.observers)
         self.groups = [g for g in self.groups if not g.is_terminal] + [group]
-        descriptors: list[Descriptor] = []
-        problems: list[DescriptorRejected] = []
-        for i, data in enumerate(wire):
-            try:
-                descriptors.append(decode_cached(data, self.config.deployment))
-            except DescriptorRejected as exc:
-                exc.rank = i if exc.rank is None else exc.rank
-                problems.append(exc)
+        descriptors, problems = decode_group(wire, self.config.deployment)
         try:
             if problems:
                 raise GroupRejected(problems)
