@@ -17,7 +17,7 @@ import torch
 from kvstate.integrations.vllm import config as cfgmod
 from kvstate.integrations.vllm.decode_rank import DecodeRank
 from kvstate.integrations.vllm.hashing import Compat
-from kvstate.integrations.vllm.orders import StepOrders
+from kvstate.integrations.vllm.orders import LoadFailures, StepOrders
 from kvstate.integrations.vllm.prefill_rank import PrefillRank
 from kvstate.integrations.vllm.scheduler_side import SchedulerSide
 from kvstate.integrations.vllm.stats import Tally
@@ -62,6 +62,7 @@ class Engine:
         self.tp = tp
         self._sent: dict[str, int] = {}
         self._loaded: dict[str, int] = {}
+        self.said = LoadFailures()  # every reason the ranks sent
         self.caches = [caches(r + 1 if self.cfg.producer else None) for r in range(tp)]
         self.decode: list[DecodeRank] = []
         self.prefill: list[PrefillRank] = []
@@ -90,7 +91,11 @@ class Engine:
         all_sent = self._count(self._sent, sending)
         all_loaded = self._count(self._loaded, [d for d, _ in loads])
         failed = set().union(*[f for _, f in loads]) if loads else set()
-        self.sched.worker_output(sorted(all_loaded), failed)
+        why = LoadFailures()
+        for p in self.prefill:  # as vLLM merges the ranks' worker metadata
+            why = why.merge(p.failures())
+        self.said = self.said.merge(why)
+        self.sched.worker_output(sorted(all_loaded), failed, why)
         return all_sent, all_loaded, failed
 
     def _count(self, seen: dict[str, int], reports: list[set[str]]) -> set[str]:
@@ -232,8 +237,8 @@ def test_a_dead_decode_is_a_miss_and_a_restarted_one_refuses_old_descriptors(soc
         finish(decode, "d2", tokens, [7, 8, 9, 10, 11])
         n, failed = load(prefill, "p3", tokens, [20, 21, 22, 23, 24])
         assert n == 4 * BS and failed == {20, 21, 22, 23}  # loaded with the cached, stale descriptors
-        counted = wait_for(lambda: prefill.step() and prefill.sched.tally.take().get("rejections"), "the reason")
-        assert counted == {"stale_incarnation": 1}
+        assert prefill.said.of("p3") == "stale_incarnation"                               # the rank's own cause
+        assert prefill.sched.tally.take().get("rejections") == {"stale_incarnation": 1}  # counted in that step
         assert load(prefill, "p4", tokens, [30, 31, 32, 33, 34]) == (4 * BS, set())   # fetched anew
         assert torch.equal(prefill.caches[0][LAYERS[1]][33], decode.caches[0][LAYERS[1]][10])
     finally:

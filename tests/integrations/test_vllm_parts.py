@@ -16,6 +16,7 @@ from kvstate.integrations.vllm import config as cfgmod
 from kvstate.integrations.vllm import stats, wire
 from kvstate.integrations.vllm.hashing import Compat, block_key, prefix_hashes, root, source_id
 from kvstate.integrations.vllm.layout import bank_blocks, bank_geometry, block_bytes, tensor_problem
+from kvstate.integrations.vllm.orders import LoadFailures, failure_code
 from kvstate.integrations.vllm.slots import SlotTable
 
 KEY = bytes(range(32))
@@ -253,3 +254,22 @@ def test_counters_merge_across_ranks_and_flatten() -> None:
     t.add("hits")
     t.reason("rejections", "timeout")
     assert t.take() == {"hits": 1, "rejections": {"timeout": 1}} and t.take() == {}
+
+
+def test_a_failed_loads_reason_is_a_ranks_own_cause_before_a_share_that_merely_ended() -> None:
+    failures = LoadFailures((("a", 0, "share_failed"), ("b", 0, "timeout")))
+    failures = failures.merge(LoadFailures((("a", 1, "stale_incarnation"), ("a", 2, "decode_gone"))))
+    assert failures.of("a") == "stale_incarnation"     # the lowest rank with a cause of its own
+    assert failures.of("b") == "timeout" and failures.of("c") is None
+    assert LoadFailures((("a", 3, "share_aborted"),)).of("a") == "share_aborted"
+    assert not LoadFailures() and failures
+
+
+@pytest.mark.parametrize(("detail", "code"), [
+    ("lease: LeaseRefused: lease refused (stale_incarnation): bank 3 is of incarnation 7", "stale_incarnation"),
+    ("lease: ChannelError: no server at /run/kvstate/x.sock", "decode_gone"),
+    ("its exporter's connection closed", "decode_gone"),
+    ("ImportFailed: import of rank 1 failed: bad map", None),
+])
+def test_failure_text_names_its_reason(detail: str, code: str | None) -> None:
+    assert failure_code(detail) == code

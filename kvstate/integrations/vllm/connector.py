@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -34,7 +35,7 @@ from kvstate.core.errors import ConfigInvalid
 from kvstate.integrations.vllm.config import ConnectorConfig, parse
 from kvstate.integrations.vllm.hashing import Compat
 from kvstate.integrations.vllm.layout import TORCH_DTYPES, tensor_problem
-from kvstate.integrations.vllm.orders import StepOrders
+from kvstate.integrations.vllm.orders import LoadFailures, StepOrders
 from kvstate.integrations.vllm.stats import Tally
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,19 @@ class KvStateMetadata(KVConnectorMetadata):
     """The step's orders, pickled to every worker."""
 
     orders: StepOrders
+
+
+@attrs.frozen
+class KvStateWorkerMetadata(KVConnectorWorkerMetadata):
+    """Why a rank's loads failed this step; vLLM merges the ranks' before the scheduler
+    side reads it (``update_connector_output``)."""
+
+    failures: LoadFailures
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, KvStateWorkerMetadata):
+            return self
+        return KvStateWorkerMetadata(self.failures.merge(other.failures))
 
 
 def _guarded(default: Callable[[], object]) -> Callable[[Callable[..., T]], Callable[..., T]]:
@@ -198,6 +212,11 @@ class KvStateConnector(KVConnectorBase_V1):
         out, self._load_errors = self._load_errors, set()
         return out
 
+    @_guarded(lambda: None)
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        failures = self._prefill.failures() if self._prefill is not None else LoadFailures()
+        return KvStateWorkerMetadata(failures) if failures else None
+
     def get_kv_connector_stats(self) -> Any:
         data = (self._sched.tally if self._sched is not None else self._tally).take()
         if not data:
@@ -238,8 +257,10 @@ class KvStateConnector(KVConnectorBase_V1):
 
     @_guarded(lambda: None)
     def update_connector_output(self, connector_output: Any) -> None:
+        meta = connector_output.kv_connector_worker_meta
         self._sched.worker_output(sorted(connector_output.finished_recving or ()),
-                                  set(connector_output.invalid_block_ids or ()))
+                                  set(connector_output.invalid_block_ids or ()),
+                                  meta.failures if isinstance(meta, KvStateWorkerMetadata) else LoadFailures())
 
     @_guarded(lambda: (False, None))
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

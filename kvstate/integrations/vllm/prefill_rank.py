@@ -31,7 +31,7 @@ import attrs
 from kvstate.core.errors import ChannelError, CoordinatorRefused, KvStateError
 from kvstate.integrations.vllm.config import ConnectorConfig
 from kvstate.integrations.vllm.hashing import Compat
-from kvstate.integrations.vllm.orders import LoadOrder
+from kvstate.integrations.vllm.orders import LoadFailures, LoadOrder, failure_code
 from kvstate.integrations.vllm.stats import Tally
 from kvstate.share.rank_worker import RankWorker, WorkerConfig
 from kvstate.share.transfer import TransferHandle
@@ -63,6 +63,7 @@ class PrefillRank:
         self._loads: dict[str, _Load] = {}
         self._finished: set[str] = set()
         self._failed_blocks: set[int] = set()
+        self._reasons: list[tuple[str, int, str]] = []
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._connect, name=f"kvstate-prefill-r{rank}", daemon=True)
         self._thread.start()
@@ -116,7 +117,9 @@ class PrefillRank:
                 except KvStateError as exc:
                     return f"load_refused:{type(exc).__name__}"
             elif share is not None and share.state in _ENDED:
-                return f"share_{share.state}"
+                if share.problems:
+                    return str(share.problems[0].reason.value)  # this rank rejected its descriptor
+                return failure_code(share.cause) or f"share_{share.state}"
             elif late:
                 return "timeout"
             else:
@@ -140,6 +143,7 @@ class PrefillRank:
         self.tally.add("load_ms", 1000.0 * (time.monotonic() - load.started))
         if why:
             self._failed_blocks.update(load.order.dst_blocks)
+            self._reasons.append((req_id, self.rank, why))
             self.tally.add("loads_failed")
             log.warning("kvstate: rank %d load of %s failed (%s): %d block(s) to recompute", self.rank, req_id, why,
                         len(load.order.dst_blocks))
@@ -157,6 +161,11 @@ class PrefillRank:
         done, failed = self._finished, self._failed_blocks
         self._finished, self._failed_blocks = set(), set()
         return done, failed
+
+    def failures(self) -> LoadFailures:
+        """Why the loads reported failed since the last call failed (after :meth:`finished`)."""
+        out, self._reasons = LoadFailures(tuple(self._reasons)), []
+        return out
 
     def close(self) -> None:
         self._stopping.set()

@@ -17,9 +17,10 @@ Prefill (``kv_consumer``/``kv_both``), per request:
    those tokens, the group import starts through the :class:`Coordinator` this process
    hosts (it returns at once; every worker imports its own rank's part), or a live group
    whose lease already pins those blocks is shared; a load order goes to the workers.
-3. :meth:`SchedulerSide.worker_output` (vLLM's aggregated ``finished_recving``): the
-   group is drained once no request uses it; a group that failed is counted by reason,
-   and the source's cached descriptors are dropped.
+3. :meth:`SchedulerSide.worker_output` (vLLM's aggregated ``finished_recving``, failed
+   pages and the ranks' :class:`~.orders.LoadFailures`): the group is drained once no
+   request uses it; a failed load is counted by reason in that step, and the source's
+   cached descriptors are dropped.
 
 Nothing here raises into the engine: every refusal is a miss or a rejection with a reason
 (:mod:`.stats`), and the blocks are recomputed.
@@ -28,8 +29,6 @@ Nothing here raises into the engine: every refusal is a miss or a rejection with
 from __future__ import annotations
 
 import logging
-import re
-import time
 from collections.abc import Iterator, Sequence
 
 import attrs
@@ -42,7 +41,7 @@ from kvstate.integrations.vllm.config import ConnectorConfig
 from kvstate.integrations.vllm.hashing import Compat, block_key, prefix_hashes, root
 from kvstate.integrations.vllm.index import DecodeIndex, Found, IndexClient, Refusal
 from kvstate.integrations.vllm.layout import INVENTORY_GROUP, bank_blocks
-from kvstate.integrations.vllm.orders import LoadOrder, StepOrders, StoreOrder
+from kvstate.integrations.vllm.orders import LoadFailures, LoadOrder, StepOrders, StoreOrder, failure_code
 from kvstate.integrations.vllm.slots import SlotTable
 from kvstate.integrations.vllm.stats import Tally
 from kvstate.reuse.policy import Candidate, DecisionReason, choose_transfer_source
@@ -50,10 +49,6 @@ from kvstate.share.coordinator import CoordinatedGroup, Coordinator, Coordinator
 from kvstate.share.importer import BlockRequest
 
 log = logging.getLogger(__name__)
-
-#: how long a failed load's reason may take to reach the coordinator before it counts as load_failed
-REASON_WAIT_S = 2.0
-_LEASE_CODE = re.compile(r"lease refused \((\w+)\)")
 
 
 @attrs.frozen
@@ -81,6 +76,7 @@ class _Active:
     group: _Group
     pages: frozenset[int]
     failed: bool = False
+    why: LoadFailures = LoadFailures()  # what the ranks said, over the steps until every rank finished
 
 
 def failure_reason(group: CoordinatedGroup) -> str:
@@ -91,11 +87,9 @@ def failure_reason(group: CoordinatedGroup) -> str:
     failure = group.failure
     if failure is None:
         return group.state
-    code = _LEASE_CODE.search(failure.detail)
-    if code is not None:
-        return code.group(1)
-    if failure.event == "part_failed" and ("no server" in failure.detail or "closed" in failure.detail):
-        return "decode_gone"
+    code = failure_code(failure.detail)
+    if code is not None and (code != "decode_gone" or failure.event == "part_failed"):
+        return code
     return failure.event
 
 
@@ -115,7 +109,6 @@ class SchedulerSide:
         self._groups: list[_Group] = []
         self._counted: set[str] = set()           # requests whose miss was counted
         self._failed: set[str] = set()            # requests whose load failed: computed from then on
-        self._unexplained: list[tuple[str, _Group, float]] = []   # failed loads, reason not yet known
         dep = cfg.deployment
         if cfg.producer:
             table = SlotTable(bank_blocks(compat, cfg.retain_bytes), compat.tp, lambda h, s: block_key(dep, h, s))
@@ -275,12 +268,17 @@ class SchedulerSide:
                 return g
         return None
 
-    def worker_output(self, finished: Sequence[str], invalid_pages: set[int]) -> None:
-        """What vLLM aggregated from the workers this step: loads every rank finished, and
-        pages some rank failed to load (possibly in an earlier step than the finish)."""
+    def worker_output(self, finished: Sequence[str], invalid_pages: set[int],
+                      failures: LoadFailures = LoadFailures()) -> None:
+        """What vLLM aggregated from the workers this step: loads every rank finished, pages
+        some rank failed to load (possibly in an earlier step than the finish), and why."""
         if invalid_pages:
             for active in self._active.values():
                 active.failed = active.failed or not active.pages.isdisjoint(invalid_pages)
+        for req_id, rank, why in failures.reasons:
+            loading = self._active.get(req_id)
+            if loading is not None:
+                loading.why = loading.why.merge(LoadFailures(((req_id, rank, why),)))
         for req_id in finished:
             self._counted.discard(req_id)
             a = self._active.pop(req_id, None)
@@ -289,28 +287,23 @@ class SchedulerSide:
             g = a.group
             g.users -= 1
             if a.failed:
-                self._failed.add(req_id)
-                self.clients[g.source].drop_descriptors()
-                # A worker may report its failure before the coordinator recorded why: the
-                # reason is counted once known (or as load_failed after REASON_WAIT_S).
-                self._unexplained.append((req_id, g, time.monotonic() + REASON_WAIT_S))
+                self._load_failed(req_id, g, a.why.of(req_id))
             if g.users == 0:
                 self._drain(g)
-        self._explain()
 
-    def _explain(self) -> None:
-        now, left = time.monotonic(), []
-        for req_id, g, deadline in self._unexplained:
-            known = g.group.failure is not None or bool(g.group.rejections)
-            if not known and now < deadline:
-                left.append((req_id, g, deadline))
-                continue
-            why = failure_reason(g.group) if known else "load_failed"
-            self.tally.reason("rejections", why)
-            detail = g.group.failure.detail if g.group.failure is not None else ""
-            log.warning("kvstate: load of %s from %r failed (%s%s): its blocks are recomputed", req_id, g.source, why,
-                        f": {detail}" if detail else "")
-        self._unexplained = left
+    def _load_failed(self, req_id: str, g: _Group, rank_says: str | None) -> None:
+        """Count a failed load by reason: a rank's own cause (sent with the failure), else
+        what the coordinator learned, else ``load_failed``."""
+        self._failed.add(req_id)
+        self.clients[g.source].drop_descriptors()
+        group = g.group
+        known = group.failure is not None or bool(group.rejections)
+        why = rank_says if rank_says is not None and not rank_says.startswith("share_") else \
+            failure_reason(group) if known else rank_says or "load_failed"
+        self.tally.reason("rejections", why)
+        detail = group.failure.detail if group.failure is not None else ""
+        log.warning("kvstate: load of %s from %r failed (%s%s): its blocks are recomputed", req_id, g.source, why,
+                    f": {detail}" if detail else "")
 
     def _drain(self, g: _Group) -> None:
         group: CoordinatedGroup = g.group
