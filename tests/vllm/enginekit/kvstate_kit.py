@@ -94,15 +94,15 @@ def bank_mappings(pid: int) -> list[str]:
         return []
 
 
-def corrupt_banks(engine: Engine, seed: int = 7) -> int:
-    """Overwrite every kvstate bank the engine's workers hold with noise; bytes written.
-    The bank is a memfd without a write seal: any process of the same user can open it
-    through /proc, which is exactly what this does."""
+def corrupt_banks(engine: Engine, seed: int = 7, pids: list[int] | None = None) -> int:
+    """Overwrite every kvstate bank the engine's workers (or only ``pids`` of them) hold
+    with noise; bytes written. The bank is a memfd without a write seal: any process of
+    the same user can open it through /proc, which is exactly what this does."""
     import random
 
     rng = random.Random(seed)
     written = 0
-    for pid in worker_pids(engine):
+    for pid in worker_pids(engine) if pids is None else pids:
         for fd in bank_fds(pid):
             with open(fd, "r+b") as f:
                 size = f.seek(0, os.SEEK_END)
