@@ -281,7 +281,7 @@ class CoordinatedGroup(Lifecycle):
                 if self.blocks is not None:
                     extra["blocks"] = {"group": self.blocks.group, "epochs": list(self.blocks.epochs),
                                        "hashes": list(self.blocks.hashes)}
-            self.coordinator.send(r, msgs.Command(cmd, self.gid, why=why, **extra))
+            self.coordinator._send_to(r, msgs.Command(cmd, self.gid, why=why, **extra))
 
     @effect("send_check")
     def _send_check(self, **kw: Any) -> None:
@@ -479,7 +479,7 @@ class Coordinator:
 
     # -- sending ------------------------------------------------------------------------
 
-    def send(self, rank: int, message: msgs.Message) -> None:
+    def _send_to(self, rank: int, message: msgs.Message) -> None:
         """Send to one worker; a worker that cannot be told in time is closed (dead)."""
         link = self.links.get(rank)
         if link is None or not link.alive:
@@ -494,7 +494,7 @@ class Coordinator:
     def _tick_loop(self) -> None:
         while not self._stopping.wait(self.config.heartbeat_s):
             for rank in list(self.links):
-                self.send(rank, msgs.Tick())
+                self._send_to(rank, msgs.Tick())
             now = time.monotonic()
             group: CoordinatedGroup
             for group in list(self.groups.values()):
@@ -558,7 +558,7 @@ class Coordinator:
         with self._joined:
             self.links[hello.rank] = link
             self._joined.notify_all()
-        self.send(hello.rank, msgs.Welcome(self.config.tp, self.config.heartbeat_s, self.config.silence_s))
+        self._send_to(hello.rank, msgs.Welcome(self.config.tp, self.config.heartbeat_s, self.config.silence_s))
         return link
 
     def _refusal(self, hello: msgs.Hello, ch: chan.Channel) -> msgs.Refused | None:

@@ -183,7 +183,7 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
                 self.reports_due -= 1
             self.changed.notify_all()
         if "report" in row.effects:
-            self.worker.report(self, change.dest)
+            self.worker._report(self, change.dest)
 
     # -- guards -------------------------------------------------------------------------
 
@@ -274,9 +274,9 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
 
     def peer_closed(self, part: Part[H, A, R, M, E]) -> None:
         """The exporter of this share's part went away."""
-        self.withdrawn("its exporter's connection closed")
+        self._withdrawn("its exporter's connection closed")
 
-    def withdrawn(self, why: str) -> None:
+    def _withdrawn(self, why: str) -> None:
         """The bank under this share's part is gone for it (its exporter died, refused to
         renew the lease, or the lease ran out): before ready roll back, after ready drain."""
         with self.locked():
@@ -286,7 +286,7 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
                 self.fire("exporter_died", reason=why)
         self.worker.kick()
 
-    def renew_due(self, every: float) -> None:
+    def _renew_due(self, every: float) -> None:
         """Renew the part's lease once half its term or ``every`` seconds have passed since
         the grant or the last renewal; a refusal or a lapse withdraws the bank."""
         part: Part[H, A, R, M, E] | None = self.part
@@ -294,13 +294,13 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
             return
         now = time.monotonic()
         if part.lease_expires_at <= now:
-            self.withdrawn(f"the lease of {part.label} ran out unrenewed")
+            self._withdrawn(f"the lease of {part.label} ran out unrenewed")
         elif now - part.renewed_at >= min(part.lease_s / 2, every):
             try:
                 part.renew()
             except (KvStateError, OSError) as exc:
                 if part.channel is not None:  # not just closed by the share's own row
-                    self.withdrawn(f"lease renewal of {part.label} failed: {exc}")
+                    self._withdrawn(f"lease renewal of {part.label} failed: {exc}")
 
     def load(self, bank_block_ids: Sequence[int], dst_tensors: Mapping[str, Any],
              dst_block_ids: Sequence[int]) -> TransferHandle:
@@ -497,12 +497,12 @@ class RankWorker(Generic[H, A, R, M, E]):
 
     # -- talking to the coordinator -----------------------------------------------------
 
-    def report(self, share: RankShare[H, A, R, M, E], state: str) -> None:
+    def _report(self, share: RankShare[H, A, R, M, E], state: str) -> None:
         """Tell the coordinator the state ``share`` entered (called once it is committed)."""
         ch = self._channel
         if ch is None or self.coordinator_gone:
             return
-        info = self.imported_info(share) if state == "imported" else None
+        info = self._imported_info(share) if state == "imported" else None
         report = msgs.Report(share.gid, self.config.rank, _REPORT_STATES[state], detail=share.cause,
                              reasons=tuple(p.reason.value for p in share.problems), info=info)
         try:
@@ -511,7 +511,7 @@ class RankWorker(Generic[H, A, R, M, E]):
         except ChannelError as exc:
             log.info("rank %d: report %s not delivered (%s)", self.config.rank, state, exc)
 
-    def imported_info(self, share: RankShare[H, A, R, M, E]) -> dict[str, Any] | None:
+    def _imported_info(self, share: RankShare[H, A, R, M, E]) -> dict[str, Any] | None:
         """What an imported report tells the coordinator of the part it mapped."""
         part = share.part
         if part is None:
@@ -704,7 +704,7 @@ class RankWorker(Generic[H, A, R, M, E]):
             with self._lock:
                 live = [s for s in self.shares.values() if not s.is_terminal]
             for share in live:
-                share.renew_due(self.config.renew_interval_s)
+                share._renew_due(self.config.renew_interval_s)
             if not self.coordinator_gone and time.monotonic() - self._last_heard > self.silence_s:
                 ch = self._channel
                 if ch is not None:

@@ -293,8 +293,8 @@ def test_a_phase_timeout_fails_the_group_and_rolls_every_part_back(transport: Ho
 class LyingWorker(RankWorker[Any, Any, Any, Any, Any]):
     """Rank 1 reports a part of another size than its descriptor's."""
 
-    def imported_info(self, share: RankShare[Any, Any, Any, Any, Any]) -> dict[str, Any] | None:
-        info = super().imported_info(share)
+    def _imported_info(self, share: RankShare[Any, Any, Any, Any, Any]) -> dict[str, Any] | None:
+        info = super()._imported_info(share)
         if info is not None and self.config.rank == 1:
             info["size"] *= 2
         return info
