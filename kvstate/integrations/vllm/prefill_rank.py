@@ -9,8 +9,9 @@
 - Every order finishes, one way or the other, within ``load_timeout_s``: a load that
   completed, or a failure (the group failed or was rejected, the share ended, the load
   failed, the time ran out, this rank never connected). A failure names every page of the
-  order, which vLLM (``kv_load_failure_policy="recompute"``) then recomputes; the request
-  is reported finished either way (:meth:`PrefillRank.finished`).
+  order, which vLLM (``kv_load_failure_policy="recompute"``) then recomputes, and its
+  reason goes to the scheduler side in the same step (:meth:`PrefillRank.failures`); the
+  request is reported finished either way (:meth:`PrefillRank.finished`).
 
 Loads are asynchronous in vLLM's sense: the request waits (``WAITING_FOR_REMOTE_KVS``)
 until every rank reported its load finished, so no forward pass reads a page while it
@@ -163,7 +164,7 @@ class PrefillRank:
         return done, failed
 
     def failures(self) -> LoadFailures:
-        """Why the loads reported failed since the last call failed (after :meth:`finished`)."""
+        """Why each load reported failed since the last call (call it after :meth:`finished`)."""
         out, self._reasons = LoadFailures(tuple(self._reasons)), []
         return out
 

@@ -275,10 +275,10 @@ class SchedulerSide:
         if invalid_pages:
             for active in self._active.values():
                 active.failed = active.failed or not active.pages.isdisjoint(invalid_pages)
-        for req_id, rank, why in failures.reasons:
-            loading = self._active.get(req_id)
+        for item in failures.reasons:
+            loading = self._active.get(item[0])
             if loading is not None:
-                loading.why = loading.why.merge(LoadFailures(((req_id, rank, why),)))
+                loading.why = loading.why.merge(LoadFailures((item,)))
         for req_id in finished:
             self._counted.discard(req_id)
             a = self._active.pop(req_id, None)
@@ -297,9 +297,12 @@ class SchedulerSide:
         self._failed.add(req_id)
         self.clients[g.source].drop_descriptors()
         group = g.group
-        known = group.failure is not None or bool(group.rejections)
-        why = rank_says if rank_says is not None and not rank_says.startswith("share_") else \
-            failure_reason(group) if known else rank_says or "load_failed"
+        if rank_says is not None and not rank_says.startswith("share_"):
+            why = rank_says                     # the rank's own cause
+        elif group.failure is not None or group.rejections:
+            why = failure_reason(group)         # another rank's, as the coordinator learned it
+        else:
+            why = rank_says or "load_failed"
         self.tally.reason("rejections", why)
         detail = group.failure.detail if group.failure is not None else ""
         log.warning("kvstate: load of %s from %r failed (%s%s): its blocks are recomputed", req_id, g.source, why,
