@@ -193,6 +193,24 @@ def test_only_the_shared_blocks_load_and_the_local_cache_is_respected(pair: tupl
     assert prefill.sched.tally.take()["misses"] == {"no_eligible_source": 1}   # the source holds no more
 
 
+def test_a_failed_loads_reason_is_counted_in_the_step_that_reports_it(pair: tuple[Engine, Engine]) -> None:
+    """The ranks' reasons arrive with the failed pages (vLLM's worker metadata): the
+    scheduler counts the failure then, with a rank's own cause before a share that merely
+    ended, whether or not the coordinator has heard anything yet."""
+    decode, prefill = pair
+    tokens = list(range(3000, 3017))
+    finish(decode, "d1", tokens, [1, 2, 3, 4, 5])
+    pages = [10, 11, 12, 13, 14]
+    n = prefill.sched.match("p1", tokens, len(tokens), 0, None)
+    prefill.sched.allocated("p1", pages, n)
+    prefill.sched.tally.take()
+    last = prefill.tp - 1
+    prefill.sched.worker_output(["p1"], {pages[0]}, LoadFailures((("p1", 0, "share_failed"), ("p1", last, "timeout"))))
+    assert prefill.sched.tally.take() == {"rejections": {"timeout": 1}}
+    assert prefill.sched.match("p1", tokens, len(tokens), 0, None) == 0       # computed from now on
+    assert prefill.sched.tally.take() == {"misses": {"after_failed_load": 1}}
+
+
 def test_policy_off_asks_nobody(sockets: Path) -> None:
     decode = Engine("kv_producer", {"socket_dir": str(sockets)}, 1, "d")
     prefill = Engine("kv_consumer", {"socket_dir": str(sockets)}, 1, "p")

@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MUTANTS = ROOT / "tests" / "mutants"
 DEFAULT_TIMEOUT_S = 240
 FAMILIES = ("spec", "machine", "validate", "descriptor", "identity", "native", "exporter", "importer",
-            "policy", "framing")
+            "policy", "framing", "connector")
 
 KILLED, KILLED_TIMEOUT, SURVIVED, TIMEOUT, ERROR, STALE = (
     "killed", "killed-timeout", "SURVIVED", "TIMEOUT", "ERROR", "STALE")
