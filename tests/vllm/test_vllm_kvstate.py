@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from enginekit import evidence
-from enginekit import kvstate_kit as kit
-from enginekit.memory import MemorySampler
-from enginekit.runner import Engine, Generation, start_all
-from enginekit.suite import MAX_TOKENS, PROMPT_LENGTHS, Engines, Run, prompts
+from kvstate.harness.engines import evidence
+from kvstate.harness.engines import kvstate_kit as kit
+from kvstate.harness.engines.memory import MemorySampler
+from kvstate.harness.engines.runner import Engine, Generation, start_all
+from kvstate.harness.engines.suite import MAX_TOKENS, PROMPT_LENGTHS, Engines, Run, prompts
 
 BS = 32
 
