@@ -47,6 +47,16 @@ def spec(model: str, role: str, sockets: Path, *, policy: dict[str, Any] | None 
                       env={"KVSTATE_DEPLOYMENT_KEY": KEY_HEX})
 
 
+#: The engines' block size (vLLM's CPU attention needs a multiple of 32).
+BLOCK_TOKENS: int = EngineSpec.block_size
+
+
+def loadable(lengths: tuple[int, ...]) -> list[int]:
+    """Tokens a prefill engine loads per prompt: the full blocks before the last token
+    (vLLM computes the last token itself)."""
+    return [(n - 1) // BLOCK_TOKENS * BLOCK_TOKENS for n in lengths]
+
+
 def counters(g: Generation) -> dict[str, float]:
     """kvstate's counters that grew during ``g`` (``name`` or ``name{reason=...}``)."""
     out = {}
