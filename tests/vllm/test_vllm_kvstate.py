@@ -29,7 +29,6 @@ from kvstate.harness.engines.suite import MAX_TOKENS, PROMPT_LENGTHS, Engines, R
 BS = kit.BLOCK_TOKENS
 
 
-
 @dataclass
 class Pair:
     box: Engines

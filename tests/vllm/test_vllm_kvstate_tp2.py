@@ -26,7 +26,6 @@ TP = 2
 LENGTHS = (100, 140, 600)
 
 
-
 @dataclass
 class Pair:
     decode: Engine
