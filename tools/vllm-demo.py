@@ -14,9 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "vllm"))
-
-from enginekit import ttft  # noqa: E402
+from kvstate.harness.engines import ttft
 
 
 def main() -> int:

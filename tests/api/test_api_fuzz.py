@@ -13,6 +13,8 @@ work, and teardown must leave no lease, mapping, fd, thread or native object.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -32,25 +34,30 @@ def test_only_typed_errors_escape_and_nothing_leaks(data: st.DataObject) -> None
     before = leaks.snapshot()
     w = World()
     try:
-        surface = [(n, fn) for n, fn in targets(w) if n not in SKIP]
-        for _ in range(data.draw(st.integers(1, 8))):
-            name, fn = data.draw(st.sampled_from(surface), label="target")
-            args, kwargs = call_with(fn, data.draw)
-            try:
-                result = fn(*args, **kwargs)
-            except KvStateError as exc:
-                assert str(exc), f"{name}: a KvStateError without a reason"
-                continue
-            except Exception as exc:  # the defect this test exists to find
-                raise AssertionError(f"{name}(*{args!r:.200}, **{kwargs!r:.200}) raised untyped "
-                                     f"{type(exc).__name__}: {exc}") from exc
-            release(result)
-            del result  # a caller drops what it does not keep (bank views would pin the bank)
+        call_some([(n, fn) for n, fn in targets(w) if n not in SKIP], data)
         still_works(w)
     finally:
         w.close()
     found = leaks.settled_leaks(before, grace_s=3.0)
     assert not found, f"leaked: {found}"
+
+
+def call_some(surface: list[tuple[str, Callable[..., Any]]], data: st.DataObject) -> None:
+    """Up to eight calls drawn from ``surface`` with arbitrary arguments: each returns or
+    raises a KvStateError with a reason; anything else fails the test."""
+    for _ in range(data.draw(st.integers(1, 8))):
+        name, fn = data.draw(st.sampled_from(surface), label="target")
+        args, kwargs = call_with(fn, data.draw)
+        try:
+            result = fn(*args, **kwargs)
+        except KvStateError as exc:
+            assert str(exc), f"{name}: a KvStateError without a reason"
+            continue
+        except Exception as exc:  # the defect this test exists to find
+            raise AssertionError(f"{name}(*{args!r:.200}, **{kwargs!r:.200}) raised untyped "
+                                 f"{type(exc).__name__}: {exc}") from exc
+        release(result)
+        del result  # a caller drops what it does not keep (bank views would pin the bank)
 
 
 def release(result: object) -> None:

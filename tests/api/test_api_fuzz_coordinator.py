@@ -17,13 +17,12 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstate.core.errors import KvStateError
 from kvstate.harness import leaks
 from kvstate.share.coordinator import Coordinator, CoordinatorConfig
 from kvstate.share.rank_worker import RankWorker, WorkerConfig
 from kvstate.transport.host import HostTransport
-from surface import DEPLOYMENT, GRANULARITY, REUSE, World, _methods, call_with
-from test_api_fuzz import release
+from surface import DEPLOYMENT, GRANULARITY, REUSE, World, _methods
+from test_api_fuzz import call_some
 
 TP = 2
 #: Waits whose whole timeout an arbitrary argument may ask for (up to 1e9 s is valid):
@@ -65,20 +64,7 @@ def test_only_typed_errors_escape_the_coordinator_and_its_workers(data: st.DataO
         assert share is not None
         surface = _methods(prefill.coordinator, "Coordinator") + _methods(group, "CoordinatedGroup") + \
             _methods(prefill.workers[0], "RankWorker") + _methods(share, "RankShare")
-        surface = [(n, fn) for n, fn in surface if n not in SKIP]
-        for _ in range(data.draw(st.integers(1, 8))):
-            name, fn = data.draw(st.sampled_from(surface), label="target")
-            args, kwargs = call_with(fn, data.draw)
-            try:
-                result = fn(*args, **kwargs)
-            except KvStateError as exc:
-                assert str(exc), f"{name}: a KvStateError without a reason"
-                continue
-            except Exception as exc:  # the defect this test exists to find
-                raise AssertionError(f"{name}(*{args!r:.200}, **{kwargs!r:.200}) raised untyped "
-                                     f"{type(exc).__name__}: {exc}") from exc
-            release(result)
-            del result
+        call_some([(n, fn) for n, fn in surface if n not in SKIP], data)
         still_works(w)
     finally:
         prefill.close()

@@ -8,26 +8,23 @@ here. Without that variable they skip with a reason starting ``NO VLLM``. The ma
 Engines are expensive (15-40 s to start on 2 cores, ~1.5 GiB PSS each), so the session
 fixtures below start each kind once and hand their outputs to several tests; at most
 two engines are alive at a time. Every engine is closed by the fixture that started it,
-and its leftovers are checked there (enginekit.leftovers).
+and its leftovers are checked there (kvstate.harness.engines.leftovers).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # enginekit, also for `pytest tests/vllm/x.py`
-
-from enginekit import kv_configs, tiny_llama  # noqa: E402
-from enginekit.memory import MemorySampler  # noqa: E402
-from enginekit.runner import EngineSpec, start_all  # noqa: E402
-from enginekit.suite import EXAMPLE_LENGTHS, MAX_TOKENS, Engines, ExamplePair, Run, prompts  # noqa: E402
+from kvstate.harness.engines import kv_configs, tiny_llama
+from kvstate.harness.engines.memory import MemorySampler
+from kvstate.harness.engines.runner import EngineSpec, start_all
+from kvstate.harness.engines.suite import EXAMPLE_LENGTHS, MAX_TOKENS, Engines, ExamplePair, Run, prompts
 
 REQUIRE = os.environ.get("KVSTATE_REQUIRE_VLLM") == "1"
 

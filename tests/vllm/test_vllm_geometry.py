@@ -16,10 +16,10 @@ import json
 import os
 from typing import Any
 
-from enginekit import tiny_llama
-from enginekit.geometry import FIXTURE, differences, read_records
-from enginekit.runner import EngineSpec
-from enginekit.suite import ExamplePair, Run
+from kvstate.harness.engines import tiny_llama
+from kv_geometry import FIXTURE, differences, read_records
+from kvstate.harness.engines.runner import EngineSpec
+from kvstate.harness.engines.suite import ExamplePair, Run
 
 UPDATE = os.environ.get("KVSTATE_VLLM_UPDATE_GEOMETRY") == "1"
 ITEMSIZE = {"bfloat16": 2, "float32": 4}

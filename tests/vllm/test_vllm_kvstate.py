@@ -20,18 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from enginekit import evidence
-from enginekit import kvstate_kit as kit
-from enginekit.memory import MemorySampler
-from enginekit.runner import Engine, Generation, start_all
-from enginekit.suite import MAX_TOKENS, PROMPT_LENGTHS, Engines, Run, prompts
+from kvstate.harness.engines import evidence
+from kvstate.harness.engines import kvstate_kit as kit
+from kvstate.harness.engines.memory import MemorySampler
+from kvstate.harness.engines.runner import Engine, Generation, start_all
+from kvstate.harness.engines.suite import MAX_TOKENS, PROMPT_LENGTHS, Engines, Run, prompts
 
-BS = 32
-
-
-def loadable(lengths: tuple[int, ...]) -> list[int]:
-    """Tokens a prefill engine loads per prompt: full blocks before the last token."""
-    return [(n - 1) // BS * BS for n in lengths]
+BS = kit.BLOCK_TOKENS
 
 
 @dataclass
@@ -71,7 +66,7 @@ def test_reuse_gives_a_plain_engines_tokens_and_computes_only_the_rest(pair: Pai
     got = pair.fresh(pair.prefill, batch)
     assert got.tokens == plain_pair.generations["a"].tokens
     assert got.finish_reasons == ["length"] * len(batch)
-    expected = loadable(PROMPT_LENGTHS)
+    expected = kit.loadable(PROMPT_LENGTHS)
     assert evidence.reuse(got).external_problems(expected) == []
     c = kit.counters(got)
     assert c.get("hits") == len(batch) and c.get("tokens_matched") == sum(expected), c
@@ -110,7 +105,7 @@ def test_a_corrupted_bank_changes_the_tokens(pair: Pair) -> None:
     reference = kit.produce(pair.decode, batch, MAX_TOKENS)
     assert kit.corrupt_banks(pair.decode) > 0
     got = pair.fresh(pair.prefill, batch)
-    assert evidence.reuse(got).external_problems(loadable((100, 75, 140))) == []
+    assert evidence.reuse(got).external_problems(kit.loadable((100, 75, 140))) == []
     for mine, theirs in zip(got.tokens, reference.tokens):
         assert mine != theirs
 
@@ -148,7 +143,7 @@ def test_decode_killed_before_the_load_then_restarted(pair: Pair) -> None:
     assert c.get("loads_failed", 0) >= 1 and rejected == {"rejections{reason=stale_incarnation}": c["loads_failed"]}, c
     again = pair.fresh(pair.prefill, batch)           # descriptors fetched anew: loaded
     assert again.tokens == reference.tokens
-    assert evidence.reuse(again).external_problems(loadable((100, 140))) == []
+    assert evidence.reuse(again).external_problems(kit.loadable((100, 140))) == []
     assert _no_bank_left(pair.prefill) == []
 
 

@@ -16,18 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from enginekit import evidence
-from enginekit import kvstate_kit as kit
-from enginekit.memory import MemorySampler
-from enginekit.runner import Engine, Generation, start_all
-from enginekit.suite import MAX_TOKENS, Engines, prompts
+from kvstate.harness.engines import evidence
+from kvstate.harness.engines import kvstate_kit as kit
+from kvstate.harness.engines.memory import MemorySampler
+from kvstate.harness.engines.runner import Engine, Generation, start_all
+from kvstate.harness.engines.suite import MAX_TOKENS, Engines, prompts
 
-BS, TP = 32, 2
+TP = 2
 LENGTHS = (100, 140, 600)
-
-
-def loadable(lengths: tuple[int, ...]) -> list[int]:
-    return [(n - 1) // BS * BS for n in lengths]
 
 
 @dataclass
@@ -63,7 +59,7 @@ def test_both_ranks_load_and_the_tokens_are_the_decode_engines(tp2: Pair) -> Non
     reference = kit.produce(tp2.decode, batch, MAX_TOKENS)
     got = tp2.fresh(batch)
     assert got.tokens == reference.tokens
-    expected = loadable(LENGTHS)
+    expected = kit.loadable(LENGTHS)
     assert evidence.reuse(got).external_problems(expected) == []
     c = kit.counters(got)
     assert c.get("hits") == len(batch) and c.get("tokens_matched") == sum(expected), c
@@ -80,7 +76,7 @@ def test_a_corrupted_bank_on_either_worker_changes_the_tokens(tp2: Pair, victim:
     assert len(workers) == TP, workers
     assert kit.corrupt_banks(tp2.decode, pids=[workers[victim]]) > 0  # one rank's KV heads only
     got = tp2.fresh(batch)
-    assert evidence.reuse(got).external_problems(loadable(LENGTHS)) == []
+    assert evidence.reuse(got).external_problems(kit.loadable(LENGTHS)) == []
     for mine, theirs in zip(got.tokens, reference.tokens):
         assert mine != theirs
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from enginekit import kv_configs, tiny_llama
-from enginekit.evidence import reuse
-from enginekit.leftovers import SHM, collect, owner_of, remove_vllm_leftovers, shm_mapped, shm_names
-from enginekit.runner import TAG_VAR, Generation, engine_pids
+from kvstate.harness.engines import kv_configs, tiny_llama
+from kvstate.harness.engines.evidence import reuse
+from kvstate.harness.engines.leftovers import SHM, collect, owner_of, remove_vllm_leftovers, shm_mapped, shm_names
+from kvstate.harness.engines.runner import TAG_VAR, Generation, engine_pids
 
 
 def test_leftovers_are_attributed_by_name() -> None:
@@ -149,7 +149,7 @@ def test_geometry_comparison_names_what_changed() -> None:
     import copy
     import json
 
-    from enginekit.geometry import FIXTURE, differences
+    from kv_geometry import FIXTURE, differences
 
     want = json.loads(FIXTURE.read_text())
     got = copy.deepcopy(want)

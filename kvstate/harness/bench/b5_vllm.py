@@ -2,30 +2,22 @@
 512, 1,024, 2,048 and 4,096 prompt tokens, for kvstate reuse, recompute, vLLM's
 ExampleConnector (through files) and LMCache (not run: it does not work on CPU here).
 
-The engines and the measurement live with the vLLM test suite (``tests/vllm/enginekit``:
-the engine runner, the seeded tiny Llama, ``ttft``), which this imports from the source
-tree; it needs the interpreter of the vLLM venv (``make test-vllm`` builds
+The engines and the measurement are :mod:`kvstate.harness.engines` (the engine runner,
+the seeded tiny Llama, :mod:`~kvstate.harness.engines.ttft`), shared with the vLLM test
+suite; it needs the interpreter of the vLLM venv (``make test-vllm`` builds
 ``.venv-vllm``). On a 2-core CPU with a 2-layer model only the ratios mean anything.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
-
-import kvstate
-
-ENGINEKIT = Path(kvstate.__path__[0]).resolve().parent / "tests" / "vllm"
 
 
 def problem() -> str | None:
     """Why the suite cannot run here (None when it can)."""
-    if not (ENGINEKIT / "enginekit" / "ttft.py").is_file():
-        return f"needs a source tree: {ENGINEKIT}/enginekit not found"
     spec = importlib.util.find_spec("vllm")
     if spec is None or spec.origin is None:
         return "vLLM is not installed in this interpreter: run .venv-vllm/bin/python -m kvstate bench --suite vllm"
@@ -34,14 +26,13 @@ def problem() -> str | None:
 
 def run(out: Path, repeats: int, quick: bool) -> str:
     """Measure and return the Markdown table (also written to ``out/bench-vllm.md``)."""
-    if str(ENGINEKIT) not in sys.path:
-        sys.path.insert(0, str(ENGINEKIT))
-    ttft: Any = importlib.import_module("enginekit.ttft")  # from the source tree, untyped here
+    from kvstate.harness.engines import ttft
+
     lengths = ttft.LENGTHS[:2] if quick else ttft.LENGTHS
     with tempfile.TemporaryDirectory(prefix="kvstate-bench-vllm-") as d:
         rows = ttft.measure(Path(d), lengths, repeats=repeats,
                             progress=lambda m: print(m, file=sys.stderr, flush=True))
-    table: str = ttft.bench_table(rows)
+    table = ttft.bench_table(rows)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench-vllm.md").write_text(table + "\n", encoding="utf-8")
     return table

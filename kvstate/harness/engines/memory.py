@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from enginekit.runner import Engine
+from kvstate.harness.engines.runner import Engine
 
 
 def _rollup(pid: int) -> tuple[int, int]:

@@ -18,10 +18,10 @@ ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KVSTATE_CONNECTOR = "KvStateConnector"
 KVSTATE_MODULE = "kvstate.integrations.vllm"
 
-#: The probe connectors' module, importable in engine processes (enginekit is on PYTHONPATH).
-PROBE_MODULE = "enginekit.probe"
+#: The probe connectors' module, which vLLM imports by name in the engine processes.
+PROBE_MODULE = "kvstate.harness.engines.probe"
 
-#: A file in a probe's directory that makes the next load fail (see enginekit.probe).
+#: A file in a probe's directory that makes the next load fail (see :mod:`.probe`).
 FAIL_NEXT_LOAD = "fail-next-load"
 
 

@@ -8,8 +8,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from enginekit import kv_configs
-from enginekit.runner import Engine, EngineSpec, Generation
+from kvstate.harness.engines import kv_configs
+from kvstate.harness.engines.runner import Engine, EngineSpec, Generation
 
 #: The deployment key, given to engines through the environment (never the extra config).
 KEY_HEX = bytes(range(32)).hex()
@@ -45,6 +45,16 @@ def spec(model: str, role: str, sockets: Path, *, policy: dict[str, Any] | None 
         cfg["policy"] = policy
     return EngineSpec(model, tp=tp, dtype=dtype, kv_transfer=kv_configs.kvstate(role, cfg),
                       env={"KVSTATE_DEPLOYMENT_KEY": KEY_HEX})
+
+
+#: The engines' block size (vLLM's CPU attention needs a multiple of 32).
+BLOCK_TOKENS: int = EngineSpec.block_size
+
+
+def loadable(lengths: tuple[int, ...]) -> list[int]:
+    """Tokens a prefill engine loads per prompt: the full blocks before the last token
+    (vLLM computes the last token itself)."""
+    return [(n - 1) // BLOCK_TOKENS * BLOCK_TOKENS for n in lengths]
 
 
 def counters(g: Generation) -> dict[str, float]:

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-FIXTURE = Path(__file__).resolve().parent.parent / "data" / "kv_geometry.json"
+FIXTURE = Path(__file__).resolve().parent / "data" / "kv_geometry.json"
 VOLATILE = ("pid",)  # differs per run
 
 

@@ -1,4 +1,4 @@
-"""Probe connectors, loaded by vLLM through ``kv_connector_module_path="enginekit.probe"``.
+"""Probe connectors, loaded by vLLM through ``kv_connector_module_path="kvstate.harness.engines.probe"``.
 
 They run inside vLLM's engine processes (scheduler side in ``VLLM::EngineCore``, worker
 side in each ``VLLM::Worker``), so this module imports vLLM and torch.
@@ -6,14 +6,14 @@ side in each ``VLLM::Worker``), so this module imports vLLM and torch.
 - Both record, once per worker rank, the KV tensors that vLLM hands to
   ``register_kv_caches``: dtype, shape, strides, offsets, which layers share a buffer,
   the attention ISA that decides how a block's bytes are packed, and the
-  ``KVCacheConfig``. :mod:`enginekit.geometry` reads these records.
+  ``KVCacheConfig``. tests/vllm/kv_geometry.py reads these records.
 - :class:`ProbeExampleConnector` is vLLM's ExampleConnector (KV through files) with a
   planted fault: while ``<probe_dir>/fail-next-load`` exists, the next load is not
   performed and its blocks are reported through ``get_block_ids_with_load_errors``,
   which is how a real connector reports a failed load. The file is removed when the
   fault fires. With ``kv_load_failure_policy="recompute"`` vLLM recomputes those blocks,
   yet still counts the tokens as cached: the reason why reuse evidence must also show
-  that no load failure was recovered (enginekit.evidence).
+  that no load failure was recovered (:mod:`.evidence`).
 - :class:`ProbeNullConnector` loads and stores nothing.
 """
 
@@ -30,7 +30,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
 
-FAIL_NEXT_LOAD = "fail-next-load"  # same name as enginekit.kv_configs.FAIL_NEXT_LOAD
+FAIL_NEXT_LOAD = "fail-next-load"  # same name as kv_configs.FAIL_NEXT_LOAD
 
 
 def jsonable(value: Any) -> Any:
@@ -106,7 +106,7 @@ class _GeometryRecorder:
         tmp = probe_dir / f".geometry-rank{record['tp_rank']}.json.tmp"
         tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
         tmp.replace(probe_dir / f"geometry-rank{record['tp_rank']}.json")
-        super().register_kv_caches(kv_caches)  # the connector's own registration
+        super().register_kv_caches(kv_caches)  # type: ignore[misc]  # a mixin: the connector's own registration
 
 
 class ProbeExampleConnector(_GeometryRecorder, ExampleConnector):
@@ -129,7 +129,7 @@ class ProbeExampleConnector(_GeometryRecorder, ExampleConnector):
         super().start_load_kv(forward_context, **kwargs)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors = getattr(self, "_planted_errors", set())
+        errors: set[int] = getattr(self, "_planted_errors", set())
         self._planted_errors = set()
         return errors
 

