@@ -319,7 +319,10 @@ def run_soak(cycles: int, *, seed: int = 1, kill_rate: float = 0.7, spec: Cluste
     try:
         for n in range(cycles):
             kill = (rng.choice(ROLES), rng.choice(PHASES), rng.randrange(spec.tp)) if rng.random() < kill_rate else None
-            _cycle(pool, spec, kill, expected, report, n)
+            try:
+                _cycle(pool, spec, kill, expected, report, n)
+            except TimeoutError as exc:  # a worker never answered: say when, and what went wrong before
+                raise TimeoutError(f"cycle {n} (kill {kill}): {exc}; problems so far: {report.problems()[:10]}") from exc
             report.restarts += pool.replace_killed()
             report.cycles += 1
             if kill is None:
