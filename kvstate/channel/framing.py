@@ -91,6 +91,9 @@ def pack(payload: bytes, nfds: int, limits: Limits) -> bytes:
     return HEADER.pack(MAGIC, len(payload), nfds) + payload
 
 
+_MSG_TRUNC, _MSG_CTRUNC = int(socket.MSG_TRUNC), int(socket.MSG_CTRUNC)  # ints: enum arithmetic is slow
+
+
 def unpack(data: bytes, fds: list[int], flags: int, limits: Limits) -> Message:
     """The message in one received packet, or FrameError with every received fd closed."""
     def refuse(why: str) -> FrameError:
@@ -100,9 +103,9 @@ def unpack(data: bytes, fds: list[int], flags: int, limits: Limits) -> Message:
 
     if not data and not fds:
         raise ChannelClosed("the peer closed the connection")
-    if flags & socket.MSG_TRUNC:
+    if flags & _MSG_TRUNC:
         raise refuse(f"message larger than the cap of {limits.max_payload} bytes")
-    if flags & socket.MSG_CTRUNC:
+    if flags & _MSG_CTRUNC:
         raise refuse(f"more fds than the cap of {limits.max_fds}")
     if len(data) < HEADER.size:
         raise refuse(f"frame of {len(data)} bytes is shorter than its header")
@@ -116,19 +119,40 @@ def unpack(data: bytes, fds: list[int], flags: int, limits: Limits) -> Message:
     return Message(data[HEADER.size:], tuple(fds))
 
 
+def _encode_bytes(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return {"$b64": base64.b64encode(bytes(value)).decode("ascii")}
+    raise TypeError(f"cannot encode {type(value).__name__}")
+
+
+def _pairs(items: list[tuple[str, Any]]) -> Any:
+    obj = dict(items)
+    if len(obj) != len(items):
+        raise FrameError("duplicate key in message")
+    if set(obj) == {"$b64"}:
+        try:
+            return base64.b64decode(obj["$b64"], validate=True)
+        except (TypeError, ValueError):
+            raise FrameError("malformed $b64 value") from None
+    return obj
+
+
+def _bad_constant(name: str) -> Any:
+    raise FrameError(f"non-finite number {name} in message")
+
+
+# One codec each, built once: every message of a lease's round trip went through a fresh
+# encoder and decoder. Both keep no state between calls (as json's own default ones).
+_ENCODER = json.JSONEncoder(default=_encode_bytes, separators=(",", ":"), sort_keys=True, allow_nan=False)
+_DECODER = json.JSONDecoder(object_pairs_hook=_pairs, parse_constant=_bad_constant)
+
+
 def encode(obj: Mapping[str, Any]) -> bytes:
     """A JSON object as bytes. ``bytes`` values travel as ``{"$b64": "..."}``."""
-
-    def default(value: Any) -> Any:
-        if isinstance(value, (bytes, bytearray, memoryview)):
-            return {"$b64": base64.b64encode(bytes(value)).decode("ascii")}
-        raise TypeError(f"cannot encode {type(value).__name__}")
-
     if not isinstance(obj, Mapping):
         raise FrameError("a message must be a JSON object")
     try:
-        return json.dumps(obj, default=default, separators=(",", ":"), sort_keys=True,
-                          allow_nan=False).encode("utf-8")
+        return _ENCODER.encode(obj).encode("utf-8")
     except (TypeError, ValueError) as exc:
         raise FrameError(f"cannot encode message: {exc}") from None
 
@@ -137,24 +161,8 @@ def decode(data: bytes) -> dict[str, Any]:
     """The inverse of :func:`encode`. Refuses duplicate keys, NaN/Infinity and non-objects."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise FrameError(f"a message is bytes, not {type(data).__name__}")
-    data = bytes(data)
-
-    def pairs(items: list[tuple[str, Any]]) -> Any:
-        obj = dict(items)
-        if len(obj) != len(items):
-            raise FrameError("duplicate key in message")
-        if set(obj) == {"$b64"}:
-            try:
-                return base64.b64decode(obj["$b64"], validate=True)
-            except (TypeError, ValueError):
-                raise FrameError("malformed $b64 value") from None
-        return obj
-
-    def bad_constant(name: str) -> Any:
-        raise FrameError(f"non-finite number {name} in message")
-
     try:
-        value = json.loads(data.decode("utf-8"), object_pairs_hook=pairs, parse_constant=bad_constant)
+        value = _DECODER.decode(bytes(data).decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: also an int of >4300 digits
         raise FrameError(f"malformed message: {exc}") from None
     if not isinstance(value, dict):

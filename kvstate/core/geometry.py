@@ -306,9 +306,10 @@ class Geometry:
         """Bytes of one block over every region."""
         return sum(r.block_bytes for r in self.regions)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
-        """Bytes of bank the regions occupy: up to the end of the last one."""
+        """Bytes of bank the regions occupy: up to the end of the last one (computed once:
+        every validation and open asks)."""
         return max(r.offset + r.span for r in self.regions)
 
     def bank_size(self, granularity: int) -> int:
@@ -337,6 +338,11 @@ class Geometry:
 
     def fingerprint(self) -> bytes:
         """16 bytes over every field of every region, capacity and offsets included."""
+        return self._fingerprint
+
+    @functools.cached_property
+    def _fingerprint(self) -> bytes:
+        # Asked for on every lease, report check and validation; a geometry is immutable.
         return digest(Purpose.GEOMETRY, self.canonical().encode(), size=16)
 
     def format_fingerprint(self) -> bytes:

@@ -158,33 +158,38 @@ def descriptor_problems(d: Descriptor, expect: Expectation,
 
     ``socket_reasons`` caches the socket path rule per path across one group's parts.
     """
-    found: list[tuple[RejectReason | None, str]] = [
-        (RejectReason.DOMAIN if d.deployment_id != expect.deployment.id else None, "names another deployment"),
-        (rank_reason(d.rank, d.tp, min(expect.max_tp, MAX_TP)), f"rank {d.rank} of tp {d.tp} (max tp {expect.max_tp})"),
-        (handle_reason(d.handle_kind, len(d.handle), expect.handle_kinds),
-         f"{d.handle_kind.value} handle of {len(d.handle)} bytes"),
-        (size_reason(d.size, d.geometry.nbytes, d.granularity),
-         f"size {d.size} for {d.geometry.nbytes} bytes at granularity {d.granularity}"),
-        (freshness_reason(d.generation, expect.min_generation, d.expires_at_ns, expect.now_ns),
-         f"generation {d.generation} (min {expect.min_generation}), expires {d.expires_at_ns} (now {expect.now_ns})"),
-    ]
+    found: list[DescriptorRejected] = []
+
+    def add(reason: RejectReason | None, detail: Callable[[], str]) -> None:
+        # A detail is written only for a rule that is broken: most descriptors break none.
+        if reason is not None:
+            found.append(DescriptorRejected(reason, detail(), d.rank))
+
+    add(RejectReason.DOMAIN if d.deployment_id != expect.deployment.id else None, lambda: "names another deployment")
+    add(rank_reason(d.rank, d.tp, min(expect.max_tp, MAX_TP)), lambda: f"rank {d.rank} of tp {d.tp} (max tp {expect.max_tp})")
+    add(handle_reason(d.handle_kind, len(d.handle), expect.handle_kinds),
+        lambda: f"{d.handle_kind.value} handle of {len(d.handle)} bytes")
+    add(size_reason(d.size, d.geometry.nbytes, d.granularity),
+        lambda: f"size {d.size} for {d.geometry.nbytes} bytes at granularity {d.granularity}")
+    add(freshness_reason(d.generation, expect.min_generation, d.expires_at_ns, expect.now_ns),
+        lambda: f"generation {d.generation} (min {expect.min_generation}), expires {d.expires_at_ns} (now {expect.now_ns})")
     if expect.geometry_fingerprint is not None and d.geometry.fingerprint() != expect.geometry_fingerprint:
-        found.append((RejectReason.GEOMETRY, "geometry fingerprint differs from the importer's"))
+        add(RejectReason.GEOMETRY, lambda: "geometry fingerprint differs from the importer's")
     if expect.block_format is not None and d.geometry.format_fingerprint() != expect.block_format:
-        found.append((RejectReason.GEOMETRY, "blocks hold other regions, dtypes or shapes than the importer's "
-                      "(format fingerprint differs)"))
+        add(RejectReason.GEOMETRY, lambda: "blocks hold other regions, dtypes or shapes than the importer's "
+            "(format fingerprint differs)")
     if expect.device_uuids is not None and d.device_uuid not in expect.device_uuids:
-        found.append((RejectReason.DEVICE_UUID, f"device {d.device_uuid.hex()} not acceptable"))
+        add(RejectReason.DEVICE_UUID, lambda: f"device {d.device_uuid.hex()} not acceptable")
     if expect.incarnations is not None and expect.incarnations.get(d.rank) != d.incarnation:
-        found.append((RejectReason.INCARNATION, "the exporter of this rank restarted since"))
+        add(RejectReason.INCARNATION, lambda: "the exporter of this rank restarted since")
     if d.fabric.kind is FabricKind.NODE and d.host_boot_id != expect.host_boot_id:
-        found.append((RejectReason.HOST, "same-node handle from another host or boot"))
+        add(RejectReason.HOST, lambda: "same-node handle from another host or boot")
     if d.handle_kind in FD_KINDS and expect.check_socket:
         cache = {} if socket_reasons is None else socket_reasons
         if d.socket_path not in cache:
             cache[d.socket_path] = socket_path_reason(d.socket_path, expect.uid)
-        found.append((cache[d.socket_path], f"socket path {d.socket_path!r}"))
-    return [DescriptorRejected(reason, detail, d.rank) for reason, detail in found if reason is not None]
+        add(cache[d.socket_path], lambda: f"socket path {d.socket_path!r}")
+    return found
 
 
 @attrs.frozen

@@ -203,6 +203,7 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         self.uncounted = exporter.config.handle_kind in UNCOUNTED_KINDS
         self.stores: set[TransferHandle] = set()
         self._views: list[weakref.ref[Any]] = []  # buffers under the engine's tensors (Bank.tensors)
+        self._report: dict[str, Any] | None = None  # lease_report() of this generation and incarnation
 
     # -- what the engine uses -------------------------------------------------------
 
@@ -228,6 +229,17 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         if not isinstance(t, HostView):
             raise TransportUnsuitable(t.name, "a bank view needs host memory")
         return t.view(self.mapped())
+
+    def lease_report(self) -> dict[str, Any]:
+        """What a lease answer says about this bank, for the importer to check against its
+        descriptor before it opens anything (built once per generation, not per lease)."""
+        report, incarnation = self._report, self.exporter.incarnation.value.hex()
+        if report is None or report["generation"] != self.generation or report["incarnation"] != incarnation:
+            report = self._report = {
+                "rank": self.rank, "generation": self.generation, "incarnation": incarnation,
+                "geometry": self.geometry.fingerprint().hex(), "num_blocks": self.geometry.num_blocks,
+                "device_uuid": self.transport.device_uuid().hex(), "size": self.size}
+        return report
 
     def pins(self) -> int:
         return 0 if self.mapping is None else self.transport.stats(self.mapping).pins
@@ -667,11 +679,7 @@ class Exporter(Generic[H, A, R, M, E]):
             remaining = lease.expires_at - time.monotonic()
             fd = bank.exported().fd
             fds = () if fd is None else (fd,)  # FABRIC and CUDA_IPC carry bytes only
-            # What the importer checks against its descriptor before it opens anything.
-            report = {"rank": bank.rank, "generation": bank.generation, "incarnation": self.incarnation.value.hex(),
-                      "geometry": bank.geometry.fingerprint().hex(), "num_blocks": bank.geometry.num_blocks,
-                      "device_uuid": self.transport.device_uuid().hex(), "size": bank.size}
-            return {"ok": True, "lease": lease_id, "expires_in_s": remaining, "bank": report}, fds
+            return {"ok": True, "lease": lease_id, "expires_in_s": remaining, "bank": bank.lease_report()}, fds
         held = bank.leases.get(req.get("lease", -1))
         hold = bank.holds.get(req.get("lease", -1))
         if held is None and op == "release" and hold is not None and hold.channel is ch:

@@ -703,7 +703,7 @@ class Importer(Generic[H, A, R, M, E]):
                         geometry_fingerprint=self.config.geometry_fingerprint,
                         block_format=self.config.block_format,
                         device_uuids=self.config.device_uuids, max_tp=self.config.max_tp)
-        return attrs.evolve(e, **overrides)
+        return attrs.evolve(e, **overrides) if overrides else e
 
     def import_group(self, wire: Sequence[bytes], *, blocks: BlockRequest | None = None,
                      **expect: Any) -> Group[H, A, R, M, E]:

@@ -107,6 +107,10 @@ def host_device_uuid() -> bytes:
     return identity.host_device_uuid(identity.host_boot_id()).value
 
 
+_CAPABILITIES = Capabilities(handle_kinds=frozenset({HandleKind.MEMFD}), memory_kinds=frozenset({MemoryKind.HOST}),
+                             scopes=frozenset({Scope.SAME_NODE}))
+
+
 class HostTransport:
     """Host memory with VMM semantics. See the module docstring.
 
@@ -126,6 +130,7 @@ class HostTransport:
             raise NativeInvalidArgument("HostTransport", -1,
                                         f"granularity {granularity} must be a power of two multiple of {page}")
         self._granularity = granularity
+        self._device_uuid: bytes | None = None
         lib = self._lib
         self._access = {Access.NONE: lib.KVS_ACCESS_NONE, Access.READ: lib.KVS_ACCESS_READ,
                         Access.READ_WRITE: lib.KVS_ACCESS_READ_WRITE}
@@ -136,15 +141,16 @@ class HostTransport:
 
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(handle_kinds=frozenset({HandleKind.MEMFD}),
-                            memory_kinds=frozenset({MemoryKind.HOST}),
-                            scopes=frozenset({Scope.SAME_NODE}))
+        return _CAPABILITIES
 
     def granularity(self) -> int:
         return self._granularity
 
     def device_uuid(self) -> bytes:
-        return host_device_uuid()
+        # The boot id cannot change while this process runs: read it once, not per lease.
+        if self._device_uuid is None:
+            self._device_uuid = host_device_uuid()
+        return self._device_uuid
 
     def _sized(self, what: str, size: int) -> None:
         need_int("size", size, 1, 1 << 48)

@@ -71,6 +71,30 @@ def test_codec_is_strict() -> None:
         channel.encode({"x": float("nan")})
 
 
+def test_codec_is_shared_safely_across_threads() -> None:
+    """One encoder and one decoder serve every thread (built once, not per message): the
+    exporter's handlers, the watcher's callbacks and the importer's threads all use them."""
+    failures: list[str] = []
+
+    def work(n: int) -> None:
+        for i in range(2000):
+            msg = {"op": "lease", "rank": n, "i": i, "b": bytes([n, i % 256]), "items": [{"k": i}] * (i % 3)}
+            if channel.decode(channel.encode(msg)) != msg:
+                failures.append(f"thread {n} message {i} did not round-trip")
+            try:
+                channel.decode(b'{"a":1,"a":%d}' % i)
+                failures.append(f"thread {n} accepted a duplicate key")
+            except FrameError:
+                pass
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert failures == [] and not any(t.is_alive() for t in threads)
+
+
 def test_caps_refuse_big_messages_and_too_many_fds(server: Server) -> None:
     client = connect(server.path, timeout=5, limits=Limits(max_payload=1024, max_fds=1))
     srv = server.accept(timeout=5)

@@ -4,6 +4,13 @@
 returns its timings (a tuple of seconds) to this process. Both functions are top-level
 functions (spawn pickles them by name). A pair that does not finish within ``timeout``
 is killed and reported as an error, never as a number.
+
+Placement: with ``params["placement"] == "split"`` (B1) the importer runs on one CPU and
+the exporter on another, for every row alike. Left to the scheduler, a request/answer
+pair of single-threaded processes is often woken on one CPU (a direct hand-off, about
+6 us per round trip on the 2-vCPU machines of this project) and sometimes on two (about
+60 us: the wake-up crosses CPUs), so one row's figure moved by 6x between runs. Two
+workers on two cores is also how an engine deploys them.
 """
 
 from __future__ import annotations
@@ -19,13 +26,28 @@ from kvstate.harness.bench.framework import Skipped
 Side = Callable[[Connection, dict[str, Any]], Any]
 
 
+def split_cpus() -> tuple[int, int] | None:
+    """(importer CPU, exporter CPU) for a split placement, or None with fewer than two CPUs."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return (cpus[0], cpus[1]) if len(cpus) >= 2 else None
+
+
+def _place(params: dict[str, Any], side: int) -> None:
+    # Before the side starts any thread: threads inherit the CPU set of their creator.
+    cpus = split_cpus() if params.get("placement") == "split" else None
+    if cpus is not None:
+        os.sched_setaffinity(0, {cpus[side]})
+
+
 def _exporter_main(fn: Side, conn: Connection, params: dict[str, Any], env: dict[str, str]) -> None:
     os.environ.update(env)
+    _place(params, 1)
     fn(conn, params)
 
 
 def _importer_main(fn: Side, conn: Connection, out: Connection, params: dict[str, Any], env: dict[str, str]) -> None:
     os.environ.update(env)
+    _place(params, 0)
     try:
         out.send(("ok", fn(conn, params)))
     except Skipped as exc:

@@ -11,6 +11,7 @@ from typing import Any
 
 from kvstate.harness.bench import b1_floor, b1_import, b2_load, b3_lifecycle, b4_scatter
 from kvstate.harness.bench.framework import Case, Comparison, Figure, Suite
+from kvstate.harness.bench.procs import split_cpus
 
 MiB = 1 << 20
 READINESS_TP = (1, 2, 4, 8, 16, 32, 64)
@@ -61,10 +62,13 @@ def b1_suite(quick: bool, repeats: int) -> Suite:
         ]
     first, last = b1_rows(tps[0])["rank"], b1_rows(tps[-1])["rank"]
     comparisons.append(Comparison(last, first, 1.5, "per-rank cost flat in tp"))
+    cpus = split_cpus()
+    placement = "importer and exporter on one CPU each, " + (f"{cpus[0]} and {cpus[1]}" if cpus else "(one CPU: shared)")
     return Suite("B1", f"group import at tp {', '.join(map(str, tps))}: one bank per rank of "
-                 + ("1 MiB" if quick else ", ".join(f"{B1_BANK_MIB[t]} MiB at tp={t}" for t in tps)),
+                 + ("1 MiB" if quick else ", ".join(f"{B1_BANK_MIB[t]} MiB at tp={t}" for t in tps)) + f"; {placement}",
                  "tp=8 whole group no slower than NIXL and <= 3x shared_memory; per rank <= 2x the floor, flat in tp",
-                 b1_rows(8)["floor_group"], tuple(cases), {"repeats": repeats}, tuple(comparisons))
+                 b1_rows(8)["floor_group"], tuple(cases), {"repeats": repeats, "placement": "split"},
+                 tuple(comparisons))
 
 
 def suites(quick: bool = False, repeats: int | None = None) -> list[Suite]:
