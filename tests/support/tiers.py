@@ -35,6 +35,7 @@ DEFAULTS: Mapping[str, tuple[str, ...]] = {
     "fuzz/": ("native",),                  # targets include the exporter's request handler
     "integrations/": ("native",),          # engine integrations without the engine (tests/vllm has it)
     "integrations/test_vllm_parts.py": ("unit",),
+    "integrations/test_amx.py": ("multiproc",),  # a fresh process per check: the grant is per process
     "lifecycle/": ("native",),             # a real exporter on the host backend, in-process
     "lifecycle/test_coordinated_stateful.py": ("stateful", "multiproc", "slow"),
     "lifecycle/test_demo.py": ("multiproc",),

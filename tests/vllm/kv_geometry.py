@@ -16,6 +16,31 @@ FIXTURE = Path(__file__).resolve().parent / "data" / "kv_geometry.json"
 VOLATILE = ("pid",)  # differs per run
 
 
+def host_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has AMX tiles (the ``amx_tile`` flag)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return False
+    return any(line.startswith("flags") and "amx_tile" in line.split() for line in text.splitlines())
+
+
+def for_this_host(fixture: dict[str, Any], amx: bool) -> dict[str, Any]:
+    """The fixture as this host's engines register it. It was recorded on a CPU without
+    AMX; the one field that depends on the host is the attention ISA that packs a block:
+    vLLM 0.32 (``cpu_attn._get_attn_isa``) picks "amx" for bfloat16 with blocks of a
+    multiple of 32 tokens where the CPU has AMX tiles, and "vec" there otherwise. (The
+    connector puts the ISA in its compatibility key, so engines on different ISAs never
+    share blocks.)"""
+    out = json.loads(json.dumps(fixture))
+    block = out["engine"]["block_size"]
+    for run, records in out["runs"].items():
+        if amx and run.endswith("-bfloat16") and block % 32 == 0:
+            for rec in records:
+                rec["attn_isa"] = "amx"
+    return out
+
+
 def read_records(probe_dir: Path, tp: int) -> list[dict[str, Any]]:
     """The probe's records for ranks 0..tp-1, in rank order, without volatile fields."""
     records = []

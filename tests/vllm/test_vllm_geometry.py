@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 from kvstate.harness.engines import tiny_llama
-from kv_geometry import FIXTURE, differences, read_records
+from kv_geometry import FIXTURE, differences, for_this_host, host_has_amx, read_records
 from kvstate.harness.engines.runner import EngineSpec
 from kvstate.harness.engines.suite import ExamplePair, Run
 
@@ -44,9 +44,10 @@ def live(example_pair: ExamplePair, tp_pair: Run) -> dict[str, Any]:
 def test_registered_kv_matches_the_fixture(example_pair: ExamplePair, tp_pair: Run) -> None:
     now = live(example_pair, tp_pair)
     if UPDATE:
+        assert not host_has_amx(), "record the fixture on a CPU without AMX (see kv_geometry.for_this_host)"
         FIXTURE.write_text(json.dumps(now, indent=1, sort_keys=True) + "\n")
     assert FIXTURE.exists(), "no fixture: record it with KVSTATE_VLLM_UPDATE_GEOMETRY=1"
-    assert differences(json.loads(FIXTURE.read_text()), now) == []
+    assert differences(for_this_host(json.loads(FIXTURE.read_text()), host_has_amx()), now) == []
 
 
 def test_producer_and_consumer_register_the_same_geometry(example_pair: ExamplePair) -> None:

@@ -3,7 +3,8 @@
 serves it, and is the plain reference for prompts the session's plain engines did not run
 (it never loads); a prefill engine (``kv_consumer``, reuse on) loads it.
 
-The tests run in file order on one set of engines (module fixture): reuse, policy off,
+The tests run in file order on one set of engines (module fixture): a first forward over
+loaded KV, reuse, policy off,
 partial prefix, the corrupted-bank control, the decode engine killed before a load and
 restarted (stale descriptors), and killed during a load. Every prefill generation starts
 from an empty local prefix cache, so that any reuse is kvstate's."""
@@ -58,6 +59,19 @@ def pair(model_dir: Path, memory: MemorySampler, tmp_path_factory: pytest.TempPa
         leaks = box.close_all()
         shutil.rmtree(sockets, ignore_errors=True)
     assert not leaks, leaks
+
+
+def test_the_prefill_engines_first_forward_runs_over_loaded_kv(pair: Pair) -> None:
+    """The prefill engine's very first request loads 96 tokens and computes 4. On a CPU
+    with AMX its worker died of SIGILL here (vLLM's "amx" attention uses tile state the
+    worker had not asked for; kvstate.integrations.vllm.amx): it must not."""
+    batch = prompts((100,), seed=12)
+    reference = kit.produce(pair.decode, batch, MAX_TOKENS)
+    got = pair.prefill.generate(batch, MAX_TOKENS)      # nothing computed before in this engine
+    assert got.tokens == reference.tokens
+    assert evidence.reuse(got).external_problems(kit.loadable((100,))) == []
+    c = kit.counters(got)
+    assert c.get("loads_ok") == 1 and c.get("tokens_loaded") == kit.loadable((100,))[0], c
 
 
 def test_reuse_gives_a_plain_engines_tokens_and_computes_only_the_rest(pair: Pair, plain_pair: Run) -> None:

@@ -163,3 +163,20 @@ def test_geometry_comparison_names_what_changed() -> None:
         "/runs/tp2-float32[1]/layers/model.layers.1.self_attn.attn/contiguous: missing now",
         "/runs/tp2-float32[1]/layers/model.layers.1.self_attn.attn/stride[0]: fixture 4096, now 8192",
     ]
+
+
+def test_the_fixture_for_an_amx_host_differs_only_in_the_bfloat16_attention_isa(tmp_path: Path) -> None:
+    import json
+
+    from kv_geometry import FIXTURE, differences, for_this_host, host_has_amx
+
+    want = json.loads(FIXTURE.read_text())
+    assert for_this_host(want, amx=False) == want
+    assert differences(want, for_this_host(want, amx=True)) == [
+        f"/runs/tp1-bfloat16[{i}]/attn_isa: fixture 'vec', now 'amx'" for i in range(len(want["runs"]["tp1-bfloat16"]))]
+    assert want["runs"]["tp1-bfloat16"][0]["attn_isa"] == "vec"  # the input is left as it was
+    flags = tmp_path / "cpuinfo"
+    flags.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512f amx_bf16 amx_tile amx_int8\n")
+    assert host_has_amx(str(flags))
+    flags.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512f\n")
+    assert not host_has_amx(str(flags)) and not host_has_amx(str(tmp_path / "missing"))

@@ -30,6 +30,8 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
 
+from kvstate.integrations.vllm.amx import request_amx_tiles
+
 FAIL_NEXT_LOAD = "fail-next-load"  # same name as kv_configs.FAIL_NEXT_LOAD
 
 
@@ -100,6 +102,8 @@ class _GeometryRecorder:
     """Mixin: writes ``<probe_dir>/geometry-rank<r>.json`` from ``register_kv_caches``."""
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        # vLLM's ExampleConnector consumer died of SIGILL on AMX CPUs without this (see kvstate.integrations.vllm.amx).
+        request_amx_tiles()
         record = describe_kv_caches(kv_caches, getattr(self, "_kv_cache_config"))
         record["pid"] = os.getpid()
         probe_dir = Path(getattr(self, "_kv_transfer_config").get_from_extra_config("probe_dir", ""))

@@ -32,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstate.core.errors import ConfigInvalid
+from kvstate.integrations.vllm.amx import request_amx_tiles
 from kvstate.integrations.vllm.config import ConnectorConfig, parse
 from kvstate.integrations.vllm.hashing import Compat
 from kvstate.integrations.vllm.layout import TORCH_DTYPES, tensor_problem
@@ -157,6 +158,8 @@ class KvStateConnector(KVConnectorBase_V1):
         if problem is not None:
             raise ConfigInvalid("kv_caches", problem)
         caches = {name: kv_caches[name] for name in self._compat.layers}
+        if self._compat.isa == "amx":
+            request_amx_tiles()  # a prefill worker's first forward may run over loaded KV (see .amx)
         if self._cfg.producer:
             from kvstate.integrations.vllm.decode_rank import DecodeRank
 
