@@ -53,7 +53,12 @@ KEYS: Mapping[str, tuple[object, str]] = {
     "lease_timeout_s": (30.0, "decode side: a lease not renewed or returned this long ends"),
     "descriptor_ttl_s": (3600.0, "decode side: descriptors expire after this; re-advertised at half"),
     "model_id": (None, "the model's identity in the compatibility key (default: vLLM's model name)"),
+    "gil_switch_interval_s": (0.0005, "every engine process with the connector: Python's thread switch interval, "
+                                      "lowered to this (null: leave it)"),
 }
+
+#: The most ``gil_switch_interval_s`` may be: Python's own default (the setting only lowers it).
+MAX_SWITCH_INTERVAL_S = 0.005
 
 
 def _name(field: str, value: object) -> str:
@@ -109,6 +114,7 @@ class ConnectorConfig:
     lease_timeout_s: float
     descriptor_ttl_s: float
     model_id: str | None
+    gil_switch_interval_s: float | None
 
     @property
     def producer(self) -> bool:
@@ -175,6 +181,11 @@ def parse(extra: Mapping[str, Any] | None, role: str, environ: Mapping[str, str]
     model_id = v["model_id"]
     if model_id is not None and (not isinstance(model_id, str) or not model_id):
         raise ConfigInvalid("model_id", "must be a non-empty string")
+    switch = v["gil_switch_interval_s"]
+    if switch is not None and (isinstance(switch, bool) or not isinstance(switch, (int, float))
+                               or not 0 < switch <= MAX_SWITCH_INTERVAL_S):
+        raise ConfigInvalid("gil_switch_interval_s", f"must be null or seconds in (0, {MAX_SWITCH_INTERVAL_S}], "
+                            f"not {switch!r:.40}")
 
     return ConnectorConfig(
         role=role, deployment=Deployment(name, key), socket_dir=Path(os.path.normpath(socket_dir)),
@@ -185,5 +196,5 @@ def parse(extra: Mapping[str, Any] | None, role: str, environ: Mapping[str, str]
         lookup_timeout_s=_seconds("lookup_timeout_s", v["lookup_timeout_s"]),
         lease_timeout_s=_seconds("lease_timeout_s", v["lease_timeout_s"]),
         descriptor_ttl_s=_seconds("descriptor_ttl_s", v["descriptor_ttl_s"]),
-        model_id=model_id,
+        model_id=model_id, gil_switch_interval_s=None if switch is None else float(switch),
     )

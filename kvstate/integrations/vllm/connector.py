@@ -34,6 +34,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvstate.core.errors import ConfigInvalid
 from kvstate.integrations.vllm.amx import request_amx_tiles
 from kvstate.integrations.vllm.config import ConnectorConfig, parse
+from kvstate.integrations.vllm.gil import share_the_gil
 from kvstate.integrations.vllm.hashing import Compat
 from kvstate.integrations.vllm.layout import TORCH_DTYPES, tensor_problem
 from kvstate.integrations.vllm.orders import LoadFailures, StepOrders
@@ -132,6 +133,7 @@ class KvStateConnector(KVConnectorBase_V1):
         transfer = vllm_config.kv_transfer_config
         self._cfg = parse(transfer.kv_connector_extra_config, transfer.kv_role)
         self._compat = compat_of(vllm_config, kv_cache_config, self._cfg)
+        share_the_gil(self._cfg.gil_switch_interval_s)
         self._engine_id = str(transfer.engine_id)
         self._tally = Tally()
         self._sched: Any = None
