@@ -192,7 +192,9 @@ def _importer(conn: Connection, p: dict[str, Any]) -> dict[str, Any]:
 
 
 def profile(tp: int, mib: int, repeats: int, mode: str = "group", serial: bool = True) -> dict[str, Any]:
-    params = {"tp": tp, "bank_bytes": mib * MiB, "repeats": repeats, "mode": mode, "serial": serial}
+    # One CPU each for importer and exporter, as in B1 (kvstate.harness.bench.procs).
+    params = {"tp": tp, "bank_bytes": mib * MiB, "repeats": repeats, "mode": mode, "serial": serial,
+              "placement": "split"}
     result: dict[str, Any] = run_pair(_exporter, _importer, params)
     return result
 
