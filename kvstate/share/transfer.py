@@ -134,7 +134,11 @@ class TransferHandle:
             if not self._watch_next():
                 # Every op finished before anyone watched: wake the dispatcher to finish it
                 # (not here: the owner may be inside the transition that submitted it).
-                os.eventfd_write(fd, 1)
+                # Under the lock, and only while the fd is still ours: _finish gives it up
+                # under the lock before closing it, so nothing writes to a closed number.
+                with self._lock:
+                    if self._notify_fd == fd and not self._finishing:
+                        os.eventfd_write(fd, 1)
 
     def _watch_next(self) -> bool:
         """Have the last op that is still pending notify the private fd; False when none is
@@ -297,7 +301,10 @@ class TransferHandle:
             try:
                 os.eventfd_read(fd)
             except BlockingIOError:
-                pass
+                # Nothing was written: a stray wake-up, from an event the dispatcher fetched
+                # for a finished handle's fd whose number this handle's eventfd reuses. Only
+                # a notification may move this handle (its owner may be activating it now).
+                return
         if not self._watch_next():
             self._finish()
 

@@ -281,3 +281,22 @@ def test_a_load_that_finished_before_it_was_handed_out_still_completes_on_its_ow
     assert done.wait(10.0)
     assert select.select([h.fileno()], [], [], 10.0)[0]
     h.close()
+
+
+def test_a_stray_wake_up_neither_finishes_a_handle_nor_closes_its_fd() -> None:
+    """The dispatcher fetched an event for a finished handle's eventfd; that number was
+    closed and reused by a new handle's eventfd before the dispatcher looked it up, so
+    the new handle hears a wake-up nobody sent. Seen once in a fresh-clone run: the new
+    handle finished under its owner, which then wrote to the closed fd (EBADF; a write
+    into whatever file reused the number is worse). A wake-up with nothing to read must
+    change nothing."""
+    from kvstate.share.transfer import TransferHandle
+
+    h = TransferHandle("load", "stray", [0], notify=True)
+    fd = h.notify_fd
+    assert fd is not None
+    h._progress()                                     # the stray event, before the owner activates it
+    assert not h._finished.is_set() and h.notify_fd == fd
+    h._activate(None)                                 # the owner's own wake-up finishes it (no ops)
+    assert h._finished.wait(10.0) and h.notify_fd is None
+    h.close()
