@@ -8,7 +8,6 @@ thread, fd and mapping the coordinator, the workers and the exporters took.
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,61 +36,33 @@ from kvstate.share.coordinator import Coordinator, CoordinatorConfig
 from kvstate.share.exporter import Exporter
 from kvstate.share.rank_worker import RankShare, RankWorker, WorkerConfig
 from kvstate.transport.host import HostTransport
+from support.coordinated import CountingTransport, Prefill, socket_path
 from support.reuse import REUSE_ON
 from support.waiting import wait_until
 
 
-class CountingTransport(HostTransport):
-    """The host transport, counting handle opens: a rejection must leave it at zero."""
-
-    def __init__(self, **kw: Any) -> None:
-        super().__init__(**kw)
-        self.opens = 0
-
-    def import_(self, handle: Any, size: int) -> Any:
-        self.opens += 1
-        return super().import_(handle, size)
-
-
-def _dir() -> Path:
-    d = Path(tempfile.mkdtemp(prefix="kvs-coord-"))
-    os.chmod(d, 0o700)
-    return d / "s"
-
-
-class Prefill:
-    """A coordinator and its workers, each worker with its own transport."""
-
-    def __init__(self, tp: int, *, worker_class: type[RankWorker[Any, Any, Any, Any, Any]] = RankWorker,
-                 config: dict[str, Any] | None = None, start_workers: bool = True, **worker_kw: Any) -> None:
-        cfg = {"phase_timeout_s": 2.0, "heartbeat_s": 0.05, "silence_s": 0.5, **(config or {})}
-        self.coordinator = Coordinator(CoordinatorConfig(DEPLOYMENT, tp, _dir(), **cfg))
-        self.coordinator.start()
-        self.transports = [CountingTransport(granularity=64 * 1024) for _ in range(tp)]
-        self.workers = [worker_class(WorkerConfig(DEPLOYMENT, r, tp, self.coordinator.socket_path, reuse=REUSE_ON, **worker_kw),
-                                     self.transports[r]) for r in range(tp)]
-        if start_workers:
-            for w in self.workers:
-                w.start()
-            self.coordinator.wait_for_workers(5.0)
-
-    def close(self) -> None:
-        for w in self.workers:
-            w.close()
-        self.coordinator.close()
+#: Heartbeats and silence short enough that a stopped worker is noticed within a test.
+FAST = {"heartbeat_s": 0.05, "silence_s": 0.5}
 
 
 @pytest.fixture
 def prefill_factory() -> Iterator[Any]:
     made: list[Prefill] = []
 
-    def make(tp: int, **kw: Any) -> Prefill:
-        p = Prefill(tp, **kw)
+    def make(tp: int, *, config: dict[str, Any] | None = None, **kw: Any) -> Prefill:
+        p = Prefill(DEPLOYMENT, tp, granularity=64 * 1024, config={**FAST, **(config or {})}, **kw)
         made.append(p)
         return p
     yield make
     for p in made:
         p.close()
+
+
+def _share_state(w: RankWorker[Any, Any, Any, Any, Any], gid: str) -> str | None:
+    """The state of ``w``'s share of ``gid``; None while the worker has not made it yet
+    (its commands are still on their way), so a wait keeps waiting instead of raising."""
+    share = w.share(gid)
+    return None if share is None else share.state
 
 
 def _leases(ex: Exporter[Any, Any, Any, Any, Any]) -> int:
@@ -193,7 +164,7 @@ def test_one_workers_rejection_leaves_every_rank_unopened(transport: HostTranspo
     assert info.value.reasons == {RejectReason.DEVICE_UUID} and info.value.problems[0].rank == 1
     # rank 0 leased its bank while checking (phase 1); the abort returns that lease
     assert [t.opens for t in p.transports] == [0, 0] and wait_until(lambda: _leases(ex) == 0)
-    assert wait_until(lambda: all(w.share(list(p.coordinator.groups)[-1]).state in ("failed", "rejected")  # type: ignore[union-attr]
+    assert wait_until(lambda: all(_share_state(w, list(p.coordinator.groups)[-1]) in ("failed", "rejected")
                              for w in p.workers))
 
 
@@ -225,7 +196,7 @@ def test_a_lease_refused_on_one_rank_leaves_every_rank_unopened(tp: int, transpo
     states = [h for h, _ in group.history]
     assert [s for i, s in enumerate(states) if i == 0 or s != states[i - 1]] == ["advertised", "checking", "failed"]
     assert [t.opens for t in p.transports] == [0] * tp
-    assert wait_until(lambda: all(w.share(group.gid).state == "failed" for w in p.workers))  # type: ignore[union-attr]
+    assert wait_until(lambda: all(_share_state(w, group.gid) == "failed" for w in p.workers))
     assert wait_until(lambda: _leases(ex) == 0) and all(w.leases() == 0 for w in p.workers)
     # the same workers import the fresh descriptors whole (one generation in a group)
     for r in range(tp - 1):
@@ -288,7 +259,7 @@ def test_a_phase_timeout_fails_the_group_and_rolls_every_part_back(transport: Ho
     group = list(p.coordinator.groups.values())[-1]
     assert "aborting" in [h for h, _ in group.history] and group.state == "failed"
     p.workers[1].release()
-    assert wait_until(lambda: all(w.share(group.gid).state == "failed" for w in p.workers))  # type: ignore[union-attr]
+    assert wait_until(lambda: all(_share_state(w, group.gid) == "failed" for w in p.workers))
     assert wait_until(lambda: _leases(ex) == 0) and p.transports[1].opens == 0
     assert all(w.leases() == 0 for w in p.workers)
 
@@ -321,7 +292,7 @@ def test_a_silent_coordinator_is_left_within_the_silence_bound(transport: HostTr
     group = p.coordinator.import_group([ex.descriptor(r) for r in range(2)])
     p.coordinator._stopping.set()  # no more ticks, no more reading: hung, not dead
     start = time.monotonic()
-    assert wait_until(lambda: all(w.share(group.gid).state == "closed" for w in p.workers), 5.0)  # type: ignore[union-attr]
+    assert wait_until(lambda: all(_share_state(w, group.gid) == "closed" for w in p.workers), 5.0)
     took = time.monotonic() - start
     assert took < p.workers[0].silence_s + 1.0
     assert wait_until(lambda: _leases(ex) == 0)
@@ -397,7 +368,7 @@ def test_an_undeclared_command_is_the_coordinators_fault_and_the_worker_cleans_u
         transport: HostTransport) -> None:
     """A coordinator that says ``ready`` to a share that is only validated breaks the rank
     table: the worker leaves it and ends the share alone, having opened nothing."""
-    server = chan.Server(chan.make_socket_dir(_dir()) / "fake.sock")
+    server = chan.Server(chan.make_socket_dir(socket_path()) / "fake.sock")
     w = RankWorker(WorkerConfig(DEPLOYMENT, 0, 2, server.path, reuse=REUSE_ON), CountingTransport(granularity=64 * 1024))
     ex = make_exporter(2, transport)
     try:
@@ -413,7 +384,7 @@ def test_an_undeclared_command_is_the_coordinators_fault_and_the_worker_cleans_u
         with ch.recv(5.0) as m:
             assert msgs.decode(m.payload) == msgs.Report("g1", 0, "validated")
         ch.send(msgs.encode(msgs.Command("ready", "g1")), timeout=5.0)
-        assert wait_until(lambda: w.coordinator_gone and w.share("g1").state == "failed")  # type: ignore[union-attr]
+        assert wait_until(lambda: w.coordinator_gone and _share_state(w, "g1") == "failed")
         assert w.transport.opens == 0  # type: ignore[attr-defined]
         ch.close()
     finally:
@@ -490,7 +461,7 @@ def test_every_message_round_trips(message: msgs.Message) -> None:
     ("handle_kinds", frozenset()), ("handle_kinds", {"memfd"}), ("deployment", b"demo"),
 ])
 def test_a_bad_coordinator_config_is_refused_by_name(field: str, value: object) -> None:
-    kw: dict[str, Any] = {"deployment": DEPLOYMENT, "tp": 2, "socket_dir": _dir(), field: value}
+    kw: dict[str, Any] = {"deployment": DEPLOYMENT, "tp": 2, "socket_dir": socket_path(), field: value}
     with pytest.raises(ArgumentInvalid) as info:
         CoordinatorConfig(**kw)
     assert info.value.argument == f"CoordinatorConfig.{field}"
@@ -503,7 +474,7 @@ def test_a_bad_coordinator_config_is_refused_by_name(field: str, value: object) 
     ("reuse", True), ("admission", "yes"), ("check_socket", 1),
 ])
 def test_a_bad_worker_config_is_refused_by_name(field: str, value: object) -> None:
-    kw: dict[str, Any] = {"deployment": DEPLOYMENT, "rank": 0, "tp": 2, "coordinator_path": _dir() / "c.sock",
+    kw: dict[str, Any] = {"deployment": DEPLOYMENT, "rank": 0, "tp": 2, "coordinator_path": socket_path() / "c.sock",
                           field: value}
     with pytest.raises(ArgumentInvalid) as info:
         WorkerConfig(**kw)
