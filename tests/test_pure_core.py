@@ -202,6 +202,9 @@ def test_identity_rules(sock: str) -> None:
     assert reasons(parts, incarnations={0: parts[0].incarnation, 1: bytes(16)}) == {RejectReason.INCARNATION}
     assert not reasons_or_none(parts, incarnations={0: parts[0].incarnation, 1: parts[1].incarnation})
     assert reasons(parts, host_boot_id=bytes(16)) == {RejectReason.HOST}
+    # An fd handle comes over a Unix socket: same-node whatever fabric its descriptor claims.
+    claimed = [attrs.evolve(p, fabric=FabricDomain(FabricKind.NETWORK, "rdma")) for p in parts]
+    assert reasons(claimed, host_boot_id=bytes(16)) == {RejectReason.HOST}
     assert RejectReason.MIXED_GROUP in reasons([parts[0], attrs.evolve(parts[1], source_id=bytes(16))])
     assert reasons([attrs.evolve(p, deployment_id=bytes(16)) for p in parts]) == {RejectReason.DOMAIN}
 

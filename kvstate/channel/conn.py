@@ -105,6 +105,25 @@ class Channel:
             return False
         return not select.select([self._pidfd], [], [], 0)[0]
 
+    def hung_up(self) -> bool:
+        """Whether the peer closed its end (or this end is closed), even with messages it
+        sent before still unread."""
+        return self._poll_now(select.POLLRDHUP)
+
+    def pending(self) -> bool:
+        """Whether something waits to be read: a message, or the peer's close."""
+        return self._poll_now(select.POLLIN)
+
+    def _poll_now(self, events: int) -> bool:
+        if self._closed:
+            return True
+        p = select.poll()
+        try:
+            p.register(self._sock.fileno(), events)
+        except (ValueError, OSError):
+            return True
+        return bool(p.poll(0))
+
     def close(self) -> None:
         with self._close_lock:
             if self._closed:

@@ -182,7 +182,8 @@ def descriptor_problems(d: Descriptor, expect: Expectation,
         add(RejectReason.DEVICE_UUID, lambda: f"device {d.device_uuid.hex()} not acceptable")
     if expect.incarnations is not None and expect.incarnations.get(d.rank) != d.incarnation:
         add(RejectReason.INCARNATION, lambda: "the exporter of this rank restarted since")
-    if d.fabric.kind is FabricKind.NODE and d.host_boot_id != expect.host_boot_id:
+    # An fd handle is same-node whatever fabric the descriptor claims: it comes over a Unix socket.
+    if (d.fabric.kind is FabricKind.NODE or d.handle_kind in FD_KINDS) and d.host_boot_id != expect.host_boot_id:
         add(RejectReason.HOST, lambda: "same-node handle from another host or boot")
     if d.handle_kind in FD_KINDS and expect.check_socket:
         cache = {} if socket_reasons is None else socket_reasons

@@ -50,7 +50,8 @@ from kvstate.core.errors import BlockBusy, InvalidBlockHash, InventoryError, Not
 HASH_LIMIT = 2**64
 
 
-def _hashes(values: Iterable[int], *, allow_empty: bool = False) -> tuple[int, ...]:
+def block_hashes(values: Iterable[int], *, allow_empty: bool = False) -> tuple[int, ...]:
+    """``values`` as block hashes: distinct unsigned 64-bit ints (InvalidBlockHash if not)."""
     if isinstance(values, (str, bytes, bytearray, memoryview)) or not isinstance(values, Iterable):
         raise InvalidBlockHash(f"block hashes must be a sequence of integers, got {values!r:.60}")
     out = tuple(values)
@@ -64,7 +65,8 @@ def _hashes(values: Iterable[int], *, allow_empty: bool = False) -> tuple[int, .
     return out
 
 
-def _group(group: object) -> str:
+def group_name(group: object) -> str:
+    """``group`` as an inventory group name: a non-empty string (InventoryError if not)."""
     if not isinstance(group, str) or not group:
         raise InventoryError(f"group must be a non-empty string, got {group!r}")
     return group
@@ -182,7 +184,7 @@ class Inventory:
 
         Storing a block already held refreshes its recency.
         """
-        group, hashes = _group(group), _hashes(hashes)
+        group, hashes = group_name(group), block_hashes(hashes)
         with self._lock:
             g = self._groups.setdefault(group, _Group(epoch=0))
             stored: list[int] = []
@@ -223,7 +225,7 @@ class Inventory:
 
         Raises :class:`BlockBusy`, removing nothing, if any of them is pinned or leased.
         """
-        group, hashes = _group(group), _hashes(hashes)
+        group, hashes = group_name(group), block_hashes(hashes)
         with self._lock:
             g = self._groups.get(group)
             if g is None:
@@ -242,7 +244,7 @@ class Inventory:
 
         Raises :class:`BlockBusy`, changing nothing, if any block is pinned or leased.
         """
-        group = _group(group)
+        group = group_name(group)
         with self._lock:
             g = self._groups.setdefault(group, _Group(epoch=0))
             busy = [h for h, b in g.blocks.items() if b.busy]
@@ -256,7 +258,7 @@ class Inventory:
 
     def pin(self, group: str, hashes: Sequence[int]) -> None:
         """Keep these blocks from eviction until :meth:`unpin`. All must be held."""
-        group, hashes = _group(group), _hashes(hashes)
+        group, hashes = group_name(group), block_hashes(hashes)
         with self._lock:
             g = self._groups.get(group)
             missing = [h for h in hashes if g is None or h not in g.blocks]
@@ -267,7 +269,7 @@ class Inventory:
                 g.blocks[h].pins += 1
 
     def unpin(self, group: str, hashes: Sequence[int]) -> None:
-        group, hashes = _group(group), _hashes(hashes)
+        group, hashes = group_name(group), block_hashes(hashes)
         with self._lock:
             g = self._groups.get(group)
             unpinned = [h for h in hashes if g is None or h not in g.blocks or g.blocks[h].pins == 0]
@@ -281,7 +283,7 @@ class Inventory:
 
     def lease(self, group: str, epoch: int, hashes: Sequence[int]) -> LeaseGrant | Stale:
         """Re-validate and pin every block in one step: a grant, or Stale and nothing pinned."""
-        group, hashes = _group(group), _hashes(hashes)
+        group, hashes = group_name(group), block_hashes(hashes)
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise InventoryError(f"epoch must be a non-negative integer, got {epoch!r}")
         with self._lock:
@@ -315,13 +317,13 @@ class Inventory:
     # -- views (for publication, tests and debugging) --
 
     def epoch(self, group: str) -> int | None:
-        _group(group)
+        group_name(group)
         with self._lock:
             g = self._groups.get(group)
             return None if g is None else g.epoch
 
     def hashes(self, group: str) -> frozenset[int]:
-        _group(group)
+        group_name(group)
         with self._lock:
             g = self._groups.get(group)
             return frozenset() if g is None else frozenset(g.blocks)
@@ -333,8 +335,8 @@ class Inventory:
 
     def busy(self, group: str, block_hash: int) -> tuple[int, int]:
         """(engine pins, leases) on one held block; (0, 0) if it is not held."""
-        _group(group)
-        _hashes([block_hash])
+        group_name(group)
+        block_hashes([block_hash])
         with self._lock:
             g = self._groups.get(group)
             b = None if g is None else g.blocks.get(block_hash)

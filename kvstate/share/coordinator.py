@@ -189,8 +189,9 @@ class CoordinatedGroup(Lifecycle):
         # Observers run after the commit, outside the lock, in commit order.
         with self.changed:
             self.history.append((change.dest, change.monotonic_ns / 1e9 - self.started))
-            self.deadline = change.monotonic_ns / 1e9 + self.coordinator.config.phase_timeout_s \
-                if change.dest in TIMED else float("inf")
+            if change.dest != change.source:  # a phase's time runs from its entry: reports do not extend it
+                self.deadline = change.monotonic_ns / 1e9 + self.coordinator.config.phase_timeout_s \
+                    if change.dest in TIMED else float("inf")
             self.changed.notify_all()
 
     # -- what the engine reads ----------------------------------------------------------
@@ -245,7 +246,13 @@ class CoordinatedGroup(Lifecycle):
 
     @guard("all_parts_imported")
     def _all_imported(self, **kw: Any) -> bool:
-        return self._every("imported", dead_ok=False)  # a set per rank: a repeat counts once
+        # A set per rank: a repeat counts once. Stricter than the table's reading: reports
+        # read after the phase's deadline, or from a worker that has hung up since, complete
+        # nothing. A coordinator stalled past the deadline reads reports that waited in its
+        # sockets while their workers, hearing nothing, rolled back and closed.
+        links = self.coordinator.links
+        return self._every("imported", dead_ok=False) and time.monotonic() < self.deadline and \
+            all(r in links and links[r].alive and not links[r].channel.hung_up() for r in range(self.tp))
 
     @guard("report_compatible")
     def _compatible(self, *, rank: int, report: msgs.Report, **kw: Any) -> bool:

@@ -31,7 +31,7 @@ Faults reported by the environment (:meth:`Group.fault`): the exporter's connect
 closing or its process exiting (``peer_died``, detected by a watcher on every part's
 channel), a lease reaching its expiry (``expired``), an exporter restart
 (``incarnation_changed``: a lease refused as ``stale_incarnation`` while importing, or a
-validated descriptor of the same source and rank from a new incarnation while the group
+lease granted for the same source and rank under a new incarnation while the group
 lives). Before ready they fail the group and roll back; after ready they drain it:
 existing mappings stay readable until unmapped, but nothing new starts.
 """
@@ -74,6 +74,7 @@ from kvstate.core.args import (need, need_callables, need_choice, need_items, ne
 from kvstate.core.identity import Deployment, host_boot_id
 from kvstate.core.reasons import ArgumentReason, TransferReason
 from kvstate.reuse.gates import import_refusal
+from kvstate.reuse.inventory import block_hashes, group_name
 from kvstate.reuse.policy import ReuseSettings
 from kvstate.reuse.profile import Admitted
 from kvstate.core.machine import Lifecycle, Observer, effect, guard
@@ -108,9 +109,9 @@ class BlockRequest:
     Each rank's bank keeps its own inventory, so each rank has its own epoch: ``epochs[r]``
     is the epoch rank ``r``'s bank advertised for ``group`` (one entry per rank)."""
 
-    group: str
+    group: str = attrs.field(converter=group_name)
     epochs: tuple[int, ...] = attrs.field(converter=_epochs)
-    hashes: tuple[int, ...]
+    hashes: tuple[int, ...] = attrs.field(converter=block_hashes)  # the exporter's rules, checked here first
 
     def epoch(self, rank: int) -> int:
         """The epoch rank ``rank``'s lease names."""
@@ -266,13 +267,15 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
             undo.callback(grant.give_back)
             _check_report(grant.reply, d)
             handle = t.receive_handle(d.handle_kind, d.handle, grant.fds)
+            importer._watch(self, grant.link.channel)  # raises if the importer is closing
             undo.pop_all()
+        # The part takes the grant over: its fds, its lease and its hold on the link.
         self.link, self.channel, self.lease_id = grant.link, grant.link.channel, grant.lease_id
         self.received, self.handle = grant, handle
+        grant.let_go = None
         self.lease_s = grant.expires_in_s
         self.renewed_at = time.monotonic()
         self.lease_expires_at = self.renewed_at + grant.expires_in_s
-        importer._watch(self)
         return self._return_lease
 
     @effect("native_import")
@@ -316,9 +319,13 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
                 reply = chan.decode(msg.payload)
         else:
             with self._channel_lock:
-                ch.send(payload, timeout=timeout)
-                with ch.recv(timeout=timeout) as msg:
-                    reply = chan.decode(msg.payload)
+                try:
+                    ch.send(payload, timeout=timeout)
+                    with ch.recv(timeout=timeout) as msg:
+                        reply = chan.decode(msg.payload)
+                except ChannelError:
+                    ch.close()  # a late answer would be read as the next request's
+                    raise
         if not reply.get("ok"):
             raise LeaseRefused(str(reply.get("code")), str(reply.get("detail")))
         expires: Any = reply.get("expires_in_s")
@@ -741,7 +748,6 @@ class Importer(Generic[H, A, R, M, E]):
                 part.fire("reject")
             group.fire("reject")
             raise
-        self._note_restarts(validated)
         group.validated = validated
         group.blocks = blocks
         group.parts = [Part(group, d) for d in validated.parts]
@@ -753,6 +759,8 @@ class Importer(Generic[H, A, R, M, E]):
             failures = self._each_part(group.parts, phase)
             if failures:
                 self._fail(group, failures)
+            if phase == "lease":  # granted: these incarnations are current (a replayed old one is refused)
+                self._note_restarts(validated)
         if group.state != "importing":  # a fault arrived while importing
             raise ImportFailed(0, KvStateError(f"group {group.state} during import"))
         try:
@@ -783,8 +791,11 @@ class Importer(Generic[H, A, R, M, E]):
         raise ImportFailed(first, cause) from cause
 
     def _note_restarts(self, validated: ValidatedGroup) -> None:
-        """A validated descriptor of a (source, rank) that a live group imported, from
-        another incarnation, shows that exporter restarted: the group hears it."""
+        """A descriptor of a (source, rank) that a live group imported, from another
+        incarnation that the exporter then leased, shows that exporter restarted: the
+        group hears it. Called only after the leases were granted, so that a replayed
+        descriptor of an older incarnation (refused as ``stale_incarnation``) harms no
+        live group."""
         current = {(d.source_id, d.rank): d.incarnation for d in validated.parts}
         group: Group[H, A, R, M, E]
         for group in list(self.groups):
@@ -889,19 +900,16 @@ class Importer(Generic[H, A, R, M, E]):
 
     # -- fault detection ------------------------------------------------------------------
 
-    def _watch(self, part: Part[H, A, R, M, E]) -> None:
-        """Hear when the exporter of ``part`` goes: its channel is watched once, however
-        many parts hold leases on it."""
-        ch = part.channel
-        assert ch is not None
+    def _watch(self, part: Part[H, A, R, M, E], ch: chan.Channel) -> None:
+        """Hear when the exporter of ``part`` goes: its channel ``ch`` is watched once,
+        however many parts hold leases on it. Raises, changing nothing, when the watcher
+        is closed (the importer is closing)."""
         with self._owners_lock:
-            self._owners.setdefault(id(ch), {})[id(part)] = part
             first = id(ch) not in self._watched
-            self._watched.add(id(ch))
-            if part.link is not None:
-                self.peers.hold(part.link)
-        if first:  # a link stays watched while it is open, used or not: no watcher wake-up per import
-            self._watcher.watch(ch, self._peer_closed)
+            if first:  # a link stays watched while it is open, used or not: no watcher wake-up per import
+                self._watcher.watch(ch, self._peer_closed)
+                self._watched.add(id(ch))
+            self._owners.setdefault(id(ch), {})[id(part)] = part
 
     def _unwatch(self, ch: chan.Channel) -> None:
         with self._owners_lock:

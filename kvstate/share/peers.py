@@ -31,7 +31,6 @@ sent, then every answer read.
 
 from __future__ import annotations
 
-import select
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -42,7 +41,7 @@ import attrs
 
 from kvstate import channel as chan
 from kvstate.channel.framing import close_quietly
-from kvstate.core.errors import ChannelError, ImportFailed, KvStateError, LeaseRefused
+from kvstate.core.errors import ChannelClosed, ChannelError, ImportFailed, KvStateError, LeaseRefused
 
 #: How many fds one message may carry on a link: every rank of the largest group.
 LINK_LIMITS = chan.Limits(max_fds=chan.HARD_MAX_FDS)
@@ -56,7 +55,7 @@ class PeerLink:
         self.channel = channel
         #: Held from a request's send to its answer's receipt (and for notifications).
         self.lock = threading.Lock()
-        self.users = 0                 # parts holding a lease on this link
+        self.users = 0                 # holders: requests in flight, grants and parts leasing on it (Peers)
         self.idle_since = time.monotonic()
 
     def __repr__(self) -> str:
@@ -69,20 +68,20 @@ class PeerLink:
     def usable(self) -> bool:
         """Open, its peer process alive, and not hung up: an exporter that stopped (or
         restarted at the same address) is noticed here before the watcher says so."""
-        if self.channel.closed or not self.channel.peer_alive():
-            return False
-        p = select.poll()
-        try:
-            p.register(self.channel.fileno(), select.POLLRDHUP)
-        except (ValueError, OSError):
-            return False
-        return not p.poll(0)
+        return not self.channel.closed and self.channel.peer_alive() and not self.channel.hung_up()
 
     def request(self, payload: bytes, timeout: float) -> chan.Message:
-        """Send one request and return its answer (the caller closes the message's fds)."""
+        """Send one request and return its answer (the caller closes the message's fds).
+        A request whose answer did not come closes the link: a late answer would be read
+        as the next request's, so the link can no longer be trusted (the exporter ends
+        every lease on it)."""
         with self.lock:
-            self.channel.send(payload, timeout=timeout)
-            return self.channel.recv(timeout=timeout)
+            try:
+                self.channel.send(payload, timeout=timeout)
+                return self.channel.recv(timeout=timeout)
+            except ChannelError:
+                self.channel.close()
+                raise
 
     def notify(self, payload: bytes, timeout: float) -> None:
         """Send a message that has no answer."""
@@ -97,7 +96,7 @@ class PeerLink:
             with self.request(chan.encode({"op": "release", "rank": rank, "lease": lease_id}), timeout) as msg:
                 chan.decode(msg.payload)
         except ChannelError:
-            self.close()
+            self.close()  # an answer that did not parse: out of step as well
 
     def close(self) -> None:
         self.channel.close()
@@ -115,6 +114,10 @@ class Grant:
     reply: dict[str, Any]
     fds: tuple[int, ...]
     taken: bool = False
+    #: Lets go of the grant's hold on its link (:meth:`Peers.leases` holds the link for
+    #: every grant, so an idle sweep never closes a link under a lease; the part that
+    #: takes the grant takes the hold over).
+    let_go: Callable[[PeerLink], None] | None = None
     #: Whether the part reports its mapping itself; False when its group reports every
     #: mapping of this link in one message (:func:`mapped_payload`) once its parts opened.
     report_mapped: bool = True
@@ -125,9 +128,13 @@ class Grant:
             close_quietly(fd)
 
     def give_back(self) -> None:
-        """Close the fds and return the lease (a grant whose part never opened)."""
+        """Close the fds, return the lease and let go of the link (a grant whose part
+        never opened)."""
         self.close_fds()
         self.link.release(self.rank, self.lease_id)
+        let_go, self.let_go = self.let_go, None
+        if let_go is not None:
+            let_go(self.link)
 
 
 class RankRefused(Exception):
@@ -141,13 +148,14 @@ class RankRefused(Exception):
         self.refusal = refusal
 
 
-def _grant(link: PeerLink, reply: Any, rank: int, fds: tuple[int, ...]) -> Grant:
-    """A grant from the exporter's answer, checked: the exporter is a peer."""
+def _grant(link: PeerLink, reply: Any, rank: int) -> Grant:
+    """A grant from the exporter's answer, checked: the exporter is a peer. Its fds are
+    handed over only once every grant of the answer is checked."""
     lease: Any = reply.get("lease") if isinstance(reply, dict) else None
     expires: Any = reply.get("expires_in_s") if isinstance(reply, dict) else None
     if type(lease) is not int or type(expires) not in (int, float) or not 0 <= expires < 1e9:
         raise ImportFailed(rank, KvStateError(f"malformed lease grant {reply!r:.200}"))
-    return Grant(link, rank, lease, float(expires), reply, fds)
+    return Grant(link, rank, lease, float(expires), reply, ())
 
 
 def lease_payload(items: Sequence[dict[str, Any]]) -> bytes:
@@ -162,9 +170,9 @@ def grants(link: PeerLink, items: Sequence[dict[str, Any]], msg: chan.Message) -
     """The grants in the answer ``msg`` to :func:`lease_payload` of ``items``, one per item
     in order. LeaseRefused when the exporter refused (it then holds none of them): as
     :class:`RankRefused` when a batch names the rank refused; ImportFailed when the answer
-    is malformed (every lease it granted is given back)."""
-    with ExitStack() as undo:
-        undo.callback(msg.close)
+    is malformed: every lease it names is returned and its fds are closed, each once
+    (the message owns them until every grant is checked)."""
+    try:
         reply = chan.decode(msg.payload)
         if not reply.get("ok"):
             refusal = LeaseRefused(str(reply.get("code")), str(reply.get("detail")))
@@ -177,28 +185,25 @@ def grants(link: PeerLink, items: Sequence[dict[str, Any]], msg: chan.Message) -
         else:
             answers = reply.get("grants")
         ranks = [int(item["rank"]) for item in items]
-        if not isinstance(answers, list) or len(answers) != len(items) or \
-                any(not isinstance(a, dict) or type(a.get("nfds")) is not int or a["nfds"] < 0 for a in answers) or \
-                sum(a["nfds"] for a in answers) != len(msg.fds):
+        try:
+            if not isinstance(answers, list) or len(answers) != len(items) or \
+                    any(not isinstance(a, dict) or type(a.get("nfds")) is not int or a["nfds"] < 0 for a in answers) or \
+                    sum(a["nfds"] for a in answers) != len(msg.fds):
+                raise ImportFailed(ranks[0], KvStateError(f"malformed batched lease answer {reply!r:.200}"))
+            out = [_grant(link, a, rank) for a, rank in zip(answers, ranks)]
+        except ImportFailed:
             for a, rank in zip(answers if isinstance(answers, list) else [], ranks):
                 if isinstance(a, dict) and type(a.get("lease")) is int:
                     link.release(rank, a["lease"])
-            raise ImportFailed(ranks[0], KvStateError(f"malformed batched lease answer {reply!r:.200}"))
-        out: list[Grant] = []
-
-        def give_back_all() -> None:
-            for g in out:
-                g.give_back()
-        undo.callback(give_back_all)
-        at = 0
-        for a, rank in zip(answers, ranks):
-            fds = msg.fds[at:at + a["nfds"]]
-            at += a["nfds"]
-            g = _grant(link, a, rank, ())
-            g.fds = fds
-            out.append(g)
-        undo.pop_all()  # every fd now belongs to exactly one grant
-        return out
+            raise
+    except BaseException:
+        msg.close()
+        raise
+    at = 0
+    for g, a in zip(out, answers):  # every fd now belongs to exactly one grant
+        g.fds = msg.fds[at:at + a["nfds"]]
+        at += a["nfds"]
+    return out
 
 
 def mapped_payload(leases: Sequence[tuple[int, int]]) -> bytes:
@@ -216,6 +221,7 @@ def exchange(requests: Sequence[tuple[PeerLink, bytes]], timeout: float) -> list
     order). A failure is returned in its slot; a link that failed is closed."""
     order = sorted(range(len(requests)), key=lambda i: requests[i][0].address)
     out: list[chan.Message | KvStateError | None] = [None] * len(requests)
+    deadline = time.monotonic() + timeout  # one for all: exporters are waited for together
     with ExitStack() as held:
         for i in order:
             link = requests[i][0]
@@ -233,7 +239,7 @@ def exchange(requests: Sequence[tuple[PeerLink, bytes]], timeout: float) -> list
         for i in sent:
             link = requests[i][0]
             try:
-                out[i] = link.channel.recv(timeout=timeout)
+                out[i] = link.channel.recv(timeout=max(0.0, deadline - time.monotonic()))
             except ChannelError as exc:
                 out[i] = exc
                 link.close()
@@ -241,7 +247,12 @@ def exchange(requests: Sequence[tuple[PeerLink, bytes]], timeout: float) -> list
 
 
 class Peers:
-    """An importer's links, one per exporter address. Idle links close after ``idle_s``."""
+    """An importer's links, one per exporter address. Idle links close after ``idle_s``.
+
+    A link is held (``users``) by every request in flight on it and by every grant or
+    part with a lease on it; only a link nobody holds is idle, and the idle sweep takes
+    it out of the table under the same lock that hands links out, so a link is never
+    closed under a request or a lease."""
 
     def __init__(self, connect: Callable[[str, float], chan.Channel], idle_s: float) -> None:
         self._connect = connect
@@ -250,56 +261,74 @@ class Peers:
         self._lock = threading.Lock()
         self._closing = False
 
-    def link(self, address: str, timeout: float, *, fresh: bool = False) -> PeerLink:
-        """The live link to ``address``, connecting (and checking the peer) if there is
-        none, or if ``fresh``."""
+    def _take(self, address: str, timeout: float, *, fresh: bool) -> tuple[PeerLink, bool]:
+        """The live link to ``address``, held, and whether it was reused; connecting (and
+        checking the peer) if there is none, or if ``fresh``."""
         with self._lock:
             if self._closing:
                 raise ChannelError("the importer is closed")
             link = self._links.get(address)
-        if link is not None and not fresh and link.usable():
-            return link
+            if link is not None and not fresh and link.usable():
+                link.users += 1
+                return link, True
         channel = self._connect(address, timeout)
         made = PeerLink(address, channel)
         with self._lock:
             old = self._links.get(address)
             if old is not None and old is not link and not fresh and old.usable():
                 channel.close()  # another thread connected meanwhile: use that one
-                return old
+                old.users += 1
+                return old, True
             self._links[address] = made
-        if old is not None and old.users == 0:
-            old.close()  # replaced; a link still in use closes when its last lease returns
-        return made
+            made.users += 1
+            close_old = old is not None and old.users == 0
+        if close_old:
+            old.close()  # replaced; a link still held closes when its last holder lets go
+        return made, False
 
     def leases(self, batches: Sequence[tuple[str, Sequence[dict[str, Any]]]],
                timeout: float) -> list[list[Grant] | Exception]:
         """Lease each batch of ``(address, lease fields of its ranks)``: every request is
-        sent before any answer is read. Per batch: its grants, or what failed
-        (:class:`RankRefused`, a KvStateError, an OSError). A request that met a closed
-        link it had reused is sent once more on a fresh connection (the exporter ended
-        whatever the closed one held)."""
+        sent before any answer is read. Per batch: its grants (each holding its link until
+        it is given back or its part lets go), or what failed (:class:`RankRefused`, a
+        KvStateError, an OSError). A request that found a link it had reused closed by
+        the exporter is sent once more on a fresh connection (the exporter ended whatever
+        the closed one held); a timeout is not retried."""
         out: list[list[Grant] | Exception | None] = [None] * len(batches)
         pending = list(range(len(batches)))
         for attempt in (0, 1):
             links: dict[int, PeerLink] = {}
-            for i in pending:
-                try:
-                    links[i] = self.link(batches[i][0], timeout, fresh=attempt > 0)
-                except Exception as exc:
-                    out[i] = exc
-            order = list(links)
-            answers = exchange([(links[i], lease_payload(batches[i][1])) for i in order], timeout)
-            pending = []
-            for i, answer in zip(order, answers):
-                if isinstance(answer, ChannelError) and attempt == 0:
-                    pending.append(i)  # a stale link: once more, freshly connected
-                    continue
-                try:
-                    if isinstance(answer, KvStateError):
-                        raise answer
-                    out[i] = grants(links[i], batches[i][1], answer)
-                except (RankRefused, KvStateError, OSError) as exc:
-                    out[i] = exc
+            reused: set[int] = set()
+            try:
+                for i in pending:
+                    try:
+                        links[i], was_reused = self._take(batches[i][0], timeout, fresh=attempt > 0)
+                    except Exception as exc:
+                        out[i] = exc
+                        continue
+                    if was_reused:
+                        reused.add(i)
+                order = list(links)
+                answers = exchange([(links[i], lease_payload(batches[i][1])) for i in order], timeout)
+                pending = []
+                for i, answer in zip(order, answers):
+                    if isinstance(answer, ChannelClosed) and i in reused:
+                        pending.append(i)  # a stale link: once more, freshly connected
+                        continue
+                    try:
+                        if isinstance(answer, KvStateError):
+                            raise answer
+                        made = grants(links[i], batches[i][1], answer)
+                    except (RankRefused, KvStateError, OSError) as exc:
+                        out[i] = exc
+                        continue
+                    for g in made:
+                        self.hold(g.link)
+                        g.let_go = self.let_go
+                    out[i] = made
+            finally:
+                for link in links.values():  # the requests' holds
+                    self.let_go(link)
             if not pending:
                 break
         return [x if x is not None else ChannelError("no answer") for x in out]
@@ -332,17 +361,19 @@ class Peers:
         channel.close()
 
     def close_idle(self, now: float | None = None, *, everything: bool = False) -> None:
-        """Close links no lease has used for ``idle_s`` (every idle one while closing, or
+        """Close links nobody has held for ``idle_s`` (every idle one while closing, or
         with ``everything``: when the caller knows its exporters are going away)."""
         now = time.monotonic() if now is None else now
         with self._lock:
             idle = [link for link in self._links.values() if link.users == 0 and
                     (self._closing or everything or now - link.idle_since >= self.idle_s)]
+            for link in idle:  # out of the table first: nobody can take it any more
+                del self._links[link.address]
         for link in idle:
-            self._drop(link)
+            link.close()
 
     def close(self) -> None:
-        """Close every idle link now, and each busy one when its last lease returns."""
+        """Close every idle link now, and each busy one when its last holder lets go."""
         with self._lock:
             self._closing = True
         self.close_idle()

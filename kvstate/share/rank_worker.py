@@ -707,6 +707,8 @@ class RankWorker(Generic[H, A, R, M, E]):
                 share._renew_due(self.config.renew_interval_s)
             if not self.coordinator_gone and time.monotonic() - self._last_heard > self.silence_s:
                 ch = self._channel
+                if ch is not None and ch.pending():
+                    continue  # not silent: this process was (stopped, starved), its reader will read
                 if ch is not None:
                     ch.close()  # the reader wakes with ChannelClosed and orphans every share
                 self._orphaned(f"silent for {self.silence_s} s")

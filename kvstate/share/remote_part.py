@@ -84,12 +84,12 @@ class RemotePart(Part[H, A, R, M, E]):
             undo.callback(_release_quietly, ch, d.rank, lease_id)
             _check_report(reply, d)
             gate = LeaseGate(self.label, requested_at_ns=asked_ns, duration_s=max(expires_in_s, 1e-3))
+            self.group.importer._watch(self, ch)  # raises if the importer is closing
             undo.pop_all()
         self.channel, self.lease_id, self.gate = ch, lease_id, gate
         self.lease_s = expires_in_s
         self.renewed_at = time.monotonic()
         self.lease_expires_at = self.renewed_at + expires_in_s
-        self.group.importer._watch(self)
         return self._return_lease
 
     @effect("native_import")

@@ -130,6 +130,47 @@ def test_loads_wait_for_the_coordinators_ready(transport: HostTransport, prefill
     group.drain(5.0)
 
 
+def test_reports_read_after_the_phase_deadline_complete_nothing(transport: HostTransport,
+                                                                prefill_factory: Any) -> None:
+    """INV-COORD-READY-COMPLETE against a stalled coordinator: reports it reads only after
+    the importing phase's deadline (a coordinator stopped that long reads them from its
+    sockets while their workers gave up on it) do not make the group ready; the deadline
+    fails it. Here the clock's first tick comes 5 s after the start, long after the reports."""
+    from kvstate.harness.prefill_procs import HoldingWorker
+
+    ex = make_exporter(2, transport)
+    p = prefill_factory(2, worker_class=HoldingWorker,
+                        config={"phase_timeout_s": 0.3, "heartbeat_s": 5.0, "silence_s": 20.0})
+    p.workers[1].hold({"open"})
+    group = p.coordinator.start_group([ex.descriptor(r) for r in range(2)])
+    assert group.wait(("importing",), 5.0)
+    time.sleep(0.5)                                  # past the deadline, before the next tick
+    p.workers[1].release()
+    assert wait_until(lambda: _share_state(p.workers[1], group.gid) == "imported"), (_share_state(p.workers[1], group.gid), _share_state(p.workers[0], group.gid), group.history)
+    assert not group.wait(("ready",), 10.0)
+    assert group.failure is not None and group.failure.event == "timeout", group.failure
+    assert "ready" not in [s for s, _ in group.history]
+    assert wait_until(lambda: _leases(ex) == 0)
+
+
+def test_a_worker_whose_reader_was_busy_does_not_take_the_coordinator_for_dead(
+        transport: HostTransport, prefill_factory: Any) -> None:
+    """Silence means nothing came, not nothing read: a worker whose reader was held (here
+    in a check; a stopped or starved process alike) for longer than the silence bound, with
+    the coordinator's ticks waiting unread, stays connected and imports."""
+    from kvstate.harness.prefill_procs import HoldingWorker
+
+    ex = make_exporter(2, transport)
+    p = prefill_factory(2, worker_class=HoldingWorker, config={"heartbeat_s": 0.05, "silence_s": 0.5})
+    p.workers[1].hold({"check"})
+    group = p.coordinator.start_group([ex.descriptor(r) for r in range(2)])
+    time.sleep(1.2)                                  # the reader of rank 1 is held in the check
+    p.workers[1].release()
+    assert group.wait(("ready",), 5.0), group.history
+    assert not p.workers[1].coordinator_gone
+    group.drain(5.0)
+
+
 @pytest.mark.parametrize("decode_tp, prefill_tp", [(4, 2), (4, 8), (2, 4)])
 def test_heterogeneous_tp_is_refused_before_any_open(decode_tp: int, prefill_tp: int, transport: HostTransport,
                                                      prefill_factory: Any) -> None:

@@ -112,6 +112,30 @@ def test_a_new_incarnation_of_a_live_source_drains_its_groups(transport: HostTra
         importer.close()
 
 
+def test_a_replayed_descriptor_of_an_old_incarnation_leaves_live_groups_ready(transport: HostTransport) -> None:
+    """Only a lease granted under a new incarnation shows a restart: a descriptor of the
+    previous one (a router may still hold it, unexpired) is refused at its lease, and the
+    live group of the current incarnation stays ready."""
+    source, where = os.urandom(16), Path(tempfile.mkdtemp(prefix="kvs-replay-"))
+    where.chmod(0o700)
+    first = make_exporter(1, transport, name="decode-0", source=source, socket_dir=where / "sock")
+    old = [first.descriptor(0)]
+    first.stop()  # the decode worker restarts at the same socket path
+    again = make_exporter(1, transport, name="decode-0", source=source, socket_dir=where / "sock")
+    assert again.incarnation != first.incarnation
+    log: list[StateChange] = []
+    importer = _importer(transport, log)
+    try:
+        live = importer.import_group([again.descriptor(0)])
+        with pytest.raises(ImportFailed, match="stale_incarnation"):
+            importer.import_group(old)
+        assert live.state == "ready"
+        assert [c.label for c in log if c.event == "incarnation_changed"] == [importer.groups[-1].label]
+        live.drain()
+    finally:
+        importer.close()
+
+
 def test_a_rejected_group_rejects_every_part_it_received(transport: HostTransport) -> None:
     """INV-REJECT-BEFORE-OPEN, observed per rank: every decoded part is rejected, unopened."""
     ex = make_exporter(2, transport)

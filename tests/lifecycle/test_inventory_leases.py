@@ -115,6 +115,20 @@ def test_a_request_with_the_wrong_number_of_epochs_is_refused_before_any_lease(
         BlockRequest("prefix-a", (1, -1), (11,))
 
 
+@pytest.mark.parametrize("group, hashes", [
+    (None, (11,)), ("", (11,)), (b"prefix-a", (11,)),
+    ("prefix-a", None), ("prefix-a", 5), ("prefix-a", ()), ("prefix-a", "11"), ("prefix-a", (object(),)),
+    ("prefix-a", (True,)), ("prefix-a", (-1,)), ("prefix-a", (2**64,)), ("prefix-a", (11, 11)),
+])
+def test_a_block_request_takes_only_what_an_exporter_would(group: object, hashes: object) -> None:
+    """The exporter's inventory rules, checked when the request is made: a bad one never
+    reached the lease as an untyped error, with the group left importing."""
+    from kvstate.core.errors import InventoryError
+
+    with pytest.raises(InventoryError):
+        BlockRequest(group, (1,), hashes)  # type: ignore[arg-type]
+
+
 def test_a_draining_bank_refuses_leases_and_keeps_no_pin(transport: HostTransport, importer: Importer) -> None:
     """Drain stops new leases by the table alone (draining declares no grant_lease): a lease
     naming inventory blocks is refused, and the blocks it pinned on the way are given back."""

@@ -4,6 +4,7 @@ bound to the connection, all-or-nothing batches, refusals naming their rank."""
 
 from __future__ import annotations
 
+import os
 
 import pytest
 
@@ -14,7 +15,7 @@ from kvstate.share.importer import ImportConfig, Importer, lease_fields
 from kvstate.core.descriptor import decode
 from kvstate.transport.host import HostTransport
 
-from conftest import DEPLOYMENT, make_exporter
+from conftest import DEPLOYMENT, GRANULARITY, make_exporter
 from support.reuse import REUSE_ON
 from support.waiting import wait_until
 
@@ -118,3 +119,50 @@ def test_a_malformed_batched_answer_gives_every_grant_back(transport: HostTransp
         assert wait_until(lambda: all(not b.leases for b in ex.banks.values()))
     finally:
         ch.close()
+
+
+def test_an_importer_closed_during_a_lease_keeps_no_fd_and_no_lease(transport: HostTransport) -> None:
+    """The close lands between the grant and the watch (phase 1): the part fails, its
+    received fd is closed, its lease returned, and the link closes with its last holder."""
+    ex = make_exporter(2, transport)
+    closing = HostTransport(granularity=GRANULARITY)
+    im = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON), closing)
+    receive = closing.receive_handle
+
+    def close_first(*args: object, **kw: object) -> object:
+        im.close()
+        return receive(*args, **kw)  # type: ignore[arg-type]
+    closing.receive_handle = close_first  # type: ignore[method-assign]
+    before = memfds()
+    with pytest.raises(ImportFailed, match="watcher is closed"):
+        im.import_group([ex.descriptor(r) for r in range(2)])
+    assert [p.state for p in im.groups[-1].parts] == ["failed", "failed"]
+    assert memfds() == before
+    assert wait_until(lambda: all(not b.leases for b in ex.banks.values()))
+    assert wait_until(lambda: ex._handlers == 0)  # the link closed
+
+
+def test_a_link_is_held_by_its_grants_and_closes_idle_once_they_go(transport: HostTransport) -> None:
+    ex = make_exporter(2, transport)
+    links = peers.Peers(lambda address, timeout: chan.connect(address, timeout=timeout, limits=peers.LINK_LIMITS), 60.0)
+    items = [lease_fields(decode(ex.descriptor(r), DEPLOYMENT), None) for r in range(2)]
+    (granted,) = links.leases([(str(ex.socket_path), items)], 5.0)
+    assert isinstance(granted, list) and [g.link.users for g in granted] == [2, 2]
+    links.close_idle(everything=True)
+    assert len(links) == 1 and not granted[0].link.closed  # a lease's link is never idle
+    for g in granted:
+        g.give_back()
+    assert granted[0].link.users == 0 and all(not b.leases for b in ex.banks.values())
+    links.close_idle(everything=True)
+    assert len(links) == 0 and granted[0].link.closed
+
+
+def memfds() -> set[int]:
+    out = set()
+    for n in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{n}").startswith("/memfd:"):
+                out.add(int(n))
+        except OSError:
+            pass  # the listing's own fd
+    return out

@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MUTANTS = ROOT / "tests" / "mutants"
 DEFAULT_TIMEOUT_S = 240
 FAMILIES = ("spec", "machine", "validate", "descriptor", "identity", "native", "exporter", "importer",
-            "policy", "framing", "connector")
+            "policy", "framing", "connector", "coordinator")
 
 KILLED, KILLED_TIMEOUT, SURVIVED, TIMEOUT, ERROR, STALE = (
     "killed", "killed-timeout", "SURVIVED", "TIMEOUT", "ERROR", "STALE")
