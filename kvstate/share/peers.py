@@ -281,9 +281,9 @@ class Peers:
                 return old, True
             self._links[address] = made
             made.users += 1
-            close_old = old is not None and old.users == 0
-        if close_old:
-            old.close()  # replaced; a link still held closes when its last holder lets go
+            replaced = old if old is not None and old.users == 0 else None
+        if replaced is not None:
+            replaced.close()  # a replaced link still held closes when its last holder lets go
         return made, False
 
     def leases(self, batches: Sequence[tuple[str, Sequence[dict[str, Any]]]],
