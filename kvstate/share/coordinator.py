@@ -189,9 +189,8 @@ class CoordinatedGroup(Lifecycle):
         # Observers run after the commit, outside the lock, in commit order.
         with self.changed:
             self.history.append((change.dest, change.monotonic_ns / 1e9 - self.started))
-            if change.dest != change.source:  # a phase's time runs from its entry: reports do not extend it
-                self.deadline = change.monotonic_ns / 1e9 + self.coordinator.config.phase_timeout_s \
-                    if change.dest in TIMED else float("inf")
+            if change.dest not in TIMED:
+                self.deadline = float("inf")  # the row entering a timed phase set it (_start_phase)
             self.changed.notify_all()
 
     # -- what the engine reads ----------------------------------------------------------
@@ -237,8 +236,7 @@ class CoordinatedGroup(Lifecycle):
 
     @guard("group_validated")
     def _group_validated(self, **kw: Any) -> bool:
-        links = self.coordinator.links
-        return self.validated is not None and all(r in links and links[r].alive for r in range(self.tp))
+        return self.validated is not None and all(self._connected(r) for r in range(self.tp))
 
     @guard("all_parts_validated")
     def _all_validated(self, **kw: Any) -> bool:
@@ -250,9 +248,12 @@ class CoordinatedGroup(Lifecycle):
         # read after the phase's deadline, or from a worker that has hung up since, complete
         # nothing. A coordinator stalled past the deadline reads reports that waited in its
         # sockets while their workers, hearing nothing, rolled back and closed.
-        links = self.coordinator.links
         return self._every("imported", dead_ok=False) and time.monotonic() < self.deadline and \
-            all(r in links and links[r].alive and not links[r].channel.hung_up() for r in range(self.tp))
+            all(self._connected(r, hung_up_too=True) for r in range(self.tp))
+
+    def _connected(self, rank: int, *, hung_up_too: bool = False) -> bool:
+        link = self.coordinator.links.get(rank)  # one read: a death may remove it meanwhile
+        return link is not None and link.alive and not (hung_up_too and link.channel.hung_up())
 
     @guard("report_compatible")
     def _compatible(self, *, rank: int, report: msgs.Report, **kw: Any) -> bool:
@@ -290,12 +291,20 @@ class CoordinatedGroup(Lifecycle):
                                        "hashes": list(self.blocks.hashes)}
             self.coordinator._send_to(r, msgs.Command(cmd, self.gid, why=why, **extra))
 
+    def _start_phase(self) -> None:
+        """The row's command starts a timed phase (checking, importing, aborting): its
+        clock runs from now, set before the commit so that no report is read against the
+        previous phase's deadline, and reports do not extend it."""
+        self.deadline = time.monotonic() + self.coordinator.config.phase_timeout_s
+
     @effect("send_check")
     def _send_check(self, **kw: Any) -> None:
+        self._start_phase()
         self._send("check")
 
     @effect("send_open")
     def _send_open(self, **kw: Any) -> None:
+        self._start_phase()
         self._send("open")
 
     @effect("send_ready")
@@ -312,6 +321,7 @@ class CoordinatedGroup(Lifecycle):
 
     @effect("send_abort")
     def _send_abort(self, **kw: Any) -> None:
+        self._start_phase()
         self._send("abort", why=str(self.failure or "aborted"))
 
     @effect("note_report")
