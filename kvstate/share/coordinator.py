@@ -57,7 +57,7 @@ from typing import Any, Literal
 import attrs
 
 from kvstate import channel as chan
-from kvstate.core.args import (need, need_int, need_callables, need_items, need_kinds, need_mapping_keys, need_path, need_seconds,
+from kvstate.core.args import (need, need_choice, need_int, need_callables, need_items, need_kinds, need_mapping_keys, need_path, need_seconds,
                                need_text)
 from kvstate.core.descriptor import Descriptor, decode_group
 from kvstate.core.errors import (
@@ -203,8 +203,9 @@ class CoordinatedGroup(Lifecycle):
         """Wait until the group's last delivered change entered one of ``states`` (or a
         terminal state); whether it did."""
         timeout = need_seconds("timeout", timeout)
-        wanted = set(need_items("states", tuple(states) if isinstance(states, (set, frozenset)) else states,
-                                str, max_len=64))
+        wanted = {need_choice("states", name, self.table.state_names)
+                  for name in need_items("states", tuple(states) if isinstance(states, (set, frozenset)) else states,
+                                         str, max_len=64)}
         ended = self.table.terminal
         deadline = time.monotonic() + timeout
         with self.changed:  # the history, not the state: it is complete once a change was delivered
@@ -437,7 +438,7 @@ class Coordinator:
             self.groups = {k: g for k, g in self.groups.items() if not g.is_terminal}
             self.groups[gid] = group
         try:
-            group.validated = self._validate(wire, blocks, expect)
+            group.validated, group.wire = self._validate(wire, blocks, expect)
         except GroupRejected as exc:
             group.rejections = list(exc.problems)
             group.fire("reject")
@@ -471,8 +472,10 @@ class Coordinator:
         raise GroupFailed("timeout", None, f"{group.label} is {group.state} after {limit} s")
 
     def _validate(self, wire: Sequence[bytes], blocks: BlockRequest | None,
-                  expect: Mapping[str, Any]) -> ValidatedGroup:
-        """The whole group, before any worker hears of it (every rule, every rank)."""
+                  expect: Mapping[str, Any]) -> tuple[ValidatedGroup, tuple[bytes, ...]]:
+        """The whole group, before any worker hears of it (every rule, every rank); and
+        the wire in rank order, for each worker its own rank's descriptor (``wire`` may
+        come in any order, as :meth:`Importer.import_group` takes it)."""
         tp = self.config.tp
         descriptors, problems = decode_group(wire, self.config.deployment)
         for d in descriptors:
@@ -489,7 +492,9 @@ class Coordinator:
                                                f"the block request names {len(blocks.epochs)} epoch(s) for tp={tp}"))
         if problems:
             raise GroupRejected(problems)
-        return validate_group(descriptors, self.expectation(**expect))
+        validated = validate_group(descriptors, self.expectation(**expect))  # one part per rank 0..tp-1
+        by_rank = sorted(range(len(wire)), key=lambda i: descriptors[i].rank)
+        return validated, tuple(wire[i] for i in by_rank)
 
     def _missing_rank(self) -> int | None:
         return next((r for r in range(self.config.tp) if r not in self.links or not self.links[r].alive), None)

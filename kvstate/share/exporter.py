@@ -167,6 +167,9 @@ class BankLease:
 #: The bank events that end a lease without the importer asking.
 LeaseEnd = Literal["peer_died", "lease_expired"]
 
+#: The bank states whose descriptor an importer may be given: advertised until drained.
+SERVING = frozenset({"advertised", "importing", "ready"})
+
 #: The type of each scalar request field; ``blocks`` is checked by the inventory.
 _REQUEST_FIELDS: dict[str, type] = {"op": str, "rank": int, "lease": int, "generation": int, "incarnation": str}
 
@@ -215,7 +218,8 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
             try:
                 self.fire("register")
             except KvStateError:  # RegistrationFailed, or EffectFailed: rolled back either way
-                self.fire("register_failed")
+                if self.may("register_failed"):  # not for a register its state refused (twice)
+                    self.fire("register_failed")
                 raise
 
     def advertise(self) -> None:
@@ -556,15 +560,21 @@ class Exporter(Generic[H, A, R, M, E]):
         need_int("rank", rank, 0, self.config.tp - 1)
         if rank not in self.banks:
             raise ArgumentInvalid("rank", ArgumentReason.STATE, f"no bank of rank {rank} in this exporter")
-        d = self.banks[rank].descriptor
-        if d is None:
-            raise KvStateError(f"bank of rank {rank} is not advertised")
+        bank = self.banks[rank]
+        d = bank.descriptor
+        if d is None or bank.state not in SERVING:
+            raise ArgumentInvalid("rank", ArgumentReason.STATE, f"the bank of rank {rank} is {bank.state}: "
+                                  f"it has no descriptor to give (one is given from advertise until drain)")
         return d
 
     # -- serving ------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Listen for importers, watch their connections and expire their leases."""
+        """Listen for importers, watch their connections and expire their leases. Once:
+        a stopped exporter is not started again (make a new one)."""
+        if self._stopping.is_set() or self._server is not None:
+            raise ArgumentInvalid("exporter", ArgumentReason.STATE,
+                                  "started already, or stopped: an exporter serves once; make a new one")
         chan.make_socket_dir(self.config.socket_dir)
         # A batched lease answers with every bank's fd in one message (kvstate.share.peers).
         limits = chan.Limits(max_fds=min(chan.HARD_MAX_FDS, max(chan.DEFAULT_MAX_FDS, len(self.banks))))

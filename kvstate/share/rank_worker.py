@@ -46,7 +46,7 @@ from typing import Any, Generic, Literal
 import attrs
 
 from kvstate import channel as chan
-from kvstate.core.args import need, need_bytes, need_callables, need_int, need_items, need_kinds, need_path, \
+from kvstate.core.args import need, need_bytes, need_callables, need_choice, need_int, need_items, need_kinds, need_path, \
     need_seconds, need_text
 from kvstate.core.descriptor import Descriptor, decode_cached
 from kvstate.core.errors import (
@@ -476,7 +476,7 @@ class RankWorker(Generic[H, A, R, M, E]):
         timeout = need_seconds("timeout", timeout)
         states = need_items("states", tuple(states) if isinstance(states, (set, frozenset)) else states,
                             str, max_len=64)
-        wanted = set(states)
+        wanted = {need_choice("states", name, self.share_class.table.state_names) for name in states}
         deadline = time.monotonic() + timeout
         while True:
             s = self.share(gid)

@@ -130,6 +130,21 @@ def test_loads_wait_for_the_coordinators_ready(transport: HostTransport, prefill
     group.drain(5.0)
 
 
+def test_descriptors_in_any_order_reach_the_worker_of_their_rank(transport: HostTransport,
+                                                                  prefill_factory: Any) -> None:
+    """The coordinator takes a group's descriptors in any order, as Importer.import_group
+    does: each worker is sent its own rank's (rank 0's went to the worker of rank 1)."""
+    ex = make_exporter(3, transport)
+    p = prefill_factory(3)
+    group = p.coordinator.import_group([ex.descriptor(r) for r in (2, 0, 1)])
+    assert group.state == "ready" and [r.rank for r in group.ranks()] == [0, 1, 2]
+    assert _leases(ex) == 3 and all(len(b.leases) == 1 for b in ex.banks.values())
+    for wait in (lambda: group.wait(("raedy",), 1.0), lambda: p.workers[0].wait(group.gid, ["raedy"], 1.0)):
+        with pytest.raises(ArgumentInvalid, match="raedy"):  # a misspelt state: refused, not waited out
+            wait()
+    group.drain(5.0)
+
+
 def test_reports_read_after_the_phase_deadline_complete_nothing(transport: HostTransport,
                                                                 prefill_factory: Any) -> None:
     """INV-COORD-READY-COMPLETE against a stalled coordinator: reports it reads only after

@@ -10,12 +10,14 @@ import pytest
 
 from conftest import DEPLOYMENT, GEOMETRY, expected_blocks, make_exporter
 from kvstate.core.descriptor import decode, encode
-from kvstate.core.errors import DrainTimeout, GroupRejected, IllegalTransition, ImportFailed, RegistrationFailed
+from kvstate.core.errors import (ArgumentInvalid, DrainTimeout, GroupRejected, IllegalTransition, ImportFailed,
+                                 RegistrationFailed)
 from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.core.identity import Incarnation
 from kvstate.share.importer import ImportConfig, Importer
 from kvstate.core.machine import StateChange
-from kvstate.core.reasons import RejectReason
+from kvstate.core.reasons import ArgumentReason, RejectReason
+from kvstate.share.exporter import ExportConfig, Exporter
 from kvstate.transport.host import HostTransport
 from support.faults import FaultyTransport
 from support.reuse import REUSE_ON
@@ -228,6 +230,40 @@ def test_exporter_drain_waits_for_pins_on_its_bank(transport: HostTransport) -> 
         assert bank.state == "released"
     finally:
         ex.stop()
+
+
+def test_exporter_calls_out_of_order_are_refused_typed(transport: HostTransport, importer: Importer) -> None:
+    """An engine's mistakes on the exporting side get a typed refusal naming the state,
+    and change nothing: a descriptor before advertise or after drain (a released bank's
+    old descriptor was handed out), a second register (it named register_failed), and a
+    start after stop (it was accepted, then served nothing: a stopped exporter drops
+    every connection and expires no lease)."""
+    ex = make_exporter(1, transport)
+    try:
+        with pytest.raises(IllegalTransition) as info:
+            ex.banks[0].register()
+        assert info.value.event == "register" and ex.banks[0].state == "advertised"
+        with pytest.raises(ArgumentInvalid) as refused:
+            ex.start()
+        assert refused.value.reason is ArgumentReason.STATE
+        group = importer.import_group([ex.descriptor(0)])  # still serving as before
+        group.drain()
+    finally:
+        ex.stop()
+    ex.drain(5.0)
+    with pytest.raises(ArgumentInvalid) as refused:
+        ex.descriptor(0)
+    assert refused.value.reason is ArgumentReason.STATE and "released" in str(refused.value)
+    with pytest.raises(ArgumentInvalid) as refused:
+        ex.start()
+    assert refused.value.reason is ArgumentReason.STATE
+
+    fresh = Exporter(ExportConfig(DEPLOYMENT, ex.config.socket_dir, ex.config.source_id, 1), transport, name="fresh")
+    fresh.add_bank(0, GEOMETRY).register()
+    with pytest.raises(ArgumentInvalid) as refused:
+        fresh.descriptor(0)
+    assert refused.value.reason is ArgumentReason.STATE and "registered" in str(refused.value)
+    fresh.drain(5.0)
 
 
 def test_drain_during_load_waits_for_native_ops(transport: HostTransport, importer: Importer) -> None:

@@ -64,7 +64,7 @@ IMPORTER = [
     # Added by the fast path, when present:
     ("kvstate.share.peers:exchange", "wait for the exporter (lease round trip)"),
     ("kvstate.share.peers:PeerLink.request", "wait for the exporter (lease round trip)"),
-    ("kvstate.share.peers:Peers.link", "connect, or reuse a checked link"),
+    ("kvstate.share.peers:Peers._take", "connect, or reuse a checked link"),
     ("kvstate.share.peers:grants", "grant parsing (batched answer)"),
 ]
 
