@@ -34,7 +34,7 @@ from kvstate.channel.framing import (
     unpack,
 )
 from kvstate.channel.paths import as_path, check_socket_path
-from kvstate.core.errors import ChannelClosed, ChannelError, ChannelTimeout, PeerDied, PeerRejected
+from kvstate.core.errors import ChannelClosed, ChannelError, ChannelTimeout, FrameError, PeerDied, PeerRejected
 
 _PEERCRED = struct.Struct("3i")
 _RECV_FLAGS = int(socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)  # an int: enum arithmetic per recv is slow
@@ -167,7 +167,10 @@ class Channel:
             except OSError as exc:
                 if exc.errno == errno.EBADF and self._closed:
                     raise ChannelClosed("the channel was closed here") from None
-                raise
+                if exc.errno == errno.EMSGSIZE:  # SOCK_SEQPACKET: one message must fit the send buffer
+                    raise FrameError(f"a {len(frame)}-byte message is larger than this socket sends at once "
+                                     f"(its send buffer; see net.core.wmem_default)") from None
+                raise ChannelError(f"send failed: {exc.strerror or exc}") from exc
             p = select.poll()
             self._register(p, select.POLLOUT)
             if not p.poll(remaining_ms(deadline)):

@@ -6,6 +6,9 @@ for the engines' KV caches. What vLLM itself does around them runs in tests/vllm
 
 from __future__ import annotations
 
+import os
+import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,6 +18,11 @@ import pytest
 import torch
 
 from kvstate.integrations.vllm import config as cfgmod
+from kvstate import channel as chan
+from kvstate.core.errors import ChannelTimeout, KvStateError
+from kvstate.integrations.vllm import index as index_mod
+from kvstate.integrations.vllm import wire
+from kvstate.integrations.vllm.index import Found, IndexClient, Refusal
 from kvstate.integrations.vllm.decode_rank import DecodeRank
 from kvstate.integrations.vllm.hashing import Compat
 from kvstate.integrations.vllm.orders import LoadFailures, StepOrders
@@ -180,6 +188,70 @@ def test_a_finished_requests_blocks_load_into_another_engines_pages(pair: tuple[
     assert counted["hits"] == 1 and counted["tokens_matched"] == 4 * BS
     ranks = prefill.tally.take()
     assert ranks["loads_ok"] == len(prefill.prefill) and ranks["tokens_loaded"] == 4 * BS * len(prefill.prefill)
+
+
+def test_a_request_longer_than_one_message_retains_its_first_blocks_and_finishes(
+        pair: tuple[Engine, Engine], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A finished request names at most wire.MAX_BLOCKS blocks in its store report (here
+    lowered to 3): it retains its first 3 and vLLM gets its pages back. (Uncapped, the
+    report of a longer one could not be encoded inside the store's completion, and the
+    request never finished: its pages and bank blocks stayed held.)"""
+    decode, prefill = pair
+    monkeypatch.setattr(wire, "MAX_BLOCKS", 3)
+    tokens = list(range(3000, 3000 + 5 * BS))             # 5 full blocks
+    finish(decode, "long", tokens, [11, 12, 13, 14, 15])
+    assert decode.sched.index is not None and decode.sched.index.table.counts()["stored"] == 3
+    n, failed = load(prefill, "p-long", tokens + [1], [20, 21, 22, 23, 24, 25])
+    assert (n, failed) == (3 * BS, set())
+
+
+def test_the_index_answers_what_it_knows_and_lets_idle_clients_go(pair: tuple[Engine, Engine],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode index closes a client silent for CLIENT_IDLE_S (idle ones held its
+    handler slots for good: 256 of them locked every peer out), and the client reconnects
+    on its next question; a server over its connection cap is ``busy`` (it read as a
+    protocol error); a refusal reason the client does not know is counted as ``refused``
+    (a peer's text became a metric label)."""
+    decode, prefill = pair
+    index = decode.sched.index
+    assert index is not None
+    monkeypatch.setattr(index_mod, "CLIENT_IDLE_S", 0.2)
+    client = IndexClient(index.path, decode.cfg.deployment, 2.0)
+    try:
+        assert isinstance(client.lookup(decode.compat, [bytes(32)]), Found)
+        time.sleep(0.6)
+        assert client._ch is not None and client._ch.hung_up()      # the index let it go
+        assert isinstance(client.lookup(decode.compat, [bytes(32)]), Found)   # and it came back
+    finally:
+        client.close()
+
+    with tempfile.TemporaryDirectory() as d:
+        os.chmod(d, 0o700)
+        path = Path(d) / "fake.sock"
+        server = chan.Server(path, limits=wire.LIMITS, max_connections=1)
+        stop = threading.Event()
+
+        def answer(ch: chan.Channel) -> None:
+            with ch:  # the handler owns its channel
+                while not stop.is_set():
+                    try:
+                        with ch.recv(timeout=0.05):
+                            pass
+                    except ChannelTimeout:
+                        continue
+                    except KvStateError:
+                        return
+                    ch.send(wire.encode("refused", reason="x" * 300, detail="made up"), timeout=1.0)
+        server.serve_in_thread(answer, name="fake-index")
+        first, second = IndexClient(path, decode.cfg.deployment, 2.0), IndexClient(path, decode.cfg.deployment, 2.0)
+        try:
+            assert first.lookup(decode.compat, [bytes(32)]) == Refusal("refused", "made up")
+            assert second.lookup(decode.compat, [bytes(32)]).reason == "busy"   # first holds the one slot
+        finally:
+            stop.set()
+            first.close()
+            second.close()
+            server.close()
 
 
 def test_only_the_shared_blocks_load_and_the_local_cache_is_respected(pair: tuple[Engine, Engine]) -> None:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from pathlib import Path
 
 import attrs
 import pytest
 
-from kvstate.core.errors import ConfigInvalid, ProtocolError
+from kvstate import channel as chan
+from kvstate.core.errors import ConfigInvalid, FrameError, ProtocolError
 from kvstate.core.identity import Deployment
 from kvstate.integrations.vllm import config as cfgmod
 from kvstate.integrations.vllm import stats, wire
@@ -245,10 +247,55 @@ def test_reserve_stops_at_the_first_block_without_room() -> None:
 # -- the protocol and the counters --------------------------------------------------------------
 
 
+def test_key_file_is_checked_before_it_is_read(tmp_path: Path) -> None:
+    """A FIFO (it blocked parse for good), a device or a huge file is refused by name,
+    before a byte is read; a symlink to a good key file (as secret mounts make) is fine."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)
+    big = tmp_path / "big"
+    big.write_bytes(b"0" * (cfgmod.MAX_KEY_FILE_BYTES + 1))
+    big.chmod(0o600)
+    for bad in (fifo, big, Path("/dev/zero")):
+        with pytest.raises(ConfigInvalid, match="regular file"):
+            cfgmod.parse({"deployment_key_file": str(bad)}, "kv_both", {})
+    good = tmp_path / "key"
+    good.write_text(KEY.hex() + "\n")
+    good.chmod(0o600)
+    (tmp_path / "link").symlink_to(good)
+    assert cfgmod.parse({"deployment_key_file": str(tmp_path / "link")}, "kv_both", {}).deployment.key == KEY
+    for extra in (["deployment"], "abc", 5):
+        with pytest.raises(ConfigInvalid, match="mapping"):
+            cfgmod.parse(extra, "kv_both", ENV)  # type: ignore[arg-type]
+
+
+def test_the_largest_messages_fit_one_socket_send() -> None:
+    """Every message kind at its bound, with its largest values, goes through a real
+    SOCK_SEQPACKET pair at the default socket buffer (a message over the buffer is refused
+    by the kernel whole: it failed as a raw OSError from 8k blocks). And one that does not
+    fit is a FrameError, not an OSError."""
+    n, top = wire.MAX_BLOCKS, 2**64 - 1
+    worst = [wire.encode("found", blocks=n, slots=[10**6 + i for i in range(n)], keys=[top - i for i in range(n)],
+                         epochs=[top] * 64, generation=top),
+             wire.encode("stored", rank=top, keys=[top - i for i in range(n)], failed=[]),
+             wire.encode("evict", keys=[top - i for i in range(n)]),
+             wire.encode("lookup", compat=compat().as_dict(), hashes=b"\xff" * (n * 32))]
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with chan.Channel(a, limits=wire.LIMITS) as tx, chan.Channel(b, limits=wire.LIMITS) as rx:
+        for payload in worst:
+            tx.send(payload, timeout=5.0)
+            with rx.recv(timeout=5.0) as got:
+                assert got.payload == payload
+    c, d = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with chan.Channel(c, limits=chan.Limits(max_payload=chan.HARD_MAX_PAYLOAD)) as tx, chan.Channel(d):
+        with pytest.raises(FrameError, match="send buffer"):
+            tx.send(b"x" * (chan.HARD_MAX_PAYLOAD - 64), timeout=5.0)
+
+
 def test_messages_are_checked_field_by_field() -> None:
     payload = wire.encode("found", blocks=1, slots=[3], keys=[2**63], epochs=[1], generation=1)
     assert wire.decode(payload, "found")["keys"] == [2**63]
     for kind, fields in [("found", {"blocks": 1}), ("nope", {}),
+                         ("hello", {"rank": 0, "tp": 1, "pid": 1, "epoch": 2**64, "compat": {}}),  # no found carries it
                          ("evict", {"keys": [-1]}), ("evict", {"keys": [2**64]}), ("stored", {"rank": 0, "keys": [],
                                                                                               "failed": "x"})]:
         with pytest.raises(ProtocolError):

@@ -73,15 +73,32 @@ def _seconds(field: str, value: object) -> float:
     return float(value)
 
 
+#: The longest key file read: the key as hex, with room for whitespace around it.
+MAX_KEY_FILE_BYTES = 4096
+
+
 def _key_from_file(path: Path) -> bytes:
+    """The key in ``path``, checked before it is read: a regular file of this uid that
+    grants group and others nothing, at most MAX_KEY_FILE_BYTES (opened without blocking,
+    so a FIFO or a device is refused, not read; a symlink to such a file, as secret mounts
+    make, is fine)."""
     try:
-        st = os.stat(path)
-        raw = path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise ConfigInvalid("deployment_key_file", f"{path}: {exc.strerror}") from None
-    if st.st_uid != os.getuid() or st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigInvalid("deployment_key_file", f"{path} must belong to uid {os.getuid()} and grant group "
-                            f"and others nothing (mode {stat.S_IMODE(st.st_mode):o})")
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_KEY_FILE_BYTES:
+            raise ConfigInvalid("deployment_key_file", f"{path} must be a regular file of at most "
+                                f"{MAX_KEY_FILE_BYTES} bytes")
+        if st.st_uid != os.getuid() or st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ConfigInvalid("deployment_key_file", f"{path} must belong to uid {os.getuid()} and grant group "
+                                f"and others nothing (mode {stat.S_IMODE(st.st_mode):o})")
+        raw = os.read(fd, MAX_KEY_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigInvalid("deployment_key_file", f"{path}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
     if len(raw) == DEPLOYMENT_KEY_BYTES:
         return raw
     return _key_from_hex("deployment_key_file", raw.decode("ascii", "replace").strip())
@@ -141,6 +158,8 @@ def parse(extra: Mapping[str, Any] | None, role: str, environ: Mapping[str, str]
     """The settings in ``kv_connector_extra_config`` for ``role`` (vLLM's ``kv_role``)."""
     if role not in ("kv_producer", "kv_consumer", "kv_both"):
         raise ConfigInvalid("kv_role", f"must be kv_producer, kv_consumer or kv_both, not {role!r:.40}")
+    if extra is not None and not isinstance(extra, Mapping):
+        raise ConfigInvalid("kv_connector_extra_config", f"must be a mapping of settings, not {type(extra).__name__}")
     given = dict(extra or {})
     unknown = sorted(set(given) - set(KEYS), key=str)
     if unknown:

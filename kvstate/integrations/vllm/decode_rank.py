@@ -105,16 +105,18 @@ class DecodeRank:
                 kept = tuple(ok)
             if kept:  # cannot happen while the index assigns at most num_blocks blocks
                 ok, bad = [k for k in ok if k not in kept], bad + list(kept)
-        self._outbox.put(wire.encode("stored", rank=self.rank, keys=ok, failed=bad))
-        self.tally.add("stores_ok" if not bad else "stores_failed")
-        self.tally.add("bytes_stored", nbytes)
-        with self._lock:
-            left = self._pending[order.req_id] - 1
-            if left:
-                self._pending[order.req_id] = left
-            else:
-                del self._pending[order.req_id]
-                self._done.add(order.req_id)
+        try:
+            self._outbox.put(wire.encode("stored", rank=self.rank, keys=ok, failed=bad))
+            self.tally.add("stores_ok" if not bad else "stores_failed")
+            self.tally.add("bytes_stored", nbytes)
+        finally:  # the request is done here whatever the report: vLLM frees its pages
+            with self._lock:
+                left = self._pending[order.req_id] - 1
+                if left:
+                    self._pending[order.req_id] = left
+                else:
+                    del self._pending[order.req_id]
+                    self._done.add(order.req_id)
 
     def finished(self, finished_req_ids: set[str]) -> set[str]:
         """Requests whose stores all finished on this rank and that vLLM has named finished

@@ -37,7 +37,7 @@ HASH_BYTES = 16
 
 #: Compat fields in the order a mismatch is reported (the first one that differs), with
 #: the reason each gives. tp first: heterogeneous TP is refused by that name.
-_FIELDS: tuple[tuple[str, str], ...] = (
+COMPAT_FIELDS: tuple[tuple[str, str], ...] = (
     ("tp", "tp_mismatch"),
     ("model", "model"),
     ("dtype", "dtype"),
@@ -85,7 +85,7 @@ class Compat:
 
     def mismatch(self, other: Compat) -> tuple[str, str] | None:
         """``(reason, detail)`` for the first field where ``other`` differs, or None."""
-        for name, reason in _FIELDS:
+        for name, reason in COMPAT_FIELDS:
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 if name == "layers":

@@ -49,12 +49,15 @@ from kvstate.core.descriptor import decode as decode_descriptor
 from kvstate.core.errors import ChannelError, ChannelTimeout, DescriptorRejected, ProtocolError
 from kvstate.core.identity import Deployment
 from kvstate.integrations.vllm import wire
-from kvstate.integrations.vllm.hashing import HASH_BYTES, Compat
+from kvstate.integrations.vllm.hashing import COMPAT_FIELDS, HASH_BYTES, Compat
 from kvstate.integrations.vllm.slots import Reservation, SlotTable
 
 log = logging.getLogger(__name__)
 
 RETRY_EVICT_S = 1.0
+#: A prefill scheduler's connection closes after this long without a question (it
+#: reconnects on its next one): idle connections would hold the server's handler slots.
+CLIENT_IDLE_S = 30.0
 
 
 @attrs.define(eq=False)
@@ -125,9 +128,7 @@ class DecodeIndex:
         if not self.ready():
             return []
         out = self.table.reserve(hashes)
-        keys = self.table.choose_evictions()
-        if keys:
-            self._broadcast(wire.encode("evict", keys=keys))
+        self._evict(self.table.choose_evictions())
         return out
 
     # -- serving --------------------------------------------------------------------------------
@@ -204,10 +205,13 @@ class DecodeIndex:
             self.table.removed(link.rank, report["keys"])
 
     def _serve_client(self, ch: chan.Channel, msg: dict[str, Any]) -> None:
+        """Answer a prefill scheduler until it closes, or stays silent CLIENT_IDLE_S (its
+        client reconnects on its next question): an idle connection holds a handler slot."""
         while True:
             ch.send(self._answer(msg), timeout=self.request_timeout_s)
+            quiet_until = time.monotonic() + CLIENT_IDLE_S
             while True:
-                if self._stopping.is_set():
+                if self._stopping.is_set() or time.monotonic() > quiet_until:
                     return
                 try:
                     nxt = ch.recv(timeout=0.25)
@@ -253,11 +257,14 @@ class DecodeIndex:
         for link in ranks:
             self._send(link, payload)
 
+    def _evict(self, keys: list[int]) -> None:
+        """Tell every rank to remove ``keys``, in messages of at most wire.MAX_BLOCKS."""
+        for at in range(0, len(keys), wire.MAX_BLOCKS):
+            self._broadcast(wire.encode("evict", keys=keys[at:at + wire.MAX_BLOCKS]))
+
     def _retry_loop(self) -> None:
         while not self._stopping.wait(RETRY_EVICT_S):
-            keys = self.table.evicting()
-            if keys:
-                self._broadcast(wire.encode("evict", keys=keys[:wire.MAX_BLOCKS]))
+            self._evict(self.table.evicting())
 
 
 # -- the prefill side ----------------------------------------------------------------------------
@@ -276,11 +283,23 @@ class Found:
     generation: int
 
 
+#: The reasons an index refuses a question with: the compatibility key's (hashing) and its own.
+INDEX_REFUSALS = frozenset({reason for _, reason in COMPAT_FIELDS} | {"malformed", "decode_not_ready"})
+
+
+def _connection_limit(payload: bytes) -> bool:
+    """Whether ``payload`` is a channel server's refusal of a connection over its cap."""
+    try:
+        return chan.decode(payload).get("code") == "ConnectionLimit"
+    except ChannelError:
+        return False
+
+
 @attrs.frozen
 class Refusal:
     """No answer to use: ``reason`` is a short code (``unreachable``, ``timeout``,
-    ``protocol``, ``decode_not_ready``, ``tp_mismatch`` and the other compatibility
-    reasons)."""
+    ``protocol``, ``busy``, ``decode_not_ready``, ``tp_mismatch`` and the other
+    compatibility reasons)."""
 
     reason: str
     detail: str
@@ -316,7 +335,13 @@ class IndexClient:
             try:
                 ch.send(payload, timeout=self.timeout_s)
                 with ch.recv(timeout=self.timeout_s) as msg:
-                    return wire.decode(msg.payload, "found", "descriptor_set", "refused")
+                    try:
+                        return wire.decode(msg.payload, "found", "descriptor_set", "refused")
+                    except ProtocolError:
+                        if _connection_limit(msg.payload):  # the server's own refusal, not the index's
+                            self.close()
+                            return Refusal("busy", "the decode index serves its most connections now")
+                        raise
             except ChannelTimeout as exc:
                 self.close()  # a late answer must never be read as the next one's
                 return Refusal("timeout", str(exc))
@@ -333,8 +358,9 @@ class IndexClient:
         reply = self._ask(wire.encode("lookup", compat=compat.as_dict(), hashes=b"".join(hashes[:wire.MAX_BLOCKS])))
         if isinstance(reply, Refusal):
             return reply
-        if reply["kind"] == "refused":
-            return Refusal(reply["reason"], reply["detail"])
+        if reply["kind"] == "refused":  # a peer's word: only a known reason becomes a metric label
+            reason = reply["reason"] if reply["reason"] in INDEX_REFUSALS else "refused"
+            return Refusal(reason, reply["detail"])
         if reply["kind"] != "found" or not reply["epochs"] or \
                 not len(reply["slots"]) == len(reply["keys"]) == reply["blocks"] <= len(hashes):
             self.close()
@@ -351,8 +377,9 @@ class IndexClient:
         reply = self._ask(wire.encode("descriptors", compat=compat.as_dict()))
         if isinstance(reply, Refusal):
             return reply
-        if reply["kind"] == "refused":
-            return Refusal(reply["reason"], reply["detail"])
+        if reply["kind"] == "refused":  # a peer's word: only a known reason becomes a metric label
+            reason = reply["reason"] if reply["reason"] in INDEX_REFUSALS else "refused"
+            return Refusal(reason, reply["detail"])
         if reply["kind"] != "descriptor_set" or not reply["descriptors"]:
             self.close()
             return Refusal("protocol", "malformed answer to a descriptor request")

@@ -44,6 +44,7 @@ from kvstate.integrations.vllm.layout import INVENTORY_GROUP, bank_blocks
 from kvstate.integrations.vllm.orders import LoadFailures, LoadOrder, StepOrders, StoreOrder, failure_code
 from kvstate.integrations.vllm.slots import SlotTable
 from kvstate.integrations.vllm.stats import Tally
+from kvstate.integrations.vllm import wire
 from kvstate.reuse.policy import Candidate, DecisionReason, choose_transfer_source
 from kvstate.share.coordinator import CoordinatedGroup, Coordinator, CoordinatorConfig
 from kvstate.share.importer import BlockRequest
@@ -135,7 +136,8 @@ class SchedulerSide:
         if self.index is None:
             return False
         bs = self.compat.block_size
-        full = min(min(num_computed, len(tokens)) // bs, len(block_ids))
+        # At most the first wire.MAX_BLOCKS blocks: their report must fit one message.
+        full = min(min(num_computed, len(tokens)) // bs, len(block_ids), wire.MAX_BLOCKS)
         if full == 0:
             return False
         hashes = prefix_hashes(self.cfg.deployment, root(self.cfg.deployment, self.compat, salt), tokens[:full * bs], bs)

@@ -23,15 +23,21 @@ from typing import Any
 from kvstate import channel as chan
 from kvstate.core.errors import ProtocolError
 
-#: Big enough for the prefix hashes and keys of a 128k-token prompt at 16-token blocks.
-LIMITS = chan.Limits(max_payload=1 << 20)
-MAX_BLOCKS = 16384
+#: The most blocks one message names: a request retains, and a lookup asks about, at most
+#: its first MAX_BLOCKS prefix blocks (64k tokens at 16-token blocks). Why this bound: a
+#: SOCK_SEQPACKET message must fit the sender's socket buffer whole, and Linux's default
+#: (net.core.wmem_default, 212,992 bytes) leaves about 208 KiB; the largest message here,
+#: ``found``, costs up to 27 bytes per block, ``stored`` and ``evict`` 21: 4,096 blocks
+#: stay under 120 KiB (tests/integrations/test_vllm_parts.py sends the worst cases).
+MAX_BLOCKS = 4096
+#: Every message's cap, below what the kernel sends at once (a longer one is a FrameError here).
+LIMITS = chan.Limits(max_payload=192 * 1024)
 
 _Check = Callable[[object], bool]
 
 
 def _int(v: object) -> bool:
-    return type(v) is int and v >= 0
+    return type(v) is int and 0 <= v < 1 << 64  # what a found's lists carry back
 
 
 def _ints(v: object) -> bool:
