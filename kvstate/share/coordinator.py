@@ -57,8 +57,8 @@ from typing import Any, Literal
 import attrs
 
 from kvstate import channel as chan
-from kvstate.core.args import (need, need_choice, need_int, need_callables, need_items, need_kinds, need_mapping_keys, need_path, need_seconds,
-                               need_text)
+from kvstate.core.args import (need, need_callables, need_choice, need_int, need_items, need_kinds, need_mapping_keys,
+                               need_path, need_seconds, need_text)
 from kvstate.core.descriptor import Descriptor, decode_group
 from kvstate.core.errors import (
     ArgumentInvalid,

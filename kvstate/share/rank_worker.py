@@ -46,8 +46,8 @@ from typing import Any, Generic, Literal
 import attrs
 
 from kvstate import channel as chan
-from kvstate.core.args import need, need_bytes, need_callables, need_choice, need_int, need_items, need_kinds, need_path, \
-    need_seconds, need_text
+from kvstate.core.args import need, need_bytes, need_callables, need_choice, need_int, need_items, need_kinds, \
+    need_path, need_seconds, need_text
 from kvstate.core.descriptor import Descriptor, decode_cached
 from kvstate.core.errors import (
     ChannelClosed,

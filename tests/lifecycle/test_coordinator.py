@@ -161,7 +161,7 @@ def test_reports_read_after_the_phase_deadline_complete_nothing(transport: HostT
     assert group.wait(("importing",), 5.0)
     time.sleep(0.5)                                  # past the deadline, before the next tick
     p.workers[1].release()
-    assert wait_until(lambda: _share_state(p.workers[1], group.gid) == "imported"), (_share_state(p.workers[1], group.gid), _share_state(p.workers[0], group.gid), group.history)
+    assert wait_until(lambda: _share_state(p.workers[1], group.gid) == "imported"), group.history
     assert not group.wait(("ready",), 10.0)
     assert group.failure is not None and group.failure.event == "timeout", group.failure
     assert "ready" not in [s for s, _ in group.history]
