@@ -167,8 +167,9 @@ class BankLease:
 #: The bank events that end a lease without the importer asking.
 LeaseEnd = Literal["peer_died", "lease_expired"]
 
-#: The bank states whose descriptor an importer may be given: advertised until drained.
-SERVING = frozenset({"advertised", "importing", "ready"})
+#: The bank states whose descriptor is given out: from advertise until quiescent (a
+#: draining bank's is still true, and its leases are refused by the bank itself).
+DESCRIBED = frozenset({"advertised", "importing", "ready", "draining"})
 
 #: The type of each scalar request field; ``blocks`` is checked by the inventory.
 _REQUEST_FIELDS: dict[str, type] = {"op": str, "rank": int, "lease": int, "generation": int, "incarnation": str}
@@ -562,9 +563,9 @@ class Exporter(Generic[H, A, R, M, E]):
             raise ArgumentInvalid("rank", ArgumentReason.STATE, f"no bank of rank {rank} in this exporter")
         bank = self.banks[rank]
         d = bank.descriptor
-        if d is None or bank.state not in SERVING:
+        if d is None or bank.state not in DESCRIBED:
             raise ArgumentInvalid("rank", ArgumentReason.STATE, f"the bank of rank {rank} is {bank.state}: "
-                                  f"it has no descriptor to give (one is given from advertise until drain)")
+                                  f"it has no descriptor to give (one is given from advertise until quiescent)")
         return d
 
     # -- serving ------------------------------------------------------------------------

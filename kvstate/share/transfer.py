@@ -206,7 +206,12 @@ class TransferHandle:
             states = [_state(e.op) for e in mine]
             if any(s in ("queued", "running", "created") for s in states):
                 return None
-            return all(s == DONE for s in states)
+            if "reaped" not in states:
+                return all(s == DONE for s in states)
+            # Another thread is finishing the handle: it reaped these ops and records how
+            # they ended (a reaped op is not a failed one). That takes no longer than the reaps.
+            if not self._finished.wait(CLOSE_WAIT_S):
+                return None
         return all(e.state == DONE for e in mine)
 
     def cancel(self) -> None:
