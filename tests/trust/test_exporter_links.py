@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from kvstate import channel as chan
+from kvstate.harness import leaks
 from kvstate.core.descriptor import encode
 from kvstate.core.errors import ChannelTimeout, ImportFailed, KvStateError
 from kvstate.core.handles import HandleKind
@@ -108,14 +109,7 @@ def importer(**config: Any) -> Importer:
 
 def memfds() -> set[int]:
     """This process's open memfds (the links' sockets stay open by design)."""
-    out = set()
-    for n in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{n}").startswith("/memfd:"):
-                out.add(int(n))
-        except OSError:
-            pass  # the listing's own fd
-    return out
+    return {fd for fd, target in leaks.snapshot().fds.items() if target.startswith("/memfd:")}
 
 
 def ok(ch: chan.Channel, **fields: Any) -> None:
