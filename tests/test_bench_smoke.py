@@ -26,6 +26,7 @@ def test_quick_bench_writes_table_and_plot(tmp_path: Path) -> None:
         assert f"**{suite}:" in table
     for row in ("kvstate whole-group import tp=1", "kvstate whole-group import tp=8", "kvstate per-rank import tp=8",
                 "floor: SCM_RIGHTS + mmap, whole group tp=8", "floor: SCM_RIGHTS + mmap, per rank tp=8",
+                "bound: floor + rules + machines, whole group tp=8", "bound: floor + rules + machines, per rank tp=8",
                 "kvstate op engine gather", "kvstate Group.load (paged scatter)",
                 "kvstate first layer usable", "kvstate Bank.store (same pages)"):  # measured, not skipped
         assert f"| {row} |" in table and f"| {row} | skipped |" not in table

@@ -109,8 +109,8 @@ BANK_CYCLE = ("register", "advertise", "grant_lease", "lease_mapped", "release_l
 class BenchPart(Lifecycle):
     table = load_machine("part")
 
-    def __init__(self, group: BenchGroup, rank: int) -> None:
-        super().__init__(label=f"bench-part-{rank}", observers=[group.part_changed])
+    def __init__(self, group: BenchGroup, rank: int, observed: bool = True) -> None:
+        super().__init__(label=f"bench-part-{rank}", observers=[group.part_changed] if observed else [])
         self.group = group
         self.fingerprint = b"geometry"
 
@@ -150,13 +150,15 @@ class BenchPart(Lifecycle):
 class BenchGroup(Lifecycle):
     table = load_machine("group")
 
-    def __init__(self, tp: int) -> None:
+    def __init__(self, tp: int, counted: bool = True) -> None:
         super().__init__(label=f"bench-group-tp{tp}")
         self.tp = tp
+        #: Readiness from counts an observer keeps (O(1)); else from the parts (no observers).
+        self.counted = counted
         self.imported = 0
         self.kinds: dict[tuple[bytes, int, int], int] = {}
         self.loads = 0
-        self.parts = [BenchPart(self, r) for r in range(tp)]
+        self.parts = [BenchPart(self, r, observed=counted) for r in range(tp)]
 
     def part_changed(self, change: StateChange) -> None:
         key = (b"geometry", self.tp, 1)
@@ -175,11 +177,15 @@ class BenchGroup(Lifecycle):
 
     @guard("all_parts_imported")
     def _all(self, **_: Any) -> bool:
-        return self.imported == self.tp
+        if self.counted:
+            return self.imported == self.tp
+        return all(p.state == "imported" for p in self.parts)
 
     @guard("parts_compatible")
     def _compatible(self, **_: Any) -> bool:
-        return len(self.kinds) == 1
+        if self.counted:
+            return len(self.kinds) == 1
+        return len({p.fingerprint for p in self.parts}) == 1
 
     @guard("native_quiescent")
     def _quiescent(self, **_: Any) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvstate.harness.bench import b1_floor, b1_import, b2_load, b3_lifecycle, b4_scatter
+from kvstate.harness.bench import b1_bound, b1_floor, b1_import, b2_load, b3_lifecycle, b4_scatter
 from kvstate.harness.bench.framework import Case, Comparison, Figure, Suite
 from kvstate.harness.bench.procs import split_cpus
 
@@ -33,7 +33,9 @@ def b1_rows(tp: int) -> dict[str, str]:
     return {"group": f"kvstate whole-group import tp={tp}", "rank": f"kvstate per-rank import tp={tp}",
             "floor_group": f"floor: SCM_RIGHTS + mmap, whole group tp={tp}",
             "floor_rank": f"floor: SCM_RIGHTS + mmap, per rank tp={tp}",
-            "shm": f"shared_memory attach tp={tp}", "nixl": f"NIXL register + metadata load tp={tp}"}
+            "shm": f"shared_memory attach tp={tp}", "nixl": f"NIXL register + metadata load tp={tp}",
+            "bound_group": f"bound: floor + rules + machines, whole group tp={tp}",
+            "bound_rank": f"bound: floor + rules + machines, per rank tp={tp}"}
 
 
 def b1_suite(quick: bool, repeats: int) -> Suite:
@@ -50,6 +52,8 @@ def b1_suite(quick: bool, repeats: int) -> Suite:
             Case(n["floor_rank"], _at(b1_floor.floor_rank, tp, mib), reference=n["floor_rank"]),
             Case(n["shm"], _at(b1_import.shm_attach, tp, mib), reference=n["floor_group"]),
             Case(n["nixl"], _at(b1_import.nixl_register_and_load, tp, mib), reference=n["floor_group"]),
+            Case(n["bound_group"], _at(b1_bound.bound_group, tp, mib), reference=n["floor_group"]),
+            Case(n["bound_rank"], _at(b1_bound.bound_rank, tp, mib), reference=n["floor_rank"]),
         ]
         if tp == 8:
             cases.append(Case("torch.multiprocessing fd sharing tp=8", _at(b1_import.torch_fd_sharing, tp, mib),
@@ -59,6 +63,13 @@ def b1_suite(quick: bool, repeats: int) -> Suite:
             Comparison(n["group"], n["shm"], 3.0 if tp == 8 else None),
             Comparison(n["group"], n["floor_group"]),
             Comparison(n["rank"], n["floor_rank"], 2.0),
+            # What kvstate's design alone costs (b1_bound), against the same goals, and how
+            # much of kvstate's time is its own code beyond it.
+            Comparison(n["bound_group"], n["nixl"], 1.0 if tp == 8 else None, "the design's floor vs the goal"),
+            Comparison(n["bound_group"], n["shm"], 3.0 if tp == 8 else None, "the design's floor vs the goal"),
+            Comparison(n["bound_rank"], n["floor_rank"], 2.0, "the design's floor vs the goal"),
+            Comparison(n["group"], n["bound_group"]),
+            Comparison(n["rank"], n["bound_rank"]),
         ]
     first, last = b1_rows(tps[0])["rank"], b1_rows(tps[-1])["rank"]
     comparisons.append(Comparison(last, first, 1.5, "per-rank cost flat in tp"))
