@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvstate.core.reasons import ImportReason
+
 
 class KvStateError(Exception):
     """Root of every error kvstate raises."""
@@ -329,11 +331,17 @@ class LeaseRefused(KvStateError):
 
 
 class ImportFailed(KvStateError):
-    """Importing one rank part failed; the whole group was rolled back and is failed."""
+    """Importing one rank part failed; the whole group was rolled back and is failed.
+    ``reason`` is a :class:`kvstate.core.reasons.ImportReason`, from ``cause`` unless given;
+    ``cause`` is the failure itself (also chained)."""
 
-    def __init__(self, rank: int, cause: BaseException) -> None:
+    def __init__(self, rank: int, cause: BaseException, reason: ImportReason | None = None) -> None:
         self.rank = rank
-        super().__init__(f"import of rank {rank} failed: {cause}")
+        self.cause = cause
+        self.reason = import_reason(cause) if reason is None else reason
+        #: What failed, in words (a wrapped ImportFailed's own, not its text again).
+        self.detail: str = cause.detail if isinstance(cause, ImportFailed) else str(cause)
+        super().__init__(f"import of rank {rank} failed ({self.reason.value}): {self.detail}")
 
 
 class ReuseStale(ImportFailed):
@@ -668,3 +676,24 @@ class ConnectionLimit(ChannelError):
     def __init__(self, limit: int) -> None:
         self.limit = limit
         super().__init__(f"connection refused: {limit} connection handler(s) already running")
+
+
+def import_reason(cause: BaseException) -> ImportReason:
+    """The :class:`~kvstate.core.reasons.ImportReason` of a failure while importing."""
+    if isinstance(cause, EffectFailed):  # an untyped fault of a step: what it was
+        cause = cause.cause
+    if isinstance(cause, ImportFailed):  # a step that knew its reason
+        return cause.reason
+    if isinstance(cause, LeaseRefused):
+        return ImportReason.STALE if cause.code == "stale_inventory" else ImportReason.REFUSED
+    if isinstance(cause, (HandleRefused, ImportRefused, NixlHandleRejected)):
+        return ImportReason.HANDLE
+    if isinstance(cause, (FrameError, ProtocolError)):
+        return ImportReason.MALFORMED
+    if isinstance(cause, ChannelError):
+        return ImportReason.PEER
+    if isinstance(cause, (NativeError, CudaError, NixlError, OSError)):
+        return ImportReason.NATIVE
+    if isinstance(cause, IllegalTransition):  # a fault moved the group on meanwhile
+        return ImportReason.INTERRUPTED
+    return ImportReason.FAILED

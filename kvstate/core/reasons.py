@@ -50,6 +50,20 @@ class TransferReason(enum.Enum):
     PLAN = "plan"                    # `load`/`store` fired without a plan built by Group.load/Bank.store
 
 
+class ImportReason(enum.Enum):
+    """Why an import failed after its group passed validation (ImportFailed.reason): the
+    step that failed, so an engine can tell a refusal from a dead peer without its text."""
+
+    REFUSED = "refused"          # the exporter refused the lease (LeaseRefused; its `code` says why)
+    STALE = "stale"              # the decode worker no longer holds the requested blocks (ReuseStale)
+    PEER = "peer"                # the exporter is gone, silent or refused the connection (ChannelError)
+    MALFORMED = "malformed"      # the exporter's answer is malformed: not a frame, not JSON, not a grant
+    HANDLE = "handle"            # a received handle failed its checks: kind, fds, identity, seals, size
+    NATIVE = "native"            # a native call failed while opening or mapping (host, CUDA, NIXL)
+    INTERRUPTED = "interrupted"  # the group was faulted or closed while it imported
+    FAILED = "failed"            # anything else (an untyped fault; the cause is chained)
+
+
 class ArgumentReason(enum.Enum):
     """Why a public entry point refused an argument before doing anything."""
 

@@ -52,6 +52,7 @@ from kvstate import channel as chan
 from kvstate.core.descriptor import Descriptor, decode_group
 from kvstate.core.errors import (
     ArgumentInvalid,
+    ChannelClosed,
     ChannelError,
     ConfigInvalid,
     DescriptorRejected,
@@ -72,7 +73,7 @@ from kvstate.core.errors import (
 from kvstate.core.args import (need, need_callables, need_choice, need_items, need_mapping_keys, need_seconds,
                                need_text, typed)
 from kvstate.core.identity import Deployment, host_boot_id
-from kvstate.core.reasons import ArgumentReason, TransferReason
+from kvstate.core.reasons import ArgumentReason, ImportReason, TransferReason
 from kvstate.reuse.gates import import_refusal
 from kvstate.reuse.inventory import block_hashes, group_name
 from kvstate.reuse.policy import ReuseSettings
@@ -284,7 +285,7 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         d, t = self.descriptor, self.transport
         link, handle, grant = self.link, self.handle, self.received
         if link is None or handle is None or grant is None:
-            raise ImportFailed(d.rank, KvStateError(f"{self.label} holds no lease to open"))
+            raise ImportFailed(d.rank, KvStateError(f"{self.label} holds no lease to open"), ImportReason.INTERRUPTED)
         timeout = self.group.importer.config.request_timeout_s
         with ExitStack() as undo:
             allocation = t.import_(handle, d.size)
@@ -426,7 +427,7 @@ def _grant_fields(reply: dict[str, Any], rank: int) -> tuple[int, float]:
     lease: Any = reply.get("lease")
     expires: Any = reply.get("expires_in_s")
     if type(lease) is not int or type(expires) not in (int, float) or not 0 <= expires < 1e9:
-        raise ImportFailed(rank, KvStateError(f"malformed lease grant {reply!r:.200}"))
+        raise ImportFailed(rank, KvStateError(f"malformed lease grant {reply!r:.200}"), ImportReason.MALFORMED)
     return lease, float(expires)
 
 
@@ -762,7 +763,7 @@ class Importer(Generic[H, A, R, M, E]):
             if phase == "lease":  # granted: these incarnations are current (a replayed old one is refused)
                 self._note_restarts(validated)
         if group.state != "importing":  # a fault arrived while importing
-            raise ImportFailed(0, KvStateError(f"group {group.state} during import"))
+            raise ImportFailed(0, KvStateError(f"group {group.state} during import"), ImportReason.INTERRUPTED)
         try:
             group.fire("complete")
         except TransitionError as exc:  # refused (or a concurrent fault): never left importing
@@ -907,7 +908,10 @@ class Importer(Generic[H, A, R, M, E]):
         with self._owners_lock:
             first = id(ch) not in self._watched
             if first:  # a link stays watched while it is open, used or not: no watcher wake-up per import
-                self._watcher.watch(ch, self._peer_closed)
+                try:
+                    self._watcher.watch(ch, self._peer_closed)
+                except ChannelClosed as exc:  # this importer closes: not the exporter's doing
+                    raise ImportFailed(part.rank, exc, ImportReason.INTERRUPTED) from exc
                 self._watched.add(id(ch))
             self._owners.setdefault(id(ch), {})[id(part)] = part
 

@@ -42,6 +42,7 @@ import attrs
 from kvstate import channel as chan
 from kvstate.channel.framing import close_quietly
 from kvstate.core.errors import ChannelClosed, ChannelError, ImportFailed, KvStateError, LeaseRefused
+from kvstate.core.reasons import ImportReason
 
 #: How many fds one message may carry on a link: every rank of the largest group.
 LINK_LIMITS = chan.Limits(max_fds=chan.HARD_MAX_FDS)
@@ -154,7 +155,7 @@ def _grant(link: PeerLink, reply: Any, rank: int) -> Grant:
     lease: Any = reply.get("lease") if isinstance(reply, dict) else None
     expires: Any = reply.get("expires_in_s") if isinstance(reply, dict) else None
     if type(lease) is not int or type(expires) not in (int, float) or not 0 <= expires < 1e9:
-        raise ImportFailed(rank, KvStateError(f"malformed lease grant {reply!r:.200}"))
+        raise ImportFailed(rank, KvStateError(f"malformed lease grant {reply!r:.200}"), ImportReason.MALFORMED)
     return Grant(link, rank, lease, float(expires), reply, ())
 
 
@@ -189,7 +190,8 @@ def grants(link: PeerLink, items: Sequence[dict[str, Any]], msg: chan.Message) -
             if not isinstance(answers, list) or len(answers) != len(items) or \
                     any(not isinstance(a, dict) or type(a.get("nfds")) is not int or a["nfds"] < 0 for a in answers) or \
                     sum(a["nfds"] for a in answers) != len(msg.fds):
-                raise ImportFailed(ranks[0], KvStateError(f"malformed batched lease answer {reply!r:.200}"))
+                raise ImportFailed(ranks[0], KvStateError(f"malformed batched lease answer {reply!r:.200}"),
+                                   ImportReason.MALFORMED)
             out = [_grant(link, a, rank) for a, rank in zip(answers, ranks)]
         except ImportFailed:
             for a, rank in zip(answers if isinstance(answers, list) else [], ranks):

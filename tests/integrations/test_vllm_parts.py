@@ -334,7 +334,7 @@ def test_a_failed_loads_reason_is_a_ranks_own_cause_before_a_share_that_merely_e
     ("lease: LeaseRefused: lease refused (stale_incarnation): bank 3 is of incarnation 7", "stale_incarnation"),
     ("lease: ChannelError: no server at /run/kvstate/x.sock", "decode_gone"),
     ("its exporter's connection closed", "decode_gone"),
-    ("ImportFailed: import of rank 1 failed: bad map", None),
+    ("ImportFailed: import of rank 1 failed (native): bad map", None),
 ])
 def test_failure_text_names_its_reason(detail: str, code: str | None) -> None:
     assert failure_code(detail) == code

@@ -16,6 +16,7 @@ import pytest
 from conftest import DEPLOYMENT, GEOMETRY, make_exporter
 from kvstate.core.descriptor import decode, encode
 from kvstate.core.errors import GroupRejected, ImportFailed, RegistrationFailed
+from kvstate.core.reasons import ImportReason
 from kvstate.core.identity import Incarnation
 from kvstate.core.machine import StateChange
 from kvstate.share.exporter import Exporter, ExportConfig
@@ -60,8 +61,9 @@ def test_lease_refused_as_stale_incarnation_fires_incarnation_changed(transport:
     log: list[StateChange] = []
     importer = _importer(transport, log)
     try:
-        with pytest.raises(ImportFailed, match="stale_incarnation"):
+        with pytest.raises(ImportFailed, match="stale_incarnation") as info:
             importer.import_group(old)
+        assert info.value.reason is ImportReason.REFUSED
         assert ("incarnation_changed", "importing", "failed") in _changes(log, "group")
         assert "part_failed" not in [e for e, _, _ in _changes(log, "group")]
     finally:

@@ -26,7 +26,7 @@ from kvstate.core.errors import (GroupRejected, GuardRejected, IllegalTransition
                                  TransitionError)
 from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.core.handles import fd_identity
-from kvstate.core.reasons import RejectReason
+from kvstate.core.reasons import ImportReason, RejectReason
 from kvstate.share.exporter import Exporter
 from kvstate.core.machine import guard
 from kvstate.share.importer import Group, ImportConfig, Importer
@@ -170,8 +170,9 @@ def test_complete_refused_never_leaves_group_importing(transport: HostTransport)
     importer = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON), transport)
     importer.group_class = IncompatibleGroup
     try:
-        with pytest.raises(ImportFailed, match="parts_compatible"):
+        with pytest.raises(ImportFailed, match="parts_compatible") as info:
             importer.import_group([ex.descriptor(0), ex.descriptor(1)])
+        assert info.value.reason is ImportReason.FAILED  # a guard of the table refused
         g = importer.groups[-1]
         assert g.state == "failed" and all(p.state == "closed" and p.mapping is None for p in g.parts)
         assert not any(b.leases for b in ex.banks.values())

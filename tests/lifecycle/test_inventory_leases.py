@@ -8,6 +8,7 @@ import pytest
 
 from conftest import make_exporter
 from kvstate.core.errors import ImportFailed, LeaseRefused, ReuseStale
+from kvstate.core.reasons import ImportReason
 from kvstate.share.exporter import Exporter
 from kvstate.share.importer import BlockRequest, Importer
 from kvstate.reuse.inventory import Inventory
@@ -56,6 +57,7 @@ def test_stale_request_is_refused_whole_and_says_recompute(stale: str, transport
     with pytest.raises(ReuseStale, match="recompute") as info:
         importer.import_group([ex.descriptor(r) for r in range(2)], blocks=request)
     assert isinstance(info.value, ImportFailed) and importer.groups[-1].state == "failed"
+    assert info.value.reason is ImportReason.STALE
     assert not inv.active_leases() and inv.busy("prefix-a", 11) == (0, 0)
     assert all(not b.leases for b in ex.banks.values())
 

@@ -10,13 +10,14 @@ import pytest
 
 from conftest import DEPLOYMENT, GEOMETRY, expected_blocks, make_exporter
 from kvstate.core.descriptor import decode, encode
-from kvstate.core.errors import (ArgumentInvalid, DrainTimeout, GroupRejected, IllegalTransition, ImportFailed,
-                                 RegistrationFailed)
+from kvstate.core.errors import (ArgumentInvalid, DrainTimeout, EffectFailed, FdUnsealed, FrameError, GroupRejected,
+                                 GuardRejected, HandleFdsMismatch, IllegalTransition, ImportFailed, KvStateError,
+                                 LeaseRefused, NativeOSError, PeerDied, RegistrationFailed)
 from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.core.identity import Incarnation
 from kvstate.share.importer import ImportConfig, Importer
 from kvstate.core.machine import StateChange
-from kvstate.core.reasons import ArgumentReason, RejectReason
+from kvstate.core.reasons import ArgumentReason, ImportReason, RejectReason
 from kvstate.share.exporter import ExportConfig, Exporter
 from kvstate.transport.host import HostTransport
 from support.faults import FaultyTransport
@@ -106,6 +107,26 @@ def test_the_importers_own_expectations_reject_before_open(transport: HostTransp
         ex.stop()
 
 
+@pytest.mark.parametrize(("cause", "reason"), [
+    (LeaseRefused("stale_generation", "re-advertised"), ImportReason.REFUSED),
+    (LeaseRefused("stale_inventory", "evicted"), ImportReason.STALE),
+    (PeerDied("exporter gone"), ImportReason.PEER),
+    (FrameError("not JSON"), ImportReason.MALFORMED),
+    (FdUnsealed("receive_handle", -1, "no seals"), ImportReason.HANDLE),
+    (HandleFdsMismatch("two fds"), ImportReason.HANDLE),
+    (NativeOSError("map", -12, "ENOMEM", 12), ImportReason.NATIVE),
+    (EffectFailed("part", "leased", "open", "effect native_import", OSError(5, "EIO")), ImportReason.NATIVE),
+    (EffectFailed("part", "leased", "open", "effect native_import", RuntimeError("bug")), ImportReason.FAILED),
+    (IllegalTransition("group", "failed", "complete"), ImportReason.INTERRUPTED),
+    (GuardRejected("group", "importing", "complete", ["parts_compatible"]), ImportReason.FAILED),
+    (ImportFailed(1, KvStateError("no lease"), ImportReason.INTERRUPTED), ImportReason.INTERRUPTED),
+])
+def test_an_import_failure_names_the_step_that_failed(cause: Exception, reason: ImportReason) -> None:
+    exc = ImportFailed(2, cause)
+    assert exc.reason is reason and exc.cause is cause and exc.rank == 2
+    assert str(exc).startswith(f"import of rank 2 failed ({reason.value}): ") and str(exc).count("import of rank") == 1
+
+
 @pytest.mark.parametrize("failing_rank", [0, 1, 2])
 @pytest.mark.parametrize("step", ["import_", "reserve", "map", "set_access"])
 def test_part_import_failure_rolls_back_every_part(step: str, failing_rank: int, transport: HostTransport) -> None:
@@ -119,6 +140,7 @@ def test_part_import_failure_rolls_back_every_part(step: str, failing_rank: int,
         with pytest.raises(ImportFailed) as info:
             importer.import_group([ex.descriptor(r) for r in range(3)])
         assert info.value.rank in range(3)  # parts open concurrently: any rank may take the fault
+        assert info.value.reason is ImportReason.NATIVE
         after = transport.native.stats()
         assert (after.allocations, after.reservations, after.regions) == \
             (before.allocations, before.reservations, before.regions)
@@ -201,8 +223,9 @@ def test_drain_during_import_fails_group_and_rolls_back(transport: HostTransport
     ex = make_exporter(3, transport)
     importer = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON), transport, observers=[drain_after_rank0])
     try:
-        with pytest.raises(ImportFailed, match="failed during import"):
+        with pytest.raises(ImportFailed, match="failed during import") as info:
             importer.import_group([ex.descriptor(r) for r in range(3)])
+        assert info.value.reason is ImportReason.INTERRUPTED
         group = importer.groups[-1]
         assert group.state == "failed"
         assert [p.state for p in group.parts] == ["closed", "closed", "closed"]

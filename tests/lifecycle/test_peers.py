@@ -10,6 +10,7 @@ import pytest
 from kvstate import channel as chan
 from kvstate.harness import leaks
 from kvstate.core.errors import FrameError, ImportFailed, LeaseRefused
+from kvstate.core.reasons import ImportReason
 from kvstate.share import peers
 from kvstate.share.importer import ImportConfig, Importer, lease_fields
 from kvstate.core.descriptor import decode
@@ -134,8 +135,9 @@ def test_an_importer_closed_during_a_lease_keeps_no_fd_and_no_lease(transport: H
         return receive(*args, **kw)  # type: ignore[arg-type]
     closing.receive_handle = close_first  # type: ignore[method-assign]
     before = memfds()
-    with pytest.raises(ImportFailed, match="watcher is closed"):
+    with pytest.raises(ImportFailed, match="watcher is closed") as info:
         im.import_group([ex.descriptor(r) for r in range(2)])
+    assert info.value.reason is ImportReason.INTERRUPTED  # this importer closed, not the exporter
     assert [p.state for p in im.groups[-1].parts] == ["failed", "failed"]
     assert memfds() == before
     assert wait_until(lambda: all(not b.leases for b in ex.banks.values()))

@@ -20,6 +20,7 @@ from kvstate import channel as chan
 from kvstate.harness import leaks
 from kvstate.core.descriptor import encode
 from kvstate.core.errors import ChannelTimeout, ImportFailed, KvStateError
+from kvstate.core.reasons import ImportReason
 from kvstate.core.handles import HandleKind
 from kvstate.share.importer import ImportConfig, Importer
 from kvstate.transport.host import HostTransport
@@ -134,8 +135,9 @@ def test_a_malformed_grant_in_a_batch_returns_every_lease_and_closes_each_fd_onc
         im = importer(request_timeout_s=2.0)
         before = memfds()
         try:
-            with pytest.raises(ImportFailed, match="malformed lease grant"):
+            with pytest.raises(ImportFailed, match="malformed lease grant") as info:
                 im.import_group([wire(fake, handle, r, 2) for r in range(2)], incarnations=None)
+            assert info.value.reason is ImportReason.MALFORMED
             for fd in victims:
                 os.fstat(fd)  # still open: nobody else's fd was closed
             assert sorted(r["lease"] for r in fake.requests if r["op"] == "release") == [1, 2]

@@ -14,6 +14,7 @@ import pytest
 from kvstate import channel as chan
 from kvstate.core.descriptor import encode
 from kvstate.core.errors import ChannelTimeout, ImportFailed, KvStateError
+from kvstate.core.reasons import ImportReason
 from kvstate.core.handles import HandleKind
 from kvstate.share.importer import ImportConfig, Importer
 from kvstate.transport.host import HostTransport
@@ -66,8 +67,9 @@ def test_malformed_grants_fail_the_group_typed(reply: Any) -> None:
     im = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON, request_timeout_s=1.0), HostTransport(granularity=GRANULARITY))
     try:
         wire = encode(descriptor(socket_path=str(d / "fake.sock"), handle=handle.identity), DEPLOYMENT)
-        with pytest.raises(ImportFailed):
+        with pytest.raises(ImportFailed) as info:
             im.import_group([wire], incarnations=None)
+        assert info.value.reason is ImportReason.MALFORMED and "failed (malformed): import" not in str(info.value)
         assert im.groups[-1].state == "failed"
         assert all(p.mapping is None for p in im.groups[-1].parts)
     finally:

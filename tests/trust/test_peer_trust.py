@@ -37,7 +37,7 @@ from kvstate.share.exporter import Exporter, ExportConfig
 from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.core.identity import Deployment
 from kvstate.share.importer import ImportConfig, Importer
-from kvstate.core.reasons import RejectReason
+from kvstate.core.reasons import ImportReason, RejectReason
 from kvstate.transport.host import HostTransport
 from kvstate.core.validate import socket_path_reason
 
@@ -316,6 +316,7 @@ def test_replayed_old_generation_is_refused_at_lease_time(exporter: Exporter) ->
     with pytest.raises(ImportFailed) as info:
         _import(exporter, old)
     assert isinstance(info.value.__cause__, LeaseRefused) and info.value.__cause__.code == "stale_generation"
+    assert info.value.reason is ImportReason.REFUSED and info.value.cause is info.value.__cause__
     assert exporter.banks[0].leases == {}
 
 
