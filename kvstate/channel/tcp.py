@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 
 SCHEME = "tcp://"
 _NONCE = 32
+#: The most a frame that has begun may take past the receive's own timeout: its first byte
+#: may come at the very end of the wait, and a lost segment is resent after 200 ms or more.
+FRAME_GRACE_S = 1.0
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -47,7 +50,8 @@ def parse_address(address: str) -> tuple[str, int]:
     if not address.startswith(SCHEME):
         raise ChannelError(f"not a tcp address: {address!r:.80}")
     host, sep, port = address[len(SCHEME):].rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    # ASCII digits only: str.isdigit() also takes '²' (which int() refuses) and '٣' (a 3).
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise ChannelError(f"malformed tcp address {address!r:.80}")
     return host.strip("[]"), int(port)
 
@@ -70,11 +74,12 @@ class TcpChannel(Channel):
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            # ENOTCONN when the peer reset before we got here: the caller's to handle.
+            self.address = sock.getpeername()
         except BaseException:
             sock.close()
             raise
         self.peer = PeerCred(-1, -1, -1)  # unknown across nodes: the handshake is the check
-        self.address = sock.getpeername()
 
     def __repr__(self) -> str:
         return f"<TcpChannel peer {self.address}{' closed' if self._closed else ''}>"
@@ -138,15 +143,22 @@ class TcpChannel(Channel):
     def recv(self, timeout: float = DEFAULT_TIMEOUT) -> Message:
         """The next frame. A stream has no packet boundaries: a header is read, checked,
         then exactly the payload it announces. Wait for the first byte up to ``timeout``;
-        a frame that has begun must arrive whole within the same bound."""
+        a frame that has begun must arrive whole by then too, with at most
+        :data:`FRAME_GRACE_S` more (its first byte may come at the very end). A frame cut
+        short (timeout, reset) or with a bad header closes the channel: the stream is out
+        of step, and the rest of a half-read frame must never be read as a new one."""
         self._live()
         deadline = time.monotonic() + check_timeout(timeout)
         self._wait(select.POLLIN, deadline, "recv")
-        magic, length, nfds = HEADER.unpack(self._recv_exact(HEADER.size, deadline + 5.0))
-        if magic != MAGIC or nfds != 0 or length > self.limits.max_payload:
-            self.close()  # the stream is out of step: nothing after this can be trusted
-            raise FrameError(f"bad frame header (magic {magic!r}, {length} bytes, {nfds} fds)")
-        return Message(self._recv_exact(length, deadline + 5.0))
+        whole_by = deadline + FRAME_GRACE_S
+        try:
+            magic, length, nfds = HEADER.unpack(self._recv_exact(HEADER.size, whole_by))
+            if magic != MAGIC or nfds != 0 or length > self.limits.max_payload:
+                raise FrameError(f"bad frame header (magic {magic!r}, {length} bytes, {nfds} fds)")
+            return Message(self._recv_exact(length, whole_by))
+        except BaseException:
+            self.close()
+            raise
 
 
 def _handshake_client(ch: TcpChannel, deployment: Deployment, timeout: float) -> None:
@@ -203,7 +215,10 @@ class TcpServer:
         self.limits = limits
         self.handshake_timeout = handshake_timeout
         self._slots = threading.BoundedSemaphore(max_connections)
-        self._sock = socket.create_server((host, port), reuse_port=False)
+        try:
+            self._sock = socket.create_server((host, port), reuse_port=False)
+        except (OSError, OverflowError, TypeError, ValueError) as exc:  # in use, no such host, bad port
+            raise ChannelError(f"cannot listen on {host!r:.60} port {port!r:.10}: {exc}") from None
         self._sock.setblocking(False)
         bound = self._sock.getsockname()
         self.address = f"{SCHEME}{bound[0]}:{bound[1]}"
@@ -214,7 +229,7 @@ class TcpServer:
         def run_one(ch: TcpChannel) -> None:
             try:
                 _handshake_server(ch, self.deployment, self.handshake_timeout)
-            except ChannelError as exc:
+            except Exception as exc:  # whatever the peer did, its slot comes back
                 log.warning("refused a tcp peer %s: %s", ch.address, exc)
                 ch.close()
                 self._slots.release()
@@ -243,8 +258,20 @@ class TcpServer:
                 if not self._slots.acquire(blocking=False):
                     conn.close()
                     continue
-                ch = TcpChannel(conn, limits=self.limits)
-                threading.Thread(target=run_one, args=(ch,), name=f"{name}-{ch.address[1]}", daemon=True).start()
+                # A peer that reset before the accept (ENOTCONN), or no thread to serve it:
+                # that peer is refused, its slot freed, and this loop goes on accepting.
+                try:
+                    ch = TcpChannel(conn, limits=self.limits)
+                except OSError as exc:
+                    log.info("a tcp peer left before it was served: %s", exc)
+                    self._slots.release()
+                    continue
+                try:
+                    threading.Thread(target=run_one, args=(ch,), name=f"{name}-{ch.address[1]}", daemon=True).start()
+                except RuntimeError as exc:
+                    log.warning("cannot serve tcp peer %s: %s", ch.address, exc)
+                    ch.close()
+                    self._slots.release()
 
         self._thread = threading.Thread(target=loop, name=name, daemon=True)
         self._thread.start()

@@ -83,7 +83,7 @@ from kvstate.core.args import need, need_callables, need_choice, need_int, need_
 from kvstate.core.errors import ArgumentInvalid
 from kvstate.core.reasons import ArgumentReason, TransferReason
 from kvstate.core.geometry import Geometry
-from kvstate.core.handles import UNCOUNTED_KINDS, HandleKind
+from kvstate.core.handles import FD_KINDS, UNCOUNTED_KINDS, HandleKind
 from kvstate.core.identity import Deployment, FabricDomain, FabricKind, Incarnation, host_boot_id
 from kvstate.reuse.inventory import Inventory, LeaseGrant, Stale
 from kvstate.core.machine import Lifecycle, Observer, effect, guard
@@ -127,6 +127,30 @@ def _socket_dir(_: object, attribute: attrs.Attribute[Path], value: object) -> N
         raise ConfigInvalid("ExportConfig.socket_dir", str(exc)) from None
 
 
+#: Hosts that bind every interface: a descriptor that named one would send importers on
+#: other nodes to their own host.
+_WILDCARDS = frozenset({"", "0.0.0.0", "::", "[::]"})
+
+
+def _tcp_listen(config: Any, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is None:
+        return
+    where = "ExportConfig.tcp_listen"
+    if not isinstance(value, tuple) or len(value) != 2:
+        raise ConfigInvalid(where, f"must be a (host, port) tuple, not {value!r:.60}")
+    host, port = value
+    if not isinstance(host, str) or not host.isascii() or not host.isprintable() or len(host) > 253:
+        raise ConfigInvalid(where, f"host must be a printable ASCII name or address, not {host!r:.60}")
+    if host in _WILDCARDS:
+        raise ConfigInvalid(where, f"host {host!r} binds every interface, and descriptors name it: "
+                            "give the address other nodes reach this one at")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ConfigInvalid(where, f"port must be an int in 0..65535 (0: any free one), not {port!r:.40}")
+    if config.handle_kind in FD_KINDS:  # fds travel over AF_UNIX only: such a lease could never be answered
+        raise ConfigInvalid(where, f"{config.handle_kind.value} handles are file descriptors and cannot cross "
+                            "nodes: serve them on the unix socket (no tcp_listen), or export NIXL handles")
+
+
 @attrs.frozen
 class ExportConfig:
     deployment: Deployment = attrs.field(validator=typed(Deployment))
@@ -140,7 +164,9 @@ class ExportConfig:
     request_timeout_s: float = attrs.field(default=5.0, validator=_seconds)
     handle_kind: HandleKind = attrs.field(default=HandleKind.MEMFD,  # what the banks are exported as
                                           validator=typed(HandleKind))
-    tcp_listen: tuple[str, int] | None = None   # also serve leases over TCP: banks read from other nodes (NIXL)
+    #: Also serve leases over TCP, for banks read from other nodes (NIXL): (host, port), the
+    #: address every descriptor names; port 0 takes a free one.
+    tcp_listen: tuple[str, int] | None = attrs.field(default=None, validator=_tcp_listen)
 
 
 @attrs.define(eq=False)
@@ -516,7 +542,8 @@ class Exporter(Generic[H, A, R, M, E]):
         self.socket_path = Path(config.socket_dir) / f"{name}.sock"
         # Across nodes leases travel over TCP (kvstate.channel.tcp); descriptors name the
         # address importers lease from, so it is bound before any bank is advertised.
-        self._tcp = TcpServer(*config.tcp_listen, config.deployment) if config.tcp_listen else None
+        self._tcp = TcpServer(*config.tcp_listen, config.deployment, max_connections=config.max_connections,
+                              handshake_timeout=config.request_timeout_s) if config.tcp_listen else None
         self.lease_address = self._tcp.address if self._tcp is not None else str(self.socket_path)
         self.banks: dict[int, Bank[H, A, R, M, E]] = {}
         self._observers = tuple(observers)

@@ -3,16 +3,26 @@ deployment handshake, and the end of a connection seen as the end of its peer.""
 
 from __future__ import annotations
 
+import os
+import shutil
+import socket
+import struct
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from kvstate import channel as chan
-from kvstate.channel.tcp import TcpServer, connect_tcp, parse_address
-from kvstate.core.errors import ChannelClosed, ChannelError, FrameError, PeerUnauthenticated
+from kvstate.channel.framing import HEADER, MAGIC
+from kvstate.channel.tcp import FRAME_GRACE_S, TcpServer, connect_tcp, parse_address
+from kvstate.core.errors import ChannelClosed, ChannelError, ConfigInvalid, FrameError, PeerUnauthenticated
+from kvstate.core.handles import HandleKind
 from kvstate.core.identity import Deployment
+from kvstate.share.exporter import ExportConfig, Exporter
+from kvstate.transport.host import HostTransport
 
 KEY = Deployment("tcp-tests", bytes(range(32)))
 OTHER = Deployment("tcp-tests", bytes(range(1, 33)))
@@ -119,8 +129,155 @@ def test_eof_mid_conversation_is_channel_closed() -> None:
 
 
 @pytest.mark.parametrize("address", ["unix:///tmp/x", "tcp://", "tcp://host", "tcp://host:0", "tcp://host:99999",
-                                     "tcp://:80", "tcp://host:8o"])
+                                     "tcp://:80", "tcp://host:8o", "tcp://host:\u00b2", "tcp://host:\u0663"])
 def test_malformed_addresses_are_refused(address: str) -> None:
     with pytest.raises(ChannelError):
         parse_address(address)
     assert parse_address("tcp://127.0.0.1:4000") == ("127.0.0.1", 4000)
+
+
+# -- hostile and unlucky peers (an adversarial review, stop 25) ----------------------------
+
+
+def test_a_peer_that_resets_before_the_accept_leaves_the_server_accepting() -> None:
+    """No key needed: a connect then a reset (SO_LINGER 0) before the accept made
+    getpeername() fail in the accept loop, which died; the server never accepted again."""
+    server = TcpServer("127.0.0.1", 0, KEY, handshake_timeout=1.0, max_connections=4)
+    server.serve_in_thread(lambda ch: ch.close())
+    host, port = parse_address(server.address)
+    try:
+        for _ in range(100):
+            s = socket.create_connection((host, port))
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.close()
+        time.sleep(0.3)
+        assert server._thread is not None and server._thread.is_alive(), "the accept loop died"
+        for _ in range(5):  # more than max_connections: every refused peer's slot came back
+            connect_tcp(server.address, KEY, timeout=2.0).close()
+    finally:
+        server.close()
+
+
+def _serve_one(handler: object) -> tuple[socket.socket, threading.Thread]:
+    listener = socket.create_server(("127.0.0.1", 0))
+    t = threading.Thread(target=handler, args=(listener,), daemon=True)
+    t.start()
+    return listener, t
+
+
+def test_a_dripping_server_cannot_stretch_the_callers_timeout() -> None:
+    """A frame that has begun gets FRAME_GRACE_S past the caller's timeout, not 5 s."""
+    stop = threading.Event()
+
+    def drip(listener: socket.socket) -> None:
+        c, _ = listener.accept()
+        with c:
+            for b in HEADER.pack(MAGIC, 32, 0) + os.urandom(32):  # a challenge, a byte at a time
+                if stop.wait(0.3):
+                    return
+                c.send(bytes([b]))
+
+    listener, t = _serve_one(drip)
+    started = time.monotonic()
+    try:
+        with pytest.raises(ChannelError):
+            connect_tcp(f"tcp://127.0.0.1:{listener.getsockname()[1]}", KEY, timeout=1.0)
+        assert time.monotonic() - started < 1.0 + FRAME_GRACE_S + 0.5
+    finally:
+        stop.set()
+        t.join(5)
+        listener.close()
+
+
+def test_a_frame_cut_short_by_a_timeout_closes_the_channel() -> None:
+    """The rest of a half-read frame must never be read as a frame of its own: a receive
+    that times out mid-frame closes the channel, as a bad header does."""
+    got: list[object] = []
+    done = threading.Event()
+
+    def handler(ch: chan.Channel) -> None:
+        try:
+            for _ in range(3):
+                try:
+                    with ch.recv(timeout=0.2) as msg:
+                        got.append(msg.payload)
+                except ChannelError as exc:
+                    got.append(type(exc).__name__)
+                    if ch.closed:
+                        return
+        finally:
+            ch.close()
+            done.set()
+
+    server = TcpServer("127.0.0.1", 0, KEY)
+    server.serve_in_thread(handler)
+    ch = connect_tcp(server.address, KEY, timeout=2.0)
+    try:
+        inner = HEADER.pack(MAGIC, 8, 0) + b"smuggled"
+        ch._sock.sendall(HEADER.pack(MAGIC, 4 + len(inner), 0) + b"PAD!")  # a frame begun ...
+        time.sleep(0.2 + FRAME_GRACE_S + 0.5)  # ... past the server's bound
+        try:
+            ch._sock.sendall(inner)  # its rest: itself a well-formed frame
+        except OSError:
+            pass  # the server closed already
+        assert done.wait(5.0)
+        assert got == ["ChannelTimeout"], got  # not the whole frame late, nor its tail as a frame
+    finally:
+        ch.close()
+        server.close()
+
+
+@pytest.fixture
+def socket_dir() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="kvs-tcp-"))
+    d.chmod(0o700)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _config(d: Path, listen: object, **kw: object) -> ExportConfig:
+    return ExportConfig(KEY, d, os.urandom(16), 1, tcp_listen=listen, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("listen", "kind", "problem"), [
+    (("127.0.0.1", 99999), HandleKind.NIXL, "port must be"),
+    (("127.0.0.1", "0"), HandleKind.NIXL, "port must be"),
+    (("127.0.0.1", True), HandleKind.NIXL, "port must be"),
+    (("127.0.0.1",), HandleKind.NIXL, "tuple"),
+    (["127.0.0.1", 0], HandleKind.NIXL, "tuple"),
+    ((b"127.0.0.1", 0), HandleKind.NIXL, "host must be"),
+    (("h\u00f6st", 0), HandleKind.NIXL, "host must be"),
+    (("0.0.0.0", 0), HandleKind.NIXL, "binds every interface"),
+    (("::", 0), HandleKind.NIXL, "binds every interface"),
+    (("127.0.0.1", 0), HandleKind.MEMFD, "cannot cross nodes"),     # fds travel over AF_UNIX only
+    (("127.0.0.1", 0), HandleKind.POSIX_FD, "cannot cross nodes"),
+])
+def test_tcp_listen_is_checked_where_it_is_made(socket_dir: Path, listen: object, kind: HandleKind,
+                                                problem: str) -> None:
+    with pytest.raises(ConfigInvalid, match=problem):
+        _config(socket_dir, listen, handle_kind=kind)
+
+
+def test_a_tcp_port_in_use_is_a_typed_error(socket_dir: Path) -> None:
+    busy = socket.create_server(("127.0.0.1", 0))
+    try:
+        config = _config(socket_dir, ("127.0.0.1", busy.getsockname()[1]), handle_kind=HandleKind.NIXL)
+        with pytest.raises(ChannelError, match="cannot listen"):
+            Exporter(config, HostTransport(granularity=64 * 1024), name="busy")
+    finally:
+        busy.close()
+
+
+def test_the_exporters_connection_limit_holds_over_tcp_too(socket_dir: Path) -> None:
+    config = _config(socket_dir, ("127.0.0.1", 0), handle_kind=HandleKind.NIXL, max_connections=2)
+    ex = Exporter(config, HostTransport(granularity=64 * 1024), name="limited")
+    ex.start()
+    chans: list[chan.Channel] = []
+    try:
+        chans += [connect_tcp(ex.lease_address, KEY, timeout=2.0) for _ in range(2)]
+        with pytest.raises(ChannelError):  # refused: closed before the handshake
+            chans.append(connect_tcp(ex.lease_address, KEY, timeout=2.0))
+    finally:
+        for c in chans:
+            c.close()
+        ex.stop()
