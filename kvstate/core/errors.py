@@ -686,7 +686,7 @@ def import_reason(cause: BaseException) -> ImportReason:
         return cause.reason
     if isinstance(cause, LeaseRefused):
         return ImportReason.STALE if cause.code == "stale_inventory" else ImportReason.REFUSED
-    if isinstance(cause, (HandleRefused, ImportRefused, NixlHandleRejected)):
+    if isinstance(cause, (HandleRefused, ImportRefused, NixlHandleRejected, LegacyIpcRefused)):
         return ImportReason.HANDLE
     if isinstance(cause, (FrameError, ProtocolError)):
         return ImportReason.MALFORMED

@@ -54,7 +54,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Generic, Literal
 
@@ -348,32 +347,42 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
 
     @effect("native_register")
     def _register(self, **kw: Any) -> Callable[[], None]:
+        """Reserve, map, set access, export. Each object is recorded on the bank as it is
+        made, so that when undoing a failed step fails too (the driver refuses an unmap),
+        what is left stays known: a later register or release undoes it. The failure
+        reported is always the step's own, as RegistrationFailed."""
         t = self.transport
-        with ExitStack() as undo:
+        step = "undo an earlier failed registration"
+        try:
+            self._unregister()  # nothing to do unless an earlier attempt left objects behind
             step = "reserve"
+            self.reservation = t.reserve(self.size)
+            step = "map"
+            self.mapping = t.map(self.reservation, 0, self.allocation)
+            step = "set_access"
+            t.set_access(self.mapping, Access.READ_WRITE)
+            step = "export"
+            handle = t.export(self.allocation, self.exporter.config.handle_kind)
+        except Exception as exc:  # typed or not, every step so far is undone, as far as it can be
             try:
-                reservation = t.reserve(self.size)
-                undo.callback(t.free, reservation)
-                step = "map"
-                mapping = t.map(reservation, 0, self.allocation)
-                undo.callback(t.unmap, mapping)
-                step = "set_access"
-                t.set_access(mapping, Access.READ_WRITE)
-                step = "export"
-                handle = t.export(self.allocation, self.exporter.config.handle_kind)
-            except Exception as exc:  # typed or not, every step so far is undone by the stack
-                raise RegistrationFailed(step, exc) from exc
-            undo.pop_all()
-        self.reservation, self.mapping, self.handle, self.owner = reservation, mapping, handle, "kvstate"
+                self._unregister()
+            except Exception as undo_failed:
+                log.warning("%s: undoing a failed registration failed too (%s); the bank keeps what is "
+                            "left, for a later register or release", self.label, undo_failed)
+            raise RegistrationFailed(step, exc) from exc
+        self.handle, self.owner = handle, "kvstate"
         return self._unregister
 
     def _unregister(self) -> None:
-        """Undo registration: unmap, free the reservation; the engine owns the memory again."""
+        """Undo registration: unmap, free the reservation; the engine owns the memory again.
+        Each object is forgotten only once it is gone, so a failure here can be retried."""
         if self.mapping is not None:
             self.transport.unmap(self.mapping)
+            self.mapping = None
         if self.reservation is not None:
             self.transport.free(self.reservation)
-        self.reservation = self.mapping = self.handle = None
+            self.reservation = None
+        self.handle = None
         self.owner = "engine"
 
     @effect("publish_descriptor")
@@ -504,11 +513,7 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
                                    "still alive; drop them (the engine's KV cache) before releasing the bank")
         # The transport calls straight into C: row -> this effect -> transport -> C.
         t = self.transport
-        if self.mapping is not None:
-            t.unmap(self.mapping)
-        if self.reservation is not None:
-            t.free(self.reservation)
-        self.reservation = self.mapping = self.handle = None
+        self._unregister()  # step by step: a failed step leaves the rest for a retry
         t.release(self.allocation)
         self.owner = "released"
 

@@ -287,22 +287,27 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         if link is None or handle is None or grant is None:
             raise ImportFailed(d.rank, KvStateError(f"{self.label} holds no lease to open"), ImportReason.INTERRUPTED)
         timeout = self.group.importer.config.request_timeout_s
-        with ExitStack() as undo:
-            allocation = t.import_(handle, d.size)
-            undo.callback(t.release, allocation)
-            reservation = t.reserve(d.size)
-            undo.callback(t.free, reservation)
-            mapping = t.map(reservation, 0, allocation)
-            undo.callback(t.unmap, mapping)
-            t.set_access(mapping, Access.READ)
+        # Each object is recorded on the part as it is made: when undoing a failed step
+        # fails too (the driver refuses an unmap), what is left stays known and counted
+        # (pins, stats) instead of lost, and the step's own failure is the one raised.
+        try:
+            self.allocation = t.import_(handle, d.size)
+            self.reservation = t.reserve(d.size)
+            self.mapping = t.map(self.reservation, 0, self.allocation)
+            t.set_access(self.mapping, Access.READ)
             # A notification (no answer awaited): the bank moves from importing to ready.
             # A group's opens report every rank of a link in one message instead.
             if grant.report_mapped:
                 link.notify(peers.mapped_payload([(d.rank, grant.lease_id)]), timeout)
-            undo.pop_all()
+        except BaseException:
+            try:
+                self._unmap()
+            except Exception as undo_failed:
+                log.warning("%s: undoing a failed open failed too (%s); the part keeps what is left",
+                            self.label, undo_failed)
+            raise
         grant.close_fds()  # the transport holds its own duplicate of the fd now
         self.received = self.handle = None
-        self.allocation, self.reservation, self.mapping = allocation, reservation, mapping
 
     def renew(self) -> float:
         """Renew this part's lease: the importer's expiry thread calls this for every part
@@ -338,6 +343,10 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
 
     @effect("return_lease")
     def _return(self, **kw: Any) -> None:
+        try:
+            self._unmap()  # what a failed open could not undo (as a rule, there is nothing)
+        except Exception as exc:
+            log.warning("%s: still cannot undo a failed open (%s); the part keeps what is left", self.label, exc)
         self._return_lease()
 
     @effect("unmap_close")
@@ -348,6 +357,7 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         self._return_lease()
 
     def _unmap(self) -> None:
+        """Unmap, free, release: each object forgotten only once it is gone (retryable)."""
         t = self.transport
         if self.mapping is not None:
             t.unmap(self.mapping)

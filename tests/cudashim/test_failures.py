@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from cudashim.conftest import UUID
+from cudashim.conftest import UUID, mapped, unmapped
 from cudashim.shim import Shim, use
 from kvstate.core import errors
 from kvstate.core.capabilities import Access
@@ -253,6 +253,170 @@ def test_registration_failure_in_the_driver_preserves_owners(kind: HandleKind, c
     ex.drain(5.0)
     assert bank.state == "released"
     t.close()
+
+
+# -- a failing undo (an adversarial review, stop 25): nothing is lost, the cause is named -----
+
+
+def _cuda_exporter(t: CudaTransport, tmp_path: Path, *, kind: HandleKind = HandleKind.POSIX_FD,
+                   register: bool = True, start: bool = False) -> Any:
+    from kvstate.core.geometry import DType, Geometry, Layout
+    from kvstate.core.identity import Deployment
+    from kvstate.share.exporter import ExportConfig, Exporter
+
+    geometry = Geometry.uniform(layers=2, kv_heads=2, head_dim=16, block_tokens=8, dtype=DType.BF16,
+                                layout=Layout.LAYER_MAJOR, num_blocks=8)
+    ex = Exporter(ExportConfig(Deployment("t", bytes(32)), tmp_path / "s", bytes(16), 1, handle_kind=kind), t)
+    bank = ex.add_bank(0, geometry)
+    if register:
+        bank.register()
+        bank.advertise()
+    if start:
+        ex.start()
+    return ex
+
+
+def _counts() -> tuple[int, int, int, int]:
+    s = default().stats()
+    return s.allocations, s.reservations, s.regions, s.pins
+
+
+def test_a_bank_release_that_failed_part_way_can_be_retried(shim: Shim, tmp_path: Path) -> None:
+    """The release forgot the mapping only after the reservation was freed too: a failed
+    cuMemAddressFree left the bank naming a region already unmapped, and every retry failed
+    on it (UnknownNativeObject) with the reservation and allocation never released."""
+    t = CudaTransport(UUID)
+    before, live = _counts(), shim.live()
+    ex = _cuda_exporter(t, tmp_path)
+    shim.fail("cuMemAddressFree", 1, OOM)
+    with pytest.raises(KvStateError):
+        ex.drain(2.0)
+    ex.drain(2.0)  # the caller retries, as after any transient driver failure
+    assert ex.banks[0].state == "released" and _counts() == before and shim.live() == live
+    t.close()
+
+
+def test_a_registration_whose_undo_fails_too_names_its_step_and_loses_nothing(shim: Shim, tmp_path: Path) -> None:
+    """set_access fails, then the undo's unmap: the failure reported is the registration's
+    (RegistrationFailed at set_access, not the undo's StillMapped), the bank keeps what is
+    left, and a release of the bank (or a second register) gets it back."""
+    t = CudaTransport(UUID)
+    before, live = _counts(), shim.live()
+    ex = _cuda_exporter(t, tmp_path, register=False)
+    bank = ex.banks[0]
+    shim.fail("cuMemSetAccess", 1, OOM)
+    shim.fail("cuMemUnmap", 1, OOM)
+    with pytest.raises(RegistrationFailed) as info:
+        bank.register()
+    assert info.value.step == "set_access" and isinstance(info.value.__cause__, CudaError)
+    assert (bank.state, bank.owner) == ("allocated", "engine") and bank.mapping is not None  # kept, not lost
+    bank.register()  # undoes what was left first
+    assert bank.state == "registered"
+    ex.drain(5.0)
+    assert bank.state == "released" and _counts() == before and shim.live() == live
+    t.close()
+
+
+def test_an_open_whose_undo_fails_too_names_its_cause_and_loses_nothing(shim: Shim, tmp_path: Path) -> None:
+    """The importer's open: set_access fails, then the undo's unmap. The group fails with
+    the set_access failure (not the undo's), and the part's objects, kept on it, are
+    undone again when its lease is returned: nothing is left in the engine or the driver."""
+    from kvstate.core.reasons import ImportReason
+    from kvstate.harness.gpucheck import gpu_admission
+    from kvstate.reuse.policy import ReuseSettings
+    from kvstate.share.importer import ImportConfig, Importer
+
+    te, ti = CudaTransport(UUID), CudaTransport(UUID)
+    ex = _cuda_exporter(te, tmp_path, start=True)
+    reuse = ReuseSettings(enable_decode_to_prefill_reuse=True, enable_decode_to_prefill_gpu_reuse=True)
+    im = Importer(ImportConfig(ex.config.deployment, reuse=reuse, admission=gpu_admission(ti, UUID)), ti)
+    before = _counts()
+    shim.fail("cuMemSetAccess", 1, OOM)
+    shim.fail("cuMemUnmap", 1, OOM)
+    try:
+        with pytest.raises(errors.ImportFailed) as info:
+            im.import_group([ex.descriptor(0)])
+        assert "cuMemSetAccess" in str(info.value) and info.value.reason is ImportReason.NATIVE
+        assert _counts() == before
+    finally:
+        im.close()
+        ex.stop()
+        ex.drain(5.0)
+        ti.close()
+        te.close()
+
+
+def test_a_refused_legacy_handle_of_this_process_is_a_handle_failure(shim: Shim, tmp_path: Path) -> None:
+    from kvstate.core.reasons import ImportReason
+    from kvstate.harness.gpucheck import gpu_admission
+    from kvstate.reuse.policy import ReuseSettings
+    from kvstate.share.importer import ImportConfig, Importer
+
+    te = CudaTransport(UUID, kind=HandleKind.CUDA_IPC, legacy_ipc=True)
+    ti = CudaTransport(UUID, kind=HandleKind.CUDA_IPC, legacy_ipc=True)
+    ex = _cuda_exporter(te, tmp_path, kind=HandleKind.CUDA_IPC, start=True)
+    reuse = ReuseSettings(enable_decode_to_prefill_reuse=True, enable_decode_to_prefill_gpu_reuse=True)
+    im = Importer(ImportConfig(ex.config.deployment, reuse=reuse, admission=gpu_admission(ti, UUID)), ti)
+    try:
+        with pytest.raises(errors.ImportFailed) as info:
+            im.import_group([ex.descriptor(0)])
+        assert info.value.reason is ImportReason.HANDLE and shim.calls("cuIpcOpenMemHandle") == 0
+    finally:
+        im.close()
+        ex.stop()
+        ex.drain(5.0)
+        ti.close()
+        te.close()
+
+
+def _bad_calls(t: CudaTransport, legacy: CudaTransport) -> dict[str, Callable[[], object]]:
+    from kvstate.transport.cuda.objects import CudaAllocation, CudaHandle, DeviceBuffer
+
+    g = t.granularity()
+    return {
+        "create(size beyond any device)": lambda: t.create(g * 2 ** 50),
+        "alloc_buffer(-1)": lambda: t.alloc_buffer(-1),
+        "receive_handle(kind as str)": lambda: t.receive_handle("posix_fd", bytes(16), [0]),  # type: ignore[arg-type]
+        "receive_handle(fds=None)": lambda: t.receive_handle(HandleKind.POSIX_FD, bytes(16), None),  # type: ignore[arg-type]
+        "receive_handle(str bytes)": lambda: legacy.receive_handle(HandleKind.CUDA_IPC, "a" * 64, []),  # type: ignore[arg-type]
+        "import_(str identity)": lambda: legacy.import_(CudaHandle(HandleKind.CUDA_IPC, "a" * 64), g),  # type: ignore[arg-type]
+        "import_(None)": lambda: t.import_(None, g),  # type: ignore[arg-type]
+        "release(negative id)": lambda: t.release(CudaAllocation(-1, g, HandleKind.POSIX_FD, False)),
+        "release(None)": lambda: t.release(None),  # type: ignore[arg-type]
+        "free_buffer(huge ptr)": lambda: t.free_buffer(DeviceBuffer(1 << 70, 8)),
+        "CudaTransport(int uuid)": lambda: CudaTransport(1234),  # type: ignore[arg-type]
+        "CudaTransport(kind as str)": lambda: CudaTransport(UUID, kind="posix_fd"),  # type: ignore[arg-type]
+    }
+
+
+@pytest.mark.parametrize("call", ["create(size beyond any device)", "alloc_buffer(-1)", "receive_handle(kind as str)",
+                                  "receive_handle(fds=None)", "receive_handle(str bytes)", "import_(str identity)",
+                                  "import_(None)", "release(negative id)", "release(None)", "free_buffer(huge ptr)",
+                                  "CudaTransport(int uuid)", "CudaTransport(kind as str)"])
+def test_a_bad_argument_to_the_cuda_transport_is_a_typed_refusal(call: str, shim: Shim) -> None:
+    """Only KvStateError leaves the public API: these raised TypeError, AttributeError or
+    OverflowError from cffi before the transport checked its arguments as the host one does."""
+    t = CudaTransport(UUID)
+    legacy = CudaTransport(UUID, kind=HandleKind.CUDA_IPC, legacy_ipc=True)
+    before = _counts()
+    try:
+        with pytest.raises(errors.ArgumentInvalid):
+            _bad_calls(t, legacy)[call]()
+        assert _counts() == before
+    finally:
+        legacy.close()
+        t.close()
+
+
+def test_set_access_takes_an_access_level(shim: Shim) -> None:
+    t = CudaTransport(UUID)
+    m = mapped(t)
+    try:
+        with pytest.raises(errors.ArgumentInvalid):
+            t.set_access(m, "read")  # type: ignore[arg-type]
+    finally:
+        unmapped(t, m)
+        t.close()
 
 
 # -- in subprocesses: the driver loaded (or configured) differently ---------------------------

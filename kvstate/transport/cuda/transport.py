@@ -46,6 +46,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvstate.core import errors
+from kvstate.core.args import need, need_bytes, need_int, need_items
 from kvstate.core.capabilities import Access, Capabilities, FabricTrial, MemoryKind, Scope
 from kvstate.core.errors import (
     FabricUnavailable,
@@ -62,6 +63,20 @@ from kvstate.transport.cuda.objects import CudaAllocation, CudaHandle, CudaMappi
 from kvstate.transport.host import fd_identity_of
 from kvstate.transport.native import Native, Op, RawBuffer
 from kvstate.transport.protocol import Block, RegionStats
+
+#: Ids, addresses and sizes cross the C boundary as uint64_t.
+_U64 = (1 << 64) - 1
+#: The largest size one call takes (as the host backend's).
+_MAX_SIZE = 1 << 48
+
+
+def _object(name: str, value: object, kind: type, *ids: str) -> None:
+    """``value`` is a ``kind`` whose ``ids`` fields fit the C boundary (a public method's
+    argument is checked before anything is called: a typed refusal, never a TypeError)."""
+    need(name, value, kind)
+    for field in ids:
+        need_int(f"{name}.{field}", getattr(value, field), 0, _U64)
+
 
 if TYPE_CHECKING:
     from typing import Union
@@ -88,6 +103,10 @@ class CudaTransport:
 
     def __init__(self, device: bytes | str, *, kind: HandleKind = HandleKind.POSIX_FD, fabric: bool = False,
                  legacy_ipc: bool = False, native: Native | None = None) -> None:
+        need("device", device, (bytes, str))
+        need("kind", kind, HandleKind)
+        need("fabric", fabric, bool)
+        need("legacy_ipc", legacy_ipc, bool)
         want = rules.parse_uuid(device)
         if kind not in rules.CUDA_KINDS:
             raise HandleRefused(f"the cuda backend does not export {kind.value} handles")
@@ -201,7 +220,8 @@ class CudaTransport:
         return self._uuid
 
     def _sized(self, what: str, size: int) -> None:
-        if type(size) is not int or size <= 0 or size % self._granularity:
+        need_int("size", size, 1, _MAX_SIZE)
+        if size % self._granularity:
             raise errors.NativeInvalidArgument(what, -1, f"size {size!r} is not a positive multiple of the "
                                                f"granularity {self._granularity}")
 
@@ -213,6 +233,8 @@ class CudaTransport:
         return CudaAllocation(out[0], size, self._kind, imported=False)
 
     def export(self, allocation: CudaAllocation, kind: HandleKind) -> CudaHandle:
+        _object("allocation", allocation, CudaAllocation, "id")
+        need("kind", kind, HandleKind)
         if allocation.imported:
             raise HandleRefused(f"allocation {allocation.id} is imported; only own allocations are exported")
         if kind is not allocation.kind:
@@ -229,6 +251,9 @@ class CudaTransport:
 
     def receive_handle(self, kind: HandleKind, data: bytes, fds: Sequence[int]) -> CudaHandle:
         """The handle a descriptor and its received fds describe, checked before any open."""
+        need("kind", kind, HandleKind)
+        data = need_bytes("data", data, CUDA_HANDLE_BYTES)
+        fds = need_items("fds", fds, int, 16)
         rules.check_received(kind, data, len(fds))
         if kind is not self._kind:
             raise HandleRefused(f"this cuda transport imports {self._kind.value} handles, not {kind.value}")
@@ -249,6 +274,10 @@ class CudaTransport:
     def import_(self, handle: CudaHandle, size: int) -> CudaAllocation:
         """Open a received handle. The caller keeps (and closes) a received fd: the driver
         holds its own reference once the import returns."""
+        _object("handle", handle, CudaHandle)
+        need_bytes("handle.identity", handle.identity, CUDA_HANDLE_BYTES)
+        if handle.fd is not None:
+            need_int("handle.fd", handle.fd, 0, (1 << 31) - 1)
         self._sized("import", size)
         rules.check_received(handle.kind, handle.identity, 0 if handle.fd is None else 1)
         if handle.kind is not self._kind:
@@ -271,10 +300,13 @@ class CudaTransport:
 
     def free(self, reservation: CudaReservation) -> None:
         """Return a reservation's address space (cuMemAddressFree); refused while mapped."""
+        _object("reservation", reservation, CudaReservation, "id")
         self._call(self._lib.kvs_cuda_free_reservation(reservation.id), "kvs_cuda_free_reservation",
                    f"reservation {reservation.id}")
 
     def map(self, reservation: CudaReservation, offset: int, allocation: CudaAllocation) -> CudaMapping:
+        _object("reservation", reservation, CudaReservation, "id")
+        _object("allocation", allocation, CudaAllocation, "id", "size")
         if type(offset) is not int or offset < 0 or offset % self._granularity:
             raise errors.NativeInvalidArgument("map", -1, f"offset {offset!r} is not a multiple of the "
                                                f"granularity {self._granularity}")
@@ -288,28 +320,35 @@ class CudaTransport:
     def set_access(self, mapping: CudaMapping, access: Access) -> None:
         """Grant this device ``access``. CUDA cannot revoke access (unmap instead); legacy IPC
         memory is read-write at the driver level, its level recorded for the op guard."""
+        _object("mapping", mapping, CudaMapping, "region")
+        need("access", access, Access)
         self._call(self._lib.kvs_cuda_set_access(mapping.region, self._access[access]), "kvs_cuda_set_access",
                    f"region {mapping.region}, access {access.value}")
 
     def unmap(self, mapping: CudaMapping) -> None:
+        _object("mapping", mapping, CudaMapping, "region")
         self._call(self._lib.kvs_cuda_unmap(mapping.region), "kvs_cuda_unmap", f"region {mapping.region}")
 
     def release(self, allocation: CudaAllocation) -> None:
+        _object("allocation", allocation, CudaAllocation, "id")
         self._call(self._lib.kvs_cuda_release(allocation.id), "kvs_cuda_release", f"allocation {allocation.id}")
 
     # -- pins and observation (the shared table: same calls as the host backend) --------
 
     def pin(self, mapping: CudaMapping) -> None:
         """An explicit pin (a lease's): unmap and release refuse until :meth:`unpin`."""
+        _object("mapping", mapping, CudaMapping, "region")
         self._call(self._lib.kvs_region_pin(mapping.region), "kvs_region_pin", f"region {mapping.region}")
 
     def unpin(self, mapping: CudaMapping) -> None:
+        _object("mapping", mapping, CudaMapping, "region")
         self._call(self._lib.kvs_region_unpin(mapping.region), "kvs_region_unpin",
                    f"region {mapping.region} (explicit pins only)")
 
     def stats(self, mapping: CudaMapping) -> RegionStats:
         """Pins, ops in flight, completed and failed ops and bytes of one mapping, as the C
         layer counts them (an op's pins drop when the device reported its event)."""
+        _object("mapping", mapping, CudaMapping, "region")
         return self._native.region_stats(mapping.region)
 
     # -- ops -------------------------------------------------------------------------------
@@ -343,12 +382,14 @@ class CudaTransport:
     # -- device buffers and synchronous copies (engines without an allocator, checks) -----
 
     def alloc_buffer(self, nbytes: int) -> DeviceBuffer:
+        need_int("nbytes", nbytes, 1, _MAX_SIZE)
         out = self._ffi.new("uint64_t *")
         self._call(self._lib.kvs_cuda_buffer_alloc(self._device, nbytes, out), "kvs_cuda_buffer_alloc",
                    f"{nbytes} bytes")
         return DeviceBuffer(out[0], nbytes)
 
     def free_buffer(self, buf: DeviceBuffer) -> None:
+        _object("buf", buf, DeviceBuffer, "ptr")
         self._call(self._lib.kvs_cuda_buffer_free(self._device, buf.ptr), "kvs_cuda_buffer_free",
                    f"buffer at {buf.ptr:#x}")
 
