@@ -196,6 +196,7 @@ typedef kcu_result (*kcu_pfn_cuGetProcAddress)(const char *symbol, void **pfn, i
     X(cuIpcOpenMemHandle, 12000, 1,                                                               \
       (kcu_deviceptr *dptr, kcu_ipc_mem_handle handle, unsigned int flags))                       \
     X(cuIpcCloseMemHandle, 12000, 1, (kcu_deviceptr dptr))                                        \
+    X(cuMemGetAddressRange, 12000, 1, (kcu_deviceptr *base, size_t *size, kcu_deviceptr dptr))    \
     X(cuMemcpyAsync, 12000, 1,                                                                    \
       (kcu_deviceptr dst, kcu_deviceptr src, size_t size, kcu_stream stream))                     \
     X(cuMemcpy2DAsync, 12000, 1, (const kcu_memcpy2d *copy, kcu_stream stream))                   \

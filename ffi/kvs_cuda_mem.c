@@ -279,6 +279,16 @@ int kvs_cuda_import(uint64_t device, uint32_t handle_type, int32_t fd, const cha
             kcu_ipc_mem_handle ih;
             memcpy(ih.reserved, handle, sizeof ih.reserved);
             rc = KCU(cuIpcOpenMemHandle, &a->ptr, ih, KCU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+            if (rc == KVS_OK) {
+                /* The size is the caller's claim: the opened allocation must hold it, or the
+                   ops this mapping allows would reach past the memory (a GPU would fault or
+                   read a neighbour's). VMM imports need no such check: cuMemMap refuses. */
+                kcu_deviceptr base = 0;
+                size_t have = 0;
+                rc = KCU(cuMemGetAddressRange, &base, &have, a->ptr);
+                if (rc == KVS_OK && (base != a->ptr || have < size)) rc = KVS_E_RANGE;
+                if (rc != KVS_OK) kcu.cuIpcCloseMemHandle(a->ptr);
+            }
         }
         if (rc == KVS_OK && (rc = add_alloc(a, allocation)) != KVS_OK) undo_alloc(a);
     }

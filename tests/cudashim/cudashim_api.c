@@ -600,6 +600,18 @@ SHIM_EXPORT kcu_result cuIpcOpenMemHandle(kcu_deviceptr *dptr, kcu_ipc_mem_handl
     END;
 }
 
+SHIM_EXPORT kcu_result cuMemGetAddressRange(kcu_deviceptr *base, size_t *size, kcu_deviceptr dptr) {
+    BEGIN(cuMemGetAddressRange, 1);
+    struct shim_range *r = shim_range_at(dptr, 1, 0);
+    if (!r) {
+        rc = KCU_ERROR_NOT_FOUND;
+    } else {
+        if (base) *base = r->addr;
+        if (size) *size = (size_t)r->size;
+    }
+    END;
+}
+
 SHIM_EXPORT kcu_result cuIpcCloseMemHandle(kcu_deviceptr dptr) {
     BEGIN(cuIpcCloseMemHandle, 1);
     struct shim_range *r = shim_range_at(dptr, 0, 1);

@@ -559,3 +559,57 @@ def test_with_the_batched_copy_a_gather_is_one_call() -> None:
     got = run(NO_BATCH_GATHER)
     assert got == {"batch": True, "bytes_ok": True, "violations": 0, "ops_live": 0,
                    "copies": {"cuMemcpy2DAsync": 0, "cuMemcpyAsync": 0, "cuMemcpyBatchAsync": 1}}
+
+
+FABRIC_TRIAL = """
+    import json
+    import cudashim.shim as s
+    from kvstate.core.handles import HandleKind
+    from kvstate.transport.cuda import CudaTransport
+    from kvstate.transport.native import default
+    shim = s.Shim(s.build())
+    out = {}
+    try:
+        CudaTransport(b"KVSCUDASHIM-dev0", kind=HandleKind.FABRIC).close()
+    except Exception as e:
+        out["error"] = type(e).__name__
+    out["allocations"] = default().stats().allocations
+    out["live"] = {k: v for k, v in shim.live().items() if v}
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("nth", [1, 2])  # 1: the release of the trial's import, 2: of its allocation
+def test_a_failed_release_in_the_fabric_trial_leaves_nothing_behind(nth: int) -> None:
+    """A release of the FABRIC trial failed: it raised with the other object still live,
+    so the device could not close and a context, a stream, the native device and a driver
+    allocation were left with nothing holding their ids. Now every release is tried (a
+    failed one twice) and the failure is still reported."""
+    got = run(FABRIC_TRIAL, KVSTATE_CUDASHIM_FABRIC="1", KVSTATE_CUDASHIM_GRANULARITY=str(64 * 1024),
+              KVSTATE_CUDASHIM_FAIL=f"cuMemRelease:{nth}:{OOM}")
+    assert got == {"error": "CudaOutOfMemory", "allocations": 0, "live": {}}, got
+
+
+def test_a_legacy_ipc_import_larger_than_the_opened_memory_is_refused(shim: Shim) -> None:
+    """The size of a legacy import was the caller's claim: a 64 KiB allocation opened as
+    256 KiB was mapped and given access, and ops could then address 192 KiB past it (on a
+    GPU: a fault, or a neighbour's memory). The engine now asks the driver how large the
+    opened allocation is (cuMemGetAddressRange) and refuses, closing the handle again."""
+    peer = subprocess.Popen([sys.executable, str(HERE / "peer.py"), "legacy", str(64 * 1024)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=HERE.parent)
+    assert peer.stdout is not None and peer.stdin is not None
+    foreign = bytes.fromhex(peer.stdout.readline().strip())
+    t = CudaTransport(UUID, kind=HandleKind.CUDA_IPC, legacy_ipc=True)
+    g = t.granularity()
+    before, live = _counts(), shim.live()
+    try:
+        with pytest.raises(errors.OutOfRange):
+            t.import_(t.receive_handle(HandleKind.CUDA_IPC, foreign, []), 4 * g)
+        assert shim.calls("cuIpcCloseMemHandle") == shim.calls("cuIpcOpenMemHandle") == 1
+        assert _counts() == before and shim.live() == live
+        allocation = t.import_(t.receive_handle(HandleKind.CUDA_IPC, foreign, []), g)  # the true size opens
+        t.release(allocation)
+    finally:
+        t.close()
+        peer.stdin.close()
+        peer.wait(30)

@@ -9,7 +9,8 @@ export(a, k)    a :class:`CudaHandle`: POSIX fd (owned by the allocation, sent b
                 legacy IPC handle bytes and no fd
 receive_handle  (kind, bytes, received fds) -> CudaHandle, after exact kind, size and
                 fd-count checks and the fd identity check; nothing is opened
-import_(h, n)   ``cuMemImportFromShareableHandle`` (VMM) or ``cuIpcOpenMemHandle``
+import_(h, n)   ``cuMemImportFromShareableHandle`` (VMM) or ``cuIpcOpenMemHandle``, then
+                ``cuMemGetAddressRange``: the opened memory must hold ``n`` bytes
 reserve(n)      ``cuMemAddressReserve`` aligned to the granularity
 map(r, off, a)  ``cuMemMap``; no access until set_access, exactly as the host backend
 set_access      ``cuMemSetAccess`` for this device; lowering refused while pinned
@@ -175,6 +176,7 @@ class CudaTransport:
             err = self._driver_result(lib.kvs_cuda_create(self._device, size, fab, alloc))
         if err:
             return rules.fabric_decision(requested=True, attribute=True, export_result=err, import_result=None)
+        made = {"the trial's allocation": alloc[0]}
         try:
             handle, fd, imported = ffi.new("char[]", CUDA_HANDLE_BYTES), ffi.new("int32_t *"), ffi.new("uint64_t *")
             err = self._driver_result(lib.kvs_cuda_export(alloc[0], fab, fd, handle))
@@ -182,10 +184,27 @@ class CudaTransport:
                 return rules.fabric_decision(requested=True, attribute=True, export_result=err, import_result=None)
             ierr = self._driver_result(lib.kvs_cuda_import(self._device, fab, -1, handle, size, imported))
             if ierr == 0:
-                self._call(lib.kvs_cuda_release(imported[0]), "kvs_cuda_release", "the trial's import")
+                made = {"the trial's import": imported[0], **made}  # released first
             return rules.fabric_decision(requested=True, attribute=True, export_result=0, import_result=ierr)
         finally:
-            self._call(lib.kvs_cuda_release(alloc[0]), "kvs_cuda_release", "the trial's allocation")
+            self._release_all(made)
+
+    def _release_all(self, allocations: dict[str, int]) -> None:
+        """Release every allocation (in order), each tried even when another failed and a
+        failed one tried once more, so that a transient driver failure leaves nothing that
+        would keep the device from closing; the first failure that stays is raised."""
+        failed: list[tuple[str, int, int]] = []
+        for what, allocation in allocations.items():
+            rc = self._lib.kvs_cuda_release(allocation)
+            if rc:
+                failed.append((what, allocation, rc))
+        stays = [(what, rc) for what, allocation, rc in failed
+                 if self._lib.kvs_cuda_release(allocation) not in (0, self._lib.KVS_E_NOENT)]
+        if failed:  # the first failure says what went wrong, even where its retry worked
+            what, _, rc = failed[0]
+            if stays:
+                self._call(stays[0][1], "kvs_cuda_release", stays[0][0])
+            self._call(rc, "kvs_cuda_release", what)
 
     @property
     def native(self) -> Native:
