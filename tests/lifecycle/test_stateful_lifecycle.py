@@ -306,10 +306,14 @@ class LifecycleMachine(RuleBasedStateMachine):
         part = group.parts[which % group.tp]
         with group.locked():
             before = group.state
+            if before not in ("ready", "draining"):  # moved on since the pick, which is outside
+                return                                  # the lock (expiry, a peer's death, a drain)
+            assert all(p.state == "imported" and p.mapping is not None for p in group.parts), \
+                f"INV-GROUP-COMPLETE: the {before} group holds {[p.state for p in group.parts]}"
             try:
                 part.fire(event)
             except TransitionError:
-                assert part.state == "imported"
+                assert part.state == "imported", f"a refused {event} moved {part.label} to {part.state}"
             if group.state == before:
                 assert all(p.state == "imported" and p.mapping is not None for p in group.parts), \
                     f"INV-GROUP-COMPLETE: {event} on {part.label} left the {before} group with {part.state}"
