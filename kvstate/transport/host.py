@@ -39,7 +39,7 @@ from kvstate.core.errors import (FdIdentityMismatch, FdNotMemfd, FdUnsealed, Han
 from kvstate.core.args import need, need_bytes, need_int, need_items
 from kvstate.core.handles import HandleKind
 from kvstate.transport.native import Native, Op, RawBuffer, default
-from kvstate.transport.protocol import Block, RegionStats
+from kvstate.transport.protocol import MAX_SIZE, Block, RegionStats
 
 if TYPE_CHECKING:
     from typing import Union
@@ -153,7 +153,7 @@ class HostTransport:
         return self._device_uuid
 
     def _sized(self, what: str, size: int) -> None:
-        need_int("size", size, 1, 1 << 48)
+        need_int("size", size, 1, MAX_SIZE)
         if size % self._granularity:
             raise NativeInvalidArgument(what, -1, f"size {size} is not a positive multiple of the "
                                         f"granularity {self._granularity}")
@@ -242,7 +242,7 @@ class HostTransport:
         """Map the allocation at ``offset`` in the reservation, with no access."""
         need("reservation", reservation, HostReservation)
         need("allocation", allocation, HostAllocation)
-        need_int("offset", offset, 0, 1 << 48)
+        need_int("offset", offset, 0, MAX_SIZE)
         if offset < 0 or offset % self._granularity:
             raise NativeInvalidArgument("map", -1, f"offset {offset} is not a multiple of the "
                                         f"granularity {self._granularity}")

@@ -55,6 +55,10 @@ from kvstate.core.handles import HandleKind
 #: One gather block: (source offset, destination offset, length) in bytes.
 Block = tuple[int, int, int]
 
+#: The largest size or offset one backend call takes (256 TiB): every backend refuses more
+#: with ArgumentInvalid before its C layer sees it.
+MAX_SIZE = 1 << 48
+
 
 @attrs.frozen
 class RegionStats:

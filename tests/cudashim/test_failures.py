@@ -22,6 +22,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -281,6 +282,29 @@ def _counts() -> tuple[int, int, int, int]:
     return s.allocations, s.reservations, s.regions, s.pins
 
 
+@contextmanager
+def _gpu_pair(tmp_path: Path, kind: HandleKind = HandleKind.POSIX_FD) -> Iterator[tuple[Any, Any]]:
+    """A started exporter of one registered bank and an importer admitted to GPU reuse,
+    each on a transport of its own; everything drained and closed afterwards."""
+    from kvstate.harness.gpucheck import gpu_admission
+    from kvstate.reuse.policy import ReuseSettings
+    from kvstate.share.importer import ImportConfig, Importer
+
+    legacy = kind is HandleKind.CUDA_IPC
+    te, ti = CudaTransport(UUID, kind=kind, legacy_ipc=legacy), CudaTransport(UUID, kind=kind, legacy_ipc=legacy)
+    ex = _cuda_exporter(te, tmp_path, kind=kind, start=True)
+    reuse = ReuseSettings(enable_decode_to_prefill_reuse=True, enable_decode_to_prefill_gpu_reuse=True)
+    im = Importer(ImportConfig(ex.config.deployment, reuse=reuse, admission=gpu_admission(ti, UUID)), ti)
+    try:
+        yield ex, im
+    finally:
+        im.close()
+        ex.stop()
+        ex.drain(5.0)
+        ti.close()
+        te.close()
+
+
 def test_a_bank_release_that_failed_part_way_can_be_retried(shim: Shim, tmp_path: Path) -> None:
     """The release forgot the mapping only after the reservation was freed too: a failed
     cuMemAddressFree left the bank naming a region already unmapped, and every retry failed
@@ -322,51 +346,24 @@ def test_an_open_whose_undo_fails_too_names_its_cause_and_loses_nothing(shim: Sh
     the set_access failure (not the undo's), and the part's objects, kept on it, are
     undone again when its lease is returned: nothing is left in the engine or the driver."""
     from kvstate.core.reasons import ImportReason
-    from kvstate.harness.gpucheck import gpu_admission
-    from kvstate.reuse.policy import ReuseSettings
-    from kvstate.share.importer import ImportConfig, Importer
 
-    te, ti = CudaTransport(UUID), CudaTransport(UUID)
-    ex = _cuda_exporter(te, tmp_path, start=True)
-    reuse = ReuseSettings(enable_decode_to_prefill_reuse=True, enable_decode_to_prefill_gpu_reuse=True)
-    im = Importer(ImportConfig(ex.config.deployment, reuse=reuse, admission=gpu_admission(ti, UUID)), ti)
-    before = _counts()
-    shim.fail("cuMemSetAccess", 1, OOM)
-    shim.fail("cuMemUnmap", 1, OOM)
-    try:
+    with _gpu_pair(tmp_path) as (ex, im):
+        before = _counts()
+        shim.fail("cuMemSetAccess", 1, OOM)
+        shim.fail("cuMemUnmap", 1, OOM)
         with pytest.raises(errors.ImportFailed) as info:
             im.import_group([ex.descriptor(0)])
         assert "cuMemSetAccess" in str(info.value) and info.value.reason is ImportReason.NATIVE
         assert _counts() == before
-    finally:
-        im.close()
-        ex.stop()
-        ex.drain(5.0)
-        ti.close()
-        te.close()
 
 
 def test_a_refused_legacy_handle_of_this_process_is_a_handle_failure(shim: Shim, tmp_path: Path) -> None:
     from kvstate.core.reasons import ImportReason
-    from kvstate.harness.gpucheck import gpu_admission
-    from kvstate.reuse.policy import ReuseSettings
-    from kvstate.share.importer import ImportConfig, Importer
 
-    te = CudaTransport(UUID, kind=HandleKind.CUDA_IPC, legacy_ipc=True)
-    ti = CudaTransport(UUID, kind=HandleKind.CUDA_IPC, legacy_ipc=True)
-    ex = _cuda_exporter(te, tmp_path, kind=HandleKind.CUDA_IPC, start=True)
-    reuse = ReuseSettings(enable_decode_to_prefill_reuse=True, enable_decode_to_prefill_gpu_reuse=True)
-    im = Importer(ImportConfig(ex.config.deployment, reuse=reuse, admission=gpu_admission(ti, UUID)), ti)
-    try:
+    with _gpu_pair(tmp_path, HandleKind.CUDA_IPC) as (ex, im):
         with pytest.raises(errors.ImportFailed) as info:
             im.import_group([ex.descriptor(0)])
         assert info.value.reason is ImportReason.HANDLE and shim.calls("cuIpcOpenMemHandle") == 0
-    finally:
-        im.close()
-        ex.stop()
-        ex.drain(5.0)
-        ti.close()
-        te.close()
 
 
 def _bad_calls(t: CudaTransport, legacy: CudaTransport) -> dict[str, Callable[[], object]]:

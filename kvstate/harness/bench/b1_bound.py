@@ -28,12 +28,12 @@ import mmap
 import os
 import socket
 import tempfile
-import time
+from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from kvstate.harness.bench.b1_floor import _memfd
+from kvstate.harness.bench.b1_floor import Step, _memfd, timed_maps
 from kvstate.harness.bench.b1_import import _DEPLOYMENT_KEY, _geometry, import_config
 from kvstate.harness.bench.b3_lifecycle import BenchBank, BenchGroup, BenchPart
 from kvstate.harness.bench.framework import Figure
@@ -163,30 +163,21 @@ def _bound_importer(conn: Connection, p: dict[str, Any]) -> tuple[float, ...]:
     im = Importer(import_config(), HostTransport())
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.connect(path)
-    samples = []
     size = p["bank_bytes"]
     worker = BenchGroup(1, counted=False)  # a rank worker's group: checked by the coordinator, importing
     worker.fire("begin_import")
+    steps: list[Step]
+    if p["bound"] == "rank":
+        steps = [(partial(_rank_bound, sock, wire[r], identities[r], r, im, size, worker), 1) for r in range(p["tp"])]
+    else:
+        steps = [(partial(_group_bound, sock, wire, identities, im, size), p["tp"])]
     try:
-        for i in range(p["repeats"] + 1):
-            for rank in range(p["tp"]) if p["bound"] == "rank" else (None,):
-                t0 = time.perf_counter()
-                if rank is None:
-                    maps = _group_bound(sock, wire, identities, im, size)
-                else:
-                    maps = _rank_bound(sock, wire[rank], identities[rank], rank, im, size, worker)
-                t1 = time.perf_counter()
-                assert all(m[0] == 1 for m in maps)
-                for m in maps:
-                    m.close()
-                if i:  # the first round is a warm-up
-                    samples.append(t1 - t0)
+        return timed_maps(p["repeats"], steps)
     finally:
         sock.send(b"q")
         sock.close()
         im.close()
         conn.recv()
-    return tuple(samples)
 
 
 def bound_group(params: dict[str, Any]) -> Figure:

@@ -17,6 +17,8 @@ import os
 import socket
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -71,29 +73,40 @@ def _receive_and_map(sock: socket.socket, request: bytes, n: int, size: int) -> 
             os.close(fd)
 
 
+#: One timed step: it maps ``n`` banks and returns the maps.
+Step = tuple[Callable[[], list[mmap.mmap]], int]
+
+
+def timed_maps(repeats: int, steps: list[Step]) -> tuple[float, ...]:
+    """Seconds of each step of ``repeats`` rounds, after one warm-up round. Off the clock,
+    each step's maps are checked (``n`` of them, every bank's first byte the 1 its exporter
+    wrote) and closed."""
+    samples = []
+    for i in range(repeats + 1):
+        for step, n in steps:
+            t0 = time.perf_counter()
+            maps = step()
+            t1 = time.perf_counter()
+            assert len(maps) == n and all(m[0] == 1 for m in maps)
+            for m in maps:
+                m.close()
+            if i:  # the first round is a warm-up
+                samples.append(t1 - t0)
+    return tuple(samples)
+
+
 def _floor_importer(conn: Connection, p: dict[str, Any]) -> tuple[float, ...]:
     path = conn.recv()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.connect(path)
-    samples = []
-    per_rank = p["floor"] == "rank"
+    batches = [(str(r).encode(), 1) for r in range(p["tp"])] if p["floor"] == "rank" else [(b"g", p["tp"])]
     try:
-        for i in range(p["repeats"] + 1):
-            batches = [(str(r).encode(), 1) for r in range(p["tp"])] if per_rank else [(b"g", p["tp"])]
-            for request, n in batches:
-                t0 = time.perf_counter()
-                maps = _receive_and_map(sock, request, n, p["bank_bytes"])
-                t1 = time.perf_counter()
-                assert len(maps) == n and all(m[0] == 1 for m in maps)
-                for m in maps:
-                    m.close()
-                if i:  # the first round is a warm-up
-                    samples.append(t1 - t0)
+        return timed_maps(p["repeats"], [(partial(_receive_and_map, sock, request, n, p["bank_bytes"]), n)
+                                         for request, n in batches])
     finally:
         sock.send(b"q")
         sock.close()
         conn.recv()
-    return tuple(samples)
 
 
 def floor_group(params: dict[str, Any]) -> Figure:

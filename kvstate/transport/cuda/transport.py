@@ -63,12 +63,10 @@ from kvstate.transport.cuda.driver import DeviceInfo, find_device, load_driver
 from kvstate.transport.cuda.objects import CudaAllocation, CudaHandle, CudaMapping, CudaReservation, DeviceBuffer
 from kvstate.transport.host import fd_identity_of
 from kvstate.transport.native import Native, Op, RawBuffer
-from kvstate.transport.protocol import Block, RegionStats
+from kvstate.transport.protocol import MAX_SIZE, Block, RegionStats
 
 #: Ids, addresses and sizes cross the C boundary as uint64_t.
 _U64 = (1 << 64) - 1
-#: The largest size one call takes (as the host backend's).
-_MAX_SIZE = 1 << 48
 
 
 def _object(name: str, value: object, kind: type, *ids: str) -> None:
@@ -192,18 +190,13 @@ class CudaTransport:
     def _release_all(self, allocations: dict[str, int]) -> None:
         """Release every allocation (in order), each tried even when another failed and a
         failed one tried once more, so that a transient driver failure leaves nothing that
-        would keep the device from closing; the first failure that stays is raised."""
-        failed: list[tuple[str, int, int]] = []
-        for what, allocation in allocations.items():
-            rc = self._lib.kvs_cuda_release(allocation)
-            if rc:
-                failed.append((what, allocation, rc))
-        stays = [(what, rc) for what, allocation, rc in failed
-                 if self._lib.kvs_cuda_release(allocation) not in (0, self._lib.KVS_E_NOENT)]
+        would keep the device from closing; the first failure is raised."""
+        failed = [(what, allocation, rc) for what, allocation in allocations.items()
+                  if (rc := self._lib.kvs_cuda_release(allocation))]
+        for _, allocation, _ in failed:
+            self._lib.kvs_cuda_release(allocation)  # once more; gone already (NOENT) is fine
         if failed:  # the first failure says what went wrong, even where its retry worked
             what, _, rc = failed[0]
-            if stays:
-                self._call(stays[0][1], "kvs_cuda_release", stays[0][0])
             self._call(rc, "kvs_cuda_release", what)
 
     @property
@@ -239,7 +232,7 @@ class CudaTransport:
         return self._uuid
 
     def _sized(self, what: str, size: int) -> None:
-        need_int("size", size, 1, _MAX_SIZE)
+        need_int("size", size, 1, MAX_SIZE)
         if size % self._granularity:
             raise errors.NativeInvalidArgument(what, -1, f"size {size!r} is not a positive multiple of the "
                                                f"granularity {self._granularity}")
@@ -401,7 +394,7 @@ class CudaTransport:
     # -- device buffers and synchronous copies (engines without an allocator, checks) -----
 
     def alloc_buffer(self, nbytes: int) -> DeviceBuffer:
-        need_int("nbytes", nbytes, 1, _MAX_SIZE)
+        need_int("nbytes", nbytes, 1, MAX_SIZE)
         out = self._ffi.new("uint64_t *")
         self._call(self._lib.kvs_cuda_buffer_alloc(self._device, nbytes, out), "kvs_cuda_buffer_alloc",
                    f"{nbytes} bytes")
