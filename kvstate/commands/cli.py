@@ -23,6 +23,7 @@ COMMANDS = {
     "check": "check",
     "generate": "generate",
     "gpucheck": "gpucheck",
+    "status": "status",
 }
 
 

@@ -38,6 +38,7 @@ from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.core.handles import HandleKind
 from kvstate.core.identity import Deployment
 from kvstate.harness.leaks import snapshot
+from kvstate.share import status
 
 PHASES = ("advertised", "checking", "importing", "ready", "loading", "draining")
 ROLES = ("exporter", "worker", "coordinator")
@@ -471,12 +472,21 @@ class _Scenario:
         self.report["draining_states"] = [w.ask(self.spec.timeout_s, cmd="status", gid=gid).get("state")
                                           for w in self.c.live(self.c.workers)]
 
+    def show_status(self, when: str) -> None:
+        """What `kvstate status` shows of this node's demo servers now (logged and reported)."""
+        dirs = [self.c.socket_dir, self.c.dir / "coordinator"]
+        snapshot = status.node_status(dirs)
+        self.report.setdefault("status", {})[when] = snapshot
+        self.log(f"kvstate status {' '.join(f'--socket-dir {d}' for d in dirs)}  ({when})")
+        self.log("\n".join("  " + line for line in status.render(snapshot).splitlines()[1:]))
+
     def finish(self, gid: str | None) -> None:
         c, spec, report = self.c, self.spec, self.report
         t = time.monotonic()
         coord = c.coordinator
         assert coord is not None
         final: dict[str, Any] = {}
+        self.show_status("before draining")
         if gid and not coord.killed:
             drained = self.kill is not None and self.kill[1] == "draining"
             final = recv(coord.conn, spec.timeout_s) if drained else coord.ask(spec.timeout_s, cmd="drain", gid=gid)
@@ -505,6 +515,7 @@ class _Scenario:
         report["exporter_errors"] = [r["error"] for r in exp if "error" in r]
         self.log(f"drain: coordinator {final.get('state')}, workers {report['worker_final']}; exporters quiescent "
                  f"in {report['exporter_quiescent_s'] * 1e3:.1f} ms and released")
+        self.show_status("after draining")
         live = c.live(c.everyone())
         exits = dict(zip((id(w) for w in live), c.broadcast(live, cmd="exit")))
         report["leaks"] = [r.get("leaks", {}) for r in exits.values()]

@@ -81,7 +81,7 @@ from kvstate.core.machine import Lifecycle, Observer, StateChange, effect, guard
 from kvstate.core.reasons import ArgumentReason, RejectReason
 from kvstate.core.spec import load_machine
 from kvstate.core.validate import MAX_TP, Expectation, ValidatedGroup, validate_group
-from kvstate.share import protocol_msgs as msgs
+from kvstate.share import protocol_msgs as msgs, status
 from kvstate.share.importer import BlockRequest
 
 log = logging.getLogger(__name__)
@@ -569,6 +569,9 @@ class Coordinator:
 
     def _hello(self, ch: chan.Channel) -> WorkerLink | None:
         with ch.recv(timeout=self.config.request_timeout_s) as msg:
+            if status.is_request(msg.payload):  # an operator's `kvstate status`, not a worker
+                ch.send(chan.encode(status.coordinator_status(self)), timeout=self.config.request_timeout_s)
+                return None
             hello = msgs.decode(msg.payload)
         if not isinstance(hello, msgs.Hello):
             raise ProtocolError(f"expected hello, got {type(hello).__name__}")

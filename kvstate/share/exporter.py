@@ -91,7 +91,7 @@ from kvstate.core.spec import load_machine
 from kvstate.core.capabilities import Access
 from kvstate.core.errors import TransportUnsuitable
 from kvstate.transport.protocol import A, E, H, HostView, M, MappedTransport, R, require_mapped
-from kvstate.share import store
+from kvstate.share import status, store
 from kvstate.share.plan import Plan
 from kvstate.share.transfer import TransferHandle, stop_dispatcher_if_idle
 
@@ -661,9 +661,12 @@ class Exporter(Generic[H, A, R, M, E]):
                     break
                 msg.close()  # importers send no fds
                 request: dict[str, Any] = {}
+                fds: tuple[int, ...] = ()
                 try:
                     request = chan.decode(msg.payload)
-                    if request.get("op") == "leases":
+                    if request == status.REQUEST:
+                        reply = status.exporter_status(self, asking=1)
+                    elif request.get("op") == "leases":
                         reply, fds = self._handle_batch(ch, request)
                     elif request.get("op") == "mapped" and "items" in request:
                         reply, fds = self._handle_mapped(ch, request)

@@ -35,6 +35,14 @@ def test_demo_json_reports_the_topology_per_rank() -> None:
     assert [s for i, s in enumerate(states) if i == 0 or s != states[i - 1]] == [
         "advertised", "checking", "importing", "ready", "draining", "quiescent", "closed"]
     assert report["time_to_ready_s"] > 0
+    # `kvstate status` before and after draining: what the servers held, then released.
+    before, after = (report["status"][w]["endpoints"] for w in ("before draining", "after draining"))
+    banks = lambda eps: [b for e in eps if e["kind"] == "exporter" for b in e["banks"]]  # noqa: E731
+    assert [(b["rank"], b["state"], b["lease_count"]) for b in banks(before)] == [(0, "ready", 1), (1, "ready", 1)]
+    assert {lease["pid"] for b in banks(before) for lease in b["leases"]} == {r["pid"] for r in ranks}
+    assert [(b["state"], b["lease_count"]) for b in banks(after)] == [("released", 0)] * 2
+    coord = [e for e in before if e["kind"] == "coordinator"]
+    assert len(coord) == 1 and [g["state"] for g in coord[0]["groups"]] == ["ready"]
     timings = report["timings_s"]
     assert all("spawn" not in k for k in timings if not k.startswith("total"))
     total = next(v for k, v in timings.items() if k.startswith("total"))

@@ -1,0 +1,183 @@
+"""`kvstate status` as an operator runs it: a separate process reading live servers.
+
+The snapshot is checked against the real objects (banks, leases, pins), a draining bank
+says what it waits for, the query fires no event, a dead process's socket reads as a
+leftover, and a directory that fails the channel's checks is refused without a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import make_exporter
+from kvstate.core.machine import StateChange
+from kvstate.share import status
+from kvstate.share.coordinator import Coordinator, CoordinatorConfig
+from kvstate.share.importer import Importer
+from kvstate.transport.host import HostTransport
+from support.waiting import wait_until
+
+pytestmark = [pytest.mark.multiproc]
+
+STATUS = [sys.executable, "-m", "kvstate", "status"]
+
+
+def run_status(*dirs: Path, json_out: bool = True) -> subprocess.CompletedProcess[str]:
+    args = [a for d in dirs for a in ("--socket-dir", str(d))]
+    return subprocess.run([*STATUS, *args, *(["--json"] if json_out else [])], capture_output=True, text=True,
+                          timeout=60)
+
+
+def snapshot(*dirs: Path) -> dict[str, Any]:
+    out = run_status(*dirs)
+    assert out.returncode == 0, out.stderr
+    result: dict[str, Any] = json.loads(out.stdout)
+    return result
+
+
+def test_status_shows_banks_and_leases_as_they_are(transport: HostTransport, importer: Importer) -> None:
+    ex = make_exporter(2, transport, name="decode")
+    changes: list[StateChange] = []
+    for bank in ex.banks.values():
+        bank.observe(changes.append)
+    group = importer.import_group([ex.descriptor(0), ex.descriptor(1)])
+    try:
+        # the importer's "mapped" note moves each bank to ready after the import returns
+        assert wait_until(lambda: all(b.state == "ready" for b in ex.banks.values()))
+        changes.clear()
+        snap = snapshot(ex.config.socket_dir)
+        assert changes == []  # a status request fires nothing
+        check_exporter(snap, ex)
+    finally:
+        group.drain(10.0)
+
+
+def check_exporter(snap: dict[str, Any], ex: Any) -> None:
+    (ep,) = snap["endpoints"]
+    assert ep["kind"] == "exporter" and ep["pid"] == os.getpid() and ep["tp"] == 2
+    assert ep["incarnation"] == ex.incarnation.value.hex() and ep["path"] == str(ex.socket_path)
+    for shown, bank in zip(ep["banks"], [ex.banks[0], ex.banks[1]]):
+        assert (shown["rank"], shown["state"], shown["generation"]) == (bank.rank, bank.state, bank.generation)
+        assert shown["pins"] == bank.pins() and shown["holds"] == len(bank.holds) == 0
+        assert shown["lease_count"] == len(bank.leases) == 1
+        (lease,) = shown["leases"]
+        real = next(iter(bank.leases.values()))
+        assert lease["id"] == real.id and lease["pid"] == real.channel.peer.pid == os.getpid()
+        assert 0 < lease["expires_in_s"] <= ex.config.lease_timeout_s and not lease["expired"]
+        assert shown["waiting_for"] == ""
+
+
+def test_a_draining_bank_says_what_it_waits_for(transport: HostTransport, importer: Importer) -> None:
+    ex = make_exporter(1, transport, name="decode")
+    group = importer.import_group([ex.descriptor(0)])
+    bank = ex.banks[0]
+    try:
+        assert wait_until(lambda: bank.state == "ready")
+        bank.fire("drain")  # the importer still holds its lease: the bank cannot quiesce
+        (ep,) = snapshot(ex.config.socket_dir)["endpoints"]
+        (shown,) = ep["banks"]
+        assert shown["state"] == "draining"
+        assert shown["waiting_for"].startswith(f"1 lease: pid {os.getpid()} expires in "), shown
+        text = run_status(ex.config.socket_dir, json_out=False)
+        assert text.returncode == 0 and "draining, waits for 1 lease: pid" in text.stdout, text.stdout
+    finally:
+        group.drain(10.0)
+    assert snapshot(ex.config.socket_dir)["endpoints"][0]["banks"][0]["waiting_for"] == ""
+
+
+def test_a_dead_process_socket_is_a_leftover(tmp_path: Path) -> None:
+    d = tmp_path / "sock"
+    d.mkdir(mode=0o700)
+    left = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    left.bind(str(d / "gone.sock"))
+    left.close()  # bound, never listened, not unlinked: what a SIGKILLed server leaves
+    (ep,) = snapshot(d)["endpoints"]
+    assert ep["kind"] == "stale" and ep["path"].endswith("gone.sock")
+    assert "nobody listens" in run_status(d, json_out=False).stdout
+
+
+def test_a_coordinator_shows_its_workers_and_groups(transport: HostTransport) -> None:
+    from conftest import DEPLOYMENT, GRANULARITY
+    from support.coordinated import Prefill
+
+    ex = make_exporter(2, transport, name="decode")
+    prefill = Prefill(DEPLOYMENT, 2, granularity=GRANULARITY)
+    coord = prefill.coordinator
+    try:
+        group = coord.import_group([ex.descriptor(0), ex.descriptor(1)], timeout=10.0)
+        snap = snapshot(ex.config.socket_dir, coord.socket_path.parent)
+        exporter, shown = snap["endpoints"]
+        assert exporter["kind"] == "exporter" and shown["kind"] == "coordinator"
+        assert shown["tp"] == 2 and shown["pid"] == os.getpid() and shown["path"] == str(coord.socket_path)
+        assert [(w["rank"], w["alive"]) for w in shown["workers"]] == [(0, True), (1, True)]
+        (g,) = shown["groups"]
+        assert (g["gid"], g["state"], g["failure"]) == (group.gid, group.state, None)
+        assert [(p["rank"], p["state"], p["dead"]) for p in g["parts"]] == \
+            [(r.rank, r.state, r.dead) for r in group.ranks()]
+        assert sorted(coord.links) == [0, 1]  # the status connection was not taken for a worker
+        group.drain(10.0)
+    finally:
+        prefill.close()
+
+
+def test_status_refuses_an_unsafe_directory_without_a_traceback(tmp_path: Path) -> None:
+    d = tmp_path / "open"
+    d.mkdir()
+    os.chmod(d, 0o777)
+    out = run_status(d)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith("kvstate status: error:") and "Traceback" not in out.stderr
+
+
+def test_watch_prints_snapshots_until_stopped(transport: HostTransport) -> None:
+    ex = make_exporter(1, transport, name="decode")
+    proc = subprocess.Popen([*STATUS, "--socket-dir", str(ex.config.socket_dir), "--json", "--watch", "0.1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline() for _ in range(2)]
+        assert all(json.loads(line)["endpoints"][0]["banks"][0]["state"] == "advertised" for line in lines)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        proc.stdout.close() if proc.stdout else None
+        proc.stderr.close() if proc.stderr else None
+
+
+def test_waiting_for_names_every_cause() -> None:
+    leases = [{"pid": 11, "expired": False, "expires_in_s": 12.2}, {"pid": 12, "expired": True, "expires_in_s": -1}]
+    assert status.waiting_for(leases, 1, 3, 2) == ("2 leases: pid 11 expires in 12 s, pid 12 expired, not returned; "
+                                                   "1 hold (importers that may have it open); 3 pins; "
+                                                   "2 stores in flight")
+    assert status.waiting_for([], 0, 0, 0) == ""
+
+
+def test_a_status_request_mid_serving_leaves_leasing_intact(transport: HostTransport, importer: Importer) -> None:
+    """Status queries racing a group import: every import still succeeds."""
+    ex = make_exporter(2, transport, name="decode")
+    stop = threading.Event()
+    answers: list[int] = []
+
+    def poll() -> None:
+        while not stop.is_set():
+            answers.append(len(status.query(ex.socket_path)["banks"]))
+
+    t = threading.Thread(target=poll)
+    t.start()
+    try:
+        for _ in range(5):
+            importer.import_group([ex.descriptor(0), ex.descriptor(1)]).drain(10.0)
+    finally:
+        stop.set()
+        t.join(10)
+    assert answers and set(answers) == {2}
