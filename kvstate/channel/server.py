@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from kvstate.channel import owner
 from kvstate.channel.conn import Channel, check_uids
 from kvstate.channel.framing import DEFAULT_TIMEOUT, Limits, check_timeout, encode, remaining_ms
 from kvstate.channel.paths import check_socket_path
@@ -51,15 +52,23 @@ class Server:
         self.max_connections = max_connections
         self.allowed_uids = frozenset(allowed_uids) if allowed_uids is not None else frozenset({os.getuid()})
         check_socket_path(self.path, must_exist=False)
-        self._remove_stale()
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        try:
-            self._sock.bind(str(self.path))
-            self._sock.listen(backlog)
-            self._sock.setblocking(False)
-        except BaseException:
-            self._sock.close()
-            raise
+        # One start at a time per directory: what dead servers left goes, then this
+        # server's mark is taken before its socket exists (kvstate.channel.owner).
+        with owner.directory_locked(self.path.parent):
+            swept = owner.sweep(self.path.parent)
+            if swept:
+                log.info("%s: removed what dead servers left: %s", self.path.parent, ", ".join(swept))
+            self._remove_stale()
+            self._mark = owner.OwnerMark(self.path)
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+            try:
+                self._sock.bind(str(self.path))
+                self._sock.listen(backlog)
+                self._sock.setblocking(False)
+            except BaseException:
+                self._sock.close()
+                self._mark.release()
+                raise
         self._closed = False
 
     def _remove_stale(self) -> None:
@@ -200,3 +209,4 @@ class Server:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        self._mark.release()  # last: while it is held, no sweep judges this socket dead

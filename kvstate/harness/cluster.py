@@ -24,6 +24,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import random
+import shutil
 import signal
 import tempfile
 import time
@@ -33,6 +34,8 @@ from typing import Any
 
 import attrs
 
+from kvstate import channel as chan
+from kvstate.channel import owner
 from kvstate.core.errors import KvStateError
 from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.core.handles import HandleKind
@@ -269,6 +272,9 @@ class Cluster:
             w.conn.close()
             if not w.process.is_alive():
                 w.process.close()  # its sentinel fd, now rather than at a later collection
+        # Every process of the run has exited: its sockets, marks and folders go with it,
+        # a killed one's included, so no run leaves anything on the node.
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def everyone(self) -> list[Worker]:
         return [*self.exporters, *([self.coordinator] if self.coordinator else []), *self.workers]
@@ -526,6 +532,18 @@ class _Scenario:
         for w in c.everyone():
             w.process.join(5)
         report["stray_processes"] = [w.process.pid for w in c.everyone() if w.process.is_alive()]
+        self.next_start()
+
+    def next_start(self) -> None:
+        """What a killed process left in each socket directory, then what is left once the
+        next server started there (its start sweeps: kvstate.channel.owner)."""
+        dirs = [d for d in (self.c.socket_dir, self.c.dir / "coordinator") if d.is_dir()]
+        self.report["leftovers_before_next_start"] = [n for d in dirs for n in owner.leftovers(d)]
+        after = []
+        for d in dirs:
+            with chan.Server(d / "next-start.sock"):
+                after += owner.leftovers(d)
+        self.report["leftovers_after_next_start"] = after
 
 
 def _describe_descriptor(wire: bytes, key: bytes) -> dict[str, Any]:
@@ -552,6 +570,7 @@ def outcome(report: dict[str, Any]) -> str:
 def judge(report: dict[str, Any], kill: tuple[str, str] | None) -> bool:
     """The safety verdict: no partial readiness, verified bytes, every part gone, no leaks."""
     clean = (not report["exporter_errors"] and not report["violations"] and not report["stray_processes"]
+             and not report["leftovers_after_next_start"]
              and all(v <= 0 for leak in report["leaks"] for v in leak.values()))
     every_load_ok = all(ok for _, ok in report["verified"])
     ended = all(s in ("closed", "failed", "rejected", None) for s in report["worker_final"])

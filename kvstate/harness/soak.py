@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from kvstate.harness.cluster import ClusterSpec, Worker, _recv, _send, expected_checksum, kv_pattern, resources
+from kvstate.channel import owner
 from kvstate.core.errors import KvStateError
 from kvstate.core.identity import Deployment
 
@@ -87,10 +88,15 @@ def _settled(baseline: dict[str, int], grace_s: float) -> dict[str, int]:
 
 
 def exporter_worker(conn: multiprocessing.connection.Connection, spec_json: str, key_hex: str,
-                    socket_dir: str, rank: int, source_hex: str) -> None:
-    """One decode-rank process: a new Exporter per cycle."""
+                    socket_dir: str, rank: int, source_hex: str, plant: str | None = None) -> None:
+    """One decode-rank process: a new Exporter per cycle, named as the library names it
+    (pid and incarnation), so a killed one's socket is not reused by its replacement and
+    only the other servers' starts can sweep it."""
     from kvstate.share.exporter import Exporter, ExportConfig
     from kvstate.transport.host import HostTransport
+
+    if plant == "no_sweep":  # the self-test: starts leave what dead servers left
+        owner.sweep = lambda directory: []
 
     spec = ClusterSpec(**json.loads(spec_json))
     deployment = Deployment("kvstate-soak", bytes.fromhex(key_hex))
@@ -105,7 +111,7 @@ def exporter_worker(conn: multiprocessing.connection.Connection, spec_json: str,
             leaks = _settled(baseline, 2.0)  # what the previous cycle's exporter left behind
             baseline = resources()
             ex = Exporter(ExportConfig(deployment, Path(socket_dir), bytes.fromhex(source_hex), spec.tp,
-                                       lease_timeout_s=spec.lease_timeout_s), t, name=f"rank{rank}")
+                                       lease_timeout_s=spec.lease_timeout_s), t)
             bank = ex.add_bank(rank, g)
             bank.register()
             bank.view()[:len(pattern)] = pattern
@@ -226,6 +232,7 @@ class SoakReport:
     leaks: list[str] = attrs.Factory(list)
     slow_quiescence: list[str] = attrs.Factory(list)
     exporter_errors: list[str] = attrs.Factory(list)
+    leftovers: list[str] = attrs.Factory(list)  # of dead processes, in the socket dir after the next start
     worst_quiescent_s: float = 0.0
     ready_groups: int = 0
     failed_groups: int = 0
@@ -233,7 +240,8 @@ class SoakReport:
     seconds: float = 0.0
 
     def problems(self) -> list[str]:
-        return self.corrupt_loads + self.partial_ready + self.leaks + self.slow_quiescence + self.exporter_errors
+        return (self.corrupt_loads + self.partial_ready + self.leaks + self.slow_quiescence + self.exporter_errors
+                + self.leftovers)
 
     def summary(self) -> str:
         kills = ", ".join(f"{k} {v}" for k, v in sorted(self.kills.items())) or "none"
@@ -270,7 +278,8 @@ class _Pool:
     def _start(self, role: str, rank: int) -> Worker:
         parent, child = self.ctx.Pipe()
         if role == "exporter":
-            args: tuple[Any, ...] = (child, self.spec_json, self.key.hex(), str(self.socket_dir), rank, self.source.hex())
+            args: tuple[Any, ...] = (child, self.spec_json, self.key.hex(), str(self.socket_dir), rank, self.source.hex(),
+                                     self.plant)
             target: Callable[..., None] = exporter_worker
         else:
             args, target = (child, self.spec_json, self.key.hex(), rank, self.plant), importer_worker
@@ -360,6 +369,11 @@ def _cycle(pool: _Pool, spec: ClusterSpec, kill: tuple[str, str, int] | None, ex
         wire.append(r["descriptor"])
         if r.get("leaks"):
             report.leaks.append(f"cycle {n}: exporter {w.rank} kept {r['leaks']} after its previous cycle")
+    # Every live exporter just started a server in the socket directory: whatever a
+    # killed one left there was swept by those starts (kvstate.channel.owner).
+    left = owner.leftovers(pool.socket_dir)
+    if left:
+        report.leftovers.append(f"cycle {n}: a dead process's files after the next start: {left}")
     maybe_kill("advertised")
 
     # 2. import the whole group in every importer

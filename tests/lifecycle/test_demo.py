@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -79,3 +83,16 @@ def test_a_kill_during_the_load_is_not_reported_as_ok() -> None:
 def test_bad_options_get_a_clear_error(args: list[str], message: str) -> None:
     out = subprocess.run([*DEMO, *args], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and message in out.stderr
+
+
+@pytest.mark.parametrize("kill", [None, "exporter:ready", "coordinator:importing", "worker:loading"])
+def test_a_demo_run_leaves_nothing_on_the_node(kill: str | None) -> None:
+    """With or without a SIGKILL, every folder, socket and mark of the run is gone after it."""
+    tmp = Path(tempfile.mkdtemp(prefix="kvs-t-"))  # short: socket paths must fit sun_path
+    try:
+        out = subprocess.run([*DEMO, *(["--kill", kill] if kill else [])], capture_output=True, text=True,
+                             timeout=120, env={**os.environ, "TMPDIR": str(tmp)})
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert sorted(os.listdir(tmp)) == []
+    finally:
+        shutil.rmtree(tmp)

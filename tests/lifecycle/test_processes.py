@@ -66,6 +66,10 @@ def test_sigkill_in_every_phase(role: str, phase: str) -> None:
     if "death_to_unmapped_s" in report:
         assert report["death_to_unmapped_s"] < spec.silence_s  # EOF or pidfd, not the silence bound
     assert report["exporter_quiescent_s"] <= spec.lease_timeout_s
+    # A killed server's socket and mark stay until the next start in its directory sweeps them.
+    if role != "worker":  # workers serve no socket
+        assert report["leftovers_before_next_start"], json.dumps(report)[:3000]
+    assert report["leftovers_after_next_start"] == []
 
 
 def test_the_verdict_catches_a_worker_that_keeps_its_part() -> None:

@@ -1,8 +1,9 @@
 """Soak under process kills (bounded for CI; ``make soak`` runs the long one).
 
 INV-GROUP-COMPLETE (no partial readiness), INV-LOAD-BYTES (checksums of every completed
-load), INV-RELEASE-QUIESCENT (every exporter quiescent within its lease timeout) and no
-leaked fds or memfd mappings in any worker, across cycles with random SIGKILLs of
+load), INV-RELEASE-QUIESCENT (every exporter quiescent within its lease timeout), no
+leaked fds or memfd mappings in any worker, and nothing of a killed process left in the
+socket directory after the next start, across cycles with random SIGKILLs of
 exporter and importer processes at random phases. See kvstate/harness/soak.py for the cycle.
 """
 
@@ -30,8 +31,9 @@ def test_soak_under_random_sigkills() -> None:
         assert report.failed_groups > 0 and report.ready_groups > 0
 
 
-@pytest.mark.parametrize("plant, finding", [("leak_fd", "leaks"), ("corrupt", "corrupt_loads")])
-def test_soak_verdict_catches_planted_bugs(plant: str, finding: str) -> None:
-    report = run_soak(6, seed=3, kill_rate=0.0, plant=plant)
+@pytest.mark.parametrize("plant, finding, kill_rate", [("leak_fd", "leaks", 0.0), ("corrupt", "corrupt_loads", 0.0),
+                                                       ("no_sweep", "leftovers", 1.0)])
+def test_soak_verdict_catches_planted_bugs(plant: str, finding: str, kill_rate: float) -> None:
+    report = run_soak(8, seed=3, kill_rate=kill_rate, plant=plant)
     assert getattr(report, finding), report.summary()
     assert report.problems()
