@@ -43,9 +43,13 @@ struct kcu_dev {
     struct kcu_lane *lanes; /* free lanes */
     uint32_t nlanes, cap, made;
     kcu_stream sync;        /* the stream of kvs_cuda_memcpy */
-    kcu_deviceptr *buffers; /* live kvs_cuda_buffer_alloc memory */
+    uint64_t *buffers;      /* regions (KVS_BACKEND_CUDA_BUFFER) of live kvs_cuda_buffer_alloc memory */
     uint32_t nbuffers, buffers_cap;
 };
+
+/* Under kvs_g.mu: the region of the kvs_cuda_buffer_alloc buffer of `device` that holds
+ * [base, base + size), or 0 when that memory is the caller's own (not kvstate's to pin). */
+KVS_HIDDEN uint64_t kcu_buffer_region(uint64_t device, uint64_t base, uint64_t size);
 
 /* Allocations (kvs_g.cu_allocs) and reservations (kvs_g.cu_resvs). */
 struct kcu_alloc {

@@ -483,13 +483,16 @@ int kvs_cuda_buffer_alloc(uint64_t device, uint64_t size, uint64_t *addr) {
     int rc = hold_device(device, &d);
     if (rc != KVS_OK) return rc;
     kcu_deviceptr p = 0;
-    if ((rc = kcu_enter(&d)) == KVS_OK) rc = KCU(cuMemAlloc, &p, size);
+    struct kvs_region *g = calloc(1, sizeof *g);
+    if (!g) rc = KVS_E_NOMEM;
+    if (rc == KVS_OK && (rc = kcu_enter(&d)) == KVS_OK) rc = KCU(cuMemAlloc, &p, size);
+    int allocated = rc == KVS_OK;
     if (rc == KVS_OK) {
         lock();
         struct kcu_dev *live = kcu_dev_find(device); /* held: still there */
         if (live->nbuffers == live->buffers_cap) {
             uint32_t cap = live->buffers_cap ? 2 * live->buffers_cap : 16;
-            kcu_deviceptr *b = realloc(live->buffers, cap * sizeof *b);
+            uint64_t *b = realloc(live->buffers, cap * sizeof *b);
             if (b) {
                 live->buffers = b;
                 live->buffers_cap = cap;
@@ -497,13 +500,30 @@ int kvs_cuda_buffer_alloc(uint64_t device, uint64_t size, uint64_t *addr) {
                 rc = KVS_E_NOMEM;
             }
         }
-        if (rc == KVS_OK) live->buffers[live->nbuffers++] = p;
+        uint64_t region = 0;
+        if (rc == KVS_OK) {
+            *g = (struct kvs_region){.backend = KVS_BACKEND_CUDA_BUFFER, .addr = p, .size = size, .alloc = device,
+                                     .access = KVS_ACCESS_READ_WRITE};
+            rc = kvs_slots_put(&kvs_g.regions, g, &region);
+        }
+        if (rc == KVS_OK) live->buffers[live->nbuffers++] = region;
         unlock();
-        if (rc != KVS_OK) kcu.cuMemFree(p);
     }
-    if (rc != KVS_OK) unhold_device(device);
-    else *addr = p;
+    if (rc != KVS_OK) {
+        if (allocated) kcu.cuMemFree(p);
+        free(g);
+        unhold_device(device);
+    } else {
+        *addr = p;
+    }
     return rc;
+}
+
+/* Under the lock: the index in d->buffers of the buffer region at addr, or nbuffers. */
+static uint32_t buffer_at(const struct kcu_dev *d, uint64_t addr) {
+    uint32_t i = 0;
+    while (i < d->nbuffers && kvs_region_find(d->buffers[i])->addr != addr) i++;
+    return i;
 }
 
 int kvs_cuda_buffer_free(uint64_t device, uint64_t addr) {
@@ -511,16 +531,28 @@ int kvs_cuda_buffer_free(uint64_t device, uint64_t addr) {
     if (rc != KVS_OK) return rc;
     lock();
     struct kcu_dev *d = kcu_dev_find(device);
-    uint32_t i = 0;
-    while (d && i < d->nbuffers && d->buffers[i] != addr) i++;
-    if (!d || i == d->nbuffers) rc = KVS_E_NOENT; /* only buffers of kvs_cuda_buffer_alloc */
+    uint32_t i = d ? buffer_at(d, addr) : 0;
+    struct kvs_region *g = d && i < d->nbuffers ? kvs_region_find(d->buffers[i]) : NULL;
+    if (!g) rc = KVS_E_NOENT; /* only buffers of kvs_cuda_buffer_alloc */
+    else if (g->pins) rc = KVS_E_PINNED; /* an op in flight reads or writes it */
     else if ((rc = kcu_enter(d)) == KVS_OK) rc = KCU(cuMemFree, addr);
     if (rc == KVS_OK) {
+        kvs_slots_del(&kvs_g.regions, g->id);
+        free(g);
         d->buffers[i] = d->buffers[--d->nbuffers];
         d->objects--;
     }
     unlock();
     return rc;
+}
+
+uint64_t kcu_buffer_region(uint64_t device, uint64_t base, uint64_t size) {
+    struct kcu_dev *d = kcu_dev_find(device);
+    for (uint32_t i = 0; d && i < d->nbuffers; i++) {
+        struct kvs_region *g = kvs_region_find(d->buffers[i]);
+        if (base >= g->addr && size <= g->size && base - g->addr <= g->size - size) return g->id;
+    }
+    return 0;
 }
 
 static int with_device(uint64_t device, struct kcu_dev *d) {

@@ -323,7 +323,11 @@ int kvs_cuda_submit(uint64_t device, const kvs_endpoint *src, const kvs_endpoint
     if (rc == KVS_OK) rc = kcu_enter(d);
     if (rc == KVS_OK) rc = kcu_lane_take(d, &c->lane);
     if (rc == KVS_OK) {
-        rc = kvs_op_external(src->region, dst->region, bytes, nblocks, flags, &c->op, &c->id);
+        /* A buffer kvstate allocated is pinned like a mapping (the one pin rule): the op
+         * names its region, so its free refuses until the device is done with it. */
+        uint64_t sreg = src->region ? src->region : kcu_buffer_region(device, sbase, ssize);
+        uint64_t dreg = dst->region ? dst->region : kcu_buffer_region(device, dbase, dsize);
+        rc = kvs_op_external(sreg, dreg, bytes, nblocks, flags, &c->op, &c->id);
         if (rc == KVS_OK && (rc = kvs_op_step(c->op, KVS_OP_EV_SUBMIT)) != KVS_OK) /* created -> queued: pins */
             kvs_op_drop(c->op);
         if (rc != KVS_OK) kcu_lane_give(d, c->lane);

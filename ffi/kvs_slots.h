@@ -38,6 +38,9 @@ KVS_HIDDEN void *kvs_slots_at(const struct kvs_slots *t, uint32_t slot); /* iter
 /* Which backend made a region: only that backend's unmap and set_access act on it. */
 #define KVS_BACKEND_HOST 0
 #define KVS_BACKEND_CUDA 1
+/* Device memory of kvs_cuda_buffer_alloc: a region only so that ops pin it (the one pin
+ * rule); no unmap or set_access acts on it, and its free refuses while it is pinned. */
+#define KVS_BACKEND_CUDA_BUFFER 2
 
 /* One mapping of memory that ops may touch. pins = explicit (lease) pins + in-flight ops. */
 struct kvs_region {

@@ -241,6 +241,25 @@ def test_hung_exporter_load_times_out_and_recovers() -> None:
 
 
 @needs_nixl
+def test_a_load_target_is_not_deregistered_under_a_read() -> None:
+    """The one pin rule for NIXL regions: a READ in flight pins its local target, so its
+    release (deregistration) is refused until the transfer is done (issue 29)."""
+    with peers(CMDS, 2) as (exporter, importer):
+        exporter.call("start")
+        importer.call("start")
+        handle = exporter.call("export_bank", blocks=BLOCKS, block_bytes=BLOCK, seed=5, generation=1)
+        importer.call("import_bank", handle=handle, size=SIZE, generation=1)
+        _stop(exporter.process.pid)  # the READ stays in flight
+        try:
+            importer.call("load_in_background", blocks=list(range(BLOCKS)), block_bytes=BLOCK, generation=1)
+            assert importer.call("release_target") == "RegionPinned"
+        finally:
+            os.kill(exporter.process.pid, signal.SIGCONT)
+        assert importer.call("load_outcome") == "done"
+        assert importer.call("release_target") == "released"  # nothing in flight: it goes
+
+
+@needs_nixl
 def test_vram_path_on_a_machine_without_gpu() -> None:
     """Device memory is offered only when asked for; forced onto host memory, NIXL refuses
     the VRAM registration with a typed error (this machine has no GPU)."""

@@ -10,6 +10,7 @@ from kvstate.core import errors
 from kvstate.core.capabilities import Access
 from kvstate.core.handles import HandleKind
 from kvstate.transport.cuda import CudaTransport
+from kvstate.transport.cuda.objects import DeviceBuffer
 
 
 def pattern(n: int, salt: int = 0) -> bytes:
@@ -41,6 +42,39 @@ def test_a_gather_copies_blocks_and_pins_until_the_device_is_done(cuda: CudaTran
     assert got[:1000] == data[4096:5096] and got[1000:1024] == data[:24] and got[2048:] == data[8192:12288]
     cuda.free_buffer(dst)
     unmapped(cuda, src)
+
+
+@pytest.mark.parametrize("direction", ["into", "out of"])
+def test_a_device_buffer_is_not_freed_under_a_copy(cuda: CudaTransport, shim: Shim, direction: str) -> None:
+    """The one pin rule for device buffers: an op in flight that reads or writes a buffer of
+    alloc_buffer pins it, and free_buffer refuses until the device finished (issue 29)."""
+    m = mapped(cuda, Access.READ_WRITE)
+    buf = cuda.alloc_buffer(8192)
+    inner = DeviceBuffer(buf.ptr + 4096, 1024)  # an end inside the buffer pins it too
+    shim.stall(True)
+    op = cuda.submit_copy(m, inner, 1024) if direction == "into" else cuda.submit_copy(inner, m, 1024)
+    with pytest.raises(errors.RegionPinned):
+        cuda.free_buffer(buf)
+    shim.stall(False)
+    assert op.result(5.0).state == "done"
+    assert shim.violations().count == 0, shim.violations()
+    cuda.free_buffer(buf)  # the device is done: now it goes
+    with pytest.raises(errors.UnknownNativeObject):
+        cuda.free_buffer(buf)
+    unmapped(cuda, m)
+
+
+def test_caller_memory_is_not_kvstates_to_pin(cuda: CudaTransport, shim: Shim) -> None:
+    """Memory kvstate did not allocate (a tensor's data_ptr) names no buffer: nothing to refuse."""
+    m = mapped(cuda, Access.READ_WRITE)
+    a, b = cuda.alloc_buffer(4096), cuda.alloc_buffer(4096)
+    shim.stall(True)
+    op = cuda.submit_copy(m, a, 4096)
+    cuda.free_buffer(b)  # another buffer: not touched by the op
+    shim.stall(False)
+    assert op.result(5.0).state == "done"
+    cuda.free_buffer(a)
+    unmapped(cuda, m)
 
 
 def test_no_access_refuses_the_op_before_anything_is_pinned(cuda: CudaTransport, shim: Shim) -> None:

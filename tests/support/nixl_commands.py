@@ -173,3 +173,38 @@ def import_renamed(state: State, handle: bytes, size: int, generation: int, name
     import attrs
     forged = attrs.evolve(decode(handle), agent_name=name).encode()
     state["t"].import_(forged, size, generation=generation)
+
+
+def load_in_background(state: State, blocks: list[int], block_bytes: int, generation: int,
+                       timeout: float = 20.0) -> None:
+    """Start a load on a thread (its outcome: ``load_outcome``), e.g. against a stopped exporter."""
+    import threading
+
+    def run() -> None:
+        try:
+            state["t"].load(state["remotes"][generation], state["dst"], blocks, block_bytes=block_bytes,
+                            lease=state["lease"], timeout=timeout)
+            state["outcome"] = "done"
+        except Exception as exc:
+            state["outcome"] = type(exc).__name__
+
+    state["loader"] = threading.Thread(target=run)
+    state["loader"].start()
+    deadline = time.monotonic() + 10
+    while state["dst"].pins == 0 and "outcome" not in state and time.monotonic() < deadline:
+        time.sleep(0.001)  # until the load holds its pin (or ended)
+
+
+def load_outcome(state: State) -> str:
+    state["loader"].join(30)
+    return str(state.pop("outcome", "running"))
+
+
+def release_target(state: State) -> str:
+    """Release the load target; the error's class name when refused (the target stays)."""
+    try:
+        state["t"].release(state["dst"])
+    except Exception as exc:
+        return type(exc).__name__
+    del state["dst"]
+    return "released"

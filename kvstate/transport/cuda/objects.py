@@ -44,9 +44,11 @@ class CudaMapping:
 
 @attrs.frozen
 class DeviceBuffer:
-    """Device memory the caller owns (e.g. a KV-cache tensor's ``data_ptr()``, or
-    ``CudaTransport.alloc_buffer``), an end of a gather. It is not pinned by ops: keep it
-    alive until every op that uses it was reaped."""
+    """Device memory as an end of a gather: a buffer of ``CudaTransport.alloc_buffer``, or
+    memory the caller owns (e.g. a KV-cache tensor's ``data_ptr()``). An op pins a buffer
+    of ``alloc_buffer`` for its life (``free_buffer`` refuses with RegionPinned until the
+    device is done with it); the caller's own memory kvstate cannot pin: keep it alive
+    until every op that uses it was reaped."""
 
     ptr: int
     nbytes: int

@@ -56,6 +56,7 @@ from kvstate.core.errors import (
     BackendUnavailable,
     KvStateError,
     LeaseEnded,
+    RegionPinned,
     NixlError,
     NixlHandleRejected,
     NixlOperationFailed,
@@ -177,6 +178,10 @@ class NixlAllocation:
     owned: mmap.mmap | None  # the mapping kvstate created, or None for registered memory
     local_dlists: dict[int, Any] = attrs.field(factory=dict)  # block bytes -> prepped dlist
     released: bool = False
+    #: Loads in flight into it (the one pin rule): release refuses while any is. A load
+    #: whose unfinished transfer could not be released keeps its pin for good, since NIXL
+    #: may still write here.
+    pins: int = 0
 
     def view(self) -> memoryview:
         """The bytes of a host allocation kvstate created (tests, benchmarks, fill)."""
@@ -241,6 +246,7 @@ class NixlTransport:
             scopes=frozenset({Scope.SAME_NODE, Scope.CROSS_NODE}),
         )
         self._allocations: list[NixlAllocation] = []
+        self._pins = threading.Lock()  # NixlAllocation.pins and release decide under it
         self._remotes: dict[str, NixlRemote] = {}
         self._latest_generation: dict[str, int] = {}
         self._closed = False
@@ -342,12 +348,16 @@ class NixlTransport:
 
         The caller must know no lease on it is live: NIXL would not stop a peer's READ.
         """
-        self._check_live(allocation)
+        with self._pins:
+            self._check_live(allocation)
+            if allocation.pins:
+                raise RegionPinned("release", 0, f"{allocation.pins} load(s) in flight into the allocation at "
+                                   f"{allocation.addr:#x}; NIXL would let them write after deregistration")
+            allocation.released = True  # no load starts on it from here
         for dlist in allocation.local_dlists.values():
             _call("release_dlist_handle", self._agent.release_dlist_handle, dlist)
         allocation.local_dlists.clear()
         _call("deregister_memory", self._agent.deregister_memory, allocation.reg, backends=[BACKEND])
-        allocation.released = True
         self._allocations.remove(allocation)
         if allocation.owned is not None:
             try:
@@ -382,19 +392,32 @@ class NixlTransport:
         n_src, n_dst = remote.size // block_bytes, dst.size // block_bytes
         if src.min() < 0 or src.max() >= n_src or dst_idx.min() < 0 or dst_idx.max() >= n_dst:
             raise ValueError(f"block index out of range (remote has {n_src}, local has {n_dst} blocks)")
-        local_list = self._local_dlist(dst, block_bytes)
-        remote_list = self._remote_dlist(remote, block_bytes)
-        xfer = _call("make_prepped_xfer", self._agent.make_prepped_xfer, "READ",
-                     local_list, dst_idx.astype(np.int32), remote_list, src.astype(np.int32))
+        with self._pins:
+            self._check_live(dst)  # again: a release may have begun since the check above
+            dst.pins += 1
+        unpin = True
         try:
-            self._wait(xfer, timeout)
-        except BaseException as exc:
-            try:  # releasing an unfinished transfer asks NIXL to cancel it
-                _call("release_xfer_handle", self._agent.release_xfer_handle, xfer)
-            except NixlOperationFailed as release_exc:
-                exc.add_note(f"releasing the transfer also failed: {release_exc}")
-            raise
-        _call("release_xfer_handle", self._agent.release_xfer_handle, xfer)
+            local_list = self._local_dlist(dst, block_bytes)
+            remote_list = self._remote_dlist(remote, block_bytes)
+            xfer = _call("make_prepped_xfer", self._agent.make_prepped_xfer, "READ",
+                         local_list, dst_idx.astype(np.int32), remote_list, src.astype(np.int32))
+            try:
+                self._wait(xfer, timeout)
+            except BaseException as exc:
+                try:  # releasing an unfinished transfer asks NIXL to cancel it
+                    _call("release_xfer_handle", self._agent.release_xfer_handle, xfer)
+                except NixlOperationFailed as release_exc:
+                    unpin = False  # NIXL may still write into dst: it stays pinned for good
+                    exc.add_note(f"releasing the transfer also failed: {release_exc}; its target stays pinned")
+                raise
+            _call("release_xfer_handle", self._agent.release_xfer_handle, xfer)
+        finally:
+            if unpin:
+                self._unpin(dst)
+
+    def _unpin(self, allocation: NixlAllocation) -> None:
+        with self._pins:
+            allocation.pins -= 1
 
     def _wait(self, xfer: Any, timeout: float) -> None:
         state = _call("transfer", self._agent.transfer, xfer)
