@@ -260,6 +260,42 @@ def test_a_load_target_is_not_deregistered_under_a_read() -> None:
 
 
 @needs_nixl
+def test_an_importer_reads_two_banks_of_one_exporter_process() -> None:
+    """One view per bank, not per agent: both banks of one exporter process are imported
+    side by side and each reads its own bytes (the second import used to fail, "generation
+    0 is already imported")."""
+    with peers(CMDS, 2) as (exporter, importer):
+        exporter.call("start")
+        importer.call("start")
+        descriptors = exporter.call("export_banks", banks=2, blocks=BLOCKS, block_bytes=BLOCK, seed=9)
+        for d in descriptors:
+            importer.call("import_descriptor", descriptor=d)
+        assert importer.call("load_rank", rank=1, blocks=[0, 5], block_bytes=BLOCK, seed=9) is True
+        assert importer.call("load_rank", rank=0, blocks=[3], block_bytes=BLOCK, seed=9) is True
+        exporter.call("stop_exporter")
+
+
+@needs_nixl
+def test_the_nixl_record_carries_the_banks_generation() -> None:
+    """The record inside a descriptor names the bank's generation (it said 0 whatever the
+    generation), so a record of an older generation is refused by the record's own check."""
+    with peers(CMDS, 2) as (exporter, importer):
+        exporter.call("start")
+        importer.call("start")
+        (first,) = exporter.call("export_banks", banks=1, blocks=BLOCKS, block_bytes=BLOCK, seed=9)
+        got = importer.call("import_descriptor", descriptor=first)
+        assert got["generation"] == got["record_generation"] == 1
+        second = exporter.call("readvertise", rank=0)
+        got = importer.call("import_descriptor", descriptor=second)  # a newer generation supersedes the view
+        assert got["generation"] == got["record_generation"] == 2
+        assert importer.call("load_rank", rank=0, blocks=[1], block_bytes=BLOCK, seed=9) is True
+        with pytest.raises(PeerError) as stale:
+            importer.call("import_descriptor", descriptor=first)
+        assert stale.value.kind == "kvstate.core.errors.NixlStaleGeneration"
+        exporter.call("stop_exporter")
+
+
+@needs_nixl
 def test_vram_path_on_a_machine_without_gpu() -> None:
     """Device memory is offered only when asked for; forced onto host memory, NIXL refuses
     the VRAM registration with a typed error (this machine has no GPU)."""

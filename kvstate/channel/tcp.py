@@ -173,16 +173,6 @@ def _handshake_client(ch: TcpChannel, deployment: Deployment, timeout: float) ->
             raise PeerUnauthenticated(f"{ch.address}: the server does not hold this deployment's key")
 
 
-def _handshake_server(ch: TcpChannel, deployment: Deployment, timeout: float) -> None:
-    nonce_s = os.urandom(_NONCE)
-    ch.send(nonce_s, timeout=timeout)
-    with ch.recv(timeout) as msg:
-        nonce_c, mac = msg.payload[:_NONCE], msg.payload[_NONCE:]
-    if len(nonce_c) != _NONCE or not hmac.compare_digest(mac, _mac(deployment, b"client", nonce_s, nonce_c)):
-        raise PeerUnauthenticated(f"{ch.address}: the client does not hold this deployment's key")
-    ch.send(_mac(deployment, b"server", nonce_c, nonce_s), timeout=timeout)
-
-
 def connect_tcp(address: str, deployment: Deployment, *, timeout: float = DEFAULT_TIMEOUT,
                 limits: Limits = Limits()) -> TcpChannel:
     """Connect to ``tcp://HOST:PORT`` and prove, both ways, that the peer holds the key."""
@@ -205,18 +195,76 @@ def connect_tcp(address: str, deployment: Deployment, *, timeout: float = DEFAUL
     return ch
 
 
+#: Handshakes under way at once: an unauthenticated peer costs a socket and a few bytes
+#: here, never a thread or a served connection's slot. Past this, the oldest is dropped.
+MAX_HANDSHAKES = 256
+#: The most a handshake may take, whatever the exporter's request timeout: a real
+#: importer answers in one round trip.
+HANDSHAKE_S = 2.0
+_CLIENT_PROOF = HEADER.size + 2 * _NONCE  # header, nonce_c, MAC
+
+
+class _Handshake:
+    """One unauthenticated peer, stepped without blocking by the accept loop (the server's
+    side of the challenge and response in the module docstring)."""
+
+    def __init__(self, sock: socket.socket, deployment: Deployment, deadline: float) -> None:
+        self.sock = sock
+        self.deadline = deadline
+        self.nonce = os.urandom(_NONCE)
+        self.got = b""
+        self._nonce_c = b""
+        self._deployment = deployment
+        sock.setblocking(False)
+        _send_now(sock, HEADER.pack(MAGIC, _NONCE, 0) + self.nonce)
+
+    def step(self) -> bool:
+        """Read what has arrived; True once the peer proved it holds the key, False while
+        more is due. PeerUnauthenticated or OSError: drop it."""
+        try:
+            chunk = self.sock.recv(_CLIENT_PROOF - len(self.got))
+        except BlockingIOError:
+            return False
+        if not chunk:
+            raise PeerUnauthenticated("closed during the handshake")
+        self.got += chunk
+        if len(self.got) < _CLIENT_PROOF:
+            return False
+        magic, length, nfds = HEADER.unpack(self.got[:HEADER.size])
+        nonce_c, mac = self.got[HEADER.size:HEADER.size + _NONCE], self.got[HEADER.size + _NONCE:]
+        if magic != MAGIC or length != 2 * _NONCE or nfds != 0 or \
+                not hmac.compare_digest(mac, _mac(self._deployment, b"client", self.nonce, nonce_c)):
+            raise PeerUnauthenticated("the client does not hold this deployment's key")
+        self._nonce_c = nonce_c
+        return True
+
+    def answer(self) -> None:
+        """Prove this server holds the key too: the handshake's last message."""
+        proof = _mac(self._deployment, b"server", self._nonce_c, self.nonce)
+        _send_now(self.sock, HEADER.pack(MAGIC, len(proof), 0) + proof)
+
+
+def _send_now(sock: socket.socket, data: bytes) -> None:
+    """A handshake message goes whole into a fresh socket's buffer, or the peer is dropped."""
+    if sock.send(data) != len(data):
+        raise PeerUnauthenticated("the handshake did not fit the socket's buffer")
+
+
 class TcpServer:
-    """A listening TCP socket; each accepted peer is authenticated, then handed to the
-    handler on its own thread (at most ``max_connections`` at once)."""
+    """A listening TCP socket. Peers are authenticated by one thread that steps every
+    handshake without blocking (at most :data:`MAX_HANDSHAKES` at once, each within
+    :data:`HANDSHAKE_S`; past the cap the oldest goes), so idle or slow unauthenticated
+    connections hold no thread and no slot of a served one. Each authenticated peer is
+    handed to the handler on its own thread, at most ``max_connections`` at once."""
 
     def __init__(self, host: str, port: int, deployment: Deployment, *, limits: Limits = Limits(),
                  max_connections: int = 128, handshake_timeout: float = 5.0) -> None:
         self.deployment = deployment
         self.limits = limits
-        self.handshake_timeout = handshake_timeout
+        self.handshake_timeout = min(handshake_timeout, HANDSHAKE_S)
         self._slots = threading.BoundedSemaphore(max_connections)
         try:
-            self._sock = socket.create_server((host, port), reuse_port=False)
+            self._sock = socket.create_server((host, port), reuse_port=False, backlog=1024)
         except (OSError, OverflowError, TypeError, ValueError) as exc:  # in use, no such host, bad port
             raise ChannelError(f"cannot listen on {host!r:.60} port {port!r:.10}: {exc}") from None
         self._sock.setblocking(False)
@@ -226,14 +274,14 @@ class TcpServer:
         self._thread: threading.Thread | None = None
 
     def serve_in_thread(self, handler: Callable[[Channel], None], *, name: str = "kvstate-tcp-accept") -> None:
+        pending: dict[int, _Handshake] = {}  # fd -> handshake, oldest first
+
+        def drop(fd: int, why: object) -> None:
+            hs = pending.pop(fd)
+            log.info("refused a tcp peer: %s", why)
+            hs.sock.close()
+
         def run_one(ch: TcpChannel) -> None:
-            try:
-                _handshake_server(ch, self.deployment, self.handshake_timeout)
-            except Exception as exc:  # whatever the peer did, its slot comes back
-                log.warning("refused a tcp peer %s: %s", ch.address, exc)
-                ch.close()
-                self._slots.release()
-                return
             try:
                 handler(ch)
             except Exception:
@@ -242,36 +290,72 @@ class TcpServer:
             finally:
                 self._slots.release()
 
-        def loop() -> None:
-            while not self._closed:
-                p = select.poll()
-                try:
-                    p.register(self._sock, select.POLLIN)
-                except ValueError:
-                    return  # closed
-                if not p.poll(100):
-                    continue
+        def serve(hs: _Handshake) -> None:
+            """An authenticated peer: a served slot, the handshake's answer and a thread; or
+            it is closed unanswered (every slot taken: its handshake ends in EOF)."""
+            if not self._slots.acquire(blocking=False):
+                hs.sock.close()
+                return
+            try:
+                hs.answer()
+                ch = TcpChannel(hs.sock, limits=self.limits)
+            except (OSError, PeerUnauthenticated) as exc:  # it left meanwhile (ENOTCONN, EPIPE)
+                log.info("a tcp peer left before it was served: %s", exc)
+                hs.sock.close()
+                self._slots.release()
+                return
+            try:
+                threading.Thread(target=run_one, args=(ch,), name=f"{name}-{ch.address[1]}", daemon=True).start()
+            except RuntimeError as exc:
+                log.warning("cannot serve tcp peer %s: %s", ch.address, exc)
+                ch.close()
+                self._slots.release()
+
+        def accept_all() -> None:
+            while True:
                 try:
                     conn, _ = self._sock.accept()
                 except (BlockingIOError, OSError):
-                    continue
-                if not self._slots.acquire(blocking=False):
+                    return
+                if len(pending) >= MAX_HANDSHAKES:
+                    drop(next(iter(pending)), "too many handshakes at once: the oldest goes")
+                try:
+                    hs = _Handshake(conn, self.deployment, time.monotonic() + self.handshake_timeout)
+                except (OSError, PeerUnauthenticated) as exc:  # reset before the accept, and the like
+                    log.info("refused a tcp peer at its accept: %s", exc)
                     conn.close()
                     continue
-                # A peer that reset before the accept (ENOTCONN), or no thread to serve it:
-                # that peer is refused, its slot freed, and this loop goes on accepting.
-                try:
-                    ch = TcpChannel(conn, limits=self.limits)
-                except OSError as exc:
-                    log.info("a tcp peer left before it was served: %s", exc)
-                    self._slots.release()
-                    continue
-                try:
-                    threading.Thread(target=run_one, args=(ch,), name=f"{name}-{ch.address[1]}", daemon=True).start()
-                except RuntimeError as exc:
-                    log.warning("cannot serve tcp peer %s: %s", ch.address, exc)
-                    ch.close()
-                    self._slots.release()
+                pending[conn.fileno()] = hs
+
+        def loop() -> None:
+            try:
+                while not self._closed:
+                    p = select.poll()
+                    try:
+                        p.register(self._sock, select.POLLIN)
+                    except ValueError:
+                        return  # closed
+                    for fd in pending:
+                        p.register(fd, select.POLLIN)
+                    now = time.monotonic()
+                    wait = min([100, *(max(0, int((h.deadline - now) * 1000) + 1) for h in pending.values())])
+                    for fd, _ in p.poll(wait):
+                        if fd == self._sock.fileno():
+                            accept_all()
+                        elif fd in pending:
+                            try:
+                                done = pending[fd].step()
+                            except (OSError, PeerUnauthenticated) as exc:
+                                drop(fd, exc)
+                                continue
+                            if done:
+                                serve(pending.pop(fd))
+                    now = time.monotonic()
+                    for fd in [fd for fd, h in pending.items() if h.deadline <= now]:
+                        drop(fd, f"no handshake within {self.handshake_timeout} s")
+            finally:
+                for fd in list(pending):
+                    drop(fd, "the server closed")
 
         self._thread = threading.Thread(target=loop, name=name, daemon=True)
         self._thread.start()

@@ -92,6 +92,7 @@ from kvstate.core.capabilities import Access
 from kvstate.core.errors import TransportUnsuitable
 from kvstate.transport.protocol import A, E, H, HostView, M, MappedTransport, R, require_mapped
 from kvstate.share import status, store
+from kvstate.transport.nixl import handle as nixl_handle
 from kvstate.share.plan import Plan
 from kvstate.share.transfer import TransferHandle, stop_dispatcher_if_idle
 
@@ -198,6 +199,13 @@ DESCRIBED = frozenset({"advertised", "importing", "ready", "draining"})
 
 #: The type of each scalar request field; ``blocks`` is checked by the inventory.
 _REQUEST_FIELDS: dict[str, type] = {"op": str, "rank": int, "lease": int, "generation": int, "incarnation": str}
+
+
+def _stamped(kind: HandleKind, identity: bytes, generation: int) -> bytes:
+    """The handle bytes a descriptor of ``generation`` carries: a NIXL record names its
+    generation itself (registered once, stamped at each advertise), so an importer's check
+    of the record against the descriptor can find a stale one."""
+    return nixl_handle.at_generation(identity, generation) if kind is HandleKind.NIXL else identity
 
 
 class Bank(Lifecycle, Generic[H, A, R, M, E]):
@@ -399,7 +407,7 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
                                 ex.node), host_boot_id=ex.boot_id,
             device_uuid=self.transport.device_uuid(), incarnation=ex.incarnation.value, pid=os.getpid(),
             rank=self.rank, tp=ex.config.tp, geometry=self.geometry, handle_kind=handle.kind,
-            handle=handle.identity, size=self.size, granularity=self.transport.granularity(),
+            handle=_stamped(handle.kind, handle.identity, self.generation), size=self.size, granularity=self.transport.granularity(),
             generation=self.generation, expires_at_ns=self.descriptor_expires_ns,
             socket_path=ex.lease_address, inventory_epoch=self.inventory_epoch,
         )

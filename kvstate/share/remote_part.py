@@ -101,7 +101,8 @@ class RemotePart(Part[H, A, R, M, E]):
             raise LeaseRefused("not_leased", f"{self.label} holds no lease to open")
         timeout = self.group.importer.config.request_timeout_s
         with ExitStack() as undo:
-            remote = self.nixl.import_(d.handle, d.size)  # checks the handle bytes before NIXL sees them
+            # the handle bytes are checked, against the descriptor's generation too, before NIXL sees them
+            remote = self.nixl.import_(d.handle, d.size, generation=d.generation)
             undo.callback(self.nixl.close_remote, remote, "import rolled back")
             with self._channel_lock:
                 ch.send(chan.encode({"op": "mapped", "rank": d.rank, "lease": self.lease_id}), timeout=timeout)

@@ -281,3 +281,56 @@ def test_the_exporters_connection_limit_holds_over_tcp_too(socket_dir: Path) -> 
         for c in chans:
             c.close()
         ex.stop()
+
+
+FLOOD = """
+import socket, sys, time
+port, n = int(sys.argv[1]), int(sys.argv[2])
+socks = []
+for i in range(n):
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    socks.append(s)
+print("connected", flush=True)
+end = time.monotonic() + 30
+while time.monotonic() < end and sys.stdin.readable():
+    for s in socks[::2]:  # half of them drip a byte now and then; the others stay idle
+        try:
+            s.send(b"K")
+        except OSError:
+            pass
+    time.sleep(0.2)
+"""
+
+
+def test_unauthenticated_peers_cannot_hold_the_servers_slots(socket_dir: Path) -> None:
+    """1,000 idle or slow connections that never authenticate: they hold no thread and no
+    served slot (their handshakes have a budget of their own), and a real importer is
+    still served, again and again, while they stay connected."""
+    import subprocess
+    import sys
+
+    from kvstate.share import status
+
+    config = _config(socket_dir, ("127.0.0.1", 0), handle_kind=HandleKind.NIXL, max_connections=8)
+    ex = Exporter(config, HostTransport(granularity=64 * 1024), name="flooded")
+    ex.start()
+    threads = threading.active_count()
+    _, port = parse_address(ex.lease_address)
+    flood = subprocess.Popen([sys.executable, "-c", FLOOD, str(port), "1000"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert flood.stdout is not None and flood.stdout.readline() == "connected\n"
+        for _ in range(10):
+            with connect_tcp(ex.lease_address, KEY, timeout=5.0) as ch:  # never refused for the flood
+                ch.send(chan.encode(status.REQUEST), timeout=5.0)
+                with ch.recv(timeout=5.0) as msg:
+                    assert chan.decode(msg.payload)["kind"] == "exporter"
+        assert flood.poll() is None  # the flood was still connected throughout
+        assert threading.active_count() <= threads + 2  # no thread per unauthenticated peer
+    finally:
+        flood.kill()
+        flood.wait(10)
+        assert flood.stdout is not None and flood.stdin is not None
+        flood.stdout.close()
+        flood.stdin.close()
+        ex.stop()

@@ -208,3 +208,80 @@ def release_target(state: State) -> str:
         return type(exc).__name__
     del state["dst"]
     return "released"
+
+
+# -- an exporter process with several banks, through NIXL (the exporter's own path) ------
+
+BANKS_DEPLOYMENT_KEY = bytes(range(32))
+
+
+def export_banks(state: State, banks: int, blocks: int, block_bytes: int, seed: int) -> list[bytes]:
+    """One Exporter (handle kind nixl, leases over TCP) with ``banks`` banks in this
+    process, bank r filled with ``seed + r``; their descriptors."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from kvstate.core.geometry import DType, Geometry, Layout
+    from kvstate.core.identity import Deployment
+    from kvstate.share.exporter import ExportConfig, Exporter
+    from kvstate.transport.host import HostTransport
+    from kvstate.transport.nixl.exporting import NixlExportingHost
+
+    t = NixlExportingHost(HostTransport(granularity=64 * 1024), state["t"])
+    d = Path(tempfile.mkdtemp(prefix="kvs-nx-"))
+    os.chmod(d, 0o700)
+    config = ExportConfig(Deployment("nixl-banks", BANKS_DEPLOYMENT_KEY), d / "s", os.urandom(16), banks,
+                          handle_kind=HandleKind.NIXL, tcp_listen=("127.0.0.1", 0))
+    ex = Exporter(config, t, name="banks")
+    g = Geometry.uniform(layers=1, kv_heads=1, head_dim=block_bytes // 4, block_tokens=1, dtype=DType.BF16,
+                         layout=Layout.LAYER_MAJOR, num_blocks=blocks)
+    assert g.block_bytes == block_bytes
+    for r in range(banks):
+        bank = ex.add_bank(r, g)
+        bank.register()
+        view = np.frombuffer(bank.view(), dtype=np.uint8)
+        view[:blocks * block_bytes].reshape(blocks, block_bytes)[:] = pattern(seed + r, np.arange(blocks), block_bytes)
+        del view
+        bank.advertise()
+    ex.start()
+    state["exporter"] = ex
+    return [ex.descriptor(r) for r in range(banks)]
+
+
+def readvertise(state: State, rank: int) -> bytes:
+    """A new generation of bank ``rank``: its new descriptor."""
+    ex = state["exporter"]
+    ex.banks[rank].advertise()
+    return bytes(ex.descriptor(rank))
+
+
+def import_descriptor(state: State, descriptor: bytes) -> dict[str, Any]:
+    """Import the bank a descriptor names through NIXL (the record checked against the
+    descriptor's generation), as RemotePart does; kept by rank."""
+    from kvstate.core.descriptor import decode as decode_descriptor
+    from kvstate.core.identity import Deployment
+
+    d = decode_descriptor(descriptor, Deployment("nixl-banks", BANKS_DEPLOYMENT_KEY))
+    remote = state["t"].import_(d.handle, d.size, generation=d.generation)
+    state.setdefault("views", {})[d.rank] = remote
+    return {"rank": d.rank, "generation": d.generation, "record_generation": decode(d.handle).generation}
+
+
+def load_rank(state: State, rank: int, blocks: list[int], block_bytes: int, seed: int) -> bool:
+    """Load blocks of rank ``rank``'s bank and compare them with ``seed + rank``'s pattern."""
+    t: NixlTransport = state["t"]
+    remote = state["views"][rank]
+    if "dst" not in state:
+        state["dst"] = t.create(remote.size)
+    gate = LeaseGate(remote.agent_name, requested_at_ns=time.monotonic_ns(), duration_s=60.0)
+    t.load(remote, state["dst"], blocks, block_bytes=block_bytes, lease=gate, timeout=20.0)
+    got = np.frombuffer(state["dst"].view(), dtype=np.uint8)[:len(blocks) * block_bytes].reshape(len(blocks),
+                                                                                                  block_bytes)
+    return bool(np.array_equal(got, pattern(seed + rank, np.array(blocks), block_bytes)))
+
+
+def stop_exporter(state: State) -> None:
+    ex = state.pop("exporter")
+    ex.stop()
+    ex.drain(10.0)

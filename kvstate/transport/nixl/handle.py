@@ -100,6 +100,12 @@ class NixlHandle:
     def size(self) -> int:
         return sum(r.length for r in self.regions)
 
+    @property
+    def bank(self) -> tuple[str, int]:
+        """Which bank of which agent this record describes, whatever its generation: an
+        importer keeps one view per bank (a process may export several)."""
+        return self.agent_name, self.regions[0].addr
+
     def encode(self) -> bytes:
         """The canonical handle bytes; refuses a record that decode would refuse."""
         return encode(self)
@@ -199,3 +205,9 @@ def decode(data: bytes, *, generation: int | None = None) -> NixlHandle:
         raise _reject(HandleDefect.GENERATION, f"record of generation {gen} inside a descriptor of generation {generation}")
     return NixlHandle(agent_name=name, metadata=metadata, regions=regions, generation=gen,
                       memory=_MEMORY_BY_CODE[memory])
+
+
+def at_generation(data: bytes, generation: int) -> bytes:
+    """The same record stamped with ``generation``: an exporter registers a bank once and
+    stamps each generation it advertises, so the record's own stale check can fire."""
+    return attrs.evolve(decode(data), generation=generation).encode()

@@ -247,8 +247,8 @@ class NixlTransport:
         )
         self._allocations: list[NixlAllocation] = []
         self._pins = threading.Lock()  # NixlAllocation.pins and release decide under it
-        self._remotes: dict[str, NixlRemote] = {}
-        self._latest_generation: dict[str, int] = {}
+        self._remotes: dict[tuple[str, int], NixlRemote] = {}     # one view per bank (NixlHandle.bank)
+        self._latest_generation: dict[tuple[str, int], int] = {}
         self._closed = False
 
     # -- the Backend and ExportingTransport protocols -----------------------------------
@@ -322,26 +322,32 @@ class NixlTransport:
             raise NixlHandleRejected(HandleDefect.REGIONS, f"handle covers {h.size} bytes; the descriptor says {size}")
         if h.agent_name == self.agent_name:
             raise NixlHandleRejected(HandleDefect.AGENT_NAME, "the handle names this process's own agent")
-        latest = self._latest_generation.get(h.agent_name)
+        bank = h.bank
+        where = f"{h.agent_name} bank at {bank[1]:#x}"
+        latest = self._latest_generation.get(bank)
         if latest is not None and h.generation < latest:
             raise NixlStaleGeneration(HandleDefect.STALE_GENERATION,
-                                      f"{h.agent_name}: generation {h.generation}, but {latest} was already imported")
-        previous = self._remotes.get(h.agent_name)
+                                      f"{where}: generation {h.generation}, but {latest} was already imported")
+        previous = self._remotes.get(bank)
         if previous is not None:
             if previous.generation == h.generation:
-                raise NixlError(f"{h.agent_name} generation {h.generation} is already imported")
+                raise NixlError(f"{where} generation {h.generation} is already imported")
             self.close_remote(previous, why=f"superseded by generation {h.generation}")
+        # Loading partial metadata again for a known agent adds this bank's registration.
         loaded = _call("add_remote_agent", self._agent.add_remote_agent, h.metadata)
         loaded_name = loaded.decode("ascii", "replace") if isinstance(loaded, bytes) else str(loaded)
         if loaded_name != h.agent_name:
-            if loaded_name not in self._remotes:  # never drop another view's metadata
+            if self._agent_views(loaded_name) == 0:  # never drop another view's metadata
                 _call("remove_remote_agent", self._agent.remove_remote_agent, loaded_name)
             raise NixlHandleRejected(HandleDefect.AGENT_NAME,
                                      f"metadata is for agent {loaded_name!r}, the handle names {h.agent_name!r}")
         remote = NixlRemote(handle=h, agent_name=loaded_name)
-        self._remotes[h.agent_name] = remote
-        self._latest_generation[h.agent_name] = h.generation
+        self._remotes[bank] = remote
+        self._latest_generation[bank] = h.generation
         return remote
+
+    def _agent_views(self, agent_name: str) -> int:
+        return sum(1 for a, _ in self._remotes if a == agent_name)
 
     def release(self, allocation: NixlAllocation) -> None:
         """Release local prepared lists, then deregister (and unmap what create mapped).
@@ -470,9 +476,10 @@ class NixlTransport:
             _call("release_dlist_handle", self._agent.release_dlist_handle, dlist)
         remote.remote_dlists.clear()
         remote.closed = why
-        if self._remotes.get(remote.agent_name) is remote:
-            del self._remotes[remote.agent_name]
-        _call("remove_remote_agent", self._agent.remove_remote_agent, remote.agent_name)
+        if self._remotes.get(remote.handle.bank) is remote:
+            del self._remotes[remote.handle.bank]
+        if self._agent_views(remote.agent_name) == 0:  # the agent's metadata serves no other view
+            _call("remove_remote_agent", self._agent.remove_remote_agent, remote.agent_name)
 
     def close(self) -> None:
         """Tear everything down in NIXL's order. Transfers are already released after
