@@ -6,7 +6,7 @@ VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-vllm demo-vllm bench-vllm spec docs generate check clean bench spin bench-models fuzz soak cudashim gpucheck mutants
+.PHONY: demo test test-fast test-vllm demo-vllm bench-vllm spec docs generate check clean bench spin bench-models fuzz soak churn cudashim gpucheck mutants
 
 # Spin for the model tests: installed from Debian when we can (root or sudo); otherwise the
 # model tests skip loudly (and fail when CI is set).
@@ -112,6 +112,13 @@ fuzz: $(STAMP)
 MUTANTS_ARGS ?=
 mutants: $(STAMP) spin
 	PYTHONPATH=tests $(VPY) -m support.mutants $(MUTANTS_ARGS)
+
+# Lease churn: 32 importer processes against one tp=4 exporter group for CHURN_SECONDS, with a
+# SIGKILL every half second; prints import latency p50/p99 and leases/s, and fails if the
+# exporters' fds, RSS or threads grow after warm-up (tests/soak/churn.py; 30 s of it run in make test).
+CHURN_SECONDS ?= 600
+churn: $(STAMP)
+	PYTHONPATH=tests $(VPY) -c 'import sys; from soak.churn import main; sys.exit(main(sys.argv[1:]))' --seconds $(CHURN_SECONDS)
 
 soak: $(STAMP)
 	$(VPY) -c 'import sys; from kvstate.harness.soak import main; sys.exit(main(sys.argv[1:]))' --cycles $(SOAK_CYCLES)

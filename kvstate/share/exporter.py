@@ -723,14 +723,16 @@ class Exporter(Generic[H, A, R, M, E]):
                     return granted
                 blocks = granted
             lease_id = next(self._lease_ids)
-            try:
-                bank.fire("grant_lease", lease_id=lease_id, channel=ch, blocks=blocks)
-            except TransitionError as exc:
-                if blocks is not None and self.inventory is not None:
-                    self.inventory.release(blocks)
-                return self._refuse("not_leasing", str(exc))
-            lease = bank.leases[lease_id]
-            remaining = lease.expires_at - time.monotonic()
+            # Granted and read under the bank's lock: the watcher may end the lease the
+            # moment it exists (its importer died), and the answer must not read it half gone.
+            with bank.locked():
+                try:
+                    bank.fire("grant_lease", lease_id=lease_id, channel=ch, blocks=blocks)
+                except TransitionError as exc:
+                    if blocks is not None and self.inventory is not None:
+                        self.inventory.release(blocks)
+                    return self._refuse("not_leasing", str(exc))
+                remaining = bank.leases[lease_id].expires_at - time.monotonic()
             fd = bank.exported().fd
             fds = () if fd is None else (fd,)  # FABRIC and CUDA_IPC carry bytes only
             return {"ok": True, "lease": lease_id, "expires_in_s": remaining, "bank": bank.lease_report()}, fds
