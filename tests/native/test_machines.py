@@ -20,7 +20,7 @@ from kvstate.derive.header import machine_header
 from kvstate.transport import native
 from kvstate.transport.machines import EFFECT, NativeTable, native_table
 from native.helpers import build_variant_lib
-from native.test_machine_differential import REFERENCE, SPECS, draw_step, reference_attempt, reference_class
+from support.differential import REFERENCE, SPECS, draw_step, reference_attempt, reference_class
 
 
 def leased_bank() -> Any:
