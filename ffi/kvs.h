@@ -311,8 +311,8 @@ int kvs_machine_fire(kvs_machine_inst *m, int32_t event, uint64_t holds, kvs_eff
 /* kvs_machine_fire with a planned effect callback, for callers without one of their own
  * (Python: the differential test, replays): effect g fails with KVS_E_INJECTED when bit g
  * of fail_effects is set, and its undo when bit g of fail_undos is; an effect whose bit is
- * set in reenter_effects fires the same event on the same instance and fails with what
- * that returns (KVS_E_REENTRANT). Each call is logged, an effect as its id and an undo as
+ * set in reenter_effects fires the same event on the same instance (once per call) and
+ * fails with what that returns (KVS_E_REENTRANT). Each call is logged, an effect as its id and an undo as
  * -1 - id, into log (logcap >= 16 entries; *nlog set). */
 int kvs_machine_fire_planned(kvs_machine_inst *m, int32_t event, uint64_t holds, uint64_t fail_effects,
                              uint64_t fail_undos, uint64_t reenter_effects, int32_t *log, int32_t logcap,

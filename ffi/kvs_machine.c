@@ -138,13 +138,16 @@ struct plan {
     uint64_t holds, fail_effects, fail_undos, reenter_effects;
     int32_t *log;
     int32_t cap, n;
+    int32_t reentered; /* once per planned fire: an executor that let it in must not recurse */
 };
 
 static int32_t planned(void *ctx, int32_t effect, int32_t undo) {
     struct plan *p = ctx;
     if (p->n < p->cap) p->log[p->n++] = undo ? -1 - effect : effect;
-    if (!undo && (p->reenter_effects >> effect & 1)) /* fire the same event again, from inside */
+    if (!undo && (p->reenter_effects >> effect & 1) && !p->reentered) { /* the same event, from inside */
+        p->reentered = 1;
         return kvs_machine_fire(p->m, p->event, p->holds, planned, p, NULL);
+    }
     uint64_t fails = undo ? p->fail_undos : p->fail_effects;
     return (fails >> effect & 1) ? KVS_E_INJECTED : KVS_OK;
 }
@@ -153,7 +156,7 @@ int kvs_machine_fire_planned(kvs_machine_inst *m, int32_t event, uint64_t holds,
                              uint64_t fail_undos, uint64_t reenter_effects, int32_t *log, int32_t logcap,
                              int32_t *nlog, kvs_fire_result *out) {
     if (!log || !nlog || logcap < 2 * KVS_MROW_MAX) return KVS_E_INVAL;
-    struct plan p = {m, event, holds, fail_effects, fail_undos, reenter_effects, log, logcap, 0};
+    struct plan p = {m, event, holds, fail_effects, fail_undos, reenter_effects, log, logcap, 0, 0};
     *nlog = 0;
     int rc = kvs_machine_fire(m, event, holds, planned, &p, out);
     *nlog = p.n;

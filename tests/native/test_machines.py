@@ -1,13 +1,14 @@
 """The native lifecycle executor's face (kvstate.transport.machines, kvs_machine_fire):
 typed refusals, bad input refused before anything changes, a module built from another
-table refused, and the undo rules on rows with several effects, which the tables of
-spec/ do not have yet: a variant table with them is generated, compiled into a test-only
-module and held to the Python reference like the real ones."""
+table refused, and two rules the tables of spec/ do not exercise yet: undo on rows with
+several effects (every row has at most one), and `unless` guards that decide (each
+`unless` row follows the guarded row of its pair, so first-match alone gives its
+answer). Variant tables with both are generated, compiled into one test-only module and
+held to the Python reference like the real ones."""
 
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -15,10 +16,10 @@ import pytest
 
 from kvstate.core import errors
 from kvstate.core.errors import EffectFailed, GuardRejected, IllegalTransition, ReentrantTransition, SpecError
-from kvstate.core.spec import MachineSpec, load_machine
+from kvstate.core.spec import MachineSpec, TransitionSpec, load_machine
 from kvstate.derive.header import machine_header
 from kvstate.transport import native
-from kvstate.transport.machines import EFFECT, NativeTable, native_table
+from kvstate.transport.machines import EFFECT, OK, Fired, NativeTable, native_table
 from native.helpers import build_variant_lib
 from support.differential import REFERENCE, SPECS, draw_step, reference_attempt, reference_class
 
@@ -107,24 +108,51 @@ def several_effects(spec: MachineSpec) -> MachineSpec:
         attrs.evolve(t, effects=more.get(t.trigger, t.effects)) for t in spec.transitions))
 
 
-@pytest.mark.slow  # compiles a test-only native module
-def test_undo_rules_agree_on_rows_with_several_effects(tmp_path: Path) -> None:
-    spec = several_effects(SPECS["part"])
-    ffi, lib = build_variant_lib(tmp_path, "kvs_several_effects",
-                                 headers={"kvs_part_table.h": machine_header(spec)})
-    table = NativeTable(ffi, lib, spec)
-    reference = reference_class(spec)
+def unless_first(spec: MachineSpec) -> MachineSpec:
+    """The table with each pair's `unless` rows tried before its other rows."""
+    pairs: dict[tuple[str, str], list[TransitionSpec]] = {}
+    for t in spec.transitions:
+        pairs.setdefault((t.source, t.trigger), []).append(t)
+    rows = [t for group in pairs.values() for t in sorted(group, key=lambda t: not t.unless)]
+    assert rows != list(spec.transitions)
+    return attrs.evolve(spec, transitions=tuple(rows))
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, NativeTable]:
+    specs = {"part": several_effects(SPECS["part"]), "bank": unless_first(SPECS["bank"])}
+    ffi, lib = build_variant_lib(tmp_path_factory.mktemp("variant_tables"), "kvs_variant_tables",
+                                 headers={f"kvs_{n}_table.h": machine_header(s) for n, s in specs.items()})
+    return {n: NativeTable(ffi, lib, s) for n, s in specs.items()}
+
+
+def run_variant(table: NativeTable, sequences: int) -> list[Fired]:
+    reference = reference_class(table.spec)
     rng = random.Random(28)
-    undone = undo_failed = 0
-    for _ in range(3000):
+    steps: list[Fired] = []
+    for _ in range(sequences):
         ref, nat = reference(), table.machine()
         for _ in range(rng.randint(1, 12)):
-            step = draw_step(rng, spec, ref.state)
+            step = draw_step(rng, table.spec, ref.state)
             want = reference_attempt(ref, *step)
             got = nat.attempt(step[0], step[1], fail=step[2], fail_undo=step[3], reenter=step[4])
             assert got == want, f"{step}: C {got} != Python {want}"
             assert nat.state == ref.state
-            undone += sum(c.startswith("undo ") for c in got.calls)
-            undo_failed += got.undo_failed if got.outcome == EFFECT else 0
+            steps.append(got)
+    return steps
+
+
+@pytest.mark.slow  # compiles a test-only native module
+def test_undo_rules_agree_on_rows_with_several_effects(variants: dict[str, NativeTable]) -> None:
+    steps = run_variant(variants["part"], 3000)
+    undone = sum(c.startswith("undo ") for s in steps for c in s.calls)
+    undo_failed = sum(s.undo_failed for s in steps if s.outcome == EFFECT)
     assert undone > 100 and undo_failed > 10  # the undo paths ran, failing undos among them
     assert REFERENCE["part"].table is SPECS["part"]  # the shared reference was not altered
+
+
+@pytest.mark.slow  # compiles a test-only native module (shared with the test above)
+def test_unless_guards_agree_where_they_decide(variants: dict[str, NativeTable]) -> None:
+    steps = run_variant(variants["bank"], 2000)
+    # an unless row tried first refused the last lease, and the guarded row then took it
+    assert any(s.outcome == OK and s.source == "importing" and s.dest == "advertised" for s in steps)
