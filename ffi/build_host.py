@@ -20,8 +20,10 @@ from pathlib import Path
 from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("kvs_slots.c", "kvs_host.c", "kvs_ops.c", "kvs_cuda_load.c", "kvs_cuda_mem.c", "kvs_cuda_ops.c")
-DEPENDS = ("kvs.h", "kvs_slots.h", "kvs_engine.h", "kvs_cuda.h", "kvs_cuda_driver.h", "kvs_op_table.h", *SOURCES)
+SOURCES = ("kvs_slots.c", "kvs_host.c", "kvs_ops.c", "kvs_machine.c", "kvs_machines.c", "kvs_cuda_load.c",
+           "kvs_cuda_mem.c", "kvs_cuda_ops.c")
+DEPENDS = ("kvs.h", "kvs_slots.h", "kvs_engine.h", "kvs_cuda.h", "kvs_cuda_driver.h", "kvs_op_table.h",
+           "kvs_machine.h", "kvs_machines.h", "kvs_bank_table.h", "kvs_part_table.h", *SOURCES)
 
 _COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.S)
 _DEFINE = re.compile(r"#define\s+(\w+)(\s+\S.*)?$")

@@ -71,6 +71,9 @@
 #define KVS_E_NODRIVER (-17)  /* no CUDA driver library, or one without a call kvstate needs */
 #define KVS_E_CUDA (-18)      /* a driver call failed: kvs_cuda_last_call/_result say which */
 #define KVS_E_OWNIPC (-19)    /* a legacy IPC handle this process exported itself */
+#define KVS_E_GUARD (-20)     /* a machine's event is declared, but no row's guards admit it */
+#define KVS_E_EFFECT (-21)    /* an effect of the row failed; earlier ones were undone */
+#define KVS_E_REENTRANT (-22) /* an effect fired an event on its own machine */
 
 /* Access rights, ordered: each includes the previous. */
 #define KVS_ACCESS_NONE 0
@@ -247,6 +250,73 @@ int kvs_cuda_memcpy(uint64_t device, uint64_t dst, uint64_t src, uint64_t len);
  * submitted (it is running as soon as its copies are on the stream). */
 int kvs_cuda_submit(uint64_t device, const kvs_endpoint *src, const kvs_endpoint *dst,
                     const kvs_block *blocks, uint64_t nblocks, uint32_t flags, int64_t *op);
+
+/* -- lifecycle machines executed natively (kvs_machine.c) --------------------------- */
+
+/* The tables of spec/ generated into kvs_<name>_table.h (bank, part), by id. One
+ * executor runs them all with kvstate.core.machine.Lifecycle's rules: the event must be
+ * declared in the state (else KVS_E_ILLEGAL); the pair's rows are tried in table order
+ * and the first whose guards all hold and whose `unless` guards all do not fires (else
+ * KVS_E_GUARD, out->refused naming every refusing guard as Python names them); its
+ * effects run in row order through `fx`, and when one fails (returns non-zero) the earlier
+ * ones are undone in reverse and KVS_E_EFFECT says which; the state is committed last. A
+ * refusal changes nothing. No lock but the instance's own is taken, and no Python. */
+#define KVS_MACHINE_BANK 0
+#define KVS_MACHINE_PART 1
+
+/* What kvs_machine_name() names. */
+#define KVS_MNAME_MACHINE 0
+#define KVS_MNAME_STATE 1
+#define KVS_MNAME_EVENT 2
+#define KVS_MNAME_GUARD 3
+#define KVS_MNAME_EFFECT 4
+
+/* One instance of a machine: its state, and the thread firing on it (0: none). A fire
+ * from another thread waits for the one in progress; one from the firing thread (an
+ * effect firing on its own machine) is refused with KVS_E_REENTRANT. */
+typedef struct kvs_machine_inst {
+    int32_t machine;
+    int32_t state;
+    uint32_t owner;
+    uint32_t reserved;
+} kvs_machine_inst;
+
+/* An effect (undo == 0) or the undo of one that succeeded (undo == 1). An effect returns 0
+ * or its own non-zero error; what an undo returns is counted, never acted on. */
+typedef int32_t (*kvs_effect_fn)(void *ctx, int32_t effect, int32_t undo);
+
+typedef struct kvs_fire_result {
+    int32_t source;       /* the state the event found */
+    int32_t dest;         /* the state after the call (== source unless KVS_OK) */
+    int32_t row;          /* the table row that fired or whose effect failed, else -1 */
+    int32_t effect;       /* with KVS_E_EFFECT: the effect id that failed, else -1 */
+    int32_t error;        /* with KVS_E_EFFECT: what that effect returned */
+    int32_t undone;       /* undos run after a failed effect */
+    int32_t undo_failed;  /* of those, how many returned non-zero */
+    int32_t nrefused;     /* with KVS_E_GUARD: entries of refused */
+    int32_t refused[16];  /* guard id g: g did not hold; -1 - g: `unless` guard g held */
+} kvs_fire_result;
+
+int32_t kvs_machine_count(void);
+const char *kvs_machine_digest(int32_t machine);   /* NULL for an unknown machine */
+int32_t kvs_machine_size(int32_t machine, int32_t kind); /* how many of KVS_MNAME_*; -1 */
+const char *kvs_machine_name(int32_t machine, int32_t kind, int32_t index); /* NULL past the end */
+int32_t kvs_machine_terminal(int32_t machine, int32_t state); /* 1, 0, or -1 (no such state) */
+int32_t kvs_machine_may(int32_t machine, int32_t state, int32_t event); /* declared: 1, 0, -1 */
+int kvs_machine_init(kvs_machine_inst *m, int32_t machine); /* the initial state */
+/* Fire `event`; `holds` has bit g set when guard g holds. `fx` may be NULL only when the
+ * row that fires has no effects (else KVS_E_INVAL, nothing changed). `out` may be NULL. */
+int kvs_machine_fire(kvs_machine_inst *m, int32_t event, uint64_t holds, kvs_effect_fn fx, void *ctx,
+                     kvs_fire_result *out);
+/* kvs_machine_fire with a planned effect callback, for callers without one of their own
+ * (Python: the differential test, replays): effect g fails with KVS_E_INJECTED when bit g
+ * of fail_effects is set, and its undo when bit g of fail_undos is; an effect whose bit is
+ * set in reenter_effects fires the same event on the same instance (once per call) and
+ * fails with what that returns (KVS_E_REENTRANT). Each call is logged, an effect as its id and an undo as
+ * -1 - id, into log (logcap >= 16 entries; *nlog set). */
+int kvs_machine_fire_planned(kvs_machine_inst *m, int32_t event, uint64_t holds, uint64_t fail_effects,
+                             uint64_t fail_undos, uint64_t reenter_effects, int32_t *log, int32_t logcap,
+                             int32_t *nlog, kvs_fire_result *out);
 
 /* -- the generated op table, for the Python side's consistency check ---------------- */
 

@@ -350,6 +350,9 @@ const char *kvs_strerror(int32_t code) {
     case KVS_E_BUSY: return "engine has live ops";
     case KVS_E_NOMEM: return "out of memory";
     case KVS_E_INJECTED: return "injected failure";
+    case KVS_E_GUARD: return "no row's guards admit the event";
+    case KVS_E_EFFECT: return "an effect failed; the transition was rolled back";
+    case KVS_E_REENTRANT: return "event fired from inside a transition of the same machine";
     default: return "unknown error";
     }
 }

@@ -45,6 +45,14 @@ def test_release_row_links_straight_to_its_effect_and_fire_site() -> None:
     assert all("kvstate.share.exporter:Exporter.drain" in r[6] for r in rows)
 
 
+def test_bank_and_part_pages_say_their_rows_run_natively_too() -> None:
+    for name in ("bank", "part"):
+        page = _page(name)
+        assert f"generated into C ([`ffi/kvs_{name}_table.h`](../../ffi/kvs_{name}_table.h))" in page
+        assert "[`ffi/kvs_machine.c:kvs_machine_fire`](../../ffi/kvs_machine.c)" in page
+    assert "native executor" not in _page("group") and "native executor" not in _page("op")
+
+
 def test_op_rows_link_to_the_c_engine() -> None:
     page = _page("op")
     assert "Every row is run by [`ffi/kvs_ops.c:kvs_op_step`](../../ffi/kvs_ops.c)." in page

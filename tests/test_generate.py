@@ -1,5 +1,6 @@
 """`kvstate generate --check` is the one freshness check of every file derived from spec/:
-the C header, the Promela models and the spec docs (whose rows link to the code).
+the C headers (the op table, and the bank and part tables of the native executor), the
+Promela models and the spec docs (whose rows link to the code).
 
 The check is shown to work both ways: an unchanged copy of the tables reports nothing
 stale (a check that always reports staleness could not fail), and a changed table reports
@@ -35,7 +36,7 @@ def test_every_generated_file_is_fresh() -> None:
 def test_every_artifact_is_produced_and_listed_once() -> None:
     paths = [path for path, _ in generate.ARTIFACTS]
     assert len(paths) == len(set(paths))
-    assert set(paths) == {"ffi/kvs_op_table.h", *MODELS, *COORD_MODELS, "docs/spec/index.md",
+    assert set(paths) == {"ffi/kvs_op_table.h", "ffi/kvs_bank_table.h", "ffi/kvs_part_table.h", *MODELS, *COORD_MODELS, "docs/spec/index.md",
                           *(f"docs/spec/{m}.md" for m in MACHINES)}
 
 
@@ -50,7 +51,7 @@ RANK_LOAD_EARLY = (("rank.toml", 'trigger = "load"\nsource = "ready"', 'trigger 
 
 @pytest.mark.parametrize(("patch", "extra", "expected"), [
     ("spec_ready_missing_part.toml", (), [*MODELS, "docs/spec/group.md"]),        # group: both models
-    ("spec_quiesce_unguarded.toml", (), [*PER_RANK, "docs/spec/bank.md"]),        # bank: per-rank only
+    ("spec_quiesce_unguarded.toml", (), [*PER_RANK, "docs/spec/bank.md", "ffi/kvs_bank_table.h"]),  # bank: C too
     (None, OP_CANCEL_WHEN_RUNNING, ["ffi/kvs_op_table.h", *MODELS, "docs/spec/op.md"]),  # op: C too
     (None, RANK_LOAD_EARLY, [*COORD_MODELS, "docs/spec/rank.md"]),               # rank: coordinator models
 ], ids=["group", "bank", "op", "rank"])
@@ -67,13 +68,14 @@ def _edit(path: Path) -> None:
 @pytest.mark.slow  # copies the source tree and generates it twice per case: make test runs it
 @pytest.mark.parametrize(("plant", "stale"), [
     (lambda t: _edit(t / "ffi" / "kvs_op_table.h"), "ffi/kvs_op_table.h"),
+    (lambda t: _edit(t / "ffi" / "kvs_part_table.h"), "ffi/kvs_part_table.h"),
     (lambda t: _edit(t / "models" / "counting.pml"), "models/counting.pml"),
     (lambda t: (t / "docs" / "spec" / "part.md").unlink(), "docs/spec/part.md"),
     (lambda t: (t / "docs" / "spec" / "retired.md").write_text("old page\n"), "docs/spec/retired.md"),
     # the code moved: the bank page links its rows to the function that implements them
     (lambda t: replace(t / "kvstate" / "share", [("exporter.py", "def _release(", "def _free_all(")]),
      "docs/spec/bank.md"),
-], ids=["header", "model", "missing-page", "leftover-page", "renamed-effect"])
+], ids=["header", "machine-header", "model", "missing-page", "leftover-page", "renamed-effect"])
 def test_check_command_names_each_stale_file_and_generate_fixes_it(
         plant: Callable[[Path], object], stale: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     tree = source_tree(tmp_path)

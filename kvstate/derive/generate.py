@@ -54,6 +54,10 @@ def _coord_model(tp: int, i: Inputs) -> str:
     return promela_coord.generate(i.spec, tp)
 
 
+def _native_table(machine: str, i: Inputs) -> str:
+    return header.machine_header(i.spec[machine])
+
+
 def _page(machine: str, i: Inputs) -> str:
     return docs.machine_page(i.spec, machine, i.code)
 
@@ -61,6 +65,7 @@ def _page(machine: str, i: Inputs) -> str:
 #: (path under the source root, producer) of every generated file.
 ARTIFACTS: tuple[tuple[str, Producer], ...] = (
     ("ffi/kvs_op_table.h", lambda i: header.op_header(i.spec["op"])),
+    *((header.machine_header_path(m), partial(_native_table, m)) for m in header.NATIVE_MACHINES),
     *((f"models/{name}", partial(_model, kind, tp)) for name, (kind, tp) in promela.MODELS.items()),
     *((f"models/{name}", partial(_coord_model, tp)) for name, tp in promela_coord.MODELS.items()),
     ("docs/spec/index.md", lambda i: docs.index(i.spec)),

@@ -131,6 +131,43 @@ class CudaDeviceInfoPtr(Protocol):
     max_pitch: int
 
 
+class MachineInstPtr(Protocol):
+    """``kvs_machine_inst *``: one instance of a natively executed lifecycle machine."""
+
+    machine: int
+    state: int
+    owner: int
+    reserved: int
+
+
+class Int32Array(Protocol):
+    """``int32_t[]`` (a field of a struct, or ``int32_t *`` from ``ffi.new("int32_t[]")``)."""
+
+    def __getitem__(self, index: int) -> int: ...
+
+
+class FireResultPtr(Protocol):
+    """``kvs_fire_result *``: what one ``kvs_machine_fire`` did or why it refused."""
+
+    source: int
+    dest: int
+    row: int
+    effect: int
+    error: int
+    undone: int
+    undo_failed: int
+    nrefused: int
+    refused: Int32Array
+
+
+class EffectFn(Protocol):
+    """``kvs_effect_fn``: a C function pointer (Python passes ``ffi.NULL`` or a C callback)."""
+
+
+class VoidPtr(Protocol):
+    """``void *``: a callback's context, opaque here."""
+
+
 # -- the module ----------------------------------------------------------------------------
 
 
@@ -157,6 +194,9 @@ class Lib(Protocol):
     KVS_E_NODRIVER: int
     KVS_E_CUDA: int
     KVS_E_OWNIPC: int
+    KVS_E_GUARD: int
+    KVS_E_EFFECT: int
+    KVS_E_REENTRANT: int
     KVS_ACCESS_NONE: int
     KVS_ACCESS_READ: int
     KVS_ACCESS_READ_WRITE: int
@@ -165,6 +205,13 @@ class Lib(Protocol):
     KVS_CUDA_POSIX_FD: int
     KVS_CUDA_FABRIC: int
     KVS_CUDA_HANDLE_BYTES: int
+    KVS_MACHINE_BANK: int
+    KVS_MACHINE_PART: int
+    KVS_MNAME_MACHINE: int
+    KVS_MNAME_STATE: int
+    KVS_MNAME_EVENT: int
+    KVS_MNAME_GUARD: int
+    KVS_MNAME_EFFECT: int
 
     # host backend
     def kvs_page_size(self) -> int: ...
@@ -230,6 +277,20 @@ class Lib(Protocol):
     def kvs_cuda_submit(self, device: int, src: EndpointPtr, dst: EndpointPtr, blocks: BlockArray,
                         nblocks: int, flags: int, op: Int64Ptr) -> int: ...
 
+    # lifecycle machines executed natively
+    def kvs_machine_count(self) -> int: ...
+    def kvs_machine_digest(self, machine: int) -> CharPtr: ...
+    def kvs_machine_size(self, machine: int, kind: int) -> int: ...
+    def kvs_machine_name(self, machine: int, kind: int, index: int) -> CharPtr: ...
+    def kvs_machine_terminal(self, machine: int, state: int) -> int: ...
+    def kvs_machine_may(self, machine: int, state: int, event: int) -> int: ...
+    def kvs_machine_init(self, m: MachineInstPtr, machine: int) -> int: ...
+    def kvs_machine_fire(self, m: MachineInstPtr, event: int, holds: int, fx: EffectFn, ctx: VoidPtr,
+                         out: FireResultPtr) -> int: ...
+    def kvs_machine_fire_planned(self, m: MachineInstPtr, event: int, holds: int, fail_effects: int,
+                                 fail_undos: int, reenter_effects: int, log: Int32Ptr, logcap: int,
+                                 nlog: Int32Ptr, out: FireResultPtr) -> int: ...
+
     # the generated op table
     def kvs_op_nstates(self) -> int: ...
     def kvs_op_table_digest(self) -> CharPtr: ...
@@ -269,6 +330,12 @@ class Ffi(Protocol):
     def new(self, cdecl: Literal["kvs_cuda_device_info *"]) -> CudaDeviceInfoPtr: ...
     @overload
     def new(self, cdecl: Literal["char[]"], init: int | bytes) -> CharPtr: ...
+    @overload
+    def new(self, cdecl: Literal["int32_t[]"], init: int) -> Int32Ptr: ...
+    @overload
+    def new(self, cdecl: Literal["kvs_machine_inst *"]) -> MachineInstPtr: ...
+    @overload
+    def new(self, cdecl: Literal["kvs_fire_result *"]) -> FireResultPtr: ...
 
     # cffi takes any object here and raises TypeError (or BufferError) for one without the
     # buffer protocol, so the parameter is honestly ``object``; callers catch those.

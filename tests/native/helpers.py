@@ -8,7 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +23,17 @@ PEERS = Path(__file__).resolve().parent / "peers.py"
 
 
 def build_variant_lib(out: Path, module: str, *, defines: Sequence[tuple[str, str | None]] = (),
-                      op_table_header: str | None = None) -> tuple[Any, Any]:
-    """Compile a test-only copy of the native module (a planted bug, or another op table)
-    into ``out`` and load it; returns (ffi, lib). ``kvstate._native`` is never touched."""
+                      op_table_header: str | None = None,
+                      headers: Mapping[str, str] | None = None) -> tuple[Any, Any]:
+    """Compile a test-only copy of the native module (a planted bug, another op table, or
+    other generated headers: file name -> text) into ``out`` and load it; returns (ffi,
+    lib). ``kvstate._native`` is never touched."""
     src = out / f"{module}_src"
     shutil.copytree(FFI, src, ignore=shutil.ignore_patterns("__pycache__", "*.o", "*.so"))
     if op_table_header is not None:
         (src / "kvs_op_table.h").write_text(op_table_header, encoding="utf-8")
+    for name, text in (headers or {}).items():
+        (src / name).write_text(text, encoding="utf-8")
     spec = importlib.util.spec_from_file_location(f"_kvs_builder_{module}", src / "build_host.py")
     assert spec and spec.loader
     builder_mod = importlib.util.module_from_spec(spec)

@@ -1,7 +1,9 @@
 """The C sources' structure: the memory side (kvs_host.c) and the op engine (kvs_ops.c)
 each build on the shared slot-and-pin table (kvs_slots.c) and on nothing of each other;
 the CUDA backend (kvs_cuda_*.c) builds on the slot table and on the engine's face for
-other backends (kvs_engine.h) only, and neither host side takes anything from it;
+other backends (kvs_engine.h) only, and neither host side takes anything from it; the
+lifecycle executor (kvs_machine.c) and its table registry (kvs_machines.c) build on the
+generated tables only and take nothing from, nor give anything to, the rest;
 includes form no cycle, and every file compiles clean under -Wall -Wextra -Werror.
 The dependency check is shown to catch a planted call across."""
 
@@ -15,7 +17,9 @@ from pathlib import Path
 import pytest
 
 FFI = Path(__file__).resolve().parents[2] / "ffi"
-SOURCES = ("kvs_slots.c", "kvs_host.c", "kvs_ops.c", "kvs_cuda_load.c", "kvs_cuda_mem.c", "kvs_cuda_ops.c")
+SOURCES = ("kvs_slots.c", "kvs_host.c", "kvs_ops.c", "kvs_machine.c", "kvs_machines.c", "kvs_cuda_load.c",
+           "kvs_cuda_mem.c", "kvs_cuda_ops.c")
+MACHINES = ("kvs_machine.c", "kvs_machines.c")
 CUDA = ("kvs_cuda_load.c", "kvs_cuda_mem.c", "kvs_cuda_ops.c")
 #: What the CUDA backend may take from the op engine: kvs_engine.h, and the public reap.
 ENGINE_FACE = {"kvs_engine_lock", "kvs_engine_unlock", "kvs_op_external", "kvs_op_drop", "kvs_op_step",
@@ -36,6 +40,10 @@ def test_local_includes_form_no_cycle_and_the_two_sides_share_only_the_slot_tabl
     assert includes(FFI / "kvs_ops.c") == ["kvs_engine.h"] and includes(FFI / "kvs_engine.h") == ["kvs_slots.h"]
     assert includes(FFI / "kvs_cuda.h") == ["kvs_cuda_driver.h", "kvs_slots.h"]
     assert [includes(FFI / c) for c in CUDA] == [["kvs_cuda.h"], ["kvs_cuda.h"], ["kvs_cuda.h", "kvs_engine.h"]]
+    assert includes(FFI / "kvs_machine.c") == ["kvs.h", "kvs_machines.h"]
+    assert includes(FFI / "kvs_machines.c") == ["kvs.h", "kvs_machines.h", "kvs_bank_table.h", "kvs_part_table.h"]
+    assert includes(FFI / "kvs_machines.h") == ["kvs_machine.h"]
+    assert all(includes(FFI / f"kvs_{m}_table.h") == ["kvs_machine.h"] for m in ("bank", "part"))
     seen: set[str] = set()
 
     def visit(name: str, path: tuple[str, ...]) -> None:
@@ -89,6 +97,12 @@ def test_memory_side_and_op_engine_take_nothing_from_each_other(tmp_path: Path) 
     slots_defined = symbols["kvs_slots.c"][0]
     for src in ("kvs_host.c", "kvs_ops.c"):
         assert symbols[src][1] <= slots_defined, f"{src} uses {symbols[src][1] - slots_defined}"
+    machine_defined = set().union(*(symbols[c][0] for c in MACHINES))
+    for src in MACHINES:
+        extra = symbols[src][1] - machine_defined
+        assert not extra, f"{src} uses {extra}"
+    for src in set(SOURCES) - set(MACHINES):
+        assert not symbols[src][1] & machine_defined, f"{src} uses the lifecycle executor"
     cuda_defined = set().union(*(symbols[c][0] for c in CUDA))
     for src in CUDA:
         extra = symbols[src][1] - slots_defined - cuda_defined - ENGINE_FACE

@@ -35,10 +35,15 @@ _C_TO_PY: dict[str, Any] = {
     "struct kvs_op_info *": libkvs.OpInfoPtr,
     "struct kvs_cuda_driver_info *": libkvs.CudaDriverInfoPtr,
     "struct kvs_cuda_device_info *": libkvs.CudaDeviceInfoPtr,
+    "struct kvs_machine_inst *": libkvs.MachineInstPtr,
+    "struct kvs_fire_result *": libkvs.FireResultPtr,
+    "int32_t(*)(void *, int32_t, int32_t)": libkvs.EffectFn,
+    "void *": libkvs.VoidPtr,
 }
 _STRUCTS = {"kvs_region_info": libkvs.RegionInfoPtr, "kvs_global_info": libkvs.GlobalInfoPtr,
             "kvs_op_info": libkvs.OpInfoPtr, "kvs_cuda_driver_info": libkvs.CudaDriverInfoPtr,
-            "kvs_cuda_device_info": libkvs.CudaDeviceInfoPtr}
+            "kvs_cuda_device_info": libkvs.CudaDeviceInfoPtr, "kvs_machine_inst": libkvs.MachineInstPtr,
+            "kvs_fire_result": libkvs.FireResultPtr}
 
 
 def _builder() -> Any:

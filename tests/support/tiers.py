@@ -44,6 +44,7 @@ DEFAULTS: Mapping[str, tuple[str, ...]] = {
     "native/": ("native",),
     "native/test_multiprocess.py": ("native", "multiproc"),
     "native/test_op_stateful.py": ("stateful", "native"),
+    "native/test_machine_differential.py": ("stateful", "native"),
     "planted/": (),                        # run only by self-tests; each test declares its kind
     "soak/": ("multiproc", "slow"),
     "trust/": ("native",),
