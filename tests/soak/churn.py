@@ -173,11 +173,12 @@ class ChurnReport:
     growth: list[str] = attrs.Factory(list)
     leases_left: list[str] = attrs.Factory(list)
     exporter_errors: list[str] = attrs.Factory(list)
+    importer_exits: list[str] = attrs.Factory(list)  # an importer that ended without being killed
     errors: dict[str, int] = attrs.Factory(dict)
     samples: dict[str, list[list[float]]] = attrs.Factory(dict)  # rank -> [t, fds, threads, rss_kib]
 
     def problems(self) -> list[str]:
-        return self.corrupt_loads + self.growth + self.leases_left + self.exporter_errors
+        return self.corrupt_loads + self.growth + self.leases_left + self.exporter_errors + self.importer_exits
 
     def summary(self) -> str:
         return (f"{self.importers} importers for {self.seconds:.0f} s: {self.cycles} cycles ({self.failed_cycles} failed,"
@@ -198,6 +199,7 @@ def run_churn(seconds: float, importers: int = 32, *, kill_every_s: float = 0.5,
     exporters: list[tuple[multiprocessing.process.BaseProcess, multiprocessing.connection.Connection]] = []
     workers: dict[multiprocessing.connection.Connection, multiprocessing.process.BaseProcess] = {}
     grants: list[float] = []
+    killed: set[int] = set()
     expected = {r: _expected(r) for r in range(TP)}
 
     def start(target: Any, *args: Any) -> tuple[multiprocessing.process.BaseProcess, multiprocessing.connection.Connection]:
@@ -224,8 +226,11 @@ def run_churn(seconds: float, importers: int = 32, *, kill_every_s: float = 0.5,
                 try:
                     msg = json.loads(c.recv_bytes())  # type: ignore[union-attr]
                 except (EOFError, OSError):
-                    workers.pop(c).join(5)  # type: ignore[arg-type]
+                    gone = workers.pop(c)  # type: ignore[arg-type]
+                    gone.join(5)
                     c.close()  # type: ignore[union-attr]
+                    if gone.pid not in killed:
+                        report.importer_exits.append(f"pid {gone.pid} exited by itself ({gone.exitcode})")
                     continue
                 if "error" in msg:
                     report.failed_cycles += 1
@@ -237,8 +242,9 @@ def run_churn(seconds: float, importers: int = 32, *, kill_every_s: float = 0.5,
                 if msg["checksum"] != expected[msg["rank"]]:
                     report.corrupt_loads.append(f"rank {msg['rank']}: {msg['checksum']}")
             if now >= next_kill and workers:
-                victim = rng.choice(list(workers))
-                os.kill(workers[victim].pid, signal.SIGKILL)  # type: ignore[arg-type]
+                victim = workers[rng.choice(list(workers))]
+                killed.add(victim.pid)  # type: ignore[arg-type]
+                victim.kill()
                 report.kills += 1
                 next_kill += kill_every_s
                 p, c = start(importer_main, key, wire, seed * 1000 + spawned)
