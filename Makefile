@@ -55,7 +55,7 @@ test-vllm:
 # kvstate's connector between live vLLM engines: TTFT with reuse and recompute per prompt length.
 demo-vllm:
 	PYTHON=$(PYTHON) bash tools/vllm-venv.sh $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python tools/vllm-demo.py
+	PYTHONPATH=tests $(VLLM_VENV)/bin/python tools/vllm-demo.py
 
 # Prefill TTFT: kvstate reuse, recompute, vLLM's ExampleConnector (LMCache: see docs/vllm.md).
 bench-vllm:
@@ -114,7 +114,7 @@ mutants: $(STAMP) spin
 	PYTHONPATH=tests $(VPY) -m support.mutants $(MUTANTS_ARGS)
 
 soak: $(STAMP)
-	$(VPY) -c 'import sys; from kvstate.harness.soak import main; sys.exit(main(sys.argv[1:]))' --cycles $(SOAK_CYCLES)
+	PYTHONPATH=tests $(VPY) -m support.soak --cycles $(SOAK_CYCLES)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .mypy_cache .hypothesis tests/cudashim/_build

@@ -3,7 +3,7 @@
 INV-GROUP-COMPLETE (no partial readiness), INV-LOAD-BYTES (checksums of every completed
 load), INV-RELEASE-QUIESCENT (every exporter quiescent within its lease timeout) and no
 leaked fds or memfd mappings in any worker, across cycles with random SIGKILLs of
-exporter and importer processes at random phases. See kvstate/harness/soak.py for the cycle.
+exporter and importer processes at random phases. See tests/support/soak.py for the cycle.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from kvstate.harness.soak import PHASES, ROLES, SOAK_SPEC, run_soak
+from support.soak import PHASES, ROLES, SOAK_SPEC, run_soak
 
 CYCLES = int(os.environ.get("KVSTATE_SOAK_CYCLES", "200"))
 

@@ -24,7 +24,7 @@ The verdict (:meth:`SoakReport.problems`): no importer was ever ready without ev
 (partial readiness); no leaked fd or memfd mapping in any worker; every exporter became
 quiescent within its lease timeout; every completed load's checksum matched.
 
-Run it with ``python -m kvstate.harness.soak --cycles N`` (``make soak``).
+Run it with ``python -m support.soak --cycles N`` (``make soak``).
 """
 
 from __future__ import annotations
@@ -261,7 +261,7 @@ class _Pool:
         self.dir.chmod(0o700)
         self.socket_dir = self.dir / "sockets"
         self.ctx = multiprocessing.get_context("forkserver")
-        self.ctx.set_forkserver_preload(["kvstate.harness.soak", "kvstate.share.exporter", "kvstate.share.importer",
+        self.ctx.set_forkserver_preload(["support.soak", "kvstate.share.exporter", "kvstate.share.importer",
                                          "kvstate.transport.host"])
         self.spec_json = json.dumps(attrs.asdict(spec))
         self.exporters = [self._start("exporter", r) for r in range(spec.tp)]
@@ -416,7 +416,7 @@ def _cycle(pool: _Pool, spec: ClusterSpec, kill: tuple[str, str, int] | None, ex
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvstate.harness.soak", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m support.soak", description=__doc__.split("\n\n")[0])
     ap.add_argument("--cycles", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--kill-rate", type=float, default=0.7)

@@ -5,16 +5,16 @@ the engine processes, which import this same source tree.
 
 Modules:
 
-- :mod:`~kvstate.harness.engines.tiny_llama`: the model config and its seeded random weights;
-- :mod:`~kvstate.harness.engines.runner` (parent side) and :mod:`~kvstate.harness.engines.child` (engine process):
+- :mod:`~support.engines.tiny_llama`: the model config and its seeded random weights;
+- :mod:`~support.engines.runner` (parent side) and :mod:`~support.engines.child` (engine process):
   an engine per process, driven by commands over a pipe;
-- :mod:`~kvstate.harness.engines.kv_configs`: ``KVTransferConfig`` arguments for kvstate's connector,
+- :mod:`~support.engines.kv_configs`: ``KVTransferConfig`` arguments for kvstate's connector,
   vLLM's ExampleConnector and the probe;
-- :mod:`~kvstate.harness.engines.evidence`: what a run shows about KV reuse;
-- :mod:`~kvstate.harness.engines.leftovers`: what an engine left in /dev/shm and its temp dir, and whose;
-- :mod:`~kvstate.harness.engines.probe`: connectors that record the KV tensors vLLM registers;
-- :mod:`~kvstate.harness.engines.memory`: memory of the live engines, sampled.
+- :mod:`~support.engines.evidence`: what a run shows about KV reuse;
+- :mod:`~support.engines.leftovers`: what an engine left in /dev/shm and its temp dir, and whose;
+- :mod:`~support.engines.probe`: connectors that record the KV tensors vLLM registers;
+- :mod:`~support.engines.memory`: memory of the live engines, sampled.
 
-Nothing here imports vLLM or torch at module level except :mod:`~kvstate.harness.engines.child` and
-:mod:`~kvstate.harness.engines.probe`, which run inside engine processes.
+Nothing here imports vLLM or torch at module level except :mod:`~support.engines.child` and
+:mod:`~support.engines.probe`, which run inside engine processes.
 """
