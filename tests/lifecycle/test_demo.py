@@ -3,13 +3,34 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
-DEMO = [sys.executable, "-m", "kvstate", "demo", "--tp", "2", "--layers", "2", "--blocks", "32", "--prefix-blocks", "8"]
+SMALL = ["--tp", "2", "--layers", "2", "--blocks", "32", "--prefix-blocks", "8"]
+DEMO = [sys.executable, "-m", "kvstate", "demo", *SMALL]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def console_script(folder: Path) -> Path:
+    """A stand-in for the installed ``kvstate`` script: its own folder, not the current
+    one, is first on its ``sys.path`` (``python -m`` would put the current folder there)."""
+    folder.mkdir()
+    script = folder / "kvstate_cli.py"
+    script.write_text("import sys\nfrom kvstate.commands.cli import main\n"
+                      "if __name__ == '__main__':\n    sys.exit(main())\n")
+    return script
+
+
+def with_path(*folders: Path) -> dict[str, str]:
+    """This environment with ``folders`` and the checkout under test first on PYTHONPATH."""
+    old = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, folders), str(ROOT), *old])}
 
 
 def test_demo_verifies_reuse_and_prints_a_summary() -> None:
@@ -71,3 +92,48 @@ def test_a_kill_during_the_load_is_not_reported_as_ok() -> None:
 def test_bad_options_get_a_clear_error(args: list[str], message: str) -> None:
     out = subprocess.run([*DEMO, *args], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and message in out.stderr
+
+
+def test_children_import_the_parents_kvstate_whatever_the_current_folder(tmp_path: Path) -> None:
+    """Run from a folder that holds another kvstate (a source checkout, say), no process of
+    the demo imports that one. The forkserver used to put the current folder first on its
+    path and preload from it: the children then failed with ModuleNotFoundError."""
+    marker = tmp_path / "imported"
+    (tmp_path / "kvstate").mkdir()
+    (tmp_path / "kvstate" / "__init__.py").write_text(
+        f"open({str(marker)!r}, 'a').write('imported by pid %d\\n' % __import__('os').getpid())\n"
+        "raise ImportError('not the kvstate under test')\n")
+    script = console_script(tmp_path / "bin")
+    out = subprocess.run([sys.executable, str(script), "demo", *SMALL], cwd=tmp_path, env=with_path(),
+                         capture_output=True, text=True, timeout=120)
+    assert not marker.exists(), marker.read_text()
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "OK: reuse verified" in out.stdout
+
+
+def test_a_worker_that_dies_at_start_is_one_line_naming_it(tmp_path: Path) -> None:
+    """Every process of the demo without cffi's backend (issue 27's plain install): each
+    exporter dies at start. The user reads one line naming the process, its exit status and
+    its last stderr lines, and a non-zero exit; no EOFError, no multiprocessing traceback."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "sitecustomize.py").write_text(textwrap.dedent("""
+        import sys
+
+        class NoCffiBackend:
+            def find_spec(self, name, path=None, target=None):
+                if name == "_cffi_backend":
+                    raise ModuleNotFoundError("No module named '_cffi_backend'", name=name)
+                return None
+
+        sys.meta_path.insert(0, NoCffiBackend())
+    """))
+    script = console_script(tmp_path / "bin")
+    out = subprocess.run([sys.executable, str(script), "demo", *SMALL], cwd=tmp_path, env=with_path(broken),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stdout + out.stderr
+    errors = out.stderr.strip().splitlines()
+    assert len(errors) == 1, out.stderr
+    assert re.fullmatch(r"kvstate demo: error: exporter \d \(pid \d+\) exited with status 1 before it answered; "
+                        r"last lines of its stderr: .*BackendUnavailable.*_cffi_backend.*", errors[0]), errors[0]
+    assert "Traceback" not in out.stdout + out.stderr and "EOFError" not in out.stdout + out.stderr

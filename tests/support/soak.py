@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from kvstate.harness import children
 from kvstate.harness.cluster import ClusterSpec, Worker, _recv, _send, expected_checksum, kv_pattern, resources
 from kvstate.core.errors import KvStateError
 from kvstate.core.identity import Deployment
@@ -260,9 +261,9 @@ class _Pool:
         self.dir = Path(tempfile.mkdtemp(prefix="kvstate-soak-"))
         self.dir.chmod(0o700)
         self.socket_dir = self.dir / "sockets"
-        self.ctx = multiprocessing.get_context("forkserver")
-        self.ctx.set_forkserver_preload(["support.soak", "kvstate.share.exporter", "kvstate.share.importer",
-                                         "kvstate.transport.host"])
+        # The server preloads support.soak from tests/ too, wherever the soak runs from.
+        self.ctx = children.forkserver(["support.soak", "kvstate.share.exporter", "kvstate.share.importer",
+                                        "kvstate.transport.host"])
         self.spec_json = json.dumps(attrs.asdict(spec))
         self.exporters = [self._start("exporter", r) for r in range(spec.tp)]
         self.importers = [self._start("importer", r) for r in range(spec.tp)]
