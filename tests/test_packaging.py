@@ -4,6 +4,7 @@ engines kit live in the checkout, not in every engine's site-packages)."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -16,16 +17,24 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: kvstate/harness/ modules the wheel ships: what `kvstate demo`, `kvstate gpucheck` and
 #: `kvstate check` run. Anything else under kvstate/harness/ is harness code left behind.
-SHIPPED_HARNESS = {"__init__", "cluster", "prefill_procs", "leaks", "gpucheck", "modelcheck"}
+SHIPPED_HARNESS = {"__init__", "children", "cluster", "prefill_procs", "leaks", "gpucheck", "modelcheck"}
 #: folders that only the checkout's kits use: a wheel file under one is harness code
 HARNESS_NAMES = {"bench", "benchmarks", "engines", "soak", "coord_bench", "support", "tests"}
 
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    dist = tmp_path_factory.mktemp("dist")
+    """The wheel of the files git would commit (as tools/wheel-check.sh builds it): a stale
+    build/ or in-place extension of the checkout cannot slip in."""
+    src, dist = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("dist")
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            check=True, capture_output=True).stdout.decode().split("\0")
+    for rel in filter(None, listed):
+        if (ROOT / rel).is_file():
+            (src / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, src / rel)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                    "-w", str(dist), str(ROOT)], check=True, capture_output=True)
+                    "-w", str(dist), str(src)], check=True, capture_output=True)
     (built,) = dist.glob("kvstate-*.whl")
     yield built
 

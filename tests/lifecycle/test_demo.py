@@ -94,6 +94,35 @@ def test_bad_options_get_a_clear_error(args: list[str], message: str) -> None:
     assert out.returncode == 2 and message in out.stderr
 
 
+def without(folder: Path, *modules: str) -> Path:
+    """A folder whose sitecustomize makes ``modules`` missing in every process that has
+    the folder on its path (the demo's children inherit it from the forkserver)."""
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(textwrap.dedent(f"""
+        import sys
+
+        class Missing:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in {modules!r}:
+                    raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+                return None
+
+        sys.meta_path.insert(0, Missing())
+    """))
+    return folder
+
+
+def test_the_demo_needs_only_the_base_dependencies(tmp_path: Path) -> None:
+    """Every process of the demo without numpy and torch (a lean install has neither):
+    it still verifies reuse. Its workers used to load into numpy arrays."""
+    script = console_script(tmp_path / "bin")
+    out = subprocess.run([sys.executable, str(script), "demo", *SMALL], cwd=tmp_path,
+                         env=with_path(without(tmp_path / "lean", "numpy", "torch")),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "OK: reuse verified" in out.stdout
+
+
 def test_children_import_the_parents_kvstate_whatever_the_current_folder(tmp_path: Path) -> None:
     """Run from a folder that holds another kvstate (a source checkout, say), no process of
     the demo imports that one. The forkserver used to put the current folder first on its
@@ -115,21 +144,9 @@ def test_a_worker_that_dies_at_start_is_one_line_naming_it(tmp_path: Path) -> No
     """Every process of the demo without cffi's backend (issue 27's plain install): each
     exporter dies at start. The user reads one line naming the process, its exit status and
     its last stderr lines, and a non-zero exit; no EOFError, no multiprocessing traceback."""
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    (broken / "sitecustomize.py").write_text(textwrap.dedent("""
-        import sys
-
-        class NoCffiBackend:
-            def find_spec(self, name, path=None, target=None):
-                if name == "_cffi_backend":
-                    raise ModuleNotFoundError("No module named '_cffi_backend'", name=name)
-                return None
-
-        sys.meta_path.insert(0, NoCffiBackend())
-    """))
     script = console_script(tmp_path / "bin")
-    out = subprocess.run([sys.executable, str(script), "demo", *SMALL], cwd=tmp_path, env=with_path(broken),
+    out = subprocess.run([sys.executable, str(script), "demo", *SMALL], cwd=tmp_path,
+                         env=with_path(without(tmp_path / "broken", "_cffi_backend")),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1, out.stdout + out.stderr
     errors = out.stderr.strip().splitlines()
