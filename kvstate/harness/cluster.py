@@ -340,7 +340,7 @@ def run_scenario(spec: ClusterSpec, kill: tuple[str, str] | None = None, *,
     with Cluster(spec, log=log) as c:
         try:
             return _Scenario(c, kill, log).run()
-        except (EOFError, ConnectionError) as exc:  # a pipe closed: which process died, and what did it say?
+        except (EOFError, ConnectionError, TimeoutError) as exc:  # which process died, and what did it say?
             died = c.death()
             if died is None:
                 raise
