@@ -27,6 +27,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import random
+import shutil
 import signal
 import tempfile
 import time
@@ -272,6 +273,8 @@ class Cluster:
             w.conn.close()
             if not w.process.is_alive():
                 w.process.close()  # its sentinel fd, now rather than at a later collection
+        # Sockets and the processes' stderr logs: a death was read from its log inside the run.
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def everyone(self) -> list[Worker]:
         return [*self.exporters, *([self.coordinator] if self.coordinator else []), *self.workers]

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -154,3 +155,12 @@ def test_a_worker_that_dies_at_start_is_one_line_naming_it(tmp_path: Path) -> No
     assert re.fullmatch(r"kvstate demo: error: exporter \d \(pid \d+\) exited with status 1 before it answered; "
                         r"last lines of its stderr: .*BackendUnavailable.*_cffi_backend.*", errors[0]), errors[0]
     assert "Traceback" not in out.stdout + out.stderr and "EOFError" not in out.stdout + out.stderr
+
+
+def test_the_demo_leaves_nothing_in_the_temp_folder(tmp_path: Path) -> None:
+    """Its sockets and its processes' stderr logs are removed when it ends, failed or not."""
+    for name, env in (("ok", with_path()), ("failed", with_path(without(tmp_path / "broken", "_cffi_backend")))):
+        with tempfile.TemporaryDirectory(prefix="kvs-") as short:  # socket paths must stay under 108 bytes
+            out = subprocess.run(DEMO, capture_output=True, text=True, timeout=120, env={**env, "TMPDIR": short})
+            assert out.returncode == (0 if name == "ok" else 1), out.stdout + out.stderr
+            assert [p.name for p in Path(short).iterdir()] == []
