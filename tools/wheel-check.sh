@@ -28,7 +28,8 @@ say "built $(basename "$WHEEL") ($(du -k "$WHEEL" | cut -f1) KiB)"
 
 "$VPY" -m pip install -q "$WHEEL"
 SIZE_MB="$(du -sm "$WORK/venv" | cut -f1)"
-say "venv with the wheel and its dependencies: ${SIZE_MB} MB (limit ${LIMIT_MB} MB): $("$VPY" -m pip list --format=freeze | tr '\n' ' ')"
+say "venv with the wheel and its dependencies: ${SIZE_MB} MB (limit ${LIMIT_MB} MB):" \
+    "$("$VPY" -m pip list --format=freeze | tr '\n' ' ')"
 
 mkdir "$WORK/elsewhere"
 say "kvstate demo, from a folder outside any checkout"
