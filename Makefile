@@ -26,14 +26,26 @@ bench-models: $(STAMP) spin
 # requires the NIXL tests to run (KVSTATE_REQUIRE_NIXL=1) instead of skipping.
 NIXL_WHEEL := nixl-cu12==1.5.1
 
-$(STAMP): pyproject.toml setup.py $(wildcard ffi/*.c ffi/*.h ffi/*.py)
+# Two stamps on one .venv: `make demo` (and gpucheck) installs kvstate and its base
+# dependencies only (attrs, transitions, cffi: about 30 MB with pip); `make test` and the
+# other targets add the extras test, nixl and bench (torch, crosshair, mypy: ~1.5 GB).
+DEMO_STAMP := $(VENV)/.installed-base
+SOURCES    := pyproject.toml setup.py $(wildcard ffi/*.c ffi/*.h ffi/*.py)
+
+$(VPY):
 	$(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
+
+$(DEMO_STAMP): $(SOURCES) | $(VPY)
+	$(VPY) -m pip install -q -e .
+	touch $(DEMO_STAMP)
+
+$(STAMP): $(SOURCES) | $(VPY)
 	$(VPY) -m pip install -q -e '.[test,nixl,bench]'
 	$(VPY) -m pip install -q --no-deps '$(NIXL_WHEEL)'
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(VPY) -m kvstate demo
 
 # Every test (CI runs this): the Spin model checks beside the rest (tools/test-all.sh).
@@ -55,7 +67,7 @@ test-vllm:
 # kvstate's connector between live vLLM engines: TTFT with reuse and recompute per prompt length.
 demo-vllm:
 	PYTHON=$(PYTHON) bash tools/vllm-venv.sh $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python tools/vllm-demo.py
+	PYTHONPATH=tests $(VLLM_VENV)/bin/python tools/vllm-demo.py
 
 # Prefill TTFT: kvstate reuse, recompute, vLLM's ExampleConnector (LMCache: see docs/vllm.md).
 bench-vllm:
@@ -73,7 +85,7 @@ test-fast: $(STAMP) cudashim
 cudashim:
 	$(PYTHON) tests/cudashim/build.py
 
-gpucheck: $(STAMP)
+gpucheck: $(DEMO_STAMP)
 	$(VPY) -m kvstate gpucheck
 
 spec: $(STAMP)
@@ -121,7 +133,7 @@ churn: $(STAMP)
 	PYTHONPATH=tests $(VPY) -c 'import sys; from soak.churn import main; sys.exit(main(sys.argv[1:]))' --seconds $(CHURN_SECONDS)
 
 soak: $(STAMP)
-	$(VPY) -c 'import sys; from kvstate.harness.soak import main; sys.exit(main(sys.argv[1:]))' --cycles $(SOAK_CYCLES)
+	PYTHONPATH=tests $(VPY) -m support.soak --cycles $(SOAK_CYCLES)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .mypy_cache .hypothesis tests/cudashim/_build

@@ -165,3 +165,33 @@ def test_stale_name_check_catches_old_module_paths() -> None:
     assert stale_names("see `kvstate.native.default()` and `kvstate/exporter.py`, "
                        "`kvstate.share.exporter.Exporter`, `kvstate.NoSuchError`") == [
         "kvstate.NoSuchError", "kvstate.native.default", "kvstate/exporter.py"]
+
+
+# -- the package stands without the checkout ----------------------------------------------
+
+#: what only a source checkout has (benchmarks/, tests/support/), and the one module that
+#: may import it: `kvstate bench`, which first checks that it runs from a checkout
+CHECKOUT_ONLY = ("benchmarks", "support")
+MAY_IMPORT_CHECKOUT = {"kvstate/commands/bench.py"}
+
+
+def checkout_imports(root: Path = PACKAGE) -> list[str]:
+    """``file: module`` for each import of checkout-only code under kvstate/."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = str(path.relative_to(root.parent))
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+            found += [f"{rel}: {n}" for n in names
+                      if n.split(".")[0] in CHECKOUT_ONLY and rel not in MAY_IMPORT_CHECKOUT]
+    return found
+
+
+def test_the_package_imports_no_checkout_only_code(tmp_path: Path) -> None:
+    """The wheel ships kvstate/ alone: nothing in it may need benchmarks/ or tests/support/."""
+    assert checkout_imports() == []
+    planted = tmp_path / "kvstate" / "harness"
+    planted.mkdir(parents=True)
+    (planted / "cluster.py").write_text("def f():\n    from support.engines import runner\n")
+    assert checkout_imports(tmp_path / "kvstate") == ["kvstate/harness/cluster.py: support.engines"]

@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvstate.harness.engines import ttft
+from support.engines import ttft
 
 
 def main() -> int:

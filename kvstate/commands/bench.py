@@ -1,10 +1,12 @@
-"""``kvstate bench``: every suite side by side in one run (see kvstate.harness.bench).
+"""``kvstate bench``: every suite side by side in one run (the suites are in benchmarks/).
 
 Prints ratios and absolute figures, and writes ``bench.md`` (a Markdown table),
 ``bench.json`` (every row: suite, name, median, p10, p90, ratio; and the comparisons) and
 ``bench.png`` (a plot; skipped with a message when matplotlib is absent) to ``--out``.
 ``--json`` prints the JSON document on stdout instead of the table (messages go to stderr).
-The suites live in :mod:`kvstate.harness.bench`.
+The suites live in the source checkout's ``benchmarks/`` (and the vLLM suite's engines in
+``tests/support/engines``), not in the installed package: ``kvstate bench`` is a command of
+a checkout (``make bench``); from an installed wheel it says so and exits 2.
 """
 
 from __future__ import annotations
@@ -30,15 +32,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print every row (suite, name, median, p10, p90, ratio) as JSON on stdout")
 
 
+def checkout() -> Path | None:
+    """The source checkout this kvstate was imported from, or None for an installed wheel.
+
+    Its ``benchmarks/`` and ``tests/`` (the engines kit) go first on ``sys.path``, so the
+    suites and the processes they spawn (spawn copies ``sys.path``) import them whatever
+    the current folder is."""
+    import kvstate
+
+    root = Path(kvstate.__file__).resolve().parents[1]
+    if not (root / "benchmarks" / "suites.py").is_file() or not (root / "tests" / "support").is_dir():
+        return None
+    for path in (str(root / "tests"), str(root)):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    return root
+
+
 def _benchmarks() -> tuple[Any, Any, Any]:
     # Imported here, not at the top: the suites pull in numpy and the peers' libraries.
-    from kvstate.harness.bench import framework, report, suites
+    from benchmarks import framework, report, suites
     return framework, suites, report
 
 
 def run(args: argparse.Namespace) -> int:
     if args.repeats is not None and args.repeats < 1:
         print("kvstate bench: --repeats must be at least 1", file=sys.stderr)
+        return 2
+    if checkout() is None:
+        print("kvstate bench: the benchmarks are not installed with kvstate; they run from a source checkout "
+              "of kvstate (its benchmarks/ folder): run `make bench` there", file=sys.stderr)
         return 2
     if args.suite and "vllm" in args.suite:
         status = _vllm(args)
@@ -76,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _vllm(args: argparse.Namespace) -> int:
     """The vLLM suite: engines in their own processes, its own table (bench-vllm.md)."""
-    from kvstate.harness.bench import b5_vllm
+    from benchmarks import b5_vllm
 
     why = b5_vllm.problem()
     if why is not None:

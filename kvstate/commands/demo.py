@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from kvstate.harness.children import ChildDied
 from kvstate.harness.cluster import PHASES, ROLES, ClusterSpec, run_scenario
 
 help = "run the decode-to-prefill reuse demo"
@@ -70,7 +71,11 @@ def run(args: argparse.Namespace) -> int:
     log(f"kvstate demo: tp={spec.tp}, {spec.layers} layers, {spec.kv_heads} KV heads/rank, head dim {spec.head_dim}, "
         f"{spec.block_tokens}-token blocks of {g.block_bytes // 1024} KiB, {g.num_blocks} blocks/bank"
         + (f", kill {args.kill[0]} at {args.kill[1]}" if args.kill else ""))
-    report = run_scenario(spec, args.kill, log=log)
+    try:
+        report = run_scenario(spec, args.kill, log=log)
+    except ChildDied as exc:  # one line: which process, its exit status, its last stderr lines
+        print(f"kvstate demo: error: {exc}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(report, indent=2))
     else:

@@ -56,7 +56,7 @@ Dispatch: ``transitions`` builds and checks the shared machine from the table (s
 events, rows, conditions). ``fire`` then runs the rows of (event, state) itself, from a
 dict compiled with it: guards in order, then ``unless`` guards, effects, state -- the
 order ``Event.trigger`` follows, without its per-call EventData and callback
-resolution, which cost most of a transition (B3; ``kvstate.harness.bench.import_profile``).
+resolution, which cost most of a transition (B3; ``benchmarks.import_profile``).
 tests/test_machine.py checks both dispatchers agree on every row of every table.
 """
 

@@ -8,7 +8,10 @@ worker processes (:class:`~kvstate.share.rank_worker.RankWorker`, see
 its own rank's part, so the group takes tp leases in all, and loads its own rank's prefix
 once the coordinator declared the group ready. Parent and children speak JSON over pipes
 (nothing is pickled after start-up); processes are forked from a preloaded forkserver,
-so starting one costs milliseconds.
+so starting one costs milliseconds, and import the same kvstate as the parent whatever
+the current folder (:mod:`kvstate.harness.children`). A process that dies unasked ends
+the run with :class:`~kvstate.harness.children.ChildDied`: its name, exit status and
+last stderr lines.
 
 Any process can be SIGKILLed at a named phase (:data:`PHASES`) to show how the survivors
 recover: workers are held at their check or open so the phase is open when the kill lands.
@@ -40,6 +43,7 @@ from kvstate.core.errors import KvStateError
 from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.core.handles import HandleKind
 from kvstate.core.identity import Deployment
+from kvstate.harness import children
 from kvstate.harness.leaks import snapshot
 from kvstate.share import status
 
@@ -256,10 +260,10 @@ class Cluster:
         self.coordinator: Worker | None = None
         self.workers: list[Worker] = []
         self._procs = prefill_procs
-        self._ctx = multiprocessing.get_context("forkserver")
-        self._ctx.set_forkserver_preload(["kvstate.harness.prefill_procs", "kvstate.share.exporter",
-                                          "kvstate.share.coordinator", "kvstate.share.rank_worker",
-                                          "kvstate.transport.host", "kvstate.reuse.inventory"])
+        ctx = children.forkserver(["kvstate.harness.prefill_procs", "kvstate.share.exporter",
+                                   "kvstate.share.coordinator", "kvstate.share.rank_worker",
+                                   "kvstate.transport.host", "kvstate.reuse.inventory"])
+        self.children = children.Children(ctx, self.dir / "logs")
 
     def __enter__(self) -> Cluster:
         return self
@@ -272,8 +276,8 @@ class Cluster:
             w.conn.close()
             if not w.process.is_alive():
                 w.process.close()  # its sentinel fd, now rather than at a later collection
-        # Every process of the run has exited: its sockets, marks and folders go with it,
-        # a killed one's included, so no run leaves anything on the node.
+        # Every process of the run has exited: its sockets, marks and stderr logs go with
+        # it, a killed one's included (a death was read from its log inside the run).
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def everyone(self) -> list[Worker]:
@@ -283,11 +287,13 @@ class Cluster:
         return [w for w in workers if not w.killed]
 
     def _start(self, role: str, rank: int, target: Any, *args: Any) -> Worker:
-        parent, child = self._ctx.Pipe()
-        p = self._ctx.Process(target=target, args=(child, *args), name=f"{role}-{rank}", daemon=True)
-        p.start()
-        child.close()
+        p, parent = self.children.start(f"{role} {rank}", target, *args)
         return Worker(role, rank, p, parent)
+
+    def death(self) -> children.ChildDied | None:
+        """The process that ended unasked (not one this cluster killed), with its exit
+        status and last stderr lines; None when every process it did not kill is alive."""
+        return self.children.died([(f"{w.role} {w.rank}", w.process) for w in self.everyone() if not w.killed])
 
     def start_decode(self) -> list[bytes]:
         self.exporters = [self._start("exporter", r, exporter_main, self.spec_json, self.key.hex(),
@@ -339,7 +345,13 @@ def run_scenario(spec: ClusterSpec, kill: tuple[str, str] | None = None, *,
     if kill is not None and (kill[0] not in ROLES or kill[1] not in PHASES):
         raise ValueError(f"kill must be ROLE:PHASE with ROLE in {ROLES} and PHASE in {PHASES}")
     with Cluster(spec, log=log) as c:
-        return _Scenario(c, kill, log).run()
+        try:
+            return _Scenario(c, kill, log).run()
+        except (EOFError, ConnectionError, TimeoutError) as exc:  # which process died, and what did it say?
+            died = c.death()
+            if died is None:
+                raise
+            raise died from exc
 
 
 class _Scenario:

@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from kvstate.core.errors import KvStateError
 from kvstate.core.identity import Deployment
@@ -35,6 +35,9 @@ from kvstate.reuse.policy import ReuseSettings
 from kvstate.share.rank_worker import RankShare, RankWorker
 from kvstate.share.remote_part import RemotePart
 from kvstate.transport.protocol import A, E, H, M, R
+
+#: item size -> the buffer-protocol format of an unsigned integer that size (raw bits)
+_RAW_BITS: dict[int, Literal["B", "H", "I", "Q"]] = {1: "B", 2: "H", 4: "I", 8: "Q"}
 
 if TYPE_CHECKING:
     from kvstate.transport.host import HostAllocation, HostEndpoint, HostHandle, HostMapping, HostReservation
@@ -271,10 +274,12 @@ def worker_main(conn: multiprocessing.connection.Connection, spec_json: str, key
 
         def submit() -> Callable[[], None]:
             """The paged load (the engine's path: bank blocks into pages 0..n-1 of one
-            tensor per region), submitted; returns what waits for it and replies."""
-            import numpy as np
-
-            pages = {r.name: np.zeros((len(blocks), *r.block_shape), dtype=np.uint16) for r in g.regions}
+            tensor per region), submitted; returns what waits for it and replies. The
+            pages are plain buffers shaped as the engine's tensors (raw bits of each
+            region's dtype): the demo needs only kvstate's base dependencies, not numpy."""
+            memory = {r.name: bytearray(len(blocks) * r.block_bytes) for r in g.regions}
+            pages = {r.name: memoryview(memory[r.name]).cast(_RAW_BITS[r.itemsize], (len(blocks), *r.block_shape))
+                     for r in g.regions}
             handle = s.load(blocks, pages, list(range(len(blocks))))
 
             def finish() -> None:
@@ -286,7 +291,8 @@ def worker_main(conn: multiprocessing.connection.Connection, spec_json: str, key
                     if result is None or not result.ok:
                         pipe.send(error=f"LoadFailed: blocks {sorted(handle.failed_blocks())[:8]} failed")
                         return
-                    data = b"".join(pages[name][i].tobytes() for i in range(len(blocks)) for name in g.names)
+                    data = b"".join(memory[r.name][i * r.block_bytes:(i + 1) * r.block_bytes]
+                                    for i in range(len(blocks)) for r in g.regions)
                     reply(data, result.seconds, result.bytes)
                 finally:
                     handle.close()

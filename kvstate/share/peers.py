@@ -5,7 +5,7 @@ Why
 
 An import used to open a connection per rank part: connect, credential checks, a pidfd,
 a handler thread started by the exporter, a watcher wake-up, and one lease round trip
-each. Measured at tp=8 (``python -m kvstate.harness.bench.import_profile``), that set-up
+each. Measured at tp=8 (``python -m benchmarks.import_profile``), that set-up
 was most of the import's time. Now an importer keeps one :class:`PeerLink` per exporter
 address, reused across imports, and asks for every rank that exporter serves in one
 request whose answer carries every fd in one SCM_RIGHTS message.

@@ -457,7 +457,7 @@ def default() -> Native:
     if _default is None:
         with _default_lock:
             if _default is None:
-                require("_cffi_backend", "host", hint="install 'kvstate[native]'")
+                require("_cffi_backend", "host", hint="cffi is a dependency of kvstate: pip install cffi")
                 try:
                     ffi, lib = libkvs.load()
                 except ModuleNotFoundError as exc:

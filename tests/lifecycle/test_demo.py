@@ -9,11 +9,30 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
 import pytest
 
-DEMO = [sys.executable, "-m", "kvstate", "demo", "--tp", "2", "--layers", "2", "--blocks", "32", "--prefix-blocks", "8"]
+SMALL = ["--tp", "2", "--layers", "2", "--blocks", "32", "--prefix-blocks", "8"]
+DEMO = [sys.executable, "-m", "kvstate", "demo", *SMALL]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def console_script(folder: Path) -> Path:
+    """A stand-in for the installed ``kvstate`` script: its own folder, not the current
+    one, is first on its ``sys.path`` (``python -m`` would put the current folder there)."""
+    folder.mkdir()
+    script = folder / "kvstate_cli.py"
+    script.write_text("import sys\nfrom kvstate.commands.cli import main\n"
+                      "if __name__ == '__main__':\n    sys.exit(main())\n")
+    return script
+
+
+def with_path(*folders: Path) -> dict[str, str]:
+    """This environment with ``folders`` and the checkout under test first on PYTHONPATH."""
+    old = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, folders), str(ROOT), *old])}
 
 
 def test_demo_verifies_reuse_and_prints_a_summary() -> None:
@@ -85,14 +104,77 @@ def test_bad_options_get_a_clear_error(args: list[str], message: str) -> None:
     assert out.returncode == 2 and message in out.stderr
 
 
-@pytest.mark.parametrize("kill", [None, "exporter:ready", "coordinator:importing", "worker:loading"])
-def test_a_demo_run_leaves_nothing_on_the_node(kill: str | None) -> None:
-    """With or without a SIGKILL, every folder, socket and mark of the run is gone after it."""
-    tmp = Path(tempfile.mkdtemp(prefix="kvs-t-"))  # short: socket paths must fit sun_path
-    try:
-        out = subprocess.run([*DEMO, *(["--kill", kill] if kill else [])], capture_output=True, text=True,
-                             timeout=120, env={**os.environ, "TMPDIR": str(tmp)})
-        assert out.returncode == 0, out.stdout + out.stderr
-        assert sorted(os.listdir(tmp)) == []
-    finally:
-        shutil.rmtree(tmp)
+def without(folder: Path, *modules: str) -> Path:
+    """A folder whose sitecustomize makes ``modules`` missing in every process that has
+    the folder on its path (the demo's children inherit it from the forkserver)."""
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(textwrap.dedent(f"""
+        import sys
+
+        class Missing:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in {modules!r}:
+                    raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+                return None
+
+        sys.meta_path.insert(0, Missing())
+    """))
+    return folder
+
+
+def test_the_demo_needs_only_the_base_dependencies(tmp_path: Path) -> None:
+    """Every process of the demo without numpy and torch (a lean install has neither):
+    it still verifies reuse. Its workers used to load into numpy arrays."""
+    script = console_script(tmp_path / "bin")
+    out = subprocess.run([sys.executable, str(script), "demo", *SMALL], cwd=tmp_path,
+                         env=with_path(without(tmp_path / "lean", "numpy", "torch")),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "OK: reuse verified" in out.stdout
+
+
+def test_children_import_the_parents_kvstate_whatever_the_current_folder(tmp_path: Path) -> None:
+    """Run from a folder that holds another kvstate (a source checkout, say), no process of
+    the demo imports that one. The forkserver used to put the current folder first on its
+    path and preload from it: the children then failed with ModuleNotFoundError."""
+    marker = tmp_path / "imported"
+    (tmp_path / "kvstate").mkdir()
+    (tmp_path / "kvstate" / "__init__.py").write_text(
+        f"open({str(marker)!r}, 'a').write('imported by pid %d\\n' % __import__('os').getpid())\n"
+        "raise ImportError('not the kvstate under test')\n")
+    script = console_script(tmp_path / "bin")
+    out = subprocess.run([sys.executable, str(script), "demo", *SMALL], cwd=tmp_path, env=with_path(),
+                         capture_output=True, text=True, timeout=120)
+    assert not marker.exists(), marker.read_text()
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "OK: reuse verified" in out.stdout
+
+
+def test_a_worker_that_dies_at_start_is_one_line_naming_it(tmp_path: Path) -> None:
+    """Every process of the demo without cffi's backend (issue 27's plain install): each
+    exporter dies at start. The user reads one line naming the process, its exit status and
+    its last stderr lines, and a non-zero exit; no EOFError, no multiprocessing traceback."""
+    script = console_script(tmp_path / "bin")
+    out = subprocess.run([sys.executable, str(script), "demo", *SMALL], cwd=tmp_path,
+                         env=with_path(without(tmp_path / "broken", "_cffi_backend")),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stdout + out.stderr
+    errors = out.stderr.strip().splitlines()
+    assert len(errors) == 1, out.stderr
+    assert re.fullmatch(r"kvstate demo: error: exporter \d \(pid \d+\) exited with status 1 before it answered; "
+                        r"last lines of its stderr: .*BackendUnavailable.*_cffi_backend.*", errors[0]), errors[0]
+    assert "Traceback" not in out.stdout + out.stderr and "EOFError" not in out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("case", [None, "exporter:ready", "coordinator:importing", "worker:loading", "broken"])
+def test_a_demo_run_leaves_nothing_on_the_node(tmp_path: Path, case: str | None) -> None:
+    """With or without a SIGKILL, or failing at start, every folder, socket, owner mark and
+    stderr log of the run is gone after it."""
+    broken = case == "broken"
+    env = with_path(without(tmp_path / "broken", "_cffi_backend")) if broken else with_path()
+    kill = ["--kill", case] if case and not broken else []
+    with tempfile.TemporaryDirectory(prefix="kvs-") as short:  # socket paths must stay under 108 bytes
+        out = subprocess.run([*DEMO, *kill], capture_output=True, text=True, timeout=120,
+                             env={**env, "TMPDIR": short})
+        assert out.returncode == (1 if broken else 0), out.stdout + out.stderr
+        assert [p.name for p in Path(short).iterdir()] == []

@@ -4,7 +4,7 @@ INV-GROUP-COMPLETE (no partial readiness), INV-LOAD-BYTES (checksums of every co
 load), INV-RELEASE-QUIESCENT (every exporter quiescent within its lease timeout), no
 leaked fds or memfd mappings in any worker, and nothing of a killed process left in the
 socket directory after the next start, across cycles with random SIGKILLs of
-exporter and importer processes at random phases. See kvstate/harness/soak.py for the cycle.
+exporter and importer processes at random phases. See tests/support/soak.py for the cycle.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from kvstate.harness.soak import PHASES, ROLES, SOAK_SPEC, run_soak
+from support.soak import PHASES, ROLES, SOAK_SPEC, run_soak
 
 CYCLES = int(os.environ.get("KVSTATE_SOAK_CYCLES", "200"))
 

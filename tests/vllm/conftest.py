@@ -8,7 +8,7 @@ here. Without that variable they skip with a reason starting ``NO VLLM``. The ma
 Engines are expensive (15-40 s to start on 2 cores, ~1.5 GiB PSS each), so the session
 fixtures below start each kind once and hand their outputs to several tests; at most
 two engines are alive at a time. Every engine is closed by the fixture that started it,
-and its leftovers are checked there (kvstate.harness.engines.leftovers).
+and its leftovers are checked there (support.engines.leftovers).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 
-from kvstate.harness.engines import kv_configs, tiny_llama
-from kvstate.harness.engines.memory import MemorySampler
-from kvstate.harness.engines.runner import EngineSpec, start_all
-from kvstate.harness.engines.suite import EXAMPLE_LENGTHS, MAX_TOKENS, Engines, ExamplePair, Run, prompts
+from support.engines import kv_configs, tiny_llama
+from support.engines.memory import MemorySampler
+from support.engines.runner import EngineSpec, start_all
+from support.engines.suite import EXAMPLE_LENGTHS, MAX_TOKENS, Engines, ExamplePair, Run, prompts
 
 REQUIRE = os.environ.get("KVSTATE_REQUIRE_VLLM") == "1"
 

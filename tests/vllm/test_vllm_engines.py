@@ -6,8 +6,8 @@ tp=2 engine gives the same tokens as tp=1 (in float32: see the tp_pair fixture).
 
 from __future__ import annotations
 
-from kvstate.harness.engines.suite import MAX_TOKENS, PROMPT_LENGTHS, Run
-from kvstate.harness.engines.evidence import reuse
+from support.engines.suite import MAX_TOKENS, PROMPT_LENGTHS, Run
+from support.engines.evidence import reuse
 
 
 def test_two_engines_give_identical_greedy_tokens(plain_pair: Run) -> None:

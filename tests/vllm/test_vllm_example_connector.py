@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvstate.harness.engines.suite import EXAMPLE_LENGTHS, MAX_TOKENS, ExamplePair, Run, prompts
-from kvstate.harness.engines.evidence import reuse
-from kvstate.harness.engines.kv_configs import FAIL_NEXT_LOAD
+from support.engines.suite import EXAMPLE_LENGTHS, MAX_TOKENS, ExamplePair, Run, prompts
+from support.engines.evidence import reuse
+from support.engines.kv_configs import FAIL_NEXT_LOAD
 
 BLOCK = 32
 # ExampleConnector loads the whole blocks before the last prompt token, which vLLM

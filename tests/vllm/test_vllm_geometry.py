@@ -16,10 +16,10 @@ import json
 import os
 from typing import Any
 
-from kvstate.harness.engines import tiny_llama
+from support.engines import tiny_llama
 from kv_geometry import FIXTURE, differences, for_this_host, host_has_amx, read_records
-from kvstate.harness.engines.runner import EngineSpec
-from kvstate.harness.engines.suite import ExamplePair, Run
+from support.engines.runner import EngineSpec
+from support.engines.suite import ExamplePair, Run
 
 UPDATE = os.environ.get("KVSTATE_VLLM_UPDATE_GEOMETRY") == "1"
 ITEMSIZE = {"bfloat16": 2, "float32": 4}

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from kvstate.harness.engines import evidence
-from kvstate.harness.engines import kvstate_kit as kit
-from kvstate.harness.engines.memory import MemorySampler
-from kvstate.harness.engines.runner import Engine, Generation, start_all
-from kvstate.harness.engines.suite import MAX_TOKENS, Engines, prompts
+from support.engines import evidence
+from support.engines import kvstate_kit as kit
+from support.engines.memory import MemorySampler
+from support.engines.runner import Engine, Generation, start_all
+from support.engines.suite import MAX_TOKENS, Engines, prompts
 
 TP = 2
 LENGTHS = (100, 140, 600)

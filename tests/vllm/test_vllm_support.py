@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from kvstate.harness.engines import kv_configs, tiny_llama
-from kvstate.harness.engines.evidence import reuse
-from kvstate.harness.engines.leftovers import SHM, collect, owner_of, remove_vllm_leftovers, shm_mapped, shm_names
-from kvstate.harness.engines.runner import TAG_VAR, Generation, engine_pids
+from support.engines import kv_configs, tiny_llama
+from support.engines.evidence import reuse
+from support.engines.leftovers import SHM, collect, owner_of, remove_vllm_leftovers, shm_mapped, shm_names
+from support.engines.runner import TAG_VAR, Generation, engine_pids
 
 
 def test_leftovers_are_attributed_by_name() -> None:

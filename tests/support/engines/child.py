@@ -1,6 +1,6 @@
 """The engine process: one vLLM ``LLM``, driven by the runner over a pipe.
 
-Started by :class:`kvstate.harness.engines.runner.Engine` as ``python -m kvstate.harness.engines.child FD``. vLLM
+Started by :class:`support.engines.runner.Engine` as ``python -m support.engines.child FD``. vLLM
 starts its EngineCore and Worker processes with multiprocessing *spawn*, which imports
 the main module again in each child: everything here therefore runs under
 ``if __name__ == "__main__"``, or vLLM fails with "An attempt has been made to start a
@@ -83,7 +83,7 @@ def _llm(settings: dict[str, Any]) -> Any:
     kwargs = dict(settings["llm"])
     transfer = settings.get("kv_transfer")
     if transfer is not None:
-        from kvstate.harness.engines.kv_configs import build
+        from support.engines.kv_configs import build
 
         kwargs["kv_transfer_config"] = build(transfer)
     return LLM(**kwargs)

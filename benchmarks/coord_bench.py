@@ -15,7 +15,7 @@ coordinator process and tp worker processes, forked before the clock starts.
   ``CLOCK_MONOTONIC`` for every process of the host). The path: the coordinator sees EOF
   or pidfd, drains the group, every survivor quiesces and the coordinator closes it.
 
-``python -m kvstate.harness.coord_bench --tp 2 4 8 --repeats 5`` prints one row per tp
+``python -m benchmarks.coord_bench --tp 2 4 8 --repeats 5`` prints one row per tp
 (median and worst over the repeats).
 """
 
@@ -64,7 +64,7 @@ def _values(tuples: list[tuple[int, ...]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvstate.harness.coord_bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.coord_bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", action="store_true")

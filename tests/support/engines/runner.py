@@ -1,6 +1,6 @@
 """Real vLLM engines, each in its own process, driven from the test process.
 
-An :class:`Engine` is ``python -m kvstate.harness.engines.child`` plus the processes vLLM starts under
+An :class:`Engine` is ``python -m support.engines.child`` plus the processes vLLM starts under
 it (``VLLM::EngineCore``, one ``VLLM::Worker`` per TP rank). Running each engine in its
 own process lets a test keep two engines alive at once, SIGKILL one and watch the other.
 
@@ -10,7 +10,7 @@ own process lets a test keep two engines alive at once, SIGKILL one and watch th
   and by ``KVSTATE_ENGINE_TAG=<uuid>`` in their environment, so :meth:`Engine.close`
   finds and kills every one of them, including any that outlived their parent.
 - Each engine gets its own ``TMPDIR`` and log file under its work dir, and its /dev/shm
-  mappings are recorded while it runs, so that :mod:`~kvstate.harness.engines.leftovers` can say which
+  mappings are recorded while it runs, so that :mod:`~support.engines.leftovers` can say which
   leftovers are vLLM's and which would be kvstate's.
 """
 
@@ -28,10 +28,12 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from kvstate.harness.engines import leftovers
+from support.engines import leftovers
 
-#: The tree this kvstate comes from: engine processes import the same one.
+#: The tree this kvstate comes from: engine processes import the same one, and this kit
+#: (``support.engines``, under tests/) for the engine child and the probe connectors.
 SOURCE_ROOT = Path(__file__).resolve().parents[3]
+KIT_ROOT = SOURCE_ROOT / "tests"
 TAG_VAR = "KVSTATE_ENGINE_TAG"
 
 START_TIMEOUT = float(os.environ.get("KVSTATE_VLLM_START_TIMEOUT", "420"))
@@ -85,7 +87,8 @@ class EngineSpec:
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)
         env[TAG_VAR] = tag
         env["TMPDIR"] = str(tmpdir)
-        env["PYTHONPATH"] = os.pathsep.join([str(SOURCE_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        env["PYTHONPATH"] = os.pathsep.join([str(SOURCE_ROOT), str(KIT_ROOT)]
+                                            + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
         env["PYTHONUNBUFFERED"] = "1"
         if self.tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
             # vLLM's automatic binding wants one NUMA node per rank; give each rank a core.
@@ -175,7 +178,7 @@ class Engine:
         ours, theirs = socket.socketpair()
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvstate.harness.engines.child", str(theirs.fileno())],
+                [sys.executable, "-m", "support.engines.child", str(theirs.fileno())],
                 cwd=self.workdir, env=self.spec.process_env(self.tag, self.tmpdir), stdin=subprocess.DEVNULL,
                 stdout=log, stderr=subprocess.STDOUT, pass_fds=(theirs.fileno(),), start_new_session=True)
         theirs.close()

@@ -1,6 +1,6 @@
 """B1's architecture bound: the floor plus only what kvstate's design cannot drop.
 
-The floor (:mod:`kvstate.harness.bench.b1_floor`) is the least any fd-passing import does.
+The floor (:mod:`benchmarks.b1_floor`) is the least any fd-passing import does.
 kvstate must also, by its design (``DESIGN.md``), run on every import:
 
 - the validation rules over every descriptor, in the pure core
@@ -13,7 +13,7 @@ kvstate must also, by its design (``DESIGN.md``), run on every import:
 
 This row runs exactly that around the floor's own request, ``SCM_RIGHTS`` receipt and
 ``mmap``: the machines are B3's bookkeeping-only bindings of the real tables
-(:mod:`~kvstate.harness.bench.b3_lifecycle`), the descriptors are a real exporter's and
+(:mod:`~benchmarks.b3_lifecycle`), the descriptors are a real exporter's and
 the rules are kvstate's. Left out, so the bound stays a lower bound: the lease protocol's
 codec and glue, the VMM-style reserve and ``set_access`` (two more syscalls per part), the
 watcher, the "mapped" note and every other piece of kvstate's own code. No import that
@@ -33,11 +33,11 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from kvstate.harness.bench.b1_floor import Step, _memfd, timed_maps
-from kvstate.harness.bench.b1_import import _DEPLOYMENT_KEY, _geometry, import_config
-from kvstate.harness.bench.b3_lifecycle import BenchBank, BenchGroup, BenchPart
-from kvstate.harness.bench.framework import Figure
-from kvstate.harness.bench.procs import run_pair
+from benchmarks.b1_floor import Step, _memfd, timed_maps
+from benchmarks.b1_import import _DEPLOYMENT_KEY, _geometry, import_config
+from benchmarks.b3_lifecycle import BenchBank, BenchGroup, BenchPart
+from benchmarks.framework import Figure
+from benchmarks.procs import run_pair
 
 #: The seals every host bank's fd carries (checked by the host transport before a map).
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL

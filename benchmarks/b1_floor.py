@@ -23,8 +23,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from kvstate.harness.bench.framework import Figure
-from kvstate.harness.bench.procs import run_pair
+from benchmarks.framework import Figure
+from benchmarks.procs import run_pair
 
 
 def _memfd(size: int) -> int:

@@ -8,8 +8,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from kvstate.harness.engines import kv_configs
-from kvstate.harness.engines.runner import Engine, EngineSpec, Generation
+from support.engines import kv_configs
+from support.engines.runner import Engine, EngineSpec, Generation
 
 #: The deployment key, given to engines through the environment (never the extra config).
 KEY_HEX = bytes(range(32)).hex()

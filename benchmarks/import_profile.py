@@ -1,8 +1,8 @@
 """Where a host-group import's time goes: an exclusive-time breakdown by category.
 
-``python -m kvstate.harness.bench.import_profile --tp 8 --mib 64 --repeats 30`` runs B1's
+``python -m benchmarks.import_profile --tp 8 --mib 64 --repeats 30`` runs B1's
 exporter process and, in an importer process, ``repeats`` whole-group imports (after one
-warm-up) with a :class:`~kvstate.harness.bench.probe.Probe` wrapped around each step of the
+warm-up) with a :class:`~benchmarks.probe.Probe` wrapped around each step of the
 path: descriptor decode and MAC, validation, machine transitions, connect, credential
 checks, lease round trips, fd receipt, the native calls (fd checks, reserve, mmap,
 set_access), watcher arming, thread pool dispatch. ``--mode rank`` profiles the per-rank
@@ -26,8 +26,8 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from kvstate.harness.bench.probe import Probe
-from kvstate.harness.bench.procs import run_pair
+from benchmarks.probe import Probe
+from benchmarks.procs import run_pair
 
 MiB = 1 << 20
 
@@ -90,7 +90,7 @@ def _install(probe: Probe, targets: list[tuple[str, str]]) -> list[str]:
 
 
 def _exporter(conn: Connection, p: dict[str, Any]) -> None:
-    from kvstate.harness.bench.b1_import import _kvstate_exporter
+    from benchmarks.b1_import import _kvstate_exporter
 
     probe = Probe()
     _install(probe, EXPORTER)
@@ -115,7 +115,7 @@ def _exporter(conn: Connection, p: dict[str, Any]) -> None:
 
 
 def _importer(conn: Connection, p: dict[str, Any]) -> dict[str, Any]:
-    from kvstate.harness.bench.b1_import import import_config, import_rank
+    from benchmarks.b1_import import import_config, import_rank
     from kvstate.share.importer import Importer
     from kvstate.transport.host import HostTransport
 
@@ -192,7 +192,7 @@ def _importer(conn: Connection, p: dict[str, Any]) -> dict[str, Any]:
 
 
 def profile(tp: int, mib: int, repeats: int, mode: str = "group", serial: bool = True) -> dict[str, Any]:
-    # One CPU each for importer and exporter, as in B1 (kvstate.harness.bench.procs).
+    # One CPU each for importer and exporter, as in B1 (benchmarks.procs).
     params = {"tp": tp, "bank_bytes": mib * MiB, "repeats": repeats, "mode": mode, "serial": serial,
               "placement": "split"}
     result: dict[str, Any] = run_pair(_exporter, _importer, params)
@@ -217,7 +217,7 @@ def table(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvstate.harness.bench.import_profile",
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.import_profile",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--mib", type=int, default=64)

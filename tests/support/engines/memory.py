@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from kvstate.harness.engines.runner import Engine
+from support.engines.runner import Engine
 
 
 def _rollup(pid: int) -> tuple[int, int]:

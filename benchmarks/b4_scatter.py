@@ -29,9 +29,9 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from kvstate.harness.bench.b1_import import _nixl
-from kvstate.harness.bench.framework import Figure, Skipped, timed
-from kvstate.harness.bench.procs import run_pair
+from benchmarks.b1_import import _nixl
+from benchmarks.framework import Figure, Skipped, timed
+from benchmarks.procs import run_pair
 
 HEADS, BLOCK_SIZE = 8, 16
 

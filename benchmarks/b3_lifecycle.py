@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvstate.harness.bench.framework import Figure, no_gc
+from benchmarks.framework import Figure, no_gc
 
 if TYPE_CHECKING:
     from kvstate.transport.host import HostEndpoint

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvstate.harness.bench import b1_bound, b1_floor, b1_import, b2_load, b3_lifecycle, b4_scatter
-from kvstate.harness.bench.framework import Case, Comparison, Figure, Suite
-from kvstate.harness.bench.procs import split_cpus
+from benchmarks import b1_bound, b1_floor, b1_import, b2_load, b3_lifecycle, b4_scatter
+from benchmarks.framework import Case, Comparison, Figure, Suite
+from benchmarks.procs import split_cpus
 
 MiB = 1 << 20
 READINESS_TP = (1, 2, 4, 8, 16, 32, 64)

@@ -6,7 +6,7 @@ only, so the categories of one thread add up to that thread's wall time (nothing
 counted twice). Wrapping costs about a microsecond per call, which the report shows as its
 own line (``probe overhead``, measured by timing empty wrapped calls).
 
-It is a measuring tool for :mod:`kvstate.harness.bench.import_profile`; nothing else
+It is a measuring tool for :mod:`benchmarks.import_profile`; nothing else
 imports it.
 """
 

@@ -12,9 +12,9 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from kvstate.harness.bench.b1_import import LOOPBACK, _nixl
-from kvstate.harness.bench.framework import Figure, Skipped, timed
-from kvstate.harness.bench.procs import run_pair
+from benchmarks.b1_import import LOOPBACK, _nixl
+from benchmarks.framework import Figure, Skipped, timed
+from benchmarks.procs import run_pair
 
 
 def _fill(bank: Any, block_bytes: int) -> None:

@@ -19,7 +19,7 @@ KVSTATE_CONNECTOR = "KvStateConnector"
 KVSTATE_MODULE = "kvstate.integrations.vllm"
 
 #: The probe connectors' module, which vLLM imports by name in the engine processes.
-PROBE_MODULE = "kvstate.harness.engines.probe"
+PROBE_MODULE = "support.engines.probe"
 
 #: A file in a probe's directory that makes the next load fail (see :mod:`.probe`).
 FAIL_NEXT_LOAD = "fail-next-load"

@@ -1,4 +1,4 @@
-"""Probe connectors, loaded by vLLM through ``kv_connector_module_path="kvstate.harness.engines.probe"``.
+"""Probe connectors, loaded by vLLM through ``kv_connector_module_path="support.engines.probe"``.
 
 They run inside vLLM's engine processes (scheduler side in ``VLLM::EngineCore``, worker
 side in each ``VLLM::Worker``), so this module imports vLLM and torch.

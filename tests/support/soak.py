@@ -24,7 +24,7 @@ The verdict (:meth:`SoakReport.problems`): no importer was ever ready without ev
 (partial readiness); no leaked fd or memfd mapping in any worker; every exporter became
 quiescent within its lease timeout; every completed load's checksum matched.
 
-Run it with ``python -m kvstate.harness.soak --cycles N`` (``make soak``).
+Run it with ``python -m support.soak --cycles N`` (``make soak``).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from kvstate.harness import children
 from kvstate.harness.cluster import ClusterSpec, Worker, _recv, _send, expected_checksum, kv_pattern, resources
 from kvstate.channel import owner
 from kvstate.core.errors import KvStateError
@@ -268,9 +269,9 @@ class _Pool:
         self.dir = Path(tempfile.mkdtemp(prefix="kvstate-soak-"))
         self.dir.chmod(0o700)
         self.socket_dir = self.dir / "sockets"
-        self.ctx = multiprocessing.get_context("forkserver")
-        self.ctx.set_forkserver_preload(["kvstate.harness.soak", "kvstate.share.exporter", "kvstate.share.importer",
-                                         "kvstate.transport.host"])
+        # The server preloads support.soak from tests/ too, wherever the soak runs from.
+        self.ctx = children.forkserver(["support.soak", "kvstate.share.exporter", "kvstate.share.importer",
+                                        "kvstate.transport.host"])
         self.spec_json = json.dumps(attrs.asdict(spec))
         self.exporters = [self._start("exporter", r) for r in range(spec.tp)]
         self.importers = [self._start("importer", r) for r in range(spec.tp)]
@@ -430,7 +431,7 @@ def _cycle(pool: _Pool, spec: ClusterSpec, kill: tuple[str, str, int] | None, ex
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvstate.harness.soak", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m support.soak", description=__doc__.split("\n\n")[0])
     ap.add_argument("--cycles", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--kill-rate", type=float, default=0.7)

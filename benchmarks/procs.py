@@ -21,7 +21,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from kvstate.harness.bench.framework import Skipped
+from benchmarks.framework import Skipped
 
 Side = Callable[[Connection, dict[str, Any]], Any]
 

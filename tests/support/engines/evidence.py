@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from kvstate.harness.engines.runner import Generation
+from support.engines.runner import Generation
 
 RECOVERED = re.compile(r"Recovered from KV load failure[^\n]*")
 FAILED = re.compile(r"Failing \d+ request\(s\) due to KV load failure[^\n]*")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from typing import Any
 
-from kvstate.harness.bench.framework import Comparison, Row, SuiteResult
+from benchmarks.framework import Comparison, Row, SuiteResult
 
 
 def _time(seconds: float) -> str:

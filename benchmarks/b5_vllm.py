@@ -2,8 +2,8 @@
 512, 1,024, 2,048 and 4,096 prompt tokens, for kvstate reuse, recompute, vLLM's
 ExampleConnector (through files) and LMCache (not run: it does not work on CPU here).
 
-The engines and the measurement are :mod:`kvstate.harness.engines` (the engine runner,
-the seeded tiny Llama, :mod:`~kvstate.harness.engines.ttft`), shared with the vLLM test
+The engines and the measurement are :mod:`support.engines` (the engine runner,
+the seeded tiny Llama, :mod:`~support.engines.ttft`), shared with the vLLM test
 suite; it needs the interpreter of the vLLM venv (``make test-vllm`` builds
 ``.venv-vllm``). On a 2-core CPU with a 2-layer model only the ratios mean anything.
 """
@@ -26,7 +26,7 @@ def problem() -> str | None:
 
 def run(out: Path, repeats: int, quick: bool) -> str:
     """Measure and return the Markdown table (also written to ``out/bench-vllm.md``)."""
-    from kvstate.harness.engines import ttft
+    from support.engines import ttft
 
     lengths = ttft.LENGTHS[:2] if quick else ttft.LENGTHS
     with tempfile.TemporaryDirectory(prefix="kvstate-bench-vllm-") as d:

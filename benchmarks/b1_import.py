@@ -9,7 +9,7 @@ importer process that times, per repeat, what it must do before the group is usa
   (decode and check its descriptor, lease, receive its fd, map), timed per rank, ranks
   0..tp-1 in turn from one worker process (its channel to the exporter stays warm, as a
   worker's does between groups); the coordinator's messages are not in it;
-- the floor (:mod:`kvstate.harness.bench.b1_floor`): raw SCM_RIGHTS of the same kind of
+- the floor (:mod:`benchmarks.b1_floor`): raw SCM_RIGHTS of the same kind of
   fds plus mmap, with no checks, whole group and per rank;
 - ``multiprocessing.shared_memory``: attach every segment by name (shm_open + mmap);
 - torch.multiprocessing fd sharing: receive the shared tensors (fds over a unix socket,
@@ -30,8 +30,8 @@ from typing import Any, Protocol
 
 from kvstate.core.descriptor import Descriptor
 from kvstate.core.machine import Observer
-from kvstate.harness.bench.framework import Figure, Skipped
-from kvstate.harness.bench.procs import run_pair
+from benchmarks.framework import Figure, Skipped
+from benchmarks.procs import run_pair
 from kvstate.share.importer import BlockRequest, ImportConfig, Importer, Part
 
 LOOPBACK = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN", "UCX_LOG_LEVEL": "error"}
