@@ -38,6 +38,8 @@ from typing import Any
 
 import attrs
 
+from support.stalls import Heartbeat, collect
+
 TP = 4
 BLOCKS = 64
 PREFIX = list(range(8))
@@ -45,6 +47,8 @@ LEASE_S = 2.0
 #: Growth allowed after warm-up: a few fds and threads (a connection or handler in flight
 #: when sampled), and RSS within 10% (allocator noise), never a per-cycle leak.
 SLACK = {"fds": 4, "threads": 4, "rss_kib": 0.10}
+#: A process whose Python stops for this many lease terms leaves every thread's stack.
+STALL_TERMS = 2
 
 
 def _geometry() -> Any:
@@ -74,13 +78,14 @@ def _send(conn: multiprocessing.connection.Connection, **msg: Any) -> None:
 
 
 def exporter_main(conn: multiprocessing.connection.Connection, key: str, socket_dir: str, source: str,
-                  rank: int, plant: str | None = None) -> None:
+                  rank: int, plant: str | None, stall_dir: str) -> None:
     """One rank's bank, served for the whole run. ``plant="leak_fd"`` (the self-test) leaks
     an fd with every lease granted."""
     from kvstate.core.identity import Deployment
     from kvstate.share.exporter import ExportConfig, Exporter
     from kvstate.transport.host import HostTransport
 
+    Heartbeat(Path(stall_dir), STALL_TERMS * LEASE_S)
     faults = _ErrorLog()  # a handler thread that died, or any error kvstate logged, is a finding
     logging.getLogger("kvstate").addHandler(faults)
     g = _geometry()
@@ -116,13 +121,15 @@ class _ErrorLog(logging.Handler):
                             + (f" ({record.exc_info[0].__name__})" if record.exc_info and record.exc_info[0] else ""))
 
 
-def importer_main(conn: multiprocessing.connection.Connection, key: str, wire: list[str], seed: int) -> None:
+def importer_main(conn: multiprocessing.connection.Connection, key: str, wire: list[str], seed: int,
+                  stall_dir: str) -> None:
     from kvstate.core.identity import Deployment
     from kvstate.reuse.policy import ReuseSettings
     from kvstate.share.importer import ImportConfig, Importer
     from kvstate.transport.host import HostTransport
 
     rng = random.Random(seed)
+    Heartbeat(Path(stall_dir), STALL_TERMS * LEASE_S)
     im = Importer(ImportConfig(Deployment("churn", bytes.fromhex(key)),
                                reuse=ReuseSettings(enable_decode_to_prefill_reuse=True)),
                   HostTransport(granularity=64 * 1024))
@@ -174,11 +181,13 @@ class ChurnReport:
     leases_left: list[str] = attrs.Factory(list)
     exporter_errors: list[str] = attrs.Factory(list)
     importer_exits: list[str] = attrs.Factory(list)  # an importer that ended without being killed
+    stalls: list[str] = attrs.Factory(list)  # stacks of processes whose Python stopped (support.stalls)
     errors: dict[str, int] = attrs.Factory(dict)
     samples: dict[str, list[list[float]]] = attrs.Factory(dict)  # rank -> [t, fds, threads, rss_kib]
 
     def problems(self) -> list[str]:
-        return self.corrupt_loads + self.growth + self.leases_left + self.exporter_errors + self.importer_exits
+        return (self.corrupt_loads + self.growth + self.leases_left + self.exporter_errors + self.importer_exits
+                + self.stalls)
 
     def summary(self) -> str:
         return (f"{self.importers} importers for {self.seconds:.0f} s: {self.cycles} cycles ({self.failed_cycles} failed,"
@@ -192,6 +201,8 @@ def run_churn(seconds: float, importers: int = 32, *, kill_every_s: float = 0.5,
     report = ChurnReport(importers=importers)
     root = Path(tempfile.mkdtemp(prefix="kvs-churn-"))
     root.chmod(0o700)
+    stalls = root / "stalls"
+    stalls.mkdir()
     key, source = os.urandom(32).hex(), os.urandom(16).hex()
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["soak.churn", "kvstate.share.exporter", "kvstate.share.importer",
@@ -211,12 +222,12 @@ def run_churn(seconds: float, importers: int = 32, *, kill_every_s: float = 0.5,
 
     try:
         for r in range(TP):
-            exporters.append(start(exporter_main, key, str(root / "s"), source, r, plant))
+            exporters.append(start(exporter_main, key, str(root / "s"), source, r, plant, str(stalls)))
         hello = [json.loads(c.recv_bytes()) for _, c in exporters]
         wire = [h["descriptor"] for h in hello]
         pids = {r: h["pid"] for r, h in enumerate(hello)}
         for n in range(importers):
-            p, c = start(importer_main, key, wire, seed * 1000 + n)
+            p, c = start(importer_main, key, wire, seed * 1000 + n, str(stalls))
             workers[c] = p
         t0 = time.monotonic()
         next_kill, next_sample, spawned = t0 + kill_every_s, t0, importers
@@ -247,7 +258,7 @@ def run_churn(seconds: float, importers: int = 32, *, kill_every_s: float = 0.5,
                 victim.kill()
                 report.kills += 1
                 next_kill += kill_every_s
-                p, c = start(importer_main, key, wire, seed * 1000 + spawned)
+                p, c = start(importer_main, key, wire, seed * 1000 + spawned, str(stalls))
                 spawned += 1
                 workers[c] = p
             if now >= next_sample:
@@ -281,6 +292,7 @@ def run_churn(seconds: float, importers: int = 32, *, kill_every_s: float = 0.5,
             report.grant_p50_ms = statistics.median(ordered) * 1e3
             report.grant_p99_ms = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e3
         report.leases_per_s = report.cycles * TP / report.seconds
+        report.stalls = collect(stalls)
         log(report.summary())
         return report
     finally:

@@ -32,8 +32,10 @@ def test_soak_under_random_sigkills() -> None:
 
 
 @pytest.mark.parametrize("plant, finding, kill_rate", [("leak_fd", "leaks", 0.0), ("corrupt", "corrupt_loads", 0.0),
-                                                       ("no_sweep", "leftovers", 1.0)])
+                                                       ("no_sweep", "leftovers", 1.0), ("hold_gil", "stalls", 0.0)])
 def test_soak_verdict_catches_planted_bugs(plant: str, finding: str, kill_rate: float) -> None:
     report = run_soak(8, seed=3, kill_rate=kill_rate, plant=plant)
     assert getattr(report, finding), report.summary()
+    if plant == "hold_gil":  # the stack says where: the C call that held the GIL, in the worker's load
+        assert "importer_worker" in report.stalls[0], report.stalls[0]
     assert report.problems()

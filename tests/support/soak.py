@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import ctypes
 import hashlib
 import json
 import multiprocessing
@@ -49,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from kvstate.harness import children
+from support.stalls import Heartbeat, collect
 from kvstate.harness.cluster import ClusterSpec, Worker, _recv, _send, expected_checksum, kv_pattern, resources
 from kvstate.channel import owner
 from kvstate.core.errors import KvStateError
@@ -69,6 +71,8 @@ if TYPE_CHECKING:
 PHASES = ("advertised", "importing", "ready", "loading", "draining")
 ROLES = ("exporter", "importer")
 
+#: A worker whose Python stops for this many lease terms leaves every thread's stack.
+STALL_TERMS = 2
 SOAK_SPEC = ClusterSpec(tp=2, layers=2, kv_heads=2, head_dim=32, block_tokens=16, num_blocks=32,
                         prefix_blocks=8, granularity=64 * 1024, lease_timeout_s=3.0, timeout_s=10.0)
 
@@ -89,7 +93,8 @@ def _settled(baseline: dict[str, int], grace_s: float) -> dict[str, int]:
 
 
 def exporter_worker(conn: multiprocessing.connection.Connection, spec_json: str, key_hex: str,
-                    socket_dir: str, rank: int, source_hex: str, plant: str | None = None) -> None:
+                    socket_dir: str, rank: int, source_hex: str, plant: str | None = None,
+                    stall_dir: str | None = None) -> None:
     """One decode-rank process: a new Exporter per cycle, named as the library names it
     (pid and incarnation), so a killed one's socket is not reused by its replacement and
     only the other servers' starts can sweep it."""
@@ -100,6 +105,8 @@ def exporter_worker(conn: multiprocessing.connection.Connection, spec_json: str,
         owner.sweep = lambda directory: []
 
     spec = ClusterSpec(**json.loads(spec_json))
+    if stall_dir is not None:
+        Heartbeat(Path(stall_dir), STALL_TERMS * spec.lease_timeout_s)
     deployment = Deployment("kvstate-soak", bytes.fromhex(key_hex))
     t = HostTransport(granularity=spec.granularity)
     g = spec.geometry()
@@ -135,16 +142,20 @@ def exporter_worker(conn: multiprocessing.connection.Connection, spec_json: str,
 
 
 def importer_worker(conn: multiprocessing.connection.Connection, spec_json: str, key_hex: str, rank: int,
-                    plant: str | None = None) -> None:
+                    plant: str | None = None, stall_dir: str | None = None) -> None:
     """One prefill-rank process: one Importer for its whole life, a new group per cycle.
-    ``plant`` plants a bug for the soak's self-test: ``leak_fd`` or ``corrupt``."""
+    ``plant`` plants a bug for the soak's self-test: ``leak_fd``, ``corrupt`` or
+    ``hold_gil`` (a C call that keeps the GIL past the heartbeat limit before a load)."""
     from kvstate.share.importer import ImportConfig, Importer
     from kvstate.reuse.policy import ReuseSettings
     from kvstate.core.machine import StateChange
     from kvstate.transport.host import HostTransport
 
     spec = ClusterSpec(**json.loads(spec_json))
+    if stall_dir is not None:
+        Heartbeat(Path(stall_dir), STALL_TERMS * spec.lease_timeout_s)
     t = HostTransport(granularity=spec.granularity)
+    stalled: list[bool] = []  # the hold_gil plant stalls once
     partial: list[str] = []
     im_box: list[HostImporter] = []
 
@@ -174,6 +185,9 @@ def importer_worker(conn: multiprocessing.connection.Connection, spec_json: str,
                 _send(conn, state=state())
             elif cmd["cmd"] == "load":
                 assert group is not None
+                if plant == "hold_gil" and not stalled:  # libc's sleep through PyDLL: the GIL stays held
+                    stalled.append(True)
+                    ctypes.PyDLL(None).sleep(int(STALL_TERMS * spec.lease_timeout_s) + 1)
                 g = group
 
                 def load(blocks: list[int] = cmd["blocks"]) -> None:
@@ -234,6 +248,7 @@ class SoakReport:
     slow_quiescence: list[str] = attrs.Factory(list)
     exporter_errors: list[str] = attrs.Factory(list)
     leftovers: list[str] = attrs.Factory(list)  # of dead processes, in the socket dir after the next start
+    stalls: list[str] = attrs.Factory(list)  # stacks of processes whose Python stopped (support.stalls)
     worst_quiescent_s: float = 0.0
     ready_groups: int = 0
     failed_groups: int = 0
@@ -242,7 +257,7 @@ class SoakReport:
 
     def problems(self) -> list[str]:
         return (self.corrupt_loads + self.partial_ready + self.leaks + self.slow_quiescence + self.exporter_errors
-                + self.leftovers)
+                + self.leftovers + self.stalls)
 
     def summary(self) -> str:
         kills = ", ".join(f"{k} {v}" for k, v in sorted(self.kills.items())) or "none"
@@ -269,6 +284,8 @@ class _Pool:
         self.dir = Path(tempfile.mkdtemp(prefix="kvstate-soak-"))
         self.dir.chmod(0o700)
         self.socket_dir = self.dir / "sockets"
+        self.stall_dir = self.dir / "stalls"
+        self.stall_dir.mkdir()
         # The server preloads support.soak from tests/ too, wherever the soak runs from.
         self.ctx = children.forkserver(["support.soak", "kvstate.share.exporter", "kvstate.share.importer",
                                         "kvstate.transport.host"])
@@ -280,10 +297,10 @@ class _Pool:
         parent, child = self.ctx.Pipe()
         if role == "exporter":
             args: tuple[Any, ...] = (child, self.spec_json, self.key.hex(), str(self.socket_dir), rank, self.source.hex(),
-                                     self.plant)
+                                     self.plant, str(self.stall_dir))
             target: Callable[..., None] = exporter_worker
         else:
-            args, target = (child, self.spec_json, self.key.hex(), rank, self.plant), importer_worker
+            args, target = (child, self.spec_json, self.key.hex(), rank, self.plant, str(self.stall_dir)), importer_worker
         p = self.ctx.Process(target=target, args=args, name=f"soak-{role}-{rank}", daemon=True)
         p.start()
         child.close()
@@ -331,8 +348,10 @@ def run_soak(cycles: int, *, seed: int = 1, kill_rate: float = 0.7, spec: Cluste
             kill = (rng.choice(ROLES), rng.choice(PHASES), rng.randrange(spec.tp)) if rng.random() < kill_rate else None
             try:
                 _cycle(pool, spec, kill, expected, report, n)
-            except TimeoutError as exc:  # a worker never answered: say when, and what went wrong before
-                raise TimeoutError(f"cycle {n} (kill {kill}): {exc}; problems so far: {report.problems()[:10]}") from exc
+            except TimeoutError as exc:  # a worker never answered: say when, what went wrong before, and where
+                stalls = "\n".join(collect(pool.stall_dir))  # each stuck process's threads, if its Python stopped
+                raise TimeoutError(f"cycle {n} (kill {kill}): {exc}; problems so far: {report.problems()[:10]}"
+                                   + (f"\n{stalls}" if stalls else "")) from exc
             report.restarts += pool.replace_killed()
             report.cycles += 1
             if kill is None:
@@ -340,6 +359,7 @@ def run_soak(cycles: int, *, seed: int = 1, kill_rate: float = 0.7, spec: Cluste
             if (n + 1) % 50 == 0:
                 report.seconds = time.monotonic() - start
                 log(f"  {n + 1} cycles: {report.summary()}")
+        report.stalls += collect(pool.stall_dir)
     finally:
         report.leaks += pool.close()
         report.seconds = time.monotonic() - start
