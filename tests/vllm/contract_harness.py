@@ -316,6 +316,13 @@ class Engine:
             out.append(f"kvstate entries left: {left}")
         return out
 
+    def forget(self) -> None:
+        """Drop the per-request bookkeeping above (once checked): long runs."""
+        assert self.idle(), self.violations()
+        for counter in (self.sending, self.recving, self.loads_ordered, self.stores_ordered):
+            counter.clear()
+        self.finished.clear()
+
     def close(self) -> None:
         with self._as_worker():
             self.worker.shutdown()
