@@ -120,12 +120,11 @@ soak: $(STAMP)
 # CONTRACT_REQUESTS short requests (every 10th aborted mid-load, every 50th failing its load);
 # prints every per-request structure's size during and after the warm-up, and the RSS.
 # `make test-vllm` runs 2,000. About 4 minutes for 100,000 on 2 cores (7 under load).
-# Without pytest's log capture, which keeps every warning record of the run (RSS).
 CONTRACT_REQUESTS ?= 100000
 soak-contract:
 	PYTHON=$(PYTHON) bash tools/vllm-venv.sh $(VLLM_VENV)
 	KVSTATE_REQUIRE_VLLM=1 KVSTATE_CONTRACT_REQUESTS=$(CONTRACT_REQUESTS) $(VLLM_VENV)/bin/python -m pytest \
-	    tests/vllm/test_vllm_contract_volume.py -s -q -p no:cacheprovider -p no:logging
+	    tests/vllm/test_vllm_contract_volume.py -s -q -p no:cacheprovider
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .mypy_cache .hypothesis tests/cudashim/_build
