@@ -6,7 +6,7 @@ VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-vllm demo-vllm bench-vllm spec docs generate check clean bench spin bench-models fuzz soak churn cudashim gpucheck mutants
+.PHONY: demo test test-fast test-vllm demo-vllm bench-vllm spec docs generate check clean bench spin bench-models fuzz soak soak-contract churn cudashim gpucheck mutants
 
 # Spin for the model tests: installed from Debian when we can (root or sudo); otherwise the
 # model tests skip loudly (and fail when CI is set).
@@ -134,6 +134,16 @@ churn: $(STAMP)
 
 soak: $(STAMP)
 	PYTHONPATH=tests $(VPY) -m support.soak --cycles $(SOAK_CYCLES)
+
+# Bounded state under volume through vLLM's real Scheduler (tests/vllm/test_vllm_contract_volume.py):
+# CONTRACT_REQUESTS short requests (every 10th aborted mid-load, every 50th failing its load);
+# prints every per-request structure's size during and after the warm-up, and the RSS.
+# `make test-vllm` runs 2,000. About 4 minutes for 100,000 on 2 cores (7 under load).
+CONTRACT_REQUESTS ?= 100000
+soak-contract:
+	PYTHON=$(PYTHON) bash tools/vllm-venv.sh $(VLLM_VENV)
+	KVSTATE_REQUIRE_VLLM=1 KVSTATE_CONTRACT_REQUESTS=$(CONTRACT_REQUESTS) $(VLLM_VENV)/bin/python -m pytest \
+	    tests/vllm/test_vllm_contract_volume.py -s -q -p no:cacheprovider
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .mypy_cache .hypothesis tests/cudashim/_build

@@ -334,3 +334,115 @@ def test_a_dead_decode_is_a_miss_and_a_restarted_one_refuses_old_descriptors(soc
     finally:
         prefill.close()
         decode.close()
+
+
+# -- a finished request leaves no trace (issue 32) -------------------------------------------
+
+
+def traces(engine: Engine) -> dict[str, int]:
+    """Every per-request structure of the engine's scheduler side and ranks that is not empty."""
+    sizes = {f"sched.{k}": v for k, v in engine.sched.sizes().items()}
+    for r in engine.decode:
+        sizes.update({f"decode{r.rank}.{k}": v for k, v in r.sizes().items()})
+    for p in engine.prefill:
+        sizes.update({f"prefill{p.rank}.{k}": v for k, v in p.sizes().items()})
+    return {k: v for k, v in sizes.items() if v}
+
+
+def settle(engine: Engine, finished: set[str] = frozenset()) -> tuple[set[str], set[str]]:
+    """Steps (vLLM naming ``finished`` in the first) until nothing is left in flight;
+    every id reported sending and receiving."""
+    sent, loaded = set(), set()
+    first = [set(finished)]
+
+    def quiet() -> bool:
+        s, lo, _ = engine.step(first.pop() if first else set())
+        assert not (s & sent) and not (lo & loaded), "an id reported twice"
+        sent.update(s)
+        loaded.update(lo)
+        return not first and not engine.sched.pending() and not any(p.busy() for p in engine.prefill) \
+            and all(not r.sizes()["pending"] for r in engine.decode)
+    wait_for(quiet, "the engine to settle", 30.0)
+    wait_for(lambda: not any(k.endswith("live_groups") or k.endswith("live_shares") for k in traces(engine)),
+             "every group to end")
+    return sent, loaded
+
+
+@pytest.fixture
+def both(sockets: Path) -> Iterator[tuple[Engine, Engine]]:
+    """A decode source and a ``kv_both`` engine that loads from it (and retains its own)."""
+    common = {"socket_dir": str(sockets)}
+    decode = Engine("kv_producer", common, 1, "decode-engine")
+    engine = Engine("kv_both", {**common, "policy": POLICY, "source": "both-engine"}, 1, "both-engine")
+    yield decode, engine
+    engine.close()
+    decode.close()
+
+
+def test_a_request_whose_load_is_in_flight_is_never_a_producer(both: tuple[Engine, Engine]) -> None:
+    """kv_both: vLLM finishes a request aborted in WAITING_FOR_REMOTE_KVS with its promised
+    tokens counted as computed. Its pages were never loaded, and vLLM frees the request
+    when the load reports: no store order, no delayed free (was: stores ordered, True, and
+    the id later reported in finished_sending, which vLLM's scheduler asserts on). The
+    same for an order refused before it had a group (block mismatch)."""
+    decode, engine = both
+    tokens = list(range(4000, 4017))
+    finish(decode, "d1", tokens, [1, 2, 3, 4, 5])
+    pages = [10, 11, 12, 13, 14]
+    n = engine.sched.match("p1", tokens, len(tokens), 0, None)
+    assert n == 4 * BS
+    engine.sched.allocated("p1", pages, n)
+    engine.sched.request_done("p1")                                     # the abort, load in flight
+    assert engine.sched.request_finished("p1", tokens, n, pages, None) is False
+    assert engine.sched.sizes()["store_orders"] == 0 and engine.sched.sizes()["index_storing"] == 0
+    sent, loaded = settle(engine, {"p1"})
+    assert (sent, loaded) == (set(), {"p1"})
+    assert traces(engine) == {}
+
+    n = engine.sched.match("p2", tokens, len(tokens), 0, None)
+    engine.sched.allocated("p2", pages, n - BS)                         # not what was matched: refused
+    engine.sched.request_done("p2")
+    assert engine.sched.request_finished("p2", tokens, n, pages, None) is False
+    sent, loaded = settle(engine, {"p2"})
+    assert (sent, loaded) == (set(), {"p2"})
+    assert traces(engine) == {}
+    assert engine.sched.tally.take()["rejections"] == {"block_mismatch": 1}
+
+
+@pytest.mark.parametrize("order", ["abort_then_failure", "failure_then_done"])
+def test_a_failed_load_leaves_no_trace_whatever_the_order(pair: tuple[Engine, Engine], order: str) -> None:
+    """A load that fails after vLLM finished its request (an abort during the load, or any
+    load failure under kv_load_failure_policy="fail", where vLLM finishes the request
+    before it hands over the connector output) leaves nothing behind (was: its id stayed in
+    SchedulerSide._failed for good); a failure reported first is forgotten when it finishes."""
+    decode, prefill = pair
+    tokens = list(range(5000, 5017))
+    finish(decode, "d1", tokens, [1, 2, 3, 4, 5])
+    pages = [10, 11, 12, 13, 14]
+    n = prefill.sched.match("p1", tokens, len(tokens), 0, None)
+    prefill.sched.allocated("p1", pages, n)
+    failure = LoadFailures(tuple(("p1", r, "timeout") for r in range(prefill.tp)))
+    if order == "abort_then_failure":
+        prefill.sched.request_done("p1")
+        prefill.sched.worker_output(["p1"], set(pages[:4]), failure)
+    else:
+        prefill.sched.worker_output(["p1"], set(pages[:4]), failure)
+        assert prefill.sched.sizes()["failed"] == 1                     # asked again, it is computed
+        prefill.sched.request_done("p1")
+    assert prefill.sched.tally.take()["rejections"] == {"timeout": 1}
+    settle(prefill)   # the ranks' own report of p1 arrives after the scheduler's: ignored
+    assert traces(prefill) == {}
+
+
+def test_a_finished_request_that_stored_nothing_leaves_no_trace_on_the_ranks(pair: tuple[Engine, Engine]) -> None:
+    """vLLM names every finished request to every rank; one that stored nothing (shorter
+    than a block, or a prefix already kept: the common repeated prompt) is not remembered
+    (was: kept in DecodeRank._announced for good)."""
+    decode, _ = pair
+    tokens = list(range(6000, 6017))
+    finish(decode, "d1", tokens, [1, 2, 3, 4, 5])
+    assert decode.sched.request_finished("short", tokens[:BS - 1], BS - 1, [7], None) is False
+    assert decode.sched.request_finished("again", tokens, len(tokens), [8, 9, 10, 11, 12], None) is False
+    sent, _ = settle(decode, {"short", "again"})
+    assert sent == set()
+    assert traces(decode) == {}

@@ -67,7 +67,7 @@ class DecodeRank:
         self._lock = threading.Lock()
         self._pending: dict[str, int] = {}        # req id -> stores not finished on this rank
         self._done: set[str] = set()              # stores finished, not yet reported to vLLM
-        self._announced: set[str] = set()         # vLLM named them finished (get_finished)
+        self._announced: set[str] = set()         # vLLM named them finished, their stores still running here
         self._handles: list[TransferHandle] = []
         self._outbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self._stopping = threading.Event()
@@ -120,19 +120,33 @@ class DecodeRank:
 
     def finished(self, finished_req_ids: set[str]) -> set[str]:
         """Requests whose stores all finished on this rank and that vLLM has named finished
-        (it counts a request done once every rank reported it)."""
+        (it counts a request done once every rank reported it).
+
+        Only ids with stores on this rank are remembered: vLLM names every finished request,
+        most of which stored nothing (shorter than a block, prefix already kept). A request's
+        store order and its id come in the same step's scheduler output, and vLLM binds the
+        orders (:meth:`store`) before it asks this, so no store can follow its id."""
         # done() may run a store's callback (_stored takes the lock): poll outside the lock.
         with self._lock:
             polled = list(self._handles)
         ended = [h for h in polled if h.done()]
         with self._lock:
             self._handles = [h for h in self._handles if h not in ended]
-            self._announced |= finished_req_ids
+            self._announced |= {r for r in finished_req_ids if r in self._pending or r in self._done}
             out = self._done & self._announced
             self._done -= out
             self._announced -= out
         for h in ended:
             h.close()
+        return out
+
+    def sizes(self) -> dict[str, int]:
+        """Entries of every per-request structure of this rank (zero once every store vLLM
+        named finished was reported), and the bank's leases and holds."""
+        with self._lock:
+            out = {"pending": len(self._pending), "done": len(self._done), "announced": len(self._announced),
+                   "handles": len(self._handles)}
+        out["leases"], out["holds"] = len(self.bank.leases), len(self.bank.holds)
         return out
 
     def busy(self) -> bool:

@@ -152,6 +152,14 @@ class PrefillRank:
             self.tally.add("loads_ok")
             self.tally.add("tokens_loaded", len(load.order.dst_blocks) * self.compat.block_size)
 
+    def sizes(self) -> dict[str, int]:
+        """Entries of every per-request structure of this rank (zero once every load was
+        reported), and its worker's live shares."""
+        worker = self.worker
+        live = 0 if worker is None else sum(1 for s in list(worker.shares.values()) if not s.is_terminal)
+        return {"loads": len(self._loads), "finished": len(self._finished), "failed_blocks": len(self._failed_blocks),
+                "reasons": len(self._reasons), "live_shares": live}
+
     def busy(self) -> bool:
         """Loads in flight: this rank's threads (imports, leases) have work to do."""
         return bool(self._loads)

@@ -72,12 +72,15 @@ class _Group:
 
 @attrs.define(eq=False)
 class _Active:
-    """A request whose load was ordered, until every rank reported it finished."""
+    """A request whose load was ordered, until every rank reported it finished: one with a
+    group, or one refused before it had any (its order names why; the ranks report it
+    failed)."""
 
-    group: _Group
+    group: _Group | None
     pages: frozenset[int]
     failed: bool = False
     why: LoadFailures = LoadFailures()  # what the ranks said, over the steps until every rank finished
+    done: bool = False                  # vLLM finished the request while its load was in flight
 
 
 def failure_reason(group: CoordinatedGroup) -> str:
@@ -106,10 +109,12 @@ class SchedulerSide:
         self._stores: list[StoreOrder] = []
         self._loads: list[LoadOrder] = []
         self._matches: dict[str, _Match] = {}
-        self._active: dict[str, _Active] = {}     # req id -> its load
+        # Every per-request entry below ends with the request: request_done, or the report of
+        # its load when vLLM finished it while the load was in flight (sizes() shows them).
+        self._active: dict[str, _Active] = {}     # req id -> its load, ordered and not yet reported finished
         self._groups: list[_Group] = []
         self._counted: set[str] = set()           # requests whose miss was counted
-        self._failed: set[str] = set()            # requests whose load failed: computed from then on
+        self._failed: set[str] = set()            # live requests whose load failed: computed from then on
         dep = cfg.deployment
         if cfg.producer:
             table = SlotTable(bank_blocks(compat, cfg.retain_bytes), compat.tp, lambda h, s: block_key(dep, h, s))
@@ -132,8 +137,13 @@ class SchedulerSide:
     def request_finished(self, req_id: str, tokens: Sequence[int], num_computed: int, block_ids: Sequence[int],
                          salt: str | None) -> bool:
         """Retain the request's full blocks; True when vLLM must keep its pages until the
-        workers report the stores finished."""
-        if self.index is None:
+        workers report the stores finished.
+
+        Never for a request whose load is in flight (aborted in ``WAITING_FOR_REMOTE_KVS``):
+        vLLM already counts its promised tokens as computed, but kvstate has not written
+        those pages (and a failed load never will); and vLLM frees the request when the
+        load reports, so a delayed free would later report an id vLLM no longer knows."""
+        if self.index is None or req_id in self._active:
             return False
         bs = self.compat.block_size
         # At most the first wire.MAX_BLOCKS blocks: their report must fit one message.
@@ -232,9 +242,8 @@ class SchedulerSide:
         n = num_external_tokens // bs
         dst = tuple(block_ids[m.first:m.first + n])
         if n != len(m.slots) or len(dst) != n or num_external_tokens % bs:
-            self._loads.append(LoadOrder(req_id, None, m.slots, dst, "block_mismatch"))
             self.tally.reason("rejections", "block_mismatch")
-            return
+            return self._order_refused(req_id, m, dst, "block_mismatch")
         shared = self._live_group(m)
         if shared is None:
             assert self.coordinator is not None
@@ -257,9 +266,14 @@ class SchedulerSide:
 
     def _refused(self, req_id: str, m: _Match, dst: tuple[int, ...], why: str) -> None:
         self.clients[m.source].drop_descriptors()
-        self._failed.add(req_id)
         self.tally.reason("rejections", why)
         log.warning("kvstate: load of %s from %r refused (%s): recomputing", req_id, m.source, why)
+        self._order_refused(req_id, m, dst, why)
+
+    def _order_refused(self, req_id: str, m: _Match, dst: tuple[int, ...], why: str) -> None:
+        """A load order without a group: every rank reports it failed, and until then it is
+        in flight like any other (vLLM waits for it; its pages hold nothing)."""
+        self._active[req_id] = _Active(None, frozenset(dst), failed=True)
         self._loads.append(LoadOrder(req_id, None, m.slots, dst, why))
 
     def _live_group(self, m: _Match) -> _Group | None:
@@ -286,7 +300,11 @@ class SchedulerSide:
             a = self._active.pop(req_id, None)
             if a is None:
                 continue
+            if a.failed and not a.done:
+                self._failed.add(req_id)  # vLLM asks again for the request: it is computed
             g = a.group
+            if g is None:
+                continue                  # refused before it had a group: counted then
             g.users -= 1
             if a.failed:
                 self._load_failed(req_id, g, a.why.of(req_id))
@@ -296,7 +314,6 @@ class SchedulerSide:
     def _load_failed(self, req_id: str, g: _Group, rank_says: str | None) -> None:
         """Count a failed load by reason: a rank's own cause (sent with the failure), else
         what the coordinator learned, else ``load_failed``."""
-        self._failed.add(req_id)
         self.clients[g.source].drop_descriptors()
         group = g.group
         if rank_says is not None and not rank_says.startswith("share_"):
@@ -318,11 +335,16 @@ class SchedulerSide:
         self._groups = [x for x in self._groups if x is not g]
 
     def request_done(self, req_id: str) -> None:
-        """vLLM finished the request (its load, if any, still reports through worker_output)."""
+        """vLLM finished the request (its load, if any, still reports through worker_output,
+        which then forgets it: vLLM finishes a request before it hands over the connector
+        output that fails its load, under ``kv_load_failure_policy="fail"`` or an abort)."""
         self._matches.pop(req_id, None)
         self._failed.discard(req_id)
-        if req_id not in self._active:
+        loading = self._active.get(req_id)
+        if loading is None:
             self._counted.discard(req_id)
+        else:
+            loading.done = True
 
     # -- every step -----------------------------------------------------------------------------
 
@@ -333,6 +355,19 @@ class SchedulerSide:
 
     def pending(self) -> int:
         return len(self._active)
+
+    def sizes(self) -> dict[str, int]:
+        """Entries of every per-request (and per-group) structure of this side: all zero
+        once no request is in the engine and every load and store reported."""
+        out = {"matches": len(self._matches), "active": len(self._active), "groups": len(self._groups),
+               "counted": len(self._counted), "failed": len(self._failed),
+               "store_orders": len(self._stores), "load_orders": len(self._loads)}
+        if self.coordinator is not None:
+            out["coordinator_live_groups"] = sum(1 for g in list(self.coordinator.groups.values())
+                                                 if not g.is_terminal)
+        if self.index is not None:
+            out["index_storing"] = self.index.table.counts()["storing"]
+        return out
 
     def close(self) -> None:
         if self.coordinator is not None:

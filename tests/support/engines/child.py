@@ -77,6 +77,20 @@ def _generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, 
     }
 
 
+def _submit_and_abort(llm: Any, prompt: list[int], max_tokens: int, delay_s: float) -> dict[str, Any]:
+    """Submit one request and abort it ``delay_s`` later, without stepping the front end in
+    between (a step waits for outputs, which a request that is loading does not make)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    req_id = f"aborted-{time.monotonic_ns()}"
+    llm.llm_engine.add_request(req_id, TokensPrompt(prompt_token_ids=prompt), params)
+    time.sleep(delay_s)
+    llm.llm_engine.abort_request([req_id])
+    return {"request_id": req_id}
+
+
 def _llm(settings: dict[str, Any]) -> Any:
     from vllm import LLM
 
@@ -118,6 +132,8 @@ def main(argv: list[str]) -> int:
         try:
             if op == "generate":
                 reply = _generate(llm, msg["prompts"], msg["max_tokens"])
+            elif op == "submit_and_abort":
+                reply = _submit_and_abort(llm, msg["prompt"], msg["max_tokens"], msg["delay_s"])
             elif op == "reset_prefix_cache":
                 reply = {"reset": bool(llm.reset_prefix_cache())}
             elif op == "metrics":

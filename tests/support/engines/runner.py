@@ -269,6 +269,12 @@ class Engine:
         return Generation(reply["tokens"], reply["num_cached_tokens"], reply["finish_reasons"], reply["seconds"],
                           reply["metrics"], before, self.log_since(mark))
 
+    def submit_and_abort(self, prompt: list[int], delay_s: float, max_tokens: int = 16,
+                         timeout: float = COMMAND_TIMEOUT) -> str:
+        """One request, aborted ``delay_s`` after it was submitted; its request id."""
+        return str(self._request({"op": "submit_and_abort", "prompt": prompt, "max_tokens": max_tokens,
+                                  "delay_s": delay_s}, timeout)["request_id"])
+
     def reset_prefix_cache(self, timeout: float = COMMAND_TIMEOUT) -> bool:
         return bool(self._request({"op": "reset_prefix_cache"}, timeout)["reset"])
 
