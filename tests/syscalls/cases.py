@@ -51,6 +51,7 @@ ERRNOS: dict[str, tuple[str, ...]] = {
     "epoll_create1": ("EMFILE", "ENFILE", "ENOMEM"),
     "epoll_ctl": ("ENOMEM", "ENOSPC"),
     "epoll_wait": ("EINTR",),
+    "pipe2": ("EMFILE", "ENFILE"),
 }
 
 #: Every public operation of the host path the test runs (scenario.OPS).

@@ -42,13 +42,13 @@ enum {
     C_MEMFD_CREATE, C_FTRUNCATE, C_FCNTL_ADD_SEALS, C_FCNTL_GET_SEALS, C_FCNTL_DUPFD, C_MMAP, C_MUNMAP,
     C_MPROTECT, C_SOCKET, C_CONNECT, C_ACCEPT4, C_SENDMSG, C_SEND, C_RECVMSG, C_POLL, C_SELECT,
     C_PIDFD_OPEN, C_EVENTFD, C_EVENTFD_READ, C_EVENTFD_WRITE, C_READ, C_WRITE, C_EPOLL_CREATE1,
-    C_EPOLL_CTL, C_EPOLL_WAIT, C_COUNT
+    C_EPOLL_CTL, C_EPOLL_WAIT, C_PIPE2, C_COUNT
 };
 static const char *const NAMES[C_COUNT] = {
     "memfd_create", "ftruncate", "fcntl_add_seals", "fcntl_get_seals", "fcntl_dupfd", "mmap", "munmap",
     "mprotect", "socket", "connect", "accept4", "sendmsg", "send", "recvmsg", "poll", "select",
     "pidfd_open", "eventfd", "eventfd_read", "eventfd_write", "read", "write", "epoll_create1",
-    "epoll_ctl", "epoll_wait",
+    "epoll_ctl", "epoll_wait", "pipe2",
 };
 
 static atomic_int armed;
@@ -357,4 +357,11 @@ EXPORT int epoll_wait(int epfd, struct epoll_event *ev, int n, int timeout) {
     REAL(int (*)(int, struct epoll_event *, int, int), epoll_wait);
     if (decide(C_EPOLL_WAIT) == FAIL) FAIL_WITH(-1);
     return real_epoll_wait(epfd, ev, n, timeout);
+}
+
+/* The watchers' wake-up pipes (os.pipe2). */
+EXPORT int pipe2(int fds[2], int flags) {
+    REAL(int (*)(int *, int), pipe2);
+    if (decide(C_PIPE2) == FAIL) FAIL_WITH(-1);
+    return real_pipe2(fds, flags);
 }
