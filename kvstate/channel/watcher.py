@@ -35,11 +35,19 @@ class Watcher:
     def __init__(self, *, name: str = "kvstate-watcher") -> None:
         self._lock = threading.Lock()
         self._watched: dict[int, tuple[Channel, Callable[[Channel], None]]] = {}
-        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        try:
+            self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError as exc:  # EMFILE, ENFILE
+            raise ChannelError(f"cannot make the watcher's wake-up pipe: {exc.strerror or exc}") from None
         self._stop = False
         self._wake_closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except RuntimeError as exc:  # the interpreter cannot start another thread
+            close_quietly(self._wake_r)
+            close_quietly(self._wake_w)
+            raise ChannelError(f"cannot start the watcher thread: {exc}") from None
 
     def watch(self, channel: Channel, on_close: Callable[[Channel], None]) -> None:
         if not isinstance(channel, Channel) or not callable(on_close):

