@@ -56,6 +56,7 @@ FIXED = [
     ("hello", "socket", "EMFILE"),             # raw OSError from channel.connect
     ("hello", "accept4", "ECONNABORTED"),      # the coordinator's accept thread died
     ("watch", "poll", "ENOMEM"),               # the watcher thread died: leases outlived their peers
+    ("watch", "pipe2", "EMFILE"),              # raw OSError from Watcher() (and so Importer(), RankWorker())
 ]
 
 
