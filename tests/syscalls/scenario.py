@@ -259,7 +259,7 @@ def differences(world: World, before: leaks.Snapshot, before_tables: dict[str, A
     return found + gone
 
 
-def run(op: str) -> dict[str, Any]:
+def run(op: str, rule: str = "") -> dict[str, Any]:
     setup, name = OPS[op]
     baseline = leaks.snapshot()
     sockdir = Path(tempfile.mkdtemp(prefix="kvs-sysfail-"))
@@ -270,7 +270,7 @@ def run(op: str) -> dict[str, Any]:
         getattr(world, step)()
     before, before_tables = snapshot(world)
     step_fn: Callable[[], None] = getattr(world, name)
-    result: dict[str, Any] = {"op": op, "rule": os.environ.get("KVS_SYSFAIL", ""), "problems": []}
+    result: dict[str, Any] = {"op": op, "rule": rule or os.environ.get("KVS_SYSFAIL", ""), "problems": []}
     SHIM.kvs_sys_arm(1)
     try:
         step_fn()
@@ -312,7 +312,7 @@ def one(op: str, rule: str, timeout: float) -> dict[str, Any]:
         try:
             if rule and SHIM.kvs_sys_rule(rule.encode()) != 0:
                 raise ValueError(f"bad rule {rule!r}")
-            data = json.dumps(run(op)).encode()
+            data = json.dumps(run(op, rule)).encode()
         except BaseException:  # noqa: BLE001 - the harness's own failure, reported
             data, code = json.dumps({"op": op, "rule": rule, "outcome": "crash",
                                      "problems": [traceback.format_exc()[-1500:]]}).encode(), 1
