@@ -60,6 +60,15 @@ FIXED = [
 ]
 
 
+#: Failures part way through an operation, where what the earlier steps made must go:
+#: the planted mutants that drop a rollback step are killed here.
+ROLLBACKS = [
+    ("add_bank", "fcntl_add_seals", "EPERM"),  # kvs_create closes its memfd
+    ("register", "mprotect", "ENOMEM"),        # Bank.register unmaps and frees its reservation
+    ("import_group", "mmap", "ENOMEM"),        # an import unmaps nothing it did not map, returns the lease
+]
+
+
 def run(op: str, rule: str | None) -> dict:
     return C.run_cases([(op, rule)], workers=1)[0]
 
@@ -89,6 +98,14 @@ def test_a_defect_the_harness_found_stays_fixed(op: str, call: str, err: str) ->
         r = run(op, case.rule)
         assert r.get("fired"), f"{case}: the call was not reached: {r}"
         assert not C.verdict(case, r), f"{case}: {json.dumps(r, indent=1)}"
+
+
+@pytest.mark.parametrize("op,call,err", ROLLBACKS, ids=[f"{o}-{c}-{e}" for o, c, e in ROLLBACKS])
+def test_a_failed_step_rolls_back_what_the_earlier_steps_made(op: str, call: str, err: str) -> None:
+    case = C.Case(op, call, 1, err)
+    r = run(op, case.rule)
+    assert r.get("fired") and r.get("outcome") == "typed", f"{case}: {r}"
+    assert not C.verdict(case, r), f"{case}: {json.dumps(r, indent=1)}"
 
 
 @pytest.mark.parametrize("call", ["send", "sendmsg"])
