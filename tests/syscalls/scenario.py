@@ -27,6 +27,7 @@ import gc
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import sys
@@ -297,8 +298,11 @@ def run(op: str, rule: str = "") -> dict[str, Any]:
         world.teardown()
     except BaseException as exc:  # noqa: BLE001
         problems.append(f"teardown raised {type(exc).__name__}: {exc}"[:300])
-    problems += [f"left after teardown: {p}" for p in leaks.settled_leaks(baseline, grace_s=3.0)
-                 if "kvs-sysfail" not in p]
+    problems += [f"left after teardown: {p}" for p in leaks.settled_leaks(baseline, grace_s=3.0)]
+    leftovers = sorted(str(p.relative_to(sockdir)) for p in sockdir.rglob("*") if not p.is_dir())
+    if leftovers:
+        problems.append(f"left in the socket directory after teardown: {leftovers}")
+    shutil.rmtree(sockdir, ignore_errors=True)
     return result
 
 
