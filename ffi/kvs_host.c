@@ -81,7 +81,10 @@ int kvs_create(uint64_t size, uint64_t *allocation) {
     if (size == 0 || !aligned(size, page_size()) || size > (uint64_t)INT64_MAX) return KVS_E_INVAL;
     int fd = memfd_create("kvstate", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (fd < 0) return sys_err();
-    if (ftruncate(fd, (off_t)size) != 0 || fcntl(fd, F_ADD_SEALS, KVS_SEALS) != 0) {
+    int t;
+    do t = ftruncate(fd, (off_t)size); /* restartable: a signal's EINTR is no failure */
+    while (t != 0 && errno == EINTR);
+    if (t != 0 || fcntl(fd, F_ADD_SEALS, KVS_SEALS) != 0) {
         int e = errno;
         close(fd);
         errno = e;

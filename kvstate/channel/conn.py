@@ -66,6 +66,9 @@ class Channel:
         try:
             sock.setblocking(False)
             self.peer = _peercred(sock)
+        except OSError as exc:
+            sock.close()
+            raise ChannelError(f"cannot set up the connection: {exc.strerror or exc}") from None
         except BaseException:
             sock.close()
             raise
@@ -77,6 +80,9 @@ class Channel:
             self._pidfd: int | None = os.pidfd_open(self.peer.pid)
         except ProcessLookupError:
             self._pidfd = None  # already gone: the socket reports EOF, and peer_alive says so
+        except OSError as exc:  # EMFILE, ENFILE, ENOMEM: no channel without a watch on its peer
+            sock.close()
+            raise ChannelError(f"cannot open a pidfd of peer {self.peer.pid}: {exc.strerror or exc}") from None
 
     def __repr__(self) -> str:
         return f"<Channel peer pid={self.peer.pid} uid={self.peer.uid}{' closed' if self._closed else ''}>"
@@ -120,9 +126,9 @@ class Channel:
         p = select.poll()
         try:
             p.register(self._sock.fileno(), events)
-        except (ValueError, OSError):
+            return bool(p.poll(0))
+        except (ValueError, OSError):  # closed, or a refused poll: say yes, the next recv tells
             return True
-        return bool(p.poll(0))
 
     def close(self) -> None:
         with self._close_lock:
@@ -156,9 +162,14 @@ class Channel:
         while True:
             try:
                 if fds:
-                    socket.send_fds(self._sock, [frame], list(fds))
+                    sent = socket.send_fds(self._sock, [frame], list(fds))
                 else:
-                    self._sock.send(frame)
+                    sent = self._sock.send(frame)
+                if sent != len(frame):
+                    # SOCK_SEQPACKET sends a message whole; part of one went out, and the
+                    # peer refuses what it got: the channel is unusable from here on.
+                    self.close()
+                    raise ChannelError(f"send sent {sent} of {len(frame)} bytes; the channel is closed")
                 return
             except BlockingIOError:
                 pass
@@ -173,7 +184,7 @@ class Channel:
                 raise ChannelError(f"send failed: {exc.strerror or exc}") from exc
             p = select.poll()
             self._register(p, select.POLLOUT)
-            if not p.poll(remaining_ms(deadline)):
+            if not poll_until(p, deadline):
                 raise ChannelTimeout(f"send did not complete within {timeout} s")
             self._live()
 
@@ -194,18 +205,27 @@ class Channel:
             except OSError as exc:
                 if exc.errno == errno.EBADF and self._closed:
                     raise ChannelClosed("the channel was closed here") from None
-                raise
+                raise ChannelError(f"recv failed: {exc.strerror or exc}") from None
             else:
                 return unpack(data, fds, flags, self.limits)
             p = select.poll()
             pidfd = self._pidfd
             self._register(p, select.POLLIN, pidfd)
-            ready = dict(p.poll(remaining_ms(deadline)))
+            ready = dict(poll_until(p, deadline))
             self._live()  # closed by another thread while this one waited
             if not ready:
                 raise ChannelTimeout(f"no message within {timeout} s")
             if self._sock.fileno() not in ready and self._pidfd is not None and self._pidfd in ready:
                 raise PeerDied(f"peer process {self.peer.pid} exited")
+
+
+def poll_until(p: select.poll, deadline: float) -> list[tuple[int, int]]:
+    """``p.poll`` until the deadline; a refused poll (ENOMEM) is a ChannelError (EINTR
+    is retried by Python itself)."""
+    try:
+        return p.poll(remaining_ms(deadline))
+    except OSError as exc:
+        raise ChannelError(f"poll failed: {exc.strerror or exc}") from None
 
 
 def check_uids(allowed_uids: object) -> None:
@@ -224,7 +244,10 @@ def connect(path: str | os.PathLike[str], *, timeout: float = DEFAULT_TIMEOUT,
     check_uids(allowed_uids)
     p = as_path(path)
     check_socket_path(p, must_exist=False)  # a missing socket is "no server" (ChannelClosed)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    except OSError as exc:  # EMFILE, ENFILE, ENOBUFS, ENOMEM
+        raise ChannelError(f"cannot make a socket to connect to {p}: {exc.strerror or exc}") from None
     try:
         sock.settimeout(timeout)
         sock.connect(str(p))

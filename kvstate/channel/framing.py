@@ -106,7 +106,8 @@ def unpack(data: bytes, fds: list[int], flags: int, limits: Limits) -> Message:
     if flags & _MSG_TRUNC:
         raise refuse(f"message larger than the cap of {limits.max_payload} bytes")
     if flags & _MSG_CTRUNC:
-        raise refuse(f"more fds than the cap of {limits.max_fds}")
+        raise refuse(f"fds dropped (MSG_CTRUNC): more than the cap of {limits.max_fds}, or this process is "
+                     f"out of fds")
     if len(data) < HEADER.size:
         raise refuse(f"frame of {len(data)} bytes is shorter than its header")
     magic, length, nfds = HEADER.unpack_from(data)

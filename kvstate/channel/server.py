@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from kvstate.channel import owner
-from kvstate.channel.conn import Channel, check_uids
-from kvstate.channel.framing import DEFAULT_TIMEOUT, Limits, check_timeout, encode, remaining_ms
+from kvstate.channel.conn import Channel, check_uids, poll_until
+from kvstate.channel.framing import DEFAULT_TIMEOUT, Limits, check_timeout, encode
 from kvstate.channel.paths import check_socket_path
 from kvstate.core.errors import (
     ChannelClosed,
@@ -60,14 +60,23 @@ class Server:
                 log.info("%s: removed what dead servers left: %s", self.path.parent, ", ".join(swept))
             self._remove_stale()
             self._mark = owner.OwnerMark(self.path)
-            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+            bound = False
             try:
-                self._sock.bind(str(self.path))
-                self._sock.listen(backlog)
-                self._sock.setblocking(False)
-            except BaseException:
-                self._sock.close()
+                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+                try:
+                    self._sock.bind(str(self.path))
+                    bound = True
+                    self._sock.listen(backlog)
+                    self._sock.setblocking(False)
+                except BaseException:
+                    self._sock.close()
+                    raise
+            except BaseException as exc:  # nothing of this start stays: socket file, mark
+                if bound:
+                    os.unlink(self.path)
                 self._mark.release()
+                if isinstance(exc, OSError):  # EMFILE, ENOBUFS, EADDRINUSE...
+                    raise ChannelError(f"{self.path}: cannot listen: {exc.strerror or exc}") from None
                 raise
         self._closed = False
 
@@ -124,7 +133,7 @@ class Server:
                 p.register(self._sock, select.POLLIN)
             except ValueError:  # closed by another thread since the accept above
                 raise ChannelClosed("the server was closed") from None
-            if not p.poll(remaining_ms(deadline)):
+            if not poll_until(p, deadline):
                 if self._closed:
                     raise ChannelClosed("the server was closed")
                 raise ChannelTimeout(f"no connection within {timeout} s")
@@ -187,6 +196,10 @@ class Server:
                     continue
                 except ChannelClosed:
                     return
+                except ChannelError as exc:  # EMFILE, ENOBUFS, ECONNABORTED...: the server goes on
+                    log.warning("%s: %s", self.path, exc)
+                    time.sleep(poll_interval)  # a connection left in the backlog must not spin a core
+                    continue
                 if not slots.acquire(blocking=False):
                     refuse(ch)
                     continue

@@ -11,6 +11,7 @@ import logging
 import os
 import select
 import threading
+import time
 from collections.abc import Callable
 
 from kvstate.channel.conn import Channel
@@ -18,6 +19,9 @@ from kvstate.channel.framing import DEFAULT_TIMEOUT, check_timeout, close_quietl
 from kvstate.core.errors import ChannelClosed, ChannelError
 
 log = logging.getLogger(__name__)
+
+#: The pause after a failed poll, so a persistent failure does not spin a core.
+_RETRY_S = 0.05
 
 
 class Watcher:
@@ -31,11 +35,19 @@ class Watcher:
     def __init__(self, *, name: str = "kvstate-watcher") -> None:
         self._lock = threading.Lock()
         self._watched: dict[int, tuple[Channel, Callable[[Channel], None]]] = {}
-        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        try:
+            self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError as exc:  # EMFILE, ENFILE
+            raise ChannelError(f"cannot make the watcher's wake-up pipe: {exc.strerror or exc}") from None
         self._stop = False
         self._wake_closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except RuntimeError as exc:  # the interpreter cannot start another thread
+            close_quietly(self._wake_r)
+            close_quietly(self._wake_w)
+            raise ChannelError(f"cannot start the watcher thread: {exc}") from None
 
     def watch(self, channel: Channel, on_close: Callable[[Channel], None]) -> None:
         if not isinstance(channel, Channel) or not callable(on_close):
@@ -83,7 +95,12 @@ class Watcher:
                     p.register(ch.pidfd, select.POLLIN)
                     owners[ch.pidfd] = (ch, cb)
             # Bounded even here: a missed wake-up costs at most a second.
-            ready = [fd for fd, _ in p.poll(0 if any(k < 0 for k in owners) else 1000)]
+            try:
+                ready = [fd for fd, _ in p.poll(0 if any(k < 0 for k in owners) else 1000)]
+            except OSError as exc:  # ENOMEM on a busy host: this thread ends leases, so it stays
+                log.warning("watcher poll failed (%s); polling again", exc.strerror or exc)
+                time.sleep(_RETRY_S)
+                continue
             if self._wake_r in ready:
                 try:
                     while os.read(self._wake_r, 4096):

@@ -501,7 +501,11 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
             raise TransferRejected(TransferReason.PLAN, "fire('store')", "needs the plan Bank.store builds")
         handle = plan.submit(self.transport)
         self.stores.add(handle)
-        handle._activate(self._store_finished)
+        try:
+            handle._activate(self._store_finished)
+        except BaseException:  # not watched: nothing of it is in flight (_activate)
+            self.stores.discard(handle)
+            raise
 
     def _store_finished(self, handle: TransferHandle) -> None:
         try:
@@ -620,12 +624,22 @@ class Exporter(Generic[H, A, R, M, E]):
         # A batched lease answers with every bank's fd in one message (kvstate.share.peers).
         limits = chan.Limits(max_fds=min(chan.HARD_MAX_FDS, max(chan.DEFAULT_MAX_FDS, len(self.banks))))
         self._server = chan.Server(self.socket_path, max_connections=self.config.max_connections, limits=limits)
-        self._watcher = chan.Watcher(name="kvstate-exporter-watch")
-        self._server.serve_in_thread(self._serve, name="kvstate-exporter")
-        if self._tcp is not None:
-            self._tcp.serve_in_thread(self._serve, name="kvstate-exporter-tcp")
-        self._expiry = threading.Thread(target=self._expire_loop, name="kvstate-lease-expiry", daemon=True)
-        self._expiry.start()
+        try:
+            self._watcher = chan.Watcher(name="kvstate-exporter-watch")
+            self._server.serve_in_thread(self._serve, name="kvstate-exporter")
+            if self._tcp is not None:
+                self._tcp.serve_in_thread(self._serve, name="kvstate-exporter-tcp")
+            self._expiry = threading.Thread(target=self._expire_loop, name="kvstate-lease-expiry", daemon=True)
+            self._expiry.start()
+        except BaseException as exc:  # a start that fails leaves nothing, so it can be tried again
+            server, watcher = self._server, self._watcher
+            self._server = self._watcher = self._expiry = None
+            server.close()
+            if watcher is not None:
+                watcher.close()
+            if isinstance(exc, (OSError, RuntimeError)):  # no fd or thread for the watcher
+                raise ChannelError(f"cannot start serving: {exc}") from None
+            raise
 
     def stop(self) -> None:
         """Stop serving (idempotent). Live leases stay until drained or their peers go."""

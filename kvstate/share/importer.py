@@ -541,7 +541,11 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
             raise TransferRejected(TransferReason.PLAN, "fire('load')", "needs the plan Group.load builds")
         handle = plan.submit(self.importer.transport)  # all or nothing; raises LoadFailed
         self.loads.add(handle)
-        handle._activate(self._load_finished)
+        try:
+            handle._activate(self._load_finished)
+        except BaseException:  # not watched: nothing of it is in flight (_activate)
+            self.loads.discard(handle)
+            raise
 
     def _load_finished(self, handle: TransferHandle) -> None:
         try:

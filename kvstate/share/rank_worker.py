@@ -263,7 +263,11 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
             raise TransferRejected(TransferReason.PLAN, "fire('load')", "needs the plan RankShare.load builds")
         handle = plan.submit(self.importer.transport)  # all or nothing; raises LoadFailed
         self.loads.add(handle)
-        handle._activate(self._load_finished)
+        try:
+            handle._activate(self._load_finished)
+        except BaseException:  # not watched: nothing of it is in flight (_activate)
+            self.loads.discard(handle)
+            raise
         return None
 
     def _load_finished(self, handle: TransferHandle) -> None:
@@ -417,7 +421,11 @@ class RankWorker(Generic[H, A, R, M, E]):
     def start(self) -> None:
         """Connect to the coordinator and say hello; CoordinatorRefused if it refuses."""
         timeout = self.config.request_timeout_s
-        ch = chan.connect(self.config.coordinator_path, timeout=timeout)
+        try:
+            ch = chan.connect(self.config.coordinator_path, timeout=timeout)
+        except BaseException:  # no connection: the importer this worker made goes too
+            self.importer.close()
+            raise
         try:
             ch.send(msgs.encode(msgs.Hello(self.config.rank, self.config.tp, os.getpid())), timeout=timeout)
             with ch.recv(timeout=timeout) as msg:

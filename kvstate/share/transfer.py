@@ -41,7 +41,7 @@ from typing import Any
 
 import attrs
 
-from kvstate.core.errors import KvStateError, NativeError, TransferRejected, UnknownNativeObject
+from kvstate.core.errors import KvStateError, LoadFailed, NativeError, StoreFailed, TransferRejected, UnknownNativeObject
 from kvstate.core.reasons import TransferReason
 
 log = logging.getLogger(__name__)
@@ -126,10 +126,15 @@ class TransferHandle:
         self._refs.extend(refs)
 
     def _activate(self, on_finish: Callable[[TransferHandle], None] | None) -> None:
-        """All ops are submitted and the owner tracks the handle: let it finish."""
+        """All ops are submitted and the owner tracks the handle: let it finish. If it
+        cannot be watched (epoll or eventfd refused: ENOMEM, ENOSPC), nothing stays in
+        flight: its ops are cancelled or awaited, and LoadFailed or StoreFailed says so;
+        the owner then forgets the handle."""
         self._on_finish = on_finish
         fd = self._notify_fd
-        if fd is not None:
+        if fd is None:
+            return
+        try:
             _dispatcher.register(self)
             if not self._watch_next():
                 # Every op finished before anyone watched: wake the dispatcher to finish it
@@ -139,6 +144,13 @@ class TransferHandle:
                 with self._lock:
                     if self._notify_fd == fd and not self._finishing:
                         os.eventfd_write(fd, 1)
+        except OSError as exc:
+            self._on_finish = None
+            _dispatcher.unregister(fd)
+            self._abort()
+            error = LoadFailed if self.kind == "load" else StoreFailed
+            raise error(f"{self.label}: the transfer cannot be watched ({exc.strerror or exc}); its ops were "
+                        f"cancelled or awaited, nothing is in flight") from exc
 
     def _watch_next(self) -> bool:
         """Have the last op that is still pending notify the private fd; False when none is
@@ -391,15 +403,26 @@ class _Dispatcher:
         assert fd is not None
         with self._lock:
             if self._thread is None:
-                self._epoll = select.epoll()
-                self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-                self._epoll.register(self._wake, select.EPOLLIN)
-                self._thread = threading.Thread(target=self._run, args=(self._epoll, self._wake),
-                                                name="kvstate-transfers", daemon=True)
-                self._thread.start()
+                self._start()
             assert self._epoll is not None
+            self._epoll.register(fd, select.EPOLLIN)  # first: a refused fd is never recorded
             self._handles[fd] = h
-            self._epoll.register(fd, select.EPOLLIN)
+
+    def _start(self) -> None:
+        """The thread and its fds, all or nothing (an fd or the thread may be refused)."""
+        ep = select.epoll()
+        wake: int | None = None
+        try:
+            wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            ep.register(wake, select.EPOLLIN)
+            thread = threading.Thread(target=self._run, args=(ep, wake), name="kvstate-transfers", daemon=True)
+            thread.start()
+        except BaseException:
+            ep.close()
+            if wake is not None:
+                os.close(wake)
+            raise
+        self._epoll, self._wake, self._thread = ep, wake, thread
 
     def unregister(self, fd: int) -> None:
         with self._lock:

@@ -47,6 +47,7 @@ DEFAULTS: Mapping[str, tuple[str, ...]] = {
     "native/test_machine_differential.py": ("stateful", "native"),
     "planted/": (),                        # run only by self-tests; each test declares its kind
     "soak/": ("multiproc", "slow"),
+    "syscalls/": ("native", "multiproc"),  # a fresh process per injected syscall failure
     "trust/": ("native",),
     "vllm/": ("vllm", "slow"),              # only `make test-vllm` collects it (its own venv)
     "trust/test_threat_model_doc.py": ("unit",),
