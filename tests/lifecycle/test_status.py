@@ -34,8 +34,10 @@ STATUS = [sys.executable, "-m", "kvstate", "status"]
 
 def run_status(*dirs: Path, json_out: bool = True) -> subprocess.CompletedProcess[str]:
     args = [a for d in dirs for a in ("--socket-dir", str(d))]
-    return subprocess.run([*STATUS, *args, *(["--json"] if json_out else [])], capture_output=True, text=True,
-                          timeout=60)
+    # A generous per-server timeout: on a loaded machine a live server may answer slowly, and
+    # the tests check what it says, not how fast.
+    return subprocess.run([*STATUS, *args, "--timeout", "30", *(["--json"] if json_out else [])],
+                          capture_output=True, text=True, timeout=120)
 
 
 def snapshot(*dirs: Path) -> dict[str, Any]:
@@ -141,7 +143,8 @@ def test_status_refuses_an_unsafe_directory_without_a_traceback(tmp_path: Path) 
 
 def test_watch_prints_snapshots_until_stopped(transport: HostTransport) -> None:
     ex = make_exporter(1, transport, name="decode")
-    proc = subprocess.Popen([*STATUS, "--socket-dir", str(ex.config.socket_dir), "--json", "--watch", "0.1"],
+    proc = subprocess.Popen([*STATUS, "--socket-dir", str(ex.config.socket_dir), "--json", "--watch", "0.1",
+                             "--timeout", "30"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
@@ -170,7 +173,7 @@ def test_a_status_request_mid_serving_leaves_leasing_intact(transport: HostTrans
 
     def poll() -> None:
         while not stop.is_set():
-            answers.append(len(status.query(ex.socket_path)["banks"]))
+            answers.append(len(status.query(ex.socket_path, timeout=30.0)["banks"]))
 
     t = threading.Thread(target=poll)
     t.start()
