@@ -493,7 +493,7 @@ class _Scenario:
     def show_status(self, when: str) -> None:
         """What `kvstate status` shows of this node's demo servers now (logged and reported)."""
         dirs = [self.c.socket_dir, self.c.dir / "coordinator"]
-        snapshot = status.node_status(dirs)
+        snapshot = status.node_status(dirs, timeout=self.spec.timeout_s)
         self.report.setdefault("status", {})[when] = snapshot
         self.log(f"kvstate status {' '.join(f'--socket-dir {d}' for d in dirs)}  ({when})")
         self.log("\n".join("  " + line for line in status.render(snapshot).splitlines()[1:]))

@@ -343,7 +343,7 @@ def _leases_left(socket_dir: Path) -> list[str]:
     deadline = time.monotonic() + LEASE_S * 3
     while True:
         left = [f"{ep['path']} rank {b['rank']}: {b['lease_count']} lease(s), state {b['state']}"
-                for ep in status.node_status([socket_dir])["endpoints"] if ep["kind"] == "exporter"
+                for ep in status.node_status([socket_dir], timeout=30.0)["endpoints"] if ep["kind"] == "exporter"
                 for b in ep["banks"] if b["lease_count"]]
         if not left or time.monotonic() > deadline:
             return left
