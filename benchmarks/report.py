@@ -71,9 +71,9 @@ def _reference_line(result: SuiteResult) -> str:
 def _comparison_cells(result: SuiteResult, c: Comparison) -> list[str]:
     x = result.multiple(c)
     if x is None:
-        return [c.numerator, c.denominator, "-", "" if c.goal is None else f"<= {c.goal:g}", "not measured"]
+        return [c.numerator, c.denominator, "-", "" if c.goal is None else f"<= {c.goal:.3g}", "not measured"]
     verdict = "" if c.goal is None else ("met" if x <= c.goal else "MISSED")
-    return [c.numerator, c.denominator, f"{x:.2f}x", "" if c.goal is None else f"<= {c.goal:g}x", verdict]
+    return [c.numerator, c.denominator, f"{x:.2f}x", "" if c.goal is None else f"<= {c.goal:.3g}x", verdict]
 
 
 COMPARISON_HEADER = ["row", "as a multiple of", "times", "goal", "verdict"]

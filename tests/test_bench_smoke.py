@@ -47,6 +47,9 @@ def test_quick_bench_writes_table_and_plot(tmp_path: Path) -> None:
     assert goals and all(c["times"] > 0 and c["met"] == (c["times"] <= c["goal"]) for c in goals)
     png = (tmp_path / "bench.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+    # The summary picture, drawn from this bench.json (no vLLM rows here: its panels say so).
+    assert f"wrote {tmp_path / 'summary.png'}" in r.stdout
+    assert (tmp_path / "summary.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
 def test_plot_is_skipped_with_a_message_without_matplotlib(tmp_path: Path) -> None:
@@ -61,7 +64,9 @@ def test_plot_is_skipped_with_a_message_without_matplotlib(tmp_path: Path) -> No
     r = subprocess.run([sys.executable, "-c", hide], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "plot skipped: matplotlib is not installed (pip install -e '.[bench]')" in r.stdout
+    assert "summary skipped: matplotlib is not installed (pip install -e '.[bench]')" in r.stdout
     assert (tmp_path / "bench.md").is_file() and not (tmp_path / "bench.png").exists()
+    assert not (tmp_path / "summary.png").exists()
 
 
 def test_json_flag_prints_every_row_as_json(tmp_path: Path) -> None:

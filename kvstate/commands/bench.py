@@ -2,7 +2,9 @@
 
 Prints ratios and absolute figures, and writes ``bench.md`` (a Markdown table),
 ``bench.json`` (every row: suite, name, median, p10, p90, ratio; and the comparisons) and
-``bench.png`` (a plot; skipped with a message when matplotlib is absent) to ``--out``.
+``bench.png`` (a plot; skipped with a message when matplotlib is absent) to ``--out``, and
+``summary.png``: kvstate's ratios against its peers with the goals drawn, from ``bench.json``
+and the vLLM suite's ``bench-vllm.json`` in the same folder (``benchmarks/summary.py``).
 ``--json`` prints the JSON document on stdout instead of the table (messages go to stderr).
 The suites live in the source checkout's ``benchmarks/`` (and the vLLM suite's engines in
 ``tests/support/engines``), not in the installed package: ``kvstate bench`` is a command of
@@ -27,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "run it with the vLLM venv's interpreter)")
     parser.add_argument("--repeats", type=int, help="timed repeats per row (default 7, quick 2)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"), help="where bench.md and bench.png go")
-    parser.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
+    parser.add_argument("--no-plot", action="store_true", help="do not write the PNG plots (bench.png, summary.png)")
     parser.add_argument("--json", action="store_true",
                         help="print every row (suite, name, median, p10, p90, ratio) as JSON on stdout")
 
@@ -90,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         png = args.out / "bench.png"
         why = report.plot(results, png)
         say(f"wrote {png}" if why is None else f"plot skipped: {why}")
+        say(_summary(args.out))
     failed = [r.name for res in results for r in res.rows if r.failed]
     if failed:
         print(f"kvstate bench: {len(failed)} row(s) failed: {', '.join(failed)}", file=sys.stderr)
@@ -106,5 +109,16 @@ def _vllm(args: argparse.Namespace) -> int:
         print(f"kvstate bench --suite vllm: {why}", file=sys.stderr)
         return 1
     print(b5_vllm.run(args.out, repeats=args.repeats or 3, quick=args.quick))
-    print(f"\nwrote {args.out / 'bench-vllm.md'}")
+    print(f"\nwrote {args.out / 'bench-vllm.md'} and {args.out / 'bench-vllm.json'}")
+    if not args.no_plot:
+        print(_summary(args.out))
     return 0
+
+
+def _summary(out: Path) -> str:
+    """Draw ``out/summary.png`` from the result files in ``out``; say what happened."""
+    from benchmarks import summary
+
+    png = out / "summary.png"
+    why = summary.write(summary.load(out / "bench.json"), summary.load(out / "bench-vllm.json"), png)
+    return f"wrote {png}" if why is None else f"summary skipped: {why}"
