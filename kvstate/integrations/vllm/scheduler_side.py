@@ -36,6 +36,7 @@ import attrs
 from kvstate.core.capabilities import MemoryKind
 from kvstate.core.descriptor import decode as decode_descriptor
 from kvstate.core.errors import DescriptorRejected, GroupFailed, GroupRejected, KvStateError
+from kvstate.core.reasons import DecisionReason
 from kvstate.core.validate import validate_group
 from kvstate.integrations.vllm.config import ConnectorConfig
 from kvstate.integrations.vllm.hashing import Compat, block_key, prefix_hashes, root
