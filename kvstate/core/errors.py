@@ -413,7 +413,8 @@ class NativeError(KvStateError):
     def __init__(self, reason: NativeReason, detail: str, *, call: str | None = None,
                  code: int | None = None, errno: int | None = None, op: int | str | None = None,
                  result: int | None = None, name: str | None = None, step: str | None = None,
-                 cause: BaseException | None = None, message: str | None = None) -> None:
+                 cause: BaseException | None = None, machine: str | None = None, state: str | None = None,
+                 event: str | None = None, message: str | None = None) -> None:
         self.call = call          # the C function or driver call
         self.code = code          # the C KVS_E_* value
         self.errno = errno
@@ -422,6 +423,9 @@ class NativeError(KvStateError):
         self.name = name          # ... and its name
         self.step = step          # the registration step, or the guard or effect that raised
         self.cause = cause        # the untyped exception (also chained)
+        self.machine = machine    # where an untyped exception was raised: machine, state, event
+        self.state = state
+        self.event = event
         super().__init__(reason, detail, message)
 
     @classmethod
@@ -452,7 +456,7 @@ class NativeError(KvStateError):
         """A guard or effect raised an untyped exception (OSError, MemoryError, a bug): the
         transition was rolled back, the machine is still in ``state``."""
         return cls(NativeReason.EFFECT, f"{type(cause).__name__}: {cause}", step=step, cause=cause,
-                   message=f"{machine}: {step} of event {event!r} in state {state!r} raised "
+                   machine=machine, state=state, event=event, message=f"{machine}: {step} of event {event!r} in state {state!r} raised "
                            f"{type(cause).__name__}: {cause}; rolled back")
 
 

@@ -117,7 +117,7 @@ class PrefillRank:
                 try:
                     load.handle = share.load(list(order.slots), self.kv_caches, list(order.dst_blocks))
                 except KvStateError as exc:
-                    return f"load_refused:{type(exc).__name__}"
+                    return f"load_refused:{exc.reason.value}"  # TransitionError illegal: the share left ready
             elif share is not None and share.state in _ENDED:
                 if share.problems:
                     return str(share.problems[0].reason.value)  # this rank rejected its descriptor

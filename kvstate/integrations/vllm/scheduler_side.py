@@ -35,7 +35,7 @@ import attrs
 
 from kvstate.core.capabilities import MemoryKind
 from kvstate.core.descriptor import decode as decode_descriptor
-from kvstate.core.errors import DescriptorRejected, GroupFailed, GroupRejected, KvStateError
+from kvstate.core.errors import DescriptorRejected, GroupRejected, KvStateError
 from kvstate.core.reasons import DecisionReason
 from kvstate.core.validate import validate_group
 from kvstate.integrations.vllm.config import ConnectorConfig
@@ -242,12 +242,8 @@ class SchedulerSide:
             try:
                 group = self.coordinator.start_group(m.descriptors, blocks=BlockRequest(INVENTORY_GROUP, m.epochs,
                                                                                         m.keys))
-            except (GroupRejected, GroupFailed) as exc:
-                why = exc.problems[0].reason.value if isinstance(exc, GroupRejected) and exc.problems else \
-                    getattr(exc, "event", "rejected")
-                return self._refused(req_id, m, dst, why)
-            except KvStateError as exc:
-                return self._refused(req_id, m, dst, type(exc).__name__)
+            except KvStateError as exc:  # GroupRejected: its first rule; GroupFailed: the event; else the reason
+                return self._refused(req_id, m, dst, exc.reason.value)
             shared = _Group(group, m.source, frozenset(m.keys))
             self._groups.append(shared)
         shared.users += 1
