@@ -195,7 +195,7 @@ UNAVAILABLE = """
         try:
             attempt()
         except BackendUnavailable as e:
-            whys.append([e.backend, e.why])
+            whys.append([e.backend, e.detail])
     print(json.dumps(whys))
 """
 

@@ -36,7 +36,7 @@ GOOD = NixlHandle(agent_name="kvstate-12-ab", metadata=b"nixlSerDes|Agent...",
 def _reason(data: bytes, **kw: int) -> HandleDefect:
     with raises(ImportFailed, ImportReason.HANDLE) as exc:
         decode(data, **kw)
-    return exc.value.reason  # type: ignore[no-any-return]
+    return exc.value.defect  # type: ignore[no-any-return]
 
 
 names = st.text(alphabet="abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:@-",

@@ -288,7 +288,7 @@ def test_missing_nixl_is_backend_unavailable() -> None:
         try:
             NixlTransport()
         except BackendUnavailable as exc:
-            print("unavailable", exc.backend, "|", exc.why)
+            print("unavailable", exc.backend, "|", exc.detail)
     """))
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("unavailable nixl |") and "pip install --no-deps" in r.stdout

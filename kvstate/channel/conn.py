@@ -1,9 +1,9 @@
 """One connected control channel, and the client side that opens it.
 
 Both ends read the peer's credentials (SO_PEERCRED) and refuse a uid outside
-``allowed_uids`` (default: our own) with :class:`~kvstate.core.errors.ChannelError` (REJECTED). Each end opens a pidfd
+``allowed_uids`` (default: our own) with :class:`ChannelError` (REJECTED). Each end opens a pidfd
 for the peer's pid at connect time, so a peer that dies is noticed even when a child it
-forked still holds the socket open (:class:`~kvstate.core.errors.ChannelError` (PEER_DIED)). Sockets are non-blocking and
+forked still holds the socket open (:class:`ChannelError` (PEER_DIED)). Sockets are non-blocking and
 every blocking step polls with a timeout, so one thread may ``recv`` while another
 ``send``\\ s on the same channel.
 """
@@ -169,8 +169,9 @@ class Channel:
                 if exc.errno == errno.EBADF and self._closed:
                     raise ChannelError(ChannelReason.CLOSED, "the channel was closed here") from None
                 if exc.errno == errno.EMSGSIZE:  # SOCK_SEQPACKET: one message must fit the send buffer
-                    raise ChannelError(ChannelReason.FRAME, f"a {len(frame)}-byte message is larger than this socket sends at once "
-                                     f"(its send buffer; see net.core.wmem_default)") from None
+                    raise ChannelError(ChannelReason.FRAME,
+                                       f"a {len(frame)}-byte message is larger than this socket sends at once "
+                                       f"(its send buffer; see net.core.wmem_default)") from None
                 raise ChannelError(ChannelReason.FAILED, f"send failed: {exc.strerror or exc}") from exc
             p = select.poll()
             self._register(p, select.POLLOUT)

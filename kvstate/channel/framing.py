@@ -86,7 +86,8 @@ def remaining_ms(deadline: float) -> int:
 def pack(payload: bytes, nfds: int, limits: Limits) -> bytes:
     """The frame of one message, after checking it against ``limits``."""
     if len(payload) > limits.max_payload:
-        raise ChannelError(ChannelReason.FRAME, f"payload of {len(payload)} bytes exceeds the cap of {limits.max_payload}")
+        raise ChannelError(ChannelReason.FRAME,
+                           f"payload of {len(payload)} bytes exceeds the cap of {limits.max_payload}")
     if nfds > limits.max_fds:
         raise ChannelError(ChannelReason.FRAME, f"{nfds} fds exceed the cap of {limits.max_fds}")
     return HEADER.pack(MAGIC, len(payload), nfds) + payload

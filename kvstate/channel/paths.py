@@ -1,5 +1,5 @@
 """The channel's side of the socket-path rule (:mod:`kvstate.core.paths`): refuse with
-:class:`~kvstate.core.errors.ChannelError` (UNSAFE_PATH) before binding or connecting."""
+:class:`ChannelError` (UNSAFE_PATH) before binding or connecting."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ def as_path(value: object) -> Path:
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
     if not isinstance(value, str):
-        raise ChannelError.unsafe_path(repr(value)[:60], f"a path must be a str or PathLike, not {type(value).__name__}")
+        raise ChannelError.unsafe_path(repr(value)[:60],
+                                       f"a path must be a str or PathLike, not {type(value).__name__}")
     return Path(value)
 
 

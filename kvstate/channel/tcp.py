@@ -15,7 +15,7 @@ deployment's key before anything else is read, with a mutual challenge and respo
     server -> client   MAC(key, "server" | nonce_c | nonce_s)
 
 (MAC: BLAKE2b keyed with the deployment key, personalised ``kvstate/chanauth``.) A peer
-that fails is refused with :class:`~kvstate.core.errors.ChannelError` (UNAUTHENTICATED) and closed. The
+that fails is refused with :class:`ChannelError` (UNAUTHENTICATED) and closed. The
 messages themselves are not encrypted: what crosses is descriptors (signed), lease ids
 and block hashes, never KV bytes (those go through NIXL).
 """
@@ -136,7 +136,8 @@ class TcpChannel(Channel):
         if fds:
             raise ChannelError(ChannelReason.FRAME, "file descriptors cannot cross nodes")
         if len(payload) > self.limits.max_payload:
-            raise ChannelError(ChannelReason.FRAME, f"payload of {len(payload)} bytes exceeds the cap of {self.limits.max_payload}")
+            raise ChannelError(ChannelReason.FRAME,
+                               f"payload of {len(payload)} bytes exceeds the cap of {self.limits.max_payload}")
         deadline = time.monotonic() + check_timeout(timeout)
         with self._send_lock:  # a frame is written whole before the next one starts
             self._send_all(HEADER.pack(MAGIC, len(payload), 0) + payload, deadline)
@@ -155,7 +156,8 @@ class TcpChannel(Channel):
         try:
             magic, length, nfds = HEADER.unpack(self._recv_exact(HEADER.size, whole_by))
             if magic != MAGIC or nfds != 0 or length > self.limits.max_payload:
-                raise ChannelError(ChannelReason.FRAME, f"bad frame header (magic {magic!r}, {length} bytes, {nfds} fds)")
+                raise ChannelError(ChannelReason.FRAME,
+                                   f"bad frame header (magic {magic!r}, {length} bytes, {nfds} fds)")
             return Message(self._recv_exact(length, whole_by))
         except BaseException:
             self.close()
@@ -171,7 +173,8 @@ def _handshake_client(ch: TcpChannel, deployment: Deployment, timeout: float) ->
     ch.send(nonce_c + _mac(deployment, b"client", nonce_s, nonce_c), timeout=timeout)
     with ch.recv(timeout) as msg:
         if not hmac.compare_digest(msg.payload, _mac(deployment, b"server", nonce_c, nonce_s)):
-            raise ChannelError(ChannelReason.UNAUTHENTICATED, f"{ch.address}: the server does not hold this deployment's key")
+            raise ChannelError(ChannelReason.UNAUTHENTICATED,
+                               f"{ch.address}: the server does not hold this deployment's key")
 
 
 def _handshake_server(ch: TcpChannel, deployment: Deployment, timeout: float) -> None:
@@ -180,7 +183,8 @@ def _handshake_server(ch: TcpChannel, deployment: Deployment, timeout: float) ->
     with ch.recv(timeout) as msg:
         nonce_c, mac = msg.payload[:_NONCE], msg.payload[_NONCE:]
     if len(nonce_c) != _NONCE or not hmac.compare_digest(mac, _mac(deployment, b"client", nonce_s, nonce_c)):
-        raise ChannelError(ChannelReason.UNAUTHENTICATED, f"{ch.address}: the client does not hold this deployment's key")
+        raise ChannelError(ChannelReason.UNAUTHENTICATED,
+                           f"{ch.address}: the client does not hold this deployment's key")
     ch.send(_mac(deployment, b"server", nonce_c, nonce_s), timeout=timeout)
 
 
@@ -219,7 +223,8 @@ class TcpServer:
         try:
             self._sock = socket.create_server((host, port), reuse_port=False)
         except (OSError, OverflowError, TypeError, ValueError) as exc:  # in use, no such host, bad port
-            raise ChannelError(ChannelReason.FAILED, f"cannot listen on {host!r:.60} port {port!r:.10}: {exc}") from None
+            raise ChannelError(ChannelReason.FAILED,
+                               f"cannot listen on {host!r:.60} port {port!r:.10}: {exc}") from None
         self._sock.setblocking(False)
         bound = self._sock.getsockname()
         self.address = f"{SCHEME}{bound[0]}:{bound[1]}"

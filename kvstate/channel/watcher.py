@@ -40,11 +40,13 @@ class Watcher:
 
     def watch(self, channel: Channel, on_close: Callable[[Channel], None]) -> None:
         if not isinstance(channel, Channel) or not callable(on_close):
-            raise ChannelError(ChannelReason.SETUP, f"watch takes a Channel and a callable, not {type(channel).__name__} and "
+            raise ChannelError(ChannelReason.SETUP,
+                               f"watch takes a Channel and a callable, not {type(channel).__name__} and "
                                f"{type(on_close).__name__}")
         with self._lock:
             if self._stop:
-                raise ChannelError(ChannelReason.CLOSED, "this watcher is closed: nothing would tell when the channel closes")
+                raise ChannelError(ChannelReason.CLOSED,
+                                   "this watcher is closed: nothing would tell when the channel closes")
             self._watched[id(channel)] = (channel, on_close)
         self._wake()
 

@@ -47,7 +47,8 @@ def _candidate(text: str) -> policy.Candidate:
     try:
         memory = MemoryKind(parts[1])
     except ValueError:
-        raise ArgumentInvalid(ArgumentReason.POLICY_INPUT, f"--candidate {text!r}: memory must be host or device") from None
+        raise ArgumentInvalid(ArgumentReason.POLICY_INPUT,
+                              f"--candidate {text!r}: memory must be host or device") from None
     return policy.Candidate(parts[0], int(parts[2]), memory)
 
 

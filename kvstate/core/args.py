@@ -103,7 +103,8 @@ def need_callable(name: str, value: object) -> Any:
 def need_callables(name: str, value: object) -> tuple[Any, ...]:
     """An iterable of callables (observers), taken whole."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise ArgumentInvalid.of(name, ArgumentReason.TYPE, f"must be an iterable of callables, not {type(value).__name__}")
+        raise ArgumentInvalid.of(name, ArgumentReason.TYPE,
+                                 f"must be an iterable of callables, not {type(value).__name__}")
     items = tuple(value)
     for i, item in enumerate(items):
         need_callable(f"{name}[{i}]", item)
@@ -131,7 +132,7 @@ def need_kinds(name: str, value: object, kind: type[T]) -> frozenset[T]:
     """A non-empty frozenset of ``kind`` values (handle kinds, device ids)."""
     if not isinstance(value, frozenset) or not value or not all(isinstance(v, kind) for v in value):
         raise ArgumentInvalid.of(name, ArgumentReason.TYPE, f"must be a non-empty frozenset of {kind.__name__}, "
-                              f"not {value!r:.80}")
+                                 f"not {value!r:.80}")
     return value
 
 

@@ -51,8 +51,8 @@ def block_runs(itemsize: int, shape: Sequence[int], strides: Sequence[int], bloc
         dims.pop()
     count = math.prod(n for n, _ in dims)
     if count > MAX_RUNS:
-        raise ConfigInvalid.geometry("strides", f"a block of shape {tuple(shape)} with strides {tuple(strides)} is {count} "
-                              f"separate runs; at most {MAX_RUNS} are copied per block")
+        raise ConfigInvalid.geometry("strides", f"a block of shape {tuple(shape)} with strides {tuple(strides)} is "
+                                     f"{count} separate runs; at most {MAX_RUNS} are copied per block")
     offsets = [0]
     for n, step in dims:
         offsets = [o + k * step for o in offsets for k in range(n)]

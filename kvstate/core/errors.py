@@ -456,7 +456,8 @@ class NativeError(KvStateError):
         """A guard or effect raised an untyped exception (OSError, MemoryError, a bug): the
         transition was rolled back, the machine is still in ``state``."""
         return cls(NativeReason.EFFECT, f"{type(cause).__name__}: {cause}", step=step, cause=cause,
-                   machine=machine, state=state, event=event, message=f"{machine}: {step} of event {event!r} in state {state!r} raised "
+                   machine=machine, state=state, event=event,
+                   message=f"{machine}: {step} of event {event!r} in state {state!r} raised "
                            f"{type(cause).__name__}: {cause}; rolled back")
 
 

@@ -123,7 +123,7 @@ class Region:
             raise ConfigInvalid.geometry(f"{where}.block_dim", f"{self.block_dim!r} is not a dimension of {shape}")
         if type(self.offset) is not int or not 0 <= self.offset <= MAX_BANK_BYTES or self.offset % self.dtype.itemsize:
             raise ConfigInvalid.geometry(f"{where}.offset", f"{self.offset!r} must be in 0..2**56 and a multiple of "
-                                  f"the item size {self.dtype.itemsize}")
+                                         f"the item size {self.dtype.itemsize}")
         if not blockmap.non_overlapping(shape, strides):
             raise ConfigInvalid.geometry(f"{where}.strides", f"{strides} make elements of shape {shape} overlap")
         if self.offset + self.span > MAX_BANK_BYTES:
@@ -189,7 +189,8 @@ class Region:
 
 
 @functools.lru_cache(maxsize=4096)
-def _runs(itemsize: int, shape: tuple[int, ...], strides: tuple[int, ...], block_dim: int) -> tuple[tuple[int, int], ...]:
+def _runs(itemsize: int, shape: tuple[int, ...], strides: tuple[int, ...], block_dim: int) -> tuple[tuple[int, int],
+          ...]:
     return blockmap.block_runs(itemsize, shape, strides, block_dim)
 
 
@@ -206,7 +207,8 @@ class Geometry:
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.regions, (tuple, list)):
-            raise ConfigInvalid.geometry("regions", f"must be a tuple of Region values, not {type(self.regions).__name__}")
+            raise ConfigInvalid.geometry("regions",
+                                         f"must be a tuple of Region values, not {type(self.regions).__name__}")
         rs = tuple(self.regions)
         object.__setattr__(self, "regions", rs)
         if not 1 <= len(rs) <= MAX_REGIONS:
@@ -221,7 +223,7 @@ class Geometry:
         for r in rs[1:]:
             if r.num_blocks != nb:
                 raise ConfigInvalid.geometry(f"region {r.name!r}.shape", f"holds {r.num_blocks} blocks, "
-                                      f"region {rs[0].name!r} holds {nb}: every region holds num_blocks")
+                                             f"region {rs[0].name!r} holds {nb}: every region holds num_blocks")
         spans = sorted((r.offset, r.offset + r.span, r.name) for r in rs)
         for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
             if start < end:

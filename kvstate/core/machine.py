@@ -8,22 +8,22 @@ and implements every guard and effect the table declares, marked with :func:`gua
 :func:`effect`. When the class is created, the table is compiled once into a
 ``transitions.Machine`` shared by every instance of the class; a binding that misses a
 declared guard or effect, or implements one the table does not declare, is a
-:class:`~kvstate.core.errors.ConfigInvalid` (BINDING) naming the table file and the entry.
+:class:`ConfigInvalid` (BINDING) naming the table file and the entry.
 
 Objects are driven only through :meth:`Lifecycle.fire`:
 
-1. The event must be declared for the current state, else :class:`~kvstate.core.errors.TransitionError` (ILLEGAL)
+1. The event must be declared for the current state, else :class:`TransitionError` (ILLEGAL)
    (naming machine, state and event) and nothing changes. ``transitions`` never sees
    undeclared events, and it never ignores an invalid trigger.
 2. The rows for (event, state) are tried in table order; the first whose guards hold
-   fires. If none holds, :class:`~kvstate.core.errors.TransitionError` (GUARD) lists the guards that refused.
+   fires. If none holds, :class:`TransitionError` (GUARD) lists the guards that refused.
 3. The row's effects run in order *before* the state is committed. An effect may return
    an undo callable. If a later effect raises, the undos of the earlier ones run in
    reverse order and the exception propagates with the state unchanged
    (INV-EFFECT-ATOMIC). An effect that raises must itself leave nothing half done.
    Whatever an effect or guard raises is rolled back the same way: an untyped exception
    (``OSError``, ``RuntimeError``, ``MemoryError``, a bug) leaves the machine as
-   :class:`~kvstate.core.errors.NativeError` (EFFECT), which names the machine, state, event and
+   :class:`NativeError` (EFFECT), which names the machine, state, event and
    step and chains the cause, so only typed errors leave ``fire`` and callers that roll
    back on ``KvStateError`` roll back on these too. (``KeyboardInterrupt`` and
    ``SystemExit`` are rolled back and re-raised as they are.)
@@ -228,10 +228,11 @@ def _bindings(cls: type, spec: MachineSpec, attr: str, kind: str,
             found[name] = value
     declared = set(declared)
     for name in sorted(declared - set(found)):
-        raise ConfigInvalid.binding(spec.source, f"{kind}.{name}", f"{cls.__qualname__} implements no {kind[:-1]} {name!r}")
-    for name in sorted(set(found) - declared):
         raise ConfigInvalid.binding(spec.source, f"{kind}.{name}",
-                           f"{cls.__qualname__} implements {kind[:-1]} {name!r}, which the table does not declare")
+                                    f"{cls.__qualname__} implements no {kind[:-1]} {name!r}")
+    for name in sorted(set(found) - declared):
+        raise ConfigInvalid.binding(spec.source, f"{kind}.{name}", f"{cls.__qualname__} implements {kind[:-1]} "
+                                    f"{name!r}, which the table does not declare")
     return found
 
 
@@ -394,7 +395,7 @@ class Lifecycle:
                         self._kv_firing = False
                     if not fired:
                         raise TransitionError.guard(spec.name, source, event,
-                                            self._refusing_guards(spec.rows(event, source), kwargs))
+                                                    self._refusing_guards(spec.rows(event, source), kwargs))
                     dest = self._kv_state
                     if self._observers:
                         reason = kwargs.get("reason")

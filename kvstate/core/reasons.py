@@ -221,11 +221,11 @@ class DecisionReason(enum.Enum):
     """Why a reuse decision came out as it did, or why a candidate was skipped; a closed
     gate is ReuseRefused.reason."""
 
-    CHOSEN = "chosen"
-    REUSE_DISABLED = "reuse_disabled"
-    GPU_REUSE_DISABLED = "gpu_reuse_disabled"
-    GPU_PROFILE_NOT_ADMITTED = "gpu_profile_not_admitted"
-    NO_LONGER_PREFIX = "no_longer_prefix"
-    NO_ELIGIBLE_SOURCE = "no_eligible_source"
-    BELOW_MINIMUM_BLOCKS = "below_minimum_blocks"
-    BELOW_MINIMUM_SAVING = "below_minimum_saving"
+    CHOSEN = "chosen"                          # a decision, not a refusal: this candidate was chosen
+    REUSE_DISABLED = "reuse_disabled"          # reuse is off (the default): enable_decode_to_prefill_reuse
+    GPU_REUSE_DISABLED = "gpu_reuse_disabled"  # a GPU import without enable_gpu_reuse
+    GPU_PROFILE_NOT_ADMITTED = "gpu_profile_not_admitted"  # a GPU import without an admitted deployment profile
+    NO_LONGER_PREFIX = "no_longer_prefix"      # a decision: the candidate does not extend the prefix
+    NO_ELIGIBLE_SOURCE = "no_eligible_source"  # a decision: no candidate passed the rules
+    BELOW_MINIMUM_BLOCKS = "below_minimum_blocks"  # a decision: fewer blocks than the minimum
+    BELOW_MINIMUM_SAVING = "below_minimum_saving"  # a decision: the estimated saving is below the minimum

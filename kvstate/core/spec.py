@@ -2,7 +2,7 @@
 
 The tables are data, reviewed by humans; everything else is generated from or checked
 against them. This loader is deliberately unforgiving: an unknown key, an undeclared
-state, trigger, guard or effect, or a row that can never fire is a :class:`~kvstate.core.errors.ConfigInvalid` (SPEC)
+state, trigger, guard or effect, or a row that can never fire is a :class:`ConfigInvalid` (SPEC)
 naming the file and the entry. What it returns is frozen: nothing downstream can edit
 the specification by accident.
 
@@ -230,7 +230,7 @@ def _check_shadowing(source: str, transitions: list[TransitionSpec]) -> None:
         key = (t.trigger, t.source)
         if key in open_rows:
             raise ConfigInvalid.spec(source, f"transitions[{i}] ({t.trigger})",
-                            f"unreachable: an earlier unguarded row already fires {t.trigger!r} in {t.source!r}")
+                                     f"unreachable: an earlier unguarded row already fires {t.trigger!r} in {t.source!r}")
         if not t.guarded:
             open_rows.add(key)
 

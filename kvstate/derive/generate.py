@@ -39,7 +39,7 @@ class Inputs:
             code = codemap.scan(self.root, self.spec)
             if code.problems:
                 raise ConfigInvalid.binding("kvstate/", "fire sites", "the code map is ambiguous:\n  "
-                                   + "\n  ".join(code.problems))
+                                            + "\n  ".join(code.problems))
             self._code = code
         return self._code
 
@@ -77,7 +77,8 @@ def source_root() -> Path:
     """The source tree this package runs from (a checkout or an editable install)."""
     root = Path(__file__).resolve().parents[2]
     if not (root / "spec").is_dir() or not (root / "ffi").is_dir():
-        raise ArgumentInvalid.of("--root", ArgumentReason.RANGE, f"{root} is not a kvstate source tree (no spec/ and ffi/); pass --root")
+        raise ArgumentInvalid.of("--root", ArgumentReason.RANGE,
+                                 f"{root} is not a kvstate source tree (no spec/ and ffi/); pass --root")
     return root
 
 

@@ -17,7 +17,7 @@ does: a later row also requires every earlier row's guards to refuse.
 What a guard or effect *means* is not in the tables, so it lives here, in ONE registry
 (:data:`REGISTRY`): ``(machine, "guard"|"effect", name)`` -> Promela text for the
 per-rank model and for the counting model. A table naming a guard or effect the registry
-does not know is a :class:`~kvstate.core.errors.ConfigInvalid` (MODEL) naming the file and the
+does not know is a :class:`ConfigInvalid` (MODEL) naming the file and the
 entry, never a silently unconstrained model. An effect that drives another machine (a
 group rolling back its parts, a load submitting an op) is a :class:`Cascade`: it fires
 the child's event through the child's own table, so the child's guards still apply.
@@ -317,8 +317,8 @@ def _actor_of(m: MachineSpec, event: str) -> str | None:
     actors = ACTORS.get(m.name, {})
     if event not in actors:
         raise ConfigInvalid.model(m.source, f"events.{event}",
-                                   f"the Promela generator has no actor for event {event!r}; "
-                                   f"add it to kvstate.derive.promela.ACTORS")
+                                  f"the Promela generator has no actor for event {event!r}; "
+                                  f"add it to kvstate.derive.promela.ACTORS")
     return actors[event]
 
 

@@ -77,12 +77,12 @@ class _Gen:
         for c in self.commands:
             if c not in self.rank.event_names:
                 raise ConfigInvalid.model(self.coord.source, f"effects.{SEND_PREFIX}{c}",
-                                           f"command {c!r} is not an event of the rank table")
+                                          f"command {c!r} is not an event of the rank table")
         for row in self.rank.transitions:
             if "report" in row.effects and f"{REPORT_PREFIX}{row.dest}" not in self.reports:
                 raise ConfigInvalid.model(self.rank.source, f"transitions ({row.trigger} {row.source})",
-                                           f"reports {REPORT_PREFIX}{row.dest}, which the coordinator "
-                                           "table does not declare")
+                                          f"reports {REPORT_PREFIX}{row.dest}, which the coordinator "
+                                          "table does not declare")
         for m in (self.coord, self.rank):
             for kind, names in (("guard", m.guards), ("effect", m.effects)):
                 for name in names:
@@ -90,15 +90,15 @@ class _Gen:
         for r in self.reports:
             if r not in world.NOTES:
                 raise ConfigInvalid.model(self.coord.source, f"events.{r}", "the coordinator model has no "
-                                           "bookkeeping for this report; add it to coord_world.NOTES")
+                                          "bookkeeping for this report; add it to coord_world.NOTES")
 
     def _text(self, m: MachineSpec, kind: str, name: str) -> str:
         text = self.registry.get((m.name, kind, name))
         if text is None:
             section = "guards" if kind == "guard" else "effects"
             raise ConfigInvalid.model(m.source, f"{section}.{name}",
-                                       f"the coordinator model has no meaning for {kind} {name!r}; "
-                                       "add it to kvstate.derive.coord_world.REGISTRY")
+                                      f"the coordinator model has no meaning for {kind} {name!r}; "
+                                      "add it to kvstate.derive.coord_world.REGISTRY")
         return text
 
     def expand(self, text: str, r: str, row: TransitionSpec | None = None) -> str:
@@ -230,7 +230,7 @@ inline unmap(q) {{
     def _inv(self, inv: str) -> str:
         if inv not in self.spec.invariants:
             raise ConfigInvalid.model("spec/invariants.toml", inv, "the coordinator model checks this invariant; "
-                                       "declare it")
+                                      "declare it")
         return f"{inv}: {self.spec.invariants[inv].statement}"
 
     def coordinator(self) -> str:

@@ -140,7 +140,8 @@ def gpu_admission(t: Any, device: bytes) -> Any:
                                  geometry_fingerprint=GEOMETRY.fingerprint(), protocol_version=PROTOCOL_VERSION)
     admission = admit(DeploymentProfile.GPU_SINGLE_NODE, caps)
     if not admission.admitted:
-        raise ReuseRefused(DecisionReason.GPU_PROFILE_NOT_ADMITTED, f"this GPU worker is not admitted under gpu-single-node: {admission}")
+        raise ReuseRefused(DecisionReason.GPU_PROFILE_NOT_ADMITTED,
+                           f"this GPU worker is not admitted under gpu-single-node: {admission}")
     return admission
 
 
@@ -445,8 +446,8 @@ def run_args(args: argparse.Namespace) -> int:
     try:
         if min(args.rounds, args.repeats, args.mib, args.block_kib) < 1 or args.kill_delay_us < 0 \
                 or not args.budget_s > 0:
-            raise ArgumentInvalid(ArgumentReason.RANGE, "--rounds, --repeats, --mib and --block-kib must be at least 1, --budget-s positive "
-                               "and --kill-delay-us not negative")
+            raise ArgumentInvalid(ArgumentReason.RANGE, "--rounds, --repeats, --mib and --block-kib must be at least 1, "
+                                  "--budget-s positive and --kill-delay-us not negative")
         report = run(parse_uuid(args.device) if args.device else None, rounds=args.rounds, repeats=args.repeats,
                      mib=args.mib, block_kib=args.block_kib, kill_delay_us=args.kill_delay_us,
                      budget_s=args.budget_s)

@@ -115,7 +115,7 @@ class CheckResult:
 
 
 def tools() -> tuple[str, str]:
-    """Paths of ``spin`` and a C compiler, or :class:`~kvstate.core.errors.BackendUnavailable` (SPIN) saying how to install."""
+    """Paths of ``spin`` and a C compiler, or :class:`BackendUnavailable` (SPIN) saying how to install."""
     spin = shutil.which("spin")
     cc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
     if spin is None or cc is None:
@@ -128,10 +128,12 @@ def _run(cmd: Sequence[str], cwd: Path, timeout: float, what: str) -> str:
     try:
         proc = subprocess.run(list(cmd), cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
-        raise NativeError(NativeReason.MODEL_CHECK, f"{what} did not finish within {timeout:.0f} s: {' '.join(cmd)}") from None
+        raise NativeError(NativeReason.MODEL_CHECK,
+                          f"{what} did not finish within {timeout:.0f} s: {' '.join(cmd)}") from None
     out = proc.stdout + proc.stderr
     if proc.returncode != 0 and what != "pan":
-        raise NativeError(NativeReason.MODEL_CHECK, f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}\n{out[-2000:]}")
+        raise NativeError(NativeReason.MODEL_CHECK,
+                          f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}\n{out[-2000:]}")
     return out
 
 
@@ -286,9 +288,11 @@ def replay(trace: Trace, objects: Mapping[str, Firable]) -> list[str]:
             continue
         key = _pick(objects, ev, ev.source)
         if objects[key].state != ev.source:
-            raise NativeError(NativeReason.MODEL_CHECK, f"{key} is in {objects[key].state!r}, the trail expects {ev.source!r}")
+            raise NativeError(NativeReason.MODEL_CHECK,
+                              f"{key} is in {objects[key].state!r}, the trail expects {ev.source!r}")
         dest = objects[key].fire(ev.event)
         if dest != ev.dest:
-            raise NativeError(NativeReason.MODEL_CHECK, f"{key}: {ev.event} went to {dest!r}, the trail went to {ev.dest!r}")
+            raise NativeError(NativeReason.MODEL_CHECK,
+                              f"{key}: {ev.event} went to {dest!r}, the trail went to {ev.dest!r}")
         applied.append(f"{key}: {ev.event}  {ev.source} -> {dest}")
     return applied

@@ -66,11 +66,13 @@ def refused_by_inventory(exc: KvStateError) -> bool:
 def block_hashes(values: Iterable[int], *, allow_empty: bool = False) -> tuple[int, ...]:
     """``values`` as block hashes: distinct unsigned 64-bit ints (ArgumentInvalid (BLOCK_HASH) if not)."""
     if isinstance(values, (str, bytes, bytearray, memoryview)) or not isinstance(values, Iterable):
-        raise ArgumentInvalid(ArgumentReason.BLOCK_HASH, f"block hashes must be a sequence of integers, got {values!r:.60}")
+        raise ArgumentInvalid(ArgumentReason.BLOCK_HASH,
+                              f"block hashes must be a sequence of integers, got {values!r:.60}")
     out = tuple(values)
     for h in out:
         if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < HASH_LIMIT:
-            raise ArgumentInvalid(ArgumentReason.BLOCK_HASH, f"block hash must be an unsigned 64-bit integer, got {h!r}")
+            raise ArgumentInvalid(ArgumentReason.BLOCK_HASH,
+                                  f"block hash must be an unsigned 64-bit integer, got {h!r}")
     if not out and not allow_empty:
         raise ArgumentInvalid(ArgumentReason.BLOCK_HASH, "no block hashes given")
     if len(set(out)) != len(out):
@@ -178,7 +180,8 @@ class Inventory:
 
     def __init__(self, budget_blocks: int) -> None:
         if isinstance(budget_blocks, bool) or not isinstance(budget_blocks, int) or budget_blocks < 0:
-            raise ArgumentInvalid(ArgumentReason.INVENTORY, f"budget_blocks must be a non-negative integer, got {budget_blocks!r}")
+            raise ArgumentInvalid(ArgumentReason.INVENTORY,
+                                  f"budget_blocks must be a non-negative integer, got {budget_blocks!r}")
         self._budget = budget_blocks
         self._lock = threading.Lock()
         self._groups: dict[str, _Group] = {}
@@ -236,7 +239,7 @@ class Inventory:
     def remove(self, group: str, hashes: Sequence[int]) -> tuple[Event, ...]:
         """The engine no longer holds these blocks. Unknown hashes are ignored.
 
-        Raises :class:`~kvstate.core.errors.Busy` (BLOCKS), removing nothing, if any of them is pinned or leased.
+        Raises :class:`Busy` (BLOCKS), removing nothing, if any of them is pinned or leased.
         """
         group, hashes = group_name(group), block_hashes(hashes)
         with self._lock:
@@ -255,7 +258,7 @@ class Inventory:
     def clear(self, group: str) -> tuple[Event, ...]:
         """Forget every block of ``group`` and start a new epoch.
 
-        Raises :class:`~kvstate.core.errors.Busy` (BLOCKS), changing nothing, if any block is pinned or leased.
+        Raises :class:`Busy` (BLOCKS), changing nothing, if any block is pinned or leased.
         """
         group = group_name(group)
         with self._lock:
@@ -277,7 +280,7 @@ class Inventory:
             missing = [h for h in hashes if g is None or h not in g.blocks]
             if g is None or missing:
                 raise ArgumentInvalid(ArgumentReason.INVENTORY, f"group {group!r}: cannot pin blocks it does not hold: "
-                                     + ", ".join(f"{h:#018x}" for h in missing[:4]))
+                                      + ", ".join(f"{h:#018x}" for h in missing[:4]))
             for h in hashes:
                 g.blocks[h].pins += 1
 
@@ -288,7 +291,7 @@ class Inventory:
             unpinned = [h for h in hashes if g is None or h not in g.blocks or g.blocks[h].pins == 0]
             if g is None or unpinned:
                 raise ArgumentInvalid(ArgumentReason.NOT_PINNED, f"group {group!r}: block(s) not pinned: "
-                                + ", ".join(f"{h:#018x}" for h in unpinned[:4]))
+                                      + ", ".join(f"{h:#018x}" for h in unpinned[:4]))
             for h in hashes:
                 g.blocks[h].pins -= 1
 

@@ -162,11 +162,12 @@ class ReuseSettings:
 
         Values may be typed (bool, int, float) or text, which is parsed strictly: booleans
         are exactly ``true``, ``false``, ``1`` or ``0``. Unknown names raise
-        :class:`~kvstate.core.errors.ConfigInvalid` (UNKNOWN_SETTING); bad values raise :class:`~kvstate.core.errors.ConfigInvalid` (INVALID_SETTING).
+        :class:`ConfigInvalid` (UNKNOWN_SETTING); bad values raise :class:`ConfigInvalid` (INVALID_SETTING).
         """
         base = _base(cls, base)
         if not isinstance(mapping, Mapping):
-            raise ConfigInvalid.invalid_setting("mapping", type(mapping).__name__, "settings must be a mapping of name to value", source)
+            raise ConfigInvalid.invalid_setting("mapping", type(mapping).__name__,
+                                                "settings must be a mapping of name to value", source)
         changes: dict[str, Any] = {}  # values of any type: the class validators check each
         for name, value in mapping.items():
             if name not in SETTING_NAMES:
@@ -186,7 +187,8 @@ class ReuseSettings:
         environ = os.environ if environ is None else environ
         if not isinstance(environ, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
                                                        for k, v in environ.items()):
-            raise ConfigInvalid.invalid_setting("environ", type(environ).__name__, "must map names to strings", "environment")
+            raise ConfigInvalid.invalid_setting("environ", type(environ).__name__, "must map names to strings",
+                                                "environment")
         base = _base(cls, base)
         found: dict[str, object] = {}
         for var, value in environ.items():
@@ -206,7 +208,8 @@ class ReuseSettings:
         """
         if isinstance(argv, (str, bytes)) or not isinstance(argv, Sequence) or \
                 not all(isinstance(a, str) for a in argv):
-            raise ConfigInvalid.invalid_setting("argv", type(argv).__name__, "must be a sequence of strings", "command line")
+            raise ConfigInvalid.invalid_setting("argv", type(argv).__name__, "must be a sequence of strings",
+                                                "command line")
         base = _base(cls, base)
         found: dict[str, object] = {}
         i = 0
@@ -275,7 +278,8 @@ def _parse_value(name: str, value: object, source: str) -> object:
     if not isinstance(value, str):
         return value  # typed values are checked by the class validators
     if len(value) > MAX_SETTING_TEXT:
-        raise ConfigInvalid.invalid_setting(name, value[:32] + "...", f"longer than {MAX_SETTING_TEXT} characters", source)
+        raise ConfigInvalid.invalid_setting(name, value[:32] + "...", f"longer than {MAX_SETTING_TEXT} characters",
+                                            source)
     text = value.strip()
     if name in _BOOL_SETTINGS:
         if text.lower() not in _TRUE:
@@ -364,12 +368,14 @@ def gate(enabled: bool, gpu_enabled: bool, gpu_admitted: bool, gpu_source: bool,
 
 def _require_blocks(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_BLOCKS:
-        raise ArgumentInvalid(ArgumentReason.POLICY_INPUT, f"{name} must be an integer in 0..{MAX_BLOCKS}, got {value!r}")
+        raise ArgumentInvalid(ArgumentReason.POLICY_INPUT,
+                              f"{name} must be an integer in 0..{MAX_BLOCKS}, got {value!r}")
 
 
 def _require_block_tokens(value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BLOCK_TOKENS:
-        raise ArgumentInvalid(ArgumentReason.POLICY_INPUT, f"block_tokens must be an integer in 1..{MAX_BLOCK_TOKENS}, got {value!r}")
+        raise ArgumentInvalid(ArgumentReason.POLICY_INPUT,
+                              f"block_tokens must be an integer in 1..{MAX_BLOCK_TOKENS}, got {value!r}")
 
 
 def _require_memory(value: object) -> None:
@@ -504,14 +510,17 @@ def choose_transfer_source(target_prefix_blocks: int, candidates: Iterable[Candi
     _require_blocks("target_prefix_blocks", target_prefix_blocks)
     _require_block_tokens(block_tokens)
     if not isinstance(settings, ReuseSettings):
-        raise ArgumentInvalid(ArgumentReason.POLICY_INPUT, f"settings must be ReuseSettings, got {type(settings).__name__}")
+        raise ArgumentInvalid(ArgumentReason.POLICY_INPUT,
+                              f"settings must be ReuseSettings, got {type(settings).__name__}")
     if admitted is not None and not hasattr(admitted, "gpu_reuse_allowed"):
-        raise ArgumentInvalid(ArgumentReason.POLICY_INPUT, f"admitted must be an admission (kvstate.reuse.profile.admit) or None, "
-                               f"got {type(admitted).__name__}")
+        raise ArgumentInvalid(ArgumentReason.POLICY_INPUT,
+                              f"admitted must be an admission (kvstate.reuse.profile.admit) or None, "
+                              f"got {type(admitted).__name__}")
     if not callable(clock):
         raise ArgumentInvalid(ArgumentReason.POLICY_INPUT, f"clock must be callable, got {type(clock).__name__}")
     if isinstance(candidates, (str, bytes)) or not isinstance(candidates, Iterable):
-        raise ArgumentInvalid(ArgumentReason.POLICY_INPUT, f"candidates must be an iterable of Candidate values, got {type(candidates).__name__}")
+        raise ArgumentInvalid(ArgumentReason.POLICY_INPUT,
+                              f"candidates must be an iterable of Candidate values, got {type(candidates).__name__}")
     minimum_blocks = settings.minimum_transfer_prefix_blocks
     minimum_saving = settings.minimum_estimated_ttft_saving_ms
 

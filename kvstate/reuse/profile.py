@@ -63,7 +63,8 @@ class DeploymentProfile(enum.Enum):
             return cls(name)
         except ValueError:
             known = ", ".join(p.value for p in cls)
-            raise ConfigInvalid(ConfigReason.UNKNOWN_PROFILE, f"unknown deployment profile {name!r}; known: {known}") from None
+            raise ConfigInvalid(ConfigReason.UNKNOWN_PROFILE,
+                                f"unknown deployment profile {name!r}; known: {known}") from None
 
 
 # -- publication ---------------------------------------------------------------------
@@ -89,7 +90,8 @@ def _check(inst: PublishedCapabilities) -> None:
     _nonempty("device_uuids", inst.device_uuids)
     for uuid in inst.device_uuids:
         if not isinstance(uuid, bytes) or len(uuid) != DEVICE_UUID_BYTES:
-            raise ConfigInvalid.capabilities_invalid("device_uuids", f"each must be {DEVICE_UUID_BYTES} bytes, got {uuid!r}")
+            raise ConfigInvalid.capabilities_invalid("device_uuids",
+                                                     f"each must be {DEVICE_UUID_BYTES} bytes, got {uuid!r}")
     if len(set(inst.device_uuids)) != len(inst.device_uuids):
         raise ConfigInvalid.capabilities_invalid("device_uuids", "repeated device UUID")
     _nonempty("handle_kinds", inst.handle_kinds)
@@ -106,13 +108,15 @@ def _check(inst: PublishedCapabilities) -> None:
             raise ConfigInvalid.capabilities_invalid("transports", f"malformed transport entry {t!r}")
         c = t.capabilities
         if not (c.handle_kinds and c.memory_kinds and c.scopes):
-            raise ConfigInvalid.capabilities_invalid("transports", f"transport {t.name!r} publishes an empty capability")
+            raise ConfigInvalid.capabilities_invalid("transports",
+                                                     f"transport {t.name!r} publishes an empty capability")
     carried = frozenset(k for t in inst.transports for k in t.capabilities.handle_kinds)
     if not inst.handle_kinds <= carried:
         extra = sorted(k.value for k in inst.handle_kinds - carried)
         raise ConfigInvalid.capabilities_invalid("handle_kinds", f"no transport carries {', '.join(extra)}")
     if HandleKind.FABRIC in inst.handle_kinds and inst.fabric_trial is not FabricTrial.PASSED:
-        raise ConfigInvalid.capabilities_invalid("handle_kinds", "fabric is published but the FABRIC trial did not pass")
+        raise ConfigInvalid.capabilities_invalid("handle_kinds",
+                                                 "fabric is published but the FABRIC trial did not pass")
     if not isinstance(inst.geometry_fingerprint, bytes) or len(inst.geometry_fingerprint) != GEOMETRY_FINGERPRINT_BYTES:
         raise ConfigInvalid.capabilities_invalid("geometry_fingerprint", f"must be {GEOMETRY_FINGERPRINT_BYTES} bytes")
     if isinstance(inst.protocol_version, bool) or not isinstance(inst.protocol_version, int) \
@@ -182,8 +186,8 @@ def _hex(field: str, raw: Any) -> bytes:
 def parse_capabilities(wire: Mapping[str, Any]) -> PublishedCapabilities:
     """Accept a published capability set whole, or refuse it with a typed error.
 
-    Missing fields raise :class:`~kvstate.core.errors.ConfigInvalid` (CAPABILITIES_INCOMPLETE) naming all of them; an unknown,
-    malformed or inconsistent field raises :class:`~kvstate.core.errors.ConfigInvalid` (CAPABILITIES_INVALID).
+    Missing fields raise :class:`ConfigInvalid` (CAPABILITIES_INCOMPLETE) naming all of them; an unknown,
+    malformed or inconsistent field raises :class:`ConfigInvalid` (CAPABILITIES_INVALID).
     """
     if not isinstance(wire, Mapping):
         raise ConfigInvalid.capabilities_invalid("capabilities", "must be a mapping")
@@ -330,7 +334,8 @@ def admit(profile: DeploymentProfile, capabilities: PublishedCapabilities) -> Ad
     if not isinstance(profile, DeploymentProfile):
         raise ConfigInvalid(ConfigReason.UNKNOWN_PROFILE, f"not a deployment profile: {profile!r}")
     if not isinstance(capabilities, PublishedCapabilities):
-        raise ConfigInvalid.capabilities_invalid("capabilities", "must be PublishedCapabilities (see parse_capabilities)")
+        raise ConfigInvalid.capabilities_invalid("capabilities",
+                                                 "must be PublishedCapabilities (see parse_capabilities)")
     failed = tuple(Refusal(rule, f"requires {what}") for rule, holds, what in _rules(profile, capabilities)
                    if not holds)
     if failed:

@@ -215,7 +215,7 @@ class CoordinatedGroup(Lifecycle):
                 self.fire("drain")
         if not self.wait(self.table.terminal, timeout):
             raise TimedOut(TimeoutReason.DRAIN, f"{self.label}: still {self.state} after {timeout} s "
-                               f"(ranks {self.ranks()})")
+                           f"(ranks {self.ranks()})")
         return time.monotonic() - start
 
     # -- guards -------------------------------------------------------------------------
@@ -403,7 +403,8 @@ class Coordinator:
             while len([r for r, link in self.links.items() if link.alive]) < self.config.tp:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise ChannelError(ChannelReason.TIMEOUT, f"{len(self.links)} of {self.config.tp} workers connected after {timeout} s")
+                    raise ChannelError(ChannelReason.TIMEOUT,
+                                       f"{len(self.links)} of {self.config.tp} workers connected after {timeout} s")
                 self._joined.wait(min(left, 0.1))
 
     # -- groups -------------------------------------------------------------------------
@@ -551,8 +552,9 @@ class Coordinator:
                 with msg:
                     report = msgs.decode(msg.payload)
                 if not isinstance(report, msgs.Report) or report.rank != link.rank:
-                    raise ChannelError(ChannelReason.PROTOCOL, f"worker {link.rank} sent {type(report).__name__} for rank "
-                                        f"{getattr(report, 'rank', None)}")
+                    raise ChannelError(ChannelReason.PROTOCOL,
+                                       f"worker {link.rank} sent {type(report).__name__} for rank "
+                                       f"{getattr(report, 'rank', None)}")
                 self._on_report(link, report)
         except KvStateError as exc:
             gone = isinstance(exc, ChannelError) and (exc.closed or exc.reason is ChannelReason.TIMEOUT)

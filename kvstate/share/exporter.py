@@ -91,7 +91,7 @@ _SOURCE_ID_BYTES = 16
 def _source_id(_: object, attribute: attrs.Attribute[bytes], value: object) -> None:
     if not isinstance(value, bytes) or len(value) != _SOURCE_ID_BYTES:
         raise ConfigInvalid.of("ExportConfig.source_id", f"must be exactly {_SOURCE_ID_BYTES} bytes (it is signed into "
-                            f"every descriptor and importers refuse any other length), not {value!r:.40}")
+                               f"every descriptor and importers refuse any other length), not {value!r:.40}")
 
 
 def _positive_int(_: object, attribute: attrs.Attribute[int], value: object) -> None:
@@ -104,7 +104,7 @@ log = logging.getLogger(__name__)
 def _seconds(_: object, attribute: attrs.Attribute[float], value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1e9 or value != value:
         raise ConfigInvalid.of(f"ExportConfig.{attribute.name}", f"must be a finite number of seconds > 0, "
-                            f"not {value!r:.40}")
+                               f"not {value!r:.40}")
 
 
 def _socket_dir(_: object, attribute: attrs.Attribute[Path], value: object) -> None:
@@ -130,12 +130,12 @@ def _tcp_listen(config: Any, attribute: attrs.Attribute[Any], value: object) -> 
         raise ConfigInvalid.of(where, f"host must be a printable ASCII name or address, not {host!r:.60}")
     if host in _WILDCARDS:
         raise ConfigInvalid.of(where, f"host {host!r} binds every interface, and descriptors name it: "
-                            "give the address other nodes reach this one at")
+                               "give the address other nodes reach this one at")
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ConfigInvalid.of(where, f"port must be an int in 0..65535 (0: any free one), not {port!r:.40}")
     if config.handle_kind in FD_KINDS:  # fds travel over AF_UNIX only: such a lease could never be answered
         raise ConfigInvalid.of(where, f"{config.handle_kind.value} handles are file descriptors and cannot cross "
-                            "nodes: serve them on the unix socket (no tcp_listen), or export NIXL handles")
+                               "nodes: serve them on the unix socket (no tcp_listen), or export NIXL handles")
 
 
 @attrs.frozen
@@ -297,7 +297,7 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         need_choice("framework", framework, ("torch", "numpy"))
         if self.mapping is None or self.state in ("draining", "quiescent", "released"):
             raise ArgumentInvalid.transfer(ArgumentReason.STATE, self.label, f"the bank is {self.state}; views need a "
-                                   "registered bank that is not draining")
+                                           "registered bank that is not draining")
         memory = self.view()
         out = store.views(self, framework, memory)
         # Every tensor or array over it keeps the exporting object (not the memoryview) alive.
@@ -498,7 +498,7 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
     def _release(self, **kw: Any) -> None:
         if self.views_alive():
             raise Busy(BusyReason.VIEWS, f"{self.label}: {len(self._views)} set(s) of tensors from Bank.tensors() are "
-                                   "still alive; drop them (the engine's KV cache) before releasing the bank")
+                       "still alive; drop them (the engine's KV cache) before releasing the bank")
         # The transport calls straight into C: row -> this effect -> transport -> C.
         t = self.transport
         self._unregister()  # step by step: a failed step leaves the rest for a retry
@@ -585,7 +585,7 @@ class Exporter(Generic[H, A, R, M, E]):
         d = bank.descriptor
         if d is None or bank.state not in DESCRIBED:
             raise ArgumentInvalid.of("rank", ArgumentReason.STATE, f"the bank of rank {rank} is {bank.state}: "
-                                  f"it has no descriptor to give (one is given from advertise until quiescent)")
+                                     f"it has no descriptor to give (one is given from advertise until quiescent)")
         return d
 
     # -- serving ------------------------------------------------------------------------
@@ -595,7 +595,7 @@ class Exporter(Generic[H, A, R, M, E]):
         a stopped exporter is not started again (make a new one)."""
         if self._stopping.is_set() or self._server is not None:
             raise ArgumentInvalid.of("exporter", ArgumentReason.STATE,
-                                  "started already, or stopped: an exporter serves once; make a new one")
+                                     "started already, or stopped: an exporter serves once; make a new one")
         chan.make_socket_dir(self.config.socket_dir)
         # A batched lease answers with every bank's fd in one message (kvstate.share.peers).
         limits = chan.Limits(max_fds=min(chan.HARD_MAX_FDS, max(chan.DEFAULT_MAX_FDS, len(self.banks))))
@@ -685,7 +685,8 @@ class Exporter(Generic[H, A, R, M, E]):
     def _handle(self, ch: chan.Channel, req: dict[str, Any]) -> tuple[dict[str, Any], tuple[int, ...]]:
         for key, kind in _REQUEST_FIELDS.items():  # a peer's JSON may hold any type anywhere
             if key in req and type(req[key]) is not kind:
-                raise ChannelError(ChannelReason.FRAME, f"request field {key!r} must be {kind.__name__}, not {type(req[key]).__name__}")
+                raise ChannelError(ChannelReason.FRAME,
+                                   f"request field {key!r} must be {kind.__name__}, not {type(req[key]).__name__}")
         op = req.get("op")
         bank: Bank[H, A, R, M, E] | None = self.banks.get(req.get("rank", -1))
         if bank is None:
@@ -742,7 +743,8 @@ class Exporter(Generic[H, A, R, M, E]):
         items = req.get("items")
         if set(req) != {"op", "items"} or not isinstance(items, list) or not items or \
                 len(items) > len(self.banks) or not all(isinstance(i, dict) and "op" not in i for i in items):
-            raise ChannelError(ChannelReason.FRAME, f"leases: items must be 1..{len(self.banks)} lease requests (objects without 'op')")
+            raise ChannelError(ChannelReason.FRAME,
+                               f"leases: items must be 1..{len(self.banks)} lease requests (objects without 'op')")
         ranks = [i.get("rank") for i in items]
         if any(type(r) is not int for r in ranks) or len(set(ranks)) != len(ranks):
             raise ChannelError(ChannelReason.FRAME, "leases: every item names a different int rank")
@@ -769,7 +771,8 @@ class Exporter(Generic[H, A, R, M, E]):
         items = req.get("items")
         if set(req) != {"op", "items"} or not isinstance(items, list) or len(items) > len(self.banks) or \
                 not all(isinstance(i, dict) and set(i) == {"rank", "lease"} for i in items):
-            raise ChannelError(ChannelReason.FRAME, f"mapped: items must be at most {len(self.banks)} objects of rank and lease")
+            raise ChannelError(ChannelReason.FRAME,
+                               f"mapped: items must be at most {len(self.banks)} objects of rank and lease")
         for item in items:
             reply, _ = self._handle(ch, {"op": "mapped", **item})
             if not reply.get("ok"):
@@ -861,8 +864,9 @@ class Exporter(Generic[H, A, R, M, E]):
                 except TransitionError:
                     bank.drop_exited_holds()
                     if time.monotonic() >= deadline:
-                        raise TimedOut(TimeoutReason.DRAIN, f"{bank.label}: {len(bank.leases)} lease(s), {len(bank.holds)} hold(s), "
-                                           f"{bank.pins()} pin(s) after {timeout} s; nothing released") from None
+                        raise TimedOut(TimeoutReason.DRAIN,
+                                       f"{bank.label}: {len(bank.leases)} lease(s), {len(bank.holds)} hold(s), "
+                                       f"{bank.pins()} pin(s) after {timeout} s; nothing released") from None
                     time.sleep(0.005)
             waited = time.monotonic() - start
             bank.fire("release")

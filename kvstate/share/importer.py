@@ -84,8 +84,9 @@ GroupFault = Literal["part_failed", "peer_died", "incarnation_changed", "expired
 def _epochs(value: object) -> tuple[int, ...]:
     if not isinstance(value, (tuple, list)) or not value or \
             not all(type(e) is int and e >= 0 for e in value):
-        raise ArgumentInvalid(ArgumentReason.INVENTORY, f"epochs must be a non-empty sequence of non-negative ints (one per rank), "
-                             f"not {value!r:.80}")
+        raise ArgumentInvalid(ArgumentReason.INVENTORY,
+                              f"epochs must be a non-empty sequence of non-negative ints (one per rank), "
+                              f"not {value!r:.80}")
     return tuple(value)
 
 
@@ -103,7 +104,8 @@ class BlockRequest:
     def epoch(self, rank: int) -> int:
         """The epoch rank ``rank``'s lease names."""
         if not 0 <= rank < len(self.epochs):
-            raise ArgumentInvalid(ArgumentReason.INVENTORY, f"no epoch for rank {rank}: the request names {len(self.epochs)} rank(s)")
+            raise ArgumentInvalid(ArgumentReason.INVENTORY,
+                                  f"no epoch for rank {rank}: the request names {len(self.epochs)} rank(s)")
         return self.epochs[rank]
 
 
@@ -148,7 +150,7 @@ class PartOwner(Protocol[H, A, R, M, E]):
 def _seconds(_: object, attribute: attrs.Attribute[float], value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1e9 or value != value:
         raise ConfigInvalid.of(f"ImportConfig.{attribute.name}", f"must be a finite number of seconds > 0, "
-                            f"not {value!r:.40}")
+                               f"not {value!r:.40}")
 
 
 def _count(most: int) -> Callable[[object, attrs.Attribute[int], object], None]:
@@ -162,7 +164,7 @@ def _optional(kind: type) -> Callable[[object, attrs.Attribute[Any], object], No
     def check(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
         if value is not None and not isinstance(value, kind):
             raise ConfigInvalid.of(f"ImportConfig.{attribute.name}", f"must be {kind.__name__} or None, "
-                                f"not {type(value).__name__}")
+                                   f"not {type(value).__name__}")
     return check
 
 
@@ -403,7 +405,7 @@ def _check_report(reply: dict[str, Any], d: Descriptor) -> None:
     for key, value in want.items():
         if report.get(key) != value:
             raise ImportFailed.lease_refused("lease_mismatch", f"the exporter reports {key} {report.get(key)!r:.80}, "
-                               f"the descriptor says {value!r:.80}")
+                                             f"the descriptor says {value!r:.80}")
 
 
 def lease_fields(d: Descriptor, blocks: BlockRequest | None) -> dict[str, Any]:
@@ -585,13 +587,14 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
         handle = self._fire_load(loads.dense(self, blocks, destinations, host))
         if not handle.wait(t):
             handle.cancel()
-            raise TransferFailed(TransferFailReason.LOAD, f"prefix load of {len(handle._blocks)} block(s) still running after {timeout} s; "
-                             "cancelled")
+            raise TransferFailed(TransferFailReason.LOAD,
+                                 f"prefix load of {len(handle._blocks)} block(s) still running after {timeout} s; "
+                                 "cancelled")
         result = handle.result()
         assert result is not None
         if not result.ok:
             raise TransferFailed(TransferFailReason.LOAD, f"prefix load failed: op(s) of rank(s) "
-                             f"{sorted({e.rank for e in handle._entries if e.state != 'done'})} did not complete")
+                                 f"{sorted({e.rank for e in handle._entries if e.state != 'done'})} did not complete")
         return LoadResult(result.blocks, result.bytes, result.seconds)
 
     def peer_closed(self, part: Part[H, A, R, M, E]) -> None:
@@ -632,7 +635,8 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
             if self.state != "draining":
                 return 0.0  # an import in progress was aborted (failed), or already closed
             if time.monotonic() - start > timeout:
-                raise TimedOut(TimeoutReason.DRAIN, f"{self.label}: pins still held after {timeout} s; nothing unmapped")
+                raise TimedOut(TimeoutReason.DRAIN,
+                               f"{self.label}: pins still held after {timeout} s; nothing unmapped")
             time.sleep(0.002)
         return time.monotonic() - start
 
@@ -730,8 +734,9 @@ class Importer(Generic[H, A, R, M, E]):
         if self._stopping.is_set():
             raise ArgumentInvalid.of("importer", ArgumentReason.STATE, "this importer is closed")
         if blocks is not None and len(blocks.epochs) != len(wire):
-            raise ArgumentInvalid(ArgumentReason.INVENTORY, f"the block request names {len(blocks.epochs)} epoch(s) for a group of "
-                                 f"{len(wire)} descriptor(s): one per rank")
+            raise ArgumentInvalid(ArgumentReason.INVENTORY,
+                                  f"the block request names {len(blocks.epochs)} epoch(s) for a group of "
+                                  f"{len(wire)} descriptor(s): one per rank")
         self._count += 1
         group: Group[H, A, R, M, E] = self.group_class(self, f"group#{self._count}", self.observers)
         self.groups = [g for g in self.groups if not g.is_terminal] + [group]

@@ -190,7 +190,8 @@ def grants(link: PeerLink, items: Sequence[dict[str, Any]], msg: chan.Message) -
             if not isinstance(answers, list) or len(answers) != len(items) or \
                     any(not isinstance(a, dict) or type(a.get("nfds")) is not int or a["nfds"] < 0 for a in answers) or \
                     sum(a["nfds"] for a in answers) != len(msg.fds):
-                raise ImportFailed.of(ranks[0], ImportReason.MALFORMED, f"malformed batched lease answer {reply!r:.200}")
+                raise ImportFailed.of(ranks[0], ImportReason.MALFORMED,
+                                      f"malformed batched lease answer {reply!r:.200}")
             out = [_grant(link, a, rank) for a, rank in zip(answers, ranks)]
         except ImportFailed:
             for a, rank in zip(answers if isinstance(answers, list) else [], ranks):

@@ -36,7 +36,7 @@ def block_ids(values: object, limit: int | None, where: str) -> tuple[int, ...]:
     """``values`` as a tuple of ints in 0..limit-1 (any limit when None), or ArgumentInvalid (a load/store reason)."""
     if isinstance(values, (str, bytes, bytearray)) or not isinstance(values, Iterable):
         raise ArgumentInvalid.transfer(ArgumentReason.BLOCK_IDS, where, f"must be a sequence of ints, not "
-                               f"{type(values).__name__}")
+                                       f"{type(values).__name__}")
     try:
         items = list(itertools.islice(values, MAX_BLOCKS + 1))
     except Exception as exc:  # a caller's iterator failing is a bad argument, reported as such
@@ -46,12 +46,13 @@ def block_ids(values: object, limit: int | None, where: str) -> tuple[int, ...]:
     out: list[int] = []
     for i, v in enumerate(items):
         if isinstance(v, bool) or type(v).__name__ in ("bool_", "bool"):  # numpy's too
-            raise ArgumentInvalid.transfer(ArgumentReason.BLOCK_IDS, f"{where}[{i}]", f"{v!r} is a bool, not a block id")
+            raise ArgumentInvalid.transfer(ArgumentReason.BLOCK_IDS,
+                                           f"{where}[{i}]", f"{v!r} is a bool, not a block id")
         try:
             n = operator.index(v)
         except Exception:  # TypeError, or whatever a foreign __index__ raises
             raise ArgumentInvalid.transfer(ArgumentReason.BLOCK_IDS, f"{where}[{i}]",
-                                   f"{v!r:.40} is not an int") from None
+                                           f"{v!r:.40} is not an int") from None
         if n < 0 or (limit is not None and n >= limit):
             bound = "" if limit is None else f"..{limit - 1}"
             raise ArgumentInvalid.transfer(ArgumentReason.BLOCK_IDS, f"{where}[{i}]", f"{n} is outside 0{bound}")
@@ -67,7 +68,7 @@ def unique(ids: Sequence[int], where: str) -> None:
         for i, b in enumerate(ids):
             if b in seen:
                 raise ArgumentInvalid.transfer(ArgumentReason.BLOCK_IDS, f"{where}[{i}]",
-                                       f"block {b} appears twice: two copies would write it")
+                                               f"block {b} appears twice: two copies would write it")
             seen.add(b)
 
 
@@ -133,9 +134,9 @@ class Plan:
             c = self.copies[submitted]
             h._abort()
             which = TransferFailReason.LOAD if self.kind == "load" else TransferFailReason.STORE
-            raise TransferFailed(which, f"{self.label}: submitting region {c.region!r} of rank {c.rank} failed ({exc}); the "
-                        f"{submitted} op(s) submitted before it were cancelled or awaited, nothing is in flight") \
-                from exc
+            raise TransferFailed(which, f"{self.label}: submitting region {c.region!r} of rank {c.rank} failed "
+                                        f"({exc}); the {submitted} op(s) submitted before it were cancelled or "
+                                        "awaited, nothing is in flight") from exc
         except BaseException:
             h._abort()
             raise

@@ -9,7 +9,7 @@ entered, which is the coordinator event ``part_<state>``.
 
 Every field is checked on receipt: a peer's JSON may hold anything, so an unknown kind,
 command or state, a missing field, or a field of the wrong type is a
-:class:`~kvstate.core.errors.ChannelError` (PROTOCOL), never a KeyError or TypeError.
+:class:`ChannelError` (PROTOCOL), never a KeyError or TypeError.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def check_against_tables() -> None:
     reported = {e.removeprefix("part_") for e in coord.event_names if e.startswith("part_")}
     if sent != set(COMMANDS) or not sent <= set(rank.event_names) or reported != set(REPORTS):
         raise ChannelError(ChannelReason.PROTOCOL, f"protocol names differ from the tables: commands {sorted(sent)}, "
-                            f"reports {sorted(reported)}")
+                           f"reports {sorted(reported)}")
 
 
 @attrs.frozen

@@ -327,7 +327,8 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
         handle = self._fire_load(loads.dense_parts(self.label, g, {self.rank: mapped}, {self.rank: dst}, ids, host))
         if not handle.wait(t):
             handle.cancel()
-            raise TransferFailed(TransferFailReason.LOAD, f"{self.label}: prefix load still running after {timeout} s; cancelled")
+            raise TransferFailed(TransferFailReason.LOAD,
+                                 f"{self.label}: prefix load still running after {timeout} s; cancelled")
         result = handle.result()
         if result is None or not result.ok:
             raise TransferFailed(TransferFailReason.LOAD, f"{self.label}: prefix load failed")
@@ -350,8 +351,9 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
     def _read_remote(self, part: RemotePart[H, A, R, M, E], blocks: Sequence[int], dst: object,
                      timeout: float) -> LoadResult:
         if not isinstance(dst, NixlAllocation):
-            raise ArgumentInvalid.transfer(ArgumentReason.TENSOR, "dst", "a NIXL part reads into memory registered with "
-                                   "this worker's NixlTransport")
+            raise ArgumentInvalid.transfer(ArgumentReason.TENSOR,
+                                           "dst", "a NIXL part reads into memory registered with "
+                                           "this worker's NixlTransport")
         ids = block_ids(blocks, part.descriptor.geometry.num_blocks, "blocks")
         start = time.monotonic()
         self.fire("load")  # submit_load pins the part (one step under the lock); the READ runs outside it
@@ -416,7 +418,8 @@ class RankWorker(Generic[H, A, R, M, E]):
             if isinstance(answer, msgs.Refused):
                 raise ChannelError.coordinator_refused(answer.code, answer.detail)
             if not isinstance(answer, msgs.Welcome) or answer.tp != self.config.tp:
-                raise ChannelError(ChannelReason.PROTOCOL, f"expected a welcome for tp {self.config.tp}, got {answer!r:.100}")
+                raise ChannelError(ChannelReason.PROTOCOL,
+                                   f"expected a welcome for tp {self.config.tp}, got {answer!r:.100}")
         except BaseException:
             ch.close()
             self.importer.close()
@@ -535,7 +538,8 @@ class RankWorker(Generic[H, A, R, M, E]):
                 if isinstance(message, msgs.Command):
                     self._command(message)
                 elif not isinstance(message, msgs.Tick):
-                    raise ChannelError(ChannelReason.PROTOCOL, f"unexpected {type(message).__name__} from the coordinator")
+                    raise ChannelError(ChannelReason.PROTOCOL,
+                                       f"unexpected {type(message).__name__} from the coordinator")
         except KvStateError as exc:
             if isinstance(exc, ChannelError) and exc.closed:
                 why = str(exc)

@@ -155,7 +155,7 @@ class RemotePart(Part[H, A, R, M, E]):
         if g.block_extents(0) != [(0, g.block_bytes)] or \
                 (g.num_blocks > 1 and g.block_extents(1) != [(g.block_bytes, g.block_bytes)]):
             raise TransferFailed(TransferFailReason.LOAD, f"{self.label}: NIXL parts read banks whose block b is bytes "
-                             f"[b*block_bytes, (b+1)*block_bytes) (one contiguous extent per block)")
+                                 f"[b*block_bytes, (b+1)*block_bytes) (one contiguous extent per block)")
         if self.remote is None or self.gate is None:
             raise TransferFailed(TransferFailReason.LOAD, f"{self.label}: not imported")
         self.nixl.load(self.remote, dst, list(blocks), block_bytes=g.block_bytes, lease=self.gate, timeout=timeout)

@@ -47,12 +47,12 @@ def plan(bank: Bank, src_tensors: object, src_block_ids: object, bank_block_ids:
     missing, unknown = sorted(set(g.names) - set(src_tensors)), sorted(set(src_tensors) - set(g.names), key=str)
     if missing or unknown:
         raise ArgumentInvalid.transfer(ArgumentReason.REGIONS, "src_tensors", f"missing {missing[:5]}, unknown "
-                               f"{unknown[:5]}: one tensor per region")
+                                       f"{unknown[:5]}: one tensor per region")
     dst_ids = block_ids(bank_block_ids, g.num_blocks, "bank_block_ids")
     src_ids = block_ids(src_block_ids, None, "src_block_ids")
     if len(src_ids) != len(dst_ids):
         raise ArgumentInvalid.transfer(ArgumentReason.BLOCK_IDS, "src_block_ids", f"{len(src_ids)} ids for "
-                               f"{len(dst_ids)} bank blocks")
+                                       f"{len(dst_ids)} bank blocks")
     unique(dst_ids, "bank_block_ids")
     out = Plan("store", f"{bank.label} store", dst_ids)
     try:
@@ -65,7 +65,7 @@ def plan(bank: Bank, src_tensors: object, src_block_ids: object, bank_block_ids:
             capacity = ref.shape[region.block_dim]
             if top >= capacity:
                 raise ArgumentInvalid.transfer(ArgumentReason.BLOCK_IDS, f"src_block_ids[{src_ids.index(top)}]",
-                                       f"{top} is outside 0..{capacity - 1}, the pages of {where}")
+                                               f"{top} is outside 0..{capacity - 1}, the pages of {where}")
             pairs = blockmap.pair_runs(tensors.runs(ref, region.block_dim, where), region.runs())
             sstride = ref.strides[region.block_dim] * ref.itemsize
             out.copies.append(Copy(ref.buffer(), bank.mapping,

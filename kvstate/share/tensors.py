@@ -249,7 +249,8 @@ def _buffer(obj: Any, where: str) -> TensorRef:
     except (TypeError, BufferError) as exc:
         raise _reject(ArgumentReason.TENSOR, where, f"not a usable buffer: {exc}") from None
     addr = int(_ffi().cast("uintptr_t", export))
-    return TensorRef("buffer", addr, dtype, itemsize, shape, contiguous_strides(shape), "cpu", not readonly, obj, export)
+    return TensorRef("buffer", addr, dtype, itemsize, shape, contiguous_strides(shape), "cpu", not readonly, obj,
+                     export)
 
 
 # -- a tensor against a region --------------------------------------------------------------

@@ -59,7 +59,7 @@ def check_timeout(timeout: object, where: str = "timeout") -> float:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
             or timeout < 0:
         raise ArgumentInvalid.transfer(ArgumentReason.TIMEOUT, where, f"must be a finite number of seconds >= 0, "
-                               f"not {timeout!r:.40}")
+                                       f"not {timeout!r:.40}")
     return float(timeout)
 
 
@@ -193,7 +193,8 @@ class TransferHandle:
         t = check_timeout(timeout)
         mine = [e for e in self._entries if e.region == name]
         if not mine:
-            raise ArgumentInvalid.transfer(ArgumentReason.REGIONS, f"region {name!r:.80}", f"not part of this {self.kind}")
+            raise ArgumentInvalid.transfer(ArgumentReason.REGIONS,
+                                           f"region {name!r:.80}", f"not part of this {self.kind}")
         return self._finished.is_set() or self._wait_ops(mine, t)
 
     def region_ok(self, name: str) -> bool | None:
@@ -201,7 +202,8 @@ class TransferHandle:
         cancelled, None while any is still pending."""
         mine = [e for e in self._entries if e.region == name]
         if not mine:
-            raise ArgumentInvalid.transfer(ArgumentReason.REGIONS, f"region {name!r:.80}", f"not part of this {self.kind}")
+            raise ArgumentInvalid.transfer(ArgumentReason.REGIONS,
+                                           f"region {name!r:.80}", f"not part of this {self.kind}")
         if not self._finished.is_set():
             states = [_state(e.op) for e in mine]
             if any(s in ("queued", "running", "created") for s in states):

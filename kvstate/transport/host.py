@@ -124,7 +124,7 @@ class HostTransport:
         page = nat.page_size
         if granularity <= 0 or granularity % page or granularity & (granularity - 1):
             raise ArgumentInvalid.native("HostTransport", -1,
-                                        f"granularity {granularity} must be a power of two multiple of {page}")
+                                         f"granularity {granularity} must be a power of two multiple of {page}")
         self._granularity = granularity
         self._device_uuid: bytes | None = None
         lib = self._lib
@@ -152,7 +152,7 @@ class HostTransport:
         need_int("size", size, 1, MAX_SIZE)
         if size % self._granularity:
             raise ArgumentInvalid.native(what, -1, f"size {size} is not a positive multiple of the "
-                                        f"granularity {self._granularity}")
+                                         f"granularity {self._granularity}")
 
     def create(self, size: int) -> HostAllocation:
         self._sized("create", size)
@@ -167,7 +167,8 @@ class HostTransport:
         need("allocation", allocation, HostAllocation)
         need("kind", kind, HandleKind)
         if kind is not HandleKind.MEMFD:
-            raise ArgumentInvalid.of("kind", ArgumentReason.RANGE, f"the host backend exports only memfd handles, not {kind.value}")
+            raise ArgumentInvalid.of("kind", ArgumentReason.RANGE,
+                                     f"the host backend exports only memfd handles, not {kind.value}")
         out = self._ffi.new("int32_t *")
         rc = self._lib.kvs_export_fd(allocation.id, out)
         if rc:
@@ -181,7 +182,8 @@ class HostTransport:
         need_bytes("data", data, 64)
         fds = need_items("fds", fds, int, 16)
         if kind is not HandleKind.MEMFD:
-            raise ImportFailed.handle(ImportDefect.KIND, f"the host backend imports only memfd handles, not {kind.value}")
+            raise ImportFailed.handle(ImportDefect.KIND,
+                                      f"the host backend imports only memfd handles, not {kind.value}")
         if len(fds) != 1:
             raise ImportFailed.handle(ImportDefect.FDS, f"expected one memfd, got {len(fds)} fd(s)")
         # Checked here already, so a group's phase 1 refuses a wrong fd before any rank opens.
@@ -189,11 +191,14 @@ class HostTransport:
             identity = fd_identity_of(fds[0])
             seals = fcntl.fcntl(fds[0], fcntl.F_GET_SEALS)
         except OSError as exc:
-            raise ImportFailed.handle(ImportDefect.FD_NOT_MEMFD, call="receive_handle", code=-1, detail=f"fd {fds[0]} is not a sealable memfd: {exc.strerror}") from None
+            raise ImportFailed.handle(ImportDefect.FD_NOT_MEMFD, call="receive_handle", code=-1,
+                                      detail=f"fd {fds[0]} is not a sealable memfd: {exc.strerror}") from None
         if identity != data:
-            raise ImportFailed.handle(ImportDefect.FD_IDENTITY, call="receive_handle", code=-1, detail=f"fd {fds[0]} is not the file its descriptor names")
+            raise ImportFailed.handle(ImportDefect.FD_IDENTITY, call="receive_handle", code=-1,
+                                      detail=f"fd {fds[0]} is not the file its descriptor names")
         if seals & _SEALS != _SEALS:
-            raise ImportFailed.handle(ImportDefect.FD_UNSEALED, call="receive_handle", code=-1, detail=f"fd {fds[0]} lacks the shrink, grow and seal seals")
+            raise ImportFailed.handle(ImportDefect.FD_UNSEALED, call="receive_handle", code=-1,
+                                      detail=f"fd {fds[0]} lacks the shrink, grow and seal seals")
         return HostHandle(fds[0], data)
 
     def import_(self, handle: HostHandle, size: int) -> HostAllocation:
@@ -201,17 +206,21 @@ class HostTransport:
         ``size`` bytes, sealed). The caller still owns (and closes) ``handle.fd``."""
         need("handle", handle, HostHandle)
         if handle.kind is not HandleKind.MEMFD:
-            raise ImportFailed.handle(ImportDefect.KIND, f"the host backend imports only memfd handles, not {handle.kind.value}")
+            raise ImportFailed.handle(ImportDefect.KIND,
+                                      f"the host backend imports only memfd handles, not {handle.kind.value}")
         self._sized("import", size)
         if len(handle.identity) != handles.FD_IDENTITY_BYTES:
-            raise ImportFailed.handle(ImportDefect.FD_IDENTITY, call="import", code=-1, detail=f"handle bytes are {len(handle.identity)} long, "
-                                     f"expected {handles.FD_IDENTITY_BYTES}")
+            raise ImportFailed.handle(ImportDefect.FD_IDENTITY,
+                                      call="import", code=-1, detail=f"handle bytes are {len(handle.identity)} long, "
+                                      f"expected {handles.FD_IDENTITY_BYTES}")
         try:
             identity = fd_identity_of(handle.fd)
         except OSError as exc:
-            raise ImportFailed.handle(ImportDefect.FD, call="import", code=-1, detail=f"fd {handle.fd} cannot be examined: {exc.strerror}") from None
+            raise ImportFailed.handle(ImportDefect.FD, call="import", code=-1,
+                                      detail=f"fd {handle.fd} cannot be examined: {exc.strerror}") from None
         if identity != handle.identity:
-            raise ImportFailed.handle(ImportDefect.FD_IDENTITY, call="import", code=-1, detail=f"fd {handle.fd} is not the file its descriptor names")
+            raise ImportFailed.handle(ImportDefect.FD_IDENTITY, call="import", code=-1,
+                                      detail=f"fd {handle.fd} is not the file its descriptor names")
         out = self._ffi.new("uint64_t *")
         rc = self._lib.kvs_import_fd(handle.fd, size, out)
         if rc:
@@ -241,7 +250,7 @@ class HostTransport:
         need_int("offset", offset, 0, MAX_SIZE)
         if offset < 0 or offset % self._granularity:
             raise ArgumentInvalid.native("map", -1, f"offset {offset} is not a multiple of the "
-                                        f"granularity {self._granularity}")
+                                         f"granularity {self._granularity}")
         region, addr = self._ffi.new("uint64_t *"), self._ffi.new("uint64_t *")
         rc = self._lib.kvs_map(reservation.id, offset, allocation.id, region, addr)
         if rc:

@@ -173,9 +173,9 @@ class Native:
         if (states != m.state_names or events != m.event_names or built != table_digest(m)
                 or collectable != tuple(OPS.collectable(s) for s in states)):
             raise ConfigInvalid.spec("ffi/kvs_op_table.h", "op table",
-                            f"the native module was built from another op table (digest {built}, "
-                            f"states {states}, events {events}); run `python -m kvstate.derive.header` "
-                            "and rebuild (`make`)")
+                                     f"the native module was built from another op table (digest {built}, "
+                                     f"states {states}, events {events}); run `python -m kvstate.derive.header` "
+                                     "and rebuild (`make`)")
 
     def _error_map(self) -> dict[int, Callable[[str, int, str], KvStateError]]:
         """C return code -> the typed error it stands for (what the caller does about it)."""
@@ -475,7 +475,7 @@ def default() -> Native:
                     if not is_missing(exc, libkvs.MODULE):
                         raise
                     raise BackendUnavailable.missing("host", "the native module kvstate._native was not "
-                                             "built; reinstall kvstate where a C compiler is "
-                                             "available") from None
+                                                     "built; reinstall kvstate where a C compiler is "
+                                                     "available") from None
                 _default = Native(ffi, lib)
     return _default

@@ -38,7 +38,7 @@ Rather than methods that can only refuse, it implements the narrower protocols i
 honour (:class:`Backend` for the registry, :class:`ExportingTransport` for a bank's
 memory) and its own loads (``NixlTransport.load`` under a lease gate). The lifecycle
 sides refuse anything that is not a :class:`MappedTransport` with
-:class:`~kvstate.core.errors.BackendUnavailable` (UNSUITABLE) before they touch it.
+:class:`BackendUnavailable` (UNSUITABLE) before they touch it.
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ def require_mapped(transport: object) -> None:
     if not isinstance(transport, MappedTransport):
         name = getattr(transport, "name", type(transport).__name__)
         raise BackendUnavailable.unsuitable(str(name), "the lifecycle sides need a MappedTransport (reserve, map, "
-                                  "set_access, unmap, pins, gathers); NIXL ranks load with NixlTransport.load")
+                                            "set_access, unmap, pins, gathers); NIXL ranks load with NixlTransport.load")
 
 
 

@@ -123,7 +123,7 @@ def _refused(group: Any, call: Callable[[dict[str, Any]], Any], reason: R, where
     with pytest.raises(ArgumentInvalid) as info:
         call(dst)
     assert info.value.reason is reason, info.value
-    assert where in info.value.where, info.value
+    assert where in info.value.argument, info.value
     after = nat.stats()
     assert after.submitted == before.submitted and after.ops_live == before.ops_live
     assert untouched(dst) and group.loads <= loads_before and group.state == "ready"

@@ -91,10 +91,10 @@ def _key_from_file(path: Path) -> bytes:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_KEY_FILE_BYTES:
             raise ConfigInvalid.of("deployment_key_file", f"{path} must be a regular file of at most "
-                                f"{MAX_KEY_FILE_BYTES} bytes")
+                                   f"{MAX_KEY_FILE_BYTES} bytes")
         if st.st_uid != os.getuid() or st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
             raise ConfigInvalid.of("deployment_key_file", f"{path} must belong to uid {os.getuid()} and grant group "
-                                f"and others nothing (mode {stat.S_IMODE(st.st_mode):o})")
+                                   f"and others nothing (mode {stat.S_IMODE(st.st_mode):o})")
         raw = os.read(fd, MAX_KEY_FILE_BYTES + 1)
     except OSError as exc:
         raise ConfigInvalid.of("deployment_key_file", f"{path}: {exc.strerror}") from None
@@ -112,7 +112,7 @@ def _key_from_hex(field: str, text: str) -> bytes:
         key = b""
     if len(key) != DEPLOYMENT_KEY_BYTES:
         raise ConfigInvalid.of(field, f"must hold {DEPLOYMENT_KEY_BYTES} raw bytes or {2 * DEPLOYMENT_KEY_BYTES} "
-                            "hex digits")
+                               "hex digits")
     return key
 
 
@@ -160,7 +160,8 @@ def parse(extra: Mapping[str, Any] | None, role: str, environ: Mapping[str, str]
     if role not in ("kv_producer", "kv_consumer", "kv_both"):
         raise ConfigInvalid.of("kv_role", f"must be kv_producer, kv_consumer or kv_both, not {role!r:.40}")
     if extra is not None and not isinstance(extra, Mapping):
-        raise ConfigInvalid.of("kv_connector_extra_config", f"must be a mapping of settings, not {type(extra).__name__}")
+        raise ConfigInvalid.of("kv_connector_extra_config",
+                               f"must be a mapping of settings, not {type(extra).__name__}")
     given = dict(extra or {})
     unknown = sorted(set(given) - set(KEYS), key=str)
     if unknown:
@@ -177,7 +178,7 @@ def parse(extra: Mapping[str, Any] | None, role: str, environ: Mapping[str, str]
         key = _key_from_hex(KEY_ENV, env[KEY_ENV].strip())
     else:
         raise ConfigInvalid.of("deployment_key_file", f"no deployment key: set deployment_key_file or ${KEY_ENV} "
-                            "(the same key on every engine of the deployment)")
+                               "(the same key on every engine of the deployment)")
 
     socket_dir = v["socket_dir"]
     if socket_dir is None:
@@ -207,7 +208,7 @@ def parse(extra: Mapping[str, Any] | None, role: str, environ: Mapping[str, str]
     if switch is not None and (isinstance(switch, bool) or not isinstance(switch, (int, float))
                                or not 0 < switch <= MAX_SWITCH_INTERVAL_S):
         raise ConfigInvalid.of("gil_switch_interval_s", f"must be null or seconds in (0, {MAX_SWITCH_INTERVAL_S}], "
-                            f"not {switch!r:.40}")
+                               f"not {switch!r:.40}")
 
     return ConnectorConfig(
         role=role, deployment=Deployment(name, key), socket_dir=Path(os.path.normpath(socket_dir)),

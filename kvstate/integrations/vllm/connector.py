@@ -97,7 +97,7 @@ def compat_of(vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig) -> C
     spec = groups[0].kv_cache_spec if len(groups) == 1 else None
     if spec is None or type(spec).__name__ != "FullAttentionSpec":
         raise ConfigInvalid.of("kv_cache_groups", "one full-attention KV cache group is supported (no hybrid, "
-                            f"sliding-window or MLA caches): {[type(g.kv_cache_spec).__name__ for g in groups]}")
+                               f"sliding-window or MLA caches): {[type(g.kv_cache_spec).__name__ for g in groups]}")
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     dtype = TORCH_DTYPES.get(str(spec.dtype))
     if dtype is None or cache_dtype not in ("auto", "bfloat16", "float16", "float32"):

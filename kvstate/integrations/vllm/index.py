@@ -343,7 +343,8 @@ class IndexClient:
                     try:
                         return wire.decode(msg.payload, "found", "descriptor_set", "refused")
                     except ChannelError as exc:
-                        if exc.reason is ChannelReason.PROTOCOL and _connection_limit(msg.payload):  # the server's own refusal, not the index's
+                        # the server's own refusal of a connection over its cap, not the index's
+                        if exc.reason is ChannelReason.PROTOCOL and _connection_limit(msg.payload):
                             self.close()
                             return Refusal("busy", "the decode index serves its most connections now")
                         raise

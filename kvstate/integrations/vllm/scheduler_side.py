@@ -141,7 +141,8 @@ class SchedulerSide:
         full = min(min(num_computed, len(tokens)) // bs, len(block_ids), wire.MAX_BLOCKS)
         if full == 0:
             return False
-        hashes = prefix_hashes(self.cfg.deployment, root(self.cfg.deployment, self.compat, salt), tokens[:full * bs], bs)
+        hashes = prefix_hashes(self.cfg.deployment, root(self.cfg.deployment, self.compat, salt), tokens[:full * bs],
+                               bs)
         reserved = self.index.reserve(hashes)
         counts = self.index.table.counts()
         self.tally.gauge("retained_blocks", counts["stored"])

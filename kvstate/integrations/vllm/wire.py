@@ -12,7 +12,7 @@ connect to it:
 
 Every field of a received message is checked (:func:`decode`): a peer's JSON may hold
 anything, so a wrong kind, a missing field or a field of the wrong type is a
-:class:`~kvstate.core.errors.ChannelError` (PROTOCOL), never a KeyError or TypeError.
+:class:`ChannelError` (PROTOCOL), never a KeyError or TypeError.
 """
 
 from __future__ import annotations
@@ -109,6 +109,7 @@ def _check(msg: Mapping[str, Any]) -> None:
 def split_hashes(blob: bytes, size: int) -> list[bytes]:
     """The prefix hashes packed in a lookup (ChannelError (PROTOCOL) unless whole and bounded)."""
     if len(blob) % size or len(blob) // size > MAX_BLOCKS:
-        raise ChannelError(ChannelReason.PROTOCOL, f"lookup: {len(blob)} hash bytes is not a whole number of at most {MAX_BLOCKS} "
-                            f"{size}-byte hashes")
+        raise ChannelError(ChannelReason.PROTOCOL,
+                           f"lookup: {len(blob)} hash bytes is not a whole number of at most {MAX_BLOCKS} "
+                           f"{size}-byte hashes")
     return [blob[i:i + size] for i in range(0, len(blob), size)]

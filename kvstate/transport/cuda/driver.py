@@ -68,7 +68,8 @@ def load_driver(nat: Native | None = None) -> Native:
     if rc == lib.KVS_E_BUSY:
         raise BackendUnavailable.missing("cuda", f"this process already loaded another CUDA driver library, not {path}")
     if rc == lib.KVS_E_NODRIVER:
-        raise BackendUnavailable.missing("cuda", f"no CUDA driver library: {ffi.string(lib.kvs_cuda_load_error()).decode()}")
+        raise BackendUnavailable.missing("cuda",
+                                         f"no CUDA driver library: {ffi.string(lib.kvs_cuda_load_error()).decode()}")
     if rc:
         raise nat.error(rc, "kvs_cuda_load", path)
     return nat

@@ -86,7 +86,8 @@ def check_received(kind: HandleKind, data: bytes, nfds: int) -> None:
         raise errors.ImportFailed.handle(ImportDefect.KIND, f"the cuda backend does not carry {kind.value} handles")
     exact = HANDLE_BYTES[kind]
     if len(data) != exact:
-        raise ImportFailed.handle(ImportDefect.SIZE, f"{kind.value} handle bytes are {len(data)} long, expected {exact}")
+        raise ImportFailed.handle(ImportDefect.SIZE,
+                                  f"{kind.value} handle bytes are {len(data)} long, expected {exact}")
     want = 1 if kind in FD_KINDS else 0
     if nfds != want:
         raise ImportFailed.handle(ImportDefect.FDS, f"{kind.value} handle arrived with {nfds} fd(s), expected {want}")
@@ -123,7 +124,8 @@ def fabric_decision(*, requested: bool, attribute: bool, export_result: int | No
 
 # -- device UUIDs ------------------------------------------------------------------------
 
-_UUID_TEXT = re.compile(r"^(?:GPU-|MIG-)?([0-9a-f]{8})-([0-9a-f]{4})-([0-9a-f]{4})-([0-9a-f]{4})-([0-9a-f]{12})$", re.IGNORECASE)
+_UUID_TEXT = re.compile(r"^(?:GPU-|MIG-)?([0-9a-f]{8})-([0-9a-f]{4})-([0-9a-f]{4})-([0-9a-f]{4})-([0-9a-f]{12})$",
+                        re.IGNORECASE)
 
 
 def format_uuid(uuid: bytes) -> str:
@@ -142,5 +144,6 @@ def parse_uuid(uuid: bytes | str) -> bytes:
         return uuid
     m = _UUID_TEXT.match(uuid.strip())
     if m is None:
-        raise errors.BackendUnavailable(BackendReason.NO_DEVICE, f"{uuid!r} is not a device UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)")
+        raise errors.BackendUnavailable(BackendReason.NO_DEVICE,
+                                        f"{uuid!r} is not a device UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)")
     return bytes.fromhex("".join(m.groups()).lower())

@@ -104,7 +104,8 @@ class CudaTransport:
         if kind not in rules.CUDA_KINDS:
             raise ImportFailed.handle(ImportDefect.KIND, f"the cuda backend does not export {kind.value} handles")
         if kind is HandleKind.CUDA_IPC and not legacy_ipc:
-            raise ImportFailed.handle(ImportDefect.LEGACY_IPC, "CUDA_IPC handles need legacy_ipc=True (legacy IPC is only on request)")
+            raise ImportFailed.handle(ImportDefect.LEGACY_IPC,
+                                      "CUDA_IPC handles need legacy_ipc=True (legacy IPC is only on request)")
         self._native = nat = load_driver(native)
         self._lib, self._ffi = nat.lib, nat.ffi
         lib = self._lib
@@ -114,7 +115,8 @@ class CudaTransport:
                         Access.READ_WRITE: lib.KVS_ACCESS_READ_WRITE}
         info = find_device(nat, want)
         if info is None:
-            raise errors.BackendUnavailable(BackendReason.NO_DEVICE, f"no visible device has UUID {rules.format_uuid(want)}")
+            raise errors.BackendUnavailable(BackendReason.NO_DEVICE,
+                                            f"no visible device has UUID {rules.format_uuid(want)}")
         self.info: DeviceInfo = info
         self._uuid = want
         self._kind = kind
@@ -124,7 +126,8 @@ class CudaTransport:
             self.fabric_decision = self._fabric_trial() if (fabric or kind is HandleKind.FABRIC) else \
                 rules.fabric_decision(requested=False, attribute=False, export_result=None, import_result=None)
             if kind is HandleKind.FABRIC and self.fabric_decision.trial is not FabricTrial.PASSED:
-                raise BackendUnavailable(BackendReason.FABRIC, f"FABRIC handles were asked for: {self.fabric_decision.why}")
+                raise BackendUnavailable(BackendReason.FABRIC,
+                                         f"FABRIC handles were asked for: {self.fabric_decision.why}")
             self.min_granularity = self._gran(minimum=True)
         except BaseException:
             lib.kvs_cuda_close(self._device)  # nothing else was kept; the first failure propagates
@@ -229,7 +232,7 @@ class CudaTransport:
         need_int("size", size, 1, MAX_SIZE)
         if size % self._granularity:
             raise errors.ArgumentInvalid.native(what, -1, f"size {size!r} is not a positive multiple of the "
-                                               f"granularity {self._granularity}")
+                                                f"granularity {self._granularity}")
 
     def create(self, size: int) -> CudaAllocation:
         self._sized("create", size)
@@ -242,12 +245,15 @@ class CudaTransport:
         _object("allocation", allocation, CudaAllocation, "id")
         need("kind", kind, HandleKind)
         if allocation.imported:
-            raise ImportFailed.handle(ImportDefect.KIND, f"allocation {allocation.id} is imported; only own allocations are exported")
+            raise ImportFailed.handle(ImportDefect.KIND,
+                                      f"allocation {allocation.id} is imported; only own allocations are exported")
         if kind is not allocation.kind:
             if kind is HandleKind.CUDA_IPC:
-                raise ImportFailed.handle(ImportDefect.LEGACY_IPC, "legacy IPC exports only cuMemAlloc memory; this is VMM memory")
-            raise ImportFailed.handle(ImportDefect.KIND, f"allocation {allocation.id} was created for {allocation.kind.value} "
-                                f"handles, not {kind.value}")
+                raise ImportFailed.handle(ImportDefect.LEGACY_IPC,
+                                          "legacy IPC exports only cuMemAlloc memory; this is VMM memory")
+            raise ImportFailed.handle(ImportDefect.KIND,
+                                      f"allocation {allocation.id} was created for {allocation.kind.value} "
+                                      f"handles, not {kind.value}")
         fd, handle = self._ffi.new("int32_t *"), self._ffi.new("char[]", CUDA_HANDLE_BYTES)
         self._call(self._lib.kvs_cuda_export(allocation.id, self._types[kind], fd, handle),
                    "kvs_cuda_export", f"allocation {allocation.id} as {kind.value}")
@@ -262,7 +268,8 @@ class CudaTransport:
         fds = need_items("fds", fds, int, 16)
         rules.check_received(kind, data, len(fds))
         if kind is not self._kind:
-            raise ImportFailed.handle(ImportDefect.KIND, f"this cuda transport imports {self._kind.value} handles, not {kind.value}")
+            raise ImportFailed.handle(ImportDefect.KIND,
+                                      f"this cuda transport imports {self._kind.value} handles, not {kind.value}")
         if fds:
             self._check_fd(fds[0], data)
             return CudaHandle(kind, data, fds[0])
@@ -273,9 +280,11 @@ class CudaTransport:
         try:
             same = fd_identity_of(fd) == identity
         except OSError as exc:
-            raise ImportFailed.handle(ImportDefect.FD, call="import", code=-1, detail=f"fd {fd} cannot be examined: {exc.strerror}") from None
+            raise ImportFailed.handle(ImportDefect.FD, call="import", code=-1,
+                                      detail=f"fd {fd} cannot be examined: {exc.strerror}") from None
         if not same:
-            raise ImportFailed.handle(ImportDefect.FD_IDENTITY, call="import", code=-1, detail=f"fd {fd} is not the file its descriptor names")
+            raise ImportFailed.handle(ImportDefect.FD_IDENTITY,
+                                      call="import", code=-1, detail=f"fd {fd} is not the file its descriptor names")
 
     def import_(self, handle: CudaHandle, size: int) -> CudaAllocation:
         """Open a received handle. The caller keeps (and closes) a received fd: the driver
@@ -287,7 +296,8 @@ class CudaTransport:
         self._sized("import", size)
         rules.check_received(handle.kind, handle.identity, 0 if handle.fd is None else 1)
         if handle.kind is not self._kind:
-            raise ImportFailed.handle(ImportDefect.KIND, f"this cuda transport imports {self._kind.value} handles, not {handle.kind.value}")
+            raise ImportFailed.handle(ImportDefect.KIND,
+                                      f"this cuda transport imports {self._kind.value} handles, not {handle.kind.value}")
         fd = -1
         if handle.fd is not None:
             self._check_fd(handle.fd, handle.identity)
@@ -315,9 +325,10 @@ class CudaTransport:
         _object("allocation", allocation, CudaAllocation, "id", "size")
         if type(offset) is not int or offset < 0 or offset % self._granularity:
             raise errors.ArgumentInvalid.native("map", -1, f"offset {offset!r} is not a multiple of the "
-                                               f"granularity {self._granularity}")
+                                                f"granularity {self._granularity}")
         if allocation.kind is HandleKind.CUDA_IPC and offset:
-            raise ImportFailed.handle(ImportDefect.LEGACY_IPC, "legacy IPC memory has one mapping, where it was allocated or opened")
+            raise ImportFailed.handle(ImportDefect.LEGACY_IPC,
+                                      "legacy IPC memory has one mapping, where it was allocated or opened")
         region, addr = self._ffi.new("uint64_t *"), self._ffi.new("uint64_t *")
         self._call(self._lib.kvs_cuda_map(reservation.id, offset, allocation.id, region, addr), "kvs_cuda_map",
                    f"allocation {allocation.id} at offset {offset} of reservation {reservation.id}")
@@ -404,7 +415,7 @@ class CudaTransport:
         addr, size = (target.addr, target.size) if isinstance(target, CudaMapping) else (target.ptr, target.nbytes)
         if offset < 0 or nbytes <= 0 or offset + nbytes > size:
             raise ArgumentInvalid.native("copy", -1, f"{nbytes} bytes at {offset} exceed {size}",
-                                          ArgumentReason.OUT_OF_RANGE)
+                                         ArgumentReason.OUT_OF_RANGE)
         return addr + offset
 
     def write(self, target: CudaEndpoint, data: bytes, offset: int = 0) -> None:

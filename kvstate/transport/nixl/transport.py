@@ -96,7 +96,7 @@ def load_nixl() -> ModuleType:
             return module
         missing.append(f"{name} (has no nixl_agent)")
     raise BackendUnavailable.missing("nixl", "no NIXL Python API found: tried " + ", ".join(missing)
-                             + f"; install with: {INSTALL_HINT}")
+                                     + f"; install with: {INSTALL_HINT}")
 
 
 def _numpy() -> ModuleType:
@@ -174,7 +174,8 @@ class NixlAllocation:
     def view(self) -> memoryview:
         """The bytes of a host allocation kvstate created (tests, benchmarks, fill)."""
         if self.owned is None:
-            raise BackendUnavailable(BackendReason.UNSUPPORTED, "only memory created by NixlTransport.create has a Python view")
+            raise BackendUnavailable(BackendReason.UNSUPPORTED,
+                                     "only memory created by NixlTransport.create has a Python view")
         return memoryview(self.owned)
 
 
@@ -217,12 +218,13 @@ class NixlTransport:
         with _process_agent_lock:
             if _process_agent is not None and _process_agent[0] == os.getpid():
                 raise NativeError(NativeReason.NIXL, f"this process already has a NIXL agent ({_process_agent[1]!r}); "
-                                "kvstate uses one agent per process")
+                                  "kvstate uses one agent per process")
             config = nixl.nixl_agent_config(backends=[BACKEND], num_threads=num_threads)
             self._agent = _call("create agent", nixl.nixl_agent, agent_name, config)
             _process_agent = (os.getpid(), agent_name)
         if BACKEND not in self._agent.backends:
-            raise BackendUnavailable.missing("nixl", f"NIXL's {BACKEND} plugin is missing; found {self._agent.get_plugin_list()}")
+            raise BackendUnavailable.missing("nixl",
+                                             f"NIXL's {BACKEND} plugin is missing; found {self._agent.get_plugin_list()}")
         self.agent_name = agent_name
         mem_types = set(self._agent.get_backend_mem_types(BACKEND))
         kinds = {MemoryKind.HOST}
@@ -285,7 +287,9 @@ class NixlTransport:
                generation: int = 0) -> bytes:
         """Handle bytes for ``allocation`` at ``generation`` (kvstate.transport.nixl.handle)."""
         if kind is not HandleKind.NIXL:
-            raise BackendUnavailable(BackendReason.UNSUPPORTED, f"the nixl transport exports only {HandleKind.NIXL.value!r} handles, not {kind.value!r}")
+            raise BackendUnavailable(BackendReason.UNSUPPORTED,
+                                     f"the nixl transport exports only {HandleKind.NIXL.value!r} handles, "
+                                     f"not {kind.value!r}")
         self._check_live(allocation)
         metadata = _call("get_partial_agent_metadata", self._agent.get_partial_agent_metadata,
                          allocation.reg, inc_conn_info=True, backends=[BACKEND])
@@ -299,20 +303,22 @@ class NixlTransport:
 
         ``generation`` is the descriptor's; a record from an older generation, or older
         than one this process already imported from the same agent, is
-        :class:`~kvstate.core.errors.ImportFailed` (HANDLE, defect STALE_GENERATION). A newer generation retires the older view first.
+        :class:`ImportFailed` (HANDLE, defect STALE_GENERATION). A newer generation retires the older view first.
         """
         self._check_open()
         h = handle if isinstance(handle, NixlHandle) else decode(handle, generation=generation)
         if isinstance(handle, NixlHandle) and generation is not None and h.generation != generation:
             h = decode(h.encode(), generation=generation)  # same checks, same errors
         if h.size != size:
-            raise ImportFailed.nixl_handle(HandleDefect.REGIONS, f"handle covers {h.size} bytes; the descriptor says {size}")
+            raise ImportFailed.nixl_handle(HandleDefect.REGIONS,
+                                           f"handle covers {h.size} bytes; the descriptor says {size}")
         if h.agent_name == self.agent_name:
             raise ImportFailed.nixl_handle(HandleDefect.AGENT_NAME, "the handle names this process's own agent")
         latest = self._latest_generation.get(h.agent_name)
         if latest is not None and h.generation < latest:
             raise ImportFailed.nixl_handle(HandleDefect.STALE_GENERATION,
-                                      f"{h.agent_name}: generation {h.generation}, but {latest} was already imported")
+                                           f"{h.agent_name}: generation {h.generation}, but {latest} was "
+                                           "already imported")
         previous = self._remotes.get(h.agent_name)
         if previous is not None:
             if previous.generation == h.generation:
@@ -324,7 +330,7 @@ class NixlTransport:
             if loaded_name not in self._remotes:  # never drop another view's metadata
                 _call("remove_remote_agent", self._agent.remove_remote_agent, loaded_name)
             raise ImportFailed.nixl_handle(HandleDefect.AGENT_NAME,
-                                     f"metadata is for agent {loaded_name!r}, the handle names {h.agent_name!r}")
+                                           f"metadata is for agent {loaded_name!r}, the handle names {h.agent_name!r}")
         remote = NixlRemote(handle=h, agent_name=loaded_name)
         self._remotes[h.agent_name] = remote
         self._latest_generation[h.agent_name] = h.generation
@@ -358,12 +364,14 @@ class NixlTransport:
 
         Blocks are ``block_bytes`` each, numbered from the start of the bank and of
         ``dst``; ``dst_blocks`` defaults to 0..n-1. The lease is checked before anything
-        is posted. Raises :class:`~kvstate.core.errors.TransferFailed` (LEASE_ENDED), :class:`~kvstate.core.errors.ImportFailed` (HANDLE, defect STALE_GENERATION) for a
-        retired view, :class:`~kvstate.core.errors.TimedOut` (NIXL) or :class:`~kvstate.core.errors.NativeError` (NIXL).
+        is posted. Raises :class:`TransferFailed` (LEASE_ENDED), :class:`ImportFailed`
+        (HANDLE, defect STALE_GENERATION) for a retired view, :class:`TimedOut` (NIXL) or
+        :class:`NativeError` (NIXL).
         """
         lease.check()
         if remote.closed is not None:
-            raise ImportFailed.nixl_handle(HandleDefect.STALE_GENERATION, f"{remote.agent_name} view is closed: {remote.closed}")
+            raise ImportFailed.nixl_handle(HandleDefect.STALE_GENERATION,
+                                           f"{remote.agent_name} view is closed: {remote.closed}")
         self._check_live(dst)
         np = self._np
         src = np.asarray(src_blocks, dtype=np.int64)
@@ -466,7 +474,8 @@ class NixlTransport:
     def _check_live(self, allocation: NixlAllocation) -> None:
         self._check_open()
         if allocation.released or allocation not in self._allocations:
-            raise NativeError(NativeReason.NIXL, f"allocation at {allocation.addr:#x} is not registered with {self.agent_name!r}")
+            raise NativeError(NativeReason.NIXL,
+                              f"allocation at {allocation.addr:#x} is not registered with {self.agent_name!r}")
 
 
 def _conformance(t: NixlTransport) -> None:
