@@ -15,7 +15,8 @@ from kvstate.core import errors, reasons
 ROOT = Path(__file__).resolve().parent.parent
 PUBLIC = {name for name, module in kvstate._HOME.items() if module == "kvstate.core.errors"}
 ENUMS = {name: obj for name, obj in vars(reasons).items()
-         if inspect.isclass(obj) and issubclass(obj, enum.Enum) and obj.__module__ == reasons.__name__}
+         if inspect.isclass(obj) and issubclass(obj, enum.Enum) and obj.__module__ == reasons.__name__
+         and not name.startswith("_")}
 
 
 def _sources() -> list[Path]:
@@ -91,3 +92,17 @@ def test_an_error_keeps_its_reason_detail_and_message() -> None:
     closed = errors.ChannelError(reasons.ChannelReason.PEER_DIED, "gone")
     assert closed.closed and not errors.ChannelError(reasons.ChannelReason.TIMEOUT, "silent").closed
     assert errors.GroupFailed("part_failed", 2, "x").reason is reasons.GroupEvent.PART_FAILED
+
+
+def test_a_reason_lookup_of_an_unknown_value_is_typed() -> None:
+    """The reason enums are public names, so a lookup by a value they lack is a typed error
+    (still a ValueError, as any Enum's)."""
+    for enum_type in ENUMS.values():
+        try:
+            enum_type("no such reason")
+        except errors.ArgumentInvalid as exc:
+            assert exc.reason is reasons.ArgumentReason.RANGE and exc.argument == enum_type.__name__
+            assert isinstance(exc, ValueError)
+        else:
+            raise AssertionError(f"{enum_type.__name__} took an unknown value")
+    assert reasons.ImportReason("stale") is reasons.ImportReason.STALE

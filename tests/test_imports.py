@@ -119,7 +119,8 @@ def test_every_reason_enum_is_public() -> None:
     """Every enum of kvstate.core.reasons (what an error's ``reason`` is) is importable from kvstate."""
     from kvstate.core import reasons
     defined = {name for name, obj in vars(reasons).items()
-               if inspect.isclass(obj) and issubclass(obj, enum.Enum) and obj.__module__ == reasons.__name__}
+               if inspect.isclass(obj) and issubclass(obj, enum.Enum) and obj.__module__ == reasons.__name__
+         and not name.startswith("_")}
     assert {n for n, m in kvstate._HOME.items() if m == "kvstate.core.reasons"} == defined
 
 

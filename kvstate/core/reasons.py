@@ -8,9 +8,21 @@ on data, not on message text. A member no code raises is marked reserved.
 from __future__ import annotations
 
 import enum
+from typing import NoReturn
 
 
-class RejectReason(enum.Enum):
+class _Reason(enum.Enum):
+    """A reason enum: looking up a value it lacks is a typed error, like every public call."""
+
+    @classmethod
+    def _missing_(cls, value: object) -> NoReturn:
+        from kvstate.core.errors import ArgumentInvalid  # at call time: errors imports this module
+
+        raise ArgumentInvalid.of(cls.__name__, ArgumentReason.RANGE,
+                                 f"{value!r:.40} is not one of {', '.join(str(m.value) for m in cls)}")
+
+
+class RejectReason(_Reason):
     """Why a descriptor or group was rejected: one reason code per validation rule."""
 
     OVERSIZE = "oversize"                      # input larger than its cap
@@ -40,7 +52,7 @@ class RejectReason(enum.Enum):
     SOCKET_DIR_MODE = "socket_dir_mode"        # directory accessible to group or others
 
 
-class ConfigReason(enum.Enum):
+class ConfigReason(_Reason):
     """What part of a configuration was refused (ConfigInvalid.reason)."""
 
     FIELD = "field"                            # a config object's field (``field`` names it)
@@ -55,7 +67,7 @@ class ConfigReason(enum.Enum):
     MODEL = "model"                            # a table means nothing to the Promela generator
 
 
-class ArgumentReason(enum.Enum):
+class ArgumentReason(_Reason):
     """Why a public entry point (or a load or store) refused an argument before doing anything."""
 
     TYPE = "type"                # not the type the parameter takes
@@ -92,7 +104,7 @@ class ArgumentReason(enum.Enum):
     HANDOFF_PARAMS = "handoff_params"      # handoff parameters kvstate cannot fingerprint
 
 
-class BackendReason(enum.Enum):
+class BackendReason(_Reason):
     """Why a backend cannot serve (BackendUnavailable.reason)."""
 
     MISSING = "missing"          # its optional dependency, driver or device is not there (``backend``)
@@ -103,7 +115,7 @@ class BackendReason(enum.Enum):
     UNSUPPORTED = "unsupported"  # the operation has no meaning for this backend (NIXL never maps)
 
 
-class ImportReason(enum.Enum):
+class ImportReason(_Reason):
     """Why an import failed after its group passed validation (ImportFailed.reason): the
     step that failed, so an engine can tell a refusal from a dead peer without its text."""
 
@@ -117,7 +129,7 @@ class ImportReason(enum.Enum):
     FAILED = "failed"            # anything else (an untyped fault; the cause is chained)
 
 
-class ImportDefect(enum.Enum):
+class ImportDefect(_Reason):
     """Which check a received handle failed (ImportFailed.defect, with reason HANDLE or STALE);
     NIXL handle bytes carry :class:`kvstate.transport.nixl.handle.HandleDefect` instead."""
 
@@ -132,7 +144,7 @@ class ImportDefect(enum.Enum):
     LEGACY_IPC = "legacy_ipc"    # a legacy cuIpc rule: VMM memory, an open in the exporter, not enabled
 
 
-class TransferFailReason(enum.Enum):
+class TransferFailReason(_Reason):
     """Which transfer did not complete (TransferFailed.reason); nothing it wrote may be used."""
 
     LOAD = "load"                # a prefix load (bank to engine)
@@ -140,7 +152,7 @@ class TransferFailReason(enum.Enum):
     LEASE_ENDED = "lease_ended"  # refused: the importer's lease on the bank ended or expired
 
 
-class BusyReason(enum.Enum):
+class BusyReason(_Reason):
     """What holds the resource (Busy.reason)."""
 
     PINNED = "pinned"            # native ops or leases pin the region
@@ -151,7 +163,7 @@ class BusyReason(enum.Enum):
     CONNECTIONS = "connections"  # a server runs its cap of connection handlers (``limit``)
 
 
-class TimeoutReason(enum.Enum):
+class TimeoutReason(_Reason):
     """What did not finish in time (TimedOut.reason)."""
 
     OP = "op"                    # a wait on a native op; the op is untouched
@@ -159,7 +171,7 @@ class TimeoutReason(enum.Enum):
     NIXL = "nixl"                # a NIXL transfer; it was released (cancelled)
 
 
-class ChannelReason(enum.Enum):
+class ChannelReason(_Reason):
     """How the control channel failed (ChannelError.reason)."""
 
     CLOSED = "closed"            # the peer closed the connection (EOF), or it was closed here
@@ -175,7 +187,7 @@ class ChannelReason(enum.Enum):
     SETUP = "setup"              # a channel was set up with a bad parameter (limits, timeout)
 
 
-class GroupEvent(enum.Enum):
+class GroupEvent(_Reason):
     """The coordinator event that ended a coordinated group (GroupFailed.reason)."""
 
     PART_FAILED = "part_failed"        # a worker reported its part failed
@@ -187,7 +199,7 @@ class GroupEvent(enum.Enum):
     DRAIN = "drain"                    # reserved: a drain is an ordinary end, not a failure
 
 
-class NativeReason(enum.Enum):
+class NativeReason(_Reason):
     """Which layer failed underneath (NativeError.reason); report it."""
 
     FAILED = "failed"            # the native layer refused a call (``call``, ``code``)
@@ -207,7 +219,7 @@ class NativeReason(enum.Enum):
     MODEL_CHECK = "model_check"  # Spin or the C compiler failed, or pan's output could not be read
 
 
-class TransitionReason(enum.Enum):
+class TransitionReason(_Reason):
     """Why a machine refused an event (TransitionError.reason): a kvstate bug, or a race the
     caller lost; nothing changed."""
 
@@ -217,7 +229,7 @@ class TransitionReason(enum.Enum):
     HANDOFF_MODIFIED = "handoff_modified"  # the decode handoff parameters changed during a load
 
 
-class DecisionReason(enum.Enum):
+class DecisionReason(_Reason):
     """Why a reuse decision came out as it did, or why a candidate was skipped; a closed
     gate is ReuseRefused.reason."""
 

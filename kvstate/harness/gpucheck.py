@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstate.core.capabilities import Access
 from kvstate.core.errors import BackendUnavailable, KvStateError, ArgumentInvalid, ReuseRefused
-from kvstate.core.reasons import ArgumentReason, DecisionReason
+from kvstate.core.reasons import ArgumentReason, BackendReason, DecisionReason
 from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.core.handles import HandleKind
 from kvstate.core.identity import Deployment
@@ -451,11 +451,11 @@ def run_args(args: argparse.Namespace) -> int:
         report = run(parse_uuid(args.device) if args.device else None, rounds=args.rounds, repeats=args.repeats,
                      mib=args.mib, block_kib=args.block_kib, kill_delay_us=args.kill_delay_us,
                      budget_s=args.budget_s)
-    except BackendUnavailable as exc:
-        print(json.dumps({"ok": False, "not_run": exc.detail}))
-        print(f"GPU CHECK NOT RUN: {exc}", file=sys.stderr)
-        return 2
     except (KvStateError, OSError, TimeoutError) as exc:
+        if isinstance(exc, BackendUnavailable) and exc.reason is BackendReason.MISSING:  # not here: not run
+            print(json.dumps({"ok": False, "not_run": exc.detail}))
+            print(f"GPU CHECK NOT RUN: {exc}", file=sys.stderr)
+            return 2
         print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}))
         print(f"GPU CHECK FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -280,11 +280,11 @@ def worker_main(conn: multiprocessing.connection.Connection, spec_json: str, key
             def finish() -> None:
                 try:
                     if not handle.wait(spec.timeout_s):
-                        pipe.send(error=f"LoadFailed: still running after {spec.timeout_s} s")
+                        pipe.send(error=f"TransferFailed: load still running after {spec.timeout_s} s")
                         return
                     result = handle.result()
                     if result is None or not result.ok:
-                        pipe.send(error=f"LoadFailed: blocks {sorted(handle.failed_blocks())[:8]} failed")
+                        pipe.send(error=f"TransferFailed: load blocks {sorted(handle.failed_blocks())[:8]} failed")
                         return
                     data = b"".join(pages[name][i].tobytes() for i in range(len(blocks)) for name in g.names)
                     reply(data, result.seconds, result.bytes)

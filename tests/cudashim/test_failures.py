@@ -96,11 +96,9 @@ class Undo:
             for fn in pending:
                 try:
                     fn()
-                except ArgumentInvalid as exc:
-                    if exc.reason is not ArgumentReason.UNKNOWN_OBJECT:
-                        raise
-                    pass  # gone already (a close that failed midway still forgot its device)
                 except KvStateError as exc:
+                    if isinstance(exc, ArgumentInvalid) and exc.reason is ArgumentReason.UNKNOWN_OBJECT:
+                        continue  # gone already (a close that failed midway still forgot its device)
                     self.errors.append(exc)
                     left.append(fn)
             pending = left

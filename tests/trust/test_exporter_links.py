@@ -70,11 +70,9 @@ class FakeExporter:
                 try:
                     with ch.recv(timeout=0.05) as msg:
                         req = chan.decode(msg.payload)
-                except ChannelError as exc:
-                    if exc.reason is not ChannelReason.TIMEOUT:
-                        raise
-                    continue
-                except KvStateError:
+                except KvStateError as exc:
+                    if isinstance(exc, ChannelError) and exc.reason is ChannelReason.TIMEOUT:
+                        continue
                     self.closed_by_importer += 1
                     return
                 self.requests.append(req)

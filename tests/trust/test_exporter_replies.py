@@ -46,11 +46,9 @@ def _serve_once(server: chan.Server, reply: Any, fd: int, stop: threading.Event)
             while not stop.is_set():  # answer nothing more; the importer gives up or closes
                 try:
                     ch.recv(timeout=0.05).close()
-                except ChannelError as exc:
-                    if exc.reason is not ChannelReason.TIMEOUT:
-                        raise
-                    continue
-                except KvStateError:
+                except KvStateError as exc:
+                    if isinstance(exc, ChannelError) and exc.reason is ChannelReason.TIMEOUT:
+                        continue
                     return
     except KvStateError:
         pass
