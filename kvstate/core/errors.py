@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Any
 
 from kvstate.core.reasons import (
     ArgumentReason, BackendReason, BusyReason, ChannelReason, ConfigReason, DecisionReason,
-    GroupEvent, ImportDefect, ImportReason, NativeReason, RejectReason, TimeoutReason,
+    GroupEvent, ImportReason, NativeReason, RejectReason, TimeoutReason,
     TransferFailReason, TransitionReason,
 )
 
@@ -235,10 +234,12 @@ class ImportFailed(KvStateError):
     @classmethod
     def wrap(cls, rank: int, cause: BaseException, reason: ImportReason | None = None) -> ImportFailed:
         """The failure of rank ``rank``'s import: ``reason`` from ``cause`` unless given; a
-        wrapped ImportFailed lends its detail and defect (a refusal's ``code`` stays on ``cause``)."""
+        wrapped ImportFailed lends its defect (a refusal's ``code`` stays on ``cause``)."""
         why = import_reason(cause) if reason is None else reason
         inner = cause if isinstance(cause, ImportFailed) else None
-        detail = str(cause) if inner is None else inner.detail
+        # a rank's own failure lends its detail (its text would repeat "import of rank");
+        # a refusal or a handle check keeps its whole text (the refusal code)
+        detail = inner.detail if inner is not None and inner.rank is not None else str(cause)
         return cls(why, detail, rank=rank, cause=cause, defect=None if inner is None else inner.defect,
                    message=f"import of rank {rank} failed ({why.value}): {detail}")
 

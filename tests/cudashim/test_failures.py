@@ -35,6 +35,7 @@ from cudashim.shim import Shim, use
 from kvstate.core import errors
 from kvstate.core.capabilities import Access
 from kvstate.core.errors import KvStateError, ArgumentInvalid, NativeError
+from kvstate.core.reasons import ArgumentReason, NativeReason
 from kvstate.core.handles import HandleKind
 from kvstate.transport.cuda import CudaTransport
 from kvstate.transport.native import default
@@ -349,7 +350,7 @@ def test_an_open_whose_undo_fails_too_names_its_cause_and_loses_nothing(shim: Sh
     """The importer's open: set_access fails, then the undo's unmap. The group fails with
     the set_access failure (not the undo's), and the part's objects, kept on it, are
     undone again when its lease is returned: nothing is left in the engine or the driver."""
-    from kvstate.core.reasons import ImportReason, ArgumentReason, NativeReason
+    from kvstate.core.reasons import ImportReason
 
     with _gpu_pair(tmp_path) as (ex, im):
         before = _counts()
