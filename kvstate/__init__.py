@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-#: module -> the public names it defines. The error classes are every KvStateError
-#: subclass in kvstate.core.errors (tests/test_imports.py keeps this list complete).
+#: module -> the public names it defines: the one list of the public API. The error
+#: classes are every KvStateError subclass in kvstate.core.errors, and the reason enums
+#: every enum in kvstate.core.reasons (tests/test_imports.py keeps both complete and the
+#: TYPE_CHECKING block below equal to this list).
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "kvstate.share.exporter": ("ExportConfig", "Exporter"),
     "kvstate.share.importer": ("ImportConfig", "Importer"),
@@ -29,29 +31,14 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "kvstate.core.identity": ("Deployment",),
     "kvstate.core.machine": ("StateChange",),
     "kvstate.core.errors": (
-        "KvStateError", "SpecError", "BindingError", "TransitionError", "IllegalTransition",
-        "GuardRejected", "ReentrantTransition", "BackendUnavailable", "TransportUnsuitable",
-        "DescriptorRejected", "GroupRejected", "NativeError", "NativeInvalidArgument",
-        "NativeOSError", "NativeNoMemory", "UnknownNativeObject", "RegionPinned", "StillMapped",
-        "OutOfRange", "MappingOverlap", "ImportRefused", "FdWrongSize", "FdUnsealed",
-        "FdNotMemfd", "FdIdentityMismatch", "OpWaitTimeout", "OpFailed", "EngineBusy",
-        "ChannelError", "ChannelClosed", "PeerDied", "ChannelTimeout", "PeerRejected",
-        "UnsafeSocketPath", "FrameError", "RegistrationFailed", "LeaseRefused", "ImportFailed",
-        "ReuseStale", "LoadFailed", "DrainTimeout", "SettingsError", "UnknownSetting",
-        "InvalidSetting", "PolicyInputError", "InventoryError", "InvalidBlockHash", "BlockBusy",
-        "UnknownLease", "NotPinned", "CapabilitiesRejected", "CapabilitiesIncomplete",
-        "CapabilitiesInvalid", "UnknownProfile", "HandoffError", "ChildEngineMissing",
-        "ChildEngineAmbiguous", "HandoffParamsUnsupported", "HandoffParamsModified",
-        "HandleRefused", "HandleWrongSize", "HandleFdsMismatch", "CudaError",
-        "CudaInvalidArgument", "CudaOutOfMemory", "CudaNotSupported", "CudaNotPermitted",
-        "CudaContextError", "CudaDeviceFault", "CudaDeviceNotFound", "FabricUnavailable",
-        "LegacyIpcRefused", "NixlError", "NixlHandleRejected", "NixlStaleGeneration",
-        "NixlOperationFailed", "NixlTimeout", "NixlUnsupported", "LeaseEnded",
-        "ModelGenerationError", "ModelCheckError", "SpinUnavailable", "ConnectionLimit",
-        "GeometryInvalid", "ConfigInvalid", "BlockOutOfRange", "TransferError", "TransferRejected",
-        "StoreFailed", "ViewsOutstanding",
-        "ProtocolError", "CoordinatorRefused", "GroupFailed", "PeerUnauthenticated",
-        "EffectFailed", "ReuseRefused", "ArgumentInvalid",
+        "KvStateError", "ConfigInvalid", "ArgumentInvalid", "BackendUnavailable", "DescriptorRejected",
+        "GroupRejected", "ReuseRefused", "ImportFailed", "TransferFailed", "GroupFailed", "Busy", "TimedOut",
+        "ChannelError", "NativeError", "TransitionError",
+    ),
+    "kvstate.core.reasons": (
+        "ConfigReason", "ArgumentReason", "BackendReason", "RejectReason", "DecisionReason", "ImportReason",
+        "ImportDefect", "TransferFailReason", "GroupEvent", "BusyReason", "TimeoutReason", "ChannelReason",
+        "NativeReason", "TransitionReason",
     ),
 }
 
@@ -70,54 +57,18 @@ if TYPE_CHECKING:  # what mypy and IDEs see; at run time __getattr__ imports on 
     from kvstate.core.identity import Deployment as Deployment
     from kvstate.core.machine import StateChange as StateChange
     from kvstate.core.errors import (
-        KvStateError as KvStateError, SpecError as SpecError, BindingError as BindingError,
-        TransitionError as TransitionError, IllegalTransition as IllegalTransition,
-        GuardRejected as GuardRejected, ReentrantTransition as ReentrantTransition,
-        BackendUnavailable as BackendUnavailable, TransportUnsuitable as TransportUnsuitable,
-        DescriptorRejected as DescriptorRejected, GroupRejected as GroupRejected,
-        NativeError as NativeError, NativeInvalidArgument as NativeInvalidArgument,
-        NativeOSError as NativeOSError, NativeNoMemory as NativeNoMemory,
-        UnknownNativeObject as UnknownNativeObject, RegionPinned as RegionPinned,
-        StillMapped as StillMapped, OutOfRange as OutOfRange, MappingOverlap as MappingOverlap,
-        ImportRefused as ImportRefused, FdWrongSize as FdWrongSize, FdUnsealed as FdUnsealed,
-        FdNotMemfd as FdNotMemfd, FdIdentityMismatch as FdIdentityMismatch,
-        OpWaitTimeout as OpWaitTimeout, OpFailed as OpFailed, EngineBusy as EngineBusy,
-        ChannelError as ChannelError, ChannelClosed as ChannelClosed, PeerDied as PeerDied,
-        ChannelTimeout as ChannelTimeout, PeerRejected as PeerRejected,
-        UnsafeSocketPath as UnsafeSocketPath, FrameError as FrameError,
-        RegistrationFailed as RegistrationFailed, LeaseRefused as LeaseRefused,
-        ImportFailed as ImportFailed, ReuseStale as ReuseStale, LoadFailed as LoadFailed,
-        DrainTimeout as DrainTimeout, SettingsError as SettingsError,
-        UnknownSetting as UnknownSetting, InvalidSetting as InvalidSetting,
-        PolicyInputError as PolicyInputError, InventoryError as InventoryError,
-        InvalidBlockHash as InvalidBlockHash, BlockBusy as BlockBusy,
-        UnknownLease as UnknownLease, NotPinned as NotPinned,
-        CapabilitiesRejected as CapabilitiesRejected,
-        CapabilitiesIncomplete as CapabilitiesIncomplete,
-        CapabilitiesInvalid as CapabilitiesInvalid, UnknownProfile as UnknownProfile,
-        HandoffError as HandoffError, ChildEngineMissing as ChildEngineMissing,
-        ChildEngineAmbiguous as ChildEngineAmbiguous,
-        HandoffParamsUnsupported as HandoffParamsUnsupported,
-        HandoffParamsModified as HandoffParamsModified, HandleRefused as HandleRefused,
-        HandleWrongSize as HandleWrongSize, HandleFdsMismatch as HandleFdsMismatch,
-        CudaError as CudaError, CudaInvalidArgument as CudaInvalidArgument,
-        CudaOutOfMemory as CudaOutOfMemory, CudaNotSupported as CudaNotSupported,
-        CudaNotPermitted as CudaNotPermitted, CudaContextError as CudaContextError,
-        CudaDeviceFault as CudaDeviceFault, CudaDeviceNotFound as CudaDeviceNotFound,
-        FabricUnavailable as FabricUnavailable, LegacyIpcRefused as LegacyIpcRefused,
-        NixlError as NixlError, NixlHandleRejected as NixlHandleRejected,
-        NixlStaleGeneration as NixlStaleGeneration, NixlOperationFailed as NixlOperationFailed,
-        NixlTimeout as NixlTimeout, NixlUnsupported as NixlUnsupported,
-        LeaseEnded as LeaseEnded, ModelGenerationError as ModelGenerationError,
-        ModelCheckError as ModelCheckError, SpinUnavailable as SpinUnavailable,
-        ConnectionLimit as ConnectionLimit, GeometryInvalid as GeometryInvalid,
-        ConfigInvalid as ConfigInvalid, BlockOutOfRange as BlockOutOfRange,
-        TransferError as TransferError, TransferRejected as TransferRejected,
-        StoreFailed as StoreFailed, ViewsOutstanding as ViewsOutstanding,
-        EffectFailed as EffectFailed, ReuseRefused as ReuseRefused, ArgumentInvalid as ArgumentInvalid,
-        ProtocolError as ProtocolError,
-        CoordinatorRefused as CoordinatorRefused, GroupFailed as GroupFailed,
-        PeerUnauthenticated as PeerUnauthenticated,
+        KvStateError as KvStateError, ConfigInvalid as ConfigInvalid, ArgumentInvalid as ArgumentInvalid,
+        BackendUnavailable as BackendUnavailable, DescriptorRejected as DescriptorRejected,
+        GroupRejected as GroupRejected, ReuseRefused as ReuseRefused, ImportFailed as ImportFailed,
+        TransferFailed as TransferFailed, GroupFailed as GroupFailed, Busy as Busy, TimedOut as TimedOut,
+        ChannelError as ChannelError, NativeError as NativeError, TransitionError as TransitionError,
+    )
+    from kvstate.core.reasons import (
+        ConfigReason as ConfigReason, ArgumentReason as ArgumentReason, BackendReason as BackendReason,
+        RejectReason as RejectReason, DecisionReason as DecisionReason, ImportReason as ImportReason,
+        ImportDefect as ImportDefect, TransferFailReason as TransferFailReason, GroupEvent as GroupEvent,
+        BusyReason as BusyReason, TimeoutReason as TimeoutReason, ChannelReason as ChannelReason,
+        NativeReason as NativeReason, TransitionReason as TransitionReason,
     )
 
 

@@ -9,6 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from support.errors import raises
+
+from kvstate.core.errors import BackendUnavailable
+from kvstate.core.reasons import BackendReason
 from kvstate.core.capabilities import Access
 from support.reuse import REUSE_ON
 
@@ -48,10 +52,9 @@ def test_conformance_check_catches_a_drifted_backend(tmp_path: Path) -> None:
 
 
 def test_lifecycle_sides_refuse_a_backend_that_cannot_map_before_touching_it() -> None:
-    """TransportUnsuitable, not an AttributeError later: what NIXL gets (the NIXL suite
+    """BackendUnavailable (UNSUITABLE), not an AttributeError later: what NIXL gets (the NIXL suite
     shows it on the real library); here with the narrowest registrable backend."""
     from kvstate.core.capabilities import Capabilities, MemoryKind, Scope
-    from kvstate.core.errors import TransportUnsuitable
     from kvstate.core.handles import HandleKind
     from kvstate.core.identity import Deployment
     from kvstate.share.exporter import ExportConfig, Exporter
@@ -75,7 +78,7 @@ def test_lifecycle_sides_refuse_a_backend_that_cannot_map_before_touching_it() -
     t = LoadOnly()
     assert isinstance(t, Backend) and Registry().register(t) is t
     deployment = Deployment("t", bytes(32))
-    with pytest.raises(TransportUnsuitable, match="load-only"):
+    with raises(BackendUnavailable, BackendReason.UNSUITABLE, match="load-only"):
         Exporter(ExportConfig(deployment, ROOT / "nonexistent", bytes(16), 1), t)  # type: ignore[arg-type]
-    with pytest.raises(TransportUnsuitable, match="load-only"):
+    with raises(BackendUnavailable, BackendReason.UNSUITABLE, match="load-only"):
         Importer(ImportConfig(deployment, reuse=REUSE_ON), t)  # type: ignore[arg-type]

@@ -13,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from kvstate.core.errors import ModelGenerationError
+from support.errors import raises
+
+from kvstate.core.errors import ConfigInvalid
+from kvstate.core.reasons import ConfigReason
 from kvstate.core.spec import load_spec
 from kvstate.derive import coord_world, promela_coord
 from kvstate.harness import modelcheck
@@ -42,14 +45,14 @@ def test_a_report_the_coordinator_does_not_declare_is_a_clear_error(tmp_path: Pa
     spec = load_spec(variant(tmp_path, extra=(
         ("rank.toml", 'trigger = "ready"\nsource = "imported"\ndest = "ready"',
          'trigger = "ready"\nsource = "imported"\ndest = "ready"\neffects = ["report"]'),)))
-    with pytest.raises(ModelGenerationError, match="part_ready"):
+    with raises(ConfigInvalid, ConfigReason.MODEL, match="part_ready"):
         promela_coord.generate(spec, 2)
 
 
 def test_an_unknown_effect_is_a_clear_error(tmp_path: Path) -> None:
     base = dict(coord_world.REGISTRY)
     del base[("coordinator", "effect", "note_death")]
-    with pytest.raises(ModelGenerationError) as info:
+    with raises(ConfigInvalid, ConfigReason.MODEL) as info:
         promela_coord.generate(load_spec(), 2, base)
     assert info.value.entry == "effects.note_death" and "coord_world.REGISTRY" in info.value.problem
 

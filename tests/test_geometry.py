@@ -6,15 +6,17 @@ from __future__ import annotations
 import attrs
 import numpy as np
 import pytest
+
+from support.errors import raises
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstate.core import blockmap, layouts
 from kvstate.core.descriptor import MAGIC, MAC_BYTES, VERSION, _HEAD, decode, encode
-from kvstate.core.errors import BlockOutOfRange, DescriptorRejected, GeometryInvalid, KvStateError
+from kvstate.core.errors import DescriptorRejected, KvStateError, ConfigInvalid, ArgumentInvalid
 from kvstate.core.geometry import MAX_REGIONS, DType, Geometry, Region, contiguous_strides
 from kvstate.core.identity import Purpose, digest
-from kvstate.core.reasons import RejectReason
+from kvstate.core.reasons import RejectReason, ConfigReason, ArgumentReason
 from support.descriptors import DEPLOYMENT, descriptor
 
 # -- the four layouts -----------------------------------------------------------------------
@@ -135,20 +137,20 @@ def test_region_count_mismatch_is_named() -> None:
                               layout="layer_major", num_blocks=1), "layers"),  # type: ignore[arg-type]
 ])
 def test_malformed_geometries_are_refused_naming_the_field(make: object, field: str) -> None:
-    with pytest.raises(GeometryInvalid) as info:
+    with raises(ConfigInvalid, ConfigReason.GEOMETRY) as info:
         make()  # type: ignore[operator]
     assert field in info.value.field
     assert isinstance(info.value, KvStateError) and isinstance(info.value, ValueError)
 
 
 def test_too_many_regions_are_refused() -> None:
-    with pytest.raises(GeometryInvalid):
+    with raises(ConfigInvalid, ConfigReason.GEOMETRY):
         layouts.mla(MAX_REGIONS + 1, num_blocks=1, block_size=1, latent_dim=1)
 
 
 def test_block_ids_outside_the_geometry_are_typed() -> None:
     for bad in (-1, 16, 2.0, True, None):
-        with pytest.raises(BlockOutOfRange):
+        with raises(ArgumentInvalid, ArgumentReason.RANGE):
             BASE.block_extents(bad)  # type: ignore[arg-type]
 
 
@@ -160,7 +162,7 @@ def test_canonical_text_round_trips_and_is_strict() -> None:
     assert Geometry.parse(text) == BASE
     for bad in (text + ";", " " + text, text.replace(",bf16,", ",BF16,"), text.replace(",2x16x", ",02x16x"),
                 text.replace(",bf16,", ",int4,"), "", text.replace(";", ";;"), "a,bf16,4,0,1,0;a,bf16,4,0,1,8"):
-        with pytest.raises(GeometryInvalid):
+        with raises(ConfigInvalid, ConfigReason.GEOMETRY):
             Geometry.parse(bad)
 
 

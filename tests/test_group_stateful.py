@@ -13,11 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from support.errors import raises
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
-from kvstate.core.errors import EffectFailed, GuardRejected, IllegalTransition
+from kvstate.core.errors import NativeError
+from kvstate.core.reasons import NativeReason
+from kvstate.core.errors import TransitionError
+from kvstate.core.reasons import TransitionReason
 from kvstate.core.machine import Lifecycle, effect, guard
 from kvstate.core.spec import MachineSpec, load_machine, parse_machine
 
@@ -219,7 +224,9 @@ def group_machine(table: MachineSpec) -> type[RuleBasedStateMachine]:
                 return
             try:
                 part.fire(step)
-            except GuardRejected:
+            except TransitionError as exc:
+                if exc.reason is not TransitionReason.GUARD:
+                    raise
                 assert step == "open" and not all(p.state in ("leased", "imported") for p in self.sut.parts)
             if part.state == "imported":
                 self.model.imported.add(part.rank)
@@ -232,7 +239,7 @@ def group_machine(table: MachineSpec) -> type[RuleBasedStateMachine]:
             part = data.draw(st.sampled_from(self.sut.parts))
             event = data.draw(st.sampled_from(sorted(PART.event_names)))
             before = (self.sut.state, part.state, set(self.sut.imported))
-            with pytest.raises((IllegalTransition, GuardRejected)):
+            with raises(TransitionError, (TransitionReason.ILLEGAL, TransitionReason.GUARD)):
                 part.fire(event)
             assert (self.sut.state, part.state, set(self.sut.imported)) == before
 
@@ -286,9 +293,13 @@ def group_machine(table: MachineSpec) -> type[RuleBasedStateMachine]:
             self.sut.failing = fail
             try:
                 got = self.sut.fire(event)
-            except GuardRejected:
+            except TransitionError as exc:
+                if exc.reason is not TransitionReason.GUARD:
+                    raise
                 got = "refused"
-            except EffectFailed as exc:  # the untyped failure, rolled back and typed
+            except NativeError as exc:  # the untyped failure, rolled back and typed
+                if exc.reason is not NativeReason.EFFECT:
+                    raise
                 assert isinstance(exc.cause, Injected)
                 got = "injected"
             finally:
@@ -308,7 +319,7 @@ def group_machine(table: MachineSpec) -> type[RuleBasedStateMachine]:
             illegal = [e for e in EVENTS if self.model.outcome(e) is None] + ["no_such_event"]
             event = data.draw(st.sampled_from(illegal))
             before = self.sut.state
-            with pytest.raises(IllegalTransition):
+            with raises(TransitionError, TransitionReason.ILLEGAL):
                 self.sut.fire(event)
             assert self.sut.state == before
 

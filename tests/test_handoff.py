@@ -25,14 +25,11 @@ from typing import Any
 
 import pytest
 
+from support.errors import raises
+
 from kvstate.reuse import handoff
-from kvstate.core.errors import (
-    ChildEngineAmbiguous,
-    ChildEngineMissing,
-    HandoffParamsModified,
-    HandoffParamsUnsupported,
-    KvStateError,
-)
+from kvstate.core.errors import KvStateError, ArgumentInvalid, TransitionError
+from kvstate.core.reasons import ArgumentReason, TransitionReason
 from kvstate.reuse.handoff import PrefixLoaded, fingerprint, load_prefix, resolve_child_engine
 from kvstate.reuse.inventory import Inventory, LeaseGrant
 from kvstate.reuse.policy import Candidate, ReuseSettings, choose_transfer_source
@@ -115,21 +112,21 @@ def _reorder(p: dict[str, Any]) -> None:
 def test_a_planted_mutating_load_is_caught(mutate: Callable[[dict[str, Any]], None]) -> None:
     """Self-test: a prefix load that rewrites the handoff parameters must be refused."""
     params = copy.deepcopy(MOONCAKE_PARAMS)
-    with pytest.raises(HandoffParamsModified):
+    with raises(TransitionError, TransitionReason.HANDOFF_MODIFIED):
         load_prefix(params, lambda: mutate(params))
 
 
 def test_fingerprint_refuses_what_it_cannot_see() -> None:
-    with pytest.raises(HandoffParamsUnsupported):
+    with raises(ArgumentInvalid, ArgumentReason.HANDOFF_PARAMS):
         fingerprint({"x": {1, 2}})
-    with pytest.raises(HandoffParamsUnsupported):
+    with raises(ArgumentInvalid, ArgumentReason.HANDOFF_PARAMS):
         load_prefix({"x": object()}, lambda: None)
     deep: list[Any] = []
     cur = deep
     for _ in range(100):
         cur.append([])
         cur = cur[0]
-    with pytest.raises(HandoffParamsUnsupported):
+    with raises(ArgumentInvalid, ArgumentReason.HANDOFF_PARAMS):
         fingerprint(deep)
 
 
@@ -139,20 +136,19 @@ def test_child_engine_ids_resolve_to_exactly_one() -> None:
     assert resolve_child_engine("decode-ab", advertised) == "decode-ab_dp0"
     assert resolve_child_engine("decode-a", advertised, dp_rank=1) == "decode-a_dp1"
     assert resolve_child_engine("decode-a_dp0", advertised) == "decode-a_dp0"
-    with pytest.raises(ChildEngineAmbiguous) as info:
+    with raises(ArgumentInvalid, ArgumentReason.ENGINE_AMBIGUOUS) as info:
         resolve_child_engine("decode-a", advertised)
     assert info.value.matches == ("decode-a_dp0", "decode-a_dp1")
-    with pytest.raises(ChildEngineMissing):
+    with raises(ArgumentInvalid, ArgumentReason.ENGINE_MISSING):
         resolve_child_engine("decode-a", advertised, dp_rank=2)
-    with pytest.raises(ChildEngineMissing):
+    with raises(ArgumentInvalid, ArgumentReason.ENGINE_MISSING):
         resolve_child_engine("decode-c", advertised)
-    with pytest.raises(ChildEngineMissing):
+    with raises(ArgumentInvalid, ArgumentReason.ENGINE_MISSING):
         resolve_child_engine("", advertised)
-    with pytest.raises(ChildEngineMissing):
+    with raises(ArgumentInvalid, ArgumentReason.ENGINE_MISSING):
         resolve_child_engine("decode-a", advertised, dp_rank=-1)
-    with pytest.raises(ChildEngineAmbiguous):  # a parent advertised next to its own child
+    with raises(ArgumentInvalid, ArgumentReason.ENGINE_AMBIGUOUS):  # a parent advertised next to its own child
         resolve_child_engine("decode-b", ["decode-b", "decode-b_dp0"])
-    assert issubclass(ChildEngineAmbiguous, KvStateError) and issubclass(ChildEngineMissing, KvStateError)
 
 
 def test_handoff_module_does_not_name_connector_fields() -> None:

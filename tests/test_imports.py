@@ -5,6 +5,7 @@ package (docs/api.md) is complete, lazy and visible to type checkers."""
 from __future__ import annotations
 
 import ast
+import enum
 import importlib
 import inspect
 import json
@@ -112,6 +113,15 @@ def test_every_error_class_is_public() -> None:
                if inspect.isclass(obj) and issubclass(obj, errors.KvStateError) and obj.__module__ == errors.__name__}
     assert defined - set(kvstate.__all__) == set()
     assert {n for n, m in kvstate._HOME.items() if m == "kvstate.core.errors"} == defined
+
+
+def test_every_reason_enum_is_public() -> None:
+    """Every enum of kvstate.core.reasons (what an error's ``reason`` is) is importable from kvstate."""
+    from kvstate.core import reasons
+    defined = {name for name, obj in vars(reasons).items()
+               if inspect.isclass(obj) and issubclass(obj, enum.Enum) and obj.__module__ == reasons.__name__
+         and not name.startswith("_")}
+    assert {n for n, m in kvstate._HOME.items() if m == "kvstate.core.reasons"} == defined
 
 
 def test_type_checkers_see_exactly_the_lazy_names() -> None:

@@ -9,10 +9,13 @@ from __future__ import annotations
 import threading
 
 import pytest
+
+from support.errors import raises
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstate.core.errors import BlockBusy, InvalidBlockHash, InventoryError, KvStateError, NotPinned, UnknownLease
+from kvstate.core.errors import KvStateError, ArgumentInvalid, Busy
+from kvstate.core.reasons import ArgumentReason, BusyReason
 from kvstate.reuse.inventory import (
     BlocksRemoved,
     BlocksStored,
@@ -72,13 +75,13 @@ def test_lease_is_all_or_nothing() -> None:
     grant = inv.lease("g", 0, [1, 2])
     assert isinstance(grant, LeaseGrant) and grant.granted and grant.hashes == (1, 2)
     assert inv.busy("g", 1) == (0, 1)
-    with pytest.raises(BlockBusy):
+    with raises(Busy, BusyReason.BLOCKS):
         inv.remove("g", [3, 1])
     assert inv.hashes("g") == {1, 2, 3}  # the refused remove removed nothing
-    with pytest.raises(BlockBusy):
+    with raises(Busy, BusyReason.BLOCKS):
         inv.clear("g")
     inv.release(grant)
-    with pytest.raises(UnknownLease):
+    with raises(ArgumentInvalid, ArgumentReason.UNKNOWN_LEASE):
         inv.release(grant)
     assert inv.clear("g") == (GroupCleared("g", 1),)
     assert inv.lease("g", 0, [1]).granted is False  # old epoch after the clear
@@ -88,24 +91,23 @@ def test_bad_input_is_a_typed_error_and_changes_nothing() -> None:
     inv = Inventory(budget_blocks=4)
     inv.store("g", [1])
     for bad in ([-1], [2**64], [True], ["1"], [], [1, 1], "12"):
-        with pytest.raises(InvalidBlockHash):
+        with raises(ArgumentInvalid, ArgumentReason.BLOCK_HASH):
             inv.store("g", bad)  # type: ignore[arg-type]
-        with pytest.raises(InvalidBlockHash):
+        with raises(ArgumentInvalid, ArgumentReason.BLOCK_HASH):
             inv.lease("g", 0, bad)  # type: ignore[arg-type]
-    with pytest.raises(InventoryError):
+    with raises(ArgumentInvalid, ArgumentReason.INVENTORY):
         inv.lease("g", -1, [1])
-    with pytest.raises(InventoryError):
+    with raises(ArgumentInvalid, ArgumentReason.INVENTORY):
         inv.store("", [1])
-    with pytest.raises(InventoryError):
+    with raises(ArgumentInvalid, ArgumentReason.INVENTORY):
         inv.pin("g", [1, 2])
-    with pytest.raises(NotPinned):
+    with raises(ArgumentInvalid, ArgumentReason.NOT_PINNED):
         inv.unpin("g", [1])
-    with pytest.raises(UnknownLease):
+    with raises(ArgumentInvalid, ArgumentReason.UNKNOWN_LEASE):
         inv.release(12345)
-    with pytest.raises(InventoryError):
+    with raises(ArgumentInvalid, ArgumentReason.INVENTORY):
         Inventory(budget_blocks=-1)
     assert inv.hashes("g") == {1} and inv.busy("g", 1) == (0, 0)
-    assert issubclass(InventoryError, KvStateError)
 
 
 def test_full_64_bit_hashes() -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
+from support.errors import raises
 from hypothesis import Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -21,7 +23,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvstate.core.errors import BlockBusy, InventoryError, NotPinned, UnknownLease
+from kvstate.core.errors import ArgumentInvalid, Busy
+from kvstate.core.reasons import ArgumentReason, BusyReason
 from kvstate.reuse.inventory import (
     BlocksRemoved,
     BlocksStored,
@@ -99,7 +102,7 @@ def make_machine(factory: Any) -> type[RuleBasedStateMachine]:
         def remove(self, group: str, hashes: list[int]) -> None:
             present = [h for h in hashes if (group, h) in self.model.lru]
             if any(self.model.busy((group, h)) for h in present):
-                with pytest.raises(BlockBusy):
+                with raises(Busy, BusyReason.BLOCKS):
                     self.inv.remove(group, hashes)
                 return
             events = self.inv.remove(group, hashes)
@@ -113,7 +116,7 @@ def make_machine(factory: Any) -> type[RuleBasedStateMachine]:
         def clear(self, group: str) -> None:
             held = [k for k in self.model.lru if k[0] == group]
             if any(self.model.busy(k) for k in held):
-                with pytest.raises(BlockBusy):
+                with raises(Busy, BusyReason.BLOCKS):
                     self.inv.clear(group)
                 return
             events = self.inv.clear(group)
@@ -128,7 +131,7 @@ def make_machine(factory: Any) -> type[RuleBasedStateMachine]:
                 for h in hashes:
                     self.model.pins[(group, h)] = self.model.pins.get((group, h), 0) + 1
             else:
-                with pytest.raises(InventoryError):
+                with raises(ArgumentInvalid, ArgumentReason.INVENTORY):
                     self.inv.pin(group, hashes)
 
         @rule(group=st.sampled_from(GROUPS), hashes=HASHES)
@@ -138,7 +141,7 @@ def make_machine(factory: Any) -> type[RuleBasedStateMachine]:
                 for h in hashes:
                     self.model.pins[(group, h)] -= 1
             else:
-                with pytest.raises(NotPinned):
+                with raises(ArgumentInvalid, ArgumentReason.NOT_PINNED):
                     self.inv.unpin(group, hashes)
 
         @rule(group=st.sampled_from(GROUPS), hashes=HASHES, epoch_offset=st.sampled_from([0, 0, 0, -1, 1]))
@@ -167,7 +170,7 @@ def make_machine(factory: Any) -> type[RuleBasedStateMachine]:
             lease_id = data.draw(st.sampled_from(sorted(self.model.leases)))
             self.inv.release(lease_id)
             del self.model.leases[lease_id]
-            with pytest.raises(UnknownLease):
+            with raises(ArgumentInvalid, ArgumentReason.UNKNOWN_LEASE):
                 self.inv.release(lease_id)
 
         @invariant()

@@ -7,8 +7,10 @@ from typing import Any
 
 import pytest
 
-from kvstate.core.errors import (BindingError, EffectFailed, GuardRejected, IllegalTransition, LoadFailed,
-                                 ReentrantTransition)
+from support.errors import raises
+
+from kvstate.core.errors import TransferFailed, ConfigInvalid, NativeError, TransitionError
+from kvstate.core.reasons import TransferFailReason, ConfigReason, NativeReason, TransitionReason
 from kvstate.core.machine import Lifecycle, StateChange, effect, guard
 from kvstate.core.spec import load_machine, parse_machine
 from support.harness import harness_class
@@ -17,7 +19,7 @@ OP = load_machine("op")
 
 
 def test_binding_missing_guard_names_table_and_entry() -> None:
-    with pytest.raises(BindingError) as info:
+    with raises(ConfigInvalid, ConfigReason.BINDING) as info:
         class Incomplete(Lifecycle):  # noqa: F841 - the class statement is the test
             table = OP
 
@@ -31,7 +33,7 @@ def test_binding_missing_guard_names_table_and_entry() -> None:
 
 def test_binding_undeclared_effect_is_refused() -> None:
     base = harness_class(OP)
-    with pytest.raises(BindingError, match="does not declare"):
+    with raises(ConfigInvalid, ConfigReason.BINDING, match="does not declare"):
         class Extra(base):  # type: ignore[valid-type,misc]
             @effect("launch_rockets")
             def _rockets(self, **kw: Any) -> None: ...
@@ -68,7 +70,7 @@ def test_event_kwargs_reach_guards_and_effects() -> None:
         def _unpin(self, **kw: Any) -> None: ...
 
     op = Op()
-    with pytest.raises(GuardRejected, match="regions_mapped"):
+    with raises(TransitionError, TransitionReason.GUARD, match="regions_mapped"):
         op.fire("submit", regions=(1, -1))
     op.fire("submit", regions=(1, 2))
     assert got == {"pinned": (1, 2)}
@@ -80,7 +82,7 @@ def test_reentrant_fire_is_detected_not_deadlocked() -> None:
             self.fire("start")
 
     op = Op()
-    with pytest.raises(ReentrantTransition):
+    with raises(TransitionError, TransitionReason.REENTRANT):
         op.fire("submit")
     assert op.state == "created"
 
@@ -152,7 +154,9 @@ count = "count"
     def worker() -> None:
         try:
             wins.append(c.fire("step"))
-        except IllegalTransition as exc:
+        except TransitionError as exc:
+            if exc.reason is not TransitionReason.ILLEGAL:
+                raise
             errors.append(exc)
 
     threads = [threading.Thread(target=worker) for _ in range(16)]
@@ -230,10 +234,10 @@ class Three(Lifecycle):
 @pytest.mark.parametrize("fail", ["take_lease", "open_handle", "map_it"])
 def test_untyped_effect_failure_rolls_back_and_is_typed(fail: str, exc: BaseException) -> None:
     """Whatever an effect raises, the earlier effects are undone in reverse (the lease is
-    given back), later ones never run, the state stays, and only EffectFailed leaves,
+    given back), later ones never run, the state stays, and only NativeError (EFFECT) leaves,
     naming the step with the original exception chained."""
     obj = Three(fail, exc)
-    with pytest.raises(EffectFailed) as info:
+    with raises(NativeError, NativeReason.EFFECT) as info:
         obj.fire("go")
     order = ["take_lease", "open_handle", "map_it"]
     done = order[:order.index(fail)]
@@ -247,8 +251,8 @@ def test_untyped_effect_failure_rolls_back_and_is_typed(fail: str, exc: BaseExce
 
 
 def test_typed_effect_failure_passes_through_after_rollback() -> None:
-    obj = Three("map_it", LoadFailed("typed"))
-    with pytest.raises(LoadFailed):
+    obj = Three("map_it", TransferFailed(TransferFailReason.LOAD, "typed"))
+    with raises(TransferFailed, TransferFailReason.LOAD):
         obj.fire("go")
     assert obj.state == "a" and obj.held == []
 
@@ -266,7 +270,7 @@ def test_guard_that_raises_is_a_typed_failure() -> None:
             raise ZeroDivisionError("guard bug")
 
     op = Op()
-    with pytest.raises(EffectFailed, match="guard regions_mapped") as info:
+    with raises(NativeError, NativeReason.EFFECT, match="guard regions_mapped") as info:
         op.fire("submit")
     assert op.state == "created" and isinstance(info.value.cause, ZeroDivisionError)
 
@@ -349,7 +353,7 @@ def test_an_observer_may_fire_on_its_own_object_and_order_is_kept() -> None:
     def observer(c: StateChange) -> None:
         seen.append(c.event)
         if c.event == "submit":
-            op.fire("start")  # used to be ReentrantTransition under the lock
+            op.fire("start")  # used to be TransitionError (REENTRANT) under the lock
 
     op.observe(observer)
     op.fire("submit")
@@ -418,7 +422,7 @@ def _dispatch_disagreements(name: str, fast: Any) -> tuple[int, list[Any]]:
                         fired = fast(compiled, obj, event, source) if dispatch == "fast" else \
                             compiled.machine.events[event].trigger(obj)
                         error = None
-                    except Exception as exc:  # the harness's EffectFailed
+                    except Exception as exc:  # the harness's NativeError (EFFECT)
                         fired, error = None, type(exc).__name__
                     outcomes.append((fired, error, obj.state, tuple(obj.log)))
                 cases += 1

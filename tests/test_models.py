@@ -14,10 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from support.errors import raises
+
+from kvstate.core.errors import ConfigInvalid, TransitionError
+from kvstate.core.reasons import ConfigReason, TransitionReason
 from kvstate.harness import modelcheck
 
 from kvstate.derive import promela as models
-from kvstate.core.errors import GuardRejected, ModelGenerationError
 from kvstate.core.spec import load_spec
 from support.model_harness import build
 from support.spin import require_spin
@@ -36,7 +39,7 @@ def test_unknown_guard_is_a_clear_error(tmp_path: Path) -> None:
         ("group.toml", 'guards = ["all_parts_imported", "parts_compatible"]',
          'guards = ["all_parts_imported", "parts_compatible", "moon_is_full"]'),
         ("group.toml", "[effects]", 'moon_is_full = "An unknown guard."\n\n[effects]'))))
-    with pytest.raises(ModelGenerationError) as info:
+    with raises(ConfigInvalid, ConfigReason.MODEL) as info:
         models.generate(spec, models.PER_RANK, 2)
     assert info.value.entry == "guards.moon_is_full" and info.value.source.endswith("group.toml")
     assert "REGISTRY" in info.value.problem
@@ -48,7 +51,7 @@ def test_unknown_effect_is_a_clear_error(tmp_path: Path) -> None:
         ("op.toml", 'effects = ["pin_regions"]', 'effects = ["pin_regions", "warp_drive"]'),
         ("op.toml", 'unpin_regions = "Drop the op\'s pins."',
          'unpin_regions = "Drop the op\'s pins."\nwarp_drive = "Unknown."'))))
-    with pytest.raises(ModelGenerationError, match="warp_drive"):
+    with raises(ConfigInvalid, ConfigReason.MODEL, match="warp_drive"):
         models.generate(spec, models.COUNTING)
 
 
@@ -113,7 +116,7 @@ def test_counterexample_replays_against_lifecycle_machines(tmp_path: Path) -> No
     assert "INV-GROUP-COMPLETE" in world.violations()
 
     fixed = build(load_spec(), 2, dict(result.trace.world))
-    with pytest.raises(GuardRejected) as info:
+    with raises(TransitionError, TransitionReason.GUARD) as info:
         modelcheck.replay(result.trace, fixed.objects)
     assert info.value.machine == "group" and info.value.event == "complete"
     assert "all_parts_imported" in info.value.failed
@@ -154,11 +157,11 @@ def test_counterexample_replays_against_the_real_exporter_and_importer(tmp_path:
                 "bank[0]": ranks[0], "bank[1]": ranks[1]}
 
     try:
-        with pytest.raises(GuardRejected) as info:
+        with raises(TransitionError, TransitionReason.GUARD) as info:
             modelcheck.replay(trace, real_objects(Group.bound_to(broken["group"])))  # type: ignore[arg-type]
         assert (info.value.machine, info.value.event, info.value.failed) == ("group", "complete", ("parts_compatible",))
 
-        with pytest.raises(GuardRejected) as info:
+        with raises(TransitionError, TransitionReason.GUARD) as info:
             modelcheck.replay(trace, real_objects(Group))  # type: ignore[arg-type]
         assert info.value.machine == "group" and "all_parts_imported" in info.value.failed
     finally:

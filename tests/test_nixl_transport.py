@@ -91,7 +91,7 @@ def test_deregistration_does_not_revoke_access_but_the_lease_gate_does() -> None
         importer.call("end_lease", why="revoked by the exporter")
         with pytest.raises(PeerError) as refused:
             importer.call("load", blocks=blocks, block_bytes=BLOCK, seed=None, generation=1)
-        assert refused.value.kind == "kvstate.core.errors.LeaseEnded" and "revoked by the exporter" in str(refused.value)
+        assert refused.value.kind == "kvstate.core.errors.TransferFailed:lease_ended" and "revoked by the exporter" in str(refused.value)
         assert importer.call("dst_untouched") is True
 
 
@@ -108,7 +108,7 @@ def test_expired_lease_refuses_loads() -> None:
         time.sleep(0.3)
         with pytest.raises(PeerError) as refused:
             importer.call("load", blocks=[1, 2], block_bytes=BLOCK, seed=None, generation=1)
-        assert refused.value.kind == "kvstate.core.errors.LeaseEnded" and "expired" in str(refused.value)
+        assert refused.value.kind == "kvstate.core.errors.TransferFailed:lease_ended" and "expired" in str(refused.value)
         assert importer.call("dst_untouched") is True
 
 
@@ -127,7 +127,7 @@ def test_read_after_owner_unmaps_kills_the_owner() -> None:
         exporter.call("unmap_bank")
         with pytest.raises(PeerError) as failed:
             importer.call("load", blocks=[0, 1], block_bytes=BLOCK, seed=None, generation=1, timeout=10.0)
-        assert failed.value.kind in {"kvstate.core.errors.NixlOperationFailed", "kvstate.core.errors.NixlTimeout"}
+        assert failed.value.kind in {"kvstate.core.errors.NativeError:nixl", "kvstate.core.errors.TimedOut:nixl"}
         exporter.process.join(10)
         assert exporter.process.exitcode == -signal.SIGSEGV
 
@@ -146,19 +146,19 @@ def test_stale_generation_rejected() -> None:
         # the gen-1 record inside a gen-2 descriptor: refused by the decoder, before NIXL
         with pytest.raises(PeerError) as stale:
             importer.call("decode_only", handle=gen1, generation=2)
-        assert stale.value.kind == "kvstate.core.errors.NixlStaleGeneration"
+        assert stale.value.kind == "kvstate.core.errors.ImportFailed:handle/stale_generation"
 
         importer.call("import_bank", handle=gen2, size=SIZE, generation=2)
         assert importer.call("load", blocks=[3, 9], block_bytes=BLOCK, seed=2, generation=2)["matches"] is True
         with pytest.raises(PeerError) as retired:  # the superseded view no longer loads
             importer.call("load", blocks=[3], block_bytes=BLOCK, seed=None, generation=1)
-        assert retired.value.kind == "kvstate.core.errors.NixlStaleGeneration"
+        assert retired.value.kind == "kvstate.core.errors.ImportFailed:handle/stale_generation"
         with pytest.raises(PeerError) as older:  # a well-formed gen-1 descriptor after gen 2 was seen
             importer.call("import_bank", handle=gen1, size=SIZE, generation=1)
-        assert older.value.kind == "kvstate.core.errors.NixlStaleGeneration"
+        assert older.value.kind == "kvstate.core.errors.ImportFailed:handle/stale_generation"
         with pytest.raises(PeerError) as wrong_size:
             importer.call("import_bank", handle=gen2, size=SIZE * 2, generation=2)
-        assert wrong_size.value.kind == "kvstate.core.errors.NixlHandleRejected"
+        assert wrong_size.value.kind.startswith("kvstate.core.errors.ImportFailed:handle/")
 
 
 @needs_nixl
@@ -171,7 +171,7 @@ def test_metadata_of_another_agent_is_rejected() -> None:
         handle = exporter.call("export_bank", blocks=BLOCKS, block_bytes=BLOCK, seed=6, generation=1)
         with pytest.raises(PeerError) as forged:
             importer.call("import_renamed", handle=handle, size=SIZE, generation=1, name="someone-else")
-        assert forged.value.kind == "kvstate.core.errors.NixlHandleRejected" and "agent_name" in str(forged.value)
+        assert forged.value.kind == "kvstate.core.errors.ImportFailed:handle/agent_name" and "agent_name" in str(forged.value)
         importer.call("import_bank", handle=handle, size=SIZE, generation=1)
         assert importer.call("load", blocks=[9], block_bytes=BLOCK, seed=6, generation=1)["matches"] is True
 
@@ -188,7 +188,7 @@ def test_teardown_order_and_closed_views() -> None:
         importer.call("close_remote", generation=1)
         with pytest.raises(PeerError) as closed:
             importer.call("load", blocks=[7], block_bytes=BLOCK, seed=None, generation=1)
-        assert closed.value.kind == "kvstate.core.errors.NixlStaleGeneration"
+        assert closed.value.kind == "kvstate.core.errors.ImportFailed:handle/stale_generation"
         importer.call("close")
         exporter.call("release_bank")
         exporter.call("close")
@@ -201,11 +201,11 @@ def test_one_agent_per_process_and_no_mapping() -> None:
         peer.call("start")
         with pytest.raises(PeerError) as second:
             peer.call("second_agent")
-        assert second.value.kind == "kvstate.core.errors.NixlError" and "one agent per process" in str(second.value)
+        assert second.value.kind == "kvstate.core.errors.NativeError:nixl" and "one agent per process" in str(second.value)
         assert peer.call("unsupported") == ["backend:True", "mapped:False", "reserve:absent", "map:absent",
                                             "set_access:absent", "unmap:absent",
-                                            "exporter:TransportUnsuitable", "importer:TransportUnsuitable",
-                                            "export_memfd:NixlUnsupported"]
+                                            "exporter:BackendUnavailable", "importer:BackendUnavailable",
+                                            "export_memfd:BackendUnavailable"]
 
 
 def _stop(pid: int) -> None:
@@ -219,7 +219,7 @@ def _stop(pid: int) -> None:
 
 @needs_nixl
 def test_hung_exporter_load_times_out_and_recovers() -> None:
-    """Every wait has a timeout: a READ from a stopped exporter raises NixlTimeout, the
+    """Every wait has a timeout: a READ from a stopped exporter raises TimedOut (NIXL), the
     transfer is released, and loads work again once the exporter runs."""
     with peers(CMDS, 2) as (exporter, importer):
         exporter.call("start")
@@ -233,7 +233,7 @@ def test_hung_exporter_load_times_out_and_recovers() -> None:
             with pytest.raises(PeerError) as hung:
                 importer.call("load", blocks=list(range(BLOCKS)), block_bytes=BLOCK, seed=None, generation=1,
                               timeout=1.0)
-            assert hung.value.kind == "kvstate.core.errors.NixlTimeout"
+            assert hung.value.kind == "kvstate.core.errors.TimedOut:nixl"
             assert time.monotonic() - t0 < 10
         finally:
             os.kill(exporter.process.pid, signal.SIGCONT)
@@ -252,7 +252,7 @@ def test_a_load_target_is_not_deregistered_under_a_read() -> None:
         _stop(exporter.process.pid)  # the READ stays in flight
         try:
             importer.call("load_in_background", blocks=list(range(BLOCKS)), block_bytes=BLOCK, generation=1)
-            assert importer.call("release_target") == "RegionPinned"
+            assert importer.call("release_target") == "Busy: pinned"
         finally:
             os.kill(exporter.process.pid, signal.SIGCONT)
         assert importer.call("load_outcome") == "done"
@@ -291,7 +291,7 @@ def test_the_nixl_record_carries_the_banks_generation() -> None:
         assert importer.call("load_rank", rank=0, blocks=[1], block_bytes=BLOCK, seed=9) is True
         with pytest.raises(PeerError) as stale:
             importer.call("import_descriptor", descriptor=first)
-        assert stale.value.kind == "kvstate.core.errors.NixlStaleGeneration"
+        assert stale.value.kind == "kvstate.core.errors.ImportFailed" and "stale_generation" in str(stale.value)
         exporter.call("stop_exporter")
 
 
@@ -303,7 +303,7 @@ def test_vram_path_on_a_machine_without_gpu() -> None:
         plain.call("start")
         device.call("start", device_memory=True)
         assert plain.call("register_vram") == ["host", "BackendUnavailable"]
-        assert device.call("register_vram") == ["device,host", "NixlOperationFailed"]
+        assert device.call("register_vram") == ["device,host", "NativeError"]
 
 
 # -- optional-dependency rules (no NIXL needed) --------------------------------------
@@ -343,7 +343,7 @@ def test_missing_nixl_is_backend_unavailable() -> None:
         try:
             NixlTransport()
         except BackendUnavailable as exc:
-            print("unavailable", exc.backend, "|", exc.why)
+            print("unavailable", exc.backend, "|", exc.detail)
     """))
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("unavailable nixl |") and "pip install --no-deps" in r.stdout

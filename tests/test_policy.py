@@ -14,11 +14,14 @@ from typing import Any
 
 import attrs
 import pytest
+
+from support.errors import raises
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from kvstate.reuse import policy, profile
-from kvstate.core.errors import InvalidSetting, KvStateError, PolicyInputError, UnknownSetting
+from kvstate.core.errors import KvStateError, ConfigInvalid, ArgumentInvalid
+from kvstate.core.reasons import DecisionReason, ConfigReason, ArgumentReason
 from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.core.handles import HandleKind
 from kvstate.reuse.policy import Candidate, DecisionReason, ReuseSettings, choose_transfer_source, estimate_ttft_saving
@@ -87,7 +90,7 @@ def test_mapping_env_and_cli_load_strictly() -> None:
     (lambda: ReuseSettings.from_cli(["--enable_decode_to_prefill_reuse=true"]), "--enable_decode_to_prefill_reuse"),
 ])
 def test_unknown_setting_is_named(load: Callable[[], object], named: str) -> None:
-    with pytest.raises(UnknownSetting) as info:
+    with raises(ConfigInvalid, ConfigReason.UNKNOWN_SETTING) as info:
         load()
     assert info.value.name == named and named in str(info.value)
 
@@ -110,7 +113,7 @@ def test_unknown_setting_is_named(load: Callable[[], object], named: str) -> Non
     ("enable_decode_to_prefill_gpu_reuse", ""),
 ])
 def test_bad_values_are_typed_errors(name: str, value: object) -> None:
-    with pytest.raises(InvalidSetting) as info:
+    with raises(ConfigInvalid, ConfigReason.INVALID_SETTING) as info:
         ReuseSettings.from_mapping({name: value})
     assert info.value.name == name
 
@@ -123,18 +126,18 @@ def test_booleans_parse_from_exactly_true_false_1_0(text: str, expected: bool) -
 
 
 def test_cli_refuses_missing_value_and_repeats() -> None:
-    with pytest.raises(InvalidSetting):
+    with raises(ConfigInvalid, ConfigReason.INVALID_SETTING):
         ReuseSettings.from_cli(["--minimum-transfer-prefix-blocks"])
-    with pytest.raises(InvalidSetting):
+    with raises(ConfigInvalid, ConfigReason.INVALID_SETTING):
         ReuseSettings.from_cli(["--minimum-transfer-prefix-blocks", "1", "--minimum-transfer-prefix-blocks=2"])
-    with pytest.raises(InvalidSetting):
+    with raises(ConfigInvalid, ConfigReason.INVALID_SETTING):
         ReuseSettings.from_cli(["stray"])
 
 
 def test_direct_construction_is_validated_too() -> None:
-    with pytest.raises(InvalidSetting):
+    with raises(ConfigInvalid, ConfigReason.INVALID_SETTING):
         ReuseSettings(minimum_estimated_ttft_saving_ms=-0.1)
-    with pytest.raises(InvalidSetting):
+    with raises(ConfigInvalid, ConfigReason.INVALID_SETTING):
         ReuseSettings(enable_decode_to_prefill_reuse=1)  # type: ignore[arg-type]
 
 
@@ -359,9 +362,9 @@ def test_both_minimums_are_inclusive_and_an_equal_prefix_saves_nothing() -> None
     lambda: choose_transfer_source(0, ["d0"], ON, block_tokens=16),
 ])
 def test_bad_policy_input_is_a_typed_error(bad: Callable[[], object]) -> None:
-    with pytest.raises(PolicyInputError):
+    with raises(ArgumentInvalid, ArgumentReason.POLICY_INPUT):
         bad()
 
 
 def test_errors_are_kvstate_errors() -> None:
-    assert issubclass(PolicyInputError, KvStateError) and issubclass(UnknownSetting, KvStateError)
+    assert issubclass(ArgumentInvalid, KvStateError) and issubclass(ConfigInvalid, KvStateError)

@@ -7,9 +7,13 @@ import time
 
 import attrs
 import pytest
+
+from support.errors import raises
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvstate.core.errors import ArgumentInvalid
+from kvstate.core.reasons import ArgumentReason
 from kvstate.core.descriptor import MAX_DESCRIPTOR_BYTES, decode, encode
 from kvstate.core.errors import DescriptorRejected, GroupRejected
 from kvstate.core.geometry import DType, Geometry, Layout
@@ -71,7 +75,7 @@ def test_block_extents_tile_the_bank_exactly(layout: Layout) -> None:
         assert off == pos
         pos += length
     assert pos == g.nbytes
-    with pytest.raises(IndexError):
+    with raises(ArgumentInvalid, ArgumentReason.RANGE):  # fix the call (was an IndexError)
         g.block_extents(g.num_blocks)
 
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvstate.core.errors import GuardRejected, IllegalTransition
+from support.errors import raises
+
+from kvstate.core.errors import NativeError, TransitionError
+from kvstate.core.reasons import NativeReason, TransitionReason
 from kvstate.core.spec import load_spec
-from support.harness import EffectFailed, HarnessBase, harness_class
+from support.harness import HarnessBase, harness_class
 
 SPEC = load_spec()
 
@@ -15,14 +18,14 @@ SPEC = load_spec()
 def run(obj: HarnessBase, steps: list[tuple[str, dict[str, bool], str]]) -> None:
     for event, guards, expected in steps:
         obj.guard_values = guards
-        if expected == "IllegalTransition":
+        if expected == "illegal":
             before = obj.state
-            with pytest.raises(IllegalTransition):
+            with raises(TransitionError, TransitionReason.ILLEGAL):
                 obj.fire(event)
             assert obj.state == before
-        elif expected == "GuardRejected":
+        elif expected == "guard":
             before = obj.state
-            with pytest.raises(GuardRejected):
+            with raises(TransitionError, TransitionReason.GUARD):
                 obj.fire(event)
             assert obj.state == before
         else:
@@ -33,22 +36,22 @@ def test_bank_full_life() -> None:
     """INV-RELEASE-QUIESCENT and INV-DRAIN-NO-NEW at table level."""
     bank = harness_class(SPEC["bank"])()
     run(bank, [
-        ("release_lease", {}, "IllegalTransition"),
+        ("release_lease", {}, "illegal"),
         ("register", {}, "registered"),
         ("advertise", {}, "advertised"),
         ("grant_lease", {"accepting_leases": True}, "importing"),
         ("grant_lease", {"accepting_leases": True}, "importing"),
         ("lease_mapped", {}, "ready"),
-        ("release", {}, "IllegalTransition"),             # never from ready
+        ("release", {}, "illegal"),             # never from ready
         ("peer_died", {"last_lease": False}, "ready"),      # one lease left
         ("drain", {}, "draining"),
-        ("grant_lease", {"accepting_leases": True}, "IllegalTransition"),  # no new leases
-        ("release", {}, "IllegalTransition"),             # never from draining
-        ("quiesce", {"native_quiescent": False}, "GuardRejected"),
+        ("grant_lease", {"accepting_leases": True}, "illegal"),  # no new leases
+        ("release", {}, "illegal"),             # never from draining
+        ("quiesce", {"native_quiescent": False}, "guard"),
         ("lease_expired", {}, "draining"),
         ("quiesce", {"native_quiescent": True}, "quiescent"),
         ("release", {}, "released"),
-        ("drain", {}, "IllegalTransition"),
+        ("drain", {}, "illegal"),
     ])
     assert bank.is_terminal
 
@@ -57,7 +60,7 @@ def test_bank_registration_failure_preserves_state() -> None:
     """INV-REGISTER-ATOMIC: a failing registration leaves the bank allocated, retryable."""
     bank = harness_class(SPEC["bank"])()
     bank.failing = {"native_register"}
-    with pytest.raises(EffectFailed):
+    with raises(NativeError, NativeReason.EFFECT):
         bank.fire("register")
     assert bank.state == "allocated"
     assert bank.fire("register_failed") == "allocated"
@@ -68,16 +71,16 @@ def test_bank_registration_failure_preserves_state() -> None:
 def test_group_ready_then_peer_death_drains() -> None:
     group = harness_class(SPEC["group"])()
     run(group, [
-        ("complete", {}, "IllegalTransition"),
-        ("begin_import", {"group_validated": False}, "GuardRejected"),
+        ("complete", {}, "illegal"),
+        ("begin_import", {"group_validated": False}, "guard"),
         ("begin_import", {"group_validated": True}, "importing"),
-        ("complete", {"all_parts_imported": False, "parts_compatible": True}, "GuardRejected"),
-        ("load", {}, "IllegalTransition"),
+        ("complete", {"all_parts_imported": False, "parts_compatible": True}, "guard"),
+        ("load", {}, "illegal"),
         ("complete", {"all_parts_imported": True, "parts_compatible": True}, "ready"),
         ("load", {}, "ready"),
         ("peer_died", {}, "draining"),
-        ("load", {}, "IllegalTransition"),               # INV-DRAIN-NO-NEW for loads
-        ("quiesce", {"native_quiescent": False}, "GuardRejected"),
+        ("load", {}, "illegal"),               # INV-DRAIN-NO-NEW for loads
+        ("quiesce", {"native_quiescent": False}, "guard"),
         ("quiesce", {"native_quiescent": True}, "quiescent"),
         ("close", {}, "closed"),
     ])
@@ -94,17 +97,17 @@ def test_part_opens_only_after_group_admission() -> None:
     """INV-REJECT-BEFORE-OPEN and INV-GROUP-ATOMIC at table level: a rejected part can never
     be opened, and a validated part is opened only when its group is admitted."""
     part = harness_class(SPEC["part"])()
-    run(part, [("open", {}, "IllegalTransition"), ("reject", {}, "rejected"), ("open", {}, "IllegalTransition")])
+    run(part, [("open", {}, "illegal"), ("reject", {}, "rejected"), ("open", {}, "illegal")])
     part = harness_class(SPEC["part"])()
     run(part, [
         ("validate", {}, "validated"),
-        ("open", {}, "IllegalTransition"),                     # INV-LEASE-BEFORE-OPEN: no lease yet
-        ("lease", {"group_importing": False}, "GuardRejected"),
+        ("open", {}, "illegal"),                     # INV-LEASE-BEFORE-OPEN: no lease yet
+        ("lease", {"group_importing": False}, "guard"),
         ("lease", {"group_importing": True}, "leased"),
-        ("open", {"group_admitted": False}, "GuardRejected"),   # another rank holds no lease yet
+        ("open", {"group_admitted": False}, "guard"),   # another rank holds no lease yet
         ("open", {"group_admitted": True}, "imported"),
-        ("close", {"part_unpinned": False, "group_releasing": True}, "GuardRejected"),   # INV-NO-UNMAP-PINNED
-        ("close", {"part_unpinned": True, "group_releasing": False}, "GuardRejected"),   # its group is ready
+        ("close", {"part_unpinned": False, "group_releasing": True}, "guard"),   # INV-NO-UNMAP-PINNED
+        ("close", {"part_unpinned": True, "group_releasing": False}, "guard"),   # its group is ready
         ("close", {"part_unpinned": True, "group_releasing": True}, "closed"),
     ])
     assert part.log == ["native_lease", "native_import", "unmap_close"]

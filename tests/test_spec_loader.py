@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvstate.core.errors import SpecError
+from support.errors import raises
+
+from kvstate.core.errors import ConfigInvalid
+from kvstate.core.reasons import ConfigReason
 from kvstate.core.spec import load_spec, parse_machine
 
 MINIMAL = """
@@ -59,7 +62,7 @@ def test_minimal_table_parses() -> None:
     ('source = "a"', 'source = "b"', "transitions[0] (go)", "terminal state 'b' cannot be a source"),
 ])
 def test_malformed_tables_name_file_and_entry(old: str, new: str, entry: str, problem: str) -> None:
-    with pytest.raises(SpecError) as info:
+    with raises(ConfigInvalid, ConfigReason.SPEC) as info:
         parse_machine(MINIMAL.replace(old, new, 1), "mini.toml")
     assert info.value.source == "mini.toml"
     assert info.value.entry == entry
@@ -68,7 +71,7 @@ def test_malformed_tables_name_file_and_entry(old: str, new: str, entry: str, pr
 
 def test_shadowed_row_is_refused() -> None:
     text = MINIMAL.replace('guards = ["ok"]\n', "") + '\n[[transitions]]\ntrigger = "go"\nsource = "a"\ndest = "a"\n'
-    with pytest.raises(SpecError, match="unreachable"):
+    with raises(ConfigInvalid, ConfigReason.SPEC, match="unreachable"):
         parse_machine(text, "mini.toml")
 
 
@@ -78,7 +81,7 @@ def test_external_event_marker_is_a_reason() -> None:
     assert m.events[0].external == "the engine fires it"
     assert parse_machine(MINIMAL, "mini.toml").events[0].external is None
     for bad in ("true", '""', '["x"]'):
-        with pytest.raises(SpecError) as info:
+        with raises(ConfigInvalid, ConfigReason.SPEC) as info:
             parse_machine(MINIMAL.replace('go = { doc = "go" }', f'go = {{ doc = "go", external = {bad} }}'),
                           "mini.toml")
         assert info.value.entry == "events.go.external"

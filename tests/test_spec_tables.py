@@ -8,9 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from kvstate.core.errors import GuardRejected, IllegalTransition
+from support.errors import raises
+
+from kvstate.core.errors import NativeError, TransitionError
+from kvstate.core.reasons import NativeReason, TransitionReason
 from kvstate.core.spec import MACHINE_NAMES, load_spec
-from support.harness import EffectFailed, PlantedFailure, drive_to, harness_class, paths_to_states
+from support.harness import PlantedFailure, drive_to, harness_class, paths_to_states
 
 SPEC = load_spec()
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +52,7 @@ def test_terminal_states_reach_from_every_state(name: str) -> None:
 
 @pytest.mark.parametrize("name", MACHINE_NAMES)
 def test_every_state_event_pair_is_declared_or_illegal(name: str) -> None:
-    """INV-EVENT-DECLARED: undeclared pairs raise IllegalTransition and change nothing."""
+    """INV-EVENT-DECLARED: undeclared pairs raise TransitionError (ILLEGAL) and change nothing."""
     m = SPEC[name]
     cls = harness_class(m)
     for state, path in paths_to_states(m).items():
@@ -57,7 +60,7 @@ def test_every_state_event_pair_is_declared_or_illegal(name: str) -> None:
             obj = drive_to(cls, path)
             rows = m.rows(event, state)
             if not rows:
-                with pytest.raises(IllegalTransition) as info:
+                with raises(TransitionError, TransitionReason.ILLEGAL) as info:
                     obj.fire(event)
                 assert (info.value.machine, info.value.state, info.value.event) == (name, state, event)
                 assert obj.state == state and obj.log == []
@@ -72,7 +75,7 @@ def test_every_state_event_pair_is_declared_or_illegal(name: str) -> None:
 @pytest.mark.parametrize("name", MACHINE_NAMES)
 def test_guards_pick_the_first_admitted_row_or_refuse(name: str) -> None:
     """For every guarded (event, state) and every assignment of its guards, the first row
-    whose guards hold fires; when none holds, GuardRejected names guards and nothing changes."""
+    whose guards hold fires; when none holds, TransitionError (GUARD) names guards and nothing changes."""
     m = SPEC[name]
     cls = harness_class(m)
     paths = paths_to_states(m)
@@ -89,7 +92,7 @@ def test_guards_pick_the_first_admitted_row_or_refuse(name: str) -> None:
                 assert obj.fire(trigger) == admitted[0].dest
                 assert obj.log == list(admitted[0].effects)
             else:
-                with pytest.raises(GuardRejected) as info:
+                with raises(TransitionError, TransitionReason.GUARD) as info:
                     obj.fire(trigger)
                 assert info.value.failed and obj.state == source and obj.log == []
 
@@ -98,7 +101,7 @@ def test_guards_pick_the_first_admitted_row_or_refuse(name: str) -> None:
 def test_failing_effect_leaves_state_and_rolls_back(name: str) -> None:
     """INV-EFFECT-ATOMIC on every row with effects: each effect in turn fails with an
     untyped exception; the earlier ones are undone in reverse, the later ones never run,
-    and the failure leaves as EffectFailed naming the effect."""
+    and the failure leaves as NativeError (EFFECT) naming the effect."""
     m = SPEC[name]
     cls = harness_class(m)
     paths = paths_to_states(m)
@@ -107,7 +110,7 @@ def test_failing_effect_leaves_state_and_rolls_back(name: str) -> None:
             obj = drive_to(cls, paths[row.source])
             obj.admit(row)
             obj.failing = {failing}
-            with pytest.raises(EffectFailed) as info:
+            with raises(NativeError, NativeReason.EFFECT) as info:
                 obj.fire(row.trigger)
             assert isinstance(info.value.cause, PlantedFailure) and info.value.step == f"effect {failing}"
             assert obj.state == row.source

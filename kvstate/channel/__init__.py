@@ -7,7 +7,7 @@ Exporter and importer talk over one connected ``SOCK_SEQPACKET`` socket per impo
 Each message is one packet: a 12-byte header (magic, payload length, fd count), then the
 payload bytes, with any file descriptors attached by SCM_RIGHTS. The kernel keeps packet
 boundaries, so a frame is never split or merged; a packet larger than the receiver's
-cap arrives truncated (MSG_TRUNC) and is refused as a :class:`FrameError`, with every fd
+cap arrives truncated (MSG_TRUNC) and is refused as a :class:`ChannelError` (FRAME), with every fd
 that came with it closed. Payloads are bytes; :func:`encode` / :func:`decode` are a
 small strict JSON codec for them (no pickle, no eval).
 
@@ -17,12 +17,12 @@ Trust is checked, not assumed:
   directory path nor the socket path may contain a symlink (:func:`check_socket_dir`).
   In a 0700 directory only its owner (or root) can swap the entries we check;
 - both ends read the peer's credentials (SO_PEERCRED) and refuse a uid outside
-  ``allowed_uids`` (default: our own uid) with :class:`PeerRejected`;
+  ``allowed_uids`` (default: our own uid) with :class:`ChannelError` (REJECTED);
 - each end opens a pidfd for the peer's pid at connect time, so a peer that dies is
-  noticed even when a child it forked still holds the socket open (:class:`PeerDied`).
+  noticed even when a child it forked still holds the socket open (:class:`ChannelError` (PEER_DIED)).
 
 Every blocking step (connect, accept, send, recv) takes a timeout and raises
-:class:`ChannelTimeout` when it passes; there is no unbounded wait. Sockets are
+:class:`ChannelError` (TIMEOUT) when it passes; there is no unbounded wait. Sockets are
 non-blocking and timeouts are enforced with ``poll``, so one thread may ``recv`` while
 another ``send``\\ s on the same channel.
 

@@ -1,9 +1,9 @@
 """One connected control channel, and the client side that opens it.
 
 Both ends read the peer's credentials (SO_PEERCRED) and refuse a uid outside
-``allowed_uids`` (default: our own) with :class:`PeerRejected`. Each end opens a pidfd
+``allowed_uids`` (default: our own) with :class:`ChannelError` (REJECTED). Each end opens a pidfd
 for the peer's pid at connect time, so a peer that dies is noticed even when a child it
-forked still holds the socket open (:class:`PeerDied`). Sockets are non-blocking and
+forked still holds the socket open (:class:`ChannelError` (PEER_DIED)). Sockets are non-blocking and
 every blocking step polls with a timeout, so one thread may ``recv`` while another
 ``send``\\ s on the same channel.
 """
@@ -34,7 +34,8 @@ from kvstate.channel.framing import (
     unpack,
 )
 from kvstate.channel.paths import as_path, check_socket_path
-from kvstate.core.errors import ChannelClosed, ChannelError, ChannelTimeout, FrameError, PeerDied, PeerRejected
+from kvstate.core.errors import ChannelError
+from kvstate.core.reasons import ChannelReason
 
 _PEERCRED = struct.Struct("3i")
 _RECV_FLAGS = int(socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)  # an int: enum arithmetic per recv is slow
@@ -68,21 +69,22 @@ class Channel:
             self.peer = _peercred(sock)
         except OSError as exc:
             sock.close()
-            raise ChannelError(f"cannot set up the connection: {exc.strerror or exc}") from None
+            raise ChannelError(ChannelReason.FAILED, f"cannot set up the connection: {exc.strerror or exc}") from None
         except BaseException:
             sock.close()
             raise
         allowed = frozenset(allowed_uids) if allowed_uids is not None else frozenset({os.getuid()})
         if self.peer.uid not in allowed:
             sock.close()
-            raise PeerRejected(self.peer.pid, self.peer.uid, allowed)
+            raise ChannelError.peer_rejected(self.peer.pid, self.peer.uid, allowed)
         try:
             self._pidfd: int | None = os.pidfd_open(self.peer.pid)
         except ProcessLookupError:
             self._pidfd = None  # already gone: the socket reports EOF, and peer_alive says so
         except OSError as exc:  # EMFILE, ENFILE, ENOMEM: no channel without a watch on its peer
             sock.close()
-            raise ChannelError(f"cannot open a pidfd of peer {self.peer.pid}: {exc.strerror or exc}") from None
+            raise ChannelError(ChannelReason.FAILED,
+                               f"cannot open a pidfd of peer {self.peer.pid}: {exc.strerror or exc}") from None
 
     def __repr__(self) -> str:
         return f"<Channel peer pid={self.peer.pid} uid={self.peer.uid}{' closed' if self._closed else ''}>"
@@ -141,14 +143,14 @@ class Channel:
 
     def _live(self) -> None:
         if self._closed:
-            raise ChannelClosed("the channel was closed here")
+            raise ChannelError(ChannelReason.CLOSED, "the channel was closed here")
 
     def _register(self, p: select.poll, events: int, pidfd: int | None = None) -> None:
         """Register the socket (and the peer's pidfd) under the close lock, so a close by
-        another thread is seen as ChannelClosed, never as a poll of a dead or reused fd."""
+        another thread is seen as ChannelError (CLOSED), never as a poll of a dead or reused fd."""
         with self._close_lock:
             if self._closed:
-                raise ChannelClosed("the channel was closed here")
+                raise ChannelError(ChannelReason.CLOSED, "the channel was closed here")
             p.register(self._sock, events)
             if pidfd is not None:
                 p.register(pidfd, select.POLLIN)
@@ -169,28 +171,29 @@ class Channel:
                     # SOCK_SEQPACKET sends a message whole; part of one went out, and the
                     # peer refuses what it got: the channel is unusable from here on.
                     self.close()
-                    raise ChannelError(f"send sent {sent} of {len(frame)} bytes; the channel is closed")
+                    raise ChannelError(ChannelReason.FRAME, f"send sent {sent} of {len(frame)} bytes; the channel is closed")
                 return
             except BlockingIOError:
                 pass
             except (BrokenPipeError, ConnectionResetError):
-                raise ChannelClosed("the peer closed the connection") from None
+                raise ChannelError(ChannelReason.CLOSED, "the peer closed the connection") from None
             except OSError as exc:
                 if exc.errno == errno.EBADF and self._closed:
-                    raise ChannelClosed("the channel was closed here") from None
+                    raise ChannelError(ChannelReason.CLOSED, "the channel was closed here") from None
                 if exc.errno == errno.EMSGSIZE:  # SOCK_SEQPACKET: one message must fit the send buffer
-                    raise FrameError(f"a {len(frame)}-byte message is larger than this socket sends at once "
-                                     f"(its send buffer; see net.core.wmem_default)") from None
-                raise ChannelError(f"send failed: {exc.strerror or exc}") from exc
+                    raise ChannelError(ChannelReason.FRAME,
+                                       f"a {len(frame)}-byte message is larger than this socket sends at once "
+                                       f"(its send buffer; see net.core.wmem_default)") from None
+                raise ChannelError(ChannelReason.FAILED, f"send failed: {exc.strerror or exc}") from exc
             p = select.poll()
             self._register(p, select.POLLOUT)
             if not poll_until(p, deadline):
-                raise ChannelTimeout(f"send did not complete within {timeout} s")
+                raise ChannelError(ChannelReason.TIMEOUT, f"send did not complete within {timeout} s")
             self._live()
 
     def recv(self, timeout: float = DEFAULT_TIMEOUT) -> Message:
-        """The next message. Raises ChannelClosed on EOF, PeerDied when the peer process is
-        gone and nothing is left to read, ChannelTimeout, or FrameError (fds closed)."""
+        """The next message. Raises ChannelError (CLOSED) on EOF, ChannelError (PEER_DIED) when the peer process is
+        gone and nothing is left to read, ChannelError (TIMEOUT), or ChannelError (FRAME) (fds closed)."""
         self._live()
         check_timeout(timeout)
         deadline = time.monotonic() + timeout
@@ -201,11 +204,11 @@ class Channel:
             except BlockingIOError:
                 pass
             except ConnectionResetError:
-                raise ChannelClosed("the peer reset the connection") from None
+                raise ChannelError(ChannelReason.CLOSED, "the peer reset the connection") from None
             except OSError as exc:
                 if exc.errno == errno.EBADF and self._closed:
-                    raise ChannelClosed("the channel was closed here") from None
-                raise ChannelError(f"recv failed: {exc.strerror or exc}") from None
+                    raise ChannelError(ChannelReason.CLOSED, "the channel was closed here") from None
+                raise ChannelError(ChannelReason.FAILED, f"recv failed: {exc.strerror or exc}") from None
             else:
                 return unpack(data, fds, flags, self.limits)
             p = select.poll()
@@ -214,9 +217,9 @@ class Channel:
             ready = dict(poll_until(p, deadline))
             self._live()  # closed by another thread while this one waited
             if not ready:
-                raise ChannelTimeout(f"no message within {timeout} s")
+                raise ChannelError(ChannelReason.TIMEOUT, f"no message within {timeout} s")
             if self._sock.fileno() not in ready and self._pidfd is not None and self._pidfd in ready:
-                raise PeerDied(f"peer process {self.peer.pid} exited")
+                raise ChannelError(ChannelReason.PEER_DIED, f"peer process {self.peer.pid} exited")
 
 
 def poll_until(p: select.poll, deadline: float) -> list[tuple[int, int]]:
@@ -225,14 +228,14 @@ def poll_until(p: select.poll, deadline: float) -> list[tuple[int, int]]:
     try:
         return p.poll(remaining_ms(deadline))
     except OSError as exc:
-        raise ChannelError(f"poll failed: {exc.strerror or exc}") from None
+        raise ChannelError(ChannelReason.FAILED, f"poll failed: {exc.strerror or exc}") from None
 
 
 def check_uids(allowed_uids: object) -> None:
     """``allowed_uids`` is None or a collection of ints (checked before any socket exists)."""
     if allowed_uids is not None and (not isinstance(allowed_uids, (list, tuple, set, frozenset)) or not all(
             type(u) is int and u >= 0 for u in allowed_uids)):
-        raise ChannelError(f"allowed_uids must be a collection of uids, not {allowed_uids!r:.40}")
+        raise ChannelError(ChannelReason.SETUP, f"allowed_uids must be a collection of uids, not {allowed_uids!r:.40}")
 
 
 def connect(path: str | os.PathLike[str], *, timeout: float = DEFAULT_TIMEOUT,
@@ -240,26 +243,27 @@ def connect(path: str | os.PathLike[str], *, timeout: float = DEFAULT_TIMEOUT,
     """Connect to a server's socket after checking its directory and the server's uid."""
     check_timeout(timeout)
     if not isinstance(limits, Limits):
-        raise ChannelError(f"limits must be Limits, not {type(limits).__name__}")
+        raise ChannelError(ChannelReason.SETUP, f"limits must be Limits, not {type(limits).__name__}")
     check_uids(allowed_uids)
     p = as_path(path)
-    check_socket_path(p, must_exist=False)  # a missing socket is "no server" (ChannelClosed)
+    check_socket_path(p, must_exist=False)  # a missing socket is "no server" (ChannelError (CLOSED))
     try:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     except OSError as exc:  # EMFILE, ENFILE, ENOBUFS, ENOMEM
-        raise ChannelError(f"cannot make a socket to connect to {p}: {exc.strerror or exc}") from None
+        raise ChannelError(ChannelReason.FAILED,
+                           f"cannot make a socket to connect to {p}: {exc.strerror or exc}") from None
     try:
         sock.settimeout(timeout)
         sock.connect(str(p))
     except TimeoutError:
         sock.close()
-        raise ChannelTimeout(f"connect to {p} did not complete within {timeout} s") from None
+        raise ChannelError(ChannelReason.TIMEOUT, f"connect to {p} did not complete within {timeout} s") from None
     except (FileNotFoundError, ConnectionRefusedError) as exc:
         sock.close()
-        raise ChannelClosed(f"no server at {p}: {exc.strerror}") from None
+        raise ChannelError(ChannelReason.CLOSED, f"no server at {p}: {exc.strerror}") from None
     except OSError as exc:  # e.g. EACCES on the socket itself
         sock.close()
-        raise ChannelError(f"cannot connect to {p}: {exc.strerror}") from None
+        raise ChannelError(ChannelReason.FAILED, f"cannot connect to {p}: {exc.strerror}") from None
     except BaseException:
         sock.close()
         raise

@@ -21,7 +21,8 @@ from typing import Any
 
 import attrs
 
-from kvstate.core.errors import ChannelClosed, ChannelError, FrameError
+from kvstate.core.errors import ChannelError
+from kvstate.core.reasons import ChannelReason
 
 MAGIC = b"KVS\x01"
 HEADER = struct.Struct("<4sIH2x")
@@ -59,9 +60,9 @@ class Limits:
 
     def __attrs_post_init__(self) -> None:
         if not 0 < self.max_payload <= HARD_MAX_PAYLOAD:
-            raise FrameError(f"max_payload must be in 1..{HARD_MAX_PAYLOAD}")
+            raise ChannelError(ChannelReason.FRAME, f"max_payload must be in 1..{HARD_MAX_PAYLOAD}")
         if not 0 <= self.max_fds <= HARD_MAX_FDS:
-            raise FrameError(f"max_fds must be in 0..{HARD_MAX_FDS}")
+            raise ChannelError(ChannelReason.FRAME, f"max_fds must be in 0..{HARD_MAX_FDS}")
 
 
 def close_quietly(fd: int) -> None:
@@ -74,7 +75,7 @@ def close_quietly(fd: int) -> None:
 def check_timeout(timeout: float) -> float:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
             not (timeout >= 0 and timeout != float("inf")):
-        raise ChannelError(f"timeout must be a finite number of seconds >= 0, not {timeout!r:.40}")
+        raise ChannelError(ChannelReason.SETUP, f"timeout must be a finite number of seconds >= 0, not {timeout!r:.40}")
     return timeout
 
 
@@ -85,9 +86,10 @@ def remaining_ms(deadline: float) -> int:
 def pack(payload: bytes, nfds: int, limits: Limits) -> bytes:
     """The frame of one message, after checking it against ``limits``."""
     if len(payload) > limits.max_payload:
-        raise FrameError(f"payload of {len(payload)} bytes exceeds the cap of {limits.max_payload}")
+        raise ChannelError(ChannelReason.FRAME,
+                           f"payload of {len(payload)} bytes exceeds the cap of {limits.max_payload}")
     if nfds > limits.max_fds:
-        raise FrameError(f"{nfds} fds exceed the cap of {limits.max_fds}")
+        raise ChannelError(ChannelReason.FRAME, f"{nfds} fds exceed the cap of {limits.max_fds}")
     return HEADER.pack(MAGIC, len(payload), nfds) + payload
 
 
@@ -95,14 +97,14 @@ _MSG_TRUNC, _MSG_CTRUNC = int(socket.MSG_TRUNC), int(socket.MSG_CTRUNC)  # ints:
 
 
 def unpack(data: bytes, fds: list[int], flags: int, limits: Limits) -> Message:
-    """The message in one received packet, or FrameError with every received fd closed."""
-    def refuse(why: str) -> FrameError:
+    """The message in one received packet, or ChannelError (FRAME) with every received fd closed."""
+    def refuse(why: str) -> ChannelError:
         for fd in fds:
             close_quietly(fd)
-        return FrameError(why)
+        return ChannelError(ChannelReason.FRAME, why)
 
     if not data and not fds:
-        raise ChannelClosed("the peer closed the connection")
+        raise ChannelError(ChannelReason.CLOSED, "the peer closed the connection")
     if flags & _MSG_TRUNC:
         raise refuse(f"message larger than the cap of {limits.max_payload} bytes")
     if flags & _MSG_CTRUNC:
@@ -129,17 +131,17 @@ def _encode_bytes(value: Any) -> Any:
 def _pairs(items: list[tuple[str, Any]]) -> Any:
     obj = dict(items)
     if len(obj) != len(items):
-        raise FrameError("duplicate key in message")
+        raise ChannelError(ChannelReason.FRAME, "duplicate key in message")
     if set(obj) == {"$b64"}:
         try:
             return base64.b64decode(obj["$b64"], validate=True)
         except (TypeError, ValueError):
-            raise FrameError("malformed $b64 value") from None
+            raise ChannelError(ChannelReason.FRAME, "malformed $b64 value") from None
     return obj
 
 
 def _bad_constant(name: str) -> Any:
-    raise FrameError(f"non-finite number {name} in message")
+    raise ChannelError(ChannelReason.FRAME, f"non-finite number {name} in message")
 
 
 # One codec each, built once: every message of a lease's round trip went through a fresh
@@ -151,21 +153,21 @@ _DECODER = json.JSONDecoder(object_pairs_hook=_pairs, parse_constant=_bad_consta
 def encode(obj: Mapping[str, Any]) -> bytes:
     """A JSON object as bytes. ``bytes`` values travel as ``{"$b64": "..."}``."""
     if not isinstance(obj, Mapping):
-        raise FrameError("a message must be a JSON object")
+        raise ChannelError(ChannelReason.FRAME, "a message must be a JSON object")
     try:
         return _ENCODER.encode(obj).encode("utf-8")
     except (TypeError, ValueError) as exc:
-        raise FrameError(f"cannot encode message: {exc}") from None
+        raise ChannelError(ChannelReason.FRAME, f"cannot encode message: {exc}") from None
 
 
 def decode(data: bytes) -> dict[str, Any]:
     """The inverse of :func:`encode`. Refuses duplicate keys, NaN/Infinity and non-objects."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise FrameError(f"a message is bytes, not {type(data).__name__}")
+        raise ChannelError(ChannelReason.FRAME, f"a message is bytes, not {type(data).__name__}")
     try:
         value = _DECODER.decode(bytes(data).decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: also an int of >4300 digits
-        raise FrameError(f"malformed message: {exc}") from None
+        raise ChannelError(ChannelReason.FRAME, f"malformed message: {exc}") from None
     if not isinstance(value, dict):
-        raise FrameError("a message must be a JSON object")
+        raise ChannelError(ChannelReason.FRAME, "a message must be a JSON object")
     return value

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kvstate.core.errors import ChannelError
+from kvstate.core.reasons import ChannelReason
 from kvstate.core.identity import host_boot_id
 
 SUFFIX = ".lock"
@@ -157,4 +158,4 @@ def _unlink(path: Path) -> None:
     except FileNotFoundError:
         pass
     except OSError as exc:
-        raise ChannelError(f"cannot remove {path}: {exc.strerror}") from None
+        raise ChannelError(ChannelReason.FAILED, f"cannot remove {path}: {exc.strerror}") from None

@@ -18,14 +18,8 @@ from kvstate.channel import owner
 from kvstate.channel.conn import Channel, check_uids, poll_until
 from kvstate.channel.framing import DEFAULT_TIMEOUT, Limits, check_timeout, encode
 from kvstate.channel.paths import check_socket_path
-from kvstate.core.errors import (
-    ChannelClosed,
-    ChannelError,
-    ChannelTimeout,
-    ConnectionLimit,
-    PeerRejected,
-    UnsafeSocketPath,
-)
+from kvstate.core.errors import ChannelError, Busy
+from kvstate.core.reasons import ChannelReason
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +35,11 @@ class Server:
                  limits: Limits = Limits(), backlog: int = 64,
                  max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
         if type(max_connections) is not int or max_connections < 1:
-            raise ChannelError(f"max_connections must be an int >= 1, not {max_connections!r:.40}")
+            raise ChannelError(ChannelReason.SETUP, f"max_connections must be an int >= 1, not {max_connections!r:.40}")
         if type(backlog) is not int or not 1 <= backlog <= 4096:
-            raise ChannelError(f"backlog must be an int in 1..4096, not {backlog!r:.40}")
+            raise ChannelError(ChannelReason.SETUP, f"backlog must be an int in 1..4096, not {backlog!r:.40}")
         if not isinstance(limits, Limits):
-            raise ChannelError(f"limits must be Limits, not {type(limits).__name__}")
+            raise ChannelError(ChannelReason.SETUP, f"limits must be Limits, not {type(limits).__name__}")
         check_uids(allowed_uids)
         self.path = Path(path)
         self.limits = limits
@@ -76,7 +70,7 @@ class Server:
                     os.unlink(self.path)
                 self._mark.release()
                 if isinstance(exc, OSError):  # EMFILE, ENOBUFS, EADDRINUSE...
-                    raise ChannelError(f"{self.path}: cannot listen: {exc.strerror or exc}") from None
+                    raise ChannelError(ChannelReason.FAILED, f"{self.path}: cannot listen: {exc.strerror or exc}") from None
                 raise
         self._closed = False
 
@@ -87,7 +81,7 @@ class Server:
         except FileNotFoundError:
             return
         if not stat.S_ISSOCK(st.st_mode):
-            raise UnsafeSocketPath(str(self.path), "exists and is not a socket")
+            raise ChannelError.unsafe_path(str(self.path), "exists and is not a socket")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             probe.settimeout(1.0)
@@ -96,10 +90,10 @@ class Server:
             os.unlink(self.path)
             return
         except OSError as exc:
-            raise ChannelError(f"{self.path}: cannot probe the existing socket: {exc}") from None
+            raise ChannelError(ChannelReason.FAILED, f"{self.path}: cannot probe the existing socket: {exc}") from None
         finally:
             probe.close()
-        raise ChannelError(f"{self.path}: another server is listening there")
+        raise ChannelError(ChannelReason.FAILED, f"{self.path}: another server is listening there")
 
     def __enter__(self) -> Server:
         return self
@@ -112,9 +106,9 @@ class Server:
         return self._closed
 
     def accept(self, timeout: float = DEFAULT_TIMEOUT) -> Channel:
-        """The next connection from an allowed uid; PeerRejected (connection closed) otherwise."""
+        """The next connection from an allowed uid; ChannelError (REJECTED) (connection closed) otherwise."""
         if self._closed:
-            raise ChannelClosed("the server was closed")
+            raise ChannelError(ChannelReason.CLOSED, "the server was closed")
         check_timeout(timeout)
         deadline = time.monotonic() + timeout
         while True:
@@ -124,19 +118,19 @@ class Server:
                 pass
             except OSError as exc:
                 if self._closed:
-                    raise ChannelClosed("the server was closed") from None
-                raise ChannelError(f"accept failed: {exc}") from None
+                    raise ChannelError(ChannelReason.CLOSED, "the server was closed") from None
+                raise ChannelError(ChannelReason.FAILED, f"accept failed: {exc}") from None
             else:
                 return Channel(conn, limits=self.limits, allowed_uids=self.allowed_uids)
             p = select.poll()
             try:
                 p.register(self._sock, select.POLLIN)
             except ValueError:  # closed by another thread since the accept above
-                raise ChannelClosed("the server was closed") from None
+                raise ChannelError(ChannelReason.CLOSED, "the server was closed") from None
             if not poll_until(p, deadline):
                 if self._closed:
-                    raise ChannelClosed("the server was closed")
-                raise ChannelTimeout(f"no connection within {timeout} s")
+                    raise ChannelError(ChannelReason.CLOSED, "the server was closed")
+                raise ChannelError(ChannelReason.TIMEOUT, f"no connection within {timeout} s")
 
     def serve_in_thread(self, handler: Callable[[Channel], None], *, poll_interval: float = 0.1,
                         name: str = "kvstate-accept") -> threading.Thread:
@@ -162,7 +156,7 @@ class Server:
                 slots.release()
 
         def refuse(ch: Channel) -> None:
-            exc = ConnectionLimit(self.max_connections)
+            exc = Busy.connections(self.max_connections)
             log.warning("%s (peer pid %d)", exc, ch.peer.pid)
             try:
                 ch.send(encode({"ok": False, "code": "ConnectionLimit", "detail": str(exc)}), timeout=0)
@@ -189,14 +183,14 @@ class Server:
                 close_lingering(everything=False)
                 try:
                     ch = self.accept(poll_interval)
-                except ChannelTimeout:
-                    continue
-                except PeerRejected as exc:
-                    log.warning("%s", exc)
-                    continue
-                except ChannelClosed:
-                    return
-                except ChannelError as exc:  # EMFILE, ENOBUFS, ECONNABORTED...: the server goes on
+                except ChannelError as exc:
+                    if exc.reason in (ChannelReason.TIMEOUT, ChannelReason.REJECTED):
+                        if exc.reason is ChannelReason.REJECTED:
+                            log.warning("%s", exc)
+                        continue
+                    if exc.closed:
+                        return
+                    # EMFILE, ENOBUFS, ECONNABORTED...: the server goes on
                     log.warning("%s: %s", self.path, exc)
                     time.sleep(poll_interval)  # a connection left in the backlog must not spin a core
                     continue

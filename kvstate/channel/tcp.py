@@ -15,7 +15,7 @@ deployment's key before anything else is read, with a mutual challenge and respo
     server -> client   MAC(key, "server" | nonce_c | nonce_s)
 
 (MAC: BLAKE2b keyed with the deployment key, personalised ``kvstate/chanauth``.) A peer
-that fails is refused with :class:`~kvstate.core.errors.PeerUnauthenticated` and closed. The
+that fails is refused with :class:`ChannelError` (UNAUTHENTICATED) and closed. The
 messages themselves are not encrypted: what crosses is descriptors (signed), lease ids
 and block hashes, never KV bytes (those go through NIXL).
 """
@@ -33,7 +33,8 @@ from collections.abc import Callable, Sequence
 
 from kvstate.channel.conn import Channel, PeerCred
 from kvstate.channel.framing import DEFAULT_TIMEOUT, HEADER, MAGIC, Limits, Message, check_timeout, remaining_ms
-from kvstate.core.errors import ChannelClosed, ChannelError, ChannelTimeout, FrameError, PeerUnauthenticated
+from kvstate.core.errors import ChannelError
+from kvstate.core.reasons import ChannelReason
 from kvstate.core.identity import Deployment, Purpose, digest
 
 log = logging.getLogger(__name__)
@@ -48,11 +49,11 @@ FRAME_GRACE_S = 1.0
 def parse_address(address: str) -> tuple[str, int]:
     """``tcp://HOST:PORT`` -> (host, port); ChannelError for anything else."""
     if not address.startswith(SCHEME):
-        raise ChannelError(f"not a tcp address: {address!r:.80}")
+        raise ChannelError(ChannelReason.SETUP, f"not a tcp address: {address!r:.80}")
     host, sep, port = address[len(SCHEME):].rpartition(":")
     # ASCII digits only: str.isdigit() also takes '²' (which int() refuses) and '٣' (a 3).
     if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
-        raise ChannelError(f"malformed tcp address {address!r:.80}")
+        raise ChannelError(ChannelReason.SETUP, f"malformed tcp address {address!r:.80}")
     return host.strip("[]"), int(port)
 
 
@@ -91,7 +92,7 @@ class TcpChannel(Channel):
         p = select.poll()
         self._register(p, events)
         if not p.poll(remaining_ms(deadline)):
-            raise ChannelTimeout(f"{what} did not complete in time")
+            raise ChannelError(ChannelReason.TIMEOUT, f"{what} did not complete in time")
         self._live()
 
     def _send_all(self, data: bytes, deadline: float) -> None:
@@ -104,7 +105,7 @@ class TcpChannel(Channel):
             except BlockingIOError:
                 pass
             except (BrokenPipeError, ConnectionResetError):
-                raise ChannelClosed("the peer closed the connection") from None
+                raise ChannelError(ChannelReason.CLOSED, "the peer closed the connection") from None
             except OSError:
                 self._live()
                 raise
@@ -120,12 +121,12 @@ class TcpChannel(Channel):
                 self._wait(select.POLLIN, deadline, "recv")
                 continue
             except ConnectionResetError:
-                raise ChannelClosed("the peer reset the connection") from None
+                raise ChannelError(ChannelReason.CLOSED, "the peer reset the connection") from None
             except OSError:
                 self._live()
                 raise
             if not chunk:
-                raise ChannelClosed("the peer closed the connection")
+                raise ChannelError(ChannelReason.CLOSED, "the peer closed the connection")
             chunks.append(chunk)
             left -= len(chunk)
         return b"".join(chunks)
@@ -133,9 +134,10 @@ class TcpChannel(Channel):
     def send(self, payload: bytes, fds: Sequence[int] = (), *, timeout: float = DEFAULT_TIMEOUT) -> None:
         self._live()
         if fds:
-            raise FrameError("file descriptors cannot cross nodes")
+            raise ChannelError(ChannelReason.FRAME, "file descriptors cannot cross nodes")
         if len(payload) > self.limits.max_payload:
-            raise FrameError(f"payload of {len(payload)} bytes exceeds the cap of {self.limits.max_payload}")
+            raise ChannelError(ChannelReason.FRAME,
+                               f"payload of {len(payload)} bytes exceeds the cap of {self.limits.max_payload}")
         deadline = time.monotonic() + check_timeout(timeout)
         with self._send_lock:  # a frame is written whole before the next one starts
             self._send_all(HEADER.pack(MAGIC, len(payload), 0) + payload, deadline)
@@ -154,7 +156,8 @@ class TcpChannel(Channel):
         try:
             magic, length, nfds = HEADER.unpack(self._recv_exact(HEADER.size, whole_by))
             if magic != MAGIC or nfds != 0 or length > self.limits.max_payload:
-                raise FrameError(f"bad frame header (magic {magic!r}, {length} bytes, {nfds} fds)")
+                raise ChannelError(ChannelReason.FRAME,
+                                   f"bad frame header (magic {magic!r}, {length} bytes, {nfds} fds)")
             return Message(self._recv_exact(length, whole_by))
         except BaseException:
             self.close()
@@ -165,12 +168,13 @@ def _handshake_client(ch: TcpChannel, deployment: Deployment, timeout: float) ->
     with ch.recv(timeout) as msg:
         nonce_s = msg.payload
     if len(nonce_s) != _NONCE:
-        raise PeerUnauthenticated(f"{ch.address}: malformed challenge")
+        raise ChannelError(ChannelReason.UNAUTHENTICATED, f"{ch.address}: malformed challenge")
     nonce_c = os.urandom(_NONCE)
     ch.send(nonce_c + _mac(deployment, b"client", nonce_s, nonce_c), timeout=timeout)
     with ch.recv(timeout) as msg:
         if not hmac.compare_digest(msg.payload, _mac(deployment, b"server", nonce_c, nonce_s)):
-            raise PeerUnauthenticated(f"{ch.address}: the server does not hold this deployment's key")
+            raise ChannelError(ChannelReason.UNAUTHENTICATED,
+                               f"{ch.address}: the server does not hold this deployment's key")
 
 
 def connect_tcp(address: str, deployment: Deployment, *, timeout: float = DEFAULT_TIMEOUT,
@@ -181,11 +185,11 @@ def connect_tcp(address: str, deployment: Deployment, *, timeout: float = DEFAUL
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except TimeoutError:
-        raise ChannelTimeout(f"connect to {address} did not complete within {timeout} s") from None
+        raise ChannelError(ChannelReason.TIMEOUT, f"connect to {address} did not complete within {timeout} s") from None
     except ConnectionRefusedError:
-        raise ChannelClosed(f"no server at {address}") from None
+        raise ChannelError(ChannelReason.CLOSED, f"no server at {address}") from None
     except OSError as exc:
-        raise ChannelError(f"cannot connect to {address}: {exc.strerror or exc}") from None
+        raise ChannelError(ChannelReason.FAILED, f"cannot connect to {address}: {exc.strerror or exc}") from None
     ch = TcpChannel(sock, limits=limits)
     try:
         _handshake_client(ch, deployment, timeout)
@@ -220,13 +224,13 @@ class _Handshake:
 
     def step(self) -> bool:
         """Read what has arrived; True once the peer proved it holds the key, False while
-        more is due. PeerUnauthenticated or OSError: drop it."""
+        more is due. ChannelError (UNAUTHENTICATED) or OSError: drop it."""
         try:
             chunk = self.sock.recv(_CLIENT_PROOF - len(self.got))
         except BlockingIOError:
             return False
         if not chunk:
-            raise PeerUnauthenticated("closed during the handshake")
+            raise ChannelError(ChannelReason.UNAUTHENTICATED, "closed during the handshake")
         self.got += chunk
         if len(self.got) < _CLIENT_PROOF:
             return False
@@ -234,7 +238,7 @@ class _Handshake:
         nonce_c, mac = self.got[HEADER.size:HEADER.size + _NONCE], self.got[HEADER.size + _NONCE:]
         if magic != MAGIC or length != 2 * _NONCE or nfds != 0 or \
                 not hmac.compare_digest(mac, _mac(self._deployment, b"client", self.nonce, nonce_c)):
-            raise PeerUnauthenticated("the client does not hold this deployment's key")
+            raise ChannelError(ChannelReason.UNAUTHENTICATED, "the client does not hold this deployment's key")
         self._nonce_c = nonce_c
         return True
 
@@ -247,7 +251,7 @@ class _Handshake:
 def _send_now(sock: socket.socket, data: bytes) -> None:
     """A handshake message goes whole into a fresh socket's buffer, or the peer is dropped."""
     if sock.send(data) != len(data):
-        raise PeerUnauthenticated("the handshake did not fit the socket's buffer")
+        raise ChannelError(ChannelReason.UNAUTHENTICATED, "the handshake did not fit the socket's buffer")
 
 
 class TcpServer:
@@ -266,7 +270,8 @@ class TcpServer:
         try:
             self._sock = socket.create_server((host, port), reuse_port=False, backlog=1024)
         except (OSError, OverflowError, TypeError, ValueError) as exc:  # in use, no such host, bad port
-            raise ChannelError(f"cannot listen on {host!r:.60} port {port!r:.10}: {exc}") from None
+            raise ChannelError(ChannelReason.FAILED,
+                               f"cannot listen on {host!r:.60} port {port!r:.10}: {exc}") from None
         self._sock.setblocking(False)
         bound = self._sock.getsockname()
         self.address = f"{SCHEME}{bound[0]}:{bound[1]}"
@@ -299,7 +304,7 @@ class TcpServer:
             try:
                 hs.answer()
                 ch = TcpChannel(hs.sock, limits=self.limits)
-            except (OSError, PeerUnauthenticated) as exc:  # it left meanwhile (ENOTCONN, EPIPE)
+            except (OSError, ChannelError) as exc:  # it left meanwhile (ENOTCONN, EPIPE)
                 log.info("a tcp peer left before it was served: %s", exc)
                 hs.sock.close()
                 self._slots.release()
@@ -321,7 +326,7 @@ class TcpServer:
                     drop(next(iter(pending)), "too many handshakes at once: the oldest goes")
                 try:
                     hs = _Handshake(conn, self.deployment, time.monotonic() + self.handshake_timeout)
-                except (OSError, PeerUnauthenticated) as exc:  # reset before the accept, and the like
+                except (OSError, ChannelError) as exc:  # reset before the accept, and the like
                     log.info("refused a tcp peer at its accept: %s", exc)
                     conn.close()
                     continue
@@ -345,7 +350,7 @@ class TcpServer:
                         elif fd in pending:
                             try:
                                 done = pending[fd].step()
-                            except (OSError, PeerUnauthenticated) as exc:
+                            except (OSError, ChannelError) as exc:
                                 drop(fd, exc)
                                 continue
                             if done:

@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 from kvstate.channel.conn import Channel
 from kvstate.channel.framing import DEFAULT_TIMEOUT, check_timeout, close_quietly
-from kvstate.core.errors import ChannelClosed, ChannelError
+from kvstate.core.errors import ChannelError
+from kvstate.core.reasons import ChannelReason
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,8 @@ class Watcher:
         try:
             self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:  # EMFILE, ENFILE
-            raise ChannelError(f"cannot make the watcher's wake-up pipe: {exc.strerror or exc}") from None
+            raise ChannelError(ChannelReason.FAILED,
+                               f"cannot make the watcher's wake-up pipe: {exc.strerror or exc}") from None
         self._stop = False
         self._wake_closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -47,15 +49,17 @@ class Watcher:
         except RuntimeError as exc:  # the interpreter cannot start another thread
             close_quietly(self._wake_r)
             close_quietly(self._wake_w)
-            raise ChannelError(f"cannot start the watcher thread: {exc}") from None
+            raise ChannelError(ChannelReason.FAILED, f"cannot start the watcher thread: {exc}") from None
 
     def watch(self, channel: Channel, on_close: Callable[[Channel], None]) -> None:
         if not isinstance(channel, Channel) or not callable(on_close):
-            raise ChannelError(f"watch takes a Channel and a callable, not {type(channel).__name__} and "
+            raise ChannelError(ChannelReason.SETUP,
+                               f"watch takes a Channel and a callable, not {type(channel).__name__} and "
                                f"{type(on_close).__name__}")
         with self._lock:
             if self._stop:
-                raise ChannelClosed("this watcher is closed: nothing would tell when the channel closes")
+                raise ChannelError(ChannelReason.CLOSED,
+                                   "this watcher is closed: nothing would tell when the channel closes")
             self._watched[id(channel)] = (channel, on_close)
         self._wake()
 

@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 
 from kvstate.reuse import policy, profile
-from kvstate.core.errors import PolicyInputError
+from kvstate.core.errors import ArgumentInvalid
+from kvstate.core.reasons import ArgumentReason
 from kvstate.core.capabilities import MemoryKind
 
 help = "explain the reuse policy's decision for given inputs"
@@ -42,11 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _candidate(text: str) -> policy.Candidate:
     parts = text.rsplit(":", 2)
     if len(parts) != 3 or not parts[2].isdigit():
-        raise PolicyInputError(f"--candidate {text!r}: expected ID:host|device:BLOCKS")
+        raise ArgumentInvalid(ArgumentReason.POLICY_INPUT, f"--candidate {text!r}: expected ID:host|device:BLOCKS")
     try:
         memory = MemoryKind(parts[1])
     except ValueError:
-        raise PolicyInputError(f"--candidate {text!r}: memory must be host or device") from None
+        raise ArgumentInvalid(ArgumentReason.POLICY_INPUT,
+                              f"--candidate {text!r}: memory must be host or device") from None
     return policy.Candidate(parts[0], int(parts[2]), memory)
 
 
@@ -55,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     candidates = [_candidate(c) for c in args.candidate]
     admitted: profile.Admitted | None = None
     if (args.profile is None) != (args.capabilities is None):
-        raise PolicyInputError("--profile and --capabilities go together")
+        raise ArgumentInvalid(ArgumentReason.POLICY_INPUT, "--profile and --capabilities go together")
     if args.profile is not None:
         declared = profile.DeploymentProfile.parse(args.profile)
         try:
@@ -65,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"larger than {profile.MAX_CAPABILITIES_BYTES} bytes")
             wire = json.loads(text.decode("utf-8"))
         except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nesting too deep
-            raise PolicyInputError(f"--capabilities {args.capabilities}: {exc}") from None
+            raise ArgumentInvalid(ArgumentReason.POLICY_INPUT, f"--capabilities {args.capabilities}: {exc}") from None
         outcome = profile.admit(declared, profile.parse_capabilities(wire))
         if isinstance(outcome, profile.Refused):
             for r in outcome.reasons:

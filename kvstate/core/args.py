@@ -29,41 +29,41 @@ def need(name: str, value: object, kind: type[T] | tuple[type[T], ...]) -> T:
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds and int in kinds):
         names = " or ".join(k.__name__ for k in kinds)
-        raise ArgumentInvalid(name, ArgumentReason.TYPE, f"must be {names}, not {type(value).__name__}")
+        raise ArgumentInvalid.of(name, ArgumentReason.TYPE, f"must be {names}, not {type(value).__name__}")
     return value
 
 
 def need_int(name: str, value: object, lo: int | None = None, hi: int | None = None) -> int:
     if type(value) is not int:
-        raise ArgumentInvalid(name, ArgumentReason.TYPE, f"must be an int, not {type(value).__name__}")
+        raise ArgumentInvalid.of(name, ArgumentReason.TYPE, f"must be an int, not {type(value).__name__}")
     if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise ArgumentInvalid(name, ArgumentReason.RANGE, f"{value} is outside {lo}..{hi}")
+        raise ArgumentInvalid.of(name, ArgumentReason.RANGE, f"{value} is outside {lo}..{hi}")
     return value
 
 
 def need_seconds(name: str, value: object, *, allow_zero: bool = True) -> float:
     """A finite, non-negative number of seconds (int or float, not bool)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ArgumentInvalid(name, ArgumentReason.TYPE, f"must be a number of seconds, not {type(value).__name__}")
+        raise ArgumentInvalid.of(name, ArgumentReason.TYPE, f"must be a number of seconds, not {type(value).__name__}")
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero) or value > 1e9:
-        raise ArgumentInvalid(name, ArgumentReason.RANGE, f"{value!r} is not a finite number of seconds in 0..1e9")
+        raise ArgumentInvalid.of(name, ArgumentReason.RANGE, f"{value!r} is not a finite number of seconds in 0..1e9")
     return float(value)
 
 
 def need_text(name: str, value: object, max_len: int = MAX_TEXT, *, allow_empty: bool = False) -> str:
     """Text that every OS interface takes: no NUL, no lone surrogate, bounded."""
     if not isinstance(value, str):
-        raise ArgumentInvalid(name, ArgumentReason.TYPE, f"must be a str, not {type(value).__name__}")
+        raise ArgumentInvalid.of(name, ArgumentReason.TYPE, f"must be a str, not {type(value).__name__}")
     if not value and not allow_empty:
-        raise ArgumentInvalid(name, ArgumentReason.LENGTH, "must not be empty")
+        raise ArgumentInvalid.of(name, ArgumentReason.LENGTH, "must not be empty")
     if len(value) > max_len:
-        raise ArgumentInvalid(name, ArgumentReason.LENGTH, f"is {len(value)} characters, more than {max_len}")
+        raise ArgumentInvalid.of(name, ArgumentReason.LENGTH, f"is {len(value)} characters, more than {max_len}")
     if "\x00" in value:
-        raise ArgumentInvalid(name, ArgumentReason.ENCODING, "holds a NUL character")
+        raise ArgumentInvalid.of(name, ArgumentReason.ENCODING, "holds a NUL character")
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
-        raise ArgumentInvalid(name, ArgumentReason.ENCODING, "holds a lone surrogate") from None
+        raise ArgumentInvalid.of(name, ArgumentReason.ENCODING, "holds a lone surrogate") from None
     return value
 
 
@@ -76,19 +76,19 @@ def need_path(name: str, value: object) -> Path:
 
 def need_bytes(name: str, value: object, max_len: int | None = None) -> bytes:
     if not isinstance(value, (bytes, bytearray, memoryview)):
-        raise ArgumentInvalid(name, ArgumentReason.TYPE, f"must be bytes, not {type(value).__name__}")
+        raise ArgumentInvalid.of(name, ArgumentReason.TYPE, f"must be bytes, not {type(value).__name__}")
     out = bytes(value)
     if max_len is not None and len(out) > max_len:
-        raise ArgumentInvalid(name, ArgumentReason.LENGTH, f"is {len(out)} bytes, more than {max_len}")
+        raise ArgumentInvalid.of(name, ArgumentReason.LENGTH, f"is {len(out)} bytes, more than {max_len}")
     return out
 
 
 def need_items(name: str, value: object, kind: type[T] | tuple[type[T], ...], max_len: int | None = None) -> list[T]:
     """A list or tuple of ``kind`` (not a str, not a lazy iterator a check would consume)."""
     if not isinstance(value, (list, tuple)):
-        raise ArgumentInvalid(name, ArgumentReason.TYPE, f"must be a list or tuple, not {type(value).__name__}")
+        raise ArgumentInvalid.of(name, ArgumentReason.TYPE, f"must be a list or tuple, not {type(value).__name__}")
     if max_len is not None and len(value) > max_len:
-        raise ArgumentInvalid(name, ArgumentReason.LENGTH, f"has {len(value)} items, more than {max_len}")
+        raise ArgumentInvalid.of(name, ArgumentReason.LENGTH, f"has {len(value)} items, more than {max_len}")
     for i, item in enumerate(value):
         need(f"{name}[{i}]", item, kind)
     return list(value)
@@ -96,14 +96,15 @@ def need_items(name: str, value: object, kind: type[T] | tuple[type[T], ...], ma
 
 def need_callable(name: str, value: object) -> Any:
     if not callable(value):
-        raise ArgumentInvalid(name, ArgumentReason.TYPE, f"must be callable, not {type(value).__name__}")
+        raise ArgumentInvalid.of(name, ArgumentReason.TYPE, f"must be callable, not {type(value).__name__}")
     return value
 
 
 def need_callables(name: str, value: object) -> tuple[Any, ...]:
     """An iterable of callables (observers), taken whole."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise ArgumentInvalid(name, ArgumentReason.TYPE, f"must be an iterable of callables, not {type(value).__name__}")
+        raise ArgumentInvalid.of(name, ArgumentReason.TYPE,
+                                 f"must be an iterable of callables, not {type(value).__name__}")
     items = tuple(value)
     for i, item in enumerate(items):
         need_callable(f"{name}[{i}]", item)
@@ -113,25 +114,25 @@ def need_callables(name: str, value: object) -> tuple[Any, ...]:
 def need_choice(name: str, value: object, choices: Iterable[str]) -> str:
     options = tuple(choices)
     if not isinstance(value, str) or value not in options:
-        raise ArgumentInvalid(name, ArgumentReason.RANGE, f"must be one of {', '.join(options)}, not {value!r:.40}")
+        raise ArgumentInvalid.of(name, ArgumentReason.RANGE, f"must be one of {', '.join(options)}, not {value!r:.40}")
     return value
 
 
 def need_mapping_keys(name: str, value: object, keys: Sequence[str]) -> dict[str, Any]:
     """Keyword overrides limited to known names."""
     if not isinstance(value, dict):
-        raise ArgumentInvalid(name, ArgumentReason.TYPE, f"must be a mapping, not {type(value).__name__}")
+        raise ArgumentInvalid.of(name, ArgumentReason.TYPE, f"must be a mapping, not {type(value).__name__}")
     unknown = sorted(str(k) for k in value if k not in keys)
     if unknown:
-        raise ArgumentInvalid(name, ArgumentReason.RANGE, f"unknown name(s) {unknown[:5]}; known: {', '.join(keys)}")
+        raise ArgumentInvalid.of(name, ArgumentReason.RANGE, f"unknown name(s) {unknown[:5]}; known: {', '.join(keys)}")
     return dict(value)
 
 
 def need_kinds(name: str, value: object, kind: type[T]) -> frozenset[T]:
     """A non-empty frozenset of ``kind`` values (handle kinds, device ids)."""
     if not isinstance(value, frozenset) or not value or not all(isinstance(v, kind) for v in value):
-        raise ArgumentInvalid(name, ArgumentReason.TYPE, f"must be a non-empty frozenset of {kind.__name__}, "
-                              f"not {value!r:.80}")
+        raise ArgumentInvalid.of(name, ArgumentReason.TYPE, f"must be a non-empty frozenset of {kind.__name__}, "
+                                 f"not {value!r:.80}")
     return value
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from kvstate.core.errors import GeometryInvalid
+from kvstate.core.errors import ConfigInvalid
 
 #: Most runs one block may consist of: a layout needing more is refused, not crawled.
 MAX_RUNS = 1 << 16
@@ -51,8 +51,8 @@ def block_runs(itemsize: int, shape: Sequence[int], strides: Sequence[int], bloc
         dims.pop()
     count = math.prod(n for n, _ in dims)
     if count > MAX_RUNS:
-        raise GeometryInvalid("strides", f"a block of shape {tuple(shape)} with strides {tuple(strides)} is {count} "
-                              f"separate runs; at most {MAX_RUNS} are copied per block")
+        raise ConfigInvalid.geometry("strides", f"a block of shape {tuple(shape)} with strides {tuple(strides)} is "
+                                     f"{count} separate runs; at most {MAX_RUNS} are copied per block")
     offsets = [0]
     for n, step in dims:
         offsets = [o + k * step for o in offsets for k in range(n)]

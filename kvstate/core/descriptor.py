@@ -26,12 +26,12 @@ from typing import Any
 
 import attrs
 
-from kvstate.core.errors import DescriptorRejected, GeometryInvalid
+from kvstate.core.errors import DescriptorRejected, ConfigInvalid
 from kvstate.core.geometry import MAX_CANONICAL, Geometry
 from kvstate.core.handles import HandleKind
 from kvstate.core.identity import UUID_BYTES, Deployment, FabricDomain, FabricKind, Purpose, digest
 from kvstate.core.paths import MAX_SOCKET_PATH
-from kvstate.core.reasons import RejectReason
+from kvstate.core.reasons import RejectReason, ConfigReason
 
 MAGIC = b"KVSD"
 VERSION = 2
@@ -223,7 +223,9 @@ def _from_body(body: Any) -> Descriptor:
         raise DescriptorRejected(RejectReason.OVERSIZE, "socket_path does not fit sun_path")
     try:
         geometry = Geometry.parse(f["geometry"])
-    except GeometryInvalid as exc:
+    except ConfigInvalid as exc:
+        if exc.reason is not ConfigReason.GEOMETRY:
+            raise
         raise DescriptorRejected(RejectReason.MALFORMED, str(exc)) from None
     try:
         fabric = FabricDomain(_enum(FabricKind, "fabric_kind", f["fabric_kind"], RejectReason.MALFORMED),

@@ -36,7 +36,8 @@ from collections.abc import Iterable, Sequence
 import attrs
 
 from kvstate.core import blockmap
-from kvstate.core.errors import BlockOutOfRange, GeometryInvalid
+from kvstate.core.reasons import ArgumentReason
+from kvstate.core.errors import ConfigInvalid, ArgumentInvalid
 from kvstate.core.identity import Purpose, digest
 
 MAX_DIM = 1 << 32           # largest size of one dimension (num_blocks included)
@@ -61,7 +62,7 @@ class DType(enum.Enum):
 
     @classmethod
     def _missing_(cls, value: object) -> DType:
-        raise GeometryInvalid("dtype", f"{value!r:.40} is not one of {', '.join(d.value for d in cls)}")
+        raise ConfigInvalid.geometry("dtype", f"{value!r:.40} is not one of {', '.join(d.value for d in cls)}")
 
 
 class Layout(enum.Enum):
@@ -72,7 +73,7 @@ class Layout(enum.Enum):
 
     @classmethod
     def _missing_(cls, value: object) -> Layout:
-        raise GeometryInvalid("layout", f"{value!r:.40} is not one of {', '.join(x.value for x in cls)}")
+        raise ConfigInvalid.geometry("layout", f"{value!r:.40} is not one of {', '.join(x.value for x in cls)}")
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -86,7 +87,7 @@ def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
 
 def _ints(what: str, values: object) -> tuple[int, ...]:
     if not isinstance(values, (tuple, list)) or not all(type(v) is int for v in values):
-        raise GeometryInvalid(what, f"must be a tuple of ints, not {values!r:.80}")
+        raise ConfigInvalid.geometry(what, f"must be a tuple of ints, not {values!r:.80}")
     return tuple(values)
 
 
@@ -104,29 +105,29 @@ class Region:
     def __attrs_post_init__(self) -> None:
         where = f"region {self.name!r:.60}"
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
-            raise GeometryInvalid(f"{where}.name", "must be 1-128 characters of A-Z a-z 0-9 _ . : / -")
+            raise ConfigInvalid.geometry(f"{where}.name", "must be 1-128 characters of A-Z a-z 0-9 _ . : / -")
         if not isinstance(self.dtype, DType):
-            raise GeometryInvalid(f"{where}.dtype", f"must be a DType, not {self.dtype!r:.40}")
+            raise ConfigInvalid.geometry(f"{where}.dtype", f"must be a DType, not {self.dtype!r:.40}")
         shape, strides = _ints(f"{where}.shape", self.shape), _ints(f"{where}.strides", self.strides)
         object.__setattr__(self, "shape", shape)  # lists become tuples: the value is hashable
         object.__setattr__(self, "strides", strides)
         if not 1 <= len(shape) <= MAX_NDIM:
-            raise GeometryInvalid(f"{where}.shape", f"must have 1..{MAX_NDIM} dimensions, not {len(shape)}")
+            raise ConfigInvalid.geometry(f"{where}.shape", f"must have 1..{MAX_NDIM} dimensions, not {len(shape)}")
         if not all(1 <= n <= MAX_DIM for n in shape):
-            raise GeometryInvalid(f"{where}.shape", f"every size must be in 1..{MAX_DIM}: {shape}")
+            raise ConfigInvalid.geometry(f"{where}.shape", f"every size must be in 1..{MAX_DIM}: {shape}")
         if len(strides) != len(shape):
-            raise GeometryInvalid(f"{where}.strides", f"{len(strides)} strides for {len(shape)} dimensions")
+            raise ConfigInvalid.geometry(f"{where}.strides", f"{len(strides)} strides for {len(shape)} dimensions")
         if not all(0 <= t <= MAX_STRIDE for t in strides):
-            raise GeometryInvalid(f"{where}.strides", f"every stride must be in 0..{MAX_STRIDE}: {strides}")
+            raise ConfigInvalid.geometry(f"{where}.strides", f"every stride must be in 0..{MAX_STRIDE}: {strides}")
         if type(self.block_dim) is not int or not 0 <= self.block_dim < len(shape):
-            raise GeometryInvalid(f"{where}.block_dim", f"{self.block_dim!r} is not a dimension of {shape}")
+            raise ConfigInvalid.geometry(f"{where}.block_dim", f"{self.block_dim!r} is not a dimension of {shape}")
         if type(self.offset) is not int or not 0 <= self.offset <= MAX_BANK_BYTES or self.offset % self.dtype.itemsize:
-            raise GeometryInvalid(f"{where}.offset", f"{self.offset!r} must be in 0..2**56 and a multiple of "
-                                  f"the item size {self.dtype.itemsize}")
+            raise ConfigInvalid.geometry(f"{where}.offset", f"{self.offset!r} must be in 0..2**56 and a multiple of "
+                                         f"the item size {self.dtype.itemsize}")
         if not blockmap.non_overlapping(shape, strides):
-            raise GeometryInvalid(f"{where}.strides", f"{strides} make elements of shape {shape} overlap")
+            raise ConfigInvalid.geometry(f"{where}.strides", f"{strides} make elements of shape {shape} overlap")
         if self.offset + self.span > MAX_BANK_BYTES:
-            raise GeometryInvalid(f"{where}.offset", "the region ends beyond 2**56 bytes")
+            raise ConfigInvalid.geometry(f"{where}.offset", "the region ends beyond 2**56 bytes")
 
     @classmethod
     def contiguous(cls, name: str, dtype: DType, shape: Sequence[int], block_dim: int = 0,
@@ -143,7 +144,7 @@ class Region:
         shape = list(_ints("shape", list(shape)))
         strides = _ints("strides", list(strides))
         if len(strides) != len(shape) or type(block_dim) is not int or not 0 <= block_dim < len(shape):
-            raise GeometryInvalid("block_dim", f"{block_dim!r:.20} with shape {shape} and strides {strides}")
+            raise ConfigInvalid.geometry("block_dim", f"{block_dim!r:.20} with shape {shape} and strides {strides}")
         shape[block_dim] = num_blocks
         order = sorted(range(len(shape)), key=lambda i: (strides[i], -i))  # innermost first
         out, step = [0] * len(shape), 1
@@ -188,7 +189,8 @@ class Region:
 
 
 @functools.lru_cache(maxsize=4096)
-def _runs(itemsize: int, shape: tuple[int, ...], strides: tuple[int, ...], block_dim: int) -> tuple[tuple[int, int], ...]:
+def _runs(itemsize: int, shape: tuple[int, ...], strides: tuple[int, ...], block_dim: int) -> tuple[tuple[int, int],
+          ...]:
     return blockmap.block_runs(itemsize, shape, strides, block_dim)
 
 
@@ -205,28 +207,29 @@ class Geometry:
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.regions, (tuple, list)):
-            raise GeometryInvalid("regions", f"must be a tuple of Region values, not {type(self.regions).__name__}")
+            raise ConfigInvalid.geometry("regions",
+                                         f"must be a tuple of Region values, not {type(self.regions).__name__}")
         rs = tuple(self.regions)
         object.__setattr__(self, "regions", rs)
         if not 1 <= len(rs) <= MAX_REGIONS:
-            raise GeometryInvalid("regions", f"must number 1..{MAX_REGIONS}, not {len(rs)}")
+            raise ConfigInvalid.geometry("regions", f"must number 1..{MAX_REGIONS}, not {len(rs)}")
         if not all(isinstance(r, Region) for r in rs):
-            raise GeometryInvalid("regions", "must all be Region values")
+            raise ConfigInvalid.geometry("regions", "must all be Region values")
         names = [r.name for r in rs]
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
-            raise GeometryInvalid("regions", f"names must be unique; repeated: {dup[:5]}")
+            raise ConfigInvalid.geometry("regions", f"names must be unique; repeated: {dup[:5]}")
         nb = rs[0].num_blocks
         for r in rs[1:]:
             if r.num_blocks != nb:
-                raise GeometryInvalid(f"region {r.name!r}.shape", f"holds {r.num_blocks} blocks, "
-                                      f"region {rs[0].name!r} holds {nb}: every region holds num_blocks")
+                raise ConfigInvalid.geometry(f"region {r.name!r}.shape", f"holds {r.num_blocks} blocks, "
+                                             f"region {rs[0].name!r} holds {nb}: every region holds num_blocks")
         spans = sorted((r.offset, r.offset + r.span, r.name) for r in rs)
         for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
             if start < end:
-                raise GeometryInvalid(f"region {b!r}.offset", f"overlaps region {a!r} in the bank")
+                raise ConfigInvalid.geometry(f"region {b!r}.offset", f"overlaps region {a!r} in the bank")
         if len(self.canonical()) > MAX_CANONICAL:
-            raise GeometryInvalid("regions", f"canonical text longer than {MAX_CANONICAL} characters")
+            raise ConfigInvalid.geometry("regions", f"canonical text longer than {MAX_CANONICAL} characters")
 
     # -- constructors ---------------------------------------------------------------------
 
@@ -254,9 +257,9 @@ class Geometry:
         for what, n in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim),
                         ("block_tokens", block_tokens), ("num_blocks", num_blocks)):
             if type(n) is not int or not 1 <= n <= MAX_DIM:
-                raise GeometryInvalid(what, f"must be an int in 1..{MAX_DIM}, not {n!r:.40}")
+                raise ConfigInvalid.geometry(what, f"must be an int in 1..{MAX_DIM}, not {n!r:.40}")
         if not isinstance(layout, Layout):
-            raise GeometryInvalid("layout", f"must be a Layout, not {layout!r:.40}")
+            raise ConfigInvalid.geometry("layout", f"must be a Layout, not {layout!r:.40}")
         block = (2, block_tokens, kv_heads, head_dim)
         if layout is Layout.BLOCK_MAJOR:
             return cls((Region.contiguous("kv", dtype, (num_blocks, layers, *block)),))
@@ -265,24 +268,24 @@ class Geometry:
 
     @classmethod
     def parse(cls, text: str) -> Geometry:
-        """The geometry of a canonical text; anything else is GeometryInvalid."""
+        """The geometry of a canonical text; anything else is ConfigInvalid (GEOMETRY)."""
         if not isinstance(text, str) or not 0 < len(text) <= MAX_CANONICAL:
-            raise GeometryInvalid("text", f"must be a string of 1..{MAX_CANONICAL} characters")
+            raise ConfigInvalid.geometry("text", f"must be a string of 1..{MAX_CANONICAL} characters")
         regions = []
         for i, part in enumerate(text.split(";")):
             m = _REGION_TEXT.fullmatch(part)
             if m is None:
-                raise GeometryInvalid(f"regions[{i}]", f"not canonical region text: {part[:80]!r}")
+                raise ConfigInvalid.geometry(f"regions[{i}]", f"not canonical region text: {part[:80]!r}")
             name, dtype, shape, block_dim, strides, offset = m.groups()
             try:
                 dt = DType(dtype)
             except ValueError:
-                raise GeometryInvalid(f"regions[{i}].dtype", f"unknown dtype {dtype!r}") from None
+                raise ConfigInvalid.geometry(f"regions[{i}].dtype", f"unknown dtype {dtype!r}") from None
             regions.append(Region(name, dt, tuple(int(x) for x in shape.split("x")), int(block_dim),
                                   tuple(int(x) for x in strides.split("x")), int(offset)))
         g = cls(tuple(regions))
         if g.canonical() != text:
-            raise GeometryInvalid("text", "not in canonical form")
+            raise ConfigInvalid.geometry("text", "not in canonical form")
         return g
 
     # -- what the lifecycle code uses -----------------------------------------------------
@@ -299,7 +302,7 @@ class Geometry:
         for r in self.regions:
             if r.name == name:
                 return r
-        raise GeometryInvalid("regions", f"no region named {name!r:.80}")
+        raise ConfigInvalid.geometry("regions", f"no region named {name!r:.80}")
 
     @property
     def block_bytes(self) -> int:
@@ -320,7 +323,7 @@ class Geometry:
         """(offset, length) in the bank of every run of ``block``, region by region in
         logical order, adjacent runs merged."""
         if type(block) is not int or not 0 <= block < self.num_blocks:
-            raise BlockOutOfRange(f"block {block!r:.40} outside 0..{self.num_blocks - 1}")
+            raise ArgumentInvalid(ArgumentReason.RANGE, f"block {block!r:.40} outside 0..{self.num_blocks - 1}")
         out: list[tuple[int, int]] = []
         for r in self.regions:
             base = r.offset + block * r.block_stride_bytes

@@ -44,7 +44,7 @@ def digest(purpose: Purpose, data: bytes, *, key: bytes = b"", size: int = 32) -
 def _exact_bytes(n: int) -> Callable[[Any, attrs.Attribute[bytes], bytes], None]:
     def check(instance: Any, attribute: attrs.Attribute[bytes], value: bytes) -> None:
         if not isinstance(value, bytes) or len(value) != n:
-            raise ConfigInvalid(f"{type(instance).__name__}.{attribute.name}", f"must be exactly {n} bytes")
+            raise ConfigInvalid.of(f"{type(instance).__name__}.{attribute.name}", f"must be exactly {n} bytes")
     return check
 
 

@@ -8,22 +8,22 @@ and implements every guard and effect the table declares, marked with :func:`gua
 :func:`effect`. When the class is created, the table is compiled once into a
 ``transitions.Machine`` shared by every instance of the class; a binding that misses a
 declared guard or effect, or implements one the table does not declare, is a
-:class:`~kvstate.core.errors.BindingError` naming the table file and the entry.
+:class:`ConfigInvalid` (BINDING) naming the table file and the entry.
 
 Objects are driven only through :meth:`Lifecycle.fire`:
 
-1. The event must be declared for the current state, else :class:`IllegalTransition`
+1. The event must be declared for the current state, else :class:`TransitionError` (ILLEGAL)
    (naming machine, state and event) and nothing changes. ``transitions`` never sees
    undeclared events, and it never ignores an invalid trigger.
 2. The rows for (event, state) are tried in table order; the first whose guards hold
-   fires. If none holds, :class:`GuardRejected` lists the guards that refused.
+   fires. If none holds, :class:`TransitionError` (GUARD) lists the guards that refused.
 3. The row's effects run in order *before* the state is committed. An effect may return
    an undo callable. If a later effect raises, the undos of the earlier ones run in
    reverse order and the exception propagates with the state unchanged
    (INV-EFFECT-ATOMIC). An effect that raises must itself leave nothing half done.
    Whatever an effect or guard raises is rolled back the same way: an untyped exception
    (``OSError``, ``RuntimeError``, ``MemoryError``, a bug) leaves the machine as
-   :class:`~kvstate.core.errors.EffectFailed`, which names the machine, state, event and
+   :class:`NativeError` (EFFECT), which names the machine, state, event and
    step and chains the cause, so only typed errors leave ``fire`` and callers that roll
    back on ``KvStateError`` roll back on these too. (``KeyboardInterrupt`` and
    ``SystemExit`` are rolled back and re-raised as they are.)
@@ -34,7 +34,7 @@ Objects are driven only through :meth:`Lifecycle.fire`:
 Concurrency: each object carries its own ``threading.RLock`` and ``fire`` holds it for
 the whole transition, so a transition is atomic with respect to other threads driving
 the same object while different objects never contend. The lock is reentrant only so
-that a guard or effect firing on its own object is *detected* (ReentrantTransition)
+that a guard or effect firing on its own object is *detected* (TransitionError (REENTRANT))
 instead of deadlocking.
 
 Observers are called only when the calling thread holds no machine's lock: after the
@@ -74,13 +74,7 @@ from typing import Any, ClassVar, TypeVar
 import attrs
 import transitions
 
-from kvstate.core.errors import (
-    BindingError,
-    EffectFailed,
-    GuardRejected,
-    IllegalTransition,
-    ReentrantTransition,
-)
+from kvstate.core.errors import ConfigInvalid, NativeError, TransitionError
 from kvstate.core.args import need, need_callable, need_text
 from kvstate.core.errors import KvStateError
 from kvstate.core.spec import MachineSpec, TransitionSpec
@@ -178,7 +172,7 @@ class _Compiled:
 
 class _StepFailed(Exception):
     """Carries an untyped exception of a guard or effect out of ``transitions`` to
-    :meth:`Lifecycle.fire`, which raises it as EffectFailed with the machine's context."""
+    :meth:`Lifecycle.fire`, which raises it as NativeError (EFFECT) with the machine's context."""
 
     def __init__(self, step: str, cause: Exception) -> None:
         self.step = step
@@ -234,10 +228,11 @@ def _bindings(cls: type, spec: MachineSpec, attr: str, kind: str,
             found[name] = value
     declared = set(declared)
     for name in sorted(declared - set(found)):
-        raise BindingError(spec.source, f"{kind}.{name}", f"{cls.__qualname__} implements no {kind[:-1]} {name!r}")
+        raise ConfigInvalid.binding(spec.source, f"{kind}.{name}",
+                                    f"{cls.__qualname__} implements no {kind[:-1]} {name!r}")
     for name in sorted(set(found) - declared):
-        raise BindingError(spec.source, f"{kind}.{name}",
-                           f"{cls.__qualname__} implements {kind[:-1]} {name!r}, which the table does not declare")
+        raise ConfigInvalid.binding(spec.source, f"{kind}.{name}", f"{cls.__qualname__} implements {kind[:-1]} "
+                                    f"{name!r}, which the table does not declare")
     return found
 
 
@@ -378,7 +373,7 @@ class Lifecycle:
         compiled = type(self)._kv_compiled
         spec = compiled.spec
         if not isinstance(event, str):  # no such event: undeclared, and said so in words
-            raise IllegalTransition(spec.name, self._kv_state, f"{event!r:.40}")
+            raise TransitionError.illegal(spec.name, self._kv_state, f"{event!r:.40}")
         if "reason" in kwargs and kwargs["reason"] is not None:
             need_text("reason", kwargs["reason"], allow_empty=True)
         p = _held
@@ -388,19 +383,19 @@ class Lifecycle:
                 try:
                     source = self._kv_state
                     if self._kv_firing:
-                        raise ReentrantTransition(spec.name, source, event)
+                        raise TransitionError.reentrant(spec.name, source, event)
                     if (event, source) not in compiled.declared:
-                        raise IllegalTransition(spec.name, source, event)
+                        raise TransitionError.illegal(spec.name, source, event)
                     self._kv_firing = True
                     try:
                         fired = compiled.trigger(self, event, source, kwargs)
                     except _StepFailed as failed:
-                        raise EffectFailed(spec.name, source, event, failed.step, failed.cause) from failed.cause
+                        raise NativeError.effect(spec.name, source, event, failed.step, failed.cause) from failed.cause
                     finally:
                         self._kv_firing = False
                     if not fired:
-                        raise GuardRejected(spec.name, source, event,
-                                            self._refusing_guards(spec.rows(event, source), kwargs))
+                        raise TransitionError.guard(spec.name, source, event,
+                                                    self._refusing_guards(spec.rows(event, source), kwargs))
                     dest = self._kv_state
                     if self._observers:
                         reason = kwargs.get("reason")

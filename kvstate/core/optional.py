@@ -25,5 +25,6 @@ def require(dependency: str, backend: str, *, hint: str = "") -> ModuleType:
         return importlib.import_module(dependency)
     except ModuleNotFoundError as exc:
         if is_missing(exc, dependency.split(".")[0]):
-            raise BackendUnavailable(backend, f"{dependency} is not installed{'; ' + hint if hint else ''}") from exc
+            raise BackendUnavailable.missing(backend,
+                                             f"{dependency} is not installed{'; ' + hint if hint else ''}") from exc
         raise

@@ -2,7 +2,7 @@
 
 The tables are data, reviewed by humans; everything else is generated from or checked
 against them. This loader is deliberately unforgiving: an unknown key, an undeclared
-state, trigger, guard or effect, or a row that can never fire is a :class:`SpecError`
+state, trigger, guard or effect, or a row that can never fire is a :class:`ConfigInvalid` (SPEC)
 naming the file and the entry. What it returns is frozen: nothing downstream can edit
 the specification by accident.
 
@@ -23,7 +23,7 @@ from typing import Any
 
 import attrs
 
-from kvstate.core.errors import SpecError
+from kvstate.core.errors import ConfigInvalid
 
 MACHINE_NAMES = ("bank", "group", "part", "op", "coordinator", "rank")
 
@@ -117,33 +117,33 @@ class Spec:
 def _keys(source: str, entry: str, table: Mapping[str, Any], required: set[str], optional: set[str]) -> None:
     unknown = set(table) - required - optional
     if unknown:
-        raise SpecError(source, entry, f"unknown key(s) {sorted(unknown)}")
+        raise ConfigInvalid.spec(source, entry, f"unknown key(s) {sorted(unknown)}")
     missing = required - set(table)
     if missing:
-        raise SpecError(source, entry, f"missing key(s) {sorted(missing)}")
+        raise ConfigInvalid.spec(source, entry, f"missing key(s) {sorted(missing)}")
 
 
 def _text(source: str, entry: str, value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
-        raise SpecError(source, entry, "expected a non-empty string")
+        raise ConfigInvalid.spec(source, entry, "expected a non-empty string")
     return value.strip()
 
 
 def _names(source: str, entry: str, value: Any, declared: Iterable[str], kind: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise SpecError(source, entry, f"{kind} must be a list of names")
+        raise ConfigInvalid.spec(source, entry, f"{kind} must be a list of names")
     known = set(declared)
     for name in value:
         if name not in known:
-            raise SpecError(source, entry, f"undeclared {kind[:-1] if kind.endswith('s') else kind} {name!r}")
+            raise ConfigInvalid.spec(source, entry, f"undeclared {kind[:-1] if kind.endswith('s') else kind} {name!r}")
     if len(set(value)) != len(value):
-        raise SpecError(source, entry, f"repeated name in {kind}")
+        raise ConfigInvalid.spec(source, entry, f"repeated name in {kind}")
     return tuple(value)
 
 
 def _name_table(source: str, section: str, raw: Any) -> dict[str, str]:
     if not isinstance(raw, dict):
-        raise SpecError(source, f"[{section}]", "expected a table of name = description")
+        raise ConfigInvalid.spec(source, f"[{section}]", "expected a table of name = description")
     return {name: _text(source, f"{section}.{name}", doc) for name, doc in raw.items()}
 
 
@@ -152,12 +152,12 @@ def parse_machine(text: str, source: str) -> MachineSpec:
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise SpecError(source, "toml", str(exc)) from None
+        raise ConfigInvalid.spec(source, "toml", str(exc)) from None
     _keys(source, "top level", raw, {"machine", "states", "events", "transitions"}, {"guards", "effects"})
 
     head = raw["machine"]
     if not isinstance(head, dict):
-        raise SpecError(source, "[machine]", "expected a table")
+        raise ConfigInvalid.spec(source, "[machine]", "expected a table")
     _keys(source, "[machine]", head, {"name", "title", "initial", "terminal", "doc"}, set())
     name = _text(source, "machine.name", head["name"])
 
@@ -165,20 +165,20 @@ def parse_machine(text: str, source: str) -> MachineSpec:
     terminal = _names(source, "machine.terminal", head["terminal"], state_docs, "states")
     initial = _text(source, "machine.initial", head["initial"])
     if initial not in state_docs:
-        raise SpecError(source, "machine.initial", f"undeclared state {initial!r}")
+        raise ConfigInvalid.spec(source, "machine.initial", f"undeclared state {initial!r}")
     states = tuple(StateSpec(n, d, n in terminal) for n, d in state_docs.items())
 
     if not isinstance(raw["events"], dict):
-        raise SpecError(source, "[events]", "expected a table")
+        raise ConfigInvalid.spec(source, "[events]", "expected a table")
     events = []
     for ev, body in raw["events"].items():
         entry = f"events.{ev}"
         if not isinstance(body, dict):
-            raise SpecError(source, entry, "expected { doc = ..., fault = ..., external = ... }")
+            raise ConfigInvalid.spec(source, entry, "expected { doc = ..., fault = ..., external = ... }")
         _keys(source, entry, body, {"doc"}, {"fault", "external"})
         fault = body.get("fault", False)
         if not isinstance(fault, bool):
-            raise SpecError(source, entry, "fault must be true or false")
+            raise ConfigInvalid.spec(source, entry, "fault must be true or false")
         external = _text(source, f"{entry}.external", body["external"]) if "external" in body else None
         events.append(EventSpec(ev, _text(source, entry, body["doc"]), fault, external))
 
@@ -187,23 +187,23 @@ def parse_machine(text: str, source: str) -> MachineSpec:
 
     rows = raw["transitions"]
     if not isinstance(rows, list) or not rows:
-        raise SpecError(source, "[[transitions]]", "expected at least one transition")
+        raise ConfigInvalid.spec(source, "[[transitions]]", "expected at least one transition")
     transitions = []
     event_names = {e.name for e in events}
     for i, row in enumerate(rows):
         entry = f"transitions[{i}]"
         if not isinstance(row, dict):
-            raise SpecError(source, entry, "expected a table")
+            raise ConfigInvalid.spec(source, entry, "expected a table")
         _keys(source, entry, row, {"trigger", "source", "dest"}, {"guards", "unless", "effects"})
         trigger = _text(source, entry, row["trigger"])
         entry = f"transitions[{i}] ({trigger})"
         if trigger not in event_names:
-            raise SpecError(source, entry, f"undeclared trigger {trigger!r}")
+            raise ConfigInvalid.spec(source, entry, f"undeclared trigger {trigger!r}")
         for key in ("source", "dest"):
             if row[key] not in state_docs:
-                raise SpecError(source, entry, f"undeclared {key} state {row[key]!r}")
+                raise ConfigInvalid.spec(source, entry, f"undeclared {key} state {row[key]!r}")
         if row["source"] in terminal:
-            raise SpecError(source, entry, f"terminal state {row['source']!r} cannot be a source")
+            raise ConfigInvalid.spec(source, entry, f"terminal state {row['source']!r} cannot be a source")
         transitions.append(TransitionSpec(
             trigger=trigger,
             source=row["source"],
@@ -229,8 +229,8 @@ def _check_shadowing(source: str, transitions: list[TransitionSpec]) -> None:
     for i, t in enumerate(transitions):
         key = (t.trigger, t.source)
         if key in open_rows:
-            raise SpecError(source, f"transitions[{i}] ({t.trigger})",
-                            f"unreachable: an earlier unguarded row already fires {t.trigger!r} in {t.source!r}")
+            raise ConfigInvalid.spec(source, f"transitions[{i}] ({t.trigger})",
+                                     f"unreachable: an earlier unguarded row already fires {t.trigger!r} in {t.source!r}")
         if not t.guarded:
             open_rows.add(key)
 
@@ -246,27 +246,27 @@ def _check_usage(source: str, events: list[EventSpec], guards: Mapping[str, str]
                                  ("effects", list(effects), used_effects)):
         for name in declared:
             if name not in used:
-                raise SpecError(source, f"{kind}.{name}", "declared but used by no transition")
+                raise ConfigInvalid.spec(source, f"{kind}.{name}", "declared but used by no transition")
 
 
 def parse_invariants(text: str, source: str, machines: Iterable[str]) -> dict[str, InvariantSpec]:
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise SpecError(source, "toml", str(exc)) from None
+        raise ConfigInvalid.spec(source, "toml", str(exc)) from None
     _keys(source, "top level", raw, {"invariants"}, set())
     known = set(machines)
     out: dict[str, InvariantSpec] = {}
     for i, row in enumerate(raw["invariants"]):
         entry = f"invariants[{i}]"
         if not isinstance(row, dict):
-            raise SpecError(source, entry, "expected a table")
+            raise ConfigInvalid.spec(source, entry, "expected a table")
         _keys(source, entry, row, {"id", "statement", "machines"}, set())
         inv_id = _text(source, entry, row["id"])
         if not inv_id.startswith("INV-") or inv_id != inv_id.upper():
-            raise SpecError(source, entry, f"id {inv_id!r} must be 'INV-' then upper-case words")
+            raise ConfigInvalid.spec(source, entry, f"id {inv_id!r} must be 'INV-' then upper-case words")
         if inv_id in out:
-            raise SpecError(source, entry, f"duplicate id {inv_id!r}")
+            raise ConfigInvalid.spec(source, entry, f"duplicate id {inv_id!r}")
         out[inv_id] = InvariantSpec(
             id=inv_id,
             statement=_text(source, f"{inv_id}.statement", row["statement"]),
@@ -310,7 +310,7 @@ def _load_from(directory: Path) -> Spec:
 def _checked(machines: dict[str, MachineSpec], inv: dict[str, InvariantSpec]) -> Spec:
     for name, m in machines.items():
         if m.name != name:
-            raise SpecError(m.source, "machine.name", f"expected {name!r}, found {m.name!r}")
+            raise ConfigInvalid.spec(m.source, "machine.name", f"expected {name!r}, found {m.name!r}")
     return Spec(machines=machines, invariants=inv)
 
 

@@ -102,7 +102,7 @@ def page(m: MachineSpec, invariants: list[InvariantSpec], code: CodeMap) -> str:
     out += [_md_row([f"`{i.id}`", i.statement]) for i in invariants]
     undeclared = len(m.states) * len(m.events) - len({(t.trigger, t.source) for t in m.transitions})
     out += ["", f"Every other (state, event) pair ({undeclared} of {len(m.states) * len(m.events)}) "
-                "raises `IllegalTransition` and leaves the state unchanged.", ""]
+                "raises `TransitionError` (ILLEGAL) and leaves the state unchanged.", ""]
     return "\n".join(out)
 
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import attrs
 
-from kvstate.core.errors import BindingError, KvStateError
+from kvstate.core.errors import KvStateError, ConfigInvalid, ArgumentInvalid
+from kvstate.core.reasons import ArgumentReason
 from kvstate.core.spec import MACHINE_NAMES, Spec, load_spec
 from kvstate.derive import codemap, docs, header, promela, promela_coord
 
@@ -37,8 +38,8 @@ class Inputs:
         if self._code is None:
             code = codemap.scan(self.root, self.spec)
             if code.problems:
-                raise BindingError("kvstate/", "fire sites", "the code map is ambiguous:\n  "
-                                   + "\n  ".join(code.problems))
+                raise ConfigInvalid.binding("kvstate/", "fire sites", "the code map is ambiguous:\n  "
+                                            + "\n  ".join(code.problems))
             self._code = code
         return self._code
 
@@ -81,7 +82,8 @@ def source_root() -> Path:
     """The source tree this package runs from (a checkout or an editable install)."""
     root = Path(__file__).resolve().parents[2]
     if not (root / "spec").is_dir() or not (root / "ffi").is_dir():
-        raise KvStateError(f"{root} is not a kvstate source tree (no spec/ and ffi/); pass --root")
+        raise ArgumentInvalid.of("--root", ArgumentReason.RANGE,
+                                 f"{root} is not a kvstate source tree (no spec/ and ffi/); pass --root")
     return root
 
 

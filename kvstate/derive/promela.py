@@ -17,7 +17,7 @@ does: a later row also requires every earlier row's guards to refuse.
 What a guard or effect *means* is not in the tables, so it lives here, in ONE registry
 (:data:`REGISTRY`): ``(machine, "guard"|"effect", name)`` -> Promela text for the
 per-rank model and for the counting model. A table naming a guard or effect the registry
-does not know is a :class:`~kvstate.core.errors.ModelGenerationError` naming the file and the
+does not know is a :class:`ConfigInvalid` (MODEL) naming the file and the
 entry, never a silently unconstrained model. An effect that drives another machine (a
 group rolling back its parts, a load submitting an op) is a :class:`Cascade`: it fires
 the child's event through the child's own table, so the child's guards still apply.
@@ -63,7 +63,7 @@ from collections.abc import Iterable, Mapping
 
 import attrs
 
-from kvstate.core.errors import ModelGenerationError
+from kvstate.core.errors import ConfigInvalid
 from kvstate.core.spec import MachineSpec, Spec, TransitionSpec
 from kvstate.derive.promela_world import (
     ENGINE,
@@ -141,7 +141,7 @@ def _lookup(ctx: _Ctx, m: MachineSpec, kind: str, name: str) -> Text:
     if text is None:
         section = "guards" if kind == "guard" else "effects"
         model = "per-rank" if ctx.kind == PER_RANK else "counting"
-        raise ModelGenerationError(
+        raise ConfigInvalid.model(
             m.source, f"{section}.{name}",
             f"the Promela generator has no {model} meaning for {kind} {name!r}; "
             f"add it to kvstate.derive.promela.REGISTRY")
@@ -316,9 +316,9 @@ def _command(ctx: _Ctx, m: MachineSpec, row: TransitionSpec, i: str) -> str:
 def _actor_of(m: MachineSpec, event: str) -> str | None:
     actors = ACTORS.get(m.name, {})
     if event not in actors:
-        raise ModelGenerationError(m.source, f"events.{event}",
-                                   f"the Promela generator has no actor for event {event!r}; "
-                                   f"add it to kvstate.derive.promela.ACTORS")
+        raise ConfigInvalid.model(m.source, f"events.{event}",
+                                  f"the Promela generator has no actor for event {event!r}; "
+                                  f"add it to kvstate.derive.promela.ACTORS")
     return actors[event]
 
 
@@ -391,7 +391,7 @@ def generate(spec: Spec, kind: str, tp: int | None = None) -> str:
 
 def _inv_title(spec: Spec, inv: str) -> str:
     if inv not in spec.invariants:
-        raise ModelGenerationError("spec/invariants.toml", inv, "the models check this invariant; declare it")
+        raise ConfigInvalid.model("spec/invariants.toml", inv, "the models check this invariant; declare it")
     return f"{inv}: {spec.invariants[inv].statement}"
 
 

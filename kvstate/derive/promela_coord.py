@@ -22,7 +22,7 @@ Where the rows come from:
   it (worker, engine or coordinator), restricted by the world rules.
 
 A received message that no row of the receiver's current state admits is a violation of
-INV-EVENT-DECLARED (the runtime would raise IllegalTransition), unless the receiver's
+INV-EVENT-DECLARED (the runtime would raise TransitionError (ILLEGAL)), unless the receiver's
 machine already ended: then it is dropped, as the runtime drops messages for finished
 groups. A send is dropped when its receiver is dead or its machine ended (the runtime's
 send would fail or be dropped on arrival); otherwise the model asserts the queue has room,
@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvstate.core.errors import ModelGenerationError
+from kvstate.core.errors import ConfigInvalid
 from kvstate.core.spec import MachineSpec, Spec, TransitionSpec
 from kvstate.derive import coord_world as world
 from kvstate.derive.promela_world import MARK
@@ -76,29 +76,29 @@ class _Gen:
     def _check(self) -> None:
         for c in self.commands:
             if c not in self.rank.event_names:
-                raise ModelGenerationError(self.coord.source, f"effects.{SEND_PREFIX}{c}",
-                                           f"command {c!r} is not an event of the rank table")
+                raise ConfigInvalid.model(self.coord.source, f"effects.{SEND_PREFIX}{c}",
+                                          f"command {c!r} is not an event of the rank table")
         for row in self.rank.transitions:
             if "report" in row.effects and f"{REPORT_PREFIX}{row.dest}" not in self.reports:
-                raise ModelGenerationError(self.rank.source, f"transitions ({row.trigger} {row.source})",
-                                           f"reports {REPORT_PREFIX}{row.dest}, which the coordinator "
-                                           "table does not declare")
+                raise ConfigInvalid.model(self.rank.source, f"transitions ({row.trigger} {row.source})",
+                                          f"reports {REPORT_PREFIX}{row.dest}, which the coordinator "
+                                          "table does not declare")
         for m in (self.coord, self.rank):
             for kind, names in (("guard", m.guards), ("effect", m.effects)):
                 for name in names:
                     self._text(m, kind, name)
         for r in self.reports:
             if r not in world.NOTES:
-                raise ModelGenerationError(self.coord.source, f"events.{r}", "the coordinator model has no "
-                                           "bookkeeping for this report; add it to coord_world.NOTES")
+                raise ConfigInvalid.model(self.coord.source, f"events.{r}", "the coordinator model has no "
+                                          "bookkeeping for this report; add it to coord_world.NOTES")
 
     def _text(self, m: MachineSpec, kind: str, name: str) -> str:
         text = self.registry.get((m.name, kind, name))
         if text is None:
             section = "guards" if kind == "guard" else "effects"
-            raise ModelGenerationError(m.source, f"{section}.{name}",
-                                       f"the coordinator model has no meaning for {kind} {name!r}; "
-                                       "add it to kvstate.derive.coord_world.REGISTRY")
+            raise ConfigInvalid.model(m.source, f"{section}.{name}",
+                                      f"the coordinator model has no meaning for {kind} {name!r}; "
+                                      "add it to kvstate.derive.coord_world.REGISTRY")
         return text
 
     def expand(self, text: str, r: str, row: TransitionSpec | None = None) -> str:
@@ -229,8 +229,8 @@ inline unmap(q) {{
 
     def _inv(self, inv: str) -> str:
         if inv not in self.spec.invariants:
-            raise ModelGenerationError("spec/invariants.toml", inv, "the coordinator model checks this invariant; "
-                                       "declare it")
+            raise ConfigInvalid.model("spec/invariants.toml", inv, "the coordinator model checks this invariant; "
+                                      "declare it")
         return f"{inv}: {self.spec.invariants[inv].statement}"
 
     def coordinator(self) -> str:

@@ -39,7 +39,8 @@ import attrs
 
 from kvstate import channel as chan
 from kvstate.channel import owner
-from kvstate.core.errors import KvStateError
+from kvstate.core.errors import KvStateError, NativeError
+from kvstate.core.reasons import NativeReason
 from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.core.handles import HandleKind
 from kvstate.core.identity import Deployment
@@ -314,7 +315,7 @@ class Cluster:
         for w in self.workers:
             reply = w.ask(s.timeout_s, cmd="start")
             if "error" in reply:
-                raise KvStateError(f"worker {w.rank} did not start: {reply['error']}")
+                raise NativeError(NativeReason.FAILED, f"worker {w.rank} did not start: {reply['error']}")
         self.coordinator.ask(s.timeout_s, cmd="wait_workers")
 
     def import_command(self, wire: list[bytes], notify: tuple[str, int] | None = None) -> dict[str, Any]:

@@ -45,7 +45,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvstate.core.capabilities import Access
-from kvstate.core.errors import BackendUnavailable, KvStateError
+from kvstate.core.errors import BackendUnavailable, KvStateError, ArgumentInvalid, ReuseRefused
+from kvstate.core.reasons import ArgumentReason, BackendReason, DecisionReason
 from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.core.handles import HandleKind
 from kvstate.core.identity import Deployment
@@ -139,7 +140,8 @@ def gpu_admission(t: Any, device: bytes) -> Any:
                                  geometry_fingerprint=GEOMETRY.fingerprint(), protocol_version=PROTOCOL_VERSION)
     admission = admit(DeploymentProfile.GPU_SINGLE_NODE, caps)
     if not admission.admitted:
-        raise KvStateError(f"this GPU worker is not admitted under gpu-single-node: {admission}")
+        raise ReuseRefused(DecisionReason.GPU_PROFILE_NOT_ADMITTED,
+                           f"this GPU worker is not admitted under gpu-single-node: {admission}")
     return admission
 
 
@@ -377,7 +379,7 @@ def run(device: bytes | None, *, rounds: int, repeats: int, mib: int, block_kib:
     drv = driver_info()
     seen = devices()
     if not seen:
-        raise BackendUnavailable("cuda", "the driver sees no CUDA device")
+        raise BackendUnavailable.missing("cuda", "the driver sees no CUDA device")
     dev = device or seen[0].uuid
     info = next((d for d in seen if d.uuid == dev), None)
     t = CudaTransport(dev, fabric=True)
@@ -444,16 +446,16 @@ def run_args(args: argparse.Namespace) -> int:
     try:
         if min(args.rounds, args.repeats, args.mib, args.block_kib) < 1 or args.kill_delay_us < 0 \
                 or not args.budget_s > 0:
-            raise KvStateError("--rounds, --repeats, --mib and --block-kib must be at least 1, --budget-s positive "
-                               "and --kill-delay-us not negative")
+            raise ArgumentInvalid(ArgumentReason.RANGE, "--rounds, --repeats, --mib and --block-kib must be at least 1, "
+                                  "--budget-s positive and --kill-delay-us not negative")
         report = run(parse_uuid(args.device) if args.device else None, rounds=args.rounds, repeats=args.repeats,
                      mib=args.mib, block_kib=args.block_kib, kill_delay_us=args.kill_delay_us,
                      budget_s=args.budget_s)
-    except BackendUnavailable as exc:
-        print(json.dumps({"ok": False, "not_run": exc.why}))
-        print(f"GPU CHECK NOT RUN: {exc}", file=sys.stderr)
-        return 2
     except (KvStateError, OSError, TimeoutError) as exc:
+        if isinstance(exc, BackendUnavailable) and exc.reason is BackendReason.MISSING:  # not here: not run
+            print(json.dumps({"ok": False, "not_run": exc.detail}))
+            print(f"GPU CHECK NOT RUN: {exc}", file=sys.stderr)
+            return 2
         print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}))
         print(f"GPU CHECK FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

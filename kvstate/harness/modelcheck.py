@@ -29,7 +29,8 @@ import attrs
 
 from kvstate.derive import coord_world, promela_coord
 from kvstate.derive import promela as models
-from kvstate.core.errors import ModelCheckError, SpinUnavailable
+from kvstate.core.errors import BackendUnavailable, NativeError
+from kvstate.core.reasons import BackendReason, NativeReason
 from kvstate.core.spec import Spec, load_spec
 
 INSTALL_HINT = ("install Spin from Debian/Ubuntu packages: `sudo apt-get install -y spin` "
@@ -114,12 +115,12 @@ class CheckResult:
 
 
 def tools() -> tuple[str, str]:
-    """Paths of ``spin`` and a C compiler, or :class:`SpinUnavailable` saying how to install."""
+    """Paths of ``spin`` and a C compiler, or :class:`BackendUnavailable` (SPIN) saying how to install."""
     spin = shutil.which("spin")
     cc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
     if spin is None or cc is None:
         missing = "spin" if spin is None else "a C compiler"
-        raise SpinUnavailable(f"{missing} not found on PATH; {INSTALL_HINT}")
+        raise BackendUnavailable(BackendReason.SPIN, f"{missing} not found on PATH; {INSTALL_HINT}")
     return spin, cc
 
 
@@ -127,17 +128,19 @@ def _run(cmd: Sequence[str], cwd: Path, timeout: float, what: str) -> str:
     try:
         proc = subprocess.run(list(cmd), cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
-        raise ModelCheckError(f"{what} did not finish within {timeout:.0f} s: {' '.join(cmd)}") from None
+        raise NativeError(NativeReason.MODEL_CHECK,
+                          f"{what} did not finish within {timeout:.0f} s: {' '.join(cmd)}") from None
     out = proc.stdout + proc.stderr
     if proc.returncode != 0 and what != "pan":
-        raise ModelCheckError(f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}\n{out[-2000:]}")
+        raise NativeError(NativeReason.MODEL_CHECK,
+                          f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}\n{out[-2000:]}")
     return out
 
 
 def _number(pattern: str, text: str, cast: type = int) -> Any:
     found = re.search(pattern, text)
     if found is None:
-        raise ModelCheckError(f"cannot read {pattern!r} from pan's output:\n{text[-2000:]}")
+        raise NativeError(NativeReason.MODEL_CHECK, f"cannot read {pattern!r} from pan's output:\n{text[-2000:]}")
     return cast(found.group(1))
 
 
@@ -179,7 +182,7 @@ def parse_trail(text: str) -> Trace:
             continue
         found = _EVENT.match(line)
         if found is None:
-            raise ModelCheckError(f"unreadable event line in the trail: {line!r}")
+            raise NativeError(NativeReason.MODEL_CHECK, f"unreadable event line in the trail: {line!r}")
         nested, machine, index, event, source, dest, count, rank = found.groups()
         events.append(Event(machine, index, event, source, dest, bool(nested),
                             int(count) if count is not None else None, int(rank) if rank is not None else None))
@@ -253,19 +256,16 @@ class Firable(Protocol):
     def fire(self, event: str, **kwargs: Any) -> str: ...
 
 
-class ReplayDiverged(ModelCheckError):
-    """The objects are not in the state the trail says, so the replay cannot go on."""
-
 
 def _pick(objects: Mapping[str, Firable], ev: Event, state: str) -> str:
     if ev.index != "*":
         if ev.instance not in objects:
-            raise ReplayDiverged(f"no object for {ev.instance}; have {sorted(objects)}")
+            raise NativeError(NativeReason.MODEL_CHECK, f"no object for {ev.instance}; have {sorted(objects)}")
         return ev.instance
     for key in sorted(objects):
         if key.startswith(f"{ev.machine}[") and objects[key].state == state:
             return key
-    raise ReplayDiverged(f"no {ev.machine} in state {state!r} for {ev}")
+    raise NativeError(NativeReason.MODEL_CHECK, f"no {ev.machine} in state {state!r} for {ev}")
 
 
 def replay(trace: Trace, objects: Mapping[str, Firable]) -> list[str]:
@@ -283,14 +283,16 @@ def replay(trace: Trace, objects: Mapping[str, Firable]) -> list[str]:
             wanted = ev.count if ev.count is not None else 1
             if ev.index != "*" and objects[_pick(objects, ev, ev.dest)].state != ev.dest \
                     or len(moved) < wanted:
-                raise ReplayDiverged(f"effect did not move {ev.instance} to {ev.dest!r}")
+                raise NativeError(NativeReason.MODEL_CHECK, f"effect did not move {ev.instance} to {ev.dest!r}")
             applied.append(str(ev))
             continue
         key = _pick(objects, ev, ev.source)
         if objects[key].state != ev.source:
-            raise ReplayDiverged(f"{key} is in {objects[key].state!r}, the trail expects {ev.source!r}")
+            raise NativeError(NativeReason.MODEL_CHECK,
+                              f"{key} is in {objects[key].state!r}, the trail expects {ev.source!r}")
         dest = objects[key].fire(ev.event)
         if dest != ev.dest:
-            raise ReplayDiverged(f"{key}: {ev.event} went to {dest!r}, the trail went to {ev.dest!r}")
+            raise NativeError(NativeReason.MODEL_CHECK,
+                              f"{key}: {ev.event} went to {dest!r}, the trail went to {ev.dest!r}")
         applied.append(f"{key}: {ev.event}  {ev.source} -> {dest}")
     return applied

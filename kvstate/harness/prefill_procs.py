@@ -285,11 +285,11 @@ def worker_main(conn: multiprocessing.connection.Connection, spec_json: str, key
             def finish() -> None:
                 try:
                     if not handle.wait(spec.timeout_s):
-                        pipe.send(error=f"LoadFailed: still running after {spec.timeout_s} s")
+                        pipe.send(error=f"TransferFailed: load still running after {spec.timeout_s} s")
                         return
                     result = handle.result()
                     if result is None or not result.ok:
-                        pipe.send(error=f"LoadFailed: blocks {sorted(handle.failed_blocks())[:8]} failed")
+                        pipe.send(error=f"TransferFailed: load blocks {sorted(handle.failed_blocks())[:8]} failed")
                         return
                     data = b"".join(memory[r.name][i * r.block_bytes:(i + 1) * r.block_bytes]
                                     for i in range(len(blocks)) for r in g.regions)

@@ -12,7 +12,7 @@ switches before it decodes a descriptor, connects or opens anything
   deployment profile that :func:`kvstate.reuse.profile.admit` admitted with GPU reuse
   allowed, for capabilities that publish this very transport.
 
-The reasons are the policy's own :class:`~kvstate.reuse.policy.DecisionReason` values, so
+The reasons are the policy's own :class:`~kvstate.core.reasons.DecisionReason` values, so
 an operator reads one vocabulary whether the policy declined or the importer refused.
 """
 

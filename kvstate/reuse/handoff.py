@@ -14,14 +14,14 @@ kvstate never reads, rewrites or re-serializes the handoff parameters (INV-HANDO
 :func:`load_prefix` runs a prefix load with them held aside in a :class:`Untouched`
 capsule: a fingerprint of the exact value (types, order, float bits) is taken before and
 checked after, and the very same object is handed back. A change raises
-:class:`HandoffParamsModified`: a kvstate bug, surfaced rather than shipped.
+:class:`TransitionError` (HANDOFF_MODIFIED): a kvstate bug, surfaced rather than shipped.
 
 Where kvstate itself must name an engine (the decode worker it loads a prefix from),
 :func:`resolve_child_engine` maps an engine id to exactly one advertised engine. vLLM gives
 each data-parallel rank its own engine id, ``<engine_id>_dp<rank>`` (see
 ``vllm/v1/engine/core.py``, which appends the rank to ``kv_transfer_config.engine_id``),
-so a parent id can match several children: that is :class:`ChildEngineAmbiguous`, and no
-match at all is :class:`ChildEngineMissing`. kvstate never guesses.
+so a parent id can match several children: that is :class:`ArgumentInvalid` (ENGINE_AMBIGUOUS), and no
+match at all is :class:`ArgumentInvalid` (ENGINE_MISSING). kvstate never guesses.
 """
 
 from __future__ import annotations
@@ -34,12 +34,8 @@ from typing import Any, Generic, TypeVar
 
 import attrs
 
-from kvstate.core.errors import (
-    ChildEngineAmbiguous,
-    ChildEngineMissing,
-    HandoffParamsModified,
-    HandoffParamsUnsupported,
-)
+from kvstate.core.errors import ArgumentInvalid, TransitionError
+from kvstate.core.reasons import ArgumentReason, TransitionReason
 
 T = TypeVar("T")
 P = TypeVar("P")
@@ -52,7 +48,7 @@ def fingerprint(value: object) -> bytes:
 
     Covers what handoff parameters hold: None, bool, int, float (by its bits), str, bytes,
     list, tuple and dict (in insertion order). Anything else raises
-    :class:`HandoffParamsUnsupported`, since it could change without the digest seeing it.
+    :class:`ArgumentInvalid` (HANDOFF_PARAMS), since it could change without the digest seeing it.
     """
     h = hashlib.blake2b(digest_size=32, person=b"kvstate-handoff")
     _feed(h, value, 0)
@@ -61,7 +57,7 @@ def fingerprint(value: object) -> bytes:
 
 def _feed(h: Any, value: object, depth: int) -> None:
     if depth > _MAX_DEPTH:
-        raise HandoffParamsUnsupported(f"handoff parameters nest deeper than {_MAX_DEPTH} levels")
+        raise ArgumentInvalid(ArgumentReason.HANDOFF_PARAMS, f"handoff parameters nest deeper than {_MAX_DEPTH} levels")
     t = type(value)
     if value is None:
         h.update(b"N")
@@ -89,7 +85,7 @@ def _feed(h: Any, value: object, depth: int) -> None:
             _feed(h, k, depth + 1)
             _feed(h, v, depth + 1)
     else:
-        raise HandoffParamsUnsupported(
+        raise ArgumentInvalid(ArgumentReason.HANDOFF_PARAMS, 
             f"cannot fingerprint a {t.__name__} in handoff parameters; expected JSON-like values")
 
 
@@ -97,7 +93,7 @@ class Untouched(Generic[P]):
     """The engine's handoff parameters, held aside while kvstate works.
 
     :meth:`give_back` returns the very object captured, after checking that its content
-    is exactly what it was (:class:`HandoffParamsModified` otherwise).
+    is exactly what it was (:class:`TransitionError` (HANDOFF_MODIFIED) otherwise).
     """
 
     __slots__ = ("_params", "_digest")
@@ -113,7 +109,8 @@ class Untouched(Generic[P]):
     def give_back(self) -> P:
         now = fingerprint(self._params)
         if now != self._digest:
-            raise HandoffParamsModified("the decode handoff parameters changed during a prefix load")
+            raise TransitionError(TransitionReason.HANDOFF_MODIFIED,
+                                  "the decode handoff parameters changed during a prefix load")
         return self._params
 
 
@@ -147,21 +144,25 @@ def resolve_child_engine(engine_id: str, advertised: Iterable[str], *, dp_rank: 
       exactly one engine.
     """
     if not isinstance(engine_id, str) or not engine_id:
-        raise ChildEngineMissing(f"engine id must be a non-empty string, got {engine_id!r}")
+        raise ArgumentInvalid(ArgumentReason.ENGINE_MISSING, f"engine id must be a non-empty string, got {engine_id!r}")
     if isinstance(advertised, str):
-        raise ChildEngineMissing("advertised engine ids must be a collection of strings, not one string")
+        raise ArgumentInvalid(ArgumentReason.ENGINE_MISSING,
+                              "advertised engine ids must be a collection of strings, not one string")
     known = sorted(set(advertised))
     if dp_rank is not None:
         if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or dp_rank < 0:
-            raise ChildEngineMissing(f"dp_rank must be a non-negative integer, got {dp_rank!r}")
+            raise ArgumentInvalid(ArgumentReason.ENGINE_MISSING,
+                                  f"dp_rank must be a non-negative integer, got {dp_rank!r}")
         child = f"{engine_id}_dp{dp_rank}"
         if child not in known:
-            raise ChildEngineMissing(f"child engine {child!r} is not advertised; advertised: {', '.join(known)}")
+            raise ArgumentInvalid(ArgumentReason.ENGINE_MISSING,
+                                  f"child engine {child!r} is not advertised; advertised: {', '.join(known)}")
         return child
     matches = [e for e in known if e == engine_id
                or (e.startswith(engine_id) and _DP_SUFFIX.fullmatch(e[len(engine_id):]) is not None)]
     if not matches:
-        raise ChildEngineMissing(f"no advertised engine matches {engine_id!r}; advertised: {', '.join(known)}")
+        raise ArgumentInvalid(ArgumentReason.ENGINE_MISSING,
+                              f"no advertised engine matches {engine_id!r}; advertised: {', '.join(known)}")
     if len(matches) > 1:
-        raise ChildEngineAmbiguous(engine_id, matches)
+        raise ArgumentInvalid.engine_ambiguous(engine_id, matches)
     return matches[0]

@@ -45,30 +45,45 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from kvstate.core.errors import BlockBusy, InvalidBlockHash, InventoryError, NotPinned, UnknownLease
+from kvstate.core.errors import ArgumentInvalid, Busy, KvStateError
+from kvstate.core.reasons import ArgumentReason, BusyReason
 
 HASH_LIMIT = 2**64
 
 
+#: The ArgumentInvalid reasons the inventory raises (with Busy BLOCKS: the inventory is unchanged).
+INVENTORY_REASONS = frozenset({ArgumentReason.INVENTORY, ArgumentReason.BLOCK_HASH, ArgumentReason.UNKNOWN_LEASE,
+                               ArgumentReason.NOT_PINNED})
+
+
+def refused_by_inventory(exc: KvStateError) -> bool:
+    """Whether ``exc`` is the inventory's refusal of a request (nothing changed), not
+    another failure of the call."""
+    return (isinstance(exc, ArgumentInvalid) and exc.reason in INVENTORY_REASONS) or \
+        (isinstance(exc, Busy) and exc.reason is BusyReason.BLOCKS)
+
+
 def block_hashes(values: Iterable[int], *, allow_empty: bool = False) -> tuple[int, ...]:
-    """``values`` as block hashes: distinct unsigned 64-bit ints (InvalidBlockHash if not)."""
+    """``values`` as block hashes: distinct unsigned 64-bit ints (ArgumentInvalid (BLOCK_HASH) if not)."""
     if isinstance(values, (str, bytes, bytearray, memoryview)) or not isinstance(values, Iterable):
-        raise InvalidBlockHash(f"block hashes must be a sequence of integers, got {values!r:.60}")
+        raise ArgumentInvalid(ArgumentReason.BLOCK_HASH,
+                              f"block hashes must be a sequence of integers, got {values!r:.60}")
     out = tuple(values)
     for h in out:
         if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < HASH_LIMIT:
-            raise InvalidBlockHash(f"block hash must be an unsigned 64-bit integer, got {h!r}")
+            raise ArgumentInvalid(ArgumentReason.BLOCK_HASH,
+                                  f"block hash must be an unsigned 64-bit integer, got {h!r}")
     if not out and not allow_empty:
-        raise InvalidBlockHash("no block hashes given")
+        raise ArgumentInvalid(ArgumentReason.BLOCK_HASH, "no block hashes given")
     if len(set(out)) != len(out):
-        raise InvalidBlockHash("repeated block hash in one request")
+        raise ArgumentInvalid(ArgumentReason.BLOCK_HASH, "repeated block hash in one request")
     return out
 
 
 def group_name(group: object) -> str:
-    """``group`` as an inventory group name: a non-empty string (InventoryError if not)."""
+    """``group`` as an inventory group name: a non-empty string (ArgumentInvalid (INVENTORY) if not)."""
     if not isinstance(group, str) or not group:
-        raise InventoryError(f"group must be a non-empty string, got {group!r}")
+        raise ArgumentInvalid(ArgumentReason.INVENTORY, f"group must be a non-empty string, got {group!r}")
     return group
 
 
@@ -165,7 +180,8 @@ class Inventory:
 
     def __init__(self, budget_blocks: int) -> None:
         if isinstance(budget_blocks, bool) or not isinstance(budget_blocks, int) or budget_blocks < 0:
-            raise InventoryError(f"budget_blocks must be a non-negative integer, got {budget_blocks!r}")
+            raise ArgumentInvalid(ArgumentReason.INVENTORY,
+                                  f"budget_blocks must be a non-negative integer, got {budget_blocks!r}")
         self._budget = budget_blocks
         self._lock = threading.Lock()
         self._groups: dict[str, _Group] = {}
@@ -223,7 +239,7 @@ class Inventory:
     def remove(self, group: str, hashes: Sequence[int]) -> tuple[Event, ...]:
         """The engine no longer holds these blocks. Unknown hashes are ignored.
 
-        Raises :class:`BlockBusy`, removing nothing, if any of them is pinned or leased.
+        Raises :class:`Busy` (BLOCKS), removing nothing, if any of them is pinned or leased.
         """
         group, hashes = group_name(group), block_hashes(hashes)
         with self._lock:
@@ -233,7 +249,7 @@ class Inventory:
             present = [h for h in hashes if h in g.blocks]
             busy = [h for h in present if g.blocks[h].busy]
             if busy:
-                raise BlockBusy(group, busy)
+                raise Busy.blocks(group, busy)
             for h in present:
                 del g.blocks[h]
                 del self._lru[(group, h)]
@@ -242,14 +258,14 @@ class Inventory:
     def clear(self, group: str) -> tuple[Event, ...]:
         """Forget every block of ``group`` and start a new epoch.
 
-        Raises :class:`BlockBusy`, changing nothing, if any block is pinned or leased.
+        Raises :class:`Busy` (BLOCKS), changing nothing, if any block is pinned or leased.
         """
         group = group_name(group)
         with self._lock:
             g = self._groups.setdefault(group, _Group(epoch=0))
             busy = [h for h, b in g.blocks.items() if b.busy]
             if busy:
-                raise BlockBusy(group, busy)
+                raise Busy.blocks(group, busy)
             for h in g.blocks:
                 del self._lru[(group, h)]
             g.blocks.clear()
@@ -263,8 +279,8 @@ class Inventory:
             g = self._groups.get(group)
             missing = [h for h in hashes if g is None or h not in g.blocks]
             if g is None or missing:
-                raise InventoryError(f"group {group!r}: cannot pin blocks it does not hold: "
-                                     + ", ".join(f"{h:#018x}" for h in missing[:4]))
+                raise ArgumentInvalid(ArgumentReason.INVENTORY, f"group {group!r}: cannot pin blocks it does not hold: "
+                                      + ", ".join(f"{h:#018x}" for h in missing[:4]))
             for h in hashes:
                 g.blocks[h].pins += 1
 
@@ -274,8 +290,8 @@ class Inventory:
             g = self._groups.get(group)
             unpinned = [h for h in hashes if g is None or h not in g.blocks or g.blocks[h].pins == 0]
             if g is None or unpinned:
-                raise NotPinned(f"group {group!r}: block(s) not pinned: "
-                                + ", ".join(f"{h:#018x}" for h in unpinned[:4]))
+                raise ArgumentInvalid(ArgumentReason.NOT_PINNED, f"group {group!r}: block(s) not pinned: "
+                                      + ", ".join(f"{h:#018x}" for h in unpinned[:4]))
             for h in hashes:
                 g.blocks[h].pins -= 1
 
@@ -285,7 +301,7 @@ class Inventory:
         """Re-validate and pin every block in one step: a grant, or Stale and nothing pinned."""
         group, hashes = group_name(group), block_hashes(hashes)
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise InventoryError(f"epoch must be a non-negative integer, got {epoch!r}")
+            raise ArgumentInvalid(ArgumentReason.INVENTORY, f"epoch must be a non-negative integer, got {epoch!r}")
         with self._lock:
             g = self._groups.get(group)
             if g is None:
@@ -308,7 +324,7 @@ class Inventory:
         with self._lock:
             held = self._leases.get(lease_id) if isinstance(lease_id, int) else None
             if held is None or (isinstance(grant, LeaseGrant) and held != grant):
-                raise UnknownLease(f"lease {lease_id!r} is not held")
+                raise ArgumentInvalid(ArgumentReason.UNKNOWN_LEASE, f"lease {lease_id!r} is not held")
             del self._leases[lease_id]
             g = self._groups[held.group]
             for h in held.hashes:

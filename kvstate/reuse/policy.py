@@ -47,7 +47,6 @@ in that order over the defaults). ``docs/policy.md`` explains each default.
 
 from __future__ import annotations
 
-import enum
 import math
 import os
 import time
@@ -56,7 +55,9 @@ from typing import Any
 
 import attrs
 
-from kvstate.core.errors import InvalidSetting, PolicyInputError, UnknownSetting
+from kvstate.core.errors import ConfigInvalid, ArgumentInvalid
+from kvstate.core.reasons import ArgumentReason, ConfigReason
+from kvstate.core.reasons import DecisionReason as DecisionReason  # its home is core.reasons; re-exported
 from kvstate.reuse.profile import Admitted
 from kvstate.core.capabilities import MemoryKind
 
@@ -74,25 +75,25 @@ MAX_SETTING_TEXT = 64
 
 def _check_bool(inst: object, attribute: attrs.Attribute[bool], value: object) -> None:
     if not isinstance(value, bool):
-        raise InvalidSetting(attribute.name, value, "must be a boolean")
+        raise ConfigInvalid.invalid_setting(attribute.name, value, "must be a boolean")
 
 
 def _check_count(inst: object, attribute: attrs.Attribute[int], value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidSetting(attribute.name, value, "must be an integer")
+        raise ConfigInvalid.invalid_setting(attribute.name, value, "must be an integer")
     if value < 0:
-        raise InvalidSetting(attribute.name, value, "must not be negative")
+        raise ConfigInvalid.invalid_setting(attribute.name, value, "must not be negative")
     if value > MAX_BLOCKS:
-        raise InvalidSetting(attribute.name, value, f"must be at most {MAX_BLOCKS}")
+        raise ConfigInvalid.invalid_setting(attribute.name, value, f"must be at most {MAX_BLOCKS}")
 
 
 def _check_amount(inst: object, attribute: attrs.Attribute[float], value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidSetting(attribute.name, value, "must be a number")
+        raise ConfigInvalid.invalid_setting(attribute.name, value, "must be a number")
     if not math.isfinite(value):
-        raise InvalidSetting(attribute.name, value, "must be finite")
+        raise ConfigInvalid.invalid_setting(attribute.name, value, "must be finite")
     if value < 0:
-        raise InvalidSetting(attribute.name, value, "must not be negative")
+        raise ConfigInvalid.invalid_setting(attribute.name, value, "must not be negative")
 
 
 def _to_float(value: object) -> object:
@@ -161,20 +162,23 @@ class ReuseSettings:
 
         Values may be typed (bool, int, float) or text, which is parsed strictly: booleans
         are exactly ``true``, ``false``, ``1`` or ``0``. Unknown names raise
-        :class:`UnknownSetting`; bad values raise :class:`InvalidSetting`.
+        :class:`ConfigInvalid` (UNKNOWN_SETTING); bad values raise :class:`ConfigInvalid` (INVALID_SETTING).
         """
         base = _base(cls, base)
         if not isinstance(mapping, Mapping):
-            raise InvalidSetting("mapping", type(mapping).__name__, "settings must be a mapping of name to value", source)
+            raise ConfigInvalid.invalid_setting("mapping", type(mapping).__name__,
+                                                "settings must be a mapping of name to value", source)
         changes: dict[str, Any] = {}  # values of any type: the class validators check each
         for name, value in mapping.items():
             if name not in SETTING_NAMES:
-                raise UnknownSetting(str(name), source, SETTING_NAMES)
+                raise ConfigInvalid.unknown_setting(str(name), source, SETTING_NAMES)
             changes[name] = _parse_value(name, value, source)
         try:
             return attrs.evolve(base, **changes)
-        except InvalidSetting as exc:
-            raise InvalidSetting(exc.name, exc.value, exc.problem, source) from None
+        except ConfigInvalid as exc:
+            if exc.reason is not ConfigReason.INVALID_SETTING:
+                raise
+            raise ConfigInvalid.invalid_setting(str(exc.name), exc.value, str(exc.problem), source) from None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, *,
@@ -183,7 +187,8 @@ class ReuseSettings:
         environ = os.environ if environ is None else environ
         if not isinstance(environ, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
                                                        for k, v in environ.items()):
-            raise InvalidSetting("environ", type(environ).__name__, "must map names to strings", "environment")
+            raise ConfigInvalid.invalid_setting("environ", type(environ).__name__, "must map names to strings",
+                                                "environment")
         base = _base(cls, base)
         found: dict[str, object] = {}
         for var, value in environ.items():
@@ -191,7 +196,7 @@ class ReuseSettings:
                 continue
             name = var[len(ENV_PREFIX):].lower()
             if name not in SETTING_NAMES or var != env_var(name):
-                raise UnknownSetting(var, "environment", [env_var(n) for n in SETTING_NAMES])
+                raise ConfigInvalid.unknown_setting(var, "environment", [env_var(n) for n in SETTING_NAMES])
             found[name] = value
         return cls.from_mapping(found, base=base, source="environment")
 
@@ -203,25 +208,26 @@ class ReuseSettings:
         """
         if isinstance(argv, (str, bytes)) or not isinstance(argv, Sequence) or \
                 not all(isinstance(a, str) for a in argv):
-            raise InvalidSetting("argv", type(argv).__name__, "must be a sequence of strings", "command line")
+            raise ConfigInvalid.invalid_setting("argv", type(argv).__name__, "must be a sequence of strings",
+                                                "command line")
         base = _base(cls, base)
         found: dict[str, object] = {}
         i = 0
         while i < len(argv):
             arg = argv[i]
             if not arg.startswith("--"):
-                raise InvalidSetting(arg, arg, "expected a --setting flag", "command line")
+                raise ConfigInvalid.invalid_setting(arg, arg, "expected a --setting flag", "command line")
             flag, eq, value = arg.partition("=")
             name = flag[2:].replace("-", "_")
             if name not in SETTING_NAMES or flag != cli_flag(name):
-                raise UnknownSetting(flag, "command line", [cli_flag(n) for n in SETTING_NAMES])
+                raise ConfigInvalid.unknown_setting(flag, "command line", [cli_flag(n) for n in SETTING_NAMES])
             if not eq:
                 if i + 1 >= len(argv):
-                    raise InvalidSetting(name, None, f"{flag} needs a value", "command line")
+                    raise ConfigInvalid.invalid_setting(name, None, f"{flag} needs a value", "command line")
                 value = argv[i + 1]
                 i += 1
             if name in found:
-                raise InvalidSetting(name, value, f"{flag} is given twice", "command line")
+                raise ConfigInvalid.invalid_setting(name, value, f"{flag} is given twice", "command line")
             found[name] = value
             i += 1
         return cls.from_mapping(found, base=base, source="command line")
@@ -251,7 +257,7 @@ def _base(cls: type[ReuseSettings], base: object) -> ReuseSettings:
     if base is None:
         return cls()
     if not isinstance(base, ReuseSettings):
-        raise InvalidSetting("base", type(base).__name__, "must be ReuseSettings or None")
+        raise ConfigInvalid.invalid_setting("base", type(base).__name__, "must be ReuseSettings or None")
     return base
 
 
@@ -272,20 +278,21 @@ def _parse_value(name: str, value: object, source: str) -> object:
     if not isinstance(value, str):
         return value  # typed values are checked by the class validators
     if len(value) > MAX_SETTING_TEXT:
-        raise InvalidSetting(name, value[:32] + "...", f"longer than {MAX_SETTING_TEXT} characters", source)
+        raise ConfigInvalid.invalid_setting(name, value[:32] + "...", f"longer than {MAX_SETTING_TEXT} characters",
+                                            source)
     text = value.strip()
     if name in _BOOL_SETTINGS:
         if text.lower() not in _TRUE:
-            raise InvalidSetting(name, value, "must be true, false, 1 or 0", source)
+            raise ConfigInvalid.invalid_setting(name, value, "must be true, false, 1 or 0", source)
         return _TRUE[text.lower()]
     if name in _COUNT_SETTINGS:
         if not (text.isascii() and text.isdigit()):
-            raise InvalidSetting(name, value, "must be a non-negative integer", source)
+            raise ConfigInvalid.invalid_setting(name, value, "must be a non-negative integer", source)
         return int(text)
     try:
         number = float(text)
     except ValueError:
-        raise InvalidSetting(name, value, "must be a number", source) from None
+        raise ConfigInvalid.invalid_setting(name, value, "must be a number", source) from None
     return number
 
 
@@ -309,19 +316,6 @@ def settings_from_flags(namespace: Any, *, base: ReuseSettings | None = None) ->
 
 
 # -- the pure core (contract-checked) --------------------------------------------------
-
-
-class DecisionReason(enum.Enum):
-    """Why a decision came out as it did, or why a candidate was skipped."""
-
-    CHOSEN = "chosen"
-    REUSE_DISABLED = "reuse_disabled"
-    GPU_REUSE_DISABLED = "gpu_reuse_disabled"
-    GPU_PROFILE_NOT_ADMITTED = "gpu_profile_not_admitted"
-    NO_LONGER_PREFIX = "no_longer_prefix"
-    NO_ELIGIBLE_SOURCE = "no_eligible_source"
-    BELOW_MINIMUM_BLOCKS = "below_minimum_blocks"
-    BELOW_MINIMUM_SAVING = "below_minimum_saving"
 
 
 def estimated_saving_ms(saved_blocks: int, block_tokens: int, prefill_token_us: float,
@@ -374,17 +368,19 @@ def gate(enabled: bool, gpu_enabled: bool, gpu_admitted: bool, gpu_source: bool,
 
 def _require_blocks(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_BLOCKS:
-        raise PolicyInputError(f"{name} must be an integer in 0..{MAX_BLOCKS}, got {value!r}")
+        raise ArgumentInvalid(ArgumentReason.POLICY_INPUT,
+                              f"{name} must be an integer in 0..{MAX_BLOCKS}, got {value!r}")
 
 
 def _require_block_tokens(value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BLOCK_TOKENS:
-        raise PolicyInputError(f"block_tokens must be an integer in 1..{MAX_BLOCK_TOKENS}, got {value!r}")
+        raise ArgumentInvalid(ArgumentReason.POLICY_INPUT,
+                              f"block_tokens must be an integer in 1..{MAX_BLOCK_TOKENS}, got {value!r}")
 
 
 def _require_memory(value: object) -> None:
     if not isinstance(value, MemoryKind):
-        raise PolicyInputError(f"memory must be a MemoryKind, got {value!r}")
+        raise ArgumentInvalid(ArgumentReason.POLICY_INPUT, f"memory must be a MemoryKind, got {value!r}")
 
 
 def _check_blocks(inst: object, attribute: attrs.Attribute[int], value: object) -> None:
@@ -393,7 +389,7 @@ def _check_blocks(inst: object, attribute: attrs.Attribute[int], value: object) 
 
 def _check_source_id(inst: object, attribute: attrs.Attribute[str], value: object) -> None:
     if not isinstance(value, str) or not value:
-        raise PolicyInputError(f"source_id must be a non-empty string, got {value!r}")
+        raise ArgumentInvalid(ArgumentReason.POLICY_INPUT, f"source_id must be a non-empty string, got {value!r}")
 
 
 def _check_memory(inst: object, attribute: attrs.Attribute[MemoryKind], value: object) -> None:
@@ -495,7 +491,7 @@ class Decision:
 def _now(clock: Callable[[], float]) -> float:
     now = clock()
     if isinstance(now, bool) or not isinstance(now, (int, float)) or now != now:
-        raise PolicyInputError(f"clock() must return seconds, got {now!r:.40}")
+        raise ArgumentInvalid(ArgumentReason.POLICY_INPUT, f"clock() must return seconds, got {now!r:.40}")
     return float(now)
 
 
@@ -514,14 +510,17 @@ def choose_transfer_source(target_prefix_blocks: int, candidates: Iterable[Candi
     _require_blocks("target_prefix_blocks", target_prefix_blocks)
     _require_block_tokens(block_tokens)
     if not isinstance(settings, ReuseSettings):
-        raise PolicyInputError(f"settings must be ReuseSettings, got {type(settings).__name__}")
+        raise ArgumentInvalid(ArgumentReason.POLICY_INPUT,
+                              f"settings must be ReuseSettings, got {type(settings).__name__}")
     if admitted is not None and not hasattr(admitted, "gpu_reuse_allowed"):
-        raise PolicyInputError(f"admitted must be an admission (kvstate.reuse.profile.admit) or None, "
-                               f"got {type(admitted).__name__}")
+        raise ArgumentInvalid(ArgumentReason.POLICY_INPUT,
+                              f"admitted must be an admission (kvstate.reuse.profile.admit) or None, "
+                              f"got {type(admitted).__name__}")
     if not callable(clock):
-        raise PolicyInputError(f"clock must be callable, got {type(clock).__name__}")
+        raise ArgumentInvalid(ArgumentReason.POLICY_INPUT, f"clock must be callable, got {type(clock).__name__}")
     if isinstance(candidates, (str, bytes)) or not isinstance(candidates, Iterable):
-        raise PolicyInputError(f"candidates must be an iterable of Candidate values, got {type(candidates).__name__}")
+        raise ArgumentInvalid(ArgumentReason.POLICY_INPUT,
+                              f"candidates must be an iterable of Candidate values, got {type(candidates).__name__}")
     minimum_blocks = settings.minimum_transfer_prefix_blocks
     minimum_saving = settings.minimum_estimated_ttft_saving_ms
 
@@ -556,7 +555,7 @@ def choose_transfer_source(target_prefix_blocks: int, candidates: Iterable[Candi
             exhausted = True  # this one arrived too late; stop reading
             break
         if not isinstance(cand, Candidate):
-            raise PolicyInputError(f"candidates must be Candidate values, got {cand!r}")
+            raise ArgumentInvalid(ArgumentReason.POLICY_INPUT, f"candidates must be Candidate values, got {cand!r}")
         considered += 1
         if cand.gpu and not gpu_enabled:
             skipped.append((cand, DecisionReason.GPU_REUSE_DISABLED))

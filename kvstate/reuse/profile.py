@@ -35,7 +35,8 @@ from typing import Any
 import attrs
 
 from kvstate.core.descriptor import VERSION as PROTOCOL_VERSION
-from kvstate.core.errors import CapabilitiesIncomplete, CapabilitiesInvalid, UnknownProfile
+from kvstate.core.errors import ConfigInvalid
+from kvstate.core.reasons import ConfigReason
 from kvstate.core.handles import HandleKind
 from kvstate.core.identity import UUID_BYTES as DEVICE_UUID_BYTES
 from kvstate.core.capabilities import Capabilities, FabricTrial, MemoryKind, Scope
@@ -62,7 +63,8 @@ class DeploymentProfile(enum.Enum):
             return cls(name)
         except ValueError:
             known = ", ".join(p.value for p in cls)
-            raise UnknownProfile(f"unknown deployment profile {name!r}; known: {known}") from None
+            raise ConfigInvalid(ConfigReason.UNKNOWN_PROFILE,
+                                f"unknown deployment profile {name!r}; known: {known}") from None
 
 
 # -- publication ---------------------------------------------------------------------
@@ -78,45 +80,48 @@ class TransportCapabilities:
 
 def _nonempty(field: str, value: Any) -> None:
     if not value:
-        raise CapabilitiesInvalid(field, "must not be empty")
+        raise ConfigInvalid.capabilities_invalid(field, "must not be empty")
 
 
 def _check(inst: PublishedCapabilities) -> None:
     for name, kind in (("device_uuids", tuple), ("handle_kinds", frozenset), ("transports", tuple)):
         if not isinstance(getattr(inst, name), kind):
-            raise CapabilitiesInvalid(name, f"must be a {kind.__name__}")
+            raise ConfigInvalid.capabilities_invalid(name, f"must be a {kind.__name__}")
     _nonempty("device_uuids", inst.device_uuids)
     for uuid in inst.device_uuids:
         if not isinstance(uuid, bytes) or len(uuid) != DEVICE_UUID_BYTES:
-            raise CapabilitiesInvalid("device_uuids", f"each must be {DEVICE_UUID_BYTES} bytes, got {uuid!r}")
+            raise ConfigInvalid.capabilities_invalid("device_uuids",
+                                                     f"each must be {DEVICE_UUID_BYTES} bytes, got {uuid!r}")
     if len(set(inst.device_uuids)) != len(inst.device_uuids):
-        raise CapabilitiesInvalid("device_uuids", "repeated device UUID")
+        raise ConfigInvalid.capabilities_invalid("device_uuids", "repeated device UUID")
     _nonempty("handle_kinds", inst.handle_kinds)
     if not all(isinstance(k, HandleKind) for k in inst.handle_kinds):
-        raise CapabilitiesInvalid("handle_kinds", "must be HandleKind values")
+        raise ConfigInvalid.capabilities_invalid("handle_kinds", "must be HandleKind values")
     if not isinstance(inst.fabric_trial, FabricTrial):
-        raise CapabilitiesInvalid("fabric_trial", "must be a FabricTrial")
+        raise ConfigInvalid.capabilities_invalid("fabric_trial", "must be a FabricTrial")
     _nonempty("transports", inst.transports)
     names = [t.name for t in inst.transports]
     if len(set(names)) != len(names):
-        raise CapabilitiesInvalid("transports", "repeated transport name")
+        raise ConfigInvalid.capabilities_invalid("transports", "repeated transport name")
     for t in inst.transports:
         if not isinstance(t, TransportCapabilities) or not t.name:
-            raise CapabilitiesInvalid("transports", f"malformed transport entry {t!r}")
+            raise ConfigInvalid.capabilities_invalid("transports", f"malformed transport entry {t!r}")
         c = t.capabilities
         if not (c.handle_kinds and c.memory_kinds and c.scopes):
-            raise CapabilitiesInvalid("transports", f"transport {t.name!r} publishes an empty capability")
+            raise ConfigInvalid.capabilities_invalid("transports",
+                                                     f"transport {t.name!r} publishes an empty capability")
     carried = frozenset(k for t in inst.transports for k in t.capabilities.handle_kinds)
     if not inst.handle_kinds <= carried:
         extra = sorted(k.value for k in inst.handle_kinds - carried)
-        raise CapabilitiesInvalid("handle_kinds", f"no transport carries {', '.join(extra)}")
+        raise ConfigInvalid.capabilities_invalid("handle_kinds", f"no transport carries {', '.join(extra)}")
     if HandleKind.FABRIC in inst.handle_kinds and inst.fabric_trial is not FabricTrial.PASSED:
-        raise CapabilitiesInvalid("handle_kinds", "fabric is published but the FABRIC trial did not pass")
+        raise ConfigInvalid.capabilities_invalid("handle_kinds",
+                                                 "fabric is published but the FABRIC trial did not pass")
     if not isinstance(inst.geometry_fingerprint, bytes) or len(inst.geometry_fingerprint) != GEOMETRY_FINGERPRINT_BYTES:
-        raise CapabilitiesInvalid("geometry_fingerprint", f"must be {GEOMETRY_FINGERPRINT_BYTES} bytes")
+        raise ConfigInvalid.capabilities_invalid("geometry_fingerprint", f"must be {GEOMETRY_FINGERPRINT_BYTES} bytes")
     if isinstance(inst.protocol_version, bool) or not isinstance(inst.protocol_version, int) \
             or inst.protocol_version < 1:
-        raise CapabilitiesInvalid("protocol_version", "must be a positive integer")
+        raise ConfigInvalid.capabilities_invalid("protocol_version", "must be a positive integer")
 
 
 @attrs.frozen
@@ -162,68 +167,68 @@ _E = Any  # an enum class
 
 def _enum_list(field: str, raw: Any, kind: _E) -> frozenset[Any]:
     if not isinstance(raw, list) or not all(isinstance(v, str) for v in raw):
-        raise CapabilitiesInvalid(field, "must be a list of names")
+        raise ConfigInvalid.capabilities_invalid(field, "must be a list of names")
     try:
         return frozenset(kind(v) for v in raw)
     except ValueError as exc:
-        raise CapabilitiesInvalid(field, str(exc)) from None
+        raise ConfigInvalid.capabilities_invalid(field, str(exc)) from None
 
 
 def _hex(field: str, raw: Any) -> bytes:
     if not isinstance(raw, str):
-        raise CapabilitiesInvalid(field, "must be hex text")
+        raise ConfigInvalid.capabilities_invalid(field, "must be hex text")
     try:
         return bytes.fromhex(raw)
     except ValueError:
-        raise CapabilitiesInvalid(field, f"not hex: {raw!r}") from None
+        raise ConfigInvalid.capabilities_invalid(field, f"not hex: {raw!r}") from None
 
 
 def parse_capabilities(wire: Mapping[str, Any]) -> PublishedCapabilities:
     """Accept a published capability set whole, or refuse it with a typed error.
 
-    Missing fields raise :class:`CapabilitiesIncomplete` naming all of them; an unknown,
-    malformed or inconsistent field raises :class:`CapabilitiesInvalid`.
+    Missing fields raise :class:`ConfigInvalid` (CAPABILITIES_INCOMPLETE) naming all of them; an unknown,
+    malformed or inconsistent field raises :class:`ConfigInvalid` (CAPABILITIES_INVALID).
     """
     if not isinstance(wire, Mapping):
-        raise CapabilitiesInvalid("capabilities", "must be a mapping")
+        raise ConfigInvalid.capabilities_invalid("capabilities", "must be a mapping")
     missing = [f for f in FIELDS if f not in wire]
     if missing:
-        raise CapabilitiesIncomplete(missing)
+        raise ConfigInvalid.capabilities_incomplete(missing)
     unknown = sorted(set(wire) - set(FIELDS))
     if unknown:
-        raise CapabilitiesInvalid(str(unknown[0]), "unknown capability field")
+        raise ConfigInvalid.capabilities_invalid(str(unknown[0]), "unknown capability field")
     if not isinstance(wire["device_uuids"], list):
-        raise CapabilitiesInvalid("device_uuids", "must be a list of hex UUIDs")
+        raise ConfigInvalid.capabilities_invalid("device_uuids", "must be a list of hex UUIDs")
     if len(wire["device_uuids"]) > MAX_DEVICES:
-        raise CapabilitiesInvalid("device_uuids", f"more than {MAX_DEVICES} devices")
+        raise ConfigInvalid.capabilities_invalid("device_uuids", f"more than {MAX_DEVICES} devices")
     if not isinstance(wire["transports"], list):
-        raise CapabilitiesInvalid("transports", "must be a list")
+        raise ConfigInvalid.capabilities_invalid("transports", "must be a list")
     if len(wire["transports"]) > MAX_TRANSPORTS:
-        raise CapabilitiesInvalid("transports", f"more than {MAX_TRANSPORTS} transports")
+        raise ConfigInvalid.capabilities_invalid("transports", f"more than {MAX_TRANSPORTS} transports")
     transports = []
     for i, raw in enumerate(wire["transports"]):
         where = f"transports[{i}]"
         if not isinstance(raw, Mapping):
-            raise CapabilitiesInvalid(where, "must be a mapping")
+            raise ConfigInvalid.capabilities_invalid(where, "must be a mapping")
         t_missing = [f"{where}.{f}" for f in _TRANSPORT_FIELDS if f not in raw]
         if t_missing:
-            raise CapabilitiesIncomplete(t_missing)
+            raise ConfigInvalid.capabilities_incomplete(t_missing)
         t_unknown = sorted(set(raw) - set(_TRANSPORT_FIELDS))
         if t_unknown:
-            raise CapabilitiesInvalid(f"{where}.{t_unknown[0]}", "unknown transport field")
+            raise ConfigInvalid.capabilities_invalid(f"{where}.{t_unknown[0]}", "unknown transport field")
         if not isinstance(raw["name"], str):
-            raise CapabilitiesInvalid(f"{where}.name", "must be text")
+            raise ConfigInvalid.capabilities_invalid(f"{where}.name", "must be text")
         transports.append(TransportCapabilities(raw["name"], Capabilities(
             handle_kinds=_enum_list(f"{where}.handle_kinds", raw["handle_kinds"], HandleKind),
             memory_kinds=_enum_list(f"{where}.memory_kinds", raw["memory_kinds"], MemoryKind),
             scopes=_enum_list(f"{where}.scopes", raw["scopes"], Scope),
         )))
     if not isinstance(wire["fabric_trial"], str):
-        raise CapabilitiesInvalid("fabric_trial", "must be text")
+        raise ConfigInvalid.capabilities_invalid("fabric_trial", "must be text")
     try:
         trial = FabricTrial(wire["fabric_trial"])
     except ValueError:
-        raise CapabilitiesInvalid("fabric_trial", f"unknown outcome {wire['fabric_trial']!r}") from None
+        raise ConfigInvalid.capabilities_invalid("fabric_trial", f"unknown outcome {wire['fabric_trial']!r}") from None
     return PublishedCapabilities(
         device_uuids=tuple(_hex("device_uuids", u) for u in wire["device_uuids"]),
         handle_kinds=_enum_list("handle_kinds", wire["handle_kinds"], HandleKind),
@@ -327,9 +332,10 @@ def _gpu_allowed(profile: DeploymentProfile, caps: PublishedCapabilities) -> boo
 def admit(profile: DeploymentProfile, capabilities: PublishedCapabilities) -> Admitted | Refused:
     """Check ``capabilities`` against every rule of ``profile``; all failures are listed."""
     if not isinstance(profile, DeploymentProfile):
-        raise UnknownProfile(f"not a deployment profile: {profile!r}")
+        raise ConfigInvalid(ConfigReason.UNKNOWN_PROFILE, f"not a deployment profile: {profile!r}")
     if not isinstance(capabilities, PublishedCapabilities):
-        raise CapabilitiesInvalid("capabilities", "must be PublishedCapabilities (see parse_capabilities)")
+        raise ConfigInvalid.capabilities_invalid("capabilities",
+                                                 "must be PublishedCapabilities (see parse_capabilities)")
     failed = tuple(Refusal(rule, f"requires {what}") for rule, holds, what in _rules(profile, capabilities)
                    if not holds)
     if failed:

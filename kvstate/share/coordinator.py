@@ -61,24 +61,13 @@ from kvstate.core.args import (need, need_callables, need_choice, need_int, need
                                need_path, need_seconds, need_text)
 from kvstate.core.descriptor import Descriptor, decode_group
 from kvstate.core.errors import (
-    ArgumentInvalid,
-    ChannelClosed,
-    ChannelError,
-    ChannelTimeout,
-    CoordinatorRefused,
-    DescriptorRejected,
-    DrainTimeout,
-    GroupFailed,
-    GroupRejected,
-    GuardRejected,
-    KvStateError,
-    ProtocolError,
-    TransitionError,
+    ArgumentInvalid, ChannelError, DescriptorRejected, GroupFailed, GroupRejected, KvStateError,
+    TransitionError, TimedOut,
 )
 from kvstate.core.handles import HandleKind
 from kvstate.core.identity import Deployment, host_boot_id
 from kvstate.core.machine import Lifecycle, Observer, StateChange, effect, guard
-from kvstate.core.reasons import ArgumentReason, RejectReason
+from kvstate.core.reasons import ArgumentReason, RejectReason, TimeoutReason, ChannelReason, TransitionReason
 from kvstate.core.spec import load_machine
 from kvstate.core.validate import MAX_TP, Expectation, ValidatedGroup, validate_group
 from kvstate.share import protocol_msgs as msgs, status
@@ -126,13 +115,13 @@ class CoordinatorConfig:
         need_int(n + "tp", self.tp, 1, self.max_tp)
         need_path(n + "socket_dir", self.socket_dir)
         if "/" in need_text(n + "name", self.name, 64) or self.name in (".", ".."):
-            raise ArgumentInvalid(n + "name", ArgumentReason.RANGE, "names the socket file: no '/', '.' or '..'")
+            raise ArgumentInvalid.of(n + "name", ArgumentReason.RANGE, "names the socket file: no '/', '.' or '..'")
         for name in ("phase_timeout_s", "heartbeat_s", "silence_s", "request_timeout_s"):
             need_seconds(n + name, getattr(self, name), allow_zero=False)
         need(n + "check_socket", self.check_socket, bool)
         need_kinds(n + "handle_kinds", self.handle_kinds, HandleKind)
         if self.silence_s <= 2 * self.heartbeat_s:
-            raise ArgumentInvalid(n + "silence_s", ArgumentReason.RANGE, "must exceed two heartbeats")
+            raise ArgumentInvalid.of(n + "silence_s", ArgumentReason.RANGE, "must exceed two heartbeats")
 
 
 @attrs.define(eq=False)
@@ -225,8 +214,8 @@ class CoordinatedGroup(Lifecycle):
             if self.may("drain"):
                 self.fire("drain")
         if not self.wait(self.table.terminal, timeout):
-            raise DrainTimeout(f"{self.label}: still {self.state} after {timeout} s "
-                               f"(ranks {self.ranks()})")
+            raise TimedOut(TimeoutReason.DRAIN, f"{self.label}: still {self.state} after {timeout} s "
+                           f"(ranks {self.ranks()})")
         return time.monotonic() - start
 
     # -- guards -------------------------------------------------------------------------
@@ -262,7 +251,9 @@ class CoordinatedGroup(Lifecycle):
         d = self.validated.parts[rank]
         try:
             fingerprint, tp, generation, size, _, _ = msgs.imported_info(report.info)
-        except ProtocolError:
+        except ChannelError as exc:
+            if exc.reason is not ChannelReason.PROTOCOL:
+                raise
             return False
         return (fingerprint, tp, generation, size) == (d.geometry.fingerprint(), d.tp, d.generation, d.size)
 
@@ -332,8 +323,9 @@ class CoordinatedGroup(Lifecycle):
         if report.state == "imported":
             try:
                 self.info[rank] = msgs.imported_info(report.info)
-            except ProtocolError:
-                pass  # report_compatible refused it already
+            except ChannelError as exc:
+                if exc.reason is not ChannelReason.PROTOCOL:
+                    raise  # report_compatible refused a malformed one already
         elif report.state == "rejected":
             for reason in report.reasons:
                 try:
@@ -411,7 +403,8 @@ class Coordinator:
             while len([r for r, link in self.links.items() if link.alive]) < self.config.tp:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise ChannelTimeout(f"{len(self.links)} of {self.config.tp} workers connected after {timeout} s")
+                    raise ChannelError(ChannelReason.TIMEOUT,
+                                       f"{len(self.links)} of {self.config.tp} workers connected after {timeout} s")
                 self._joined.wait(min(left, 0.1))
 
     # -- groups -------------------------------------------------------------------------
@@ -446,7 +439,9 @@ class Coordinator:
         with group.locked():
             try:
                 group.fire("begin_check")
-            except GuardRejected:
+            except TransitionError as exc:
+                if exc.reason is not TransitionReason.GUARD:
+                    raise
                 group.fire("worker_died", rank=self._missing_rank())
                 raise GroupFailed("worker_died", self._missing_rank(), "no worker is connected for that rank") \
                     from None
@@ -550,18 +545,21 @@ class Coordinator:
             while not self._stopping.is_set():
                 try:
                     msg = ch.recv(timeout=0.25)
-                except ChannelTimeout:
+                except ChannelError as exc:
+                    if exc.reason is not ChannelReason.TIMEOUT:
+                        raise
                     continue
                 with msg:
                     report = msgs.decode(msg.payload)
                 if not isinstance(report, msgs.Report) or report.rank != link.rank:
-                    raise ProtocolError(f"worker {link.rank} sent {type(report).__name__} for rank "
-                                        f"{getattr(report, 'rank', None)}")
+                    raise ChannelError(ChannelReason.PROTOCOL,
+                                       f"worker {link.rank} sent {type(report).__name__} for rank "
+                                       f"{getattr(report, 'rank', None)}")
                 self._on_report(link, report)
-        except (ChannelClosed, ChannelTimeout):
-            pass  # EOF or pidfd: the worker is gone
         except KvStateError as exc:
-            log.warning("%s: closing a worker connection: %s", self.config.name, exc)
+            gone = isinstance(exc, ChannelError) and (exc.closed or exc.reason is ChannelReason.TIMEOUT)
+            if not gone:  # EOF or pidfd is a worker gone, not worth a warning
+                log.warning("%s: closing a worker connection: %s", self.config.name, exc)
         finally:
             ch.close()
             if link is not None:
@@ -574,7 +572,7 @@ class Coordinator:
                 return None
             hello = msgs.decode(msg.payload)
         if not isinstance(hello, msgs.Hello):
-            raise ProtocolError(f"expected hello, got {type(hello).__name__}")
+            raise ChannelError(ChannelReason.PROTOCOL, f"expected hello, got {type(hello).__name__}")
         refusal = self._refusal(hello, ch)
         if refusal is not None:
             ch.send(msgs.encode(refusal), timeout=self.config.request_timeout_s)
@@ -611,7 +609,7 @@ class Coordinator:
             g.pids.setdefault(link.rank, link.pid)
             if g.is_terminal:
                 return  # a late report about a group that ended: dropped, as the model drops it
-            g.fire(event, rank=link.rank, report=report)  # IllegalTransition: a protocol violation
+            g.fire(event, rank=link.rank, report=report)  # TransitionError (ILLEGAL): a protocol violation
         self._settle(g)
 
     def _gone(self, link: WorkerLink) -> None:
@@ -643,6 +641,8 @@ def _complete(group: CoordinatedGroup, event: Completion) -> bool:
             return False
         try:
             group.fire(event)
-        except GuardRejected:
+        except TransitionError as exc:
+            if exc.reason is not TransitionReason.GUARD:
+                raise
             return False
         return True

@@ -65,31 +65,19 @@ from kvstate import channel as chan
 from kvstate.channel.tcp import TcpServer
 from kvstate.core.descriptor import Descriptor, encode
 from kvstate.core.errors import (
-    ChannelClosed,
-    ChannelError,
-    ChannelTimeout,
-    ConfigInvalid,
-    DrainTimeout,
-    FrameError,
-    InventoryError,
-    KvStateError,
-    RegistrationFailed,
-    TransferRejected,
-    TransitionError,
-    ViewsOutstanding,
+    ChannelError, ConfigInvalid, KvStateError, TransitionError, BackendUnavailable, Busy, TimedOut,
+    NativeError,
 )
 from kvstate.core.args import need, need_callables, need_choice, need_int, need_path, need_seconds, typed
 from kvstate.core.errors import ArgumentInvalid
-from kvstate.core.reasons import ArgumentReason, TransferReason
+from kvstate.core.reasons import ArgumentReason, BusyReason, TimeoutReason, ChannelReason
 from kvstate.core.geometry import Geometry
 from kvstate.core.handles import FD_KINDS, UNCOUNTED_KINDS, HandleKind
 from kvstate.core.identity import Deployment, FabricDomain, FabricKind, Incarnation, host_boot_id
-from kvstate.reuse.inventory import Inventory, LeaseGrant, Stale
+from kvstate.reuse.inventory import refused_by_inventory, Inventory, LeaseGrant, Stale
 from kvstate.core.machine import Lifecycle, Observer, effect, guard
-from kvstate.core.errors import IllegalTransition
 from kvstate.core.spec import load_machine
 from kvstate.core.capabilities import Access
-from kvstate.core.errors import TransportUnsuitable
 from kvstate.transport.protocol import A, E, H, HostView, M, MappedTransport, R, require_mapped
 from kvstate.share import status, store
 from kvstate.transport.nixl import handle as nixl_handle
@@ -103,28 +91,28 @@ _SOURCE_ID_BYTES = 16
 
 def _source_id(_: object, attribute: attrs.Attribute[bytes], value: object) -> None:
     if not isinstance(value, bytes) or len(value) != _SOURCE_ID_BYTES:
-        raise ConfigInvalid("ExportConfig.source_id", f"must be exactly {_SOURCE_ID_BYTES} bytes (it is signed into "
-                            f"every descriptor and importers refuse any other length), not {value!r:.40}")
+        raise ConfigInvalid.of("ExportConfig.source_id", f"must be exactly {_SOURCE_ID_BYTES} bytes (it is signed into "
+                               f"every descriptor and importers refuse any other length), not {value!r:.40}")
 
 
 def _positive_int(_: object, attribute: attrs.Attribute[int], value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigInvalid(f"ExportConfig.{attribute.name}", f"must be an int >= 1, not {value!r:.40}")
+        raise ConfigInvalid.of(f"ExportConfig.{attribute.name}", f"must be an int >= 1, not {value!r:.40}")
 
 log = logging.getLogger(__name__)
 
 
 def _seconds(_: object, attribute: attrs.Attribute[float], value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1e9 or value != value:
-        raise ConfigInvalid(f"ExportConfig.{attribute.name}", f"must be a finite number of seconds > 0, "
-                            f"not {value!r:.40}")
+        raise ConfigInvalid.of(f"ExportConfig.{attribute.name}", f"must be a finite number of seconds > 0, "
+                               f"not {value!r:.40}")
 
 
 def _socket_dir(_: object, attribute: attrs.Attribute[Path], value: object) -> None:
     try:
         need_path("ExportConfig.socket_dir", value)
     except KvStateError as exc:
-        raise ConfigInvalid("ExportConfig.socket_dir", str(exc)) from None
+        raise ConfigInvalid.of("ExportConfig.socket_dir", str(exc)) from None
 
 
 #: Hosts that bind every interface: a descriptor that named one would send importers on
@@ -137,18 +125,18 @@ def _tcp_listen(config: Any, attribute: attrs.Attribute[Any], value: object) -> 
         return
     where = "ExportConfig.tcp_listen"
     if not isinstance(value, tuple) or len(value) != 2:
-        raise ConfigInvalid(where, f"must be a (host, port) tuple, not {value!r:.60}")
+        raise ConfigInvalid.of(where, f"must be a (host, port) tuple, not {value!r:.60}")
     host, port = value
     if not isinstance(host, str) or not host.isascii() or not host.isprintable() or len(host) > 253:
-        raise ConfigInvalid(where, f"host must be a printable ASCII name or address, not {host!r:.60}")
+        raise ConfigInvalid.of(where, f"host must be a printable ASCII name or address, not {host!r:.60}")
     if host in _WILDCARDS:
-        raise ConfigInvalid(where, f"host {host!r} binds every interface, and descriptors name it: "
-                            "give the address other nodes reach this one at")
+        raise ConfigInvalid.of(where, f"host {host!r} binds every interface, and descriptors name it: "
+                               "give the address other nodes reach this one at")
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise ConfigInvalid(where, f"port must be an int in 0..65535 (0: any free one), not {port!r:.40}")
+        raise ConfigInvalid.of(where, f"port must be an int in 0..65535 (0: any free one), not {port!r:.40}")
     if config.handle_kind in FD_KINDS:  # fds travel over AF_UNIX only: such a lease could never be answered
-        raise ConfigInvalid(where, f"{config.handle_kind.value} handles are file descriptors and cannot cross "
-                            "nodes: serve them on the unix socket (no tcp_listen), or export NIXL handles")
+        raise ConfigInvalid.of(where, f"{config.handle_kind.value} handles are file descriptors and cannot cross "
+                               "nodes: serve them on the unix socket (no tcp_listen), or export NIXL handles")
 
 
 @attrs.frozen
@@ -246,12 +234,12 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
 
     def register(self) -> None:
         """Export the bank (``register``). If registration fails, ``register_failed`` is
-        recorded too, so observers see the failure, and RegistrationFailed propagates
+        recorded too, so observers see the failure, and NativeError (REGISTRATION) propagates
         with the bank still ``allocated`` and owned by the engine (INV-REGISTER-ATOMIC)."""
         with self.locked():
             try:
                 self.fire("register")
-            except KvStateError:  # RegistrationFailed, or EffectFailed: rolled back either way
+            except KvStateError:  # NativeError (REGISTRATION), or NativeError (EFFECT): rolled back either way
                 if self.may("register_failed"):  # not for a register its state refused (twice)
                     self.fire("register_failed")
                 raise
@@ -265,7 +253,7 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         transport's memory is host memory (:class:`kvstate.transport.protocol.HostView`)."""
         t = self.transport
         if not isinstance(t, HostView):
-            raise TransportUnsuitable(t.name, "a bank view needs host memory")
+            raise BackendUnavailable.unsuitable(t.name, "a bank view needs host memory")
         return t.view(self.mapped())
 
     def lease_report(self) -> dict[str, Any]:
@@ -285,23 +273,23 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
     def mapped(self) -> M:
         """The exporter's own mapping of the bank (KvStateError before registration)."""
         if self.mapping is None:
-            raise KvStateError(f"{self.label} is not registered")
+            raise ArgumentInvalid(ArgumentReason.STATE, f"{self.label} is not registered")
         return self.mapping
 
     def exported(self) -> H:
         """The handle registration exported (KvStateError before registration)."""
         if self.handle is None:
-            raise KvStateError(f"{self.label} is not registered")
+            raise ArgumentInvalid(ArgumentReason.STATE, f"{self.label} is not registered")
         return self.handle
 
     def store(self, src_tensors: Any, src_block_ids: Any, bank_block_ids: Any) -> TransferHandle:
         """Copy pages ``src_block_ids`` of the engine's tensors (region name -> tensor) into
         bank blocks ``bank_block_ids``, every region, on the op engine. Returns at once;
         the handle says when the blocks hold the pages (``wait``, ``done``, a callback,
-        an fd) and which failed. Refused (TransferRejected, nothing submitted) when any
-        argument is wrong; IllegalTransition unless the bank is registered and not draining."""
+        an fd) and which failed. Refused (ArgumentInvalid (a load/store reason), nothing submitted) when any
+        argument is wrong; TransitionError (ILLEGAL) unless the bank is registered and not draining."""
         if not self.may("store"):
-            raise IllegalTransition(self.table.name, self.state, "store")
+            raise TransitionError.illegal(self.table.name, self.state, "store")
         plan = store.plan(self, src_tensors, src_block_ids, bank_block_ids)
         try:
             self.fire("store", plan=plan)
@@ -316,8 +304,8 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         released while any of them, or anything viewing them, is alive."""
         need_choice("framework", framework, ("torch", "numpy"))
         if self.mapping is None or self.state in ("draining", "quiescent", "released"):
-            raise TransferRejected(TransferReason.STATE, self.label, f"the bank is {self.state}; views need a "
-                                   "registered bank that is not draining")
+            raise ArgumentInvalid.transfer(ArgumentReason.STATE, self.label, f"the bank is {self.state}; views need a "
+                                           "registered bank that is not draining")
         memory = self.view()
         out = store.views(self, framework, memory)
         # Every tensor or array over it keeps the exporting object (not the memoryview) alive.
@@ -358,7 +346,7 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         """Reserve, map, set access, export. Each object is recorded on the bank as it is
         made, so that when undoing a failed step fails too (the driver refuses an unmap),
         what is left stays known: a later register or release undoes it. The failure
-        reported is always the step's own, as RegistrationFailed."""
+        reported is always the step's own, as NativeError (REGISTRATION)."""
         t = self.transport
         step = "undo an earlier failed registration"
         try:
@@ -377,7 +365,7 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
             except Exception as undo_failed:
                 log.warning("%s: undoing a failed registration failed too (%s); the bank keeps what is "
                             "left, for a later register or release", self.label, undo_failed)
-            raise RegistrationFailed(step, exc) from exc
+            raise NativeError.registration(step, exc) from exc
         self.handle, self.owner = handle, "kvstate"
         return self._unregister
 
@@ -498,7 +486,7 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
     @effect("submit_store")
     def _submit_store(self, *, plan: object = None, **kw: Any) -> None:
         if not isinstance(plan, Plan) or plan.kind != "store":
-            raise TransferRejected(TransferReason.PLAN, "fire('store')", "needs the plan Bank.store builds")
+            raise ArgumentInvalid.transfer(ArgumentReason.PLAN, "fire('store')", "needs the plan Bank.store builds")
         handle = plan.submit(self.transport)
         self.stores.add(handle)
         try:
@@ -521,8 +509,8 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
     @effect("native_release")
     def _release(self, **kw: Any) -> None:
         if self.views_alive():
-            raise ViewsOutstanding(f"{self.label}: {len(self._views)} set(s) of tensors from Bank.tensors() are "
-                                   "still alive; drop them (the engine's KV cache) before releasing the bank")
+            raise Busy(BusyReason.VIEWS, f"{self.label}: {len(self._views)} set(s) of tensors from Bank.tensors() are "
+                       "still alive; drop them (the engine's KV cache) before releasing the bank")
         # The transport calls straight into C: row -> this effect -> transport -> C.
         t = self.transport
         self._unregister()  # step by step: a failed step leaves the rest for a retry
@@ -540,7 +528,7 @@ class Exporter(Generic[H, A, R, M, E]):
         unique to this exporter (pid and incarnation), so exporters may share a socket
         directory. A name another live exporter serves is refused by :meth:`start`."""
         if not isinstance(config, ExportConfig):
-            raise ConfigInvalid("config", f"must be an ExportConfig, not {type(config).__name__}")
+            raise ConfigInvalid.of("config", f"must be an ExportConfig, not {type(config).__name__}")
         if inventory is not None:
             need("inventory", inventory, Inventory)
         observers = need_callables("observers", observers)
@@ -555,7 +543,7 @@ class Exporter(Generic[H, A, R, M, E]):
         if name is None:
             name = f"exporter-{os.getpid()}-{self.incarnation.value.hex()[:8]}"
         if not isinstance(name, str) or not name or "/" in name or "\0" in name or name in (".", ".."):
-            raise ConfigInvalid("name", f"must be a file name (no '/', no NUL), not {name!r:.40}")
+            raise ConfigInvalid.of("name", f"must be a file name (no '/', no NUL), not {name!r:.40}")
         self.socket_path = Path(config.socket_dir) / f"{name}.sock"
         # Across nodes leases travel over TCP (kvstate.channel.tcp); descriptors name the
         # address importers lease from, so it is bound before any bank is advertised.
@@ -579,7 +567,7 @@ class Exporter(Generic[H, A, R, M, E]):
         need_int("rank", rank, 0, self.config.tp - 1)
         need("geometry", geometry, Geometry)
         if rank in self.banks:
-            raise ArgumentInvalid("rank", ArgumentReason.STATE, f"rank {rank} already has a bank in this exporter")
+            raise ArgumentInvalid.of("rank", ArgumentReason.STATE, f"rank {rank} already has a bank in this exporter")
         bank: Bank[H, A, R, M, E] = Bank(self, rank, geometry, observers=self._observers)
         self.banks[rank] = bank
         return bank
@@ -604,12 +592,12 @@ class Exporter(Generic[H, A, R, M, E]):
     def descriptor(self, rank: int) -> bytes:
         need_int("rank", rank, 0, self.config.tp - 1)
         if rank not in self.banks:
-            raise ArgumentInvalid("rank", ArgumentReason.STATE, f"no bank of rank {rank} in this exporter")
+            raise ArgumentInvalid.of("rank", ArgumentReason.STATE, f"no bank of rank {rank} in this exporter")
         bank = self.banks[rank]
         d = bank.descriptor
         if d is None or bank.state not in DESCRIBED:
-            raise ArgumentInvalid("rank", ArgumentReason.STATE, f"the bank of rank {rank} is {bank.state}: "
-                                  f"it has no descriptor to give (one is given from advertise until quiescent)")
+            raise ArgumentInvalid.of("rank", ArgumentReason.STATE, f"the bank of rank {rank} is {bank.state}: "
+                                     f"it has no descriptor to give (one is given from advertise until quiescent)")
         return d
 
     # -- serving ------------------------------------------------------------------------
@@ -618,8 +606,8 @@ class Exporter(Generic[H, A, R, M, E]):
         """Listen for importers, watch their connections and expire their leases. Once:
         a stopped exporter is not started again (make a new one)."""
         if self._stopping.is_set() or self._server is not None:
-            raise ArgumentInvalid("exporter", ArgumentReason.STATE,
-                                  "started already, or stopped: an exporter serves once; make a new one")
+            raise ArgumentInvalid.of("exporter", ArgumentReason.STATE,
+                                     "started already, or stopped: an exporter serves once; make a new one")
         chan.make_socket_dir(self.config.socket_dir)
         # A batched lease answers with every bank's fd in one message (kvstate.share.peers).
         limits = chan.Limits(max_fds=min(chan.HARD_MAX_FDS, max(chan.DEFAULT_MAX_FDS, len(self.banks))))
@@ -638,7 +626,7 @@ class Exporter(Generic[H, A, R, M, E]):
             if watcher is not None:
                 watcher.close()
             if isinstance(exc, (OSError, RuntimeError)):  # no fd or thread for the watcher
-                raise ChannelError(f"cannot start serving: {exc}") from None
+                raise ChannelError(ChannelReason.FAILED, f"cannot start serving: {exc}") from None
             raise
 
     def stop(self) -> None:
@@ -676,9 +664,11 @@ class Exporter(Generic[H, A, R, M, E]):
             while not self._stopping.is_set():
                 try:
                     msg = ch.recv(timeout=0.25)
-                except ChannelTimeout:
-                    continue
-                except ChannelClosed:
+                except ChannelError as exc:
+                    if exc.reason is ChannelReason.TIMEOUT:
+                        continue
+                    if not exc.closed:
+                        raise
                     importer_closed = True
                     break
                 msg.close()  # importers send no fds
@@ -695,7 +685,7 @@ class Exporter(Generic[H, A, R, M, E]):
                     else:
                         reply, fds = self._handle(ch, request)
                 except KvStateError as exc:
-                    reply, fds = {"ok": False, "code": type(exc).__name__, "detail": str(exc)}, ()
+                    reply, fds = {"ok": False, "code": exc.reason.value, "detail": str(exc)}, ()
                 if request.get("op") == "mapped":
                     continue  # a notification: the importer does not wait for an answer
                 try:
@@ -720,7 +710,8 @@ class Exporter(Generic[H, A, R, M, E]):
     def _handle(self, ch: chan.Channel, req: dict[str, Any]) -> tuple[dict[str, Any], tuple[int, ...]]:
         for key, kind in _REQUEST_FIELDS.items():  # a peer's JSON may hold any type anywhere
             if key in req and type(req[key]) is not kind:
-                raise FrameError(f"request field {key!r} must be {kind.__name__}, not {type(req[key]).__name__}")
+                raise ChannelError(ChannelReason.FRAME,
+                                   f"request field {key!r} must be {kind.__name__}, not {type(req[key]).__name__}")
         op = req.get("op")
         bank: Bank[H, A, R, M, E] | None = self.banks.get(req.get("rank", -1))
         if bank is None:
@@ -779,10 +770,11 @@ class Exporter(Generic[H, A, R, M, E]):
         items = req.get("items")
         if set(req) != {"op", "items"} or not isinstance(items, list) or not items or \
                 len(items) > len(self.banks) or not all(isinstance(i, dict) and "op" not in i for i in items):
-            raise FrameError(f"leases: items must be 1..{len(self.banks)} lease requests (objects without 'op')")
+            raise ChannelError(ChannelReason.FRAME,
+                               f"leases: items must be 1..{len(self.banks)} lease requests (objects without 'op')")
         ranks = [i.get("rank") for i in items]
         if any(type(r) is not int for r in ranks) or len(set(ranks)) != len(ranks):
-            raise FrameError("leases: every item names a different int rank")
+            raise ChannelError(ChannelReason.FRAME, "leases: every item names a different int rank")
         granted: list[tuple[int, int]] = []  # (rank, lease id)
         answers: list[dict[str, Any]] = []
         fds: list[int] = []
@@ -806,7 +798,8 @@ class Exporter(Generic[H, A, R, M, E]):
         items = req.get("items")
         if set(req) != {"op", "items"} or not isinstance(items, list) or len(items) > len(self.banks) or \
                 not all(isinstance(i, dict) and set(i) == {"rank", "lease"} for i in items):
-            raise FrameError(f"mapped: items must be at most {len(self.banks)} objects of rank and lease")
+            raise ChannelError(ChannelReason.FRAME,
+                               f"mapped: items must be at most {len(self.banks)} objects of rank and lease")
         for item in items:
             reply, _ = self._handle(ch, {"op": "mapped", **item})
             if not reply.get("ok"):
@@ -823,7 +816,9 @@ class Exporter(Generic[H, A, R, M, E]):
             return self._refuse("no_inventory", "this exporter keeps no retained inventory")
         try:
             result = self.inventory.lease(want["group"], want["epoch"], want["hashes"])
-        except (InventoryError, KeyError, TypeError) as exc:
+        except (ArgumentInvalid, Busy, KeyError, TypeError) as exc:
+            if isinstance(exc, KvStateError) and not refused_by_inventory(exc):
+                raise
             return self._refuse("bad_request", f"blocks: {exc}")
         if isinstance(result, Stale):
             return self._refuse("stale_inventory", f"{result.reason.value} (epoch {result.current_epoch}, "
@@ -896,8 +891,9 @@ class Exporter(Generic[H, A, R, M, E]):
                 except TransitionError:
                     bank.drop_exited_holds()
                     if time.monotonic() >= deadline:
-                        raise DrainTimeout(f"{bank.label}: {len(bank.leases)} lease(s), {len(bank.holds)} hold(s), "
-                                           f"{bank.pins()} pin(s) after {timeout} s; nothing released") from None
+                        raise TimedOut(TimeoutReason.DRAIN,
+                                       f"{bank.label}: {len(bank.leases)} lease(s), {len(bank.holds)} hold(s), "
+                                       f"{bank.pins()} pin(s) after {timeout} s; nothing released") from None
                     time.sleep(0.005)
             waited = time.monotonic() - start
             bank.fire("release")

@@ -51,29 +51,15 @@ import attrs
 from kvstate import channel as chan
 from kvstate.core.descriptor import Descriptor, decode_group
 from kvstate.core.errors import (
-    ArgumentInvalid,
-    ChannelClosed,
-    ChannelError,
-    ConfigInvalid,
-    DescriptorRejected,
-    DrainTimeout,
-    GroupRejected,
-    GuardRejected,
-    IllegalTransition,
-    ImportFailed,
-    InventoryError,
-    KvStateError,
-    LeaseRefused,
-    LoadFailed,
-    ReuseRefused,
-    ReuseStale,
-    TransferRejected,
-    TransitionError,
+    ArgumentInvalid, ChannelError, ConfigInvalid, DescriptorRejected, GroupRejected, ImportFailed,
+    KvStateError, ReuseRefused, TransitionError, TransferFailed, TimedOut,
 )
 from kvstate.core.args import (need, need_callables, need_choice, need_items, need_mapping_keys, need_seconds,
                                need_text, typed)
 from kvstate.core.identity import Deployment, host_boot_id
-from kvstate.core.reasons import ArgumentReason, ImportReason, TransferReason
+from kvstate.core.reasons import (
+    ArgumentReason, ImportReason, TransferFailReason, TimeoutReason, TransitionReason,
+)
 from kvstate.reuse.gates import import_refusal
 from kvstate.reuse.inventory import block_hashes, group_name
 from kvstate.reuse.policy import ReuseSettings
@@ -98,8 +84,9 @@ GroupFault = Literal["part_failed", "peer_died", "incarnation_changed", "expired
 def _epochs(value: object) -> tuple[int, ...]:
     if not isinstance(value, (tuple, list)) or not value or \
             not all(type(e) is int and e >= 0 for e in value):
-        raise InventoryError(f"epochs must be a non-empty sequence of non-negative ints (one per rank), "
-                             f"not {value!r:.80}")
+        raise ArgumentInvalid(ArgumentReason.INVENTORY,
+                              f"epochs must be a non-empty sequence of non-negative ints (one per rank), "
+                              f"not {value!r:.80}")
     return tuple(value)
 
 
@@ -117,7 +104,8 @@ class BlockRequest:
     def epoch(self, rank: int) -> int:
         """The epoch rank ``rank``'s lease names."""
         if not 0 <= rank < len(self.epochs):
-            raise InventoryError(f"no epoch for rank {rank}: the request names {len(self.epochs)} rank(s)")
+            raise ArgumentInvalid(ArgumentReason.INVENTORY,
+                                  f"no epoch for rank {rank}: the request names {len(self.epochs)} rank(s)")
         return self.epochs[rank]
 
 
@@ -161,22 +149,22 @@ class PartOwner(Protocol[H, A, R, M, E]):
 
 def _seconds(_: object, attribute: attrs.Attribute[float], value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1e9 or value != value:
-        raise ConfigInvalid(f"ImportConfig.{attribute.name}", f"must be a finite number of seconds > 0, "
-                            f"not {value!r:.40}")
+        raise ConfigInvalid.of(f"ImportConfig.{attribute.name}", f"must be a finite number of seconds > 0, "
+                               f"not {value!r:.40}")
 
 
 def _count(most: int) -> Callable[[object, attrs.Attribute[int], object], None]:
     def check(_: object, attribute: attrs.Attribute[int], value: object) -> None:
         if type(value) is not int or not 1 <= value <= most:
-            raise ConfigInvalid(f"ImportConfig.{attribute.name}", f"must be an int in 1..{most}, not {value!r:.40}")
+            raise ConfigInvalid.of(f"ImportConfig.{attribute.name}", f"must be an int in 1..{most}, not {value!r:.40}")
     return check
 
 
 def _optional(kind: type) -> Callable[[object, attrs.Attribute[Any], object], None]:
     def check(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
         if value is not None and not isinstance(value, kind):
-            raise ConfigInvalid(f"ImportConfig.{attribute.name}", f"must be {kind.__name__} or None, "
-                                f"not {type(value).__name__}")
+            raise ConfigInvalid.of(f"ImportConfig.{attribute.name}", f"must be {kind.__name__} or None, "
+                                   f"not {type(value).__name__}")
     return check
 
 
@@ -228,9 +216,9 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         return 0 if self.mapping is None else self.transport.stats(self.mapping).pins
 
     def mapped(self) -> M:
-        """The part's mapping (LoadFailed when it has none: not imported, or closed)."""
+        """The part's mapping (TransferFailed (LOAD) when it has none: not imported, or closed)."""
         if self.mapping is None:
-            raise LoadFailed(f"{self.label} is not mapped")
+            raise TransferFailed(TransferFailReason.LOAD, f"{self.label} is not mapped")
         return self.mapping
 
     @guard("group_importing")
@@ -285,7 +273,7 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         d, t = self.descriptor, self.transport
         link, handle, grant = self.link, self.handle, self.received
         if link is None or handle is None or grant is None:
-            raise ImportFailed(d.rank, KvStateError(f"{self.label} holds no lease to open"), ImportReason.INTERRUPTED)
+            raise ImportFailed.of(d.rank, ImportReason.INTERRUPTED, f"{self.label} holds no lease to open")
         timeout = self.group.importer.config.request_timeout_s
         # Each object is recorded on the part as it is made: when undoing a failed step
         # fails too (the driver refuses an unmap), what is left stays known and counted
@@ -312,12 +300,12 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
     def renew(self) -> float:
         """Renew this part's lease: the importer's expiry thread calls this for every part
         that is leased or mapped, once half the lease has run (:meth:`Importer.renew_leases`).
-        Returns the seconds to the new expiry. LeaseRefused when the exporter refuses (the
+        Returns the seconds to the new expiry. ImportFailed (REFUSED) when the exporter refuses (the
         lease expired there, or the bank drains: unmap and return it), ChannelError when
         the exporter is gone."""
         ch, link, lease_id = self.channel, self.link, self.lease_id
         if ch is None or lease_id is None:
-            raise LeaseRefused("not_leased", f"{self.label} holds no lease to renew")
+            raise ImportFailed.lease_refused("not_leased", f"{self.label} holds no lease to renew")
         timeout = self.group.importer.config.request_timeout_s
         payload = chan.encode({"op": "renew", "rank": self.rank, "lease": lease_id})
         if link is not None:  # the link's lock keeps other parts' requests apart
@@ -333,10 +321,10 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
                     ch.close()  # a late answer would be read as the next request's
                     raise
         if not reply.get("ok"):
-            raise LeaseRefused(str(reply.get("code")), str(reply.get("detail")))
+            raise ImportFailed.lease_refused(str(reply.get("code")), str(reply.get("detail")))
         expires: Any = reply.get("expires_in_s")
         if type(expires) not in (int, float) or not 0 <= expires < 1e9:
-            raise LeaseRefused("malformed", f"malformed renewal {reply!r:.200}")
+            raise ImportFailed.lease_refused("malformed", f"malformed renewal {reply!r:.200}")
         self.renewed_at = time.monotonic()
         self.lease_expires_at = self.renewed_at + float(expires)
         return float(expires)
@@ -397,7 +385,7 @@ def _release_quietly(ch: chan.Channel, rank: int, lease_id: int | None) -> None:
     try:
         ch.send(chan.encode({"op": "release", "rank": rank, "lease": lease_id}), timeout=1.0)
         _expect_ok(ch, 1.0)
-    except (ChannelError, LeaseRefused):
+    except (ChannelError, ImportFailed):  # gone, or a refusal (the only ImportFailed these raise)
         pass
 
 
@@ -413,11 +401,11 @@ def _check_report(reply: dict[str, Any], d: Descriptor) -> None:
             "geometry": d.geometry.fingerprint().hex(), "num_blocks": d.geometry.num_blocks,
             "device_uuid": d.device_uuid.hex(), "size": d.size}
     if not isinstance(report, dict):
-        raise LeaseRefused("lease_mismatch", f"malformed bank report {report!r:.100}")
+        raise ImportFailed.lease_refused("lease_mismatch", f"malformed bank report {report!r:.100}")
     for key, value in want.items():
         if report.get(key) != value:
-            raise LeaseRefused("lease_mismatch", f"the exporter reports {key} {report.get(key)!r:.80}, "
-                               f"the descriptor says {value!r:.80}")
+            raise ImportFailed.lease_refused("lease_mismatch", f"the exporter reports {key} {report.get(key)!r:.80}, "
+                                             f"the descriptor says {value!r:.80}")
 
 
 def lease_fields(d: Descriptor, blocks: BlockRequest | None) -> dict[str, Any]:
@@ -437,7 +425,7 @@ def _grant_fields(reply: dict[str, Any], rank: int) -> tuple[int, float]:
     lease: Any = reply.get("lease")
     expires: Any = reply.get("expires_in_s")
     if type(lease) is not int or type(expires) not in (int, float) or not 0 <= expires < 1e9:
-        raise ImportFailed(rank, KvStateError(f"malformed lease grant {reply!r:.200}"), ImportReason.MALFORMED)
+        raise ImportFailed.of(rank, ImportReason.MALFORMED, f"malformed lease grant {reply!r:.200}")
     return lease, float(expires)
 
 
@@ -445,7 +433,7 @@ def _expect_ok(ch: chan.Channel, timeout: float) -> None:
     with ch.recv(timeout=timeout) as msg:
         reply = chan.decode(msg.payload)
     if not reply.get("ok"):
-        raise LeaseRefused(str(reply.get("code")), str(reply.get("detail")))
+        raise ImportFailed.lease_refused(str(reply.get("code")), str(reply.get("detail")))
 
 
 @attrs.frozen
@@ -538,8 +526,8 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
     @effect("submit_load")
     def _submit(self, *, plan: object = None, **kw: Any) -> None:
         if not isinstance(plan, Plan) or plan.kind != "load":
-            raise TransferRejected(TransferReason.PLAN, "fire('load')", "needs the plan Group.load builds")
-        handle = plan.submit(self.importer.transport)  # all or nothing; raises LoadFailed
+            raise ArgumentInvalid.transfer(ArgumentReason.PLAN, "fire('load')", "needs the plan Group.load builds")
+        handle = plan.submit(self.importer.transport)  # all or nothing; raises TransferFailed (LOAD)
         self.loads.add(handle)
         try:
             handle._activate(self._load_finished)
@@ -569,11 +557,11 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
         part of ``rank`` (optional at tp=1), or ranks to such mappings.
 
         Returns at once; copies run on the op engine's threads. Every argument is checked
-        first (TransferRejected with a reason, nothing submitted); IllegalTransition unless
-        the group is ready; LoadFailed if submitting failed (everything submitted was
+        first (ArgumentInvalid (a load/store reason) with a reason, nothing submitted); TransitionError (ILLEGAL) unless
+        the group is ready; TransferFailed (LOAD) if submitting failed (everything submitted was
         cancelled or awaited). See TransferHandle for waiting per region and failures."""
         if not self.may("load"):
-            raise IllegalTransition(self.table.name, self.state, "load")
+            raise TransitionError.illegal(self.table.name, self.state, "load")
         plan = loads.paged(self, bank_block_ids, dst_tensors, dst_block_ids, rank)
         return self._fire_load(plan)
 
@@ -591,25 +579,26 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
 
         ``destinations`` is one buffer per rank (a sequence of tp buffers), or a mapping
         from rank to buffer to load only some ranks (a TP worker loading its own share).
-        Each holds at least ``len(blocks) * block_bytes`` bytes. Raises LoadFailed, and
+        Each holds at least ``len(blocks) * block_bytes`` bytes. Raises TransferFailed (LOAD), and
         the data must not be used, if any op fails or the load outlasts ``timeout`` (it
         is then cancelled; ops already copying finish on their own)."""
         t = check_timeout(timeout)
         if not self.may("load"):
-            raise IllegalTransition(self.table.name, self.state, "load")
+            raise TransitionError.illegal(self.table.name, self.state, "load")
         # Host memory is reached through the caller's tensors (tensors.adapt); device memory
         # (the cuda backend) goes to the transport as it is.
         host = MemoryKind.HOST in self.importer.transport.capabilities.memory_kinds
         handle = self._fire_load(loads.dense(self, blocks, destinations, host))
         if not handle.wait(t):
             handle.cancel()
-            raise LoadFailed(f"prefix load of {len(handle._blocks)} block(s) still running after {timeout} s; "
-                             "cancelled")
+            raise TransferFailed(TransferFailReason.LOAD,
+                                 f"prefix load of {len(handle._blocks)} block(s) still running after {timeout} s; "
+                                 "cancelled")
         result = handle.result()
         assert result is not None
         if not result.ok:
-            raise LoadFailed(f"prefix load failed: op(s) of rank(s) "
-                             f"{sorted({e.rank for e in handle._entries if e.state != 'done'})} did not complete")
+            raise TransferFailed(TransferFailReason.LOAD, f"prefix load failed: op(s) of rank(s) "
+                                 f"{sorted({e.rank for e in handle._entries if e.state != 'done'})} did not complete")
         return LoadResult(result.blocks, result.bytes, result.seconds)
 
     def peer_closed(self, part: Part[H, A, R, M, E]) -> None:
@@ -650,7 +639,8 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
             if self.state != "draining":
                 return 0.0  # an import in progress was aborted (failed), or already closed
             if time.monotonic() - start > timeout:
-                raise DrainTimeout(f"{self.label}: pins still held after {timeout} s; nothing unmapped")
+                raise TimedOut(TimeoutReason.DRAIN,
+                               f"{self.label}: pins still held after {timeout} s; nothing unmapped")
             time.sleep(0.002)
         return time.monotonic() - start
 
@@ -662,7 +652,9 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
             if self.state == "draining":
                 try:
                     self.fire("quiesce")
-                except GuardRejected:
+                except TransitionError as exc:
+                    if exc.reason is not TransitionReason.GUARD:
+                        raise
                     return False  # loads or pins still running
             if self.state == "quiescent":
                 self.fire("close")
@@ -678,7 +670,7 @@ class Importer(Generic[H, A, R, M, E]):
     def __init__(self, config: ImportConfig, transport: MappedTransport[H, A, R, M, E], *,
                  observers: Iterable[Observer] = ()) -> None:
         if not isinstance(config, ImportConfig):
-            raise ConfigInvalid("config", f"must be an ImportConfig, not {type(config).__name__}")
+            raise ConfigInvalid.of("config", f"must be an ImportConfig, not {type(config).__name__}")
         observers = need_callables("observers", observers)
         require_mapped(transport)
         self.config = config
@@ -732,7 +724,7 @@ class Importer(Generic[H, A, R, M, E]):
         """Validate the whole group, then import every part; see the module docstring.
 
         ``blocks`` names inventory blocks every part's lease must pin; if the decode
-        worker no longer holds them (the inventory is advisory) this raises ReuseStale
+        worker no longer holds them (the inventory is advisory) this raises ImportFailed (STALE)
         and the caller recomputes. ``expect`` overrides fields of the Expectation.
         Refused with ReuseRefused, before anything is decoded or opened, unless the
         config enables reuse (and, for a GPU transport, GPU reuse under an admitted
@@ -744,10 +736,11 @@ class Importer(Generic[H, A, R, M, E]):
             need("blocks", blocks, BlockRequest)
         expect = need_mapping_keys("expect", expect, [a.name for a in attrs.fields(Expectation)])
         if self._stopping.is_set():
-            raise ArgumentInvalid("importer", ArgumentReason.STATE, "this importer is closed")
+            raise ArgumentInvalid.of("importer", ArgumentReason.STATE, "this importer is closed")
         if blocks is not None and len(blocks.epochs) != len(wire):
-            raise InventoryError(f"the block request names {len(blocks.epochs)} epoch(s) for a group of "
-                                 f"{len(wire)} descriptor(s): one per rank")
+            raise ArgumentInvalid(ArgumentReason.INVENTORY,
+                                  f"the block request names {len(blocks.epochs)} epoch(s) for a group of "
+                                  f"{len(wire)} descriptor(s): one per rank")
         self._count += 1
         group: Group[H, A, R, M, E] = self.group_class(self, f"group#{self._count}", self.observers)
         self.groups = [g for g in self.groups if not g.is_terminal] + [group]
@@ -777,13 +770,13 @@ class Importer(Generic[H, A, R, M, E]):
             if phase == "lease":  # granted: these incarnations are current (a replayed old one is refused)
                 self._note_restarts(validated)
         if group.state != "importing":  # a fault arrived while importing
-            raise ImportFailed(0, KvStateError(f"group {group.state} during import"), ImportReason.INTERRUPTED)
+            raise ImportFailed.of(0, ImportReason.INTERRUPTED, f"group {group.state} during import")
         try:
             group.fire("complete")
         except TransitionError as exc:  # refused (or a concurrent fault): never left importing
             if group.may("drain"):
                 group.fire("drain", reason=f"complete refused: {exc}")
-            raise ImportFailed(0, exc) from exc
+            raise ImportFailed.wrap(0, exc) from exc
         return group
 
     def _fail(self, group: Group[H, A, R, M, E], failures: dict[int, Exception]) -> NoReturn:
@@ -797,13 +790,11 @@ class Importer(Generic[H, A, R, M, E]):
                     part.fire("import_failed", reason=str(failures[rank]))
         first, cause = min(failures.items())
         reason = f"rank {first}: {cause}"
-        if any(isinstance(c, LeaseRefused) and c.code == "stale_incarnation" for c in failures.values()):
+        if any(isinstance(c, ImportFailed) and c.code == "stale_incarnation" for c in failures.values()):
             group.fault("incarnation_changed", reason=reason)
         else:
             group.fault("part_failed", reason=reason)
-        if isinstance(cause, LeaseRefused) and cause.code == "stale_inventory":
-            raise ReuseStale(first, cause) from cause
-        raise ImportFailed(first, cause) from cause
+        raise ImportFailed.wrap(first, cause) from cause  # STALE when the blocks are gone: recompute
 
     def _note_restarts(self, validated: ValidatedGroup) -> None:
         """A descriptor of a (source, rank) that a live group imported, from another
@@ -924,8 +915,11 @@ class Importer(Generic[H, A, R, M, E]):
             if first:  # a link stays watched while it is open, used or not: no watcher wake-up per import
                 try:
                     self._watcher.watch(ch, self._peer_closed)
-                except ChannelClosed as exc:  # this importer closes: not the exporter's doing
-                    raise ImportFailed(part.rank, exc, ImportReason.INTERRUPTED) from exc
+                except ChannelError as exc:
+                    if not exc.closed:
+                        raise
+                    # this importer closes: not the exporter's doing
+                    raise ImportFailed.wrap(part.rank, exc, ImportReason.INTERRUPTED) from exc
                 self._watched.add(id(ch))
             self._owners.setdefault(id(ch), {})[id(part)] = part
 

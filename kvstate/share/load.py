@@ -19,9 +19,9 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvstate.core import blockmap
-from kvstate.core.errors import TransferRejected
+from kvstate.core.errors import ArgumentInvalid
 from kvstate.core.geometry import Geometry, contiguous_strides
-from kvstate.core.reasons import TransferReason
+from kvstate.core.reasons import ArgumentReason
 from kvstate.share import tensors
 from kvstate.share.plan import Copy, Plan, block_ids, triples, unique
 
@@ -36,37 +36,41 @@ def _targets(group: Group, dst: object, rank: object) -> dict[int, Any]:
     """Rank -> what to load into it, from a mapping of one rank's tensors (``rank`` names
     it; optional at tp=1) or a mapping of rank -> tensors."""
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
-        raise TransferRejected(TransferReason.RANK, "rank", f"must be an int, not {rank!r:.40}")
+        raise ArgumentInvalid.transfer(ArgumentReason.RANK, "rank", f"must be an int, not {rank!r:.40}")
     if not isinstance(dst, Mapping) or not dst:
-        raise TransferRejected(TransferReason.REGIONS, "dst_tensors", "must be a non-empty mapping of region "
-                               "name to tensor (or of rank to such a mapping)")
+        raise ArgumentInvalid.transfer(ArgumentReason.REGIONS, "dst_tensors", "must be a non-empty mapping of region "
+                                       "name to tensor (or of rank to such a mapping)")
     if all(isinstance(k, int) and not isinstance(k, bool) for k in dst):
         if rank is not None:
-            raise TransferRejected(TransferReason.RANK, "rank", "given twice: by rank= and by dst_tensors' keys")
+            raise ArgumentInvalid.transfer(ArgumentReason.RANK,
+                                           "rank", "given twice: by rank= and by dst_tensors' keys")
         targets = dict(dst)
     else:
         if rank is None:
             if group.tp != 1:
-                raise TransferRejected(TransferReason.RANK, "rank", f"required at tp={group.tp}: which rank's part "
-                                       "to load from")
+                raise ArgumentInvalid.transfer(ArgumentReason.RANK,
+                                               "rank", f"required at tp={group.tp}: which rank's part "
+                                               "to load from")
             rank = 0
         targets = {rank: dst}
     for r in targets:
         if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < group.tp:
-            raise TransferRejected(TransferReason.RANK, "rank", f"{r!r:.40} is not a rank of this tp={group.tp} group")
+            raise ArgumentInvalid.transfer(ArgumentReason.RANK,
+                                           "rank", f"{r!r:.40} is not a rank of this tp={group.tp} group")
     return targets
 
 
 def _part(group: Group, rank: int) -> Part:
     part = group.parts[rank]
     if part.mapping is None or part.state != "imported":
-        raise TransferRejected(TransferReason.STATE, f"rank {rank}", f"its part is {part.state}, not mapped")
+        raise ArgumentInvalid.transfer(ArgumentReason.STATE, f"rank {rank}", f"its part is {part.state}, not mapped")
     return part
 
 
 def _geometry(group: Group) -> Geometry:
     if not group.parts:
-        raise TransferRejected(TransferReason.STATE, group.label, f"the group is {group.state} and has no parts")
+        raise ArgumentInvalid.transfer(ArgumentReason.STATE,
+                                       group.label, f"the group is {group.state} and has no parts")
     return group.parts[0].descriptor.geometry
 
 
@@ -86,18 +90,19 @@ def paged_parts(label: str, g: Geometry, parts: Mapping[int, Part], targets: Map
     src_ids = block_ids(bank_block_ids, g.num_blocks, "bank_block_ids")
     dst_ids = block_ids(dst_block_ids, None, "dst_block_ids")
     if len(src_ids) != len(dst_ids):
-        raise TransferRejected(TransferReason.BLOCK_IDS, "dst_block_ids", f"{len(dst_ids)} ids for "
-                               f"{len(src_ids)} bank blocks")
+        raise ArgumentInvalid.transfer(ArgumentReason.BLOCK_IDS, "dst_block_ids", f"{len(dst_ids)} ids for "
+                                       f"{len(src_ids)} bank blocks")
     unique(dst_ids, "dst_block_ids")
     plan = Plan("load", f"{label} load", dst_ids)
     try:
         for r, named in targets.items():
             if not isinstance(named, Mapping):
-                raise TransferRejected(TransferReason.REGIONS, f"dst_tensors[{r}]", "must map region names to tensors")
+                raise ArgumentInvalid.transfer(ArgumentReason.REGIONS,
+                                               f"dst_tensors[{r}]", "must map region names to tensors")
             missing, unknown = sorted(set(g.names) - set(named)), sorted(set(named) - set(g.names), key=str)
             if missing or unknown:
-                raise TransferRejected(TransferReason.REGIONS, f"dst_tensors of rank {r}",
-                                       f"missing {missing[:5]}, unknown {unknown[:5]}: one tensor per region")
+                raise ArgumentInvalid.transfer(ArgumentReason.REGIONS, f"dst_tensors of rank {r}",
+                                               f"missing {missing[:5]}, unknown {unknown[:5]}: one tensor per region")
             top = max(dst_ids)
             for region in g.regions:
                 where = f"rank {r} region {region.name!r}"
@@ -107,8 +112,8 @@ def paged_parts(label: str, g: Geometry, parts: Mapping[int, Part], targets: Map
                 capacity = ref.shape[region.block_dim]
                 if top >= capacity:
                     i = dst_ids.index(top)
-                    raise TransferRejected(TransferReason.BLOCK_IDS, f"dst_block_ids[{i}]",
-                                           f"{top} is outside 0..{capacity - 1}, the pages of {where}")
+                    raise ArgumentInvalid.transfer(ArgumentReason.BLOCK_IDS, f"dst_block_ids[{i}]",
+                                                   f"{top} is outside 0..{capacity - 1}, the pages of {where}")
                 pairs = blockmap.pair_runs(region.runs(), tensors.runs(ref, region.block_dim, where))
                 stride = region.block_stride_bytes
                 dstride = ref.strides[region.block_dim] * ref.itemsize
@@ -133,15 +138,18 @@ def dense(group: Group, blocks: object, destinations: object, host: bool) -> Pla
         targets = dict(destinations)
     elif isinstance(destinations, Sequence) and not isinstance(destinations, (str, bytes, bytearray)):
         if len(destinations) != group.tp:
-            raise TransferRejected(TransferReason.RANK, "destinations", f"{len(destinations)} buffer(s) for a group "
-                                   f"of tp {group.tp}")
+            raise ArgumentInvalid.transfer(ArgumentReason.RANK,
+                                           "destinations", f"{len(destinations)} buffer(s) for a group "
+                                           f"of tp {group.tp}")
         targets = dict(enumerate(destinations))
     else:
-        raise TransferRejected(TransferReason.TENSOR, "destinations", "must be one buffer per rank (a sequence) or "
-                               "a mapping of rank to buffer")
+        raise ArgumentInvalid.transfer(ArgumentReason.TENSOR,
+                                       "destinations", "must be one buffer per rank (a sequence) or "
+                                       "a mapping of rank to buffer")
     if not targets or not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < group.tp for r in targets):
-        raise TransferRejected(TransferReason.RANK, "destinations", f"name ranks {sorted(map(repr, targets))[:5]} "
-                               f"outside 0..{group.tp - 1}")
+        raise ArgumentInvalid.transfer(ArgumentReason.RANK,
+                                       "destinations", f"name ranks {sorted(map(repr, targets))[:5]} "
+                                       f"outside 0..{group.tp - 1}")
     parts = {r: _part(group, r) for r in targets}
     return dense_parts(group.label, g, parts, targets, ids, host)
 
@@ -164,18 +172,20 @@ def dense_parts(label: str, g: Geometry, parts: Mapping[int, Part], targets: Map
                 ref = tensors.adapt(dst, where)
                 plan.refs.append(ref)
                 if ref.device != "cpu":
-                    raise TransferRejected(TransferReason.DEVICE, where, f"on {ref.device}")
+                    raise ArgumentInvalid.transfer(ArgumentReason.DEVICE, where, f"on {ref.device}")
                 if not ref.writable:
-                    raise TransferRejected(TransferReason.READ_ONLY, where, "is read-only")
+                    raise ArgumentInvalid.transfer(ArgumentReason.READ_ONLY, where, "is read-only")
                 if ref.span < pos or ref.strides != contiguous_strides(ref.shape):
-                    raise TransferRejected(TransferReason.SHAPE, where, f"must be a contiguous buffer of at least "
-                                           f"{pos} bytes, not {ref.span}")
+                    raise ArgumentInvalid.transfer(ArgumentReason.SHAPE,
+                                                   where, f"must be a contiguous buffer of at least "
+                                                   f"{pos} bytes, not {ref.span}")
                 target: Any = ref.buffer()
             else:
                 target = dst
                 nbytes = getattr(dst, "nbytes", getattr(dst, "size", None))
                 if not isinstance(nbytes, int) or nbytes < pos:
-                    raise TransferRejected(TransferReason.SHAPE, where, f"holds {nbytes!r:.20} bytes, needs {pos}")
+                    raise ArgumentInvalid.transfer(ArgumentReason.SHAPE,
+                                                   where, f"holds {nbytes!r:.20} bytes, needs {pos}")
             plan.copies.append(Copy(part.mapping, target, list(extents), "prefix", r, pos))
     except BaseException:
         plan.release()

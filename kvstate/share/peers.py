@@ -41,8 +41,8 @@ import attrs
 
 from kvstate import channel as chan
 from kvstate.channel.framing import close_quietly
-from kvstate.core.errors import ChannelClosed, ChannelError, ImportFailed, KvStateError, LeaseRefused
-from kvstate.core.reasons import ImportReason
+from kvstate.core.errors import ChannelError, ImportFailed, KvStateError
+from kvstate.core.reasons import ImportReason, ChannelReason
 
 #: How many fds one message may carry on a link: every rank of the largest group.
 LINK_LIMITS = chan.Limits(max_fds=chan.HARD_MAX_FDS)
@@ -143,7 +143,7 @@ class RankRefused(Exception):
     other ranks of the batch were not refused themselves, and none of them is leased.
     Internal: the importer reports ``refusal`` for ``rank``."""
 
-    def __init__(self, rank: int, refusal: LeaseRefused) -> None:
+    def __init__(self, rank: int, refusal: ImportFailed) -> None:
         super().__init__(rank, refusal)
         self.rank = rank
         self.refusal = refusal
@@ -155,7 +155,7 @@ def _grant(link: PeerLink, reply: Any, rank: int) -> Grant:
     lease: Any = reply.get("lease") if isinstance(reply, dict) else None
     expires: Any = reply.get("expires_in_s") if isinstance(reply, dict) else None
     if type(lease) is not int or type(expires) not in (int, float) or not 0 <= expires < 1e9:
-        raise ImportFailed(rank, KvStateError(f"malformed lease grant {reply!r:.200}"), ImportReason.MALFORMED)
+        raise ImportFailed.of(rank, ImportReason.MALFORMED, f"malformed lease grant {reply!r:.200}")
     return Grant(link, rank, lease, float(expires), reply, ())
 
 
@@ -169,14 +169,14 @@ def lease_payload(items: Sequence[dict[str, Any]]) -> bytes:
 
 def grants(link: PeerLink, items: Sequence[dict[str, Any]], msg: chan.Message) -> list[Grant]:
     """The grants in the answer ``msg`` to :func:`lease_payload` of ``items``, one per item
-    in order. LeaseRefused when the exporter refused (it then holds none of them): as
+    in order. ImportFailed (a lease refusal: ``code``) when the exporter refused (it then holds none of them): as
     :class:`RankRefused` when a batch names the rank refused; ImportFailed when the answer
     is malformed: every lease it names is returned and its fds are closed, each once
     (the message owns them until every grant is checked)."""
     try:
         reply = chan.decode(msg.payload)
         if not reply.get("ok"):
-            refusal = LeaseRefused(str(reply.get("code")), str(reply.get("detail")))
+            refusal = ImportFailed.lease_refused(str(reply.get("code")), str(reply.get("detail")))
             rank = reply.get("rank")
             if len(items) > 1 and type(rank) is int and any(item["rank"] == rank for item in items):
                 raise RankRefused(rank, refusal)
@@ -190,8 +190,8 @@ def grants(link: PeerLink, items: Sequence[dict[str, Any]], msg: chan.Message) -
             if not isinstance(answers, list) or len(answers) != len(items) or \
                     any(not isinstance(a, dict) or type(a.get("nfds")) is not int or a["nfds"] < 0 for a in answers) or \
                     sum(a["nfds"] for a in answers) != len(msg.fds):
-                raise ImportFailed(ranks[0], KvStateError(f"malformed batched lease answer {reply!r:.200}"),
-                                   ImportReason.MALFORMED)
+                raise ImportFailed.of(ranks[0], ImportReason.MALFORMED,
+                                      f"malformed batched lease answer {reply!r:.200}")
             out = [_grant(link, a, rank) for a, rank in zip(answers, ranks)]
         except ImportFailed:
             for a, rank in zip(answers if isinstance(answers, list) else [], ranks):
@@ -268,7 +268,7 @@ class Peers:
         checking the peer) if there is none, or if ``fresh``."""
         with self._lock:
             if self._closing:
-                raise ChannelError("the importer is closed")
+                raise ChannelError(ChannelReason.CLOSED, "the importer is closed")
             link = self._links.get(address)
             if link is not None and not fresh and link.usable():
                 link.users += 1
@@ -314,7 +314,7 @@ class Peers:
                 answers = exchange([(links[i], lease_payload(batches[i][1])) for i in order], timeout)
                 pending = []
                 for i, answer in zip(order, answers):
-                    if isinstance(answer, ChannelClosed) and i in reused:
+                    if isinstance(answer, ChannelError) and answer.closed and i in reused:
                         pending.append(i)  # a stale link: once more, freshly connected
                         continue
                     try:
@@ -333,7 +333,7 @@ class Peers:
                     self.let_go(link)
             if not pending:
                 break
-        return [x if x is not None else ChannelError("no answer") for x in out]
+        return [x if x is not None else ChannelError(ChannelReason.FAILED, "no answer") for x in out]
 
     def hold(self, link: PeerLink) -> None:
         with self._lock:

@@ -23,8 +23,8 @@ from typing import Any
 
 import attrs
 
-from kvstate.core.errors import KvStateError, LoadFailed, StoreFailed, TransferRejected
-from kvstate.core.reasons import TransferReason
+from kvstate.core.errors import KvStateError, ArgumentInvalid, TransferFailed
+from kvstate.core.reasons import ArgumentReason, TransferFailReason
 from kvstate.share.tensors import TensorRef
 from kvstate.share.transfer import TransferHandle
 
@@ -33,31 +33,32 @@ MAX_BLOCKS = 1 << 20
 
 
 def block_ids(values: object, limit: int | None, where: str) -> tuple[int, ...]:
-    """``values`` as a tuple of ints in 0..limit-1 (any limit when None), or TransferRejected."""
+    """``values`` as a tuple of ints in 0..limit-1 (any limit when None), or ArgumentInvalid (a load/store reason)."""
     if isinstance(values, (str, bytes, bytearray)) or not isinstance(values, Iterable):
-        raise TransferRejected(TransferReason.BLOCK_IDS, where, f"must be a sequence of ints, not "
-                               f"{type(values).__name__}")
+        raise ArgumentInvalid.transfer(ArgumentReason.BLOCK_IDS, where, f"must be a sequence of ints, not "
+                                       f"{type(values).__name__}")
     try:
         items = list(itertools.islice(values, MAX_BLOCKS + 1))
     except Exception as exc:  # a caller's iterator failing is a bad argument, reported as such
-        raise TransferRejected(TransferReason.BLOCK_IDS, where, f"iterating failed: {exc!r:.80}") from None
+        raise ArgumentInvalid.transfer(ArgumentReason.BLOCK_IDS, where, f"iterating failed: {exc!r:.80}") from None
     if len(items) > MAX_BLOCKS:
-        raise TransferRejected(TransferReason.BLOCK_IDS, where, f"more than {MAX_BLOCKS} blocks")
+        raise ArgumentInvalid.transfer(ArgumentReason.BLOCK_IDS, where, f"more than {MAX_BLOCKS} blocks")
     out: list[int] = []
     for i, v in enumerate(items):
         if isinstance(v, bool) or type(v).__name__ in ("bool_", "bool"):  # numpy's too
-            raise TransferRejected(TransferReason.BLOCK_IDS, f"{where}[{i}]", f"{v!r} is a bool, not a block id")
+            raise ArgumentInvalid.transfer(ArgumentReason.BLOCK_IDS,
+                                           f"{where}[{i}]", f"{v!r} is a bool, not a block id")
         try:
             n = operator.index(v)
         except Exception:  # TypeError, or whatever a foreign __index__ raises
-            raise TransferRejected(TransferReason.BLOCK_IDS, f"{where}[{i}]",
-                                   f"{v!r:.40} is not an int") from None
+            raise ArgumentInvalid.transfer(ArgumentReason.BLOCK_IDS, f"{where}[{i}]",
+                                           f"{v!r:.40} is not an int") from None
         if n < 0 or (limit is not None and n >= limit):
             bound = "" if limit is None else f"..{limit - 1}"
-            raise TransferRejected(TransferReason.BLOCK_IDS, f"{where}[{i}]", f"{n} is outside 0{bound}")
+            raise ArgumentInvalid.transfer(ArgumentReason.BLOCK_IDS, f"{where}[{i}]", f"{n} is outside 0{bound}")
         out.append(n)
     if not out:
-        raise TransferRejected(TransferReason.BLOCK_IDS, where, "no blocks")
+        raise ArgumentInvalid.transfer(ArgumentReason.BLOCK_IDS, where, "no blocks")
     return tuple(out)
 
 
@@ -66,8 +67,8 @@ def unique(ids: Sequence[int], where: str) -> None:
         seen: set[int] = set()
         for i, b in enumerate(ids):
             if b in seen:
-                raise TransferRejected(TransferReason.BLOCK_IDS, f"{where}[{i}]",
-                                       f"block {b} appears twice: two copies would write it")
+                raise ArgumentInvalid.transfer(ArgumentReason.BLOCK_IDS, f"{where}[{i}]",
+                                               f"block {b} appears twice: two copies would write it")
             seen.add(b)
 
 
@@ -132,10 +133,10 @@ class Plan:
         except (KvStateError, OSError) as exc:
             c = self.copies[submitted]
             h._abort()
-            error = LoadFailed if self.kind == "load" else StoreFailed
-            raise error(f"{self.label}: submitting region {c.region!r} of rank {c.rank} failed ({exc}); the "
-                        f"{submitted} op(s) submitted before it were cancelled or awaited, nothing is in flight")\
-                from exc
+            which = TransferFailReason.LOAD if self.kind == "load" else TransferFailReason.STORE
+            raise TransferFailed(which, f"{self.label}: submitting region {c.region!r} of rank {c.rank} failed "
+                                        f"({exc}); the {submitted} op(s) submitted before it were cancelled or "
+                                        "awaited, nothing is in flight") from exc
         except BaseException:
             h._abort()
             raise

@@ -9,7 +9,7 @@ entered, which is the coordinator event ``part_<state>``.
 
 Every field is checked on receipt: a peer's JSON may hold anything, so an unknown kind,
 command or state, a missing field, or a field of the wrong type is a
-:class:`~kvstate.core.errors.ProtocolError`, never a KeyError or TypeError.
+:class:`ChannelError` (PROTOCOL), never a KeyError or TypeError.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from typing import Any, Literal
 import attrs
 
 from kvstate import channel as chan
-from kvstate.core.errors import ProtocolError
+from kvstate.core.reasons import RejectReason, ChannelReason
+from kvstate.core.errors import ChannelError
 from kvstate.core.spec import load_machine
 
 VERSION = 1
@@ -42,8 +43,8 @@ def check_against_tables() -> None:
     sent = {e.removeprefix("send_") for e in coord.effects if e.startswith("send_")}
     reported = {e.removeprefix("part_") for e in coord.event_names if e.startswith("part_")}
     if sent != set(COMMANDS) or not sent <= set(rank.event_names) or reported != set(REPORTS):
-        raise ProtocolError(f"protocol names differ from the tables: commands {sorted(sent)}, "
-                            f"reports {sorted(reported)}")
+        raise ChannelError(ChannelReason.PROTOCOL, f"protocol names differ from the tables: commands {sorted(sent)}, "
+                           f"reports {sorted(reported)}")
 
 
 @attrs.frozen
@@ -121,24 +122,24 @@ def encode(msg: Message) -> bytes:
 def _field(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
     if name not in body:
         if default is ...:
-            raise ProtocolError(f"{body.get('kind')!s:.20} message lacks field {name!r}")
+            raise ChannelError(ChannelReason.PROTOCOL, f"{body.get('kind')!s:.20} message lacks field {name!r}")
         return default
     value = body[name]
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if type(value) not in kinds or (float in kinds and isinstance(value, float) and value != value):
         names = "/".join(k.__name__ for k in kinds)
-        raise ProtocolError(f"field {name!r} must be {names}, not {type(value).__name__}")
+        raise ChannelError(ChannelReason.PROTOCOL, f"field {name!r} must be {names}, not {type(value).__name__}")
     return value
 
 
 def _choice(value: str, allowed: tuple[str, ...], what: str) -> str:
     if value not in allowed:
-        raise ProtocolError(f"unknown {what} {value!r:.40}")
+        raise ChannelError(ChannelReason.PROTOCOL, f"unknown {what} {value!r:.40}")
     return value
 
 
 def decode(data: bytes) -> Message:
-    """The message in one frame's payload; ProtocolError (a FrameError is left as it is)."""
+    """The message in one frame's payload; ChannelError (PROTOCOL) (a ChannelError (FRAME) is left as it is)."""
     body = chan.decode(data)
     kind = _field(body, "kind", str)
     if kind == "hello":
@@ -160,16 +161,16 @@ def decode(data: bytes) -> Message:
         state: Any = _choice(_field(body, "state", str), REPORTS, "report state")
         reasons = _field(body, "reasons", list, [])
         if not all(type(r) is str for r in reasons):
-            raise ProtocolError("field 'reasons' must list strings")
+            raise ChannelError(ChannelReason.PROTOCOL, "field 'reasons' must list strings")
         return Report(_field(body, "group", str), _field(body, "rank", int), state, _field(body, "detail", str, ""),
                       tuple(reasons), _field(body, "info", dict, None))
-    raise ProtocolError(f"unknown message kind {kind!r:.40}")
+    raise ChannelError(ChannelReason.PROTOCOL, f"unknown message kind {kind!r:.40}")
 
 
 def imported_info(info: Mapping[str, Any] | None) -> tuple[bytes, int, int, int, int, float]:
     """(fingerprint, tp, generation, size, leases, import_s) of an imported report, checked."""
     if info is None:
-        raise ProtocolError("an imported report carries no info")
+        raise ChannelError(ChannelReason.PROTOCOL, "an imported report carries no info")
     return (_field(info, "fingerprint", bytes), _field(info, "tp", int), _field(info, "generation", int),
             _field(info, "size", int), _field(info, "leases", int),
             float(_field(info, "import_s", (int, float))))

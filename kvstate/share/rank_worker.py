@@ -50,29 +50,20 @@ from kvstate.core.args import need, need_bytes, need_callables, need_choice, nee
     need_path, need_seconds, need_text
 from kvstate.core.descriptor import Descriptor, decode_cached
 from kvstate.core.errors import (
-    ChannelClosed,
-    ChannelError,
-    ChannelTimeout,
-    CoordinatorRefused,
-    DescriptorRejected,
-    GuardRejected,
-    IllegalTransition,
-    InventoryError,
-    KvStateError,
-    LoadFailed,
-    ProtocolError,
-    TransferRejected,
-    TransitionError,
+    ChannelError, DescriptorRejected, KvStateError, TransitionError, ArgumentInvalid, TransferFailed, Busy,
 )
 from kvstate.core.handles import HandleKind
 from kvstate.core.identity import Deployment, host_boot_id
 from kvstate.core.machine import Lifecycle, Observer, StateChange, effect, guard
-from kvstate.core.reasons import RejectReason, TransferReason
+from kvstate.core.reasons import (
+    RejectReason, ArgumentReason, TransferFailReason, ChannelReason, TransitionReason,
+)
 from kvstate.core.spec import load_machine
 from kvstate.core.validate import MAX_TP, Expectation, descriptor_problems
 from kvstate.share import load as loads
 from kvstate.share import protocol_msgs as msgs
 from kvstate.reuse.policy import ReuseSettings
+from kvstate.reuse.inventory import refused_by_inventory
 from kvstate.reuse.profile import Admitted
 from kvstate.share.importer import BlockRequest, ImportConfig, Importer, LoadResult, Part
 from kvstate.share.plan import Plan, block_ids
@@ -260,8 +251,8 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
         if isinstance(part, RemotePart):  # a NIXL READ follows, outside the lock; it pins until done
             return part.pin()
         if not isinstance(plan, Plan) or plan.kind != "load":
-            raise TransferRejected(TransferReason.PLAN, "fire('load')", "needs the plan RankShare.load builds")
-        handle = plan.submit(self.importer.transport)  # all or nothing; raises LoadFailed
+            raise ArgumentInvalid.transfer(ArgumentReason.PLAN, "fire('load')", "needs the plan RankShare.load builds")
+        handle = plan.submit(self.importer.transport)  # all or nothing; raises TransferFailed (LOAD)
         self.loads.add(handle)
         try:
             handle._activate(self._load_finished)
@@ -311,11 +302,11 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
         """Scatter bank blocks of this rank's part into the engine's paged KV tensors:
         for every region, bank block ``bank_block_ids[i]`` into page ``dst_block_ids[i]`` of
         ``dst_tensors[name]`` (``Group.load`` for one rank: the same checks, the same handle
-        with per-region waits). Returns at once. Only in ``ready``: IllegalTransition before
-        the coordinator released loads or after a drain; TransferRejected for bad
+        with per-region waits). Returns at once. Only in ``ready``: TransitionError (ILLEGAL) before
+        the coordinator released loads or after a drain; ArgumentInvalid (a load/store reason) for bad
         arguments, before anything is submitted."""
         if not self.may("load"):
-            raise IllegalTransition(self.table.name, self.state, "load")
+            raise TransitionError.illegal(self.table.name, self.state, "load")
         part = self._mapped_part()
         plan = loads.paged_parts(self.label, part.descriptor.geometry, {self.rank: part}, {self.rank: dst_tensors},
                                  bank_block_ids, dst_block_ids)
@@ -327,29 +318,30 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
         memory registered with this worker's NIXL agent). Only in ``ready``."""
         t = check_timeout(timeout)
         if not self.may("load"):
-            raise IllegalTransition(self.table.name, self.state, "load")
+            raise TransitionError.illegal(self.table.name, self.state, "load")
         part = self.part
         if isinstance(part, RemotePart):
             return self._read_remote(part, blocks, dst, t)
         mapped = self._mapped_part()
         if isinstance(dst, NixlAllocation):
-            raise TransferRejected(TransferReason.TENSOR, "dst", "a mapped part loads into host memory")
+            raise ArgumentInvalid.transfer(ArgumentReason.TENSOR, "dst", "a mapped part loads into host memory")
         g = mapped.descriptor.geometry
         ids = block_ids(blocks, g.num_blocks, "blocks")
         host = hasattr(self.importer.transport, "submit_blocks")
         handle = self._fire_load(loads.dense_parts(self.label, g, {self.rank: mapped}, {self.rank: dst}, ids, host))
         if not handle.wait(t):
             handle.cancel()
-            raise LoadFailed(f"{self.label}: prefix load still running after {timeout} s; cancelled")
+            raise TransferFailed(TransferFailReason.LOAD,
+                                 f"{self.label}: prefix load still running after {timeout} s; cancelled")
         result = handle.result()
         if result is None or not result.ok:
-            raise LoadFailed(f"{self.label}: prefix load failed")
+            raise TransferFailed(TransferFailReason.LOAD, f"{self.label}: prefix load failed")
         return LoadResult(result.blocks, result.bytes, result.seconds)
 
     def _mapped_part(self) -> Part[H, A, R, M, E]:
         part = self.part
         if part is None or part.mapping is None or part.state != "imported":
-            raise TransferRejected(TransferReason.STATE, self.label, "its part is not mapped")
+            raise ArgumentInvalid.transfer(ArgumentReason.STATE, self.label, "its part is not mapped")
         return part
 
     def _fire_load(self, plan: Plan) -> TransferHandle:
@@ -363,15 +355,16 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
     def _read_remote(self, part: RemotePart[H, A, R, M, E], blocks: Sequence[int], dst: object,
                      timeout: float) -> LoadResult:
         if not isinstance(dst, NixlAllocation):
-            raise TransferRejected(TransferReason.TENSOR, "dst", "a NIXL part reads into memory registered with "
-                                   "this worker's NixlTransport")
+            raise ArgumentInvalid.transfer(ArgumentReason.TENSOR,
+                                           "dst", "a NIXL part reads into memory registered with "
+                                           "this worker's NixlTransport")
         ids = block_ids(blocks, part.descriptor.geometry.num_blocks, "blocks")
         start = time.monotonic()
         self.fire("load")  # submit_load pins the part (one step under the lock); the READ runs outside it
         try:
             done = part.read(ids, dst, timeout=timeout)
         except KvStateError as exc:
-            raise LoadFailed(f"{self.label}: load failed: {exc}") from exc
+            raise TransferFailed(TransferFailReason.LOAD, f"{self.label}: load failed: {exc}") from exc
         finally:
             part.unpin()
             self.worker.kick()
@@ -383,7 +376,7 @@ def _blocks(raw: Any) -> BlockRequest | None:
         return None
     if not isinstance(raw, dict) or set(raw) != {"group", "epochs", "hashes"} or not isinstance(raw["group"], str) \
             or not isinstance(raw["hashes"], list) or not all(type(h) is int for h in raw["hashes"]):
-        raise InventoryError(f"malformed block request {raw!r:.100}")
+        raise ArgumentInvalid(ArgumentReason.INVENTORY, f"malformed block request {raw!r:.100}")
     return BlockRequest(raw["group"], raw["epochs"], tuple(raw["hashes"]))
 
 
@@ -419,7 +412,7 @@ class RankWorker(Generic[H, A, R, M, E]):
     # -- life ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Connect to the coordinator and say hello; CoordinatorRefused if it refuses."""
+        """Connect to the coordinator and say hello; ChannelError (COORDINATOR_REFUSED) if it refuses."""
         timeout = self.config.request_timeout_s
         try:
             ch = chan.connect(self.config.coordinator_path, timeout=timeout)
@@ -431,9 +424,10 @@ class RankWorker(Generic[H, A, R, M, E]):
             with ch.recv(timeout=timeout) as msg:
                 answer = msgs.decode(msg.payload)
             if isinstance(answer, msgs.Refused):
-                raise CoordinatorRefused(answer.code, answer.detail)
+                raise ChannelError.coordinator_refused(answer.code, answer.detail)
             if not isinstance(answer, msgs.Welcome) or answer.tp != self.config.tp:
-                raise ProtocolError(f"expected a welcome for tp {self.config.tp}, got {answer!r:.100}")
+                raise ChannelError(ChannelReason.PROTOCOL,
+                                   f"expected a welcome for tp {self.config.tp}, got {answer!r:.100}")
         except BaseException:
             ch.close()
             self.importer.close()
@@ -542,7 +536,9 @@ class RankWorker(Generic[H, A, R, M, E]):
             while not self._stopping.is_set():
                 try:
                     msg = ch.recv(timeout=0.25)
-                except ChannelTimeout:
+                except ChannelError as exc:
+                    if exc.reason is not ChannelReason.TIMEOUT:
+                        raise
                     continue
                 self._last_heard = time.monotonic()
                 with msg:
@@ -550,12 +546,14 @@ class RankWorker(Generic[H, A, R, M, E]):
                 if isinstance(message, msgs.Command):
                     self._command(message)
                 elif not isinstance(message, msgs.Tick):
-                    raise ProtocolError(f"unexpected {type(message).__name__} from the coordinator")
-        except ChannelClosed as exc:
-            why = str(exc)
-        except (KvStateError, TransitionError) as exc:
-            why = f"protocol violation: {exc}"
-            log.error("rank %d: %s; leaving the coordinator", self.config.rank, why)
+                    raise ChannelError(ChannelReason.PROTOCOL,
+                                       f"unexpected {type(message).__name__} from the coordinator")
+        except KvStateError as exc:
+            if isinstance(exc, ChannelError) and exc.closed:
+                why = str(exc)
+            else:
+                why = f"protocol violation: {exc}"
+                log.error("rank %d: %s; leaving the coordinator", self.config.rank, why)
         finally:
             ch.close()
             self._orphaned(why)
@@ -582,7 +580,7 @@ class RankWorker(Generic[H, A, R, M, E]):
     def _check(self, cmd: msgs.Command) -> None:
         with self._lock:
             if cmd.group in self.shares:
-                raise ProtocolError(f"check for group {cmd.group} twice")
+                raise ChannelError(ChannelReason.PROTOCOL, f"check for group {cmd.group} twice")
             share: RankShare[H, A, R, M, E] = self.share_class(self, cmd.group)
             self.shares[cmd.group] = share
         share.fire("check")
@@ -595,7 +593,9 @@ class RankWorker(Generic[H, A, R, M, E]):
             share.blocks = _blocks(cmd.blocks)
         except DescriptorRejected as exc:
             share.problems = [exc]
-        except InventoryError as exc:
+        except (ArgumentInvalid, Busy) as exc:
+            if not refused_by_inventory(exc):
+                raise
             share.problems = [DescriptorRejected(RejectReason.MALFORMED, str(exc), self.config.rank)]
         part: Part[H, A, R, M, E]
         if share.problems:
@@ -705,8 +705,10 @@ class RankWorker(Generic[H, A, R, M, E]):
                     if share.may("quiesce"):
                         try:
                             share.fire("quiesce")
-                        except GuardRejected:
-                            pass  # a load still pins the part: the next round looks again
+                        except TransitionError as exc:
+                            if exc.reason is not TransitionReason.GUARD:
+                                raise
+                            # a load still pins the part: the next round looks again
             if draining:
                 self._forget_ended()
             with self._lock:
@@ -718,7 +720,7 @@ class RankWorker(Generic[H, A, R, M, E]):
                 if ch is not None and ch.pending():
                     continue  # not silent: this process was (stopped, starved), its reader will read
                 if ch is not None:
-                    ch.close()  # the reader wakes with ChannelClosed and orphans every share
+                    ch.close()  # the reader wakes with ChannelError (CLOSED) and orphans every share
                 self._orphaned(f"silent for {self.silence_s} s")
 
     def _forget_ended(self) -> None:

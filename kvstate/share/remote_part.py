@@ -30,9 +30,10 @@ from contextlib import ExitStack
 from typing import Any
 
 from kvstate import channel as chan
+from kvstate.core.reasons import TransferFailReason
 from kvstate.channel.tcp import SCHEME, connect_tcp
 from kvstate.core.descriptor import Descriptor
-from kvstate.core.errors import LeaseRefused, LoadFailed
+from kvstate.core.errors import ImportFailed, TransferFailed
 from kvstate.core.machine import effect, guard
 from kvstate.share.importer import Part, PartOwner, _check_report, _grant_fields, _release_quietly, lease_request
 from kvstate.transport.nixl.transport import LeaseGate, NixlAllocation, NixlRemote, NixlTransport
@@ -79,7 +80,7 @@ class RemotePart(Part[H, A, R, M, E]):
             with ch.recv(timeout=timeout) as msg:
                 reply = chan.decode(msg.payload)
             if not reply.get("ok"):
-                raise LeaseRefused(str(reply.get("code")), str(reply.get("detail")))
+                raise ImportFailed.lease_refused(str(reply.get("code")), str(reply.get("detail")))
             lease_id, expires_in_s = _grant_fields(reply, d.rank)
             undo.callback(_release_quietly, ch, d.rank, lease_id)
             _check_report(reply, d)
@@ -98,7 +99,7 @@ class RemotePart(Part[H, A, R, M, E]):
         d = self.descriptor
         ch = self.channel
         if ch is None:
-            raise LeaseRefused("not_leased", f"{self.label} holds no lease to open")
+            raise ImportFailed.lease_refused("not_leased", f"{self.label} holds no lease to open")
         timeout = self.group.importer.config.request_timeout_s
         with ExitStack() as undo:
             # the handle bytes are checked, against the descriptor's generation too, before NIXL sees them
@@ -154,9 +155,9 @@ class RemotePart(Part[H, A, R, M, E]):
         g = self.descriptor.geometry
         if g.block_extents(0) != [(0, g.block_bytes)] or \
                 (g.num_blocks > 1 and g.block_extents(1) != [(g.block_bytes, g.block_bytes)]):
-            raise LoadFailed(f"{self.label}: NIXL parts read banks whose block b is bytes "
-                             f"[b*block_bytes, (b+1)*block_bytes) (one contiguous extent per block)")
+            raise TransferFailed(TransferFailReason.LOAD, f"{self.label}: NIXL parts read banks whose block b is bytes "
+                                 f"[b*block_bytes, (b+1)*block_bytes) (one contiguous extent per block)")
         if self.remote is None or self.gate is None:
-            raise LoadFailed(f"{self.label}: not imported")
+            raise TransferFailed(TransferFailReason.LOAD, f"{self.label}: not imported")
         self.nixl.load(self.remote, dst, list(blocks), block_bytes=g.block_bytes, lease=self.gate, timeout=timeout)
         return len(blocks) * g.block_bytes

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvstate import channel as chan
-from kvstate.core.errors import ChannelClosed, ChannelError, KvStateError
+from kvstate.core.errors import ChannelError, KvStateError
+from kvstate.core.reasons import ChannelReason
 
 if TYPE_CHECKING:
     from kvstate.share.coordinator import Coordinator
@@ -102,19 +103,20 @@ def is_request(payload: bytes) -> bool:
 
 
 def query(path: str | os.PathLike[str], timeout: float = 2.0) -> dict[str, Any]:
-    """Ask one server for its snapshot. ChannelClosed: nobody listens there (a leftover);
-    ChannelError: it is not a kvstate server that answers status, or it broke the frame."""
+    """Ask one server for its snapshot. ChannelError: CLOSED, nobody listens there (a
+    leftover); any other reason, it is not a kvstate server that answers status, or it
+    broke the frame."""
     with chan.connect(path, timeout=timeout, limits=chan.Limits(max_payload=chan.HARD_MAX_PAYLOAD)) as ch:
         ch.send(chan.encode(REQUEST), timeout=timeout)
         with ch.recv(timeout=timeout) as msg:
             answer = chan.decode(msg.payload)
     if not isinstance(answer, dict) or answer.get("version") != VERSION or "kind" not in answer:
-        raise ChannelError(f"{path}: not a status answer (version {VERSION})")
+        raise ChannelError(ChannelReason.PROTOCOL, f"{path}: not a status answer (version {VERSION})")
     return answer
 
 
 def node_status(socket_dirs: Sequence[str | os.PathLike[str]], timeout: float = 2.0) -> dict[str, Any]:
-    """Every socket of each of ``socket_dirs``, asked in name order. UnsafeSocketPath for
+    """Every socket of each of ``socket_dirs``, asked in name order. ChannelError (unsafe_path) for
     a directory that fails the channel's checks (owner, mode, no symlink)."""
     roots = [Path(d) for d in socket_dirs]
     for root in roots:  # all of them before any socket is asked
@@ -124,10 +126,8 @@ def node_status(socket_dirs: Sequence[str | os.PathLike[str]], timeout: float = 
         for path in sorted(p for p in root.iterdir() if p.suffix == ".sock"):
             try:
                 endpoints.append(query(path, timeout))
-            except ChannelClosed as exc:
-                endpoints.append({"kind": "stale", "path": str(path), "detail": str(exc)})
-            except ChannelError as exc:
-                endpoints.append({"kind": "other", "path": str(path), "detail": str(exc)})
+            except ChannelError as exc:  # closed: nobody listens there
+                endpoints.append({"kind": "stale" if exc.closed else "other", "path": str(path), "detail": str(exc)})
     return {"version": VERSION, "socket_dirs": [str(r) for r in roots], "time": time.time(), "endpoints": endpoints}
 
 

@@ -21,9 +21,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvstate.core import blockmap
-from kvstate.core.errors import TransferRejected
+from kvstate.core.errors import ArgumentInvalid
 from kvstate.core.geometry import DType
-from kvstate.core.reasons import TransferReason
+from kvstate.core.reasons import ArgumentReason
 from kvstate.share import tensors
 from kvstate.share.plan import Copy, Plan, block_ids, triples, unique
 
@@ -41,18 +41,18 @@ _NUMPY = {DType.BF16: "uint16", DType.FP16: "float16", DType.FP32: "float32", DT
 def plan(bank: Bank, src_tensors: object, src_block_ids: object, bank_block_ids: object) -> Plan:
     g = bank.geometry
     if bank.mapping is None:
-        raise TransferRejected(TransferReason.STATE, bank.label, f"the bank is {bank.state}, not registered")
+        raise ArgumentInvalid.transfer(ArgumentReason.STATE, bank.label, f"the bank is {bank.state}, not registered")
     if not isinstance(src_tensors, Mapping) or not src_tensors:
-        raise TransferRejected(TransferReason.REGIONS, "src_tensors", "must map region names to tensors")
+        raise ArgumentInvalid.transfer(ArgumentReason.REGIONS, "src_tensors", "must map region names to tensors")
     missing, unknown = sorted(set(g.names) - set(src_tensors)), sorted(set(src_tensors) - set(g.names), key=str)
     if missing or unknown:
-        raise TransferRejected(TransferReason.REGIONS, "src_tensors", f"missing {missing[:5]}, unknown "
-                               f"{unknown[:5]}: one tensor per region")
+        raise ArgumentInvalid.transfer(ArgumentReason.REGIONS, "src_tensors", f"missing {missing[:5]}, unknown "
+                                       f"{unknown[:5]}: one tensor per region")
     dst_ids = block_ids(bank_block_ids, g.num_blocks, "bank_block_ids")
     src_ids = block_ids(src_block_ids, None, "src_block_ids")
     if len(src_ids) != len(dst_ids):
-        raise TransferRejected(TransferReason.BLOCK_IDS, "src_block_ids", f"{len(src_ids)} ids for "
-                               f"{len(dst_ids)} bank blocks")
+        raise ArgumentInvalid.transfer(ArgumentReason.BLOCK_IDS, "src_block_ids", f"{len(src_ids)} ids for "
+                                       f"{len(dst_ids)} bank blocks")
     unique(dst_ids, "bank_block_ids")
     out = Plan("store", f"{bank.label} store", dst_ids)
     try:
@@ -64,8 +64,8 @@ def plan(bank: Bank, src_tensors: object, src_block_ids: object, bank_block_ids:
             tensors.check(region, ref, where, write=False)
             capacity = ref.shape[region.block_dim]
             if top >= capacity:
-                raise TransferRejected(TransferReason.BLOCK_IDS, f"src_block_ids[{src_ids.index(top)}]",
-                                       f"{top} is outside 0..{capacity - 1}, the pages of {where}")
+                raise ArgumentInvalid.transfer(ArgumentReason.BLOCK_IDS, f"src_block_ids[{src_ids.index(top)}]",
+                                               f"{top} is outside 0..{capacity - 1}, the pages of {where}")
             pairs = blockmap.pair_runs(tensors.runs(ref, region.block_dim, where), region.runs())
             sstride = ref.strides[region.block_dim] * ref.itemsize
             out.copies.append(Copy(ref.buffer(), bank.mapping,
@@ -98,7 +98,7 @@ def views(bank: Bank, framework: str, memory: Any) -> dict[str, Any]:
             raw = base[r.offset:r.offset + r.span].view(np.dtype(_NUMPY[r.dtype]))
             views_[r.name] = np.lib.stride_tricks.as_strided(raw, r.shape, tuple(s * r.itemsize for s in r.strides))
         return views_
-    raise TransferRejected(TransferReason.TENSOR, "framework", f"{framework!r:.40} is not 'torch' or 'numpy'")
+    raise ArgumentInvalid.transfer(ArgumentReason.TENSOR, "framework", f"{framework!r:.40} is not 'torch' or 'numpy'")
 
 
 def _module(name: str) -> Any:
@@ -107,4 +107,4 @@ def _module(name: str) -> Any:
     except ModuleNotFoundError as exc:
         if exc.name != name:
             raise
-        raise TransferRejected(TransferReason.TENSOR, "framework", f"{name} is not installed") from None
+        raise ArgumentInvalid.transfer(ArgumentReason.TENSOR, "framework", f"{name} is not installed") from None

@@ -34,9 +34,9 @@ from typing import Any
 import attrs
 
 from kvstate.core import blockmap
-from kvstate.core.errors import GeometryInvalid, TransferRejected
+from kvstate.core.errors import ArgumentInvalid, ConfigInvalid
 from kvstate.core.geometry import Region, contiguous_strides
-from kvstate.core.reasons import TransferReason
+from kvstate.core.reasons import ArgumentReason, ConfigReason
 from kvstate.transport.native import RawBuffer
 
 _TORCH_DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32",
@@ -89,12 +89,12 @@ def _ffi() -> Any:
     return default().ffi
 
 
-def _reject(reason: TransferReason, where: str, detail: str) -> TransferRejected:
-    return TransferRejected(reason, where, detail)
+def _reject(reason: ArgumentReason, where: str, detail: str) -> ArgumentInvalid:
+    return ArgumentInvalid.transfer(reason, where, detail)
 
 
 def adapt(obj: Any, where: str) -> TensorRef:
-    """The TensorRef of ``obj`` (see the module docstring), or TransferRejected(TENSOR)."""
+    """The TensorRef of ``obj`` (see the module docstring), or ArgumentInvalid.transfer(TENSOR)."""
     if _is_torch(obj):
         return _torch(obj, where)
     ai = getattr(type(obj), "__array_interface__", None)
@@ -117,11 +117,11 @@ def _is_torch(obj: Any) -> bool:
 def _torch(t: Any, where: str) -> TensorRef:
     layout, dtype, device = str(t.layout), str(t.dtype), str(t.device)
     if layout != "torch.strided":
-        raise _reject(TransferReason.TENSOR, where, f"a {layout} tensor; only strided (dense) tensors hold pages")
+        raise _reject(ArgumentReason.TENSOR, where, f"a {layout} tensor; only strided (dense) tensors hold pages")
     if t.is_conj() or t.is_neg():
-        raise _reject(TransferReason.TENSOR, where, "a lazily conjugated or negated view; resolve it first")
+        raise _reject(ArgumentReason.TENSOR, where, "a lazily conjugated or negated view; resolve it first")
     if device == "meta":
-        raise _reject(TransferReason.DEVICE, where, "a meta tensor has no memory")
+        raise _reject(ArgumentReason.DEVICE, where, "a meta tensor has no memory")
     return TensorRef("torch", int(t.data_ptr()), _TORCH_DTYPES.get(dtype, f"other:{dtype}"), int(t.element_size()),
                      tuple(int(n) for n in t.shape), tuple(int(s) for s in t.stride()), device, True, t)
 
@@ -135,10 +135,10 @@ def _array_interface(a: Any, where: str) -> TensorRef | None:
     if not isinstance(data, tuple):
         return None  # described through the buffer protocol instead
     if ai.get("mask") is not None:
-        raise _reject(TransferReason.TENSOR, where, "a masked array")
+        raise _reject(ArgumentReason.TENSOR, where, "a masked array")
     typestr = str(ai.get("typestr", ""))
     if len(typestr) < 3 or typestr[0] == ">":
-        raise _reject(TransferReason.DTYPE, where, f"element type {typestr!r} is not native-endian")
+        raise _reject(ArgumentReason.DTYPE, where, f"element type {typestr!r} is not native-endian")
     kind, size = typestr[1], int(typestr[2:])
     name = str(getattr(getattr(a, "dtype", None), "name", ""))
     dtype = (_NUMPY_NAMES.get(name) or {"f": f"fp{8 * size}", "u": f"u{8 * size}", "i": f"i{8 * size}"}.get(kind)
@@ -149,7 +149,7 @@ def _array_interface(a: Any, where: str) -> TensorRef | None:
         strides = contiguous_strides(shape)
     else:
         if any(int(s) % size for s in raw):
-            raise _reject(TransferReason.STRIDES, where, f"byte strides {tuple(raw)} are not multiples of the "
+            raise _reject(ArgumentReason.STRIDES, where, f"byte strides {tuple(raw)} are not multiples of the "
                           f"item size {size}")
         strides = tuple(int(s) // size for s in raw)
     return TensorRef("numpy", int(data[0]), dtype, size, shape, strides, "cpu", not bool(data[1]), a)
@@ -195,9 +195,9 @@ def _dlpack(obj: Any, where: str) -> TensorRef:
         dev_type, dev_id = obj.__dlpack_device__()
         device = _DLPACK_HOST.get(int(dev_type), f"dlpack:{int(dev_type)}:{int(dev_id)}")
     except Exception as exc:  # a foreign producer's failure, reported as ours
-        raise _reject(TransferReason.TENSOR, where, f"__dlpack_device__ failed: {exc!r:.120}") from None
+        raise _reject(ArgumentReason.TENSOR, where, f"__dlpack_device__ failed: {exc!r:.120}") from None
     if device != "cpu":
-        raise _reject(TransferReason.DEVICE, where, f"DLPack device {device}: this transport reaches host memory only")
+        raise _reject(ArgumentReason.DEVICE, where, f"DLPack device {device}: this transport reaches host memory only")
     try:
         try:
             capsule = obj.__dlpack__(max_version=(1, 0))
@@ -206,25 +206,25 @@ def _dlpack(obj: Any, where: str) -> TensorRef:
         name = _capsule_name(capsule)
         ptr = _capsule_pointer(capsule, name)
     except Exception as exc:
-        raise _reject(TransferReason.TENSOR, where, f"__dlpack__ failed: {exc!r:.120}") from None
+        raise _reject(ArgumentReason.TENSOR, where, f"__dlpack__ failed: {exc!r:.120}") from None
     writable = True  # the pre-1.0 protocol cannot say; producers then refuse read-only arrays themselves
     if name == b"dltensor_versioned":
         managed = _ManagedVersioned.from_address(ptr)
         if managed.version.major != 1:
-            raise _reject(TransferReason.TENSOR, where, f"DLPack version {managed.version.major} is not 1")
+            raise _reject(ArgumentReason.TENSOR, where, f"DLPack version {managed.version.major} is not 1")
         dl, writable = managed.dl_tensor, not managed.flags & _DLPACK_READ_ONLY
     elif name == b"dltensor":
         dl = _DLTensor.from_address(ptr)
     else:
-        raise _reject(TransferReason.TENSOR, where, f"capsule named {name!r:.40} is not a DLPack tensor")
+        raise _reject(ArgumentReason.TENSOR, where, f"capsule named {name!r:.40} is not a DLPack tensor")
     if not 0 <= dl.ndim <= _MAX_NDIM or dl.dtype.lanes != 1 or not dl.data:
-        raise _reject(TransferReason.TENSOR, where, f"DLPack tensor of {dl.ndim} dims, {dl.dtype.lanes} lanes")
+        raise _reject(ArgumentReason.TENSOR, where, f"DLPack tensor of {dl.ndim} dims, {dl.dtype.lanes} lanes")
     shape = tuple(int(dl.shape[i]) for i in range(dl.ndim))
     strides = tuple(int(dl.strides[i]) for i in range(dl.ndim)) if dl.strides else contiguous_strides(shape)
     bits = int(dl.dtype.bits)
     dtype = _DLPACK_DTYPES.get((int(dl.dtype.code), bits), f"other:dlpack{dl.dtype.code}/{bits}")
     if bits % 8:
-        raise _reject(TransferReason.DTYPE, where, f"{bits}-bit elements are not byte-addressable")
+        raise _reject(ArgumentReason.DTYPE, where, f"{bits}-bit elements are not byte-addressable")
     return TensorRef("dlpack", int(dl.data) + int(dl.byte_offset), dtype, bits // 8, shape, strides, device,
                      writable, (obj, capsule))
 
@@ -236,20 +236,21 @@ def _buffer(obj: Any, where: str) -> TensorRef:
     try:
         mv = memoryview(obj)
     except TypeError:
-        raise _reject(TransferReason.TENSOR, where, f"a {type(obj).__name__} is not a tensor, array, DLPack "
+        raise _reject(ArgumentReason.TENSOR, where, f"a {type(obj).__name__} is not a tensor, array, DLPack "
                       "object or buffer") from None
     with mv:
         fmt = mv.format.lstrip("@=<")
         dtype = _FORMATS.get(fmt, f"other:{mv.format}")
         if not mv.c_contiguous:
-            raise _reject(TransferReason.STRIDES, where, "a strided buffer; pass a numpy array or a tensor instead")
+            raise _reject(ArgumentReason.STRIDES, where, "a strided buffer; pass a numpy array or a tensor instead")
         shape, itemsize, readonly = tuple(mv.shape or ()), mv.itemsize, mv.readonly
     try:
         export = _ffi().from_buffer(obj, require_writable=False)
     except (TypeError, BufferError) as exc:
-        raise _reject(TransferReason.TENSOR, where, f"not a usable buffer: {exc}") from None
+        raise _reject(ArgumentReason.TENSOR, where, f"not a usable buffer: {exc}") from None
     addr = int(_ffi().cast("uintptr_t", export))
-    return TensorRef("buffer", addr, dtype, itemsize, shape, contiguous_strides(shape), "cpu", not readonly, obj, export)
+    return TensorRef("buffer", addr, dtype, itemsize, shape, contiguous_strides(shape), "cpu", not readonly, obj,
+                     export)
 
 
 # -- a tensor against a region --------------------------------------------------------------
@@ -266,32 +267,34 @@ def check(region: Region, ref: TensorRef, where: str, *, write: bool) -> None:
     naming the first field that differs. Its capacity (the size along the block dimension)
     may differ from the region's."""
     if ref.device != "cpu":
-        raise _reject(TransferReason.DEVICE, where, f"on {ref.device}; this transport reaches host memory only")
+        raise _reject(ArgumentReason.DEVICE, where, f"on {ref.device}; this transport reaches host memory only")
     if not accepts(region, ref):
-        raise _reject(TransferReason.DTYPE, where, f"dtype {ref.dtype}, region {region.name!r} holds "
+        raise _reject(ArgumentReason.DTYPE, where, f"dtype {ref.dtype}, region {region.name!r} holds "
                       f"{region.dtype.value}")
     if len(ref.shape) != len(region.shape):
-        raise _reject(TransferReason.SHAPE, where, f"{len(ref.shape)} dimensions {ref.shape}, region has "
+        raise _reject(ArgumentReason.SHAPE, where, f"{len(ref.shape)} dimensions {ref.shape}, region has "
                       f"{len(region.shape)} {region.shape}")
     for i, (a, b) in enumerate(zip(ref.shape, region.shape)):
         if i != region.block_dim and a != b:
-            raise _reject(TransferReason.SHAPE, where, f"dimension {i} is {a}, region {region.name!r} has {b} "
+            raise _reject(ArgumentReason.SHAPE, where, f"dimension {i} is {a}, region {region.name!r} has {b} "
                           f"(shape {ref.shape} vs {region.shape}, blocks along dimension {region.block_dim})")
     if ref.shape[region.block_dim] < 1:
-        raise _reject(TransferReason.SHAPE, where, "holds no blocks")
+        raise _reject(ArgumentReason.SHAPE, where, "holds no blocks")
     if any(s < 0 for s in ref.strides) or not blockmap.non_overlapping(ref.shape, ref.strides):
-        raise _reject(TransferReason.STRIDES, where, f"strides {ref.strides} are negative or make elements overlap")
+        raise _reject(ArgumentReason.STRIDES, where, f"strides {ref.strides} are negative or make elements overlap")
     if write and not ref.writable:
-        raise _reject(TransferReason.READ_ONLY, where, "is read-only")
+        raise _reject(ArgumentReason.READ_ONLY, where, "is read-only")
     if math.prod(ref.shape) * ref.itemsize > 1 << 56:
-        raise _reject(TransferReason.SHAPE, where, "larger than 2**56 bytes")
+        raise _reject(ArgumentReason.SHAPE, where, "larger than 2**56 bytes")
 
 
 def runs(ref: TensorRef, block_dim: int, where: str) -> blockmap.Runs:
     try:
         return blockmap.block_runs(ref.itemsize, ref.shape, ref.strides, block_dim)
-    except GeometryInvalid as exc:
-        raise _reject(TransferReason.STRIDES, where, exc.problem) from None
+    except ConfigInvalid as exc:
+        if exc.reason is not ConfigReason.GEOMETRY:
+            raise
+        raise _reject(ArgumentReason.STRIDES, where, exc.problem or exc.detail) from None
 
 
 def release_all(refs: list[TensorRef]) -> None:

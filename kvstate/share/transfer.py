@@ -41,8 +41,8 @@ from typing import Any
 
 import attrs
 
-from kvstate.core.errors import KvStateError, LoadFailed, NativeError, StoreFailed, TransferRejected, UnknownNativeObject
-from kvstate.core.reasons import TransferReason
+from kvstate.core.errors import KvStateError, NativeError, ArgumentInvalid, Busy, TimedOut, TransferFailed
+from kvstate.core.reasons import ArgumentReason, TransferFailReason
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +55,11 @@ PENDING, DONE, FAILED, CANCELLED = "pending", "done", "failed", "cancelled"
 
 
 def check_timeout(timeout: object, where: str = "timeout") -> float:
-    """``timeout`` as seconds: a finite int or float >= 0 (not a bool), else TransferRejected."""
+    """``timeout`` as seconds: a finite int or float >= 0 (not a bool), else ArgumentInvalid (a load/store reason)."""
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
             or timeout < 0:
-        raise TransferRejected(TransferReason.TIMEOUT, where, f"must be a finite number of seconds >= 0, "
-                               f"not {timeout!r:.40}")
+        raise ArgumentInvalid.transfer(ArgumentReason.TIMEOUT, where, f"must be a finite number of seconds >= 0, "
+                                       f"not {timeout!r:.40}")
     return float(timeout)
 
 
@@ -128,7 +128,7 @@ class TransferHandle:
     def _activate(self, on_finish: Callable[[TransferHandle], None] | None) -> None:
         """All ops are submitted and the owner tracks the handle: let it finish. If it
         cannot be watched (epoll or eventfd refused: ENOMEM, ENOSPC), nothing stays in
-        flight: its ops are cancelled or awaited, and LoadFailed or StoreFailed says so;
+        flight: its ops are cancelled or awaited, and TransferFailed (load or store) says so;
         the owner then forgets the handle."""
         self._on_finish = on_finish
         fd = self._notify_fd
@@ -148,9 +148,9 @@ class TransferHandle:
             self._on_finish = None
             _dispatcher.unregister(fd)
             self._abort()
-            error = LoadFailed if self.kind == "load" else StoreFailed
-            raise error(f"{self.label}: the transfer cannot be watched ({exc.strerror or exc}); its ops were "
-                        f"cancelled or awaited, nothing is in flight") from exc
+            reason = TransferFailReason.LOAD if self.kind == "load" else TransferFailReason.STORE
+            raise TransferFailed(reason, f"{self.label}: the transfer cannot be watched ({exc.strerror or exc}); "
+                                 "its ops were cancelled or awaited, nothing is in flight") from exc
 
     def _watch_next(self) -> bool:
         """Have the last op that is still pending notify the private fd; False when none is
@@ -205,7 +205,8 @@ class TransferHandle:
         t = check_timeout(timeout)
         mine = [e for e in self._entries if e.region == name]
         if not mine:
-            raise TransferRejected(TransferReason.REGIONS, f"region {name!r:.80}", f"not part of this {self.kind}")
+            raise ArgumentInvalid.transfer(ArgumentReason.REGIONS,
+                                           f"region {name!r:.80}", f"not part of this {self.kind}")
         return self._finished.is_set() or self._wait_ops(mine, t)
 
     def region_ok(self, name: str) -> bool | None:
@@ -213,7 +214,8 @@ class TransferHandle:
         cancelled, None while any is still pending."""
         mine = [e for e in self._entries if e.region == name]
         if not mine:
-            raise TransferRejected(TransferReason.REGIONS, f"region {name!r:.80}", f"not part of this {self.kind}")
+            raise ArgumentInvalid.transfer(ArgumentReason.REGIONS,
+                                           f"region {name!r:.80}", f"not part of this {self.kind}")
         if not self._finished.is_set():
             states = [_state(e.op) for e in mine]
             if any(s in ("queued", "running", "created") for s in states):
@@ -262,7 +264,7 @@ class TransferHandle:
         until :meth:`close`."""
         with self._lock:
             if self._closed:
-                raise TransferRejected(TransferReason.STATE, self.label, "the handle is closed")
+                raise ArgumentInvalid.transfer(ArgumentReason.STATE, self.label, "the handle is closed")
             if self._user_fd is None:
                 self._user_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
                 if self._finished.is_set():
@@ -305,8 +307,10 @@ class TransferHandle:
             try:
                 if not e.op.wait(max(0.0, deadline - time.monotonic())):
                     return False
-            except UnknownNativeObject:  # reaped by a finishing thread
-                return self._finished.wait(max(0.0, deadline - time.monotonic()))
+            except ArgumentInvalid as exc:
+                if exc.reason is not ArgumentReason.UNKNOWN_OBJECT:
+                    raise
+                return self._finished.wait(max(0.0, deadline - time.monotonic()))  # reaped by a finishing thread
         return True
 
     def _progress(self) -> None:
@@ -361,21 +365,26 @@ class TransferHandle:
 def _collectable(op: Any) -> bool:
     try:
         return bool(op.poll())
-    except UnknownNativeObject:
+    except ArgumentInvalid as exc:
+        if exc.reason is not ArgumentReason.UNKNOWN_OBJECT:
+            raise
         return True
 
 
 def _state(op: Any) -> str:
     try:
         return str(op.info().state)
-    except UnknownNativeObject:
+    except ArgumentInvalid as exc:
+        if exc.reason is not ArgumentReason.UNKNOWN_OBJECT:
+            raise
         return "reaped"
 
 
 def _reap(op: Any) -> str:
     try:
         state = str(op.reap().state)
-    except NativeError as exc:  # not collectable or already gone: a bug, reported, never raised here
+    except (NativeError, ArgumentInvalid, Busy, TimedOut) as exc:  # any native refusal (not collectable, gone):
+        # a bug, reported, never raised here
         log.error("reaping %r failed: %s", op, exc)
         return FAILED
     return state if state in (DONE, FAILED, CANCELLED) else FAILED

@@ -12,7 +12,7 @@ reserve(n)      PROT_NONE address space aligned to the granularity
 map(r, off, a)  MAP_SHARED | MAP_FIXED inside the reservation, still PROT_NONE: a touch
                 before set_access faults, exactly as on CUDA
 set_access      mprotect to read or read-write (lowering is refused while pinned)
-unmap, release  refuse with RegionPinned while native ops (or leases) pin the region;
+unmap, release  refuse with Busy (PINNED) while native ops (or leases) pin the region;
                 release also refuses while the allocation is still mapped
 pin, unpin      a lease's explicit pin on a mapping; stats(m) reports every pin
 view(m)         the mapping's bytes (HostView); submit_gather: a gather on the C op
@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING
 import attrs
 
 from kvstate.core import handles, identity
+from kvstate.core.reasons import ImportDefect, ArgumentReason
 from kvstate.core.capabilities import Access, Capabilities, MemoryKind, Scope
-from kvstate.core.errors import (FdIdentityMismatch, FdNotMemfd, FdUnsealed, HandleFdsMismatch, ImportRefused,
-                                 KvStateError, NativeInvalidArgument)
+from kvstate.core.errors import KvStateError, ArgumentInvalid, ImportFailed
 from kvstate.core.args import need, need_bytes, need_int, need_items
 from kvstate.core.handles import HandleKind
 from kvstate.transport.native import Native, Op, RawBuffer, default
@@ -49,10 +49,6 @@ if TYPE_CHECKING:
 
 DEFAULT_GRANULARITY = 2 << 20
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-
-
-class HandleKindUnsupported(KvStateError):
-    """The host backend exports and imports only ``HandleKind.MEMFD``."""
 
 
 @attrs.frozen
@@ -127,8 +123,8 @@ class HostTransport:
         self._lib, self._ffi = nat.lib, nat.ffi
         page = nat.page_size
         if granularity <= 0 or granularity % page or granularity & (granularity - 1):
-            raise NativeInvalidArgument("HostTransport", -1,
-                                        f"granularity {granularity} must be a power of two multiple of {page}")
+            raise ArgumentInvalid.native("HostTransport", -1,
+                                         f"granularity {granularity} must be a power of two multiple of {page}")
         self._granularity = granularity
         self._device_uuid: bytes | None = None
         lib = self._lib
@@ -155,8 +151,8 @@ class HostTransport:
     def _sized(self, what: str, size: int) -> None:
         need_int("size", size, 1, MAX_SIZE)
         if size % self._granularity:
-            raise NativeInvalidArgument(what, -1, f"size {size} is not a positive multiple of the "
-                                        f"granularity {self._granularity}")
+            raise ArgumentInvalid.native(what, -1, f"size {size} is not a positive multiple of the "
+                                         f"granularity {self._granularity}")
 
     def create(self, size: int) -> HostAllocation:
         self._sized("create", size)
@@ -171,7 +167,8 @@ class HostTransport:
         need("allocation", allocation, HostAllocation)
         need("kind", kind, HandleKind)
         if kind is not HandleKind.MEMFD:
-            raise HandleKindUnsupported(f"the host backend exports only memfd handles, not {kind.value}")
+            raise ArgumentInvalid.of("kind", ArgumentReason.RANGE,
+                                     f"the host backend exports only memfd handles, not {kind.value}")
         out = self._ffi.new("int32_t *")
         rc = self._lib.kvs_export_fd(allocation.id, out)
         if rc:
@@ -185,19 +182,23 @@ class HostTransport:
         need_bytes("data", data, 64)
         fds = need_items("fds", fds, int, 16)
         if kind is not HandleKind.MEMFD:
-            raise HandleKindUnsupported(f"the host backend imports only memfd handles, not {kind.value}")
+            raise ImportFailed.handle(ImportDefect.KIND,
+                                      f"the host backend imports only memfd handles, not {kind.value}")
         if len(fds) != 1:
-            raise HandleFdsMismatch(f"expected one memfd, got {len(fds)} fd(s)")
+            raise ImportFailed.handle(ImportDefect.FDS, f"expected one memfd, got {len(fds)} fd(s)")
         # Checked here already, so a group's phase 1 refuses a wrong fd before any rank opens.
         try:
             identity = fd_identity_of(fds[0])
             seals = fcntl.fcntl(fds[0], fcntl.F_GET_SEALS)
         except OSError as exc:
-            raise FdNotMemfd("receive_handle", -1, f"fd {fds[0]} is not a sealable memfd: {exc.strerror}") from None
+            raise ImportFailed.handle(ImportDefect.FD_NOT_MEMFD, call="receive_handle", code=-1,
+                                      detail=f"fd {fds[0]} is not a sealable memfd: {exc.strerror}") from None
         if identity != data:
-            raise FdIdentityMismatch("receive_handle", -1, f"fd {fds[0]} is not the file its descriptor names")
+            raise ImportFailed.handle(ImportDefect.FD_IDENTITY, call="receive_handle", code=-1,
+                                      detail=f"fd {fds[0]} is not the file its descriptor names")
         if seals & _SEALS != _SEALS:
-            raise FdUnsealed("receive_handle", -1, f"fd {fds[0]} lacks the shrink, grow and seal seals")
+            raise ImportFailed.handle(ImportDefect.FD_UNSEALED, call="receive_handle", code=-1,
+                                      detail=f"fd {fds[0]} lacks the shrink, grow and seal seals")
         return HostHandle(fds[0], data)
 
     def import_(self, handle: HostHandle, size: int) -> HostAllocation:
@@ -205,17 +206,21 @@ class HostTransport:
         ``size`` bytes, sealed). The caller still owns (and closes) ``handle.fd``."""
         need("handle", handle, HostHandle)
         if handle.kind is not HandleKind.MEMFD:
-            raise HandleKindUnsupported(f"the host backend imports only memfd handles, not {handle.kind.value}")
+            raise ImportFailed.handle(ImportDefect.KIND,
+                                      f"the host backend imports only memfd handles, not {handle.kind.value}")
         self._sized("import", size)
         if len(handle.identity) != handles.FD_IDENTITY_BYTES:
-            raise FdIdentityMismatch("import", -1, f"handle bytes are {len(handle.identity)} long, "
-                                     f"expected {handles.FD_IDENTITY_BYTES}")
+            raise ImportFailed.handle(ImportDefect.FD_IDENTITY,
+                                      call="import", code=-1, detail=f"handle bytes are {len(handle.identity)} long, "
+                                      f"expected {handles.FD_IDENTITY_BYTES}")
         try:
             identity = fd_identity_of(handle.fd)
         except OSError as exc:
-            raise ImportRefused("import", -1, f"fd {handle.fd} cannot be examined: {exc.strerror}") from None
+            raise ImportFailed.handle(ImportDefect.FD, call="import", code=-1,
+                                      detail=f"fd {handle.fd} cannot be examined: {exc.strerror}") from None
         if identity != handle.identity:
-            raise FdIdentityMismatch("import", -1, f"fd {handle.fd} is not the file its descriptor names")
+            raise ImportFailed.handle(ImportDefect.FD_IDENTITY, call="import", code=-1,
+                                      detail=f"fd {handle.fd} is not the file its descriptor names")
         out = self._ffi.new("uint64_t *")
         rc = self._lib.kvs_import_fd(handle.fd, size, out)
         if rc:
@@ -244,8 +249,8 @@ class HostTransport:
         need("allocation", allocation, HostAllocation)
         need_int("offset", offset, 0, MAX_SIZE)
         if offset < 0 or offset % self._granularity:
-            raise NativeInvalidArgument("map", -1, f"offset {offset} is not a multiple of the "
-                                        f"granularity {self._granularity}")
+            raise ArgumentInvalid.native("map", -1, f"offset {offset} is not a multiple of the "
+                                         f"granularity {self._granularity}")
         region, addr = self._ffi.new("uint64_t *"), self._ffi.new("uint64_t *")
         rc = self._lib.kvs_map(reservation.id, offset, allocation.id, region, addr)
         if rc:

@@ -11,7 +11,7 @@ and Python to the same states and refusals. Nothing here decides a transition it
 
 :func:`native_table` loads a machine's table from ``kvstate._native`` and checks its
 names and digest against the table Python loads from ``spec/``; a module built from
-another table is refused (SpecError), as the op table is by
+another table is refused (ConfigInvalid, reason spec), as the op table is by
 :class:`kvstate.transport.native.Native`.
 """
 
@@ -23,8 +23,7 @@ from collections.abc import Iterable
 import attrs
 
 from kvstate.core import errors
-from kvstate.core.errors import EffectFailed, GuardRejected, IllegalTransition, KvStateError, \
-    ReentrantTransition, SpecError
+from kvstate.core.errors import ConfigInvalid, KvStateError, NativeError, TransitionError
 from kvstate.core.spec import MachineSpec, load_machine
 from kvstate.derive.header import NATIVE_MACHINES, machine_header_path, table_digest
 from kvstate.transport import native
@@ -57,8 +56,8 @@ class NativeTable:
         ids = {ffi.string(lib.kvs_machine_name(i, lib.KVS_MNAME_MACHINE, 0)).decode(): i
                for i in range(lib.kvs_machine_count())}
         if spec.name not in ids:
-            raise SpecError(machine_header_path(spec.name), spec.name,
-                            f"the native module executes no {spec.name!r} table; rebuild it (`make`)")
+            raise ConfigInvalid.spec(machine_header_path(spec.name), spec.name,
+                                     f"the native module executes no {spec.name!r} table; rebuild it (`make`)")
         self.id = ids[spec.name]
         self.states = self._names(lib.KVS_MNAME_STATE)
         self.events = self._names(lib.KVS_MNAME_EVENT)
@@ -68,9 +67,9 @@ class NativeTable:
         if (self.states, self.events, self.guards, self.effects) != (
                 spec.state_names, spec.event_names, tuple(spec.guards), tuple(spec.effects)) \
                 or built != table_digest(spec):
-            raise SpecError(machine_header_path(spec.name), spec.name,
-                            f"the native module was built from another {spec.name} table (digest {built}); "
-                            "run `kvstate generate` and rebuild (`make`)")
+            raise ConfigInvalid.spec(machine_header_path(spec.name), spec.name,
+                                     f"the native module was built from another {spec.name} table (digest "
+                                     f"{built}); run `kvstate generate` and rebuild (`make`)")
         self._event_ids = {e: i for i, e in enumerate(self.events)}
         self._guard_bits = {g: 1 << i for i, g in enumerate(self.guards)}
         self._effect_bits = {e: 1 << i for i, e in enumerate(self.effects)}
@@ -86,8 +85,8 @@ class NativeTable:
         out = 0
         for n in names:
             if n not in bits:
-                raise errors.NativeInvalidArgument("kvs_machine_fire", self.lib.KVS_E_INVAL,
-                                                   f"the {self.spec.name} table declares no {kind} {n!r}")
+                raise errors.ArgumentInvalid.native("kvs_machine_fire", self.lib.KVS_E_INVAL,
+                                                    f"the {self.spec.name} table declares no {kind} {n!r}")
             out |= bits[n]
         return out
 
@@ -107,7 +106,7 @@ class NativeMachine:
         self._nlog = table.ffi.new("int32_t[]", 1)
         rc = table.lib.kvs_machine_init(self._inst, table.id)
         if rc != table.lib.KVS_OK:
-            raise errors.NativeError("kvs_machine_init", rc, f"machine {table.spec.name}: refused ({rc})")
+            raise errors.NativeError.native("kvs_machine_init", rc, f"machine {table.spec.name}: refused ({rc})")
 
     @property
     def state(self) -> str:
@@ -155,15 +154,15 @@ class NativeMachine:
         done = self.attempt(event, holds, fail=fail, fail_undo=fail_undo, reenter=reenter)
         name = self.table.spec.name
         if done.outcome == ILLEGAL:
-            raise IllegalTransition(name, done.source, event)
+            raise TransitionError.illegal(name, done.source, event)
         if done.outcome == GUARD:
-            raise GuardRejected(name, done.source, event, done.refused)
+            raise TransitionError.guard(name, done.source, event, done.refused)
         if done.outcome == REENTRANT:
-            raise ReentrantTransition(name, done.source, event)
+            raise TransitionError.reentrant(name, done.source, event)
         if done.outcome == EFFECT:
-            cause: KvStateError = errors.NativeError("kvs_machine_fire", self.table.lib.KVS_E_EFFECT,
+            cause: KvStateError = NativeError.native("kvs_machine_fire", self.table.lib.KVS_E_EFFECT,
                                                      f"effect {done.effect} failed")
-            raise EffectFailed(name, done.source, event, f"effect {done.effect}", cause)
+            raise NativeError.effect(name, done.source, event, f"effect {done.effect}", cause)
         return done.dest
 
 
@@ -171,7 +170,7 @@ class NativeMachine:
 def native_table(name: str) -> NativeTable:
     """The checked native table of machine ``name`` (one of NATIVE_MACHINES)."""
     if name not in NATIVE_MACHINES:
-        raise errors.NativeInvalidArgument("native_table", -1, f"{name!r} is not executed natively; "
-                                           f"those that are: {', '.join(NATIVE_MACHINES)}")
+        raise errors.ArgumentInvalid.native("native_table", -1, f"{name!r} is not executed natively; "
+                                            f"those that are: {', '.join(NATIVE_MACHINES)}")
     nat = native.default()
     return NativeTable(nat.ffi, nat.lib, load_machine(name))

@@ -20,26 +20,22 @@ Typical use, gathering blocks out of a mapped region into a local buffer::
 
     nat = native.default()
     op = nat.submit_gather(region, buf, blocks)        # pins `region` until it finishes
-    op.result(timeout=5.0)                             # waits, reaps, raises OpFailed
+    op.result(timeout=5.0)                             # waits, reaps, raises NativeError (OP_FAILED)
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, Union
 
 import attrs
 
-from kvstate.core import errors
+from kvstate.core.reasons import ArgumentReason, BusyReason, ImportDefect, NativeReason
 from kvstate.core.errors import (
-    BackendUnavailable,
-    GuardRejected,
-    IllegalTransition,
-    KvStateError,
-    NativeError,
-    SpecError,
+    ArgumentInvalid, BackendUnavailable, Busy, ConfigInvalid, ImportFailed, KvStateError, NativeError, TimedOut,
+    TransitionError,
 )
 from kvstate.core.optional import is_missing, require
 from kvstate.derive.header import table_digest
@@ -133,14 +129,14 @@ class Op:
         return self._native.reap(self.id)
 
     def result(self, timeout: float) -> OpInfo:
-        """Wait up to ``timeout`` s, reap, and raise :class:`OpFailed` if the op failed."""
+        """Wait up to ``timeout`` s, reap, and raise NativeError (OP_FAILED) if the op failed."""
         if not self.wait(timeout):
-            raise errors.OpWaitTimeout("kvs_wait", self._native.lib.KVS_E_TIMEOUT,
-                                       f"op {self.id} still running after {timeout} s")
+            raise TimedOut.native("kvs_wait", self._native.lib.KVS_E_TIMEOUT,
+                                  f"op {self.id} still running after {timeout} s")
         info = self.reap()
         if OPS.faulted(info.state):
-            raise errors.OpFailed("kvs_reap", info.error, f"op {self.id} {info.state}: "
-                                  f"{self._native.reason(info)}", self.id)
+            raise NativeError.native("kvs_reap", info.error, f"op {self.id} {info.state}: "
+                                     f"{self._native.reason(info)}", NativeReason.OP_FAILED, op=self.id)
         return info
 
 
@@ -176,26 +172,40 @@ class Native:
         collectable = tuple(bool(lib.kvs_op_collectable(i)) for i in range(len(states)))
         if (states != m.state_names or events != m.event_names or built != table_digest(m)
                 or collectable != tuple(OPS.collectable(s) for s in states)):
-            raise SpecError("ffi/kvs_op_table.h", "op table",
-                            f"the native module was built from another op table (digest {built}, "
-                            f"states {states}, events {events}); run `python -m kvstate.derive.header` "
-                            "and rebuild (`make`)")
+            raise ConfigInvalid.spec("ffi/kvs_op_table.h", "op table",
+                                     f"the native module was built from another op table (digest {built}, "
+                                     f"states {states}, events {events}); run `python -m kvstate.derive.header` "
+                                     "and rebuild (`make`)")
 
-    def _error_map(self) -> dict[int, type[NativeError]]:
+    def _error_map(self) -> dict[int, Callable[[str, int, str], KvStateError]]:
+        """C return code -> the typed error it stands for (what the caller does about it)."""
         lib = self.lib
+
+        def arg(reason: ArgumentReason) -> Callable[[str, int, str], KvStateError]:
+            return lambda call, rc, detail: ArgumentInvalid.native(call, rc, detail, reason)
+
+        def busy(reason: BusyReason) -> Callable[[str, int, str], KvStateError]:
+            return lambda call, rc, detail: Busy.native(reason, call, rc, detail)
+
+        def fd(defect: ImportDefect) -> Callable[[str, int, str], KvStateError]:
+            return lambda call, rc, detail: ImportFailed.handle(defect, detail, call=call, code=rc)
+
+        def native(reason: NativeReason) -> Callable[[str, int, str], KvStateError]:
+            return lambda call, rc, detail: NativeError.native(call, rc, detail, reason)
+
         return {
-            lib.KVS_E_INVAL: errors.NativeInvalidArgument,
-            lib.KVS_E_NOENT: errors.UnknownNativeObject,
-            lib.KVS_E_PINNED: errors.RegionPinned,
-            lib.KVS_E_MAPPED: errors.StillMapped,
-            lib.KVS_E_RANGE: errors.OutOfRange,
-            lib.KVS_E_OVERLAP: errors.MappingOverlap,
-            lib.KVS_E_SIZE: errors.FdWrongSize,
-            lib.KVS_E_SEALS: errors.FdUnsealed,
-            lib.KVS_E_NOTMEMFD: errors.FdNotMemfd,
-            lib.KVS_E_TIMEOUT: errors.OpWaitTimeout,
-            lib.KVS_E_BUSY: errors.EngineBusy,
-            lib.KVS_E_NOMEM: errors.NativeNoMemory,
+            lib.KVS_E_INVAL: arg(ArgumentReason.NATIVE),
+            lib.KVS_E_NOENT: arg(ArgumentReason.UNKNOWN_OBJECT),
+            lib.KVS_E_PINNED: busy(BusyReason.PINNED),
+            lib.KVS_E_MAPPED: busy(BusyReason.MAPPED),
+            lib.KVS_E_RANGE: arg(ArgumentReason.OUT_OF_RANGE),
+            lib.KVS_E_OVERLAP: arg(ArgumentReason.OVERLAP),
+            lib.KVS_E_SIZE: fd(ImportDefect.FD_SIZE),
+            lib.KVS_E_SEALS: fd(ImportDefect.FD_UNSEALED),
+            lib.KVS_E_NOTMEMFD: fd(ImportDefect.FD_NOT_MEMFD),
+            lib.KVS_E_TIMEOUT: TimedOut.native,
+            lib.KVS_E_BUSY: busy(BusyReason.ENGINE),
+            lib.KVS_E_NOMEM: native(NativeReason.NO_MEMORY),
         }
 
     def strerror(self, code: int) -> str:
@@ -223,25 +233,26 @@ class Native:
             result = self.lib.kvs_cuda_last_result()
             return cuda_error(call_name, result, self.cuda_result_name(result), what)
         if rc == self.lib.KVS_E_NODRIVER:
-            return BackendUnavailable("cuda", self.ffi.string(self.lib.kvs_cuda_load_error()).decode()
-                                      or "the CUDA driver is not loaded")
+            return BackendUnavailable.missing("cuda", self.ffi.string(self.lib.kvs_cuda_load_error()).decode()
+                                              or "the CUDA driver is not loaded")
         if rc == self.lib.KVS_E_OWNIPC:
-            return errors.LegacyIpcRefused(f"{call}: {what}: a process may not open a legacy IPC handle it "
-                                           "exported itself")
+            return ImportFailed.handle(ImportDefect.LEGACY_IPC, f"{call}: {what}: a process may not open a legacy "
+                                       "IPC handle it exported itself")
         if rc == self.lib.KVS_E_SYS:
             err = self.ffi.errno
-            return errors.NativeOSError(call, rc, f"{detail} (errno {err})", err)
+            return NativeError.native(call, rc, f"{detail} (errno {err})", NativeReason.OS, errno=err)
         if rc == self.lib.KVS_E_ILLEGAL:
-            return IllegalTransition(OPS.name, state or "?", event or call)
+            return TransitionError.illegal(OPS.name, state or "?", event or call)
         if rc == self.lib.KVS_E_ACCESS:  # the C engine's only guard, on the initial submit row
             row = OPS.spec.rows(SUBMIT, OPS.initial)[0]
-            return GuardRejected(OPS.name, OPS.initial, SUBMIT, row.guards)
-        return self._errors.get(rc, NativeError)(call, rc, detail)
+            return TransitionError.guard(OPS.name, OPS.initial, SUBMIT, row.guards)
+        make = self._errors.get(rc)
+        return NativeError.native(call, rc, detail) if make is None else make(call, rc, detail)
 
     @staticmethod
     def _ns(timeout: float) -> int:
         if not math.isfinite(timeout) or timeout < 0:
-            raise errors.NativeInvalidArgument("timeout", -1, f"timeout must be finite and >= 0, not {timeout!r}")
+            raise ArgumentInvalid.native("timeout", -1, f"timeout must be finite and >= 0, not {timeout!r}")
         return int(timeout * 1e9)
 
     # -- observation -------------------------------------------------------------------
@@ -269,7 +280,7 @@ class Native:
     # -- op engine ---------------------------------------------------------------------
 
     def configure(self, workers: int) -> None:
-        """Set the worker count (default 2). Refused with EngineBusy while ops run."""
+        """Set the worker count (default 2). Refused with Busy (ENGINE) while ops run."""
         rc = self.lib.kvs_engine_configure(workers)
         if rc:
             raise self.error(rc, "kvs_engine_configure", f"workers {workers}")
@@ -284,14 +295,14 @@ class Native:
         (:meth:`_release`) on every path, so no export outlives its op."""
         if isinstance(ep, int):
             if isinstance(ep, bool) or not 0 < ep < 1 << 64:
-                raise errors.NativeInvalidArgument("kvs_submit", -1, f"region id {ep!r} is not a positive u64")
+                raise ArgumentInvalid.native("kvs_submit", -1, f"region id {ep!r} is not a positive u64")
             return int(ep), 0, 0, None
         if isinstance(ep, RawBuffer):
             return 0, ep.addr, ep.size, None  # its owner keeps the memory alive
         try:
             cbuf = self.ffi.from_buffer(ep, require_writable=writable)
         except (TypeError, BufferError) as exc:
-            raise errors.NativeInvalidArgument("kvs_submit", -1, f"not a usable buffer: {exc}") from None
+            raise ArgumentInvalid.native("kvs_submit", -1, f"not a usable buffer: {exc}") from None
         return 0, int(self.ffi.cast("uintptr_t", cbuf)), len(cbuf), cbuf
 
     def _submitted(self, op_id: int, keep_src: CBuffer | None, keep_dst: CBuffer | None) -> Op:
@@ -340,7 +351,7 @@ class Native:
         or an ``array.array('Q')``); the engine copies the list at submit. ``notify_fd``: an
         eventfd that gets 1 added once the op is collectable (see :meth:`notify`)."""
         if notify_fd is not None and (type(notify_fd) is not int or notify_fd <= 0):
-            raise errors.NativeInvalidArgument("kvs_op_notify", -1, f"notify_fd must be a positive fd, not {notify_fd!r}")
+            raise ArgumentInvalid.native("kvs_op_notify", -1, f"notify_fd must be a positive fd, not {notify_fd!r}")
         ffi = self.ffi
         sk = dk = None
         cblocks: BlockArray | None = None
@@ -373,11 +384,11 @@ class Native:
             try:
                 return ffi.new("kvs_block[]", [tuple(b) for b in blocks])
             except (TypeError, OverflowError, ValueError) as exc:
-                raise errors.NativeInvalidArgument(call, -1, f"blocks: {exc}") from None
+                raise ArgumentInvalid.native(call, -1, f"blocks: {exc}") from None
         try:
             return ffi.from_buffer("kvs_block[]", blocks)
         except (TypeError, BufferError, ValueError) as exc:
-            raise errors.NativeInvalidArgument(call, -1, f"blocks: {exc}") from None
+            raise ArgumentInvalid.native(call, -1, f"blocks: {exc}") from None
 
     def notify(self, op: int, fd: int) -> None:
         """Have the engine add 1 to the eventfd ``fd`` once ``op`` is collectable (done,
@@ -394,7 +405,7 @@ class Native:
         ``blocks`` as :meth:`submit_gather`. The op is the engine's like any other: wait,
         reap, ``result`` or ``notify`` it here."""
         if notify_fd is not None and (type(notify_fd) is not int or notify_fd <= 0):
-            raise errors.NativeInvalidArgument("kvs_op_notify", -1, f"notify_fd must be a positive fd, not {notify_fd!r}")
+            raise ArgumentInvalid.native("kvs_op_notify", -1, f"notify_fd must be a positive fd, not {notify_fd!r}")
         ffi = self.ffi
         cblocks = self._blocks(blocks, "kvs_cuda_submit")
         try:
@@ -428,7 +439,7 @@ class Native:
         return True
 
     def cancel(self, op: int) -> None:
-        """Cancel a queued op (its pins drop). A running or finished op is IllegalTransition."""
+        """Cancel a queued op (its pins drop). A running or finished op is TransitionError (ILLEGAL)."""
         rc = self.lib.kvs_cancel(op)
         if rc:
             raise self.error(rc, "kvs_cancel", f"op {op}", self._state_or_unknown(op), CANCEL)
@@ -463,8 +474,8 @@ def default() -> Native:
                 except ModuleNotFoundError as exc:
                     if not is_missing(exc, libkvs.MODULE):
                         raise
-                    raise BackendUnavailable("host", "the native module kvstate._native was not "
-                                             "built; reinstall kvstate where a C compiler is "
-                                             "available") from None
+                    raise BackendUnavailable.missing("host", "the native module kvstate._native was not "
+                                                     "built; reinstall kvstate where a C compiler is "
+                                                     "available") from None
                 _default = Native(ffi, lib)
     return _default

@@ -16,7 +16,7 @@ reserve(n)          reserve ``n`` bytes of address space with no access
 free(r)             return a reservation (cuMemAddressFree); refuses while mapped
 map(r, off, a)      map object ``a`` at ``off`` inside reservation ``r``, still no access
 set_access(m, x)    grant read or read-write access to a mapping
-unmap(m)            unmap; refuses with RegionPinned while ops or leases pin it
+unmap(m)            unmap; refuses with Busy (PINNED) while ops or leases pin it
 pin(m), unpin(m)    an explicit pin (a lease's): unmap and release refuse until unpinned
 stats(m)            :class:`RegionStats`: pins, ops in flight, completed and failed ops
 submit_gather       copy (src_off, dst_off, len) blocks between mappings and the caller
@@ -38,7 +38,7 @@ Rather than methods that can only refuse, it implements the narrower protocols i
 honour (:class:`Backend` for the registry, :class:`ExportingTransport` for a bank's
 memory) and its own loads (``NixlTransport.load`` under a lease gate). The lifecycle
 sides refuse anything that is not a :class:`MappedTransport` with
-:class:`~kvstate.core.errors.TransportUnsuitable` before they touch it.
+:class:`BackendUnavailable` (UNSUITABLE) before they touch it.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ from typing import Protocol, TypeVar, runtime_checkable
 import attrs
 
 from kvstate.core.capabilities import Access, Capabilities
-from kvstate.core.errors import BackendUnavailable, KvStateError, TransportUnsuitable
+from kvstate.core.errors import BackendUnavailable, KvStateError, ArgumentInvalid
+from kvstate.core.reasons import ArgumentReason
 from kvstate.core.handles import HandleKind
 
 #: One gather block: (source offset, destination offset, length) in bytes.
@@ -209,12 +210,9 @@ def require_mapped(transport: object) -> None:
     """Refuse, before anything is touched, a transport that cannot map (NIXL)."""
     if not isinstance(transport, MappedTransport):
         name = getattr(transport, "name", type(transport).__name__)
-        raise TransportUnsuitable(str(name), "the lifecycle sides need a MappedTransport (reserve, map, "
-                                  "set_access, unmap, pins, gathers); NIXL ranks load with NixlTransport.load")
+        raise BackendUnavailable.unsuitable(str(name), "the lifecycle sides need a MappedTransport (reserve, map, "
+                                            "set_access, unmap, pins, gathers); NIXL ranks load with NixlTransport.load")
 
-
-class DuplicateTransport(KvStateError):
-    """A transport of that name is already registered."""
 
 
 class Registry:
@@ -227,7 +225,7 @@ class Registry:
         if not isinstance(transport, Backend):
             raise TypeError(f"{transport!r} does not implement the Backend interface")
         if transport.name in self._by_name:
-            raise DuplicateTransport(f"transport {transport.name!r} is already registered")
+            raise ArgumentInvalid(ArgumentReason.STATE, f"transport {transport.name!r} is already registered")
         self._by_name[transport.name] = transport
         return transport
 
@@ -235,7 +233,7 @@ class Registry:
         try:
             return self._by_name[name]
         except KeyError:
-            raise BackendUnavailable(name, "not registered in this worker's transport registry") from None
+            raise BackendUnavailable.missing(name, "not registered in this worker's transport registry") from None
 
     def __contains__(self, name: object) -> bool:
         return name in self._by_name

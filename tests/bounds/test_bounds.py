@@ -15,22 +15,15 @@ from pathlib import Path
 import attrs
 import pytest
 
+from support.errors import raises
+
+from kvstate.core.reasons import ImportReason
 from kvstate import channel as chan
 from kvstate.reuse import profile
 from kvstate.core.descriptor import MAX_DESCRIPTOR_BYTES, decode, encode
 from kvstate.core.errors import (
-    KvStateError,
-    CapabilitiesInvalid,
-    ChannelClosed,
-    ChannelTimeout,
-    ConnectionLimit,
-    DescriptorRejected,
-    FrameError,
-    GroupRejected,
-    ImportFailed,
-    InvalidSetting,
-    LeaseRefused,
-    NativeInvalidArgument,
+    KvStateError, DescriptorRejected, GroupRejected, ImportFailed, Busy, ConfigInvalid, ArgumentInvalid,
+    ChannelError,
 )
 from kvstate.share.exporter import Exporter, ExportConfig
 from kvstate.core.geometry import DType, Geometry, Layout
@@ -38,7 +31,7 @@ from kvstate.core.handles import HandleKind
 from kvstate.share.importer import ImportConfig, Importer
 from kvstate.reuse.inventory import Inventory
 from kvstate.reuse.policy import MAX_SETTING_TEXT, ReuseSettings
-from kvstate.core.reasons import RejectReason
+from kvstate.core.reasons import RejectReason, ConfigReason, ArgumentReason, ChannelReason
 from kvstate.transport.host import HostTransport
 from kvstate.core.validate import MAX_TP, validate_group
 
@@ -112,15 +105,15 @@ def test_connection_handlers_are_capped_with_a_typed_refusal(make_exporter: type
         with chan.connect(ex.socket_path) as extra:
             with extra.recv() as msg:
                 reply = chan.decode(msg.payload)
-            assert reply == {"ok": False, "code": "ConnectionLimit", "detail": str(ConnectionLimit(2))}
-            with pytest.raises(ChannelClosed):
+            assert reply == {"ok": False, "code": "ConnectionLimit", "detail": str(Busy.connections(2))}
+            with raises(ChannelError, ChannelReason.CLOSED):
                 extra.recv(timeout=2.0)
         assert threading.active_count() <= threads
         im = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON), HostTransport(granularity=64 * 1024))
         try:
             with pytest.raises(ImportFailed) as info:
                 im.import_group([ex.descriptor(0)])
-            assert isinstance(info.value.__cause__, LeaseRefused) and info.value.__cause__.code == "ConnectionLimit"
+            assert (isinstance(info.value.__cause__, ImportFailed) and info.value.__cause__.reason is ImportReason.REFUSED) and info.value.__cause__.code == "ConnectionLimit"
         finally:
             im.close()
     finally:
@@ -139,7 +132,9 @@ def test_connection_handlers_are_capped_with_a_typed_refusal(make_exporter: type
 def _lease_or_none(ch: chan.Channel, ex: Exporter) -> bool:
     try:
         return bool(_lease(ch, ex).get("ok"))
-    except ChannelClosed:
+    except ChannelError as exc:
+        if exc.reason is not ChannelReason.CLOSED:
+            raise
         return False
 
 
@@ -155,16 +150,16 @@ def test_channel_payload_and_fd_caps() -> None:
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     small = chan.Limits(max_payload=100, max_fds=1)
     with chan.Channel(a) as big_end, chan.Channel(b, limits=small) as small_end:
-        with pytest.raises(FrameError, match="exceeds the cap"):
+        with raises(ChannelError, ChannelReason.FRAME, match="exceeds the cap"):
             small_end.send(b"x" * 101)
-        with pytest.raises(FrameError, match="fds exceed"):
+        with raises(ChannelError, ChannelReason.FRAME, match="fds exceed"):
             small_end.send(b"x", [0, 1])
         big_end.send(b"x" * 101)
-        with pytest.raises(FrameError, match="larger than the cap"):
+        with raises(ChannelError, ChannelReason.FRAME, match="larger than the cap"):
             small_end.recv(timeout=1.0)
         fds_before = len(os.listdir("/proc/self/fd"))
         big_end.send(b"x", [0, 1, 2])
-        with pytest.raises(FrameError):
+        with raises(ChannelError, ChannelReason.FRAME):
             small_end.recv(timeout=1.0)
         assert len(os.listdir("/proc/self/fd")) == fds_before  # refused fds were closed
         big_end.send(b"ok")  # the channel still works after refusals
@@ -180,7 +175,7 @@ def test_every_channel_wait_has_a_timeout() -> None:
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with chan.Channel(a) as ch:
         start = time.monotonic()
-        with pytest.raises(ChannelTimeout):
+        with raises(ChannelError, ChannelReason.TIMEOUT):
             ch.recv(timeout=0.05)
         assert time.monotonic() - start < 1.0
         with pytest.raises(KvStateError):  # typed, with a reason (issue 14, class 1)
@@ -234,26 +229,26 @@ def test_inventory_budget_is_never_exceeded() -> None:
 
 def test_native_worker_count_is_capped() -> None:
     native = HostTransport(granularity=64 * 1024).native
-    with pytest.raises(NativeInvalidArgument):
+    with raises(ArgumentInvalid, ArgumentReason.NATIVE):
         native.configure(65)
-    with pytest.raises(NativeInvalidArgument):
+    with raises(ArgumentInvalid, ArgumentReason.NATIVE):
         native.configure(0)
 
 
 def test_setting_text_cap() -> None:
-    with pytest.raises(InvalidSetting, match="longer than"):
+    with raises(ConfigInvalid, ConfigReason.INVALID_SETTING, match="longer than"):
         ReuseSettings.from_env({"KVSTATE_POLICY_MINIMUM_TRANSFER_PREFIX_BLOCKS": "9" * (MAX_SETTING_TEXT + 1)})
-    with pytest.raises(InvalidSetting):  # 5000 digits: typed, not Python's int-string limit
+    with raises(ConfigInvalid, ConfigReason.INVALID_SETTING):  # 5000 digits: typed, not Python's int-string limit
         ReuseSettings.from_cli(["--minimum-transfer-prefix-blocks", "9" * 5000])
 
 
 def test_capability_caps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     wire = {"device_uuids": ["11" * 16] * (profile.MAX_DEVICES + 1), "handle_kinds": ["memfd"],
             "fabric_trial": "passed", "transports": [], "geometry_fingerprint": "00" * 16, "protocol_version": 1}
-    with pytest.raises(CapabilitiesInvalid, match="more than"):
+    with raises(ConfigInvalid, ConfigReason.CAPABILITIES_INVALID, match="more than"):
         profile.parse_capabilities(wire)
     wire = {**wire, "device_uuids": ["11" * 16], "transports": [{}] * (profile.MAX_TRANSPORTS + 1)}
-    with pytest.raises(CapabilitiesInvalid, match="more than"):
+    with raises(ConfigInvalid, ConfigReason.CAPABILITIES_INVALID, match="more than"):
         profile.parse_capabilities(wire)
     from kvstate.commands.cli import main
 

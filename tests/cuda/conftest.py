@@ -18,7 +18,7 @@ def device() -> bytes:
     try:
         devices = visible_devices()
     except BackendUnavailable as exc:
-        pytest.skip(f"NO GPU: the GPU suite did not run: {exc.why}")
+        pytest.skip(f"NO GPU: the GPU suite did not run: {exc.detail}")
     if not devices:
         pytest.skip("NO GPU: the GPU suite did not run: the driver sees no device")
     return devices[0]

@@ -7,7 +7,13 @@ from __future__ import annotations
 
 import pytest
 
+from support.errors import raises
+
 from kvstate.core import errors
+from kvstate.core.reasons import (
+    ArgumentReason, BackendReason, ImportReason, ImportDefect, BusyReason, TransitionReason,
+)
+from kvstate.core.errors import ArgumentInvalid, BackendUnavailable, ImportFailed, Busy, TransitionError
 
 from kvstate.harness import gpucheck
 from kvstate.core.handles import HandleKind
@@ -24,7 +30,7 @@ def test_devices_are_chosen_by_uuid_never_ordinal(device: bytes) -> None:
     assert t.device_uuid() == device
     t.close()
     unknown = bytes(16) if device != bytes(16) else b"\xff" * 16
-    with pytest.raises(errors.CudaDeviceNotFound):
+    with raises(BackendUnavailable, BackendReason.NO_DEVICE):
         CudaTransport(unknown)
 
 
@@ -32,7 +38,7 @@ def test_granularity_and_sizes(device: bytes) -> None:
     t = CudaTransport(device)
     g = t.granularity()
     assert g > 0 and g & (g - 1) == 0 and g % t.min_granularity == 0
-    with pytest.raises(errors.NativeInvalidArgument):
+    with raises(ArgumentInvalid, ArgumentReason.NATIVE):
         t.create(g + 1)
     t.close()
 
@@ -62,9 +68,9 @@ def test_a_kill_during_a_copy_leaves_the_exporter_able_to_drain(device: bytes) -
 def test_legacy_ipc_only_on_request_and_only_for_cumemalloc_memory(device: bytes) -> None:
     t = CudaTransport(device)
     a = t.create(t.granularity())
-    with pytest.raises(errors.LegacyIpcRefused):
+    with raises(ImportFailed, ImportReason.HANDLE, defect=ImportDefect.LEGACY_IPC):
         t.export(a, HandleKind.CUDA_IPC)
-    with pytest.raises(errors.LegacyIpcRefused):
+    with raises(ImportFailed, ImportReason.HANDLE, defect=ImportDefect.LEGACY_IPC):
         CudaTransport(device, kind=HandleKind.CUDA_IPC)
     t.release(a)
     t.close()
@@ -78,18 +84,18 @@ def test_no_unmap_or_release_while_pinned_or_mapped_and_ops_report_into_pins(dev
     r = t.reserve(size)
     m = t.map(r, 0, a)
     dst = t.alloc_buffer(size)
-    with pytest.raises(errors.GuardRejected):  # no access yet: ops are refused
+    with raises(TransitionError, TransitionReason.GUARD):  # no access yet: ops are refused
         t.submit_copy(m, dst, 16)
     t.set_access(m, Access.READ_WRITE)
     t.write(m, gpucheck.pattern(size, 5))
     t.pin(m)
-    with pytest.raises(errors.RegionPinned):
+    with raises(Busy, BusyReason.PINNED):
         t.unmap(m)
-    with pytest.raises(errors.RegionPinned):
+    with raises(Busy, BusyReason.PINNED):
         t.set_access(m, Access.READ)
     t.unpin(m)
     op = t.submit_gather(m, dst, [(0, size // 2, size // 2), (size // 2, 0, size // 2)])
-    with pytest.raises(errors.IllegalTransition):
+    with raises(TransitionError, TransitionReason.ILLEGAL):
         op.cancel()
     info = op.result(30.0)
     assert info.bytes == size
@@ -97,9 +103,9 @@ def test_no_unmap_or_release_while_pinned_or_mapped_and_ops_report_into_pins(dev
     assert (st.pins, st.inflight, st.completed, st.bytes) == (0, 0, 1, size)
     src = gpucheck.pattern(size, 5)
     assert t.read(dst, size) == src[size // 2:] + src[:size // 2]
-    with pytest.raises(errors.StillMapped):
+    with raises(Busy, BusyReason.MAPPED):
         t.release(a)
-    with pytest.raises(errors.StillMapped):
+    with raises(Busy, BusyReason.MAPPED):
         t.free(r)
     t.unmap(m)
     t.free(r)
@@ -113,7 +119,7 @@ def test_fabric_only_after_a_passing_trial(device: bytes) -> None:
     assert t.fabric_trial in (FabricTrial.PASSED, FabricTrial.FAILED), t.fabric_decision
     t.close()
     if t.fabric_trial is FabricTrial.FAILED:
-        with pytest.raises(errors.FabricUnavailable):
+        with raises(BackendUnavailable, BackendReason.FABRIC):
             CudaTransport(device, kind=HandleKind.FABRIC)
         return
     f = CudaTransport(device, kind=HandleKind.FABRIC)

@@ -14,12 +14,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from support.errors import raises
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cudashim.conftest import UUID, mapped, unmapped
 from cudashim.shim import Shim
 from kvstate.core import errors
+from kvstate.core.reasons import (
+    ArgumentReason, ImportReason, ImportDefect, BusyReason, NativeReason, TransitionReason,
+)
+from kvstate.core.errors import ArgumentInvalid, ImportFailed, Busy, NativeError, TransitionError
 from kvstate.core.capabilities import Access
 from kvstate.core.handles import HandleKind
 from kvstate.transport.cuda import CudaTransport
@@ -40,7 +46,7 @@ def test_a_cuda_op_follows_the_generated_table(cuda: CudaTransport, shim: Shim) 
     op = cuda.submit_copy(m, buf, 4096)
     assert op.info().state == "running" and OPS.may("running", "finish")
     for attempt, event in ((op.cancel, "cancel"), (op.reap, "reap")):
-        with pytest.raises(errors.IllegalTransition) as info:
+        with raises(TransitionError, TransitionReason.ILLEGAL) as info:
             attempt()
         assert (info.value.machine, info.value.state, info.value.event) == ("op", "running", event)
     mid = default().stats()
@@ -50,7 +56,7 @@ def test_a_cuda_op_follows_the_generated_table(cuda: CudaTransport, shim: Shim) 
     assert op.wait(5.0) and op.info().state == "done"
     info = op.reap()
     assert info.state == "done" and info.bytes == 4096 and info.error == 0
-    with pytest.raises(errors.UnknownNativeObject):
+    with raises(ArgumentInvalid, ArgumentReason.UNKNOWN_OBJECT):
         op.reap()
     after = default().stats()
     assert (after.completed - before.completed, after.ops_live, after.ops_running) == (1, before.ops_live, 0)
@@ -84,7 +90,7 @@ def test_host_and_cuda_ops_live_in_one_engine_table(cuda: CudaTransport, shim: S
         assert (h_op.info().state, c_op.info().state) == ("queued", "running")
         assert OPS.may("queued", "cancel") and not OPS.may("running", "cancel")
         h_op.cancel()
-        with pytest.raises(errors.IllegalTransition) as info:
+        with raises(TransitionError, TransitionReason.ILLEGAL) as info:
             c_op.cancel()
         assert (info.value.machine, info.value.state) == ("op", "running")
         assert h_op.poll() and not c_op.poll()
@@ -111,7 +117,7 @@ def test_no_unmap_release_or_lower_access_before_the_streams_event(cuda: CudaTra
     shim.stall(True)
     op = cuda.submit_gather(m, buf, [(0, 0, 4096), (8192, 4096, 4096)])
     for refused in (lambda: cuda.unmap(m), lambda: cuda.release(m.allocation), lambda: cuda.set_access(m, Access.READ)):
-        with pytest.raises(errors.RegionPinned):
+        with raises(Busy, BusyReason.PINNED):
             refused()
     assert cuda.stats(m).pins == 1, "quiescence is what the C layer reports: not while the device works"
     assert shim.calls("cuMemUnmap") == 0
@@ -130,7 +136,7 @@ def test_a_device_fault_fails_the_op_with_its_curesult_and_drops_its_pins(cuda: 
     buf = cuda.alloc_buffer(4096)
     shim.fail("async", 1, 700)  # CUDA_ERROR_ILLEGAL_ADDRESS on the device
     op = cuda.submit_copy(m, buf, 4096)
-    with pytest.raises(errors.OpFailed) as info:
+    with raises(NativeError, NativeReason.OP_FAILED) as info:
         op.result(5.0)
     assert "CUresult 700 (CUDA_ERROR_ILLEGAL_ADDRESS)" in str(info.value)
     st = cuda.stats(m)
@@ -143,7 +149,7 @@ def test_the_op_flag_injects_a_failure_in_cuda_ops_too(cuda: CudaTransport) -> N
     m = mapped(cuda)
     buf = cuda.alloc_buffer(4096)
     op = cuda.native.submit_cuda(cuda.device, (m.region, 0, 0), (0, buf.ptr, buf.nbytes), [(0, 0, 64)], fail=True)
-    with pytest.raises(errors.OpFailed, match="injected failure"):
+    with raises(NativeError, NativeReason.OP_FAILED, match="injected failure"):
         op.result(5.0)
     assert cuda.stats(m).pins == 0
     cuda.free_buffer(buf)
@@ -155,10 +161,10 @@ def test_ranges_regions_of_another_device_and_bad_blocks_are_refused_before_any_
     m = mapped(cuda)
     buf = cuda.alloc_buffer(4096)
     for blocks in ([(0, 0, 4097)], [(cuda.granularity(), 0, 1)], [(0, 0, 0)], []):
-        with pytest.raises((errors.OutOfRange, errors.NativeInvalidArgument)):
+        with raises(ArgumentInvalid, (ArgumentReason.OUT_OF_RANGE, ArgumentReason.NATIVE)):
             cuda.submit_gather(m, buf, blocks)
     other = CudaTransport(UUID)  # another opened device: its regions are not this one's
-    with pytest.raises(errors.UnknownNativeObject):
+    with raises(ArgumentInvalid, ArgumentReason.UNKNOWN_OBJECT):
         other.submit_copy(m, buf, 16)
     other.close()
     assert cuda.stats(m).pins == 0 and shim.calls("cuMemcpyAsync") == shim.calls("cuMemcpyBatchAsync") == 0
@@ -170,7 +176,7 @@ def test_a_process_never_opens_a_legacy_handle_it_exported(shim: Shim) -> None:
     t = CudaTransport(UUID, kind=HandleKind.CUDA_IPC, legacy_ipc=True)
     a = t.create(t.granularity())
     h = t.export(a, HandleKind.CUDA_IPC)
-    with pytest.raises(errors.LegacyIpcRefused):
+    with raises(ImportFailed, ImportReason.HANDLE, defect=ImportDefect.LEGACY_IPC):
         t.import_(t.receive_handle(HandleKind.CUDA_IPC, h.identity, []), t.granularity())
     assert shim.calls("cuIpcOpenMemHandle") == 0, "refused before the driver was asked"
     t.release(a)
@@ -179,9 +185,9 @@ def test_a_process_never_opens_a_legacy_handle_it_exported(shim: Shim) -> None:
 
 def test_legacy_ipc_only_on_request_and_vmm_memory_is_not_exported_as_ipc(cuda: CudaTransport) -> None:
     a = cuda.create(cuda.granularity())
-    with pytest.raises(errors.LegacyIpcRefused):
+    with raises(ImportFailed, ImportReason.HANDLE, defect=ImportDefect.LEGACY_IPC):
         cuda.export(a, HandleKind.CUDA_IPC)
-    with pytest.raises(errors.LegacyIpcRefused):
+    with raises(ImportFailed, ImportReason.HANDLE, defect=ImportDefect.LEGACY_IPC):
         CudaTransport(UUID, kind=HandleKind.CUDA_IPC)
     cuda.release(a)
 

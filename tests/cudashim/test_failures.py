@@ -28,11 +28,14 @@ from typing import Any
 
 import pytest
 
+from support.errors import raises
+
 from cudashim.conftest import UUID, mapped, unmapped
 from cudashim.shim import Shim, use
 from kvstate.core import errors
 from kvstate.core.capabilities import Access
-from kvstate.core.errors import CudaError, KvStateError, OpFailed, RegistrationFailed, UnknownNativeObject
+from kvstate.core.errors import KvStateError, ArgumentInvalid, NativeError
+from kvstate.core.reasons import ArgumentReason, NativeReason
 from kvstate.core.handles import HandleKind
 from kvstate.transport.cuda import CudaTransport
 from kvstate.transport.native import default
@@ -94,9 +97,9 @@ class Undo:
             for fn in pending:
                 try:
                     fn()
-                except UnknownNativeObject:
-                    pass  # gone already (a close that failed midway still forgot its device)
                 except KvStateError as exc:
+                    if isinstance(exc, ArgumentInvalid) and exc.reason is ArgumentReason.UNKNOWN_OBJECT:
+                        continue  # gone already (a close that failed midway still forgot its device)
                     self.errors.append(exc)
                     left.append(fn)
             pending = left
@@ -196,11 +199,11 @@ def test_failure_at(call: str, foreign: bytes) -> None:
         undo.run()
     err = raised or (undo.errors[0] if undo.errors else None)
     assert err is not None, f"an injected failure at {call} went unnoticed"
-    if isinstance(err, OpFailed):
+    if isinstance(err, NativeError) and err.reason is NativeReason.OP_FAILED:
         assert call in ("cuEventSynchronize", "cuEventQuery") and f"CUresult {OOM}" in str(err), err
     else:
-        assert isinstance(err, CudaError), f"{call}: untyped {type(err).__name__}: {err}"
-        assert (err.call, err.result, type(err)) == (call, OOM, errors.CudaOutOfMemory), err
+        assert isinstance(err, NativeError) and err.result is not None, f"{call}: untyped {type(err).__name__}: {err}"
+        assert (err.call, err.result, err.reason) == (call, OOM, NativeReason.CUDA_MEMORY), err
         assert "CUDA_ERROR_OUT_OF_MEMORY" in str(err)
     assert quiet(shim) == before, "native objects, pins or ops left behind"
     violations = shim.violations()
@@ -215,7 +218,7 @@ def test_a_failed_error_name_lookup_still_raises_the_typed_error(shim: Shim) -> 
     shim.fail("cuMemCreate", 1, OOM)
     shim.fail("cuGetErrorName", 1, 1)
     t = CudaTransport(UUID)
-    with pytest.raises(errors.CudaOutOfMemory) as info:
+    with raises(NativeError, NativeReason.CUDA_MEMORY) as info:
         t.create(t.granularity())
     assert info.value.call == "cuMemCreate" and info.value.result == OOM
     t.close()
@@ -242,9 +245,10 @@ def test_registration_failure_in_the_driver_preserves_owners(kind: HandleKind, c
     bank = ex.add_bank(0, geometry)
     before = default().stats()
     shim.fail(call, 1, OOM)
-    with pytest.raises(RegistrationFailed) as info:
+    with raises(NativeError, NativeReason.REGISTRATION) as info:
         bank.register()
-    assert isinstance(info.value.__cause__, CudaError) and info.value.__cause__.call == call
+    cause = info.value.__cause__
+    assert isinstance(cause, NativeError) and cause.result is not None and cause.call == call
     after = default().stats()
     assert (bank.state, bank.owner) == ("allocated", "engine"), "INV-REGISTER-ATOMIC"
     assert (after.reservations, after.regions, after.allocations) == \
@@ -308,7 +312,7 @@ def _gpu_pair(tmp_path: Path, kind: HandleKind = HandleKind.POSIX_FD) -> Iterato
 def test_a_bank_release_that_failed_part_way_can_be_retried(shim: Shim, tmp_path: Path) -> None:
     """The release forgot the mapping only after the reservation was freed too: a failed
     cuMemAddressFree left the bank naming a region already unmapped, and every retry failed
-    on it (UnknownNativeObject) with the reservation and allocation never released."""
+    on it (ArgumentInvalid (UNKNOWN_OBJECT)) with the reservation and allocation never released."""
     t = CudaTransport(UUID)
     before, live = _counts(), shim.live()
     ex = _cuda_exporter(t, tmp_path)
@@ -322,7 +326,7 @@ def test_a_bank_release_that_failed_part_way_can_be_retried(shim: Shim, tmp_path
 
 def test_a_registration_whose_undo_fails_too_names_its_step_and_loses_nothing(shim: Shim, tmp_path: Path) -> None:
     """set_access fails, then the undo's unmap: the failure reported is the registration's
-    (RegistrationFailed at set_access, not the undo's StillMapped), the bank keeps what is
+    (NativeError (REGISTRATION) at set_access, not the undo's Busy (MAPPED)), the bank keeps what is
     left, and a release of the bank (or a second register) gets it back."""
     t = CudaTransport(UUID)
     before, live = _counts(), shim.live()
@@ -330,9 +334,10 @@ def test_a_registration_whose_undo_fails_too_names_its_step_and_loses_nothing(sh
     bank = ex.banks[0]
     shim.fail("cuMemSetAccess", 1, OOM)
     shim.fail("cuMemUnmap", 1, OOM)
-    with pytest.raises(RegistrationFailed) as info:
+    with raises(NativeError, NativeReason.REGISTRATION) as info:
         bank.register()
-    assert info.value.step == "set_access" and isinstance(info.value.__cause__, CudaError)
+    cause = info.value.__cause__
+    assert info.value.step == "set_access" and isinstance(cause, NativeError) and cause.result is not None
     assert (bank.state, bank.owner) == ("allocated", "engine") and bank.mapping is not None  # kept, not lost
     bank.register()  # undoes what was left first
     assert bank.state == "registered"
@@ -432,14 +437,16 @@ def run(code: str, **env: str) -> dict[str, Any]:
 
 LOAD = """
     import json
-    from kvstate.core.errors import BackendUnavailable, CudaError
+    from kvstate.core.errors import BackendUnavailable, NativeError
     from kvstate.transport.cuda import CudaTransport
     try:
         CudaTransport(b"KVSCUDASHIM-dev0").close()
         print(json.dumps({"ok": True}))
     except BackendUnavailable as e:
-        print(json.dumps({"unavailable": e.why}))
-    except CudaError as e:
+        print(json.dumps({"unavailable": e.detail}))
+    except NativeError as e:
+        if e.result is None:  # not the driver's
+            raise
         print(json.dumps({"cuda": [e.call, e.result]}))
 """
 
@@ -466,7 +473,7 @@ def test_a_driver_without_a_required_call_is_refused() -> None:
 NO_BATCH_GATHER = """
     import json
     from kvstate.core.capabilities import Access
-    from kvstate.core.errors import CudaError
+    from kvstate.core.errors import NativeError
     from kvstate.transport.cuda import CudaTransport, driver_info
     from kvstate.transport.native import default
     import cudashim.shim as s
@@ -485,7 +492,9 @@ NO_BATCH_GATHER = """
         t.submit_gather(m, buf, blocks).result(10)
         got = t.read(buf, 5100)
         results["bytes_ok"] = all(got[d:d + n] == data[s_:s_ + n] for s_, d, n in blocks)
-    except CudaError as e:
+    except NativeError as e:
+        if e.result is None:  # not the driver's
+            raise
         results["error"] = [e.call, e.result]
     results["copies"] = {c: shim.calls(c) for c in ("cuMemcpy2DAsync", "cuMemcpyAsync", "cuMemcpyBatchAsync")}
     import time
@@ -569,7 +578,7 @@ FABRIC_TRIAL = """
     try:
         CudaTransport(b"KVSCUDASHIM-dev0", kind=HandleKind.FABRIC).close()
     except Exception as e:
-        out["error"] = type(e).__name__
+        out["error"] = f"{type(e).__name__}:{e.reason.value}" if hasattr(e, "reason") else type(e).__name__
     out["allocations"] = default().stats().allocations
     out["live"] = {k: v for k, v in shim.live().items() if v}
     print(json.dumps(out))
@@ -584,7 +593,7 @@ def test_a_failed_release_in_the_fabric_trial_leaves_nothing_behind(nth: int) ->
     failed one twice) and the failure is still reported."""
     got = run(FABRIC_TRIAL, KVSTATE_CUDASHIM_FABRIC="1", KVSTATE_CUDASHIM_GRANULARITY=str(64 * 1024),
               KVSTATE_CUDASHIM_FAIL=f"cuMemRelease:{nth}:{OOM}")
-    assert got == {"error": "CudaOutOfMemory", "allocations": 0, "live": {}}, got
+    assert got == {"error": "NativeError:cuda_memory", "allocations": 0, "live": {}}, got
 
 
 def test_a_legacy_ipc_import_larger_than_the_opened_memory_is_refused(shim: Shim) -> None:
@@ -600,7 +609,7 @@ def test_a_legacy_ipc_import_larger_than_the_opened_memory_is_refused(shim: Shim
     g = t.granularity()
     before, live = _counts(), shim.live()
     try:
-        with pytest.raises(errors.OutOfRange):
+        with raises(ArgumentInvalid, ArgumentReason.OUT_OF_RANGE):
             t.import_(t.receive_handle(HandleKind.CUDA_IPC, foreign, []), 4 * g)
         assert shim.calls("cuIpcCloseMemHandle") == shim.calls("cuIpcOpenMemHandle") == 1
         assert _counts() == before and shim.live() == live

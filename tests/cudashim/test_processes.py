@@ -24,9 +24,12 @@ from typing import Any
 
 import pytest
 
+from support.errors import raises
+
 from cudashim.conftest import UUID
 from cudashim.shim import Shim
-from kvstate.core.errors import DrainTimeout, RegionPinned
+from kvstate.core.errors import Busy, TimedOut
+from kvstate.core.reasons import BusyReason, TimeoutReason
 from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.core.handles import HandleKind
 from kvstate.core.identity import Deployment
@@ -110,10 +113,10 @@ def test_the_exporter_never_frees_legacy_ipc_memory_an_importer_has_open(legacy:
             assert wait_until(lambda: bank.state == "draining"), "the lease did not expire"
             assert all(lease.expired for lease in bank.leases.values())  # kept until returned
             assert len(bank.holds) == 1 and bank.pins() == 1, "the expired lease's hold must stay"
-            with pytest.raises(DrainTimeout, match="1 hold"):
+            with raises(TimedOut, TimeoutReason.DRAIN, match="1 hold"):
                 ex.drain(0.3)
             assert bank.state == "draining"
-            with pytest.raises(RegionPinned):
+            with raises(Busy, BusyReason.PINNED):
                 legacy.release(bank.allocation)
             assert shim.calls("cuMemFree") == 0, "freed while another process had it open"
         finally:
@@ -156,7 +159,7 @@ def test_a_stopped_exporter_waits_for_the_importers_process_to_exit(legacy: Cuda
         peer.expect("mapped")
         ex.stop()
         assert not bank.leases and len(bank.holds) == 1
-        with pytest.raises(DrainTimeout, match="1 hold"):
+        with raises(TimedOut, TimeoutReason.DRAIN, match="1 hold"):
             ex.drain(0.3)
         assert shim.calls("cuMemFree") == 0
         peer.send("close")

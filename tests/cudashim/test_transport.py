@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from support.errors import raises
+
 from cudashim.conftest import mapped, unmapped
 from cudashim.shim import Shim
 from kvstate.core import errors
+from kvstate.core.reasons import ArgumentReason, BusyReason, TransitionReason
+from kvstate.core.errors import Busy, TransitionError
 from kvstate.core.capabilities import Access
 from kvstate.core.handles import HandleKind
 from kvstate.transport.cuda import CudaTransport
@@ -28,9 +32,9 @@ def test_a_gather_copies_blocks_and_pins_until_the_device_is_done(cuda: CudaTran
     op = cuda.submit_gather(src, dst, [(4096, 0, 1000), (0, 1000, 24), (8192, 2048, 4096)])
     st = cuda.stats(src)
     assert (st.pins, st.inflight) == (1, 1)
-    with pytest.raises(errors.RegionPinned):
+    with raises(Busy, BusyReason.PINNED):
         cuda.unmap(src)
-    with pytest.raises(errors.IllegalTransition):
+    with raises(TransitionError, TransitionReason.ILLEGAL):
         op.cancel()
     assert not op.wait(0.05)
     shim.stall(False)
@@ -53,14 +57,16 @@ def test_a_device_buffer_is_not_freed_under_a_copy(cuda: CudaTransport, shim: Sh
     inner = DeviceBuffer(buf.ptr + 4096, 1024)  # an end inside the buffer pins it too
     shim.stall(True)
     op = cuda.submit_copy(m, inner, 1024) if direction == "into" else cuda.submit_copy(inner, m, 1024)
-    with pytest.raises(errors.RegionPinned):
+    with pytest.raises(errors.Busy) as pinned:
         cuda.free_buffer(buf)
+    assert pinned.value.reason is BusyReason.PINNED
     shim.stall(False)
     assert op.result(5.0).state == "done"
     assert shim.violations().count == 0, shim.violations()
     cuda.free_buffer(buf)  # the device is done: now it goes
-    with pytest.raises(errors.UnknownNativeObject):
+    with pytest.raises(errors.ArgumentInvalid) as gone:
         cuda.free_buffer(buf)
+    assert gone.value.reason is ArgumentReason.UNKNOWN_OBJECT
     unmapped(cuda, m)
 
 
@@ -80,11 +86,11 @@ def test_caller_memory_is_not_kvstates_to_pin(cuda: CudaTransport, shim: Shim) -
 def test_no_access_refuses_the_op_before_anything_is_pinned(cuda: CudaTransport, shim: Shim) -> None:
     m = mapped(cuda, Access.NONE)
     dst = cuda.alloc_buffer(4096)
-    with pytest.raises(errors.GuardRejected):
+    with raises(TransitionError, TransitionReason.GUARD):
         cuda.submit_copy(m, dst, 16)
     assert cuda.stats(m).pins == 0 and shim.calls("cuMemcpyAsync") == 0
     cuda.set_access(m, Access.READ)
-    with pytest.raises(errors.GuardRejected):
+    with raises(TransitionError, TransitionReason.GUARD):
         cuda.submit_copy(dst, m, 16)  # a destination needs read-write
     cuda.free_buffer(dst)
     unmapped(cuda, m)
@@ -100,7 +106,7 @@ def test_vmm_posix_fd_export_import_in_one_process(cuda: CudaTransport) -> None:
     m = cuda.map(cuda.reserve(g), 0, imp)
     cuda.set_access(m, Access.READ)
     assert cuda.read(m, g) == pattern(g, 3)
-    with pytest.raises(errors.StillMapped):
+    with raises(Busy, BusyReason.MAPPED):
         cuda.release(imp)
     unmapped(cuda, m)
     unmapped(cuda, a)
@@ -108,6 +114,6 @@ def test_vmm_posix_fd_export_import_in_one_process(cuda: CudaTransport) -> None:
 
 def test_close_refuses_while_objects_live(cuda: CudaTransport) -> None:
     a = cuda.create(cuda.granularity())
-    with pytest.raises(errors.EngineBusy):
+    with raises(Busy, BusyReason.ENGINE):
         cuda.close()
     cuda.release(a)

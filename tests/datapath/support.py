@@ -6,17 +6,18 @@ from typing import Any
 
 import torch
 
+from kvstate.core.errors import NativeError
+from kvstate.core.reasons import NativeReason
 from kvstate.core import layouts
-from kvstate.core.errors import NativeOSError
 from kvstate.core.geometry import Geometry
 from kvstate.transport.native import default
 
 GEOMETRY: Geometry = layouts.flash_attn(4, num_blocks=8, block_size=16, num_kv_heads=2, head_dim=32)
 
 
-class InjectedSubmitFault(NativeOSError):
-    def __init__(self) -> None:
-        super().__init__("kvs_submit", -5, "injected submit fault", 5)
+def InjectedSubmitFault() -> NativeError:
+    """A typed OS failure of a submit, as the native layer reports one."""
+    return NativeError.native("kvs_submit", -5, "injected submit fault", NativeReason.OS, errno=5)
 
 
 class FailingOps:

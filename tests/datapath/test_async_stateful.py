@@ -24,7 +24,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvstate.core.errors import IllegalTransition, LoadFailed
+from kvstate.core.errors import TransferFailed, TransitionError
+from kvstate.core.reasons import TransferFailReason, TransitionReason
 from kvstate.share.exporter import ExportConfig, Exporter
 from kvstate.share.importer import ImportConfig, Importer
 from kvstate.transport.host import HostTransport
@@ -91,13 +92,17 @@ class AsyncLoads(RuleBasedStateMachine):
         if self.group.state != "ready":
             try:
                 self.group.load(bank_ids, dst, dst_ids)
-            except IllegalTransition:
+            except TransitionError as exc:
+                if exc.reason is not TransitionReason.ILLEGAL:
+                    raise
                 return
             raise AssertionError(f"a {self.group.state} group accepted a load")
         before = live_ops()
         try:
             handle = self.group.load(bank_ids, dst, dst_ids)
-        except LoadFailed:
+        except TransferFailed as exc:
+            if exc.reason is not TransferFailReason.LOAD:
+                raise
             assert raise_at is not None
             assert live_ops() <= before, "a failed submit left ops in flight"
             if self.paused:

@@ -23,7 +23,8 @@ PRELUDE = textwrap.dedent('''
     import gc, os, sys, tempfile
     from pathlib import Path
     from kvstate.core import layouts
-    from kvstate.core.errors import KvStateError
+    from kvstate.core.reasons import NativeReason
+    from kvstate.core.errors import KvStateError, NativeError
     from kvstate.core.identity import Deployment
     from kvstate.share.exporter import Exporter, ExportConfig
     from kvstate.reuse.policy import ReuseSettings
@@ -44,7 +45,7 @@ PRELUDE = textwrap.dedent('''
         def submit_blocks(self, *a, **kw):
             self.calls += 1
             if self.calls == 3:
-                raise KvStateError("injected submit failure")
+                raise NativeError(NativeReason.FAILED, "injected submit failure")
             return self.inner.submit_blocks(*a, **kw)
 
     im = Importer(ImportConfig(dep, reuse=ReuseSettings(enable_decode_to_prefill_reuse=True)), FailThird(HostTransport(granularity=65536)))

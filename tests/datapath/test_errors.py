@@ -8,10 +8,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+from support.errors import raises
 import torch
 
-from kvstate.core.errors import GuardRejected, IllegalTransition, KvStateError, TransferRejected
-from kvstate.core.reasons import TransferReason as R
+from kvstate.core.errors import KvStateError, ArgumentInvalid, TransitionError
+from kvstate.core.reasons import ArgumentReason as R, TransitionReason
 from datapath.support import GEOMETRY, bank_pattern, collected, engine, untouched, zeros
 
 GOOD_BANK, GOOD_DST = [1, 2], [3, 4]
@@ -118,10 +120,10 @@ def _refused(group: Any, call: Callable[[dict[str, Any]], Any], reason: R, where
     before = nat.stats()
     loads_before = set(group.loads)  # an earlier load may still be in its `loaded` change
     dst = zeros()
-    with pytest.raises(TransferRejected) as info:
+    with pytest.raises(ArgumentInvalid) as info:
         call(dst)
     assert info.value.reason is reason, info.value
-    assert where in info.value.where, info.value
+    assert where in info.value.argument, info.value
     after = nat.stats()
     assert after.submitted == before.submitted and after.ops_live == before.ops_live
     assert untouched(dst) and group.loads <= loads_before and group.state == "ready"
@@ -133,34 +135,34 @@ def _refused(group: Any, call: Callable[[dict[str, Any]], Any], reason: R, where
 def test_states_and_plans_are_typed(make_world: Any) -> None:
     world = make_world(GEOMETRY, fill=bank_pattern)
     group = world.group()
-    with pytest.raises(TransferRejected) as info:
+    with pytest.raises(ArgumentInvalid) as info:
         group.fire("load")  # no plan: typed, not a TypeError
     assert info.value.reason is R.PLAN
-    with pytest.raises(TransferRejected) as info:
+    with pytest.raises(ArgumentInvalid) as info:
         world.banks[0].fire("store", plan="a plan")
     assert info.value.reason is R.PLAN
     for bad in (-1.0, float("nan"), float("inf"), True, "1", None):
-        with pytest.raises(TransferRejected) as info:
+        with pytest.raises(ArgumentInvalid) as info:
             group.load_prefix(GOOD_BANK, {0: bytearray(2 * GEOMETRY.block_bytes)}, timeout=bad)
         assert info.value.reason is R.TIMEOUT
     h = group.load(GOOD_BANK, zeros(), GOOD_DST)
     for bad in (-1, float("nan"), None):
-        with pytest.raises(TransferRejected):
+        with pytest.raises(ArgumentInvalid):
             h.wait(bad)  # type: ignore[arg-type]
-        with pytest.raises(TransferRejected):
+        with pytest.raises(ArgumentInvalid):
             h.wait_region("layer.0", bad)  # type: ignore[arg-type]
-    with pytest.raises(TransferRejected) as info:
+    with pytest.raises(ArgumentInvalid) as info:
         h.wait_region("no.such.region", 1.0)
     assert info.value.reason is R.REGIONS
     assert h.wait(10.0)
     h.close()
-    with pytest.raises(GuardRejected, match="group_releasing"):
+    with raises(TransitionError, TransitionReason.GUARD, match="group_releasing"):
         group.parts[0].fire("close")  # a part of a ready group never closes on its own (issue 14, class 5)
     assert group.state == "ready" and group.parts[0].mapping is not None
     group.drain(10.0)
-    with pytest.raises(IllegalTransition):
+    with raises(TransitionError, TransitionReason.ILLEGAL):
         group.load(GOOD_BANK, zeros(), GOOD_DST)  # closed group
-    with pytest.raises(IllegalTransition):
+    with raises(TransitionError, TransitionReason.ILLEGAL):
         group.load_prefix(GOOD_BANK, [bytearray(2 * GEOMETRY.block_bytes)])
 
 
@@ -174,7 +176,7 @@ def test_load_prefix_refuses_bad_buffers_by_type(make_world: Any) -> None:
         ({0: np.zeros(need, dtype=np.uint8)[::-1]}, R.SHAPE),
     ]
     for dst, reason in cases:
-        with pytest.raises(TransferRejected) as info:
+        with pytest.raises(ArgumentInvalid) as info:
             group.load_prefix(GOOD_BANK, dst)
         assert info.value.reason is reason, (dst, info.value)
     out = bytearray(need)
@@ -195,7 +197,7 @@ def test_store_arguments_are_checked_like_loads(make_world: Any) -> None:
     ]
     before = engine().stats()
     for call, reason in cases:
-        with pytest.raises(TransferRejected) as info:
+        with pytest.raises(ArgumentInvalid) as info:
             call()
         assert info.value.reason is reason, info.value
     assert engine().stats().submitted == before.submitted
@@ -204,7 +206,7 @@ def test_store_arguments_are_checked_like_loads(make_world: Any) -> None:
     assert h.wait(10.0) and not h.failed_blocks()
     h.close()
     bank.fire("drain")
-    with pytest.raises(IllegalTransition):
+    with raises(TransitionError, TransitionReason.ILLEGAL):
         bank.store(src, [1], [3])
 
 

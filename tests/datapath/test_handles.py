@@ -9,11 +9,13 @@ import time
 from typing import Any
 
 import pytest
+
+from support.errors import raises
 import torch
 
-from kvstate.core.errors import LoadFailed, TransferRejected
+from kvstate.core.errors import ArgumentInvalid, TransferFailed
 from kvstate.core.machine import StateChange
-from kvstate.core.reasons import TransferReason
+from kvstate.core.reasons import ArgumentReason, TransferFailReason
 from kvstate.share import transfer
 from kvstate.transport.host import HostTransport
 from datapath.conftest import GRANULARITY
@@ -135,9 +137,9 @@ def test_callbacks_fd_and_the_load_complete_change(make_world: Any) -> None:
     assert not group.loads  # the load-complete change collected it
     h.close()
     h.close()  # idempotent
-    with pytest.raises(TransferRejected) as info:
+    with pytest.raises(ArgumentInvalid) as info:
         h.fileno()
-    assert info.value.reason is TransferReason.STATE
+    assert info.value.reason is ArgumentReason.STATE
 
 
 def test_a_failing_callback_is_logged_not_raised(make_world: Any, caplog: pytest.LogCaptureFixture) -> None:
@@ -199,7 +201,7 @@ def test_a_submit_failing_at_region_k_cancels_and_awaits_the_rest(make_world: An
     t.arm(raise_at=k)
     nat.pause(True)
     try:
-        with pytest.raises(LoadFailed, match=f"submitting region 'layer.{k}' of rank 0 failed"):
+        with raises(TransferFailed, TransferFailReason.LOAD, match=f"submitting region 'layer.{k}' of rank 0 failed"):
             group.load(BANK_IDS, dst, DST_IDS)
     finally:
         nat.pause(False)
@@ -220,7 +222,7 @@ def test_a_submit_failure_while_earlier_ops_run_awaits_them(make_world: Any) -> 
     world, group = _ready(make_world, transport=t)
     before = live_ops()
     t.arm(raise_at=3)
-    with pytest.raises(LoadFailed):
+    with raises(TransferFailed, TransferFailReason.LOAD):
         group.load(BANK_IDS, zeros(), DST_IDS)
     assert live_ops() == before and not group.loads
     assert all(p.pins() == 0 for p in group.parts)

@@ -8,8 +8,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+from support.errors import raises
 import torch
 
+from kvstate.core.errors import Busy
+from kvstate.core.reasons import BusyReason
 from kvstate.core import layouts
 from kvstate.core.geometry import DType, Geometry, Region
 from kvstate.share.exporter import Bank
@@ -136,7 +140,6 @@ def test_numpy_dlpack_and_buffer_destinations(make_world: Any, kind: str) -> Non
 
 
 def test_a_bank_can_be_the_engines_cache_and_is_not_released_under_it(make_world: Any) -> None:
-    from kvstate.core.errors import ViewsOutstanding
 
     g = LAYOUTS["flash_attn"](BANK_BLOCKS)
     world = make_world(g, advertise=False)
@@ -159,7 +162,7 @@ def test_a_bank_can_be_the_engines_cache_and_is_not_released_under_it(make_world
     del cache
     bank.fire("drain")
     bank.fire("quiesce")
-    with pytest.raises(ViewsOutstanding):
+    with raises(Busy, BusyReason.VIEWS):
         bank.fire("release")
     assert bank.state == "quiescent" and bank.mapping is not None
     del keep

@@ -20,10 +20,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvstate.core.errors import ChannelError
+from kvstate.core.reasons import ChannelReason
 from kvstate import channel as chan
 from kvstate.channel import HEADER, MAGIC
 from kvstate.core.descriptor import encode
-from kvstate.core.errors import FrameError
 from kvstate.share.exporter import Exporter, ExportConfig
 from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.reuse.policy import SETTING_NAMES, cli_flag, env_var
@@ -265,4 +266,5 @@ def test_harness_fails_a_hang(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_harness_passes_typed_rejections() -> None:
-    assert isinstance(targets.run("planted", lambda: chan.decode(b"[")), FrameError)
+    err = targets.run("planted", lambda: chan.decode(b"["))
+    assert isinstance(err, ChannelError) and err.reason is ChannelReason.FRAME

@@ -17,9 +17,11 @@ from typing import Any
 import pytest
 import torch
 
+from kvstate.core.errors import ChannelError
+from kvstate.core.reasons import ChannelReason
 from kvstate.integrations.vllm import config as cfgmod
 from kvstate import channel as chan
-from kvstate.core.errors import ChannelTimeout, KvStateError
+from kvstate.core.errors import KvStateError
 from kvstate.integrations.vllm import index as index_mod
 from kvstate.integrations.vllm import wire
 from kvstate.integrations.vllm.index import Found, IndexClient, Refusal
@@ -237,9 +239,9 @@ def test_the_index_answers_what_it_knows_and_lets_idle_clients_go(pair: tuple[En
                     try:
                         with ch.recv(timeout=0.05):
                             pass
-                    except ChannelTimeout:
-                        continue
-                    except KvStateError:
+                    except KvStateError as exc:
+                        if isinstance(exc, ChannelError) and exc.reason is ChannelReason.TIMEOUT:
+                            continue
                         return
                     ch.send(wire.encode("refused", reason="x" * 300, detail="made up"), timeout=1.0)
         server.serve_in_thread(answer, name="fake-index")

@@ -11,8 +11,11 @@ from pathlib import Path
 import attrs
 import pytest
 
+from support.errors import raises
+
 from kvstate import channel as chan
-from kvstate.core.errors import ConfigInvalid, FrameError, ProtocolError
+from kvstate.core.reasons import ChannelReason
+from kvstate.core.errors import ConfigInvalid, ImportFailed, ChannelError
 from kvstate.core.identity import Deployment
 from kvstate.integrations.vllm import config as cfgmod
 from kvstate.integrations.vllm import stats, wire
@@ -272,7 +275,7 @@ def test_the_largest_messages_fit_one_socket_send() -> None:
     """Every message kind at its bound, with its largest values, goes through a real
     SOCK_SEQPACKET pair at the default socket buffer (a message over the buffer is refused
     by the kernel whole: it failed as a raw OSError from 8k blocks). And one that does not
-    fit is a FrameError, not an OSError."""
+    fit is a ChannelError (FRAME), not an OSError."""
     n, top = wire.MAX_BLOCKS, 2**64 - 1
     worst = [wire.encode("found", blocks=n, slots=[10**6 + i for i in range(n)], keys=[top - i for i in range(n)],
                          epochs=[top] * 64, generation=top),
@@ -287,7 +290,7 @@ def test_the_largest_messages_fit_one_socket_send() -> None:
                 assert got.payload == payload
     c, d = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with chan.Channel(c, limits=chan.Limits(max_payload=chan.HARD_MAX_PAYLOAD)) as tx, chan.Channel(d):
-        with pytest.raises(FrameError, match="send buffer"):
+        with raises(ChannelError, ChannelReason.FRAME, match="send buffer"):
             tx.send(b"x" * (chan.HARD_MAX_PAYLOAD - 64), timeout=5.0)
 
 
@@ -298,11 +301,11 @@ def test_messages_are_checked_field_by_field() -> None:
                          ("hello", {"rank": 0, "tp": 1, "pid": 1, "epoch": 2**64, "compat": {}}),  # no found carries it
                          ("evict", {"keys": [-1]}), ("evict", {"keys": [2**64]}), ("stored", {"rank": 0, "keys": [],
                                                                                               "failed": "x"})]:
-        with pytest.raises(ProtocolError):
+        with raises(ChannelError, ChannelReason.PROTOCOL):
             wire.encode(kind, **fields)
-    with pytest.raises(ProtocolError):
+    with raises(ChannelError, ChannelReason.PROTOCOL):
         wire.decode(payload, "refused")
-    with pytest.raises(ProtocolError):
+    with raises(ChannelError, ChannelReason.PROTOCOL):
         wire.split_hashes(b"x" * 17, 16)
     assert wire.split_hashes(b"a" * 16 + b"b" * 16, 16) == [b"a" * 16, b"b" * 16]
 
@@ -331,7 +334,7 @@ def test_a_failed_loads_reason_is_a_ranks_own_cause_before_a_share_that_merely_e
 
 
 @pytest.mark.parametrize(("detail", "code"), [
-    ("lease: LeaseRefused: lease refused (stale_incarnation): bank 3 is of incarnation 7", "stale_incarnation"),
+    ("lease: ImportFailed: lease refused (stale_incarnation): bank 3 is of incarnation 7", "stale_incarnation"),
     ("lease: ChannelError: no server at /run/kvstate/x.sock", "decode_gone"),
     ("its exporter's connection closed", "decode_gone"),
     ("ImportFailed: import of rank 1 failed (native): bad map", None),

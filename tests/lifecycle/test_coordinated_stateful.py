@@ -72,7 +72,7 @@ class CoordinatedProcesses(RuleBasedStateMachine):
             if "checksum" in r:  # a share still ready loads the exporter's bytes (INV-LOAD-BYTES)
                 assert r["checksum"] == expected_checksum(SPEC, w.rank)
             else:  # refused: the share left ready (a fault drained it)
-                assert "IllegalTransition" in r.get("error", "") or r.get("state") != "ready", r
+                assert "not declared in state" in r.get("error", "") or r.get("state") != "ready", r
 
     @precondition(lambda self: self.live_gid is not None and self.coordinator_alive())
     @rule()

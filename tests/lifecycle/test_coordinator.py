@@ -15,22 +15,17 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+from support.errors import raises
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import DEPLOYMENT, GEOMETRY, expected_blocks, make_exporter
 from kvstate import channel as chan
 from kvstate.core.errors import (
-    ArgumentInvalid,
-    CoordinatorRefused,
-    FrameError,
-    GroupFailed,
-    GroupRejected,
-    IllegalTransition,
-    KvStateError,
-    ProtocolError,
+    ArgumentInvalid, GroupFailed, GroupRejected, KvStateError, ChannelError, TransitionError,
 )
-from kvstate.core.reasons import RejectReason
+from kvstate.core.reasons import RejectReason, ChannelReason, TransitionReason
 from kvstate.share import protocol_msgs as msgs
 from kvstate.share.coordinator import Coordinator, CoordinatorConfig
 from kvstate.share.exporter import Exporter
@@ -106,7 +101,7 @@ def test_each_worker_leases_and_maps_only_its_own_rank(transport: HostTransport,
 
 def test_loads_wait_for_the_coordinators_ready(transport: HostTransport, prefill_factory: Any) -> None:
     """INV-COORD-LOAD-AFTER-READY on the real worker: a share that is imported but not yet
-    released refuses a load with IllegalTransition."""
+    released refuses a load with TransitionError (ILLEGAL)."""
     from kvstate.harness.prefill_procs import HoldingWorker
 
     ex = make_exporter(2, transport)
@@ -118,9 +113,9 @@ def test_loads_wait_for_the_coordinators_ready(transport: HostTransport, prefill
     # committed: a busy machine can show rank 0 imported while the group still reads checking.
     assert group.wait(("importing",), 5.0)
     assert share is not None and share.state == "imported" and group.state == "importing"
-    with pytest.raises(IllegalTransition) as info:
+    with raises(TransitionError, TransitionReason.ILLEGAL) as info:
         share.load_prefix([0], bytearray(GEOMETRY.block_bytes))
-    with pytest.raises(IllegalTransition):
+    with raises(TransitionError, TransitionReason.ILLEGAL):
         share.load([0], {r.name: np.zeros((1, *r.block_shape), np.uint16) for r in GEOMETRY.regions}, [0])
     assert (info.value.state, info.value.event) == ("imported", "load")
     p.workers[1].release()
@@ -374,7 +369,7 @@ def test_hello_is_refused_with_a_code(rank: int, tp: int, code: str, prefill_fac
     finally:
         ch.close()
     w = RankWorker(WorkerConfig(DEPLOYMENT, 0, 2, p.coordinator.socket_path, reuse=REUSE_ON), HostTransport(granularity=64 * 1024))
-    with pytest.raises(CoordinatorRefused) as info:
+    with raises(ChannelError, ChannelReason.COORDINATOR_REFUSED) as info:
         w.start()
     assert info.value.code == "duplicate_rank"
 
@@ -469,11 +464,15 @@ def test_a_peers_message_decodes_or_is_refused_with_a_typed_error(body: dict[str
     body = {**body, "kind": kind}
     try:
         data = chan.encode(body)
-    except FrameError:
+    except ChannelError as exc:
+        if exc.reason is not ChannelReason.FRAME:
+            raise
         return
     try:
         message = msgs.decode(data)
-    except (ProtocolError, FrameError):
+    except ChannelError as exc:
+        if exc.reason not in (ChannelReason.PROTOCOL, ChannelReason.FRAME):
+            raise
         return
     assert msgs.decode(msgs.encode(message)) == message  # what decodes, re-encodes the same
 

@@ -13,10 +13,12 @@ from pathlib import Path
 import attrs
 import pytest
 
+from support.errors import raises
+
 from conftest import DEPLOYMENT, GEOMETRY, make_exporter
 from kvstate.core.descriptor import decode, encode
-from kvstate.core.errors import GroupRejected, ImportFailed, RegistrationFailed
-from kvstate.core.reasons import ImportReason
+from kvstate.core.errors import GroupRejected, ImportFailed, NativeError
+from kvstate.core.reasons import ImportReason, NativeReason
 from kvstate.core.identity import Incarnation
 from kvstate.core.machine import StateChange
 from kvstate.share.exporter import Exporter, ExportConfig
@@ -39,7 +41,7 @@ def test_failed_registration_records_register_failed(step: str, transport: HostT
                   observers=[log.append])
     bank = ex.add_bank(0, GEOMETRY)
     faulty.fail(step)
-    with pytest.raises(RegistrationFailed) as info:
+    with raises(NativeError, NativeReason.REGISTRATION) as info:
         bank.register()
     assert info.value.step == step
     assert (bank.state, bank.owner) == ("allocated", "engine")

@@ -17,13 +17,15 @@ from typing import Any
 
 import attrs
 import pytest
+
+from support.errors import raises
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import DEPLOYMENT, GEOMETRY, GRANULARITY, make_exporter
+from kvstate.core.reasons import TransitionReason
 from kvstate.core.descriptor import decode, encode
-from kvstate.core.errors import (GroupRejected, GuardRejected, IllegalTransition, ImportFailed, KvStateError,
-                                 TransitionError)
+from kvstate.core.errors import GroupRejected, ImportFailed, KvStateError, TransitionError
 from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.core.handles import fd_identity
 from kvstate.core.reasons import ImportReason, RejectReason
@@ -205,7 +207,7 @@ def test_part_events_never_break_a_ready_group(transport: HostTransport, importe
     if state == "draining":
         group.fire("drain")
     for part in group.parts:
-        with pytest.raises((IllegalTransition, GuardRejected)):
+        with raises(TransitionError, (TransitionReason.ILLEGAL, TransitionReason.GUARD)):
             part.fire(event)
     assert group.state == state
     assert all(p.state == "imported" and p.mapping is not None for p in group.parts)

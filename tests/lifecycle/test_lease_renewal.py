@@ -13,8 +13,11 @@ from typing import Any
 
 import pytest
 
+from support.errors import raises
+
 from conftest import DEPLOYMENT, GEOMETRY, expected_blocks, make_exporter
-from kvstate.core.errors import DrainTimeout, ImportFailed
+from kvstate.core.errors import ImportFailed, TimedOut
+from kvstate.core.reasons import TimeoutReason
 from kvstate.core.machine import StateChange
 from kvstate.share.importer import Group, ImportConfig, Importer
 from kvstate.transport.host import HostTransport
@@ -66,7 +69,7 @@ def test_expiry_while_mapped_drains_the_bank_and_never_releases_under_the_mappin
         expired = [c for c in seen if c.event == "lease_expired"]
         assert len(expired) == 1 and expired[0].reason and "not renewed within 0.2 s" in expired[0].reason
         assert len(bank.leases) == 1 and next(iter(bank.leases.values())).expired, "INV-NO-RELEASE-MAPPED"
-        with pytest.raises(DrainTimeout):
+        with raises(TimedOut, TimeoutReason.DRAIN):
             ex.drain(0.3)  # the importer still maps the bank
         assert bank.state == "draining" and group.parts[0].mapping is not None
         load_ok(group)    # its mapping is intact: nothing was released under it

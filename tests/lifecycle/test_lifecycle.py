@@ -8,16 +8,25 @@ import time
 import attrs
 import pytest
 
+from support.errors import raises
+
 from conftest import DEPLOYMENT, GEOMETRY, expected_blocks, make_exporter
+from kvstate.core.errors import Busy
+from kvstate.core.reasons import BusyReason
+from kvstate.transport.nixl.handle import HandleDefect
 from kvstate.core.descriptor import decode, encode
-from kvstate.core.errors import (ArgumentInvalid, DrainTimeout, EffectFailed, FdUnsealed, FrameError, GroupRejected,
-                                 GuardRejected, HandleFdsMismatch, IllegalTransition, ImportFailed, KvStateError,
-                                 LeaseRefused, NativeOSError, PeerDied, RegistrationFailed)
+from kvstate.core.errors import (
+    ArgumentInvalid, GroupRejected, ImportFailed, KvStateError, ChannelError, NativeError, TransitionError,
+    TimedOut,
+)
 from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.core.identity import Incarnation
 from kvstate.share.importer import ImportConfig, Importer
 from kvstate.core.machine import StateChange
-from kvstate.core.reasons import ArgumentReason, ImportReason, RejectReason
+from kvstate.core.reasons import (
+    ArgumentReason, ImportReason, RejectReason, ImportDefect, ChannelReason, TimeoutReason, NativeReason,
+    TransitionReason,
+)
 from kvstate.share.exporter import ExportConfig, Exporter
 from kvstate.transport.host import HostTransport
 from support.faults import FaultyTransport
@@ -108,21 +117,27 @@ def test_the_importers_own_expectations_reject_before_open(transport: HostTransp
 
 
 @pytest.mark.parametrize(("cause", "reason"), [
-    (LeaseRefused("stale_generation", "re-advertised"), ImportReason.REFUSED),
-    (LeaseRefused("stale_inventory", "evicted"), ImportReason.STALE),
-    (PeerDied("exporter gone"), ImportReason.PEER),
-    (FrameError("not JSON"), ImportReason.MALFORMED),
-    (FdUnsealed("receive_handle", -1, "no seals"), ImportReason.HANDLE),
-    (HandleFdsMismatch("two fds"), ImportReason.HANDLE),
-    (NativeOSError("map", -12, "ENOMEM", 12), ImportReason.NATIVE),
-    (EffectFailed("part", "leased", "open", "effect native_import", OSError(5, "EIO")), ImportReason.NATIVE),
-    (EffectFailed("part", "leased", "open", "effect native_import", RuntimeError("bug")), ImportReason.FAILED),
-    (IllegalTransition("group", "failed", "complete"), ImportReason.INTERRUPTED),
-    (GuardRejected("group", "importing", "complete", ["parts_compatible"]), ImportReason.FAILED),
-    (ImportFailed(1, KvStateError("no lease"), ImportReason.INTERRUPTED), ImportReason.INTERRUPTED),
+    (ImportFailed.lease_refused("stale_generation", "re-advertised"), ImportReason.REFUSED),
+    (ImportFailed.lease_refused("stale_inventory", "evicted"), ImportReason.STALE),
+    (ChannelError(ChannelReason.PEER_DIED, "exporter gone"), ImportReason.PEER),
+    (ChannelError(ChannelReason.FRAME, "not JSON"), ImportReason.MALFORMED),
+    (ImportFailed.handle(ImportDefect.FD_UNSEALED, "no seals", call="receive_handle", code=-1), ImportReason.HANDLE),
+    (ImportFailed.handle(ImportDefect.FDS, "two fds"), ImportReason.HANDLE),
+    (NativeError.native("map", -12, "ENOMEM", NativeReason.OS, errno=12), ImportReason.NATIVE),
+    (Busy.native(BusyReason.PINNED, "kvs_unmap", -3, "pinned"), ImportReason.NATIVE),
+    (ArgumentInvalid.native("kvs_map", -2, "no such region", ArgumentReason.UNKNOWN_OBJECT), ImportReason.NATIVE),
+    (ArgumentInvalid.of("blocks", ArgumentReason.TYPE, "not a list"), ImportReason.FAILED),
+    (ChannelError(ChannelReason.TIMEOUT, "silent exporter"), ImportReason.PEER),
+    (TimedOut.nixl("transfer", "stopped exporter"), ImportReason.NATIVE),
+    (ImportFailed.nixl_handle(HandleDefect.STALE_GENERATION, "older"), ImportReason.HANDLE),
+    (NativeError.effect("part", "leased", "open", "effect native_import", OSError(5, "EIO")), ImportReason.NATIVE),
+    (NativeError.effect("part", "leased", "open", "effect native_import", RuntimeError("bug")), ImportReason.FAILED),
+    (TransitionError.illegal("group", "failed", "complete"), ImportReason.INTERRUPTED),
+    (TransitionError.guard("group", "importing", "complete", ["parts_compatible"]), ImportReason.FAILED),
+    (ImportFailed.of(1, ImportReason.INTERRUPTED, "no lease"), ImportReason.INTERRUPTED),
 ])
 def test_an_import_failure_names_the_step_that_failed(cause: Exception, reason: ImportReason) -> None:
-    exc = ImportFailed(2, cause)
+    exc = ImportFailed.wrap(2, cause)
     assert exc.reason is reason and exc.cause is cause and exc.rank == 2
     assert str(exc).startswith(f"import of rank 2 failed ({reason.value}): ") and str(exc).count("import of rank") == 1
 
@@ -164,7 +179,7 @@ def test_registration_failure_preserves_owner_and_leaves_nothing(step: str, tran
     bank = ex.add_bank(0, GEOMETRY)
     before = transport.native.stats()
     faulty.fail(step)
-    with pytest.raises(RegistrationFailed) as info:
+    with raises(NativeError, NativeReason.REGISTRATION) as info:
         bank.fire("register")
     assert info.value.step == step
     assert (bank.state, bank.owner, bank.mapping, bank.reservation) == ("allocated", "engine", None, None)
@@ -190,7 +205,7 @@ def test_peer_death_after_ready_drains_group(transport: HostTransport, importer:
     # once nothing pins them (issue 14, class 7), so it may be closed already.
     assert group.state in ("draining", "quiescent", "closed")
     dst = buffers(2, 1)
-    with pytest.raises(IllegalTransition):  # INV-DRAIN-NO-NEW: no load after peer death
+    with raises(TransitionError, TransitionReason.ILLEGAL):  # INV-DRAIN-NO-NEW: no load after peer death
         group.load_prefix([0], dst)
     group.drain()
     assert group.state == "closed"
@@ -244,7 +259,7 @@ def test_exporter_drain_waits_for_pins_on_its_bank(transport: HostTransport) -> 
     try:
         transport.pin(bank.mapped())
         try:
-            with pytest.raises(DrainTimeout):
+            with raises(TimedOut, TimeoutReason.DRAIN):
                 ex.drain(0.05)
             assert bank.state == "draining" and bank.owner == "kvstate" and bank.pins() == 1
         finally:
@@ -263,7 +278,7 @@ def test_exporter_calls_out_of_order_are_refused_typed(transport: HostTransport,
     every connection and expires no lease)."""
     ex = make_exporter(1, transport)
     try:
-        with pytest.raises(IllegalTransition) as info:
+        with raises(TransitionError, TransitionReason.ILLEGAL) as info:
             ex.banks[0].register()
         assert info.value.event == "register" and ex.banks[0].state == "advertised"
         with pytest.raises(ArgumentInvalid) as refused:
@@ -301,7 +316,7 @@ def test_drain_during_load_waits_for_native_ops(transport: HostTransport, import
         deadline = time.monotonic() + 3
         while not group.loads and time.monotonic() < deadline:
             time.sleep(0.001)
-        with pytest.raises(DrainTimeout):
+        with raises(TimedOut, TimeoutReason.DRAIN):
             group.drain(timeout=0.05)
         assert group.state == "draining" and all(p.mapping is not None for p in group.parts)
         assert sum(p.pins() for p in group.parts) > 0

@@ -17,6 +17,7 @@ import pytest
 from conftest import DEPLOYMENT, GEOMETRY, make_exporter
 from kvstate.core.capabilities import Capabilities, FabricTrial, MemoryKind, Scope
 from kvstate.core.errors import ReuseRefused
+from kvstate.core.reasons import DecisionReason
 from kvstate.core.handles import HandleKind
 from kvstate.reuse.policy import DecisionReason, ReuseSettings
 from kvstate.reuse.profile import (PROTOCOL_VERSION, DeploymentProfile, PublishedCapabilities, TransportCapabilities,

@@ -19,14 +19,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from support.errors import raises
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from backends import CudaBackend, HostBackend
 from conftest import DEPLOYMENT, GEOMETRY, expected_blocks, make_exporter
-from kvstate.core.errors import (DrainTimeout, GroupRejected, IllegalTransition, ImportFailed, KvStateError,
-                            LoadFailed, RegistrationFailed, TransitionError)
+from kvstate.core.errors import TimedOut
+from kvstate.core.reasons import TimeoutReason
+from kvstate.core.errors import GroupRejected, ImportFailed, KvStateError, TransitionError, NativeError
+from kvstate.core.reasons import NativeReason, TransitionReason
 from kvstate.share.exporter import Exporter, ExportConfig
 from kvstate.core.identity import Incarnation
 from kvstate.share.importer import Group, ImportConfig, Importer, Part
@@ -179,7 +183,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert wait_until(lambda: bool(group.loads))
         try:
             group.drain(timeout=0.02)
-        except DrainTimeout:
+        except TimedOut as exc:
+            if exc.reason is not TimeoutReason.DRAIN:
+                raise
             assert group.state == "draining" and all(p.mapping is not None for p in group.parts)
         finally:
             self.backend.hold(False)
@@ -264,7 +270,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         bank = ex.add_bank(0, GEOMETRY)
         before = self.transport.native.stats()
         plant()
-        with pytest.raises(RegistrationFailed):
+        with raises(NativeError, NativeReason.REGISTRATION):
             bank.register()
         self.faulty.clear()
         after = self.transport.native.stats()
@@ -290,7 +296,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             if obj.may(event):
                 return
             before = obj.state
-            with pytest.raises(IllegalTransition):
+            with raises(TransitionError, TransitionReason.ILLEGAL):
                 obj.fire(event)
             assert obj.state == before
 

@@ -15,10 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from support.errors import raises
+
 from kvstate import channel as chan
+from kvstate.core.reasons import ChannelReason
 from kvstate.channel.framing import HEADER, MAGIC
 from kvstate.channel.tcp import FRAME_GRACE_S, TcpServer, connect_tcp, parse_address
-from kvstate.core.errors import ChannelClosed, ChannelError, ConfigInvalid, FrameError, PeerUnauthenticated
+from kvstate.core.errors import ChannelError, ConfigInvalid
 from kvstate.core.handles import HandleKind
 from kvstate.core.identity import Deployment
 from kvstate.share.exporter import ExportConfig, Exporter
@@ -64,9 +67,9 @@ def test_frames_cross_both_ways_whole(echo: Echo) -> None:
             ch.send(payload, timeout=5.0)
             with ch.recv(timeout=5.0) as msg:
                 assert msg.payload == payload[::-1] and msg.fds == ()
-        with pytest.raises(FrameError, match="cannot cross nodes"):
+        with raises(ChannelError, ChannelReason.FRAME, match="cannot cross nodes"):
             ch.send(b"fd", [0], timeout=1.0)
-        with pytest.raises(FrameError, match="exceeds the cap"):
+        with raises(ChannelError, ChannelReason.FRAME, match="exceeds the cap"):
             ch.send(bytes(chan.DEFAULT_MAX_PAYLOAD + 1), timeout=1.0)
     finally:
         ch.close()
@@ -74,7 +77,7 @@ def test_frames_cross_both_ways_whole(echo: Echo) -> None:
 
 
 def test_a_client_without_the_key_is_refused_before_any_frame(echo: Echo) -> None:
-    with pytest.raises((PeerUnauthenticated, ChannelClosed)):
+    with raises(ChannelError, (ChannelReason.UNAUTHENTICATED, ChannelReason.CLOSED)):
         connect_tcp(echo.server.address, OTHER, timeout=5.0)
     time.sleep(0.1)
     assert echo.served == 0  # the handler never saw it
@@ -83,7 +86,7 @@ def test_a_client_without_the_key_is_refused_before_any_frame(echo: Echo) -> Non
 def test_a_server_without_the_key_is_refused_by_the_client() -> None:
     impostor = Echo(OTHER)
     try:
-        with pytest.raises((PeerUnauthenticated, ChannelClosed)):
+        with raises(ChannelError, (ChannelReason.UNAUTHENTICATED, ChannelReason.CLOSED)):
             connect_tcp(impostor.server.address, KEY, timeout=5.0)
         assert impostor.served == 0
     finally:
@@ -109,7 +112,7 @@ def test_the_peers_end_is_eof_and_the_watcher_sees_it() -> None:
             with ch.recv(timeout=5.0) as msg:
                 assert msg.payload == b"bye"
             assert seen.wait(5.0) and not ch.closed  # seen from the peer's side, not ours
-            with pytest.raises(ChannelClosed):
+            with raises(ChannelError, ChannelReason.CLOSED):
                 ch.recv(timeout=5.0)
     finally:
         ch.close()
@@ -121,7 +124,7 @@ def test_eof_mid_conversation_is_channel_closed() -> None:
     server.serve_in_thread(lambda ch: ch.close())  # hangs up right after the handshake
     try:
         ch = connect_tcp(server.address, KEY, timeout=5.0)
-        with pytest.raises(ChannelClosed):
+        with raises(ChannelError, ChannelReason.CLOSED):
             ch.recv(timeout=5.0)
         ch.close()
     finally:
@@ -202,7 +205,7 @@ def test_a_frame_cut_short_by_a_timeout_closes_the_channel() -> None:
                     with ch.recv(timeout=0.2) as msg:
                         got.append(msg.payload)
                 except ChannelError as exc:
-                    got.append(type(exc).__name__)
+                    got.append(exc.reason.value)
                     if ch.closed:
                         return
         finally:
@@ -221,7 +224,7 @@ def test_a_frame_cut_short_by_a_timeout_closes_the_channel() -> None:
         except OSError:
             pass  # the server closed already
         assert done.wait(5.0)
-        assert got == ["ChannelTimeout"], got  # not the whole frame late, nor its tail as a frame
+        assert got == ["timeout"], got  # not the whole frame late, nor its tail as a frame
     finally:
         ch.close()
         server.close()

@@ -11,16 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from support.errors import raises
+
 from kvstate import channel
+from kvstate.core.reasons import ChannelReason
 from kvstate.channel import HEADER, MAGIC, Channel, Limits, Server, Watcher, connect
-from kvstate.core.errors import (
-    ChannelClosed,
-    ChannelError,
-    ChannelTimeout,
-    FrameError,
-    PeerRejected,
-    UnsafeSocketPath,
-)
+from kvstate.core.errors import ChannelError
 
 
 @pytest.fixture
@@ -63,11 +59,11 @@ def test_roundtrip_with_fds_and_credentials(pair: tuple[Channel, Channel]) -> No
 def test_codec_is_strict() -> None:
     assert channel.decode(channel.encode({"b": b"\xff", "n": [1, 2.5, None]})) == {"b": b"\xff", "n": [1, 2.5, None]}
     for bad in (b'{"a":1,"a":2}', b'{"a":NaN}', b"[1]", b"\xff", b'{"a":{"$b64":"!!"}}', b"{"):
-        with pytest.raises(FrameError):
+        with raises(ChannelError, ChannelReason.FRAME):
             channel.decode(bad)
-    with pytest.raises(FrameError):
+    with raises(ChannelError, ChannelReason.FRAME):
         channel.encode({"x": object()})
-    with pytest.raises(FrameError):
+    with raises(ChannelError, ChannelReason.FRAME):
         channel.encode({"x": float("nan")})
 
 
@@ -84,7 +80,9 @@ def test_codec_is_shared_safely_across_threads() -> None:
             try:
                 channel.decode(b'{"a":1,"a":%d}' % i)
                 failures.append(f"thread {n} accepted a duplicate key")
-            except FrameError:
+            except ChannelError as exc:
+                if exc.reason is not ChannelReason.FRAME:
+                    raise
                 pass
 
     threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
@@ -99,17 +97,17 @@ def test_caps_refuse_big_messages_and_too_many_fds(server: Server) -> None:
     client = connect(server.path, timeout=5, limits=Limits(max_payload=1024, max_fds=1))
     srv = server.accept(timeout=5)
     try:
-        with pytest.raises(FrameError):
+        with raises(ChannelError, ChannelReason.FRAME):
             client.send(b"x" * 1025)
-        with pytest.raises(FrameError):
+        with raises(ChannelError, ChannelReason.FRAME):
             client.send(b"x", [0, 1])
         srv.send(b"y" * 2048)  # within the server's cap, beyond the client's
-        with pytest.raises(FrameError, match="larger than the cap"):
+        with raises(ChannelError, ChannelReason.FRAME, match="larger than the cap"):
             client.recv(5)
         r, w = os.pipe()
         try:
             srv.send(b"two fds", [r, w])
-            with pytest.raises(FrameError, match="fds"):
+            with raises(ChannelError, ChannelReason.FRAME, match="fds"):
                 client.recv(5)  # the fds that came are closed (the leak check verifies)
         finally:
             os.close(r)
@@ -133,7 +131,7 @@ def test_malformed_frames_are_refused(frame: bytes) -> None:
     ch = Channel(a)
     try:
         b.send(frame)
-        with pytest.raises(FrameError):
+        with raises(ChannelError, ChannelReason.FRAME):
             ch.recv(5)
     finally:
         ch.close()
@@ -143,12 +141,12 @@ def test_malformed_frames_are_refused(frame: bytes) -> None:
 def test_every_blocking_step_times_out(server: Server, pair: tuple[Channel, Channel]) -> None:
     client, srv = pair
     start = time.monotonic()
-    with pytest.raises(ChannelTimeout):
+    with raises(ChannelError, ChannelReason.TIMEOUT):
         client.recv(timeout=0.1)
-    with pytest.raises(ChannelTimeout):
+    with raises(ChannelError, ChannelReason.TIMEOUT):
         server.accept(timeout=0.1)
     assert time.monotonic() - start < 3
-    with pytest.raises(ChannelTimeout):
+    with raises(ChannelError, ChannelReason.TIMEOUT):
         for _ in range(100_000):  # fill the peer's receive queue; send must not block forever
             client.send(b"z" * 4096, timeout=0.05)
     for bad in (-1, float("inf"), float("nan"), None, "1", True):
@@ -161,9 +159,9 @@ def test_eof_and_local_close(pair: tuple[Channel, Channel]) -> None:
     client.send(b"last words")
     client.close()
     assert srv.recv(5).payload == b"last words"  # pending messages survive the hang-up
-    with pytest.raises(ChannelClosed):
+    with raises(ChannelError, ChannelReason.CLOSED):
         srv.recv(5)
-    with pytest.raises(ChannelClosed):
+    with raises(ChannelError, ChannelReason.CLOSED):
         client.send(b"x")
 
 
@@ -171,14 +169,14 @@ def test_peer_credentials_are_checked_on_both_ends(sock_dir: Path) -> None:
     other = {os.getuid() + 1}
     with Server(sock_dir / "x.sock", allowed_uids=other) as s:
         c = connect(s.path, timeout=5)
-        with pytest.raises(PeerRejected) as exc:
+        with raises(ChannelError, ChannelReason.REJECTED) as exc:
             s.accept(timeout=5)
         assert exc.value.uid == os.getuid() and exc.value.pid == os.getpid()
-        with pytest.raises(ChannelClosed):
+        with raises(ChannelError, ChannelReason.CLOSED):
             c.recv(5)  # the server closed the rejected connection
         c.close()
     with Server(sock_dir / "y.sock") as s:
-        with pytest.raises(PeerRejected):
+        with raises(ChannelError, ChannelReason.REJECTED):
             connect(s.path, timeout=5, allowed_uids=other)
         s.accept(timeout=5).close()
 
@@ -187,31 +185,31 @@ def test_socket_dir_must_be_private_and_symlink_free(tmp_path: Path) -> None:
     open_dir = tmp_path / "open"
     open_dir.mkdir(mode=0o755)
     os.chmod(open_dir, 0o755)
-    with pytest.raises(UnsafeSocketPath, match="mode 755"):
+    with raises(ChannelError, ChannelReason.UNSAFE_PATH, match="mode 755"):
         Server(open_dir / "x.sock")
     private = channel.make_socket_dir(tmp_path / "private")
-    with pytest.raises(UnsafeSocketPath, match="owned by"):
+    with raises(ChannelError, ChannelReason.UNSAFE_PATH, match="owned by"):
         channel.check_socket_dir(private, uid=os.getuid() + 1)
     link = tmp_path / "link"
     link.symlink_to(private)
-    with pytest.raises(UnsafeSocketPath, match="symlink"):
+    with raises(ChannelError, ChannelReason.UNSAFE_PATH, match="symlink"):
         Server(link / "x.sock")
-    with pytest.raises(UnsafeSocketPath, match="absolute"):
+    with raises(ChannelError, ChannelReason.UNSAFE_PATH, match="absolute"):
         Server(Path("relative/x.sock"))
-    with pytest.raises(UnsafeSocketPath, match="normalised"):
+    with raises(ChannelError, ChannelReason.UNSAFE_PATH, match="normalised"):
         channel.check_socket_dir(str(private) + "/../private")
-    with pytest.raises(UnsafeSocketPath, match="longer"):
+    with raises(ChannelError, ChannelReason.UNSAFE_PATH, match="longer"):
         Server(private / ("x" * 120))
-    with pytest.raises(UnsafeSocketPath, match="does not exist"):
+    with raises(ChannelError, ChannelReason.UNSAFE_PATH, match="does not exist"):
         channel.check_socket_dir(tmp_path / "nowhere")
     with Server(private / "real.sock") as s:
         (private / "alias.sock").symlink_to(s.path)
-        with pytest.raises(UnsafeSocketPath, match="symlink"):
+        with raises(ChannelError, ChannelReason.UNSAFE_PATH, match="symlink"):
             connect(private / "alias.sock", timeout=5)
         with pytest.raises(ChannelError, match="another server"):
             Server(private / "real.sock")
     (private / "file").write_text("not a socket")
-    with pytest.raises(UnsafeSocketPath, match="not a socket"):
+    with raises(ChannelError, ChannelReason.UNSAFE_PATH, match="not a socket"):
         Server(private / "file")
 
 
@@ -225,7 +223,7 @@ def test_stale_socket_of_a_dead_server_is_replaced(sock_dir: Path) -> None:
         s.accept(timeout=5).close()
         c.close()
     assert not path.exists()
-    with pytest.raises(ChannelClosed, match="no server"):
+    with raises(ChannelError, ChannelReason.CLOSED, match="no server"):
         connect(path, timeout=1)
 
 

@@ -12,9 +12,13 @@ from pathlib import Path
 import attrs
 import pytest
 
+from support.errors import raises
+
 from kvstate.derive import header as codegen
 
 from kvstate.core import errors
+from kvstate.core.reasons import ConfigReason, TransitionReason
+from kvstate.core.errors import ConfigInvalid, TransitionError
 from kvstate.core.capabilities import Access
 from kvstate.transport.host import HostTransport
 from kvstate.transport.native import Native
@@ -39,7 +43,7 @@ def test_a_changed_table_changes_the_c_engine(tmp_path: Path) -> None:
     """Built from a table where cancel applies only to running ops, the engine refuses to
     cancel a queued op; the committed table lets it."""
     ffi, lib = build_variant_lib(tmp_path, "kvs_table_variant", op_table_header=_cancel_only_when_running())
-    with pytest.raises(errors.SpecError, match="another op table"):
+    with raises(ConfigInvalid, ConfigReason.SPEC, match="another op table"):
         Native(ffi, lib)  # same names, other rows: the digest tells them apart
     nat = Native(ffi, lib, check_table=False)
     t = HostTransport(granularity=nat.page_size, native=nat)
@@ -49,7 +53,7 @@ def test_a_changed_table_changes_the_c_engine(tmp_path: Path) -> None:
     t.set_access(m, Access.READ_WRITE)
     nat.pause(True)
     op = nat.submit_copy(m.region, bytearray(8), 8)
-    with pytest.raises(errors.IllegalTransition):
+    with raises(TransitionError, TransitionReason.ILLEGAL):
         op.cancel()
     nat.pause(False)
     assert op.result(10).state == "done"
@@ -60,16 +64,15 @@ def test_a_changed_table_changes_the_c_engine(tmp_path: Path) -> None:
 
 def test_module_from_another_table_is_refused_and_an_unusable_table_refuses_submits(tmp_path: Path) -> None:
     """A module built from a table other than spec/op.toml is refused by the wrapper
-    (SpecError); and a table without the engine's own `start` row makes every submit
+    (ConfigInvalid (SPEC)); and a table without the engine's own `start` row makes every submit
     refused in C instead of leaving ops stuck or aborting."""
-    from kvstate.core.errors import SpecError
     from kvstate.core.spec import StateSpec
 
     m = load_machine("op")
     variant = attrs.evolve(m, states=(*m.states, StateSpec("parked", "a state C never enters", False)),
                            transitions=tuple(t for t in m.transitions if t.trigger != "start"))
     ffi, lib = build_variant_lib(tmp_path, "kvs_table_unusable", op_table_header=codegen.op_header(variant))
-    with pytest.raises(SpecError, match="another op table"):
+    with raises(ConfigInvalid, ConfigReason.SPEC, match="another op table"):
         Native(ffi, lib)
     buf = ffi.new("char[]", 8)
     out = ffi.new("int64_t *")

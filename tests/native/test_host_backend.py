@@ -11,12 +11,15 @@ from collections.abc import Iterator
 
 import pytest
 
+from support.errors import raises
+
 from kvstate.core import errors, handles
+from kvstate.core.reasons import ArgumentReason, ImportReason, ImportDefect, BusyReason
+from kvstate.core.errors import ArgumentInvalid, ImportFailed, Busy
 from kvstate.core.handles import HandleKind
 from kvstate.transport import MappedTransport
 from kvstate.core.capabilities import Access, MemoryKind, Scope
 from kvstate.transport.host import (
-    HandleKindUnsupported,
     HostHandle,
     HostTransport,
     fd_identity_of,
@@ -57,7 +60,7 @@ def test_transport_interface_and_identity(t: HostTransport) -> None:
     uuid = t.device_uuid()
     assert len(uuid) == 16 and uuid == host_device_uuid()
     assert HostTransport(granularity=4 << 20).granularity() == 4 << 20
-    with pytest.raises(errors.NativeInvalidArgument):
+    with raises(ArgumentInvalid, ArgumentReason.NATIVE):
         HostTransport(granularity=3 << 20)
 
 
@@ -79,26 +82,26 @@ def test_create_map_access_pattern_roundtrip(t: HostTransport) -> None:
 
 
 def test_sizes_and_offsets_follow_the_granularity(t: HostTransport) -> None:
-    with pytest.raises(errors.NativeInvalidArgument):
+    with raises(ArgumentInvalid, ArgumentReason.NATIVE):
         t.create(BANK + 4096)
     with pytest.raises(errors.ArgumentInvalid):  # refused before the native call
         t.reserve(0)
     a = t.create(BANK)
     r = t.reserve(2 * BANK)
     try:
-        with pytest.raises(errors.NativeInvalidArgument):
+        with raises(ArgumentInvalid, ArgumentReason.NATIVE):
             t.map(r, 4096, a)
-        with pytest.raises(errors.OutOfRange):
+        with raises(ArgumentInvalid, ArgumentReason.OUT_OF_RANGE):
             t.map(r, 2 * BANK, a)
         m = t.map(r, 0, a)
-        with pytest.raises(errors.MappingOverlap):
+        with raises(ArgumentInvalid, ArgumentReason.OVERLAP):
             t.map(r, 0, a)
-        with pytest.raises(errors.StillMapped):
+        with raises(Busy, BusyReason.MAPPED):
             t.release(a)
-        with pytest.raises(errors.StillMapped):
+        with raises(Busy, BusyReason.MAPPED):
             t.free(r)
         t.unmap(m)
-        with pytest.raises(errors.UnknownNativeObject):
+        with raises(ArgumentInvalid, ArgumentReason.UNKNOWN_OBJECT):
             t.unmap(m)
     finally:
         t.release(a)
@@ -124,7 +127,7 @@ def test_export_import_in_process(t: HostTransport) -> None:
     assert h.identity == fd_identity_of(h.fd) and len(h.identity) == handles.FD_IDENTITY_BYTES
     b = t.import_(h, BANK)
     assert b.imported and b.id != a.id
-    with pytest.raises(HandleKindUnsupported):
+    with raises(ArgumentInvalid, ArgumentReason.RANGE):  # fix the call: the host backend exports memfds only
         t.export(a, HandleKind.FABRIC)
     t.release(b)
     t.release(a)
@@ -141,7 +144,7 @@ def sealed_memfd() -> Iterator[int]:
 
 def test_import_refuses_wrong_size(t: HostTransport, sealed_memfd: int) -> None:
     before = t.native.stats().allocations
-    with pytest.raises(errors.FdWrongSize):
+    with raises(ImportFailed, ImportReason.HANDLE, defect=ImportDefect.FD_SIZE):
         t.import_(HostHandle(sealed_memfd, fd_identity_of(sealed_memfd)), 2 * BANK)
     assert t.native.stats().allocations == before
 
@@ -151,14 +154,14 @@ def test_import_refuses_unsealed_memfd(t: HostTransport) -> None:
     try:
         os.ftruncate(fd, BANK)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)  # can still be unsealed
-        with pytest.raises(errors.FdUnsealed):
+        with raises(ImportFailed, ImportReason.HANDLE, defect=ImportDefect.FD_UNSEALED):
             t.import_(HostHandle(fd, fd_identity_of(fd)), BANK)
     finally:
         os.close(fd)
     fd = os.memfd_create("kvstate-test", os.MFD_CLOEXEC)  # no sealing at all
     try:
         os.ftruncate(fd, BANK)
-        with pytest.raises(errors.FdUnsealed):
+        with raises(ImportFailed, ImportReason.HANDLE, defect=ImportDefect.FD_UNSEALED):
             t.import_(HostHandle(fd, fd_identity_of(fd)), BANK)
     finally:
         os.close(fd)
@@ -167,11 +170,11 @@ def test_import_refuses_unsealed_memfd(t: HostTransport) -> None:
 def test_import_refuses_what_is_not_a_memfd(t: HostTransport) -> None:
     with tempfile.TemporaryFile() as f:
         f.truncate(BANK)
-        with pytest.raises(errors.FdNotMemfd):
+        with raises(ImportFailed, ImportReason.HANDLE, defect=ImportDefect.FD_NOT_MEMFD):
             t.import_(HostHandle(f.fileno(), fd_identity_of(f.fileno())), BANK)
     r, w = os.pipe()
     try:
-        with pytest.raises(errors.FdNotMemfd):
+        with raises(ImportFailed, ImportReason.HANDLE, defect=ImportDefect.FD_NOT_MEMFD):
             t.import_(HostHandle(r, fd_identity_of(r)), BANK)
     finally:
         os.close(r)
@@ -182,9 +185,9 @@ def test_import_refuses_an_fd_its_descriptor_does_not_name(t: HostTransport, sea
     other = t.create(BANK)
     try:
         wrong = fd_identity_of(t.export(other, HandleKind.MEMFD).fd)
-        with pytest.raises(errors.FdIdentityMismatch):
+        with raises(ImportFailed, ImportReason.HANDLE, defect=ImportDefect.FD_IDENTITY):
             t.import_(HostHandle(sealed_memfd, wrong), BANK)
-        with pytest.raises(errors.FdIdentityMismatch):
+        with raises(ImportFailed, ImportReason.HANDLE, defect=ImportDefect.FD_IDENTITY):
             t.import_(HostHandle(sealed_memfd, b"short"), BANK)
     finally:
         t.release(other)
@@ -198,14 +201,14 @@ def test_explicit_pins_block_unmap_release_and_access_revocation(t: HostTranspor
     t.set_access(m, Access.READ_WRITE)
     t.pin(m)
     assert t.stats(m).pins == 1 and t.stats(m).explicit_pins == 1 and not t.stats(m).quiescent
-    with pytest.raises(errors.RegionPinned):
+    with raises(Busy, BusyReason.PINNED):
         t.unmap(m)
-    with pytest.raises(errors.RegionPinned):
+    with raises(Busy, BusyReason.PINNED):
         t.release(a)
-    with pytest.raises(errors.RegionPinned):
+    with raises(Busy, BusyReason.PINNED):
         t.set_access(m, Access.READ)
     t.unpin(m)
-    with pytest.raises(errors.NativeInvalidArgument):
+    with raises(ArgumentInvalid, ArgumentReason.NATIVE):
         t.unpin(m)
     t.set_access(m, Access.NONE)
     t.unmap(m)
@@ -219,16 +222,18 @@ def test_bad_arguments_are_typed_errors(t: HostTransport) -> None:
     nat, lib = t.native, t.native.lib
     for align in (0, 3 * 4096):
         rc = lib.kvs_reserve(BANK, align, nat.ffi.new("uint64_t *"), nat.ffi.new("uint64_t *"))
-        assert isinstance(nat.error(rc, "kvs_reserve", f"align {align}"), errors.NativeInvalidArgument)
+        err = nat.error(rc, "kvs_reserve", f"align {align}")
+        assert isinstance(err, ArgumentInvalid) and err.reason is ArgumentReason.NATIVE
     rc = lib.kvs_create(100, nat.ffi.new("uint64_t *"))
-    assert isinstance(nat.error(rc, "kvs_create", "size 100"), errors.NativeInvalidArgument)
-    with pytest.raises(errors.NativeInvalidArgument):
+    err = nat.error(rc, "kvs_create", "size 100")
+    assert isinstance(err, ArgumentInvalid) and err.reason is ArgumentReason.NATIVE
+    with raises(ArgumentInvalid, ArgumentReason.NATIVE):
         t.create(100)
     r, w = os.pipe()
     os.close(r)
     os.close(w)
-    with pytest.raises(errors.ImportRefused):
+    with raises(ImportFailed, ImportReason.HANDLE):
         t.import_(HostHandle(r, bytes(16)), BANK)
-    with pytest.raises(errors.UnknownNativeObject):
+    with raises(ArgumentInvalid, ArgumentReason.UNKNOWN_OBJECT):
         t.native.region_stats(0)
     assert t.native.stats().allocations == before

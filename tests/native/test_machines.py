@@ -14,8 +14,8 @@ from typing import Any
 import attrs
 import pytest
 
-from kvstate.core import errors
-from kvstate.core.errors import EffectFailed, GuardRejected, IllegalTransition, ReentrantTransition, SpecError
+from kvstate.core.errors import ArgumentInvalid, ConfigInvalid, NativeError, TransitionError
+from kvstate.core.reasons import ArgumentReason, ConfigReason, NativeReason, TransitionReason
 from kvstate.core.spec import MachineSpec, TransitionSpec, load_machine
 from kvstate.derive.header import machine_header
 from kvstate.transport import native
@@ -34,25 +34,30 @@ def leased_bank() -> Any:
 
 def test_refusals_are_the_reference_errors_and_change_nothing() -> None:
     m = leased_bank()
-    with pytest.raises(IllegalTransition, match="'release' is not declared in state 'importing'"):
+    with pytest.raises(TransitionError, match="'release' is not declared in state 'importing'") as illegal:
         m.fire("release")
-    with pytest.raises(IllegalTransition):
+    assert illegal.value.reason is TransitionReason.ILLEGAL
+    with pytest.raises(TransitionError) as illegal:
         m.fire("no_such_event")
-    with pytest.raises(GuardRejected) as refused:
+    assert illegal.value.reason is TransitionReason.ILLEGAL
+    with pytest.raises(TransitionError) as refused:
         m.fire("renew_lease")
-    assert refused.value.failed == ("lease_live",)
-    with pytest.raises(EffectFailed, match="effect end_lease"):
+    assert refused.value.reason is TransitionReason.GUARD and refused.value.failed == ("lease_live",)
+    with pytest.raises(NativeError) as failed:
         m.fire("release_lease", ("last_lease",), fail=("end_lease",))
-    with pytest.raises(ReentrantTransition):
+    assert failed.value.reason is NativeReason.EFFECT and failed.value.step == "effect end_lease"
+    with pytest.raises(TransitionError) as reentered:
         m.fire("release_lease", ("last_lease",), reenter=("end_lease",))
+    assert reentered.value.reason is TransitionReason.REENTRANT
     assert m.state == "importing"
     assert m.fire("release_lease", ("last_lease",)) == "advertised"
     # a refusal names every refusing guard of every row, in row order
     part = native_table("part").machine()
     for event, holds in (("validate", ()), ("lease", ("group_importing",)), ("open", ("group_admitted",))):
         part.fire(event, holds)
-    with pytest.raises(GuardRejected) as refused:
+    with pytest.raises(TransitionError) as refused:
         part.fire("close")
+    assert refused.value.reason is TransitionReason.GUARD
     assert refused.value.failed == ("part_unpinned", "group_releasing")
     assert part.state == "imported" and not part.is_terminal
     assert part.fire("close", ("part_unpinned", "group_releasing")) == "closed" and part.is_terminal
@@ -60,12 +65,13 @@ def test_refusals_are_the_reference_errors_and_change_nothing() -> None:
 
 def test_unknown_guard_or_effect_names_are_refused_before_the_call() -> None:
     m = leased_bank()
-    with pytest.raises(errors.NativeInvalidArgument, match="no guard 'lease_lives'"):
+    with pytest.raises(ArgumentInvalid, match="no guard 'lease_lives'") as refused:
         m.fire("renew_lease", ("lease_lives",))
-    with pytest.raises(errors.NativeInvalidArgument, match="no effect 'renew'"):
+    assert refused.value.reason is ArgumentReason.NATIVE
+    with pytest.raises(ArgumentInvalid, match="no effect 'renew'"):
         m.fire("renew_lease", ("lease_live",), fail=("renew",))
     assert m.state == "importing"
-    with pytest.raises(errors.NativeInvalidArgument):
+    with pytest.raises(ArgumentInvalid):
         native_table("group")
 
 
@@ -94,8 +100,9 @@ def test_a_module_built_from_another_table_is_refused() -> None:
     spec = load_machine("part")
     moved = attrs.evolve(spec, transitions=tuple(
         attrs.evolve(t, dest="failed") if t.trigger == "reject" else t for t in spec.transitions))
-    with pytest.raises(SpecError, match="built from another part table"):
+    with pytest.raises(ConfigInvalid, match="built from another part table") as refused:
         NativeTable(nat.ffi, nat.lib, moved)
+    assert refused.value.reason is ConfigReason.SPEC
     assert NativeTable(nat.ffi, nat.lib, spec).id == nat.lib.KVS_MACHINE_PART  # negative control
 
 

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from kvstate import channel
-from kvstate.core.errors import ChannelClosed, PeerDied
+from kvstate.core.errors import ChannelError
+from kvstate.core.reasons import ChannelReason
+from support.errors import raises
 from kvstate.core.handles import HandleKind
 from kvstate.core.capabilities import Access
 from kvstate.transport.host import HostAllocation, HostHandle, HostMapping, HostTransport
@@ -100,7 +102,7 @@ def test_exporter_killed_mid_import(sock: Path, importer: Importer, fork_child: 
             expect_line(proc, "held 1")
             proc.send_signal(signal.SIGKILL)
             assert reap(proc) == -signal.SIGKILL
-            with pytest.raises(PeerDied if fork_child == "fork" else ChannelClosed):
+            with raises(ChannelError, ChannelReason.PEER_DIED if fork_child == "fork" else ChannelReason.CLOSED):
                 ch.recv(timeout=20)
             assert not ch.peer_alive()
         importer.check(0, 0)  # the exporter is gone; its memory is still readable here

@@ -15,6 +15,8 @@ pins) and asserts that this same machine fails on it.
 
 from __future__ import annotations
 
+import enum
+
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +34,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from kvstate.core.reasons import ArgumentReason, BusyReason, TransitionReason
 from kvstate.core import errors
 from kvstate.core.errors import KvStateError
 from kvstate.core.capabilities import Access
@@ -49,11 +52,12 @@ LEVELS = (Access.NONE, Access.READ, Access.READ_WRITE)
 ACCESS_NONE, ACCESS_READ, ACCESS_READ_WRITE = range(3)
 
 
-def outcome(fn: Callable[[], Any]) -> type[KvStateError] | None:
+def outcome(fn: Callable[[], Any]) -> enum.Enum | None:
+    """The reason of the kvstate error ``fn`` raises (reasons name their class), or None."""
     try:
         fn()
     except KvStateError as exc:
-        return type(exc)
+        return exc.reason
     return None
 
 
@@ -137,10 +141,10 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
             touches = frozenset(n for n in (src, dst) if n != "buf")
 
             if any(not self.mapped[n] for n in touches):
-                want: type[KvStateError] | None = errors.UnknownNativeObject
+                want: enum.Enum | None = ArgumentReason.UNKNOWN_OBJECT
             elif (src != "buf" and self.access[src] < ACCESS_READ) or (
                     dst != "buf" and self.access[dst] < ACCESS_READ_WRITE):
-                want = errors.GuardRejected
+                want = TransitionReason.GUARD
             else:
                 want = None
             ops: list[Op] = []
@@ -152,9 +156,9 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
         @rule(name=st.sampled_from(NAMES))
         def unmap(self, name: str) -> None:
             if not self.mapped[name]:
-                want: type[KvStateError] | None = errors.UnknownNativeObject
+                want: enum.Enum | None = ArgumentReason.UNKNOWN_OBJECT
             elif self.pins(name):
-                want = errors.RegionPinned
+                want = BusyReason.PINNED
             else:
                 want = None
             got = outcome(lambda: self.t.unmap(self.regions[name]))
@@ -169,9 +173,9 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
             if alloc is None:
                 return
             if self.mapped[name] and self.pins(name):
-                want: type[KvStateError] | None = errors.RegionPinned
+                want: enum.Enum | None = BusyReason.PINNED
             elif self.mapped[name]:
-                want = errors.StillMapped
+                want = BusyReason.MAPPED
             else:
                 want = None
             got = outcome(lambda: self.t.release(alloc))
@@ -189,9 +193,9 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
         @rule(name=st.sampled_from(NAMES), level=st.sampled_from([ACCESS_NONE, ACCESS_READ, ACCESS_READ_WRITE]))
         def set_access(self, name: str, level: int) -> None:
             if not self.mapped[name]:
-                want: type[KvStateError] | None = errors.UnknownNativeObject
+                want: enum.Enum | None = ArgumentReason.UNKNOWN_OBJECT
             elif level < self.access[name] and self.pins(name):
-                want = errors.RegionPinned
+                want = BusyReason.PINNED
             else:
                 want = None
             got = outcome(lambda: self.t.set_access(self.regions[name], LEVELS[level]))
@@ -201,7 +205,7 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
 
         @rule(name=st.sampled_from(NAMES))
         def lease(self, name: str) -> None:
-            want = None if self.mapped[name] else errors.UnknownNativeObject
+            want = None if self.mapped[name] else ArgumentReason.UNKNOWN_OBJECT
             got = outcome(lambda: self.t.pin(self.regions[name]))
             assert got is want, f"pin {name}: expected {want}, got {got}"
             if got is None:
@@ -210,9 +214,9 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
         @rule(name=st.sampled_from(NAMES))
         def end_lease(self, name: str) -> None:
             if not self.mapped[name]:
-                want: type[KvStateError] | None = errors.UnknownNativeObject
+                want: enum.Enum | None = ArgumentReason.UNKNOWN_OBJECT
             elif not self.leases[name]:
-                want = errors.NativeInvalidArgument  # an op's pin is never dropped by hand
+                want = ArgumentReason.NATIVE  # an op's pin is never dropped by hand
             else:
                 want = None
             got = outcome(lambda: self.t.unpin(self.regions[name]))
@@ -224,7 +228,7 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
         @rule(data=st.data())
         def cancel(self, data: st.DataObject) -> None:
             op = self.ops[data.draw(st.sampled_from(sorted(self.ops)))]
-            want = None if op.state == "queued" else errors.IllegalTransition
+            want = None if op.state == "queued" else TransitionReason.ILLEGAL
             got = outcome(op.op.cancel)
             assert got is want, f"INV-EVENT-DECLARED: cancel in {op.state}: expected {want}, got {got}"
             if got is None:
@@ -236,7 +240,7 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
             key = data.draw(st.sampled_from(sorted(self.ops)))
             op = self.ops[key]
             if op.state == "queued":
-                assert outcome(op.op.reap) is errors.IllegalTransition, "INV-EVENT-DECLARED: reap of a queued op"
+                assert outcome(op.op.reap) is TransitionReason.ILLEGAL, "INV-EVENT-DECLARED: reap of a queued op"
                 return
             info = op.op.reap()
             assert info.state == op.state
@@ -255,8 +259,8 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
         @rule(data=st.data())
         def stale_op(self, data: st.DataObject) -> None:
             key = data.draw(st.sampled_from(self.reaped))
-            assert outcome(lambda: self.nat.reap(key)) is errors.UnknownNativeObject
-            assert outcome(lambda: self.nat.cancel(key)) is errors.UnknownNativeObject
+            assert outcome(lambda: self.nat.reap(key)) is ArgumentReason.UNKNOWN_OBJECT
+            assert outcome(lambda: self.nat.cancel(key)) is ArgumentReason.UNKNOWN_OBJECT
 
         @precondition(lambda self: any(o.state == "queued" for o in self.ops.values()))
         @rule()

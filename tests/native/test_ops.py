@@ -9,7 +9,11 @@ from collections.abc import Iterator
 
 import pytest
 
+from support.errors import raises
+
 from kvstate.core import errors
+from kvstate.core.reasons import ArgumentReason, BusyReason, TimeoutReason, NativeReason, TransitionReason
+from kvstate.core.errors import ArgumentInvalid, Busy, TimedOut, NativeError, TransitionError
 from kvstate.transport.native import Native
 from kvstate.core.capabilities import Access
 from kvstate.transport.host import HostAllocation, HostMapping, HostReservation, HostTransport
@@ -97,9 +101,9 @@ def test_release_while_pinned_is_refused_and_fine_after_completion(t: HostTransp
     op = nat.submit_copy(b.region, buf, BANK)
     st = t.stats(b.m)
     assert (st.pins, st.inflight) == (1, 1) and op.info().state == "queued"
-    with pytest.raises(errors.RegionPinned):
+    with raises(Busy, BusyReason.PINNED):
         t.unmap(b.m)
-    with pytest.raises(errors.RegionPinned):
+    with raises(Busy, BusyReason.PINNED):
         t.release(b.a)
     nat.pause(False)
     info = op.result(10)
@@ -130,7 +134,7 @@ def test_wait_times_out_and_releases_the_gil(nat: Native, bank: Bank) -> None:
     assert 0.25 <= waited < 5
     assert ticks > 1000, "the other thread did not run while the wait blocked"
     assert op.poll() is False
-    with pytest.raises(errors.OpWaitTimeout):
+    with raises(TimedOut, TimeoutReason.OP):
         op.result(0.01)
     nat.pause(False)
     op.result(10)
@@ -140,15 +144,15 @@ def test_undeclared_events_are_refused_by_the_c_table(nat: Native, bank: Bank) -
     """INV-EVENT-DECLARED: reap of a queued op and cancel of a done op are refused in C."""
     nat.pause(True)
     op = nat.submit_copy(bank.region, bytearray(16), 16)
-    with pytest.raises(errors.IllegalTransition) as exc:
+    with raises(TransitionError, TransitionReason.ILLEGAL) as exc:
         op.reap()
     assert exc.value.state == "queued" and exc.value.event == "reap"
     op.cancel()
     assert op.info().state == "cancelled" and bank.t.stats(bank.m).pins == 0
-    with pytest.raises(errors.IllegalTransition):
+    with raises(TransitionError, TransitionReason.ILLEGAL):
         op.cancel()
     assert op.reap().state == "cancelled"
-    with pytest.raises(errors.UnknownNativeObject):
+    with raises(ArgumentInvalid, ArgumentReason.UNKNOWN_OBJECT):
         op.reap()
     nat.pause(False)
 
@@ -178,7 +182,7 @@ def test_a_stale_op_id_never_names_the_op_that_reuses_its_slot(nat: Native, bank
     try:
         assert new.id != old.id
         for call in (old.info, old.reap, old.cancel, lambda: old.wait(0.0)):
-            with pytest.raises(errors.UnknownNativeObject):
+            with raises(ArgumentInvalid, ArgumentReason.UNKNOWN_OBJECT):
                 call()
     finally:
         new.result(10)
@@ -186,7 +190,7 @@ def test_a_stale_op_id_never_names_the_op_that_reuses_its_slot(nat: Native, bank
 
 def test_injected_failure_unpins_and_counts(nat: Native, bank: Bank) -> None:
     before = nat.stats()
-    with pytest.raises(errors.OpFailed) as exc:
+    with raises(NativeError, NativeReason.OP_FAILED) as exc:
         nat.submit_copy(bank.region, bytearray(16), 16, fail=True).result(10)
     assert exc.value.code == nat.lib.KVS_E_INJECTED
     st = bank.t.stats(bank.m)
@@ -197,26 +201,26 @@ def test_injected_failure_unpins_and_counts(nat: Native, bank: Bank) -> None:
 def test_guard_regions_mapped_and_bounds(t: HostTransport, nat: Native, bank: Bank) -> None:
     live = nat.stats().ops_live
     t.set_access(bank.m, Access.READ)
-    with pytest.raises(errors.GuardRejected) as exc:
+    with raises(TransitionError, TransitionReason.GUARD) as exc:
         nat.submit_copy(bytearray(16), bank.region, 16)  # needs read-write on the destination
     assert exc.value.failed == ("regions_mapped",)
     t.set_access(bank.m, Access.NONE)
-    with pytest.raises(errors.GuardRejected):
+    with raises(TransitionError, TransitionReason.GUARD):
         nat.submit_copy(bank.region, bytearray(16), 16)
     t.set_access(bank.m, Access.READ_WRITE)
-    with pytest.raises(errors.OutOfRange):
+    with raises(ArgumentInvalid, ArgumentReason.OUT_OF_RANGE):
         nat.submit_copy(bank.region, bytearray(16), 17)
-    with pytest.raises(errors.OutOfRange):
+    with raises(ArgumentInvalid, ArgumentReason.OUT_OF_RANGE):
         nat.submit_copy(bank.region, bytearray(16), 16, src_off=BANK - 8)
-    with pytest.raises(errors.OutOfRange):
+    with raises(ArgumentInvalid, ArgumentReason.OUT_OF_RANGE):
         nat.submit_gather(bank.region, bytearray(16), [(0, 0, 8), (2**64 - 1, 0, 2)])
-    with pytest.raises(errors.NativeInvalidArgument):
+    with raises(ArgumentInvalid, ArgumentReason.NATIVE):
         nat.submit_copy(bank.region, b"read-only bytes", 4)
-    with pytest.raises(errors.NativeInvalidArgument):
+    with raises(ArgumentInvalid, ArgumentReason.NATIVE):
         nat.submit_gather(bank.region, bytearray(16), [])
-    with pytest.raises(errors.UnknownNativeObject):
+    with raises(ArgumentInvalid, ArgumentReason.UNKNOWN_OBJECT):
         nat.submit_copy(12345, bytearray(16), 4)
-    with pytest.raises(errors.NativeInvalidArgument):
+    with raises(ArgumentInvalid, ArgumentReason.NATIVE):
         nat.wait(1, -1.0)
     assert nat.stats().ops_live == live and t.stats(bank.m).pins == 0
 
@@ -224,7 +228,7 @@ def test_guard_regions_mapped_and_bounds(t: HostTransport, nat: Native, bank: Ba
 def test_configure_workers_refused_while_busy(nat: Native, bank: Bank) -> None:
     nat.pause(True)
     op = nat.submit_copy(bank.region, bytearray(16), 16)
-    with pytest.raises(errors.EngineBusy):
+    with raises(Busy, BusyReason.ENGINE):
         nat.configure(4)
     nat.pause(False)
     op.result(10)
@@ -234,7 +238,7 @@ def test_configure_workers_refused_while_busy(nat: Native, bank: Bank) -> None:
     nat.submit_copy(bank.region, buf, BANK).result(10)
     assert buf == bank.data
     nat.configure(2)
-    with pytest.raises(errors.NativeInvalidArgument):
+    with raises(ArgumentInvalid, ArgumentReason.NATIVE):
         nat.configure(0)
 
 

@@ -9,7 +9,8 @@ import random
 from collections.abc import Iterable
 from typing import Any
 
-from kvstate.core.errors import EffectFailed, GuardRejected, IllegalTransition, ReentrantTransition
+from kvstate.core.errors import NativeError, TransitionError
+from kvstate.core.reasons import NativeReason, TransitionReason
 from kvstate.core.machine import Lifecycle, effect, guard
 from kvstate.core.spec import MachineSpec, load_machine
 from kvstate.derive.header import NATIVE_MACHINES
@@ -77,14 +78,16 @@ def reference_attempt(obj: Any, event: str, holds: Iterable[str], fail: Iterable
         return sum(1 for c in obj.calls if c.startswith("undo ") and c[5:] in plan.fail_undo)
     try:
         dest = obj.fire(event)
-    except IllegalTransition:
-        return Fired(source, obj.state, ILLEGAL)
-    except GuardRejected as refused:
-        return Fired(source, obj.state, GUARD, refused=refused.failed)
-    except ReentrantTransition:
+    except TransitionError as refused:
+        if refused.reason is TransitionReason.ILLEGAL:
+            return Fired(source, obj.state, ILLEGAL)
+        if refused.reason is TransitionReason.GUARD:
+            return Fired(source, obj.state, GUARD, refused=refused.failed)
+        assert refused.reason is TransitionReason.REENTRANT, refused
         last = [c for c in obj.calls if c.startswith("do ")][-1][3:]
         return Fired(source, obj.state, REENTRANT, effect=last, calls=tuple(obj.calls), undo_failed=undo_failed())
-    except EffectFailed as failed:
+    except NativeError as failed:
+        assert failed.reason is NativeReason.EFFECT and failed.step is not None, failed
         return Fired(source, obj.state, EFFECT, effect=failed.step.removeprefix("effect "),
                      calls=tuple(obj.calls), undo_failed=undo_failed())
     return Fired(source, dest, OK, calls=tuple(obj.calls))

@@ -1,20 +1,21 @@
 """A real transport with faults injected at chosen calls: every other call goes through.
 
-A fault is typed (:class:`InjectedFault`, a NativeOSError) or untyped: an OSError, a
+A fault is typed (:func:`InjectedFault`, a NativeError with reason OS) or untyped: an OSError, a
 RuntimeError or a MemoryError, as a backend or the runtime may raise them. The lifecycle
 must roll back the same way for every kind (issue 14, class 6)."""
 
 from __future__ import annotations
 
+from kvstate.core.errors import NativeError
+from kvstate.core.reasons import NativeReason
 import threading
 from typing import Any
 
-from kvstate.core.errors import NativeOSError
 
 
-class InjectedFault(NativeOSError):
-    def __init__(self, method: str) -> None:
-        super().__init__(method, -5, f"injected fault in {method}", 5)
+def InjectedFault(method: str) -> NativeError:
+    """A typed OS failure of ``method``, as the native layer reports one."""
+    return NativeError.native(method, -5, f"injected fault in {method}", NativeReason.OS, errno=5)
 
 
 #: fault kind -> what the call raises

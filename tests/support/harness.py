@@ -7,16 +7,15 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from kvstate.core.errors import EffectFailed
 from kvstate.core.machine import Lifecycle, effect, guard
 from kvstate.core.spec import MachineSpec, TransitionSpec
 
-__all__ = ["EffectFailed", "HarnessBase", "PlantedFailure", "drive_to", "harness_class", "paths_to_states"]
+__all__ = ["HarnessBase", "PlantedFailure", "drive_to", "harness_class", "paths_to_states"]
 
 
 class PlantedFailure(RuntimeError):
     """Raised by a harness effect that the test told to fail: an untyped exception, which
-    the machine rolls back and reports as :class:`~kvstate.core.errors.EffectFailed`."""
+    the machine rolls back and reports as :class:`~kvstate.core.errors.NativeError` (reason EFFECT)."""
 
 
 class HarnessBase(Lifecycle):

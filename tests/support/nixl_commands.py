@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstate.core.errors import KvStateError
 from kvstate.core.handles import HandleKind
 from kvstate.transport import Registry
 from kvstate.transport.nixl import LeaseGate, NixlTransport
@@ -204,8 +205,8 @@ def release_target(state: State) -> str:
     """Release the load target; the error's class name when refused (the target stays)."""
     try:
         state["t"].release(state["dst"])
-    except Exception as exc:
-        return type(exc).__name__
+    except KvStateError as exc:
+        return f"{type(exc).__name__}: {exc.reason.value}"
     del state["dst"]
     return "released"
 

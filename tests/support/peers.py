@@ -23,11 +23,24 @@ LOOPBACK_UCX = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WA
 
 
 class PeerError(Exception):
-    """A command raised in the peer; ``kind`` is the exception's qualified class name."""
+    """A command raised in the peer; ``kind`` is the exception's qualified class name (and
+    a kvstate error's reason: :func:`kind_of`)."""
 
     def __init__(self, kind: str, message: str, tb: str) -> None:
         self.kind = kind
         super().__init__(f"{kind}: {message}\n--- in peer ---\n{tb}")
+
+
+def kind_of(exc: BaseException) -> str:
+    """The exception's qualified class name, then ``:reason`` and ``/defect`` of a kvstate
+    error (its class alone says little: ``kvstate.core.errors.ImportFailed:handle/stale_generation``)."""
+    kind = f"{type(exc).__module__}.{type(exc).__qualname__}"
+    reason, defect = getattr(exc, "reason", None), getattr(exc, "defect", None)
+    if reason is not None:
+        kind += f":{reason.value}"
+    if defect is not None:
+        kind += f"/{defect.value}"
+    return kind
 
 
 def _serve(conn: Connection, module: str, env: dict[str, str]) -> None:
@@ -42,7 +55,7 @@ def _serve(conn: Connection, module: str, env: dict[str, str]) -> None:
         try:
             conn.send(("ok", getattr(commands, name)(state, **kwargs)))
         except BaseException as exc:  # report everything, including KvStateError subclasses
-            conn.send(("err", f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), traceback.format_exc()))
+            conn.send(("err", kind_of(exc), str(exc), traceback.format_exc()))
     conn.close()
 
 

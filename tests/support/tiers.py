@@ -62,6 +62,7 @@ DEFAULTS: Mapping[str, tuple[str, ...]] = {
     "test_cuda_cpu.py": ("native",),
     "test_descriptor_canonical.py": ("unit",),
     "test_docs.py": ("unit",),
+    "test_error_catalogue.py": ("unit",),
     "test_generate.py": ("unit",),
     "test_geometry.py": ("unit",),
     "test_guide.py": ("native", "multiproc", "slow"),  # runs the guide's code in a fresh process

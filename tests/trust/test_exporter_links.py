@@ -16,10 +16,12 @@ from typing import Any
 
 import pytest
 
+from kvstate.core.errors import ChannelError
+from kvstate.core.reasons import ChannelReason
 from kvstate import channel as chan
 from kvstate.harness import leaks
 from kvstate.core.descriptor import encode
-from kvstate.core.errors import ChannelTimeout, ImportFailed, KvStateError
+from kvstate.core.errors import ImportFailed, KvStateError
 from kvstate.core.reasons import ImportReason
 from kvstate.core.handles import HandleKind
 from kvstate.share.importer import ImportConfig, Importer
@@ -53,7 +55,9 @@ class FakeExporter:
         while not self.stop.is_set():
             try:
                 ch = self.server.accept(timeout=0.05)
-            except ChannelTimeout:
+            except ChannelError as exc:
+                if exc.reason is not ChannelReason.TIMEOUT:
+                    raise
                 continue
             self.connections += 1
             t = threading.Thread(target=self._serve, args=(ch, self.connections))
@@ -66,9 +70,9 @@ class FakeExporter:
                 try:
                     with ch.recv(timeout=0.05) as msg:
                         req = chan.decode(msg.payload)
-                except ChannelTimeout:
-                    continue
-                except KvStateError:
+                except KvStateError as exc:
+                    if isinstance(exc, ChannelError) and exc.reason is ChannelReason.TIMEOUT:
+                        continue
                     self.closed_by_importer += 1
                     return
                 self.requests.append(req)

@@ -11,9 +11,11 @@ from typing import Any
 
 import pytest
 
+from kvstate.core.errors import ChannelError
+from kvstate.core.reasons import ChannelReason
 from kvstate import channel as chan
 from kvstate.core.descriptor import encode
-from kvstate.core.errors import ChannelTimeout, ImportFailed, KvStateError
+from kvstate.core.errors import ImportFailed, KvStateError
 from kvstate.core.reasons import ImportReason
 from kvstate.core.handles import HandleKind
 from kvstate.share.importer import ImportConfig, Importer
@@ -44,9 +46,9 @@ def _serve_once(server: chan.Server, reply: Any, fd: int, stop: threading.Event)
             while not stop.is_set():  # answer nothing more; the importer gives up or closes
                 try:
                     ch.recv(timeout=0.05).close()
-                except ChannelTimeout:
-                    continue
-                except KvStateError:
+                except KvStateError as exc:
+                    if isinstance(exc, ChannelError) and exc.reason is ChannelReason.TIMEOUT:
+                        continue
                     return
     except KvStateError:
         pass

@@ -20,24 +20,16 @@ from pathlib import Path
 import attrs
 import pytest
 
+from support.errors import raises
+
 from kvstate import channel as chan
 from kvstate.core.descriptor import decode, encode
-from kvstate.core.errors import (
-    ChannelClosed,
-    DescriptorRejected,
-    FrameError,
-    GroupRejected,
-    ImportFailed,
-    KvStateError,
-    LeaseRefused,
-    PeerRejected,
-    UnsafeSocketPath,
-)
+from kvstate.core.errors import DescriptorRejected, GroupRejected, ImportFailed, KvStateError, ChannelError
 from kvstate.share.exporter import Exporter, ExportConfig
 from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.core.identity import Deployment
 from kvstate.share.importer import ImportConfig, Importer
-from kvstate.core.reasons import ImportReason, RejectReason
+from kvstate.core.reasons import ImportReason, RejectReason, ChannelReason
 from kvstate.transport.host import HostTransport
 from kvstate.core.validate import socket_path_reason
 
@@ -123,10 +115,10 @@ def test_foreign_uid_cannot_reach_a_private_socket_dir(exporter: Exporter) -> No
             chan.connect(path, timeout=1.0)
             return "connected"
         except KvStateError as exc:
-            return type(exc).__name__
+            return f"{type(exc).__name__}:{exc.reason.value}"
 
     assert as_nobody(raw) == "EACCES"
-    assert as_nobody(typed) == "UnsafeSocketPath"
+    assert as_nobody(typed) == "ChannelError:unsafe_path"
 
 
 @pytest.mark.native
@@ -188,7 +180,7 @@ def test_client_refuses_a_server_of_another_uid() -> None:
         assert os.read(r, 2) == b"up"
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         s.connect(str(d / "evil.sock"))  # as connect() does once the path checks pass
-        with pytest.raises(PeerRejected) as info:
+        with raises(ChannelError, ChannelReason.REJECTED) as info:
             chan.Channel(s, allowed_uids={0})
         assert info.value.uid == NOBODY
     finally:
@@ -201,7 +193,7 @@ def test_client_refuses_a_server_of_another_uid() -> None:
 def test_channel_refuses_uids_outside_allowed() -> None:
     """The uid check itself, on a socketpair (runs as any user)."""
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    with pytest.raises(PeerRejected):
+    with raises(ChannelError, ChannelReason.REJECTED):
         chan.Channel(a, allowed_uids={os.getuid() + 1})
     b.close()
 
@@ -214,23 +206,23 @@ def test_socket_dir_must_be_private_and_ours() -> None:
     try:
         chan.check_socket_dir(d)  # the good case passes
         d.chmod(0o755)
-        with pytest.raises(UnsafeSocketPath, match="mode 755"):
+        with raises(ChannelError, ChannelReason.UNSAFE_PATH, match="mode 755"):
             chan.check_socket_dir(d)
         d.chmod(0o700)
-        with pytest.raises(UnsafeSocketPath, match="owned by uid"):
+        with raises(ChannelError, ChannelReason.UNSAFE_PATH, match="owned by uid"):
             chan.check_socket_dir(d, uid=os.getuid() + 1)
         link = d.parent / (d.name + "-link")
         link.symlink_to(d)
-        with pytest.raises(UnsafeSocketPath, match="symlink"):
+        with raises(ChannelError, ChannelReason.UNSAFE_PATH, match="symlink"):
             chan.check_socket_dir(link)
-        with pytest.raises(UnsafeSocketPath, match="symlink"):
+        with raises(ChannelError, ChannelReason.UNSAFE_PATH, match="symlink"):
             chan.Server(link / "x.sock")
         link.unlink()
-        with pytest.raises(UnsafeSocketPath, match="normalised"):
+        with raises(ChannelError, ChannelReason.UNSAFE_PATH, match="normalised"):
             chan.check_socket_dir(str(d) + "/../" + d.name)
         f = d / "file"
         f.write_text("")
-        with pytest.raises(UnsafeSocketPath, match="not a socket"):
+        with raises(ChannelError, ChannelReason.UNSAFE_PATH, match="not a socket"):
             chan.Server(f)
     finally:
         shutil.rmtree(d, ignore_errors=True)
@@ -315,7 +307,7 @@ def test_replayed_old_generation_is_refused_at_lease_time(exporter: Exporter) ->
     old = encode(attrs.evolve(current, generation=current.generation - 1), DEPLOYMENT)
     with pytest.raises(ImportFailed) as info:
         _import(exporter, old)
-    assert isinstance(info.value.__cause__, LeaseRefused) and info.value.__cause__.code == "stale_generation"
+    assert (isinstance(info.value.__cause__, ImportFailed) and info.value.__cause__.reason is ImportReason.REFUSED) and info.value.__cause__.code == "stale_generation"
     assert info.value.reason is ImportReason.REFUSED and info.value.cause is info.value.__cause__
     assert exporter.banks[0].leases == {}
 
@@ -327,7 +319,7 @@ def test_descriptor_of_a_previous_exporter_incarnation_is_refused(exporter: Expo
     old = encode(attrs.evolve(current, incarnation=os.urandom(16)), DEPLOYMENT)
     with pytest.raises(ImportFailed) as info:
         _import(exporter, old)
-    assert isinstance(info.value.__cause__, LeaseRefused) and info.value.__cause__.code == "stale_incarnation"
+    assert (isinstance(info.value.__cause__, ImportFailed) and info.value.__cause__.reason is ImportReason.REFUSED) and info.value.__cause__.code == "stale_incarnation"
 
 
 # -- no pickle, no eval --------------------------------------------------------------------
@@ -352,7 +344,9 @@ def test_pickles_and_code_are_data_not_instructions(exporter: Exporter, tmp_path
             decode(payload, DEPLOYMENT)
         try:
             chan.decode(payload)
-        except FrameError:
+        except ChannelError as exc:
+            if exc.reason is not ChannelReason.FRAME:
+                raise
             pass
         with chan.connect(exporter.socket_path) as ch:
             ch.send(payload)
@@ -400,7 +394,7 @@ def test_channel_close_is_seen_as_closed_not_data() -> None:
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with chan.Channel(b) as ch:
         a.close()
-        with pytest.raises(ChannelClosed):
+        with raises(ChannelError, ChannelReason.CLOSED):
             ch.recv(timeout=1.0)
     time.sleep(0)
 
@@ -415,7 +409,7 @@ def test_mistyped_request_fields_get_a_typed_refusal(exporter: Exporter, request
         ch.send(chan.encode(request_))
         with ch.recv() as msg:
             reply = chan.decode(msg.payload)
-        assert reply["ok"] is False and reply["code"] == "FrameError"
+        assert reply["ok"] is False and reply["code"] == ChannelReason.FRAME.value
         ch.send(chan.encode({"op": "nothing", "rank": 0, "lease": 1}))
         with ch.recv() as msg:
             assert chan.decode(msg.payload)["code"] == "unknown_lease"

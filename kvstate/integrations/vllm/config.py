@@ -27,7 +27,8 @@ from typing import Any
 
 import attrs
 
-from kvstate.core.errors import ConfigInvalid, SettingsError
+from kvstate.core.errors import ConfigInvalid
+from kvstate.core.reasons import ConfigReason
 from kvstate.core.identity import DEPLOYMENT_KEY_BYTES, Deployment
 from kvstate.reuse.policy import ReuseSettings
 
@@ -63,13 +64,13 @@ MAX_SWITCH_INTERVAL_S = 0.005
 
 def _name(field: str, value: object) -> str:
     if not isinstance(value, str) or not _NAME.fullmatch(value):
-        raise ConfigInvalid(field, f"must be 1-64 characters of A-Z a-z 0-9 _ . -, not {value!r:.60}")
+        raise ConfigInvalid.of(field, f"must be 1-64 characters of A-Z a-z 0-9 _ . -, not {value!r:.60}")
     return value
 
 
 def _seconds(field: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e6:
-        raise ConfigInvalid(field, f"must be a number of seconds in (0, 1e6), not {value!r:.60}")
+        raise ConfigInvalid.of(field, f"must be a number of seconds in (0, 1e6), not {value!r:.60}")
     return float(value)
 
 
@@ -85,18 +86,18 @@ def _key_from_file(path: Path) -> bytes:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
-        raise ConfigInvalid("deployment_key_file", f"{path}: {exc.strerror}") from None
+        raise ConfigInvalid.of("deployment_key_file", f"{path}: {exc.strerror}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_KEY_FILE_BYTES:
-            raise ConfigInvalid("deployment_key_file", f"{path} must be a regular file of at most "
-                                f"{MAX_KEY_FILE_BYTES} bytes")
+            raise ConfigInvalid.of("deployment_key_file", f"{path} must be a regular file of at most "
+                                   f"{MAX_KEY_FILE_BYTES} bytes")
         if st.st_uid != os.getuid() or st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ConfigInvalid("deployment_key_file", f"{path} must belong to uid {os.getuid()} and grant group "
-                                f"and others nothing (mode {stat.S_IMODE(st.st_mode):o})")
+            raise ConfigInvalid.of("deployment_key_file", f"{path} must belong to uid {os.getuid()} and grant group "
+                                   f"and others nothing (mode {stat.S_IMODE(st.st_mode):o})")
         raw = os.read(fd, MAX_KEY_FILE_BYTES + 1)
     except OSError as exc:
-        raise ConfigInvalid("deployment_key_file", f"{path}: {exc.strerror}") from None
+        raise ConfigInvalid.of("deployment_key_file", f"{path}: {exc.strerror}") from None
     finally:
         os.close(fd)
     if len(raw) == DEPLOYMENT_KEY_BYTES:
@@ -110,8 +111,8 @@ def _key_from_hex(field: str, text: str) -> bytes:
     except ValueError:
         key = b""
     if len(key) != DEPLOYMENT_KEY_BYTES:
-        raise ConfigInvalid(field, f"must hold {DEPLOYMENT_KEY_BYTES} raw bytes or {2 * DEPLOYMENT_KEY_BYTES} "
-                            "hex digits")
+        raise ConfigInvalid.of(field, f"must hold {DEPLOYMENT_KEY_BYTES} raw bytes or {2 * DEPLOYMENT_KEY_BYTES} "
+                               "hex digits")
     return key
 
 
@@ -157,54 +158,57 @@ class ConnectorConfig:
 def parse(extra: Mapping[str, Any] | None, role: str, environ: Mapping[str, str] | None = None) -> ConnectorConfig:
     """The settings in ``kv_connector_extra_config`` for ``role`` (vLLM's ``kv_role``)."""
     if role not in ("kv_producer", "kv_consumer", "kv_both"):
-        raise ConfigInvalid("kv_role", f"must be kv_producer, kv_consumer or kv_both, not {role!r:.40}")
+        raise ConfigInvalid.of("kv_role", f"must be kv_producer, kv_consumer or kv_both, not {role!r:.40}")
     if extra is not None and not isinstance(extra, Mapping):
-        raise ConfigInvalid("kv_connector_extra_config", f"must be a mapping of settings, not {type(extra).__name__}")
+        raise ConfigInvalid.of("kv_connector_extra_config",
+                               f"must be a mapping of settings, not {type(extra).__name__}")
     given = dict(extra or {})
     unknown = sorted(set(given) - set(KEYS), key=str)
     if unknown:
-        raise ConfigInvalid(str(unknown[0]), f"unknown key; the keys are {sorted(KEYS)}")
+        raise ConfigInvalid.of(str(unknown[0]), f"unknown key; the keys are {sorted(KEYS)}")
     v: dict[str, Any] = {k: given.get(k, default) for k, (default, _) in KEYS.items()}
     env = os.environ if environ is None else environ
 
     name = _name("deployment", v["deployment"])
     if v["deployment_key_file"] is not None:
         if not isinstance(v["deployment_key_file"], str):
-            raise ConfigInvalid("deployment_key_file", "must be a path")
+            raise ConfigInvalid.of("deployment_key_file", "must be a path")
         key = _key_from_file(Path(v["deployment_key_file"]))
     elif KEY_ENV in env:
         key = _key_from_hex(KEY_ENV, env[KEY_ENV].strip())
     else:
-        raise ConfigInvalid("deployment_key_file", f"no deployment key: set deployment_key_file or ${KEY_ENV} "
-                            "(the same key on every engine of the deployment)")
+        raise ConfigInvalid.of("deployment_key_file", f"no deployment key: set deployment_key_file or ${KEY_ENV} "
+                               "(the same key on every engine of the deployment)")
 
     socket_dir = v["socket_dir"]
     if socket_dir is None:
         socket_dir = f"/tmp/kvstate-{os.getuid()}-{name}"
     if not isinstance(socket_dir, str) or not os.path.isabs(socket_dir):
-        raise ConfigInvalid("socket_dir", f"must be an absolute path, not {socket_dir!r:.80}")
+        raise ConfigInvalid.of("socket_dir", f"must be an absolute path, not {socket_dir!r:.80}")
 
     sources = v["sources"]
     if not isinstance(sources, (list, tuple)) or not sources:
-        raise ConfigInvalid("sources", "must be a non-empty list of source names")
+        raise ConfigInvalid.of("sources", "must be a non-empty list of source names")
     retain = v["retain_bytes"]
     if isinstance(retain, bool) or not isinstance(retain, int) or not 1 <= retain <= 1 << 44:
-        raise ConfigInvalid("retain_bytes", f"must be an int in 1..2**44, not {retain!r:.40}")
+        raise ConfigInvalid.of("retain_bytes", f"must be an int in 1..2**44, not {retain!r:.40}")
     policy = v["policy"]
     if not isinstance(policy, Mapping):
-        raise ConfigInvalid("policy", "must be a mapping of reuse settings (docs/policy.md)")
+        raise ConfigInvalid.of("policy", "must be a mapping of reuse settings (docs/policy.md)")
     try:
         settings = ReuseSettings.from_mapping(policy, source="kv_connector_extra_config.policy")
-    except SettingsError as exc:
-        raise ConfigInvalid("policy", str(exc)) from None
+    except ConfigInvalid as exc:
+        if exc.reason not in (ConfigReason.UNKNOWN_SETTING, ConfigReason.INVALID_SETTING):
+            raise
+        raise ConfigInvalid.of("policy", str(exc)) from None
     model_id = v["model_id"]
     if model_id is not None and (not isinstance(model_id, str) or not model_id):
-        raise ConfigInvalid("model_id", "must be a non-empty string")
+        raise ConfigInvalid.of("model_id", "must be a non-empty string")
     switch = v["gil_switch_interval_s"]
     if switch is not None and (isinstance(switch, bool) or not isinstance(switch, (int, float))
                                or not 0 < switch <= MAX_SWITCH_INTERVAL_S):
-        raise ConfigInvalid("gil_switch_interval_s", f"must be null or seconds in (0, {MAX_SWITCH_INTERVAL_S}], "
-                            f"not {switch!r:.40}")
+        raise ConfigInvalid.of("gil_switch_interval_s", f"must be null or seconds in (0, {MAX_SWITCH_INTERVAL_S}], "
+                               f"not {switch!r:.40}")
 
     return ConnectorConfig(
         role=role, deployment=Deployment(name, key), socket_dir=Path(os.path.normpath(socket_dir)),

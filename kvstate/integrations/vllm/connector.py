@@ -89,25 +89,25 @@ def compat_of(vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig) -> C
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
-        raise ConfigInvalid("platform", "kvstate's vLLM connector supports vLLM's CPU backend (the one tested)")
+        raise ConfigInvalid.of("platform", "kvstate's vLLM connector supports vLLM's CPU backend (the one tested)")
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size != 1:
-        raise ConfigInvalid("pipeline_parallel_size", "pipeline parallelism is not supported")
+        raise ConfigInvalid.of("pipeline_parallel_size", "pipeline parallelism is not supported")
     groups = kv_cache_config.kv_cache_groups
     spec = groups[0].kv_cache_spec if len(groups) == 1 else None
     if spec is None or type(spec).__name__ != "FullAttentionSpec":
-        raise ConfigInvalid("kv_cache_groups", "one full-attention KV cache group is supported (no hybrid, "
-                            f"sliding-window or MLA caches): {[type(g.kv_cache_spec).__name__ for g in groups]}")
+        raise ConfigInvalid.of("kv_cache_groups", "one full-attention KV cache group is supported (no hybrid, "
+                               f"sliding-window or MLA caches): {[type(g.kv_cache_spec).__name__ for g in groups]}")
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     dtype = TORCH_DTYPES.get(str(spec.dtype))
     if dtype is None or cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
-        raise ConfigInvalid("cache_dtype", f"KV dtype {spec.dtype} ({cache_dtype}) is not supported")
+        raise ConfigInvalid.of("cache_dtype", f"KV dtype {spec.dtype} ({cache_dtype}) is not supported")
     try:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # private: how blocks are packed
 
         isa = str(_get_attn_isa(spec.dtype, spec.block_size, spec.head_size))
     except (ImportError, NotImplementedError) as exc:
-        raise ConfigInvalid("attention", f"cannot tell the CPU attention ISA: {exc}") from None
+        raise ConfigInvalid.of("attention", f"cannot tell the CPU attention ISA: {exc}") from None
     return Compat(model=cfg.model_id or str(vllm_config.model_config.model), dtype=dtype.value,
                   block_size=int(spec.block_size), head_dim=int(spec.head_size), kv_heads=int(spec.num_kv_heads),
                   layers=tuple(groups[0].layer_names), tp=int(parallel.tensor_parallel_size), isa=isa,
@@ -158,7 +158,7 @@ class KvStateConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         problem = tensor_problem(self._compat, kv_caches)
         if problem is not None:
-            raise ConfigInvalid("kv_caches", problem)
+            raise ConfigInvalid.of("kv_caches", problem)
         caches = {name: kv_caches[name] for name in self._compat.layers}
         if self._compat.isa == "amx":
             request_amx_tiles()  # a prefill worker's first forward may run over loaded KV (see .amx)

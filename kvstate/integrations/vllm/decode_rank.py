@@ -28,7 +28,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvstate import channel as chan
-from kvstate.core.errors import BlockBusy, ChannelError, ChannelTimeout, KvStateError, ProtocolError
+from kvstate.core.reasons import BusyReason, ChannelReason
+from kvstate.core.errors import ChannelError, KvStateError, Busy
 from kvstate.integrations.vllm import wire
 from kvstate.integrations.vllm.config import ConnectorConfig
 from kvstate.integrations.vllm.hashing import Compat, source_id
@@ -168,7 +169,7 @@ class DecodeRank:
             try:
                 if not self._serve(ch):
                     return  # refused for good (another rank holds ours, or an incompatible key)
-            except (ChannelError, ProtocolError) as exc:
+            except ChannelError as exc:
                 if not self._stopping.is_set():
                     log.info("kvstate: rank %d lost the index (%s); reconnecting", self.rank, exc)
             finally:
@@ -195,7 +196,9 @@ class DecodeRank:
                 self._advertise(ch, again=True)
             try:
                 msg = ch.recv(timeout=0.02)
-            except ChannelTimeout:
+            except ChannelError as exc:
+                if exc.reason is not ChannelReason.TIMEOUT:
+                    raise
                 continue
             with msg:
                 cmd = wire.decode(msg.payload, "evict")
@@ -215,7 +218,9 @@ class DecodeRank:
             try:
                 self.inventory.remove(INVENTORY_GROUP, [key])
                 removed.append(key)
-            except BlockBusy:
+            except Busy as exc:
+                if exc.reason is not BusyReason.BLOCKS:
+                    raise
                 busy.append(key)  # a lease pins it: the index asks again later
         ch.send(wire.encode("removed", rank=self.rank, keys=removed, busy=busy), timeout=2.0)
 

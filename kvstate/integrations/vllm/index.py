@@ -45,8 +45,9 @@ from typing import Any
 import attrs
 
 from kvstate import channel as chan
+from kvstate.core.reasons import ChannelReason
 from kvstate.core.descriptor import decode as decode_descriptor
-from kvstate.core.errors import ChannelError, ChannelTimeout, DescriptorRejected, ProtocolError
+from kvstate.core.errors import ChannelError, DescriptorRejected
 from kvstate.core.identity import Deployment
 from kvstate.integrations.vllm import wire
 from kvstate.integrations.vllm.hashing import COMPAT_FIELDS, HASH_BYTES, Compat
@@ -141,7 +142,7 @@ class DecodeIndex:
                 self._serve_rank(ch, msg)
             else:
                 self._serve_client(ch, msg)
-        except (ChannelError, ProtocolError) as exc:
+        except ChannelError as exc:
             if not self._stopping.is_set():
                 log.info("kvstate index: a connection ended: %s", exc)
         finally:
@@ -180,12 +181,14 @@ class DecodeIndex:
             while not self._stopping.is_set():
                 try:
                     msg = ch.recv(timeout=0.25)
-                except ChannelTimeout:
+                except ChannelError as exc:
+                    if exc.reason is not ChannelReason.TIMEOUT:
+                        raise
                     continue
                 with msg:
                     report = wire.decode(msg.payload, "advertised", "stored", "removed")
                 if report["rank"] != rank:
-                    raise ProtocolError(f"rank {rank} reported for rank {report['rank']}")
+                    raise ChannelError(ChannelReason.PROTOCOL, f"rank {rank} reported for rank {report['rank']}")
                 self._on_report(link, report)
         finally:
             with self._lock:
@@ -215,7 +218,9 @@ class DecodeIndex:
                     return
                 try:
                     nxt = ch.recv(timeout=0.25)
-                except ChannelTimeout:
+                except ChannelError as exc:
+                    if exc.reason is not ChannelReason.TIMEOUT:
+                        raise
                     continue
                 break
             with nxt:
@@ -337,19 +342,18 @@ class IndexClient:
                 with ch.recv(timeout=self.timeout_s) as msg:
                     try:
                         return wire.decode(msg.payload, "found", "descriptor_set", "refused")
-                    except ProtocolError:
-                        if _connection_limit(msg.payload):  # the server's own refusal, not the index's
+                    except ChannelError as exc:
+                        # the server's own refusal of a connection over its cap, not the index's
+                        if exc.reason is ChannelReason.PROTOCOL and _connection_limit(msg.payload):
                             self.close()
                             return Refusal("busy", "the decode index serves its most connections now")
                         raise
-            except ChannelTimeout as exc:
-                self.close()  # a late answer must never be read as the next one's
-                return Refusal("timeout", str(exc))
-            except ProtocolError as exc:
-                self.close()
-                return Refusal("protocol", str(exc))
             except ChannelError as exc:
-                self.close()
+                self.close()  # after a timeout, a late answer must never be read as the next one's
+                if exc.reason is ChannelReason.TIMEOUT:
+                    return Refusal("timeout", str(exc))
+                if exc.reason is ChannelReason.PROTOCOL:
+                    return Refusal("protocol", str(exc))
                 if attempt:
                     return Refusal("unreachable", str(exc))
         return Refusal("unreachable", "no answer")  # not reached

@@ -29,7 +29,8 @@ from typing import Any
 
 import attrs
 
-from kvstate.core.errors import ChannelError, CoordinatorRefused, KvStateError
+from kvstate.core.errors import ChannelError, KvStateError
+from kvstate.core.reasons import ChannelReason
 from kvstate.integrations.vllm.config import ConnectorConfig
 from kvstate.integrations.vllm.hashing import Compat
 from kvstate.integrations.vllm.orders import LoadFailures, LoadOrder, failure_code
@@ -77,11 +78,11 @@ class PrefillRank:
             worker: RankWorker[Any, Any, Any, Any, Any] = RankWorker(config, HostTransport())
             try:
                 worker.start()
-            except CoordinatorRefused as exc:
-                log.error("kvstate: the coordinator refused prefill rank %d: %s", self.rank, exc)
-                worker.close(timeout=0.0)
-                return
-            except (ChannelError, OSError):
+            except (ChannelError, OSError) as exc:
+                if isinstance(exc, ChannelError) and exc.reason is ChannelReason.COORDINATOR_REFUSED:
+                    log.error("kvstate: the coordinator refused prefill rank %d: %s", self.rank, exc)
+                    worker.close(timeout=0.0)
+                    return
                 worker.close(timeout=0.0)  # its importer's threads, else one set per retry
                 self._stopping.wait(RETRY_S)  # the scheduler side is not up yet
                 continue
@@ -116,7 +117,7 @@ class PrefillRank:
                 try:
                     load.handle = share.load(list(order.slots), self.kv_caches, list(order.dst_blocks))
                 except KvStateError as exc:
-                    return f"load_refused:{type(exc).__name__}"
+                    return f"load_refused:{exc.reason.value}"  # TransitionError illegal: the share left ready
             elif share is not None and share.state in _ENDED:
                 if share.problems:
                     return str(share.problems[0].reason.value)  # this rank rejected its descriptor

@@ -35,7 +35,8 @@ import attrs
 
 from kvstate.core.capabilities import MemoryKind
 from kvstate.core.descriptor import decode as decode_descriptor
-from kvstate.core.errors import DescriptorRejected, GroupFailed, GroupRejected, KvStateError
+from kvstate.core.errors import DescriptorRejected, GroupRejected, KvStateError
+from kvstate.core.reasons import DecisionReason
 from kvstate.core.validate import validate_group
 from kvstate.integrations.vllm.config import ConnectorConfig
 from kvstate.integrations.vllm.hashing import Compat, block_key, prefix_hashes, root
@@ -150,7 +151,8 @@ class SchedulerSide:
         full = min(min(num_computed, len(tokens)) // bs, len(block_ids), wire.MAX_BLOCKS)
         if full == 0:
             return False
-        hashes = prefix_hashes(self.cfg.deployment, root(self.cfg.deployment, self.compat, salt), tokens[:full * bs], bs)
+        hashes = prefix_hashes(self.cfg.deployment, root(self.cfg.deployment, self.compat, salt), tokens[:full * bs],
+                               bs)
         reserved = self.index.reserve(hashes)
         counts = self.index.table.counts()
         self.tally.gauge("retained_blocks", counts["stored"])
@@ -250,12 +252,8 @@ class SchedulerSide:
             try:
                 group = self.coordinator.start_group(m.descriptors, blocks=BlockRequest(INVENTORY_GROUP, m.epochs,
                                                                                         m.keys))
-            except (GroupRejected, GroupFailed) as exc:
-                why = exc.problems[0].reason.value if isinstance(exc, GroupRejected) and exc.problems else \
-                    getattr(exc, "event", "rejected")
-                return self._refused(req_id, m, dst, why)
-            except KvStateError as exc:
-                return self._refused(req_id, m, dst, type(exc).__name__)
+            except KvStateError as exc:  # GroupRejected: its first rule; GroupFailed: the event; else the reason
+                return self._refused(req_id, m, dst, exc.reason.value)
             shared = _Group(group, m.source, frozenset(m.keys))
             self._groups.append(shared)
         shared.users += 1

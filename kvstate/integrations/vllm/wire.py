@@ -12,7 +12,7 @@ connect to it:
 
 Every field of a received message is checked (:func:`decode`): a peer's JSON may hold
 anything, so a wrong kind, a missing field or a field of the wrong type is a
-:class:`~kvstate.core.errors.ProtocolError`, never a KeyError or TypeError.
+:class:`ChannelError` (PROTOCOL), never a KeyError or TypeError.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvstate import channel as chan
-from kvstate.core.errors import ProtocolError
+from kvstate.core.reasons import ChannelReason
+from kvstate.core.errors import ChannelError
 
 #: The most blocks one message names: a request retains, and a lookup asks about, at most
 #: its first MAX_BLOCKS prefix blocks (64k tokens at 16-token blocks). Why this bound: a
@@ -30,7 +31,7 @@ from kvstate.core.errors import ProtocolError
 #: ``found``, costs up to 27 bytes per block, ``stored`` and ``evict`` 21: 4,096 blocks
 #: stay under 120 KiB (tests/integrations/test_vllm_parts.py sends the worst cases).
 MAX_BLOCKS = 4096
-#: Every message's cap, below what the kernel sends at once (a longer one is a FrameError here).
+#: Every message's cap, below what the kernel sends at once (a longer one is a ChannelError (FRAME) here).
 LIMITS = chan.Limits(max_payload=192 * 1024)
 
 _Check = Callable[[object], bool]
@@ -77,18 +78,18 @@ SCHEMA: Mapping[str, Mapping[str, _Check]] = {
 
 
 def encode(kind: str, **fields: Any) -> bytes:
-    """A message of ``kind``; refuses (ProtocolError) what :func:`decode` would refuse."""
+    """A message of ``kind``; refuses (ChannelError (PROTOCOL)) what :func:`decode` would refuse."""
     msg = {"kind": kind, **fields}
     _check(msg)
     return chan.encode(msg)
 
 
 def decode(payload: bytes, *kinds: str) -> dict[str, Any]:
-    """The message in ``payload``, checked; ProtocolError unless its kind is one of ``kinds``."""
+    """The message in ``payload``, checked; ChannelError (PROTOCOL) unless its kind is one of ``kinds``."""
     msg = chan.decode(payload)
     _check(msg)
     if kinds and msg["kind"] not in kinds:
-        raise ProtocolError(f"expected {' or '.join(kinds)}, got {msg['kind']!r}")
+        raise ChannelError(ChannelReason.PROTOCOL, f"expected {' or '.join(kinds)}, got {msg['kind']!r}")
     return msg
 
 
@@ -96,18 +97,19 @@ def _check(msg: Mapping[str, Any]) -> None:
     kind = msg.get("kind")
     schema = SCHEMA.get(kind) if isinstance(kind, str) else None
     if schema is None:
-        raise ProtocolError(f"unknown message kind {kind!r:.40}")
+        raise ChannelError(ChannelReason.PROTOCOL, f"unknown message kind {kind!r:.40}")
     fields = set(msg) - {"kind"}
     if fields != set(schema):
-        raise ProtocolError(f"{kind}: fields {sorted(fields)}, expected {sorted(schema)}")
+        raise ChannelError(ChannelReason.PROTOCOL, f"{kind}: fields {sorted(fields)}, expected {sorted(schema)}")
     for name, check in schema.items():
         if not check(msg[name]):
-            raise ProtocolError(f"{kind}: field {name!r} is malformed: {msg[name]!r:.60}")
+            raise ChannelError(ChannelReason.PROTOCOL, f"{kind}: field {name!r} is malformed: {msg[name]!r:.60}")
 
 
 def split_hashes(blob: bytes, size: int) -> list[bytes]:
-    """The prefix hashes packed in a lookup (ProtocolError unless whole and bounded)."""
+    """The prefix hashes packed in a lookup (ChannelError (PROTOCOL) unless whole and bounded)."""
     if len(blob) % size or len(blob) // size > MAX_BLOCKS:
-        raise ProtocolError(f"lookup: {len(blob)} hash bytes is not a whole number of at most {MAX_BLOCKS} "
-                            f"{size}-byte hashes")
+        raise ChannelError(ChannelReason.PROTOCOL,
+                           f"lookup: {len(blob)} hash bytes is not a whole number of at most {MAX_BLOCKS} "
+                           f"{size}-byte hashes")
     return [blob[i:i + size] for i in range(0, len(blob), size)]

@@ -59,16 +59,17 @@ def load_driver(nat: Native | None = None) -> Native:
         try:
             nat = native_layer.default()
         except BackendUnavailable as exc:
-            raise BackendUnavailable("cuda", exc.why) from None
+            raise BackendUnavailable.missing("cuda", exc.detail) from None
     path = library()
     lib, ffi = nat.lib, nat.ffi
     rc = lib.kvs_cuda_load(ffi.new("char[]", path.encode()))
     if rc == lib.KVS_E_CUDA and lib.kvs_cuda_last_result() == rules.CUDA_ERROR_NO_DEVICE:
-        raise BackendUnavailable("cuda", "the driver sees no CUDA device")
+        raise BackendUnavailable.missing("cuda", "the driver sees no CUDA device")
     if rc == lib.KVS_E_BUSY:
-        raise BackendUnavailable("cuda", f"this process already loaded another CUDA driver library, not {path}")
+        raise BackendUnavailable.missing("cuda", f"this process already loaded another CUDA driver library, not {path}")
     if rc == lib.KVS_E_NODRIVER:
-        raise BackendUnavailable("cuda", f"no CUDA driver library: {ffi.string(lib.kvs_cuda_load_error()).decode()}")
+        raise BackendUnavailable.missing("cuda",
+                                         f"no CUDA driver library: {ffi.string(lib.kvs_cuda_load_error()).decode()}")
     if rc:
         raise nat.error(rc, "kvs_cuda_load", path)
     return nat

@@ -46,7 +46,7 @@ class CudaMapping:
 class DeviceBuffer:
     """Device memory as an end of a gather: a buffer of ``CudaTransport.alloc_buffer``, or
     memory the caller owns (e.g. a KV-cache tensor's ``data_ptr()``). An op pins a buffer
-    of ``alloc_buffer`` for its life (``free_buffer`` refuses with RegionPinned until the
+    of ``alloc_buffer`` for its life (``free_buffer`` refuses with Busy, reason pinned, until the
     device is done with it); the caller's own memory kvstate cannot pin: keep it alive
     until every op that uses it was reaped."""
 

@@ -21,8 +21,9 @@ from typing import Final
 import attrs
 
 from kvstate.core import errors
+from kvstate.core.reasons import BackendReason, ImportDefect, NativeReason
 from kvstate.core.capabilities import FabricTrial
-from kvstate.core.errors import HandleFdsMismatch, HandleWrongSize
+from kvstate.core.errors import ImportFailed
 from kvstate.core.handles import FD_KINDS, HANDLE_BYTES, HandleKind
 
 # -- CUresult values (cuda.h) ------------------------------------------------------------
@@ -45,30 +46,31 @@ CUDA_ERROR_LAUNCH_FAILED: Final = 719
 CUDA_ERROR_NOT_PERMITTED: Final = 800
 CUDA_ERROR_NOT_SUPPORTED: Final = 801
 
-_ERROR_CLASS: Final[dict[int, type[errors.CudaError]]] = {
-    CUDA_ERROR_INVALID_VALUE: errors.CudaInvalidArgument,
-    CUDA_ERROR_INVALID_DEVICE: errors.CudaInvalidArgument,
-    CUDA_ERROR_INVALID_HANDLE: errors.CudaInvalidArgument,
-    CUDA_ERROR_NOT_FOUND: errors.CudaInvalidArgument,
-    CUDA_ERROR_ALREADY_MAPPED: errors.CudaInvalidArgument,
-    CUDA_ERROR_OUT_OF_MEMORY: errors.CudaOutOfMemory,
-    CUDA_ERROR_MAP_FAILED: errors.CudaOutOfMemory,
-    CUDA_ERROR_NOT_SUPPORTED: errors.CudaNotSupported,
-    CUDA_ERROR_NOT_PERMITTED: errors.CudaNotPermitted,
-    CUDA_ERROR_NOT_INITIALIZED: errors.CudaContextError,
-    CUDA_ERROR_DEINITIALIZED: errors.CudaContextError,
-    CUDA_ERROR_INVALID_CONTEXT: errors.CudaContextError,
-    CUDA_ERROR_ILLEGAL_ADDRESS: errors.CudaDeviceFault,
-    CUDA_ERROR_LAUNCH_FAILED: errors.CudaDeviceFault,
+#: CUresult -> the NativeError reason of its kind (any other CUresult is NativeReason.CUDA).
+_RESULT_REASON: Final[dict[int, NativeReason]] = {
+    CUDA_ERROR_INVALID_VALUE: NativeReason.CUDA_INVALID,
+    CUDA_ERROR_INVALID_DEVICE: NativeReason.CUDA_INVALID,
+    CUDA_ERROR_INVALID_HANDLE: NativeReason.CUDA_INVALID,
+    CUDA_ERROR_NOT_FOUND: NativeReason.CUDA_INVALID,
+    CUDA_ERROR_ALREADY_MAPPED: NativeReason.CUDA_INVALID,
+    CUDA_ERROR_OUT_OF_MEMORY: NativeReason.CUDA_MEMORY,
+    CUDA_ERROR_MAP_FAILED: NativeReason.CUDA_MEMORY,
+    CUDA_ERROR_NOT_SUPPORTED: NativeReason.CUDA_UNSUPPORTED,
+    CUDA_ERROR_NOT_PERMITTED: NativeReason.CUDA_NOT_PERMITTED,
+    CUDA_ERROR_NOT_INITIALIZED: NativeReason.CUDA_CONTEXT,
+    CUDA_ERROR_DEINITIALIZED: NativeReason.CUDA_CONTEXT,
+    CUDA_ERROR_INVALID_CONTEXT: NativeReason.CUDA_CONTEXT,
+    CUDA_ERROR_ILLEGAL_ADDRESS: NativeReason.CUDA_FAULT,
+    CUDA_ERROR_LAUNCH_FAILED: NativeReason.CUDA_FAULT,
 }
 
 
-def cuda_error(call: str, result: int, name: str = "", detail: str = "") -> errors.CudaError:
+def cuda_error(call: str, result: int, name: str = "", detail: str = "") -> errors.NativeError:
     """The typed error for a failed driver call (``result`` != CUDA_SUCCESS)."""
     if result == CUDA_SUCCESS:
         raise ValueError(f"{call} succeeded; CUDA_SUCCESS is not an error")
-    cls = _ERROR_CLASS.get(result, errors.CudaError)
-    return cls(call, result, name or f"CUresult {result}", detail)
+    return errors.NativeError.cuda(call, result, name or f"CUresult {result}", detail,
+                                   _RESULT_REASON.get(result, NativeReason.CUDA))
 
 
 # -- handles -----------------------------------------------------------------------------
@@ -81,13 +83,14 @@ def check_received(kind: HandleKind, data: bytes, nfds: int) -> None:
     """A received handle is exactly its kind's shape: fd kinds carry one fd and 16 identity
     bytes; FABRIC and CUDA_IPC carry exactly 64 bytes and no fd. Raises before any open."""
     if kind not in CUDA_KINDS:
-        raise errors.HandleRefused(f"the cuda backend does not carry {kind.value} handles")
+        raise errors.ImportFailed.handle(ImportDefect.KIND, f"the cuda backend does not carry {kind.value} handles")
     exact = HANDLE_BYTES[kind]
     if len(data) != exact:
-        raise HandleWrongSize(f"{kind.value} handle bytes are {len(data)} long, expected {exact}")
+        raise ImportFailed.handle(ImportDefect.SIZE,
+                                  f"{kind.value} handle bytes are {len(data)} long, expected {exact}")
     want = 1 if kind in FD_KINDS else 0
     if nfds != want:
-        raise HandleFdsMismatch(f"{kind.value} handle arrived with {nfds} fd(s), expected {want}")
+        raise ImportFailed.handle(ImportDefect.FDS, f"{kind.value} handle arrived with {nfds} fd(s), expected {want}")
 
 
 # -- FABRIC trial ------------------------------------------------------------------------
@@ -121,13 +124,14 @@ def fabric_decision(*, requested: bool, attribute: bool, export_result: int | No
 
 # -- device UUIDs ------------------------------------------------------------------------
 
-_UUID_TEXT = re.compile(r"^(?:GPU-|MIG-)?([0-9a-f]{8})-([0-9a-f]{4})-([0-9a-f]{4})-([0-9a-f]{4})-([0-9a-f]{12})$", re.IGNORECASE)
+_UUID_TEXT = re.compile(r"^(?:GPU-|MIG-)?([0-9a-f]{8})-([0-9a-f]{4})-([0-9a-f]{4})-([0-9a-f]{4})-([0-9a-f]{12})$",
+                        re.IGNORECASE)
 
 
 def format_uuid(uuid: bytes) -> str:
     """``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx``, as nvidia-smi prints it."""
     if len(uuid) != 16:
-        raise errors.CudaDeviceNotFound(f"a device UUID is 16 bytes, not {len(uuid)}")
+        raise errors.BackendUnavailable(BackendReason.NO_DEVICE, f"a device UUID is 16 bytes, not {len(uuid)}")
     h = uuid.hex()
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
@@ -136,9 +140,10 @@ def parse_uuid(uuid: bytes | str) -> bytes:
     """16 UUID bytes from bytes or from nvidia-smi text (``GPU-…`` or ``MIG-…``)."""
     if isinstance(uuid, bytes):
         if len(uuid) != 16:
-            raise errors.CudaDeviceNotFound(f"a device UUID is 16 bytes, not {len(uuid)}")
+            raise errors.BackendUnavailable(BackendReason.NO_DEVICE, f"a device UUID is 16 bytes, not {len(uuid)}")
         return uuid
     m = _UUID_TEXT.match(uuid.strip())
     if m is None:
-        raise errors.CudaDeviceNotFound(f"{uuid!r} is not a device UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)")
+        raise errors.BackendUnavailable(BackendReason.NO_DEVICE,
+                                        f"{uuid!r} is not a device UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)")
     return bytes.fromhex("".join(m.groups()).lower())

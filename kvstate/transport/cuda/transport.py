@@ -14,7 +14,7 @@ import_(h, n)   ``cuMemImportFromShareableHandle`` (VMM) or ``cuIpcOpenMemHandle
 reserve(n)      ``cuMemAddressReserve`` aligned to the granularity
 map(r, off, a)  ``cuMemMap``; no access until set_access, exactly as the host backend
 set_access      ``cuMemSetAccess`` for this device; lowering refused while pinned
-unmap, release  refuse with RegionPinned while ops or leases pin the mapping; release
+unmap, release  refuse with Busy (PINNED) while ops or leases pin the mapping; release
                 refuses while mapped
 submit_gather   a gather on the C op engine, on a stream of its own (see below)
 granularity()   ``cuMemGetAllocationGranularity`` (recommended) for the allocation type
@@ -47,16 +47,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvstate.core import errors
+from kvstate.core.reasons import ArgumentReason, BackendReason, ImportDefect
 from kvstate.core.args import need, need_bytes, need_int, need_items
 from kvstate.core.capabilities import Access, Capabilities, FabricTrial, MemoryKind, Scope
-from kvstate.core.errors import (
-    FabricUnavailable,
-    FdIdentityMismatch,
-    HandleRefused,
-    ImportRefused,
-    LegacyIpcRefused,
-    OutOfRange,
-)
+from kvstate.core.errors import ArgumentInvalid, BackendUnavailable, ImportFailed
 from kvstate.core.handles import CUDA_HANDLE_BYTES, HandleKind
 from kvstate.transport.cuda import rules
 from kvstate.transport.cuda.driver import DeviceInfo, find_device, load_driver
@@ -92,7 +86,7 @@ class CudaTransport:
     ``GPU-…`` text). See the module docstring.
 
     ``kind`` is what this transport's allocations are exported as: ``POSIX_FD`` (default),
-    ``FABRIC`` (only if the trial passes, else FabricUnavailable), or ``CUDA_IPC`` (only
+    ``FABRIC`` (only if the trial passes, else BackendUnavailable (FABRIC)), or ``CUDA_IPC`` (only
     with ``legacy_ipc=True``). ``fabric=True`` runs the trial even when ``kind`` is
     POSIX_FD, to publish the result (``fabric_decision``). ``native``: another build of the
     native module than the process's (tests of planted bugs).
@@ -108,9 +102,10 @@ class CudaTransport:
         need("legacy_ipc", legacy_ipc, bool)
         want = rules.parse_uuid(device)
         if kind not in rules.CUDA_KINDS:
-            raise HandleRefused(f"the cuda backend does not export {kind.value} handles")
+            raise ImportFailed.handle(ImportDefect.KIND, f"the cuda backend does not export {kind.value} handles")
         if kind is HandleKind.CUDA_IPC and not legacy_ipc:
-            raise LegacyIpcRefused("CUDA_IPC handles need legacy_ipc=True (legacy IPC is only on request)")
+            raise ImportFailed.handle(ImportDefect.LEGACY_IPC,
+                                      "CUDA_IPC handles need legacy_ipc=True (legacy IPC is only on request)")
         self._native = nat = load_driver(native)
         self._lib, self._ffi = nat.lib, nat.ffi
         lib = self._lib
@@ -120,7 +115,8 @@ class CudaTransport:
                         Access.READ_WRITE: lib.KVS_ACCESS_READ_WRITE}
         info = find_device(nat, want)
         if info is None:
-            raise errors.CudaDeviceNotFound(f"no visible device has UUID {rules.format_uuid(want)}")
+            raise errors.BackendUnavailable(BackendReason.NO_DEVICE,
+                                            f"no visible device has UUID {rules.format_uuid(want)}")
         self.info: DeviceInfo = info
         self._uuid = want
         self._kind = kind
@@ -130,7 +126,8 @@ class CudaTransport:
             self.fabric_decision = self._fabric_trial() if (fabric or kind is HandleKind.FABRIC) else \
                 rules.fabric_decision(requested=False, attribute=False, export_result=None, import_result=None)
             if kind is HandleKind.FABRIC and self.fabric_decision.trial is not FabricTrial.PASSED:
-                raise FabricUnavailable(f"FABRIC handles were asked for: {self.fabric_decision.why}")
+                raise BackendUnavailable(BackendReason.FABRIC,
+                                         f"FABRIC handles were asked for: {self.fabric_decision.why}")
             self.min_granularity = self._gran(minimum=True)
         except BaseException:
             lib.kvs_cuda_close(self._device)  # nothing else was kept; the first failure propagates
@@ -234,8 +231,8 @@ class CudaTransport:
     def _sized(self, what: str, size: int) -> None:
         need_int("size", size, 1, MAX_SIZE)
         if size % self._granularity:
-            raise errors.NativeInvalidArgument(what, -1, f"size {size!r} is not a positive multiple of the "
-                                               f"granularity {self._granularity}")
+            raise errors.ArgumentInvalid.native(what, -1, f"size {size!r} is not a positive multiple of the "
+                                                f"granularity {self._granularity}")
 
     def create(self, size: int) -> CudaAllocation:
         self._sized("create", size)
@@ -248,12 +245,15 @@ class CudaTransport:
         _object("allocation", allocation, CudaAllocation, "id")
         need("kind", kind, HandleKind)
         if allocation.imported:
-            raise HandleRefused(f"allocation {allocation.id} is imported; only own allocations are exported")
+            raise ImportFailed.handle(ImportDefect.KIND,
+                                      f"allocation {allocation.id} is imported; only own allocations are exported")
         if kind is not allocation.kind:
             if kind is HandleKind.CUDA_IPC:
-                raise LegacyIpcRefused("legacy IPC exports only cuMemAlloc memory; this is VMM memory")
-            raise HandleRefused(f"allocation {allocation.id} was created for {allocation.kind.value} "
-                                f"handles, not {kind.value}")
+                raise ImportFailed.handle(ImportDefect.LEGACY_IPC,
+                                          "legacy IPC exports only cuMemAlloc memory; this is VMM memory")
+            raise ImportFailed.handle(ImportDefect.KIND,
+                                      f"allocation {allocation.id} was created for {allocation.kind.value} "
+                                      f"handles, not {kind.value}")
         fd, handle = self._ffi.new("int32_t *"), self._ffi.new("char[]", CUDA_HANDLE_BYTES)
         self._call(self._lib.kvs_cuda_export(allocation.id, self._types[kind], fd, handle),
                    "kvs_cuda_export", f"allocation {allocation.id} as {kind.value}")
@@ -268,7 +268,8 @@ class CudaTransport:
         fds = need_items("fds", fds, int, 16)
         rules.check_received(kind, data, len(fds))
         if kind is not self._kind:
-            raise HandleRefused(f"this cuda transport imports {self._kind.value} handles, not {kind.value}")
+            raise ImportFailed.handle(ImportDefect.KIND,
+                                      f"this cuda transport imports {self._kind.value} handles, not {kind.value}")
         if fds:
             self._check_fd(fds[0], data)
             return CudaHandle(kind, data, fds[0])
@@ -279,9 +280,11 @@ class CudaTransport:
         try:
             same = fd_identity_of(fd) == identity
         except OSError as exc:
-            raise ImportRefused("import", -1, f"fd {fd} cannot be examined: {exc.strerror}") from None
+            raise ImportFailed.handle(ImportDefect.FD, call="import", code=-1,
+                                      detail=f"fd {fd} cannot be examined: {exc.strerror}") from None
         if not same:
-            raise FdIdentityMismatch("import", -1, f"fd {fd} is not the file its descriptor names")
+            raise ImportFailed.handle(ImportDefect.FD_IDENTITY,
+                                      call="import", code=-1, detail=f"fd {fd} is not the file its descriptor names")
 
     def import_(self, handle: CudaHandle, size: int) -> CudaAllocation:
         """Open a received handle. The caller keeps (and closes) a received fd: the driver
@@ -293,7 +296,8 @@ class CudaTransport:
         self._sized("import", size)
         rules.check_received(handle.kind, handle.identity, 0 if handle.fd is None else 1)
         if handle.kind is not self._kind:
-            raise HandleRefused(f"this cuda transport imports {self._kind.value} handles, not {handle.kind.value}")
+            raise ImportFailed.handle(ImportDefect.KIND,
+                                      f"this cuda transport imports {self._kind.value} handles, not {handle.kind.value}")
         fd = -1
         if handle.fd is not None:
             self._check_fd(handle.fd, handle.identity)
@@ -320,10 +324,11 @@ class CudaTransport:
         _object("reservation", reservation, CudaReservation, "id")
         _object("allocation", allocation, CudaAllocation, "id", "size")
         if type(offset) is not int or offset < 0 or offset % self._granularity:
-            raise errors.NativeInvalidArgument("map", -1, f"offset {offset!r} is not a multiple of the "
-                                               f"granularity {self._granularity}")
+            raise errors.ArgumentInvalid.native("map", -1, f"offset {offset!r} is not a multiple of the "
+                                                f"granularity {self._granularity}")
         if allocation.kind is HandleKind.CUDA_IPC and offset:
-            raise LegacyIpcRefused("legacy IPC memory has one mapping, where it was allocated or opened")
+            raise ImportFailed.handle(ImportDefect.LEGACY_IPC,
+                                      "legacy IPC memory has one mapping, where it was allocated or opened")
         region, addr = self._ffi.new("uint64_t *"), self._ffi.new("uint64_t *")
         self._call(self._lib.kvs_cuda_map(reservation.id, offset, allocation.id, region, addr), "kvs_cuda_map",
                    f"allocation {allocation.id} at offset {offset} of reservation {reservation.id}")
@@ -372,7 +377,7 @@ class CudaTransport:
             return 0, ep.ptr, ep.nbytes
         if isinstance(ep, RawBuffer):  # device memory by address: an engine's CUDA tensor
             return 0, ep.addr, ep.size
-        raise errors.NativeInvalidArgument("gather", -1, f"{ep!r} is neither a CudaMapping nor device memory")
+        raise errors.ArgumentInvalid.native("gather", -1, f"{ep!r} is neither a CudaMapping nor device memory")
 
     def submit_gather(self, src: CudaEndpoint, dst: CudaEndpoint, blocks: Sequence[Block]) -> Op:
         """Copy each (src_off, dst_off, len) block device to device: an op of the C engine,
@@ -409,7 +414,8 @@ class CudaTransport:
     def _span(target: CudaEndpoint, nbytes: int, offset: int) -> int:
         addr, size = (target.addr, target.size) if isinstance(target, CudaMapping) else (target.ptr, target.nbytes)
         if offset < 0 or nbytes <= 0 or offset + nbytes > size:
-            raise OutOfRange("copy", -1, f"{nbytes} bytes at {offset} exceed {size}")
+            raise ArgumentInvalid.native("copy", -1, f"{nbytes} bytes at {offset} exceed {size}",
+                                         ArgumentReason.OUT_OF_RANGE)
         return addr + offset
 
     def write(self, target: CudaEndpoint, data: bytes, offset: int = 0) -> None:
@@ -433,7 +439,7 @@ class CudaTransport:
         self._call(self._lib.kvs_cuda_memcpy(self._device, d, s, nbytes), "kvs_cuda_memcpy", f"{nbytes} bytes")
 
     def close(self) -> None:
-        """Destroy the device's streams and drop its primary context. Refused (EngineBusy)
+        """Destroy the device's streams and drop its primary context. Refused (Busy (ENGINE))
         while it has ops in flight or memory objects left."""
         self._call(self._lib.kvs_cuda_close(self._device), "kvs_cuda_close", f"device {rules.format_uuid(self._uuid)}")
 

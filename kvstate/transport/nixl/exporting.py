@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 import attrs
 
 from kvstate.core.capabilities import Access, Capabilities, MemoryKind, Scope
-from kvstate.core.errors import NixlUnsupported
+from kvstate.core.errors import BackendUnavailable
+from kvstate.core.reasons import BackendReason
 from kvstate.core.handles import HandleKind
 from kvstate.transport.host import HostAllocation, HostMapping, HostReservation, HostTransport
 from kvstate.transport.nixl.transport import NixlAllocation, NixlTransport
@@ -71,10 +72,13 @@ class NixlExportingHost:
     def export(self, allocation: HostAllocation, kind: HandleKind) -> NixlExportHandle:
         """Register the bank's mapping with NIXL and return its handle bytes."""
         if kind is not HandleKind.NIXL:
-            raise NixlUnsupported(f"{self.name} exports banks as {HandleKind.NIXL.value!r} handles, not {kind.value!r}")
+            raise BackendUnavailable(BackendReason.UNSUPPORTED,
+                                     f"{self.name} exports banks as {HandleKind.NIXL.value!r} handles, "
+                                     f"not {kind.value!r}")
         mapping = self._mapping_of.get(allocation.id)
         if mapping is None:
-            raise NixlUnsupported("a bank is exported through NIXL from its mapping: map it first")
+            raise BackendUnavailable(BackendReason.UNSUPPORTED,
+                                     "a bank is exported through NIXL from its mapping: map it first")
         registered = self._registered.get(allocation.id)
         if registered is None:
             registered = self.nixl.register(mapping.addr, mapping.size, MemoryKind.HOST)
@@ -93,10 +97,12 @@ class NixlExportingHost:
     # -- everything else is the host's ---------------------------------------------------
 
     def receive_handle(self, kind: HandleKind, data: bytes, fds: Sequence[int]) -> NixlExportHandle:
-        raise NixlUnsupported(f"{self.name} exports only; import NIXL banks with RemotePart")
+        raise BackendUnavailable(BackendReason.UNSUPPORTED,
+                                 f"{self.name} exports only; import NIXL banks with RemotePart")
 
     def import_(self, handle: NixlExportHandle, size: int) -> HostAllocation:
-        raise NixlUnsupported(f"{self.name} exports only; import NIXL banks with RemotePart")
+        raise BackendUnavailable(BackendReason.UNSUPPORTED,
+                                 f"{self.name} exports only; import NIXL banks with RemotePart")
 
     def reserve(self, size: int) -> HostReservation:
         return self.host.reserve(size)

@@ -35,7 +35,7 @@ import struct
 
 import attrs
 
-from kvstate.core.errors import NixlHandleRejected, NixlStaleGeneration
+from kvstate.core.errors import ImportFailed
 from kvstate.core.handles import NIXL_HANDLE_MAX_BYTES
 from kvstate.core.capabilities import MemoryKind
 
@@ -57,7 +57,7 @@ _MEMORY_BY_CODE = {v: k for k, v in _MEMORY_CODES.items()}
 
 
 class HandleDefect(enum.Enum):
-    """Why handle bytes were rejected; carried by :class:`NixlHandleRejected`."""
+    """Why handle bytes were rejected; carried by :class:`ImportFailed` (HANDLE)."""
 
     TOO_LONG = "too_long"
     TRUNCATED = "truncated"
@@ -111,8 +111,8 @@ class NixlHandle:
         return encode(self)
 
 
-def _reject(reason: HandleDefect, detail: str) -> NixlHandleRejected:
-    return NixlHandleRejected(reason, detail)
+def _reject(reason: HandleDefect, detail: str) -> ImportFailed:
+    return ImportFailed.nixl_handle(reason, detail)
 
 
 def _check_name(raw: bytes) -> str:
@@ -129,7 +129,8 @@ def _check_regions(regions: tuple[RemoteRegion, ...]) -> None:
     previous_end = -1
     for i, r in enumerate(regions):
         if not (0 <= r.addr <= U64_MAX and 0 < r.length <= U64_MAX and 0 <= r.device_id <= U32_MAX):
-            raise _reject(HandleDefect.REGIONS, f"region {i} ({r.addr:#x}, {r.length}, dev {r.device_id}) is out of range")
+            raise _reject(HandleDefect.REGIONS,
+                          f"region {i} ({r.addr:#x}, {r.length}, dev {r.device_id}) is out of range")
         if r.addr + r.length > U64_MAX + 1:
             raise _reject(HandleDefect.REGIONS, f"region {i} wraps the 64-bit address space")
         if r.addr < previous_end:
@@ -163,8 +164,8 @@ def decode(data: bytes, *, generation: int | None = None) -> NixlHandle:
     """Decode and check handle bytes, before anything is handed to NIXL.
 
     ``generation`` is the generation the enclosing descriptor names: a record exported
-    at an older one is :class:`NixlStaleGeneration`, any other mismatch is rejected too.
-    Every failure is a :class:`NixlHandleRejected` with a :class:`HandleDefect`.
+    at an older one is :class:`ImportFailed` (HANDLE, defect STALE_GENERATION), any other mismatch is rejected too.
+    Every failure is a :class:`ImportFailed` (HANDLE) with a :class:`HandleDefect`.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"handle bytes must be bytes, not {type(data).__name__}")
@@ -200,9 +201,10 @@ def decode(data: bytes, *, generation: int | None = None) -> NixlHandle:
     _check_regions(regions)
     if generation is not None and gen != generation:
         if gen < generation:
-            raise NixlStaleGeneration(HandleDefect.STALE_GENERATION,
-                                      f"record of generation {gen}, but generation {generation} is current")
-        raise _reject(HandleDefect.GENERATION, f"record of generation {gen} inside a descriptor of generation {generation}")
+            raise ImportFailed.nixl_handle(HandleDefect.STALE_GENERATION,
+                                           f"record of generation {gen}, but generation {generation} is current")
+        raise _reject(HandleDefect.GENERATION,
+                      f"record of generation {gen} inside a descriptor of generation {generation}")
     return NixlHandle(agent_name=name, metadata=metadata, regions=regions, generation=gen,
                       memory=_MEMORY_BY_CODE[memory])
 

@@ -10,7 +10,7 @@ mapped into the importer's address space, so this transport has no ``reserve``, 
 ``set_access`` or ``unmap``: it implements the narrower protocols
 (:class:`~kvstate.transport.protocol.Backend`,
 :class:`~kvstate.transport.protocol.ExportingTransport`; see that module for the choice),
-the lifecycle sides refuse it with ``TransportUnsuitable``, and a NIXL rank part is used
+the lifecycle sides refuse it with ``BackendUnavailable`` (UNSUITABLE), and a NIXL rank part is used
 through :meth:`NixlTransport.load` instead.
 
 Exporter side: :meth:`create` (or :meth:`register` for memory another backend owns)
@@ -53,17 +53,9 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from kvstate.core.errors import (
-    BackendUnavailable,
-    KvStateError,
-    LeaseEnded,
-    RegionPinned,
-    NixlError,
-    NixlHandleRejected,
-    NixlOperationFailed,
-    NixlStaleGeneration,
-    NixlTimeout,
-    NixlUnsupported,
+    BackendUnavailable, Busy, KvStateError, ImportFailed, TransferFailed, TimedOut, NativeError,
 )
+from kvstate.core.reasons import BackendReason, BusyReason, NativeReason
 from kvstate.core.handles import HandleKind
 from kvstate.core.optional import is_missing, require
 from kvstate.core.capabilities import Capabilities, MemoryKind, Scope
@@ -103,8 +95,8 @@ def load_nixl() -> ModuleType:
         if hasattr(module, "nixl_agent"):
             return module
         missing.append(f"{name} (has no nixl_agent)")
-    raise BackendUnavailable("nixl", "no NIXL Python API found: tried " + ", ".join(missing)
-                             + f"; install with: {INSTALL_HINT}")
+    raise BackendUnavailable.missing("nixl", "no NIXL Python API found: tried " + ", ".join(missing)
+                                     + f"; install with: {INSTALL_HINT}")
 
 
 def _numpy() -> ModuleType:
@@ -120,13 +112,13 @@ def _host_uuid() -> bytes:
 
 
 def _call(op: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Call into NIXL, turning its exceptions into :class:`NixlOperationFailed`."""
+    """Call into NIXL, turning its exceptions into a :class:`NativeError` (reason NIXL)."""
     try:
         return fn(*args, **kwargs)
     except KvStateError:
         raise
     except Exception as exc:  # NIXL raises its own binding exceptions (nixlBind.*Error)
-        raise NixlOperationFailed(op, f"{type(exc).__name__}: {exc}") from exc
+        raise NativeError.nixl(op, f"{type(exc).__name__}: {exc}") from exc
 
 
 # -- leases --------------------------------------------------------------------------
@@ -158,9 +150,9 @@ class LeaseGate:
 
     def check(self) -> None:
         if self._ended is not None:
-            raise LeaseEnded(self.bank, self._ended)
+            raise TransferFailed.lease_ended(self.bank, self._ended)
         if time.monotonic_ns() >= self.deadline_ns:
-            raise LeaseEnded(self.bank, "expired")
+            raise TransferFailed.lease_ended(self.bank, "expired")
 
 
 # -- objects the transport hands out -------------------------------------------------
@@ -186,7 +178,8 @@ class NixlAllocation:
     def view(self) -> memoryview:
         """The bytes of a host allocation kvstate created (tests, benchmarks, fill)."""
         if self.owned is None:
-            raise NixlUnsupported("only memory created by NixlTransport.create has a Python view")
+            raise BackendUnavailable(BackendReason.UNSUPPORTED,
+                                     "only memory created by NixlTransport.create has a Python view")
         return memoryview(self.owned)
 
 
@@ -228,13 +221,14 @@ class NixlTransport:
         agent_name = agent_name or f"kvstate-{os.getpid()}-{secrets.token_hex(4)}"
         with _process_agent_lock:
             if _process_agent is not None and _process_agent[0] == os.getpid():
-                raise NixlError(f"this process already has a NIXL agent ({_process_agent[1]!r}); "
-                                "kvstate uses one agent per process")
+                raise NativeError(NativeReason.NIXL, f"this process already has a NIXL agent ({_process_agent[1]!r}); "
+                                  "kvstate uses one agent per process")
             config = nixl.nixl_agent_config(backends=[BACKEND], num_threads=num_threads)
             self._agent = _call("create agent", nixl.nixl_agent, agent_name, config)
             _process_agent = (os.getpid(), agent_name)
         if BACKEND not in self._agent.backends:
-            raise BackendUnavailable("nixl", f"NIXL's {BACKEND} plugin is missing; found {self._agent.get_plugin_list()}")
+            raise BackendUnavailable.missing("nixl",
+                                             f"NIXL's {BACKEND} plugin is missing; found {self._agent.get_plugin_list()}")
         self.agent_name = agent_name
         mem_types = set(self._agent.get_backend_mem_types(BACKEND))
         kinds = {MemoryKind.HOST}
@@ -279,7 +273,7 @@ class NixlTransport:
                  device_id: int = 0) -> NixlAllocation:
         """Register memory another backend owns (a host bank, or VRAM where a GPU exists)."""
         if memory not in self._capabilities.memory_kinds:
-            raise BackendUnavailable("nixl", f"{memory.value} memory is not enabled for this agent "
+            raise BackendUnavailable.missing("nixl", f"{memory.value} memory is not enabled for this agent "
                                              "(pass device_memory=True where a GPU exists)")
         if addr <= 0 or size <= 0:
             raise ValueError(f"bad region ({addr:#x}, {size})")
@@ -298,7 +292,9 @@ class NixlTransport:
                generation: int = 0) -> bytes:
         """Handle bytes for ``allocation`` at ``generation`` (kvstate.transport.nixl.handle)."""
         if kind is not HandleKind.NIXL:
-            raise NixlUnsupported(f"the nixl transport exports only {HandleKind.NIXL.value!r} handles, not {kind.value!r}")
+            raise BackendUnavailable(BackendReason.UNSUPPORTED,
+                                     f"the nixl transport exports only {HandleKind.NIXL.value!r} handles, "
+                                     f"not {kind.value!r}")
         self._check_live(allocation)
         metadata = _call("get_partial_agent_metadata", self._agent.get_partial_agent_metadata,
                          allocation.reg, inc_conn_info=True, backends=[BACKEND])
@@ -312,26 +308,27 @@ class NixlTransport:
 
         ``generation`` is the descriptor's; a record from an older generation, or older
         than one this process already imported from the same agent, is
-        :class:`NixlStaleGeneration`. A newer generation retires the older view first.
+        :class:`ImportFailed` (HANDLE, defect STALE_GENERATION). A newer generation retires the older view first.
         """
         self._check_open()
         h = handle if isinstance(handle, NixlHandle) else decode(handle, generation=generation)
         if isinstance(handle, NixlHandle) and generation is not None and h.generation != generation:
             h = decode(h.encode(), generation=generation)  # same checks, same errors
         if h.size != size:
-            raise NixlHandleRejected(HandleDefect.REGIONS, f"handle covers {h.size} bytes; the descriptor says {size}")
+            raise ImportFailed.nixl_handle(HandleDefect.REGIONS,
+                                           f"handle covers {h.size} bytes; the descriptor says {size}")
         if h.agent_name == self.agent_name:
-            raise NixlHandleRejected(HandleDefect.AGENT_NAME, "the handle names this process's own agent")
+            raise ImportFailed.nixl_handle(HandleDefect.AGENT_NAME, "the handle names this process's own agent")
         bank = h.bank
         where = f"{h.agent_name} bank at {bank[1]:#x}"
         latest = self._latest_generation.get(bank)
         if latest is not None and h.generation < latest:
-            raise NixlStaleGeneration(HandleDefect.STALE_GENERATION,
-                                      f"{where}: generation {h.generation}, but {latest} was already imported")
+            raise ImportFailed.nixl_handle(HandleDefect.STALE_GENERATION,
+                                           f"{where}: generation {h.generation}, but {latest} was already imported")
         previous = self._remotes.get(bank)
         if previous is not None:
             if previous.generation == h.generation:
-                raise NixlError(f"{where} generation {h.generation} is already imported")
+                raise NativeError(NativeReason.NIXL, f"{where} generation {h.generation} is already imported")
             self.close_remote(previous, why=f"superseded by generation {h.generation}")
         # Loading partial metadata again for a known agent adds this bank's registration.
         loaded = _call("add_remote_agent", self._agent.add_remote_agent, h.metadata)
@@ -339,8 +336,8 @@ class NixlTransport:
         if loaded_name != h.agent_name:
             if self._agent_views(loaded_name) == 0:  # never drop another view's metadata
                 _call("remove_remote_agent", self._agent.remove_remote_agent, loaded_name)
-            raise NixlHandleRejected(HandleDefect.AGENT_NAME,
-                                     f"metadata is for agent {loaded_name!r}, the handle names {h.agent_name!r}")
+            raise ImportFailed.nixl_handle(HandleDefect.AGENT_NAME,
+                                           f"metadata is for agent {loaded_name!r}, the handle names {h.agent_name!r}")
         remote = NixlRemote(handle=h, agent_name=loaded_name)
         self._remotes[bank] = remote
         self._latest_generation[bank] = h.generation
@@ -357,8 +354,8 @@ class NixlTransport:
         with self._pins:
             self._check_live(allocation)
             if allocation.pins:
-                raise RegionPinned("release", 0, f"{allocation.pins} load(s) in flight into the allocation at "
-                                   f"{allocation.addr:#x}; NIXL would let them write after deregistration")
+                raise Busy.native(BusyReason.PINNED, "release", 0, f"{allocation.pins} load(s) in flight into the "
+                                  f"allocation at {allocation.addr:#x}; NIXL would let them write after deregistration")
             allocation.released = True  # no load starts on it from here
         for dlist in allocation.local_dlists.values():
             _call("release_dlist_handle", self._agent.release_dlist_handle, dlist)
@@ -381,12 +378,14 @@ class NixlTransport:
 
         Blocks are ``block_bytes`` each, numbered from the start of the bank and of
         ``dst``; ``dst_blocks`` defaults to 0..n-1. The lease is checked before anything
-        is posted. Raises :class:`LeaseEnded`, :class:`NixlStaleGeneration` for a
-        retired view, :class:`NixlTimeout` or :class:`NixlOperationFailed`.
+        is posted. Raises :class:`TransferFailed` (LEASE_ENDED), :class:`ImportFailed`
+        (HANDLE, defect STALE_GENERATION) for a retired view, :class:`TimedOut` (NIXL) or
+        :class:`NativeError` (NIXL).
         """
         lease.check()
         if remote.closed is not None:
-            raise NixlStaleGeneration(HandleDefect.STALE_GENERATION, f"{remote.agent_name} view is closed: {remote.closed}")
+            raise ImportFailed.nixl_handle(HandleDefect.STALE_GENERATION,
+                                           f"{remote.agent_name} view is closed: {remote.closed}")
         self._check_live(dst)
         np = self._np
         src = np.asarray(src_blocks, dtype=np.int64)
@@ -412,7 +411,7 @@ class NixlTransport:
             except BaseException as exc:
                 try:  # releasing an unfinished transfer asks NIXL to cancel it
                     _call("release_xfer_handle", self._agent.release_xfer_handle, xfer)
-                except NixlOperationFailed as release_exc:
+                except NativeError as release_exc:  # _call raises only the NIXL reason
                     unpin = False  # NIXL may still write into dst: it stays pinned for good
                     exc.add_note(f"releasing the transfer also failed: {release_exc}; its target stays pinned")
                 raise
@@ -431,13 +430,13 @@ class NixlTransport:
         spins = 0
         while state == "PROC":
             if time.monotonic() >= deadline:
-                raise NixlTimeout("transfer", f"not complete after {timeout} s")
+                raise TimedOut.nixl("transfer", f"not complete after {timeout} s")
             spins += 1
             if spins % 1024 == 0:
                 time.sleep(0)
             state = _call("check_xfer_state", self._agent.check_xfer_state, xfer)
         if state != "DONE":
-            raise NixlOperationFailed("transfer", f"state {state}")
+            raise NativeError.nixl("transfer", f"state {state}")
 
     def _blocks(self, base: int, size: int, block_bytes: int, device_id: int) -> npt.NDArray[Any]:
         np = self._np
@@ -498,12 +497,13 @@ class NixlTransport:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise NixlError(f"NIXL transport {self.agent_name!r} is closed")
+            raise NativeError(NativeReason.NIXL, f"NIXL transport {self.agent_name!r} is closed")
 
     def _check_live(self, allocation: NixlAllocation) -> None:
         self._check_open()
         if allocation.released or allocation not in self._allocations:
-            raise NixlError(f"allocation at {allocation.addr:#x} is not registered with {self.agent_name!r}")
+            raise NativeError(NativeReason.NIXL,
+                              f"allocation at {allocation.addr:#x} is not registered with {self.agent_name!r}")
 
 
 def _conformance(t: NixlTransport) -> None:
