@@ -15,7 +15,7 @@
  * instance serialises its own fires with a word holding the firing thread's id: another
  * thread waits (in the native control plane an instance has one owner thread, so it does
  * not), and the firing thread itself, firing again from an effect, is refused with
- * KVS_E_REENTRANT instead of deadlocking, as Python's ReentrantTransition. Nothing here
+ * KVS_E_REENTRANT instead of deadlocking, as Python's TransitionError (reentrant). Nothing here
  * takes kvstate's global lock or touches Python.
  */
 #define _GNU_SOURCE
@@ -112,6 +112,8 @@ static int fire_locked(const struct kvs_mtable *t, kvs_machine_inst *m, int32_t 
     return KVS_E_GUARD;
 }
 
+/* `out` belongs to the caller of this fire alone: it is written before the instance is
+ * taken, so two threads firing on one instance must not share one. */
 int kvs_machine_fire(kvs_machine_inst *m, int32_t event, uint64_t holds, kvs_effect_fn fx, void *ctx,
                      kvs_fire_result *out) {
     kvs_fire_result scratch;

@@ -21,9 +21,9 @@ import pytest
 from support.errors import raises
 
 from kvstate.core.reasons import NativeReason
-from kvstate.core.errors import BackendUnavailable, ImportFailed
+from kvstate.core.errors import ArgumentInvalid, BackendUnavailable, ImportFailed
 from kvstate.core import errors
-from kvstate.core.reasons import BackendReason, ImportReason, ImportDefect
+from kvstate.core.reasons import ArgumentReason, BackendReason, ImportReason, ImportDefect
 from kvstate.core.capabilities import FabricTrial
 from kvstate.core.handles import HANDLE_BYTES, HandleKind
 from kvstate.transport.cuda import rules
@@ -153,8 +153,9 @@ def test_device_uuid_text_round_trip() -> None:
     text = rules.format_uuid(u)
     assert text == "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"
     assert rules.parse_uuid(text) == rules.parse_uuid(text.upper().replace("GPU-", "MIG-")) == u
-    for bad in ("0", "GPU-0001", b"\0" * 15):
-        with raises(BackendUnavailable, BackendReason.NO_DEVICE):
+    for bad, reason in (("0", ArgumentReason.ENCODING), ("GPU-0001", ArgumentReason.ENCODING),
+                        (b"\0" * 15, ArgumentReason.LENGTH)):
+        with raises(ArgumentInvalid, reason):
             rules.parse_uuid(bad)
 
 
@@ -234,11 +235,11 @@ def test_a_library_that_is_not_a_driver_is_refused() -> None:
 def test_bad_constructor_arguments_are_refused_before_the_driver_is_touched() -> None:
     from kvstate.transport.cuda import CudaTransport
 
-    with raises(BackendUnavailable, BackendReason.NO_DEVICE):
+    with raises(ArgumentInvalid, ArgumentReason.ENCODING):
         CudaTransport("GPU-not-a-uuid")
-    with raises(ImportFailed, ImportReason.HANDLE, defect=ImportDefect.LEGACY_IPC):
+    with raises(ArgumentInvalid, ArgumentReason.STATE):
         CudaTransport(bytes(16), kind=HandleKind.CUDA_IPC)
-    with raises(ImportFailed, ImportReason.HANDLE):
+    with raises(ArgumentInvalid, ArgumentReason.RANGE):
         CudaTransport(bytes(16), kind=HandleKind.MEMFD)
 
 

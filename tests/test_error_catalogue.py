@@ -88,7 +88,8 @@ def test_an_error_keeps_its_reason_detail_and_message() -> None:
     assert (exc.reason, exc.detail, exc.code) == (reasons.ImportReason.STALE, "3 blocks gone", "stale_inventory")
     assert str(exc) == "lease refused (stale_inventory): 3 blocks gone"
     wrapped = errors.ImportFailed.wrap(1, exc)  # a refusal keeps its whole text: the code with it
-    assert (wrapped.reason, wrapped.detail, wrapped.cause) == (reasons.ImportReason.STALE, str(exc), exc)
+    assert (wrapped.reason, wrapped.detail, wrapped.cause, wrapped.code) == (reasons.ImportReason.STALE, str(exc), exc,
+                                                                            "stale_inventory")
     assert str(wrapped) == "import of rank 1 failed (stale): lease refused (stale_inventory): 3 blocks gone"
     again = errors.ImportFailed.wrap(0, wrapped)  # a rank's own failure lends its detail, not its text
     assert again.detail == wrapped.detail and "import of rank 1" not in str(again)

@@ -60,9 +60,9 @@ class Limits:
 
     def __attrs_post_init__(self) -> None:
         if not 0 < self.max_payload <= HARD_MAX_PAYLOAD:
-            raise ChannelError(ChannelReason.FRAME, f"max_payload must be in 1..{HARD_MAX_PAYLOAD}")
+            raise ChannelError(ChannelReason.SETUP, f"max_payload must be in 1..{HARD_MAX_PAYLOAD}")
         if not 0 <= self.max_fds <= HARD_MAX_FDS:
-            raise ChannelError(ChannelReason.FRAME, f"max_fds must be in 0..{HARD_MAX_FDS}")
+            raise ChannelError(ChannelReason.SETUP, f"max_fds must be in 0..{HARD_MAX_FDS}")
 
 
 def close_quietly(fd: int) -> None:

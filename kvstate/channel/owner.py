@@ -85,28 +85,18 @@ def sweep(directory: Path) -> list[str]:
     """Remove what dead servers left in ``directory`` (call with it locked): each socket
     whose mark nobody holds, with its mark, and temporary marks nobody holds. Returns the
     names removed."""
-    removed: list[str] = []
     try:
-        names = os.listdir(directory)
+        dead = _dead_entries(directory)
     except FileNotFoundError:
-        return removed
-    for name in sorted(names):
-        if name.endswith(".sock" + SUFFIX):
-            sock = name[:-len(SUFFIX)]
-        elif name.startswith(_TMP_PREFIX):
-            sock = None
-        else:
-            continue
+        return []
+    removed = []
+    for name, is_socket in dead:
         path = directory / name
-        if not _dead(path):
+        try:
+            if is_socket and not stat.S_ISSOCK(os.lstat(path).st_mode):
+                continue  # a file of that name that is no socket: not ours to remove
+        except FileNotFoundError:
             continue
-        if sock is not None:
-            try:
-                if stat.S_ISSOCK(os.lstat(directory / sock).st_mode):
-                    _unlink(directory / sock)
-                    removed.append(sock)
-            except FileNotFoundError:
-                pass
         _unlink(path)
         removed.append(name)
     return removed
@@ -114,16 +104,25 @@ def sweep(directory: Path) -> list[str]:
 
 def leftovers(directory: Path) -> list[str]:
     """What dead servers left in ``directory`` now (nothing is removed): the marks nobody
-    holds, and the sockets they mark."""
+    holds, and the sockets they mark. Taken with the directory locked, so a server being
+    started (its mark locked but not yet in place) is never read as dead."""
     try:
-        names = sorted(os.listdir(directory))
+        with directory_locked(directory):
+            return [name for name, _ in _dead_entries(directory)]
     except FileNotFoundError:
         return []
-    out: list[str] = []
+
+
+def _dead_entries(directory: Path) -> list[tuple[str, bool]]:
+    """(name, is a socket) of every dead mark and the socket it marks, in name order."""
+    names = sorted(os.listdir(directory))
+    out: list[tuple[str, bool]] = []
     for name in names:
         if (name.endswith(".sock" + SUFFIX) or name.startswith(_TMP_PREFIX)) and _dead(directory / name):
-            sock = name[:-len(SUFFIX)]
-            out += [sock, name] if sock in names else [name]
+            sock = name[:-len(SUFFIX)] if name.endswith(SUFFIX) else None
+            if sock is not None and sock in names:
+                out.append((sock, True))
+            out.append((name, False))
     return out
 
 

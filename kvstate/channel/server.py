@@ -48,31 +48,38 @@ class Server:
         check_socket_path(self.path, must_exist=False)
         # One start at a time per directory: what dead servers left goes, then this
         # server's mark is taken before its socket exists (kvstate.channel.owner).
-        with owner.directory_locked(self.path.parent):
-            swept = owner.sweep(self.path.parent)
-            if swept:
-                log.info("%s: removed what dead servers left: %s", self.path.parent, ", ".join(swept))
-            self._remove_stale()
-            self._mark = owner.OwnerMark(self.path)
-            bound = False
-            try:
-                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-                try:
-                    self._sock.bind(str(self.path))
-                    bound = True
-                    self._sock.listen(backlog)
-                    self._sock.setblocking(False)
-                except BaseException:
-                    self._sock.close()
-                    raise
-            except BaseException as exc:  # nothing of this start stays: socket file, mark
-                if bound:
-                    os.unlink(self.path)
-                self._mark.release()
-                if isinstance(exc, OSError):  # EMFILE, ENOBUFS, EADDRINUSE...
-                    raise ChannelError(ChannelReason.FAILED, f"{self.path}: cannot listen: {exc.strerror or exc}") from None
-                raise
+        try:
+            with owner.directory_locked(self.path.parent):
+                self._start(backlog)
+        except OSError as exc:  # EMFILE, ENOSPC, EACCES, EADDRINUSE...: nothing of this start stays
+            raise ChannelError(ChannelReason.FAILED, f"{self.path}: cannot listen: {exc.strerror or exc}") from None
         self._closed = False
+
+    def _start(self, backlog: int) -> None:
+        """Sweep, take the mark, bind and listen, with the directory locked; on any failure
+        neither the socket file nor the mark stays."""
+        swept = owner.sweep(self.path.parent)
+        if swept:
+            log.info("%s: removed what dead servers left: %s", self.path.parent, ", ".join(swept))
+        self._remove_stale()
+        self._mark = owner.OwnerMark(self.path)
+        bound = False
+        try:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+            try:
+                self._sock.bind(str(self.path))
+                bound = True
+                self._ino = os.lstat(self.path).st_ino  # close() removes only this socket, never a successor's
+                self._sock.listen(backlog)
+                self._sock.setblocking(False)
+            except BaseException:
+                self._sock.close()
+                raise
+        except BaseException:
+            if bound:
+                os.unlink(self.path)
+            self._mark.release()
+            raise
 
     def _remove_stale(self) -> None:
         """A socket left by a dead server is removed; a live one, or anything else, is refused."""
@@ -213,7 +220,9 @@ class Server:
         self._closed = True
         self._sock.close()
         try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+            with owner.directory_locked(self.path.parent):  # no start binds this name meanwhile
+                if os.lstat(self.path).st_ino == self._ino:
+                    os.unlink(self.path)
+        except OSError:
+            pass  # gone already, or its directory with it
         self._mark.release()  # last: while it is held, no sweep judges this socket dead

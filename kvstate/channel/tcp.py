@@ -31,8 +31,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from kvstate.channel.conn import Channel, PeerCred
-from kvstate.channel.framing import DEFAULT_TIMEOUT, HEADER, MAGIC, Limits, Message, check_timeout, remaining_ms
+from kvstate.channel.conn import Channel, PeerCred, poll_until
+from kvstate.channel.framing import DEFAULT_TIMEOUT, HEADER, MAGIC, Limits, Message, check_timeout
 from kvstate.core.errors import ChannelError
 from kvstate.core.reasons import ChannelReason
 from kvstate.core.identity import Deployment, Purpose, digest
@@ -91,7 +91,7 @@ class TcpChannel(Channel):
     def _wait(self, events: int, deadline: float, what: str) -> None:
         p = select.poll()
         self._register(p, events)
-        if not p.poll(remaining_ms(deadline)):
+        if not poll_until(p, deadline):
             raise ChannelError(ChannelReason.TIMEOUT, f"{what} did not complete in time")
         self._live()
 
@@ -265,6 +265,8 @@ class TcpServer:
                  max_connections: int = 128, handshake_timeout: float = 5.0) -> None:
         self.deployment = deployment
         self.limits = limits
+        # A handshake has HANDSHAKE_S at most whatever the caller asks: an unauthenticated
+        # peer is given no more than a real importer needs (one round trip).
         self.handshake_timeout = min(handshake_timeout, HANDSHAKE_S)
         self._slots = threading.BoundedSemaphore(max_connections)
         try:

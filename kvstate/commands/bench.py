@@ -65,11 +65,12 @@ def run(args: argparse.Namespace) -> int:
         print("kvstate bench: the benchmarks are not installed with kvstate; they run from a source checkout "
               "of kvstate (its benchmarks/ folder): run `make bench` there", file=sys.stderr)
         return 2
+    vllm_status = 0
     if args.suite and "vllm" in args.suite:
-        status = _vllm(args)
+        vllm_status = _vllm(args)
         args.suite = [s for s in args.suite if s != "vllm"]
         if not args.suite:
-            return status
+            return vllm_status
     framework, suites, report = _benchmarks()
     chosen = [s for s in suites.suites(quick=args.quick, repeats=args.repeats)
               if not args.suite or s.key in args.suite]
@@ -96,8 +97,8 @@ def run(args: argparse.Namespace) -> int:
     failed = [r.name for res in results for r in res.rows if r.failed]
     if failed:
         print(f"kvstate bench: {len(failed)} row(s) failed: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+        return max(1, vllm_status)
+    return vllm_status  # the vLLM suite's failure is not lost behind the others'
 
 
 def _vllm(args: argparse.Namespace) -> int:

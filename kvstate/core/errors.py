@@ -241,6 +241,7 @@ class ImportFailed(KvStateError):
         # a refusal or a handle check keeps its whole text (the refusal code)
         detail = inner.detail if inner is not None and inner.rank is not None else str(cause)
         return cls(why, detail, rank=rank, cause=cause, defect=None if inner is None else inner.defect,
+                   code=None if inner is None else inner.code,
                    message=f"import of rank {rank} failed ({why.value}): {detail}")
 
     @classmethod

@@ -677,7 +677,7 @@ class Exporter(Generic[H, A, R, M, E]):
                 try:
                     request = chan.decode(msg.payload)
                     if request == status.REQUEST:
-                        reply = status.exporter_status(self, asking=1)
+                        reply = status.exporter_status(self, asking=1, max_bytes=ch.limits.max_payload)
                     elif request.get("op") == "leases":
                         reply, fds = self._handle_batch(ch, request)
                     elif request.get("op") == "mapped" and "items" in request:

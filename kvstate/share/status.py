@@ -70,15 +70,23 @@ def bank_status(bank: Bank[Any, Any, Any, Any, Any], now: float) -> dict[str, An
     return out
 
 
-def exporter_status(exporter: Exporter[Any, Any, Any, Any, Any], asking: int = 0) -> dict[str, Any]:
-    """``asking``: connections that are the status request itself (not counted)."""
+def exporter_status(exporter: Exporter[Any, Any, Any, Any, Any], asking: int = 0,
+                    max_bytes: int | None = None) -> dict[str, Any]:
+    """``asking``: connections that are the status request itself (not counted);
+    ``max_bytes``: what one frame carries (past it the lease lists go, their counts stay)."""
     now = time.monotonic()
     inv = exporter.inventory
-    return {"version": VERSION, "kind": "exporter", "pid": os.getpid(), "path": str(exporter.socket_path),
-            "incarnation": exporter.incarnation.value.hex(), "tp": exporter.config.tp,
-            "lease_timeout_s": exporter.config.lease_timeout_s, "connections": exporter.connections() - asking,
-            "retained_blocks": None if inv is None else len(inv),
-            "banks": [bank_status(b, now) for _, b in sorted(exporter.banks.items())]}
+    banks = [bank_status(b, now) for _, b in sorted(exporter.banks.items())]
+    out: dict[str, Any] = {
+        "version": VERSION, "kind": "exporter", "pid": os.getpid(), "path": str(exporter.socket_path),
+        "incarnation": exporter.incarnation.value.hex(), "tp": exporter.config.tp,
+        "lease_timeout_s": exporter.config.lease_timeout_s, "connections": exporter.connections() - asking,
+        "retained_blocks": None if inv is None else len(inv), "banks": banks}
+    if max_bytes is not None and len(chan.encode(out)) > max_bytes:
+        for bank in banks:
+            bank["leases"] = []
+        out["truncated"] = "lease lists left out: the snapshot did not fit one frame"
+    return out
 
 
 def coordinator_status(coordinator: Coordinator) -> dict[str, Any]:
@@ -103,13 +111,20 @@ def is_request(payload: bytes) -> bool:
 
 
 def query(path: str | os.PathLike[str], timeout: float = 2.0) -> dict[str, Any]:
-    """Ask one server for its snapshot. ChannelError: CLOSED, nobody listens there (a
-    leftover); any other reason, it is not a kvstate server that answers status, or it
-    broke the frame."""
-    with chan.connect(path, timeout=timeout, limits=chan.Limits(max_payload=chan.HARD_MAX_PAYLOAD)) as ch:
-        ch.send(chan.encode(REQUEST), timeout=timeout)
-        with ch.recv(timeout=timeout) as msg:
-            answer = chan.decode(msg.payload)
+    """Ask one server for its snapshot (ChannelError: nobody listens there, or it is not a
+    kvstate server that answers status, or it broke the frame)."""
+    with _connect(path, timeout) as ch:
+        return _ask(ch, path, timeout)
+
+
+def _connect(path: str | os.PathLike[str], timeout: float) -> chan.Channel:
+    return chan.connect(path, timeout=timeout, limits=chan.Limits(max_payload=chan.HARD_MAX_PAYLOAD))
+
+
+def _ask(ch: chan.Channel, path: str | os.PathLike[str], timeout: float) -> dict[str, Any]:
+    ch.send(chan.encode(REQUEST), timeout=timeout)
+    with ch.recv(timeout=timeout) as msg:
+        answer = chan.decode(msg.payload)
     if not isinstance(answer, dict) or answer.get("version") != VERSION or "kind" not in answer:
         raise ChannelError(ChannelReason.PROTOCOL, f"{path}: not a status answer (version {VERSION})")
     return answer
@@ -125,9 +140,15 @@ def node_status(socket_dirs: Sequence[str | os.PathLike[str]], timeout: float = 
     for root in roots:
         for path in sorted(p for p in root.iterdir() if p.suffix == ".sock"):
             try:
-                endpoints.append(query(path, timeout))
-            except ChannelError as exc:  # closed: nobody listens there
+                ch = _connect(path, timeout)
+            except ChannelError as exc:  # refused: nobody listens there (closed), or another fault
                 endpoints.append({"kind": "stale" if exc.closed else "other", "path": str(path), "detail": str(exc)})
+                continue
+            try:  # a live server that does not answer status (another protocol) is not a leftover
+                with ch:
+                    endpoints.append(_ask(ch, path, timeout))
+            except ChannelError as exc:
+                endpoints.append({"kind": "other", "path": str(path), "detail": str(exc)})
     return {"version": VERSION, "socket_dirs": [str(r) for r in roots], "time": time.time(), "endpoints": endpoints}
 
 

@@ -127,9 +127,9 @@ class TransferHandle:
 
     def _activate(self, on_finish: Callable[[TransferHandle], None] | None) -> None:
         """All ops are submitted and the owner tracks the handle: let it finish. If it
-        cannot be watched (epoll or eventfd refused: ENOMEM, ENOSPC), nothing stays in
-        flight: its ops are cancelled or awaited, and TransferFailed (load or store) says so;
-        the owner then forgets the handle."""
+        cannot be watched (epoll or eventfd refused: ENOMEM, ENOSPC; no thread; a native
+        refusal), nothing stays in flight: its ops are cancelled or awaited, and the error
+        (TransferFailed, load or store, for an OS one) says so; the owner forgets the handle."""
         self._on_finish = on_finish
         fd = self._notify_fd
         if fd is None:
@@ -144,12 +144,15 @@ class TransferHandle:
                 with self._lock:
                     if self._notify_fd == fd and not self._finishing:
                         os.eventfd_write(fd, 1)
-        except OSError as exc:
+        except BaseException as exc:  # OSError, no thread (RuntimeError), a native refusal: none in flight
             self._on_finish = None
             _dispatcher.unregister(fd)
             self._abort()
+            if isinstance(exc, KvStateError) or not isinstance(exc, Exception):
+                raise
             reason = TransferFailReason.LOAD if self.kind == "load" else TransferFailReason.STORE
-            raise TransferFailed(reason, f"{self.label}: the transfer cannot be watched ({exc.strerror or exc}); "
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            raise TransferFailed(reason, f"{self.label}: the transfer cannot be watched ({why}); "
                                  "its ops were cancelled or awaited, nothing is in flight") from exc
 
     def _watch_next(self) -> bool:

@@ -101,9 +101,6 @@ class NativeMachine:
     def __init__(self, table: NativeTable) -> None:
         self.table = table
         self._inst = table.ffi.new("kvs_machine_inst *")
-        self._out = table.ffi.new("kvs_fire_result *")
-        self._log = table.ffi.new("int32_t[]", _LOG)
-        self._nlog = table.ffi.new("int32_t[]", 1)
         rc = table.lib.kvs_machine_init(self._inst, table.id)
         if rc != table.lib.KVS_OK:
             raise errors.NativeError.native("kvs_machine_init", rc, f"machine {table.spec.name}: refused ({rc})")
@@ -127,11 +124,13 @@ class NativeMachine:
         source = self.state
         if event not in t._event_ids:  # not an event of the machine: undeclared everywhere
             return Fired(source, source, ILLEGAL)
-        lib, out = t.lib, self._out
-        rc = lib.kvs_machine_fire_planned(self._inst, t._event_ids[event], *masks, self._log, _LOG,
-                                          self._nlog, out)
+        # A result and a log per call: a fire from another thread waits for the one in
+        # progress, and its result must not land in this one's buffers.
+        lib, ffi = t.lib, t.ffi
+        out, log, nlog = ffi.new("kvs_fire_result *"), ffi.new("int32_t[]", _LOG), ffi.new("int32_t[]", 1)
+        rc = lib.kvs_machine_fire_planned(self._inst, t._event_ids[event], *masks, log, _LOG, nlog, out)
         calls = tuple(f"do {t.effects[c]}" if c >= 0 else f"undo {t.effects[-1 - c]}"
-                      for c in (self._log[i] for i in range(self._nlog[0])))
+                      for c in (log[i] for i in range(nlog[0])))
         dest = t.states[out.dest]
         if rc == lib.KVS_OK:
             return Fired(source, dest, OK, calls=calls)

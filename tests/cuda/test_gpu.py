@@ -68,9 +68,9 @@ def test_a_kill_during_a_copy_leaves_the_exporter_able_to_drain(device: bytes) -
 def test_legacy_ipc_only_on_request_and_only_for_cumemalloc_memory(device: bytes) -> None:
     t = CudaTransport(device)
     a = t.create(t.granularity())
-    with raises(ImportFailed, ImportReason.HANDLE, defect=ImportDefect.LEGACY_IPC):
+    with raises(ArgumentInvalid, ArgumentReason.RANGE):
         t.export(a, HandleKind.CUDA_IPC)
-    with raises(ImportFailed, ImportReason.HANDLE, defect=ImportDefect.LEGACY_IPC):
+    with raises(ArgumentInvalid, ArgumentReason.STATE):
         CudaTransport(device, kind=HandleKind.CUDA_IPC)
     t.release(a)
     t.close()

@@ -184,3 +184,27 @@ def test_a_status_request_mid_serving_leaves_leasing_intact(transport: HostTrans
         stop.set()
         t.join(10)
     assert answers and set(answers) == {2}
+
+
+def test_a_live_server_of_another_protocol_is_not_a_leftover(tmp_path: Path) -> None:
+    """A live server that does not answer status (the vLLM index, say) hangs up on the
+    request: it is named 'other', never a dead process's leftover."""
+    d = tmp_path / "sock"
+    d.mkdir(mode=0o700)
+    from kvstate import channel as chan
+
+    server = chan.Server(d / "index.sock")
+    server.serve_in_thread(lambda ch: ch.close())  # reads nothing, answers nothing
+    try:
+        (ep,) = snapshot(d)["endpoints"]
+        assert ep["kind"] == "other" and ep["path"].endswith("index.sock"), ep
+    finally:
+        server.close()
+
+
+def test_a_snapshot_too_large_for_one_frame_keeps_its_counts(transport: HostTransport) -> None:
+    ex = make_exporter(1, transport, name="decode")
+    full = status.exporter_status(ex)
+    small = status.exporter_status(ex, max_bytes=len(__import__("json").dumps(full)) // 2)
+    assert small["truncated"] and small["banks"][0]["leases"] == []
+    assert small["banks"][0]["lease_count"] == full["banks"][0]["lease_count"]

@@ -232,7 +232,7 @@ class SchedulerSide:
         except DescriptorRejected as exc:
             return str(exc.reason.value)
         except GroupRejected as exc:
-            return str(exc.problems[0].reason.value) if exc.problems else "rejected"
+            return str(exc.reason.value)  # the first problem's (a group is never rejected without one)
         return None
 
     def allocated(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:

@@ -21,7 +21,7 @@ from typing import Final
 import attrs
 
 from kvstate.core import errors
-from kvstate.core.reasons import BackendReason, ImportDefect, NativeReason
+from kvstate.core.reasons import ArgumentReason, BackendReason, ImportDefect, NativeReason
 from kvstate.core.capabilities import FabricTrial
 from kvstate.core.errors import ImportFailed
 from kvstate.core.handles import FD_KINDS, HANDLE_BYTES, HandleKind
@@ -140,10 +140,10 @@ def parse_uuid(uuid: bytes | str) -> bytes:
     """16 UUID bytes from bytes or from nvidia-smi text (``GPU-…`` or ``MIG-…``)."""
     if isinstance(uuid, bytes):
         if len(uuid) != 16:
-            raise errors.BackendUnavailable(BackendReason.NO_DEVICE, f"a device UUID is 16 bytes, not {len(uuid)}")
+            raise errors.ArgumentInvalid.of("device", ArgumentReason.LENGTH, f"a device UUID is 16 bytes, not {len(uuid)}")
         return uuid
     m = _UUID_TEXT.match(uuid.strip())
     if m is None:
-        raise errors.BackendUnavailable(BackendReason.NO_DEVICE,
+        raise errors.ArgumentInvalid.of("device", ArgumentReason.ENCODING,
                                         f"{uuid!r} is not a device UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)")
     return bytes.fromhex("".join(m.groups()).lower())

@@ -101,11 +101,13 @@ class CudaTransport:
         need("fabric", fabric, bool)
         need("legacy_ipc", legacy_ipc, bool)
         want = rules.parse_uuid(device)
+        # How the transport is made is the caller's to fix, not a handle to recompute around.
         if kind not in rules.CUDA_KINDS:
-            raise ImportFailed.handle(ImportDefect.KIND, f"the cuda backend does not export {kind.value} handles")
+            raise ArgumentInvalid.of("kind", ArgumentReason.RANGE, f"the cuda backend does not export {kind.value} "
+                                     "handles")
         if kind is HandleKind.CUDA_IPC and not legacy_ipc:
-            raise ImportFailed.handle(ImportDefect.LEGACY_IPC,
-                                      "CUDA_IPC handles need legacy_ipc=True (legacy IPC is only on request)")
+            raise ArgumentInvalid.of("legacy_ipc", ArgumentReason.STATE,
+                                     "CUDA_IPC handles need legacy_ipc=True (legacy IPC is only on request)")
         self._native = nat = load_driver(native)
         self._lib, self._ffi = nat.lib, nat.ffi
         lib = self._lib
@@ -244,16 +246,17 @@ class CudaTransport:
     def export(self, allocation: CudaAllocation, kind: HandleKind) -> CudaHandle:
         _object("allocation", allocation, CudaAllocation, "id")
         need("kind", kind, HandleKind)
+        # Exporting what cannot be exported is a wrong call (ArgumentInvalid on every backend).
         if allocation.imported:
-            raise ImportFailed.handle(ImportDefect.KIND,
-                                      f"allocation {allocation.id} is imported; only own allocations are exported")
+            raise ArgumentInvalid.of("allocation", ArgumentReason.STATE,
+                                     f"allocation {allocation.id} is imported; only own allocations are exported")
         if kind is not allocation.kind:
             if kind is HandleKind.CUDA_IPC:
-                raise ImportFailed.handle(ImportDefect.LEGACY_IPC,
-                                          "legacy IPC exports only cuMemAlloc memory; this is VMM memory")
-            raise ImportFailed.handle(ImportDefect.KIND,
-                                      f"allocation {allocation.id} was created for {allocation.kind.value} "
-                                      f"handles, not {kind.value}")
+                raise ArgumentInvalid.of("kind", ArgumentReason.RANGE,
+                                         "legacy IPC exports only cuMemAlloc memory; this is VMM memory")
+            raise ArgumentInvalid.of("kind", ArgumentReason.RANGE,
+                                     f"allocation {allocation.id} was created for {allocation.kind.value} "
+                                     f"handles, not {kind.value}")
         fd, handle = self._ffi.new("int32_t *"), self._ffi.new("char[]", CUDA_HANDLE_BYTES)
         self._call(self._lib.kvs_cuda_export(allocation.id, self._types[kind], fd, handle),
                    "kvs_cuda_export", f"allocation {allocation.id} as {kind.value}")

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 import attrs
 
 from kvstate.core.capabilities import Access, Capabilities, MemoryKind, Scope
-from kvstate.core.errors import BackendUnavailable
-from kvstate.core.reasons import BackendReason
+from kvstate.core.errors import ArgumentInvalid, BackendUnavailable
+from kvstate.core.reasons import ArgumentReason, BackendReason
 from kvstate.core.handles import HandleKind
 from kvstate.transport.host import HostAllocation, HostMapping, HostReservation, HostTransport
 from kvstate.transport.nixl.transport import NixlAllocation, NixlTransport
@@ -72,7 +72,7 @@ class NixlExportingHost:
     def export(self, allocation: HostAllocation, kind: HandleKind) -> NixlExportHandle:
         """Register the bank's mapping with NIXL and return its handle bytes."""
         if kind is not HandleKind.NIXL:
-            raise BackendUnavailable(BackendReason.UNSUPPORTED,
+            raise ArgumentInvalid.of("kind", ArgumentReason.RANGE,
                                      f"{self.name} exports banks as {HandleKind.NIXL.value!r} handles, "
                                      f"not {kind.value!r}")
         mapping = self._mapping_of.get(allocation.id)

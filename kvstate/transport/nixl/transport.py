@@ -53,9 +53,9 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from kvstate.core.errors import (
-    BackendUnavailable, Busy, KvStateError, ImportFailed, TransferFailed, TimedOut, NativeError,
+    ArgumentInvalid, BackendUnavailable, Busy, KvStateError, ImportFailed, TransferFailed, TimedOut, NativeError,
 )
-from kvstate.core.reasons import BackendReason, BusyReason, NativeReason
+from kvstate.core.reasons import ArgumentReason, BackendReason, BusyReason, NativeReason
 from kvstate.core.handles import HandleKind
 from kvstate.core.optional import is_missing, require
 from kvstate.core.capabilities import Capabilities, MemoryKind, Scope
@@ -292,9 +292,8 @@ class NixlTransport:
                generation: int = 0) -> bytes:
         """Handle bytes for ``allocation`` at ``generation`` (kvstate.transport.nixl.handle)."""
         if kind is not HandleKind.NIXL:
-            raise BackendUnavailable(BackendReason.UNSUPPORTED,
-                                     f"the nixl transport exports only {HandleKind.NIXL.value!r} handles, "
-                                     f"not {kind.value!r}")
+            raise ArgumentInvalid.of("kind", ArgumentReason.RANGE, f"the nixl transport exports only "
+                                     f"{HandleKind.NIXL.value!r} handles, not {kind.value!r}")
         self._check_live(allocation)
         metadata = _call("get_partial_agent_metadata", self._agent.get_partial_agent_metadata,
                          allocation.reg, inc_conn_info=True, backends=[BACKEND])
@@ -357,10 +356,15 @@ class NixlTransport:
                 raise Busy.native(BusyReason.PINNED, "release", 0, f"{allocation.pins} load(s) in flight into the "
                                   f"allocation at {allocation.addr:#x}; NIXL would let them write after deregistration")
             allocation.released = True  # no load starts on it from here
-        for dlist in allocation.local_dlists.values():
-            _call("release_dlist_handle", self._agent.release_dlist_handle, dlist)
-        allocation.local_dlists.clear()
-        _call("deregister_memory", self._agent.deregister_memory, allocation.reg, backends=[BACKEND])
+        try:
+            for size in list(allocation.local_dlists):  # each forgotten once it is gone: a retry resumes
+                _call("release_dlist_handle", self._agent.release_dlist_handle, allocation.local_dlists[size])
+                del allocation.local_dlists[size]
+            _call("deregister_memory", self._agent.deregister_memory, allocation.reg, backends=[BACKEND])
+        except BaseException:
+            with self._pins:
+                allocation.released = False  # still registered: release may be tried again
+            raise
         self._allocations.remove(allocation)
         if allocation.owned is not None:
             try:
@@ -491,9 +495,15 @@ class NixlTransport:
             allocation.local_dlists.clear()
         for remote in list(self._remotes.values()):
             self.close_remote(remote)
+        failed: list[KvStateError] = []
         for allocation in list(self._allocations):
-            self.release(allocation)
+            try:
+                self.release(allocation)
+            except KvStateError as exc:  # pinned for good, or NIXL refused: the others still go
+                failed.append(exc)
         self._closed = True
+        if failed:
+            raise failed[0]
 
     def _check_open(self) -> None:
         if self._closed:
