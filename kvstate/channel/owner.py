@@ -8,9 +8,10 @@ that matters. The mark's text (pid, boot id, start time) is for operators only; 
 decision reads it.
 
 Marks appear atomically: a server locks a temporary file first and renames it into place,
-so a mark at its final name is either held or its holder is dead. Starting a server and
-sweeping a directory both hold the directory's own flock, so a sweep never removes a
-socket that a starting server is binding under a mark it just took.
+so a mark at its final name is either held or its holder is dead. Starting a server,
+sweeping a directory, reading what is left in it (:func:`leftovers`) and a closing
+server's removal of its socket all hold the directory's own flock, so none of them meets
+a start half done: a temporary mark is never judged while its server is being started.
 
 :func:`sweep` runs at every server start: each dead server's socket and mark go (a
 temporary mark that a server died holding, too). A live server's files are never
@@ -59,7 +60,7 @@ class OwnerMark:
         tmp = self.path.with_name(f"{_TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else can hold it
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file, the directory locked: ours
             os.write(fd, f"pid {os.getpid()}\nboot {host_boot_id().hex()}\nstarted {time.time():.3f}\n".encode())
             os.rename(tmp, self.path)
         except BaseException:
