@@ -132,8 +132,9 @@ def markdown(results: list[SuiteResult], *, when: dt.datetime, command: str) -> 
     return "\n".join(out)
 
 
-def plot(results: list[SuiteResult], path: Path) -> str | None:
-    """Write a PNG of the run; return why not when matplotlib is absent."""
+def pyplot() -> Any:
+    """matplotlib's pyplot on the file-only backend, or why not (a str) when matplotlib is
+    not installed (the bench extra); any other import error propagates."""
     try:
         matplotlib = importlib.import_module("matplotlib")
     except ModuleNotFoundError as exc:
@@ -141,7 +142,14 @@ def plot(results: list[SuiteResult], path: Path) -> str | None:
             raise
         return "matplotlib is not installed (pip install -e '.[bench]')"
     matplotlib.use("Agg")
-    plt = importlib.import_module("matplotlib.pyplot")
+    return importlib.import_module("matplotlib.pyplot")
+
+
+def plot(results: list[SuiteResult], path: Path) -> str | None:
+    """Write a PNG of the run; return why not when matplotlib is absent."""
+    plt = pyplot()
+    if isinstance(plt, str):
+        return plt
     fig, axes = plt.subplots(len(results), 1, figsize=(10, 2.2 + 3.0 * len(results)), squeeze=False)
     for ax, res in zip(axes[:, 0], results):
         names = [r.name for r in res.rows]

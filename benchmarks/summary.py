@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import b5_vllm, suites
+from benchmarks.report import pyplot
 
 OUT = Path("benchmarks/out")
 
@@ -191,14 +192,9 @@ def figure(panes: list[Panel], docs: list[dict[str, Any]]) -> Any:
 
 def write(bench: dict[str, Any] | None, vllm: dict[str, Any] | None, path: Path) -> str | None:
     """Write the picture to ``path``; return why not when matplotlib is absent."""
-    try:
-        matplotlib = importlib.import_module("matplotlib")
-    except ModuleNotFoundError as exc:
-        if exc.name != "matplotlib":
-            raise
-        return "matplotlib is not installed (pip install -e '.[bench]')"
-    matplotlib.use("Agg")
-    plt = importlib.import_module("matplotlib.pyplot")
+    plt = pyplot()
+    if isinstance(plt, str):
+        return plt
     fig = figure(panels(bench, vllm), [d for d in (bench, vllm) if d is not None])
     path.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
