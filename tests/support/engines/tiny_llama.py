@@ -1,11 +1,12 @@
 """A tiny Llama whose greedy tokens depend on its KV cache.
 
-vLLM's ``load_format="dummy"`` fills every weight with uniform(-1e-3, 1e-3): the KV values
-are then ~1e-6 and greedy tokens come out the same whatever the KV holds, so token
-identity proves nothing about reuse. These weights are random but seeded, with scales
-chosen so that attention matters: projections std 0.1, embeddings std 1 (so that
-activations are O(1) from the first layer), norms 1. The negative control in
-test_vllm_example_connector.py shows that corrupted KV then changes the tokens.
+vLLM's dummy load format (``load_format`` set to "dummy") fills every weight with
+uniform(-1e-3, 1e-3): the KV values are then ~1e-6 and greedy tokens come out the same
+whatever the KV holds, so token identity proves nothing about reuse. These weights are
+random but seeded, with scales chosen so that attention matters: projections std 0.1,
+embeddings std 1 (so that activations are O(1) from the first layer), norms 1. The
+negative control in test_vllm_example_connector.py shows that corrupted KV then changes
+the tokens.
 
 The geometry is the smallest the CPU attention backend accepts: head_dim 64 (it has no
 kernel for 16), 4 query heads over 2 KV heads (so tp=2 gives each rank one KV head), and
