@@ -81,6 +81,25 @@ def _wait(conn: Connection, what: str) -> Any:
     return conn.recv()
 
 
+def _free_buffer(t: Any, buf: Any) -> None:
+    """Give ``buf`` back after a check. An op that timed out may still pin it (free_buffer
+    is Busy while the device has it), so wait for the pin to go, up to TIMEOUT_S; if it
+    never does, the buffer is left to the process's exit rather than raising here, which
+    would hide the check's own failure."""
+    from kvstate.core.errors import Busy
+
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        try:
+            t.free_buffer(buf)
+            return
+        except Busy as exc:
+            if time.monotonic() >= deadline:
+                _say(f"a device buffer stays pinned after {TIMEOUT_S} s ({exc}); left to the process's exit")
+                return
+            time.sleep(0.01)
+
+
 def _socket_dir() -> Path:
     d = Path(tempfile.mkdtemp(prefix="kvs-gpucheck-"))
     os.chmod(d, 0o700)
@@ -216,7 +235,7 @@ def two_process_import(device: bytes, kind: HandleKind, rounds: int) -> dict[str
         for g in importer.groups:
             if not g.is_terminal:
                 g.drain(TIMEOUT_S)  # a check that failed midway still lets go of what it mapped
-        t.free_buffer(dst)
+        _free_buffer(t, dst)
         importer.close()
         out["exporter_exit"] = _reap(proc, told)
         t.close()
@@ -288,7 +307,7 @@ def gather_scatter(device: bytes, mib: int, block_kib: int, repeats: int) -> dic
                    memcpy_GBps=moved / memcpy_s / 1e9, gather_vs_memcpy=memcpy_s / gather_s,
                    op_copy_vs_memcpy=memcpy_s / op_s)
     finally:
-        t.free_buffer(dst)
+        _free_buffer(t, dst)
         for m in (bank, back):
             t.unmap(m)
             t.free(m.reservation)

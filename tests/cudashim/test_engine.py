@@ -271,3 +271,29 @@ def test_the_shim_catches_an_engine_that_unpins_before_the_event(planted: Native
 
 def test_production_module_has_no_planted_bug() -> None:
     assert default().planted_bug is False
+
+
+def test_gpucheck_cleanup_waits_for_a_pinned_buffer_and_never_hides_the_checks_error(
+        cuda: CudaTransport, shim: Shim, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpucheck's cleanup after an op timed out: free_buffer is Busy while the op pins the
+    buffer. The cleanup waits for the pin to go and frees; past its wait it leaves the
+    buffer rather than raising Busy over the check's own failure."""
+    import threading
+
+    from kvstate.harness import gpucheck
+
+    m = mapped(cuda)
+    buf = cuda.alloc_buffer(8192)
+    shim.stall(True)
+    op = cuda.submit_gather(m, buf, [(0, 0, 4096)])
+    monkeypatch.setattr(gpucheck, "TIMEOUT_S", 0.05)
+    gpucheck._free_buffer(cuda, buf)  # still pinned past the wait: no Busy escapes
+    with raises(Busy, BusyReason.PINNED):
+        cuda.free_buffer(buf)  # the buffer was left, not freed under the op
+    monkeypatch.setattr(gpucheck, "TIMEOUT_S", 30.0)
+    threading.Timer(0.2, shim.stall, (False,)).start()
+    gpucheck._free_buffer(cuda, buf)  # waits until the device lets go, then frees
+    op.result(5.0)
+    with raises(ArgumentInvalid, ArgumentReason.UNKNOWN_OBJECT):
+        cuda.free_buffer(buf)  # gone: a second free is refused
+    unmapped(cuda, m)
