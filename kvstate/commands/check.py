@@ -34,17 +34,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memlim", type=int, default=2048, help="pan memory bound in MB (-DMEMLIM)")
 
 
-def _configs(args: argparse.Namespace) -> list[tuple[str, int, bool, bool | None]]:
+#: (model, tp, liveness, symmetric: None for the model's default)
+_Config = tuple[str, int, bool, bool | None]
+
+
+def _configs(args: argparse.Namespace) -> list[_Config]:
     if args.all:
         # A bank per rank makes per-rank tp=4 too large to check exhaustively (tp=3 stores
         # about 4 million states); its model is still generated and committed.
         checked = [tp for tp in models.PER_RANK_TPS if tp <= 3]
         coord = list(coord_world.COORD_TPS)
-        return ([(models.PER_RANK, tp, False, None) for tp in checked]
-                + [(models.PER_RANK, tp, True, None) for tp in checked]
-                + [(promela_coord.COORD_MODEL, tp, live, False) for live in (False, True) for tp in coord]
-                + [(promela_coord.COORD_MODEL, tp, False, True) for tp in coord_world.SYMMETRIC_TPS]
-                + [(models.COUNTING, tp, False, None) for tp in models.COUNTING_TPS])
+        configs: list[_Config] = []
+        configs += [(models.PER_RANK, tp, live, None) for live in (False, True) for tp in checked]
+        configs += [(promela_coord.COORD_MODEL, tp, live, False) for live in (False, True) for tp in coord]
+        configs += [(promela_coord.COORD_MODEL, tp, False, True) for tp in coord_world.SYMMETRIC_TPS]
+        configs += [(models.COUNTING, tp, False, None) for tp in models.COUNTING_TPS]
+        return configs
     return [(args.model, args.tp, args.liveness, True if args.symmetric else None)]
 
 
@@ -56,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
               f"{'depth':>6} {'MB':>7} {'pan s':>7} {'total s':>8}")
     for model, tp, liveness, symmetric in _configs(args):
         result = modelcheck.check(model, tp, liveness=liveness, spec=spec, memlim_mb=args.memlim,
-                                  **({} if symmetric is None else {"symmetric": symmetric}))
+                                  symmetric=symmetric)
         failed += not result.ok
         if args.table:
             print(f"{result.model:15} {tp:>3} {result.mode:9} {'ok' if result.ok else 'VIOLATION':9} "
