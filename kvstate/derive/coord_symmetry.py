@@ -10,8 +10,8 @@ model does that by hand: after every step, inside the same atomic step, :func:`c
 the rank *slots* (every global array of ``TP`` entries, queues included) by their whole
 contents, lexicographically, so Spin stores only the sorted representative of each orbit.
 
-Why that is sound here (the argument in full is in docs/verification.md, "The coordinator
-at tp 3 and 4"):
+Why that is sound here (the argument in full is in docs/coordinator.md, "tp 3 and 4:
+the symmetric model"):
 
 * the ranks are interchangeable: no row, guard, effect, world rule or property names a
   particular rank; each rank-bound text is either per slot (``{r}``, the rank of the
