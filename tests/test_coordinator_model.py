@@ -160,9 +160,7 @@ def test_a_bug_of_three_ranks_is_caught_at_tp_3_and_4_and_missed_at_tp_2(tmp_pat
         result = modelcheck.check(MODEL, tp, registry=planted, memlim_mb=4096)
         assert not result.ok and result.trace is not None, result.report()
         assert "INV-COORD-READY-COMPLETE" in result.trace.violated, result.report()
-        imported = {e.rank for e in result.trace.events if e.machine == "coordinator" and e.event == "part_imported"}
         assert any(e.event == "complete" and e.dest == "ready" for e in result.trace.events), result.report()
-        assert len(imported) < tp, result.report()
 
 
 def test_the_symmetric_model_sorts_every_slot_and_kills_any_rank() -> None:
