@@ -15,10 +15,10 @@ import pytest
 
 from support.errors import raises
 
-from kvstate.core.errors import ConfigInvalid
-from kvstate.core.reasons import ConfigReason
+from kvstate.core.errors import ArgumentInvalid, ConfigInvalid
+from kvstate.core.reasons import ArgumentReason, ConfigReason
 from kvstate.core.spec import load_spec
-from kvstate.derive import coord_world, promela_coord
+from kvstate.derive import coord_symmetry, coord_world, promela_coord
 from kvstate.harness import modelcheck
 from support.spin import require_spin
 from support.variants import ROOT, registry, variant
@@ -83,11 +83,13 @@ def test_every_part_is_unmapped_after_any_death() -> None:
 
 @pytest.mark.parametrize("patch", PLANTED, ids=lambda p: p.stem)
 def test_planted_bug_yields_a_counterexample(patch: Path, tmp_path: Path) -> None:
+    """At the smallest tp that shows it (``tp``, 2 unless said): tp 2 in the concrete model,
+    above in the symmetric one."""
     require_spin()
     meta = tomllib.loads(patch.read_text())
     spec = load_spec(variant(tmp_path, patch))
-    result = modelcheck.check(MODEL, 2, liveness=meta.get("liveness", False), spec=spec, memlim_mb=4096,
-                              registry=registry(patch, coord_world.REGISTRY))
+    result = modelcheck.check(MODEL, meta.get("tp", 2), liveness=meta.get("liveness", False), spec=spec,
+                              memlim_mb=4096, registry=registry(patch, coord_world.REGISTRY))
     assert not result.ok, f"{patch.name}: Spin found no counterexample"
     assert result.trace is not None and result.trace.events
     if meta["expect"] == "acceptance cycle":
@@ -107,3 +109,79 @@ def test_counterexample_names_ranks_and_deaths(tmp_path: Path) -> None:
     imported = [e.rank for e in result.trace.events if e.machine == "coordinator" and e.event == "part_imported"]
     assert len(imported) == 2 and len(set(imported)) == 1, result.report()
     assert any(e.event == "complete" and e.dest == "ready" for e in result.trace.events)
+
+
+# -- the symmetric model (tp 3 and 4) ------------------------------------------------
+
+THREE_RANKS = ROOT / "tests" / "planted" / "coord_two_acks_are_all.toml"
+#: the planted safety bugs that tp=2 shows (the three-rank bug has its own test below)
+SAFETY_PLANTED = [p for p in PLANTED if p != THREE_RANKS and not tomllib.loads(p.read_text()).get("liveness", False)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", coord_world.SYMMETRIC_TPS)
+def test_safety_holds_at_tp_3_and_4(tp: int) -> None:
+    """The symmetric model of the real tables: every safety property, no deadlock."""
+    require_spin()
+    result = modelcheck.check(MODEL, tp, memlim_mb=4096)
+    assert result.ok and result.model == modelcheck.COORD_SYMMETRIC, result.report()
+    assert result.states_stored > 10_000
+
+
+@pytest.mark.parametrize("patch", SAFETY_PLANTED, ids=lambda p: p.stem)
+def test_symmetric_and_concrete_models_agree_at_tp_2(patch: Path, tmp_path: Path) -> None:
+    """Evidence for the reduction beyond its argument: on each planted safety bug the
+    symmetric model at tp=2 gives the concrete model's verdict and names the same invariant."""
+    require_spin()
+    spec = load_spec(variant(tmp_path, patch))
+    found = {}
+    for symmetric in (False, True):
+        result = modelcheck.check(MODEL, 2, spec=spec, memlim_mb=4096, symmetric=symmetric,
+                                  registry=registry(patch, coord_world.REGISTRY))
+        found[symmetric] = None if result.ok else (result.trace.violated if result.trace else ())
+    assert found[False] == found[True], found
+
+
+def test_symmetric_model_holds_at_tp_2() -> None:
+    """Negative control of the agreement: the real tables pass in both forms at tp=2."""
+    require_spin()
+    assert modelcheck.check(MODEL, 2, memlim_mb=4096, symmetric=True).ok
+
+
+@pytest.mark.slow
+def test_a_bug_of_three_ranks_is_caught_at_tp_3_and_4_and_missed_at_tp_2(tmp_path: Path) -> None:
+    """A commit that takes two acknowledgements for all: a correct quorum at tp=2 (both
+    models pass), a partial group declared ready at tp=3 and tp=4."""
+    require_spin()
+    planted = registry(THREE_RANKS, coord_world.REGISTRY)
+    for symmetric in (False, True):
+        assert modelcheck.check(MODEL, 2, registry=planted, symmetric=symmetric, memlim_mb=4096).ok
+    for tp in coord_world.SYMMETRIC_TPS:
+        result = modelcheck.check(MODEL, tp, registry=planted, memlim_mb=4096)
+        assert not result.ok and result.trace is not None, result.report()
+        assert "INV-COORD-READY-COMPLETE" in result.trace.violated, result.report()
+        assert any(e.event == "complete" and e.dest == "ready" for e in result.trace.events), result.report()
+
+
+def test_the_symmetric_model_sorts_every_slot_and_kills_any_rank() -> None:
+    """The reduction is sound only if a sort moves everything of a rank and the world may
+    act on any rank: every [TP] array is swapped, every slot can die, no process ends."""
+    text = promela_coord.generate(load_spec(), 3, symmetric=True)
+    arrays = coord_symmetry.slot_arrays(text)
+    assert {"rank", "cmdq", "repq", "leases", "mapped", "dead"} <= set(arrays)
+    swap = next(line for line in text.splitlines() if line.startswith("inline swap_slots"))
+    assert all(f"{a}[i] = {a}[j]" in swap for a in arrays)
+    assert all(f"process worker{q} died" in text and f"process exporter{q} died" in text for q in range(3))
+    assert "-> break" not in text and "chan " not in text
+
+
+def test_liveness_of_the_symmetric_model_is_refused() -> None:
+    with raises(ArgumentInvalid, ArgumentReason.RANGE, match="weak fairness is per process"):
+        modelcheck.check(MODEL, 3, liveness=True)
+
+
+def test_forgetting_what_a_property_reads_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FORGET may reset only what nothing reads: a property that reads it is refused."""
+    monkeypatch.setattr(coord_world, "STATE", (*coord_world.STATE, ("INV-COORD-LEASES", "all: !gone[{q}] || TP")))
+    with raises(ConfigInvalid, ConfigReason.MODEL, match="gone is forgotten"):
+        promela_coord.generate(load_spec(), 3, symmetric=True)

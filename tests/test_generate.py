@@ -22,7 +22,7 @@ from support.variants import PLANTED, ROOT, replace, source_tree, variant
 MODELS = [f"models/{name}" for name in ("per_rank_tp2.pml", "per_rank_tp3.pml", "per_rank_tp4.pml",
                                         "counting.pml")]
 PER_RANK = MODELS[:3]
-COORD_MODELS = ["models/coordinator_tp2.pml"]
+COORD_MODELS = ["models/coordinator_tp2.pml", "models/coordinator_sym_tp3.pml", "models/coordinator_sym_tp4.pml"]
 MACHINES = ("bank", "group", "part", "op", "coordinator", "rank")
 
 

@@ -19,42 +19,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="per_rank and counting: the group, parts, banks and ops; coordinator: the "
                              "coordinator protocol across processes (spec/coordinator.toml, spec/rank.toml)")
     parser.add_argument("--tp", type=int, default=2,
-                        help="tensor-parallel size (per-rank: 2..4; coordinator: 1..8; counting: any)")
+                        help="tensor-parallel size (per-rank: 2..4; coordinator: 1..8, symmetry-reduced above 2; "
+                             "counting: any)")
+    parser.add_argument("--symmetric", action="store_true",
+                        help="coordinator: the symmetry-reduced model even at tp 2 (it is the default above 2)")
     parser.add_argument("--liveness", action="store_true",
                         help="check the liveness property under weak fairness (pan -a -f) instead of safety: "
                              "INV-DRAIN-QUIESCES, or INV-COORD-UNMAP-AFTER-DEATH for the coordinator model")
     parser.add_argument("--all", action="store_true",
-                        help="every benchmark configuration: per-rank tp 2,3 and coordinator tp 2,3 (safety and "
-                             "liveness), counting tp 8,16,32,64")
+                        help="every benchmark configuration: per-rank tp 2,3 (safety and liveness), coordinator "
+                             "tp 2 (safety and liveness) and tp 3,4 (symmetric, safety), counting tp 8,16,32,64")
     parser.add_argument("--table", action="store_true", help="print one table row per run")
     parser.add_argument("--spec", type=Path, help="check a variant of the tables in this directory")
     parser.add_argument("--memlim", type=int, default=2048, help="pan memory bound in MB (-DMEMLIM)")
 
 
-def _configs(args: argparse.Namespace) -> list[tuple[str, int, bool]]:
+#: (model, tp, liveness, symmetric: None for the model's default)
+_Config = tuple[str, int, bool, bool | None]
+
+
+def _configs(args: argparse.Namespace) -> list[_Config]:
     if args.all:
         # A bank per rank makes per-rank tp=4 too large to check exhaustively (tp=3 stores
         # about 4 million states); its model is still generated and committed.
         checked = [tp for tp in models.PER_RANK_TPS if tp <= 3]
         coord = list(coord_world.COORD_TPS)
-        return ([(models.PER_RANK, tp, False) for tp in checked]
-                + [(models.PER_RANK, tp, True) for tp in checked]
-                + [(promela_coord.COORD_MODEL, tp, live) for live in (False, True) for tp in coord]
-                + [(models.COUNTING, tp, False) for tp in models.COUNTING_TPS])
-    return [(args.model, args.tp, args.liveness)]
+        configs: list[_Config] = []
+        configs += [(models.PER_RANK, tp, live, None) for live in (False, True) for tp in checked]
+        configs += [(promela_coord.COORD_MODEL, tp, live, False) for live in (False, True) for tp in coord]
+        configs += [(promela_coord.COORD_MODEL, tp, False, True) for tp in coord_world.SYMMETRIC_TPS]
+        configs += [(models.COUNTING, tp, False, None) for tp in models.COUNTING_TPS]
+        return configs
+    return [(args.model, args.tp, args.liveness, True if args.symmetric else None)]
 
 
 def run(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     failed = 0
     if args.table:
-        print(f"{'model':11} {'tp':>3} {'check':9} {'result':9} {'states':>10} {'transitions':>12} "
+        print(f"{'model':15} {'tp':>3} {'check':9} {'result':9} {'states':>10} {'transitions':>12} "
               f"{'depth':>6} {'MB':>7} {'pan s':>7} {'total s':>8}")
-    for model, tp, liveness in _configs(args):
-        result = modelcheck.check(model, tp, liveness=liveness, spec=spec, memlim_mb=args.memlim)
+    for model, tp, liveness, symmetric in _configs(args):
+        result = modelcheck.check(model, tp, liveness=liveness, spec=spec, memlim_mb=args.memlim,
+                                  symmetric=symmetric)
         failed += not result.ok
         if args.table:
-            print(f"{model:11} {tp:>3} {result.mode:9} {'ok' if result.ok else 'VIOLATION':9} "
+            print(f"{result.model:15} {tp:>3} {result.mode:9} {'ok' if result.ok else 'VIOLATION':9} "
                   f"{result.states_stored:>10} {result.transitions:>12} {result.depth:>6} "
                   f"{result.memory_mb:>7.1f} {result.pan_seconds:>7.2f} {result.wall_seconds:>8.1f}")
             if result.trace is not None:

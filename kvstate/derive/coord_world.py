@@ -27,10 +27,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-#: tp of the committed coordinator models (files models/coordinator_tp{n}.pml). tp=2 is
-#: checked exhaustively (about 4 million states); tp=3 did not finish: 110 million states
-#: stored after 15 minutes and 4.9 GB with hash compaction, so it is not committed.
+#: tp of the committed concrete coordinator models (files models/coordinator_tp{n}.pml).
+#: tp=2 is checked exhaustively (about 4 million states); tp=3 did not finish: 110 million
+#: states stored after 15 minutes and 4.9 GB with hash compaction, so it is not committed.
 COORD_TPS = (2,)
+#: tp of the committed symmetric models (models/coordinator_sym_tp{n}.pml, see
+#: kvstate.derive.coord_symmetry): about 73 thousand states at tp=3, 434 thousand at tp=4
+SYMMETRIC_TPS = (3, 4)
 #: deaths per run (any process, at any step); one death per run covers every single failure
 MAX_DEATHS = 1
 #: queue bounds of each connection; the model asserts a send never finds its queue full
@@ -117,14 +120,41 @@ STATE: tuple[tuple[str, str], ...] = (
     ("INV-COORD-LEASES", "LEASES_HELD <= TP"),
 )
 
+#: What the symmetric model forgets once nothing can read it, the same reduction a dead
+#: variable analysis makes (exact: no behaviour or property changes): (when, statements),
+#: ``{r}`` for each slot. A dead or ended coordinator reads no report and none of its
+#: bookkeeping (its commands need c_alive and a state with rows; properties never read
+#: them); a dead worker, or one whose share ended, reads nothing off its command queue (a
+#: received command is dropped) and is sent nothing more. The generator refuses a property,
+#: rank text or world rule that reads a forgotten name.
+FORGET: tuple[tuple[str, str], ...] = (
+    ("!c_alive || COORD_ENDED", "n_imported = 0; g_drain_asked = 0; each: repq[{q}] = 0; repn[{q}] = 0; "
+                                "v_ok[{q}] = 0; i_ok[{q}] = 0; q_ok[{q}] = 0; gone[{q}] = 0; dead[{q}] = 0"),
+    ("!w_alive[{r}] || RANK_ENDED({r})", "cmdq[{r}] = 0; cmdn[{r}] = 0"),
+)
+
 #: the liveness property (checked with pan -a -f under weak fairness)
 LIVENESS = ("INV-COORD-UNMAP-AFTER-DEATH", "[] (g_died -> <> (all: !mapped[{q}]))")
 
+#: the per-connection FIFO channels: Promela channels in the concrete model ...
+CHANNELS = """\
+chan cmd[TP] = [CMD_CAPACITY] of { byte };   /* coordinator -> worker r */
+chan rep[TP] = [REP_CAPACITY] of { byte };   /* worker r -> coordinator */"""
+#: ... and, in the symmetric model, each queue packed into one number (3 bits a message,
+#: oldest lowest; messages are never 0) with its length, so that whole rank slots can be
+#: compared and swapped; the same FIFO (see :mod:`kvstate.derive.promela_coord`)
+QUEUES = """\
+int cmdq[TP];                  /* coordinator -> worker r, packed */
+byte cmdn[TP];
+int repq[TP];                  /* worker r -> coordinator, packed */
+byte repn[TP];"""
+
+#: every global of the model; each array of TP entries is one rank's slot ({channels}: one
+#: of the two above)
 GLOBALS = """\
 byte coord;                    /* coordinator machine */
 byte rank[TP];                 /* rank machine of each worker's share */
-chan cmd[TP] = [CMD_CAPACITY] of { byte };   /* coordinator -> worker r */
-chan rep[TP] = [REP_CAPACITY] of { byte };   /* worker r -> coordinator */
+{channels}
 /* processes and what the kernel keeps for them */
 bit c_alive = 1;
 bit w_alive[TP];

@@ -51,8 +51,8 @@ def _model(kind: str, tp: int | None, i: Inputs) -> str:
     return promela.generate(i.spec, kind, tp)
 
 
-def _coord_model(tp: int, i: Inputs) -> str:
-    return promela_coord.generate(i.spec, tp)
+def _coord_model(tp: int, symmetric: bool, i: Inputs) -> str:
+    return promela_coord.generate(i.spec, tp, symmetric=symmetric)
 
 
 def _native_table(machine: str, i: Inputs) -> str:
@@ -68,7 +68,7 @@ ARTIFACTS: tuple[tuple[str, Producer], ...] = (
     ("ffi/kvs_op_table.h", lambda i: header.op_header(i.spec["op"])),
     *((header.machine_header_path(m), partial(_native_table, m)) for m in header.NATIVE_MACHINES),
     *((f"models/{name}", partial(_model, kind, tp)) for name, (kind, tp) in promela.MODELS.items()),
-    *((f"models/{name}", partial(_coord_model, tp)) for name, tp in promela_coord.MODELS.items()),
+    *((f"models/{name}", partial(_coord_model, tp, sym)) for name, (tp, sym) in promela_coord.MODELS.items()),
     ("docs/spec/index.md", lambda i: docs.index(i.spec)),
     *((f"docs/spec/{m}.md", partial(_page, m)) for m in MACHINE_NAMES),
 )

@@ -39,15 +39,23 @@ how "the coordinator counts reports without checking that ranks are distinct" is
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 from kvstate.core.errors import ConfigInvalid
 from kvstate.core.spec import MachineSpec, Spec, TransitionSpec
+from kvstate.derive import coord_symmetry as symmetry
 from kvstate.derive import coord_world as world
 from kvstate.derive.promela_world import MARK
 
+_TAIL = re.compile(r";\s*check_invariants\(\)$")
+
 COORD_MODEL = "coordinator"
-MODELS: Mapping[str, int] = {f"coordinator_tp{tp}.pml": tp for tp in world.COORD_TPS}
+#: committed model files: name -> (tp, symmetric)
+MODELS: Mapping[str, tuple[int, bool]] = {
+    **{f"coordinator_tp{tp}.pml": (tp, False) for tp in world.COORD_TPS},
+    **{f"coordinator_sym_tp{tp}.pml": (tp, True) for tp in world.SYMMETRIC_TPS},
+}
 REPORT_PREFIX = "part_"
 SEND_PREFIX = "send_"
 #: rank events the engine fires (everything else local to a worker is the worker's)
@@ -63,8 +71,12 @@ def _states(m: MachineSpec) -> list[str]:
 
 
 class _Gen:
-    def __init__(self, spec: Spec, tp: int, registry: Mapping[tuple[str, str, str], str]) -> None:
-        self.spec, self.tp, self.registry = spec, tp, registry
+    def __init__(self, spec: Spec, tp: int, registry: Mapping[tuple[str, str, str], str],
+                 symmetric: bool = False) -> None:
+        self.spec, self.tp, self.registry, self.symmetric = spec, tp, registry, symmetric
+        # every step ends with the state invariants (the symmetric model: see _proctype)
+        self.tail = "check_invariants()"
+        self.done: list[str] = []  # each process's end condition (symmetric model: the watchdog's)
         self.coord = spec["coordinator"]
         self.rank = spec["rank"]
         self.commands = [e[len(SEND_PREFIX):] for e in self.coord.effects if e.startswith(SEND_PREFIX)]
@@ -103,7 +115,7 @@ class _Gen:
 
     def expand(self, text: str, r: str, row: TransitionSpec | None = None) -> str:
         out = text
-        for prefix, joiner in (("all:", " && "), ("any:", " || "), ("each:", "; ")):
+        for prefix, joiner in (("all:", " && "), ("any:", " || "), ("sum:", " + "), ("each:", "; ")):
             while prefix in out:
                 start = out.index(prefix)
                 end = out.find(")", start) if start > 0 and out[start - 1] == "(" else len(out)
@@ -113,6 +125,50 @@ class _Gen:
         if row is not None:
             out = out.replace("{dest}", row.dest).replace("{trigger}", row.trigger)
         return out.replace("{r}", r)
+
+    def _proctype(self, name: str, param: str, commands: list[str], done: str) -> str:
+        """A process looping over its commands. In the symmetric model no process ever ends
+        (a process at its end would tie its pc to the slot it served, and the sort moves
+        slots): its loop is a valid end state, and the watchdog checks deadlocks instead,
+        with the same condition (each process's ``done``)."""
+        if not self.symmetric:
+            return _proctype(name, param, commands, done)
+        ranks = [str(q) for q in range(self.tp)] if param else [""]
+        self.done += [done.replace(f"[{param}]", f"[{q}]").replace(f"({param})", f"({q})") if param else done
+                      for q in ranks]
+        # One atomic step per loop, its commands the options of one if, and one tail that
+        # checks the invariants and sorts: the same steps as one atomic block per command,
+        # with the tail compiled once per process instead of once per command.
+        arms = []
+        for cmd in commands:
+            head, end = "\t:: atomic { ", " }"
+            assert cmd.startswith(head) and cmd.endswith(end), cmd
+            arms.append("\t:: " + _TAIL.sub("", cmd[len(head):-len(end)]))
+        head = f"proctype {name}({'byte ' + param if param else ''})"
+        return (f"{head}\n{{\nend:\n\tdo\n\t:: atomic {{\n\tif\n" + "\n".join(arms)
+                + "\n\tfi;\n\tcheck_invariants(); forget(); canon() }\n\tod\n}\n")
+
+    # -- channels: Promela channels, or packed queues in the symmetric model --------------
+
+    def _poll(self, chan: str, q: str, msg: str) -> str:
+        """Whether the oldest message of ``chan[q]`` is ``msg``."""
+        if self.symmetric:
+            return f"{chan}n[{q}] > 0 && ({chan}q[{q}] & 7) == {msg}"
+        return f"{chan}[{q}]?[{msg}]"
+
+    def _take(self, chan: str, q: str, msg: str) -> str:
+        if self.symmetric:
+            return f"{chan}q[{q}] = {chan}q[{q}] >> 3; {chan}n[{q}]--"
+        return f"{chan}[{q}]?{msg}"
+
+    def _send(self, chan: str, capacity: str) -> str:
+        if self.symmetric:
+            return (f"assert({chan}n[q] < {capacity}); {chan}q[q] = {chan}q[q] | (m << (3 * {chan}n[q])); "
+                    f"{chan}n[q]++")
+        return f"assert(nfull({chan}[q])); {chan}[q]!m"
+
+    def _empty(self, chan: str, q: str) -> str:
+        return f"{chan}n[{q}] == 0" if self.symmetric else f"empty({chan}[{q}])"
 
     # -- rows ---------------------------------------------------------------------------
 
@@ -153,10 +209,10 @@ class _Gen:
         cond = " && ".join([*(["c_alive"] if m.name == "coordinator" else [f"w_alive[{r}]"]),
                             *([f"({self.expand(rule, r)})"] if rule else []), self._enabled(m, row, r)])
         body = self._body(m, row, r, r)
-        return f"\t:: atomic {{ {cond} ->\n\t\t" + ";\n\t\t".join([*body, "check_invariants()"]) + " }"
+        return f"\t:: atomic {{ {cond} ->\n\t\t" + ";\n\t\t".join([*body, self.tail]) + " }"
 
     def _receive(self, m: MachineSpec, event: str, r: str, chan: str, msg: str, alive: str) -> str:
-        """Take ``msg`` off ``chan`` and fire the first admitted row of ``event``."""
+        """Take ``msg`` off ``chan[r]`` and fire the first admitted row of ``event``."""
         arms = []
         for row in (t for t in m.transitions if t.trigger == event):
             arms.append(f":: {self._enabled(m, row, r)} ->\n\t\t\t" + ";\n\t\t\t".join(self._body(m, row, r, r)))
@@ -165,8 +221,8 @@ class _Gen:
         arms.append(f":: {ended} -> skip")
         arms.append(f':: else -> printf("{MARK} violated INV-EVENT-DECLARED: {who} got {event}\\n"'
                     f'{", " + r if m.name == "rank" else ""}); assert(false)')
-        return (f"\t:: atomic {{ {alive} && {chan}?[{msg}] -> {chan}?{msg};\n\t\tif\n\t\t"
-                + "\n\t\t".join(arms) + "\n\t\tfi;\n\t\tcheck_invariants() }")
+        return (f"\t:: atomic {{ {alive} && {self._poll(chan, r, msg)} -> {self._take(chan, r, msg)};\n\t\tif\n\t\t"
+                + "\n\t\t".join(arms) + f"\n\t\tfi;\n\t\t{self.tail} }}")
 
     def _rank_bound(self, event: str, rows: list[TransitionSpec]) -> bool:
         """Whether a coordinator event concerns one rank (its texts name ``{r}``): then it is
@@ -203,14 +259,14 @@ class _Gen:
 /* A command to a dead worker, or to a share that ended, is lost or dropped on arrival. */
 inline command(q, m) {{
 \tif
-\t:: w_alive[q] && !RANK_ENDED(q) -> assert(nfull(cmd[q])); cmd[q]!m
+\t:: w_alive[q] && !RANK_ENDED(q) -> {self._send("cmd", "CMD_CAPACITY")}
 \t:: else -> skip
 \tfi
 }}
 /* A report to a dead coordinator, or about a group that ended, is lost or dropped. */
 inline report(q, m) {{
 \tif
-\t:: c_alive && !COORD_ENDED -> assert(nfull(rep[q])); rep[q]!m
+\t:: c_alive && !COORD_ENDED -> {self._send("rep", "REP_CAPACITY")}
 \t:: else -> skip
 \tfi
 }}
@@ -221,6 +277,21 @@ inline unmap(q) {{
 }}
 {notes}
 """
+
+    def forget(self) -> str:
+        """``forget()``: reset what nothing reads any more (:data:`coord_world.FORGET`)."""
+        readers = [cond for _, cond in world.STATE] + [cond for _, cond in world.PRE.values()]
+        readers += [world.LIVENESS[1], *(t for (m, _, _), t in self.registry.items() if m == "rank"),
+                    *(t for (m, _), t in world.WORLD_RULES.items() if m == "rank")]
+        steps = []
+        for when, what in world.FORGET:
+            for name in re.findall(r"(\w+)\[", what) + re.findall(r"(\w+) = ", what):
+                if any(re.search(rf"\b{name}\b", text) for text in readers):
+                    raise ConfigInvalid.model("kvstate/derive/coord_world.py", "FORGET",
+                                              f"{name} is forgotten but a property or a rank text reads it")
+            for q in [str(q) for q in range(self.tp)] if "{r}" in when else [""]:
+                steps.append(f"\tif :: {self.expand(when, q)} -> {self.expand(what, q)} :: else -> skip fi")
+        return "inline forget() {\n\td_step {\n" + ";\n".join(steps) + "\n\t}\n}\n"
 
     def invariants(self) -> str:
         checks = [f"\t/* {self._inv(inv)} */\n\t" + _assert(inv, self.expand(cond, "0"))
@@ -238,13 +309,13 @@ inline unmap(q) {{
         for event in self.coord.event_names:
             if event in self.reports:
                 msg = f"REP_{event[len(REPORT_PREFIX):]}"
-                cmds += [self._receive(self.coord, event, str(q), f"rep[{q}]", msg, f"c_alive && !dead[{q}]")
+                cmds += [self._receive(self.coord, event, str(q), "rep", msg, f"c_alive && !dead[{q}]")
                          for q in range(self.tp)]
                 continue
             rows = [t for t in self.coord.transitions if t.trigger == event]
             ranks = [str(q) for q in range(self.tp)] if self._rank_bound(event, rows) else [""]
             cmds += [self._local(self.coord, row, q) for q in ranks for row in rows]
-        return _proctype("coordinator", "", cmds, "!c_alive || COORD_ENDED")
+        return self._proctype("coordinator", "", cmds, "!c_alive || COORD_ENDED")
 
     def worker(self) -> str:
         cmds = []
@@ -252,7 +323,7 @@ inline unmap(q) {{
             if event in ENGINE_EVENTS:
                 continue
             if event in self.commands:
-                cmds.append(self._receive(self.rank, event, "r", "cmd[r]", f"CMD_{event}",
+                cmds.append(self._receive(self.rank, event, "r", "cmd", f"CMD_{event}",
                                           "w_alive[r] && !c_noticed[r]"))
                 continue
             cmds += [self._local(self.rank, row, "r") for row in self.rank.transitions if row.trigger == event]
@@ -260,31 +331,34 @@ inline unmap(q) {{
                   f"coord == {_const('coordinator', 'importing')} ->\n"
                   f"\t\trepeated[r] = 1; report(r, REP_imported);\n"
                   f'\t\tprintf("{MARK} channel %d repeat part_imported part_imported\\n", r) }}')
-        done = "!w_alive[r] || RANK_ENDED(r) || (rank[r] == RANK_idle && (!c_alive || COORD_ENDED) && empty(cmd[r]))"
-        return _proctype("worker", "r", [*cmds, repeat], done)
+        done = ("!w_alive[r] || RANK_ENDED(r) || (rank[r] == RANK_idle && (!c_alive || COORD_ENDED) && "
+                f"{self._empty('cmd', 'r')})")
+        return self._proctype("worker", "r", [*cmds, repeat], done)
 
     def engine(self) -> str:
         cmds = [self._local(self.rank, row, "r") for row in self.rank.transitions if row.trigger in ENGINE_EVENTS]
-        cmds.append(f"\t:: atomic {{ w_alive[r] && pins[r] -> pins[r] = 0; printf(\"{MARK} engine %d finish pinned unpinned\\n\", r) }}")
+        cmds.append(f"\t:: atomic {{ w_alive[r] && pins[r] -> pins[r] = 0; "
+                    f"printf(\"{MARK} engine %d finish pinned unpinned\\n\", r) }}")
         done = ("!w_alive[r] || (pins[r] == 0 && (RANK_ENDED(r) || (rank[r] == RANK_idle && "
-                "(!c_alive || COORD_ENDED) && empty(cmd[r]))))")
-        return _proctype("engine", "r", cmds, done)
+                f"(!c_alive || COORD_ENDED) && {self._empty('cmd', 'r')})))")
+        return self._proctype("engine", "r", cmds, done)
 
     def reaper(self) -> str:
         kill = ["\t:: atomic { deaths < MAX_DEATHS && c_alive -> c_alive = 0; deaths++; g_died = 1;\n"
-                f'\t\tprintf("{MARK} process coordinator died alive dead\\n"); check_invariants() }}']
+                f'\t\tprintf("{MARK} process coordinator died alive dead\\n"); {self.tail} }}']
         # The ranks are symmetric (no row, guard or world rule singles one out), so killing
-        # the last rank's worker or exporter stands for killing any rank's.
-        for q in [self.tp - 1]:
+        # the last rank's worker or exporter stands for killing any rank's. Not so in the
+        # symmetric model: its sort moves ranks between slots, so any slot may die there.
+        for q in range(self.tp) if self.symmetric else [self.tp - 1]:
             kill.append(f"\t:: atomic {{ deaths < MAX_DEATHS && w_alive[{q}] -> w_alive[{q}] = 0; deaths++; "
                         f"g_died = 1;\n\t\tmapped[{q}] = 0; pins[{q}] = 0; leases[{q}] = 0;\n"
-                        f'\t\tprintf("{MARK} process worker{q} died alive dead\\n"); check_invariants() }}')
+                        f'\t\tprintf("{MARK} process worker{q} died alive dead\\n"); {self.tail} }}')
             kill.append(f"\t:: atomic {{ deaths < MAX_DEATHS && e_alive[{q}] -> e_alive[{q}] = 0; deaths++; "
                         f"g_died = 1; leases[{q}] = 0;\n"
-                        f'\t\tprintf("{MARK} process exporter{q} died alive dead\\n"); check_invariants() }}')
+                        f'\t\tprintf("{MARK} process exporter{q} died alive dead\\n"); {self.tail} }}')
         over = " && ".join(["(!c_alive || COORD_ENDED)", *(f"(!w_alive[{q}] || RANK_ENDED({q}) || "
                                                           f"rank[{q}] == RANK_idle)" for q in range(self.tp))])
-        return _proctype("reaper", "", kill, f"deaths == MAX_DEATHS || ({over})")
+        return self._proctype("reaper", "", kill, f"deaths == MAX_DEATHS || ({over})")
 
     def init(self) -> str:
         runs = [*(f"w_alive[{q}] = 1; e_alive[{q}] = 1" for q in range(self.tp)),
@@ -293,6 +367,8 @@ inline unmap(q) {{
                 f'printf("{MARK} world bad_group %d\\n", bad_group)',
                 f'printf("{MARK} world incompatible %d\\n", incompatible)',
                 "run coordinator()", *(f"run worker({q}); run engine({q})" for q in range(self.tp)), "run reaper()"]
+        if self.symmetric:
+            runs.append("run watchdog()")
         return "init {\n\tatomic {\n\t\t" + ";\n\t\t".join(runs) + "\n\t}\n}\n"
 
     def liveness(self) -> str:
@@ -310,13 +386,22 @@ def _proctype(name: str, param: str, commands: list[str], done: str) -> str:
     return f"{head}\n{{\n\tdo\n" + "\n".join(commands) + f"\n\t:: {done} -> break\n\tod\n}}\n"
 
 
-def generate(spec: Spec, tp: int, registry: Mapping[tuple[str, str, str], str] | None = None) -> str:
-    """The Promela text of the coordinator protocol for ``tp`` ranks."""
+def generate(spec: Spec, tp: int, registry: Mapping[tuple[str, str, str], str] | None = None,
+             *, symmetric: bool = False) -> str:
+    """The Promela text of the coordinator protocol for ``tp`` ranks; ``symmetric``: the
+    reduced model, whose rank slots are kept sorted (see :mod:`kvstate.derive.coord_symmetry`)."""
     if not 1 <= tp <= 8:
         raise ValueError(f"the coordinator model unrolls ranks: tp must be 1..8, not {tp}")
-    g = _Gen(spec, tp, world.REGISTRY if registry is None else registry)
-    return "\n".join([g.header(), world.GLOBALS + "\n", g.inlines(), g.invariants(), g.coordinator(),
-                      g.worker(), g.engine(), g.reaper(), g.init(), g.liveness()])
+    g = _Gen(spec, tp, world.REGISTRY if registry is None else registry, symmetric)
+    channels = world.QUEUES if symmetric else world.CHANNELS
+    parts = [g.header(), world.GLOBALS.replace("{channels}", channels) + "\n"]
+    if symmetric:
+        parts.append(symmetry.canon(world.GLOBALS.replace("{channels}", channels), tp))
+        parts.append(g.forget())
+    parts += [g.inlines(), g.invariants(), g.coordinator(), g.worker(), g.engine(), g.reaper()]
+    if symmetric:
+        parts.append(symmetry.watchdog(g.done))
+    return "\n".join([*parts, g.init(), g.liveness()])
 
 
 def used_invariants() -> list[str]:

@@ -29,14 +29,16 @@ import attrs
 
 from kvstate.derive import coord_world, promela_coord
 from kvstate.derive import promela as models
-from kvstate.core.errors import BackendUnavailable, NativeError
-from kvstate.core.reasons import BackendReason, NativeReason
+from kvstate.core.errors import ArgumentInvalid, BackendUnavailable, NativeError
+from kvstate.core.reasons import ArgumentReason, BackendReason, NativeReason
 from kvstate.core.spec import Spec, load_spec
 
 INSTALL_HINT = ("install Spin from Debian/Ubuntu packages: `sudo apt-get install -y spin` "
                 "(a C compiler, gcc or cc, is needed too)")
 
 MAX_DEPTH = 1_000_000
+#: how a result of the coordinator model's symmetric form is named
+COORD_SYMMETRIC = "coordinator_sym"
 #: fairness slots: pan needs one per process (init, importer, operator, engine, exporter,
 #: lessee; the coordinator model has a worker and an engine per rank besides)
 _NFAIR = 4
@@ -227,17 +229,28 @@ def check_text(text: str, *, model: str, tp: int, liveness: bool = False, memlim
 
 def check(model: str, tp: int, *, liveness: bool = False, spec: Spec | None = None,
           spec_dir: Path | None = None, memlim_mb: int = 2048, timeout_s: float = 600.0,
-          registry: Mapping[tuple[str, str, str], str] | None = None) -> CheckResult:
+          registry: Mapping[tuple[str, str, str], str] | None = None,
+          symmetric: bool | None = None) -> CheckResult:
     """Generate a model from the tables (``spec_dir`` for a variant) and check it.
 
     ``registry`` replaces the coordinator model's meanings of guards and effects (planted
-    bugs of an implementation that the tables cannot express)."""
+    bugs of an implementation that the tables cannot express). ``symmetric`` picks the
+    coordinator model's symmetry-reduced form (:mod:`kvstate.derive.coord_symmetry`); by
+    default, for tp above the concrete model's (:data:`coord_world.COORD_TPS`)."""
     if spec is None:
         spec = load_spec(spec_dir)
     if model == promela_coord.COORD_MODEL:
-        text = promela_coord.generate(spec, tp, registry)
-        return check_text(text, model=model, tp=tp, liveness=liveness, memlim_mb=memlim_mb, timeout_s=timeout_s,
-                          claim=coord_world.LIVENESS_CLAIM, nfair=max(_NFAIR, 2 * tp + 3))
+        if symmetric is None:
+            symmetric = tp > max(coord_world.COORD_TPS)
+        if symmetric and liveness:
+            raise ArgumentInvalid.of("liveness", ArgumentReason.RANGE,
+                                     f"the coordinator's liveness is checked at tp {max(coord_world.COORD_TPS)} "
+                                     "only: the symmetric model (safety) moves ranks between processes, and "
+                                     "weak fairness is per process")
+        text = promela_coord.generate(spec, tp, registry, symmetric=symmetric)
+        return check_text(text, model=COORD_SYMMETRIC if symmetric else model, tp=tp, liveness=liveness,
+                          memlim_mb=memlim_mb, timeout_s=timeout_s, claim=coord_world.LIVENESS_CLAIM,
+                          nfair=max(_NFAIR, 2 * tp + 3))
     if liveness and model != models.PER_RANK:
         raise ValueError("the liveness property (INV-DRAIN-QUIESCES) is in the per-rank model")
     text = models.generate(spec, model, tp if model == models.PER_RANK else None)
