@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support.engines import evidence
@@ -68,6 +69,55 @@ def test_the_prefill_engines_first_forward_runs_over_loaded_kv(pair: Pair) -> No
     batch = prompts((100,), seed=12)
     reference = kit.produce(pair.decode, batch, MAX_TOKENS)
     got = pair.prefill.generate(batch, MAX_TOKENS)      # nothing computed before in this engine
+    assert got.tokens == reference.tokens
+    assert evidence.reuse(got).external_problems(kit.loadable((100,))) == []
+    c = kit.counters(got)
+    assert c.get("loads_ok") == 1 and c.get("tokens_loaded") == kit.loadable((100,))[0], c
+
+
+def _banks(engine: Engine) -> list[Any]:
+    """Read-only views of the kvstate banks in the engine's workers (numpy over the memfds)."""
+    import mmap
+
+    import numpy as np
+
+    out = []
+    for pid in kit.worker_pids(engine):
+        for fd in kit.bank_fds(pid):
+            with open(fd, "rb") as f:
+                out.append(np.frombuffer(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ), np.uint8))
+    return out
+
+
+def test_a_prefill_request_50_ms_after_a_store_completed_loads_it(pair: Pair) -> None:
+    """Issue 28: the decode engine's index must know of a store without waiting for the
+    decode engine's Python. The store's completion is seen from outside the engine, in its
+    banks (their bytes changed, then stayed as they were); 50 ms later the prefill engine
+    asks, and loads it. Before, the report waited for the worker's Python, which vLLM's
+    busy-polling worker starves for up to a second after its last step (a miss)."""
+    import numpy as np
+
+    batch = prompts((100,), seed=21)
+    assert pair.prefill.reset_prefix_cache()
+    banks = _banks(pair.decode)
+    assert banks
+    before = [b.copy() for b in banks]
+    reference = pair.decode.generate(batch, MAX_TOKENS)       # returns before its stores even start
+    deadline = time.monotonic() + 30
+    while all(np.array_equal(b, old) for b, old in zip(banks, before)):
+        assert time.monotonic() < deadline, "the decode engine stored nothing"
+        time.sleep(0.001)
+    seen = [b.copy() for b in banks]
+    while True:                                               # until every region's copy landed
+        time.sleep(0.002)
+        now = [b.copy() for b in banks]
+        if all(np.array_equal(a, c) for a, c in zip(now, seen)):
+            break
+        seen = now
+    completed = time.monotonic()
+    time.sleep(0.05)
+    assert time.monotonic() - completed >= 0.05
+    got = pair.prefill.generate(batch, MAX_TOKENS)
     assert got.tokens == reference.tokens
     assert evidence.reuse(got).external_problems(kit.loadable((100,))) == []
     c = kit.counters(got)
