@@ -16,16 +16,21 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvstate.integrations.vllm import config as cfgmod
+from kvstate.integrations.vllm.decode_rank import DecodeRank
+from kvstate.integrations.vllm.layout import INVENTORY_GROUP
+from kvstate.integrations.vllm.orders import StoreOrder
+from kvstate.integrations.vllm.stats import Tally
+from kvstate.transport.host import HostTransport
 from kvstate.integrations.vllm.hashing import Compat, block_key
 from kvstate.integrations.vllm.index import DecodeIndex, Found, IndexClient
 from kvstate.integrations.vllm.slots import SlotTable
-
-pytestmark = pytest.mark.multiproc
 
 BS, HD, HEADS, PAGES = 4, 8, 2, 16
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
@@ -67,6 +72,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.multiproc
 def test_a_lookup_50_ms_after_a_store_completed_finds_it_while_the_ranks_gil_is_held(tmp_path: Path) -> None:
     sockets = Path(f"/tmp/kvs-rep-{os.getpid()}")
     sockets.mkdir(mode=0o700, exist_ok=True)
@@ -122,3 +128,83 @@ def test_a_lookup_50_ms_after_a_store_completed_finds_it_while_the_ranks_gil_is_
         for p in sockets.iterdir():
             p.unlink()
         sockets.rmdir()
+
+
+class _Decode:
+    """An index and one decode rank in this process (the rank's link may start later)."""
+
+    def __init__(self, sockets: Path) -> None:
+        self.cfg = cfgmod.parse({"retain_bytes": 16 * 2 * HEADS * BS * 2 * HD * 2, "socket_dir": str(sockets)},
+                                "kv_producer", ENV)
+        self.compat = Compat(model="tiny", dtype="bf16", block_size=BS, head_dim=HD, kv_heads=HEADS, layers=LAYERS,
+                             tp=1, isa="vec", engine="test")
+        self.table = SlotTable(16, 1, lambda h, s: block_key(self.cfg.deployment, h, s))
+        self.index = DecodeIndex(self.cfg.index_path(self.cfg.source), self.compat, self.table)
+        g = torch.Generator().manual_seed(2)
+        caches = {n: torch.randn(PAGES, HEADS, BS, 2 * HD, generator=g).to(torch.bfloat16) for n in LAYERS}
+        self.rank = DecodeRank(self.cfg, self.compat, 0, caches, Tally())
+        self.client = IndexClient(self.cfg.index_path(self.cfg.source), self.cfg.deployment, 2.0)
+
+    def wait(self, cond: object, what: str) -> None:
+        deadline = time.monotonic() + 20
+        while not cond():  # type: ignore[operator]
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        self.client.close()
+        self.rank.close()
+        self.index.close()
+
+
+@pytest.fixture
+def decode() -> Iterator[_Decode]:
+    sockets = Path(f"/tmp/kvs-rep-{os.getpid()}")
+    sockets.mkdir(mode=0o700, exist_ok=True)
+    d = _Decode(sockets)
+    try:
+        yield d
+    finally:
+        d.close()
+        for p in sockets.iterdir():
+            p.unlink()
+        sockets.rmdir()
+
+
+@pytest.mark.native
+def test_a_store_made_before_the_link_is_up_is_reported_by_the_rank_once_it_is(decode: _Decode) -> None:
+    """No link, no native report: the rank sends the outcome itself when it connects."""
+    (r,) = decode.table.reserve([b"\x02" * 16])      # the scheduler's reservation (the index is not up yet)
+    decode.rank.store(StoreOrder("req", (3,), (r.slot,), (r.key,)))
+    decode.wait(lambda: decode.rank.finished({"req"}) == {"req"}, "the store")
+    assert decode.table.counts()["storing"] == 1     # nobody told the index yet
+    decode.index.start()
+    decode.wait(decode.index.ready, "the rank's link")
+    decode.wait(lambda: decode.table.counts()["stored"] == 1, "the rank's own report")
+    got = decode.client.lookup(decode.compat, [b"\x02" * 16])
+    assert isinstance(got, Found) and got.keys == (r.key,), got
+    assert r.key in decode.rank.inventory.hashes(INVENTORY_GROUP)
+
+
+@pytest.mark.native
+def test_a_cancelled_store_is_reported_failed_and_leaves_the_inventory(decode: _Decode) -> None:
+    """The op engine sends the failed report; the index never advertises the block and
+    frees it; the rank drops the key it took at submit."""
+    decode.index.start()
+    decode.wait(decode.index.ready, "the rank's link")
+    (r,) = decode.index.reserve([b"\x03" * 16])
+    native = HostTransport().native
+    native.pause(True)
+    try:
+        decode.rank.store(StoreOrder("req", (3,), (r.slot,), (r.key,)))
+        assert r.key in decode.rank.inventory.hashes(INVENTORY_GROUP)   # taken at submit
+        (handle,) = decode.rank._handles
+        handle.cancel()
+    finally:
+        native.pause(False)
+    decode.wait(lambda: decode.table.counts()["free"] == 16, "the failed report to free the block")
+    decode.wait(lambda: decode.rank.finished({"req"}) == {"req"}, "the store's end")
+    assert handle.report_status == "sent_failed"
+    got = decode.client.lookup(decode.compat, [b"\x03" * 16])
+    assert isinstance(got, Found) and got.blocks == 0, got
+    assert r.key not in decode.rank.inventory.hashes(INVENTORY_GROUP)
