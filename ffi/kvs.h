@@ -173,6 +173,26 @@ int kvs_cancel(int64_t op);
  * op, once the op becomes collectable (done, failed or cancelled); at once if it already
  * is. One fd per op; KVS_E_INVAL if it already has one or fd <= 0. */
 int kvs_op_notify(int64_t op, int32_t fd);
+/* A completion report: once every op of ops[0..nops) is collectable, the engine sends one
+ * message on the socket sock (a SOCK_SEQPACKET or datagram socket; the engine keeps its own
+ * dup, so the caller may close its fd at any time): the bytes ok[0..ok_len) when every op
+ * is done, failed[0..failed_len) when any failed or was cancelled. It is sent from the
+ * thread that made the last op collectable (a worker of the pool, a backend's thread),
+ * without waiting for the caller, non-blocking: a full socket leaves it unsent. An op
+ * may be in one report; KVS_E_NOENT if an op is unknown (reaped), KVS_E_INVAL if one is
+ * already in a report, nops is 0 or over KVS_REPORT_MAX_OPS, or a message is empty or
+ * over KVS_REPORT_MAX_BYTES. *report: its id for kvs_report_close. */
+#define KVS_REPORT_MAX_OPS 4096
+#define KVS_REPORT_MAX_BYTES 65536
+#define KVS_REPORT_PENDING 0      /* an op is not collectable yet */
+#define KVS_REPORT_SENT_OK 1      /* every op done: ok went out */
+#define KVS_REPORT_SENT_FAILED 2  /* an op failed or was cancelled: failed went out */
+#define KVS_REPORT_UNSENT 3       /* the send failed (full socket, peer gone): nothing went out */
+int kvs_report_open(int32_t sock, const char *ok, uint64_t ok_len, const char *failed,
+                    uint64_t failed_len, const int64_t *ops, uint32_t nops, int64_t *report);
+/* Forget a report; *status (may be NULL): KVS_REPORT_*. Closed while pending, it is never
+ * sent. KVS_E_NOENT for an unknown or closed report. */
+int kvs_report_close(int64_t report, int32_t *status);
 int kvs_op_info_get(int64_t op, kvs_op_info *out);
 int kvs_wait(int64_t op, int64_t timeout_ns); /* 0 polls; KVS_E_TIMEOUT if not finished */
 int kvs_reap(int64_t op, kvs_op_info *out); /* out: the state it ended in */

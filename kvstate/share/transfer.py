@@ -107,6 +107,8 @@ class TransferHandle:
         self._callbacks: list[Callable[[TransferHandle], None]] = []
         self._on_finish: Callable[[TransferHandle], None] | None = None
         self._result: TransferResult | None = None
+        self._report: tuple[Any, int] | None = None  # (native, id) of a report the op engine sends
+        self._report_status: str | None = None
         self._closed = False
         self._t0 = time.monotonic()
 
@@ -252,6 +254,32 @@ class TransferHandle:
         """How it ended, once finished; None before."""
         return self._result
 
+    def report(self, sock: int, ok: bytes, failed: bytes) -> bool:
+        """Have the op engine itself send ``ok`` (every op done) or ``failed`` (any failed or
+        was cancelled) on socket ``sock`` as the last op ends, from its own thread, so the
+        peer hears of the outcome without waiting for this process's Python (its GIL may be
+        the engine's for a while). False when that can no longer be arranged (the transfer
+        already finished, or has a report): the caller reports itself. After finishing,
+        :attr:`report_status` says whether it went out."""
+        with self._lock:
+            if self._finishing or self._report is not None or not self._entries:
+                return False
+            native = getattr(self._entries[0].op, "_native", None)
+            if native is None or any(getattr(e.op, "_native", None) is not native for e in self._entries):
+                return False  # ops of another engine (a fake in a test): nothing native to ask
+            try:
+                rid = native.report(sock, ok, failed, [e.op.id for e in self._entries])
+            except KvStateError:
+                return False  # an op was reaped meanwhile, or the socket is gone: report yourself
+            self._report = (native, rid)
+            return True
+
+    @property
+    def report_status(self) -> str | None:
+        """After finishing: ``"sent_ok"``, ``"sent_failed"`` or ``"unsent"`` for a transfer
+        with a :meth:`report`, None without one (or before it finished)."""
+        return self._report_status
+
     def add_done_callback(self, fn: Callable[[TransferHandle], None]) -> None:
         """Call ``fn(handle)`` once the transfer finished: at once (in this thread) if it
         already has, else from the thread that finishes it (usually kvstate's dispatcher).
@@ -340,6 +368,10 @@ class TransferHandle:
             fd, self._notify_fd = self._notify_fd, None
         if fd is not None:
             _dispatcher.unregister(fd)
+        with self._lock:
+            report, self._report = self._report, None
+        if report is not None:  # every op is collectable: the engine has sent it, or failed to
+            self._report_status = _close_report(*report)
         for e in self._entries:
             e.state = _reap(e.op)
         if fd is not None:
@@ -391,6 +423,16 @@ def _reap(op: Any) -> str:
         log.error("reaping %r failed: %s", op, exc)
         return FAILED
     return state if state in (DONE, FAILED, CANCELLED) else FAILED
+
+
+def _close_report(native: Any, report: int) -> str:
+    try:
+        status = native.report_close(report)
+    except KvStateError as exc:  # a bug, reported, never raised here
+        log.error("closing report %d failed: %s", report, exc)
+        return "unsent"
+    lib = native.lib
+    return {lib.KVS_REPORT_SENT_OK: "sent_ok", lib.KVS_REPORT_SENT_FAILED: "sent_failed"}.get(status, "unsent")
 
 
 def _call(fn: Callable[[TransferHandle], None], handle: TransferHandle) -> None:

@@ -398,6 +398,43 @@ class Native:
         if rc:
             raise self.error(rc, "kvs_op_notify", f"op {op}, fd {fd}")
 
+    def report(self, sock: int, ok: bytes, failed: bytes, ops: Sequence[int]) -> int:
+        """Have the engine send ``ok`` on socket ``sock`` once every op of ``ops`` is done, or
+        ``failed`` once all are collectable and any failed or was cancelled, from the thread
+        that ended the last one, never waiting for Python (``kvs_report_open``; the engine
+        keeps its own dup of ``sock``). Returns the report's id for :meth:`report_close`.
+        NativeError (NOENT) when an op was already reaped: then nothing was set up."""
+        lib, ffi = self.lib, self.ffi
+        if type(sock) is not int or sock < 0:
+            raise ArgumentInvalid.native("kvs_report_open", -1, f"sock must be an fd, not {sock!r:.40}")
+        for name, msg in (("ok", ok), ("failed", failed)):
+            if not isinstance(msg, bytes) or not 0 < len(msg) <= lib.KVS_REPORT_MAX_BYTES:
+                raise ArgumentInvalid.native("kvs_report_open", -1, f"{name} must be 1 to "
+                                             f"{lib.KVS_REPORT_MAX_BYTES} bytes, not {type(msg).__name__} "
+                                             f"of {len(msg) if isinstance(msg, bytes) else '?'}")
+        if not isinstance(ops, (list, tuple)) or not 0 < len(ops) <= lib.KVS_REPORT_MAX_OPS \
+                or any(type(o) is not int for o in ops):
+            raise ArgumentInvalid.native("kvs_report_open", -1, f"ops must be 1 to "
+                                         f"{lib.KVS_REPORT_MAX_OPS} op ids (int)")
+        out = ffi.new("int64_t *")
+        try:
+            ids = ffi.new("int64_t[]", list(ops))
+        except OverflowError:
+            raise ArgumentInvalid.native("kvs_report_open", -1, "an op id is out of range") from None
+        rc = self.lib.kvs_report_open(sock, ffi.new("char[]", ok), len(ok), ffi.new("char[]", failed), len(failed),
+                                      ids, len(ops), out)
+        if rc:
+            raise self.error(rc, "kvs_report_open", f"{len(ops)} op(s) on fd {sock}")
+        return int(out[0])
+
+    def report_close(self, report: int) -> int:
+        """Forget report ``report``; returns its KVS_REPORT_* status (a pending one is never sent)."""
+        status = self.ffi.new("int32_t *")
+        rc = self.lib.kvs_report_close(report, status)
+        if rc:
+            raise self.error(rc, "kvs_report_close", f"report {report}")
+        return int(status[0])
+
     def submit_cuda(self, device: int, src: tuple[int, int, int], dst: tuple[int, int, int],
                     blocks: Sequence[Block] | HostBuffer, *, fail: bool = False, notify_fd: int | None = None) -> Op:
         """A gather on a CUDA device (``kvs_cuda_submit``): each end is ``(region, addr,

@@ -19,21 +19,25 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
-from support.engines import evidence
+from support.engines import evidence, kv_configs
 from support.engines import kvstate_kit as kit
 from support.engines.memory import MemorySampler
 from support.engines.runner import Engine, Generation, start_all
 from support.engines.suite import MAX_TOKENS, PROMPT_LENGTHS, Engines, Run, prompts
 
 BS = kit.BLOCK_TOKENS
+#: How long the decode worker holds its GIL after its stores, in the test of issue 28's 50 ms.
+HOLD_S = 4.0
 
 
 @dataclass
 class Pair:
     box: Engines
     sockets: Path
+    probes: Path                    # the decode engine's probe dir (kv_configs.HOLD_GIL_AFTER_STORE)
     model: str
     decode: Engine
     prefill: Engine
@@ -48,13 +52,15 @@ class Pair:
 def pair(model_dir: Path, memory: MemorySampler, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     work = tmp_path_factory.mktemp("kvstate")
     sockets = kit.socket_dir(work)
+    probes = work / "probes"
+    probes.mkdir()
     box = Engines(work, memory)
     try:
         decode, prefill = start_all([
-            box.make("decode", kit.spec(str(model_dir), "kv_both", sockets)),
+            box.make("decode", kit.spec(str(model_dir), "kv_both", sockets, probe_dir=probes)),
             box.make("prefill", kit.spec(str(model_dir), "kv_consumer", sockets, policy=kit.POLICY_ON)),
         ])
-        yield Pair(box, sockets, str(model_dir), decode, prefill)
+        yield Pair(box, sockets, probes, str(model_dir), decode, prefill)
     finally:
         leaks = box.close_all()
         shutil.rmtree(sockets, ignore_errors=True)
@@ -69,6 +75,69 @@ def test_the_prefill_engines_first_forward_runs_over_loaded_kv(pair: Pair) -> No
     reference = kit.produce(pair.decode, batch, MAX_TOKENS)
     got = pair.prefill.generate(batch, MAX_TOKENS)      # nothing computed before in this engine
     assert got.tokens == reference.tokens
+    assert evidence.reuse(got).external_problems(kit.loadable((100,))) == []
+    c = kit.counters(got)
+    assert c.get("loads_ok") == 1 and c.get("tokens_loaded") == kit.loadable((100,))[0], c
+
+
+def _banks(engine: Engine) -> list[Any]:
+    """Read-only views of the kvstate banks in the engine's workers (numpy over the memfds)."""
+    import mmap
+
+    import numpy as np
+
+    out = []
+    for pid in kit.worker_pids(engine):
+        for fd in kit.bank_fds(pid):
+            with open(fd, "rb") as f:
+                out.append(np.frombuffer(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ), np.uint8))
+    return out
+
+
+def test_a_prefill_request_50_ms_after_a_store_completed_loads_it(pair: Pair) -> None:
+    """Issue 28: the decode engine's index must know of a store without waiting for the
+    decode engine's Python. The decode worker holds its GIL for HOLD_S right after it
+    submitted the stores (the probe connector; an engine step's Python, or vLLM's
+    busy-polling worker on a loaded machine). The store's completion is seen from outside
+    the engine, in its banks (their bytes changed, then stayed as they were); 50 ms later,
+    still within the hold, the prefill engine asks, and loads it (its lease waits for the
+    worker's Python, which the native lease server removes). Before, the report waited for
+    the worker's Python: a miss, and the prefix was computed."""
+    import numpy as np
+
+    batch = prompts((100,), seed=21)
+    assert pair.prefill.reset_prefix_cache()
+    (pair.probes / kv_configs.HOLD_GIL_AFTER_STORE).write_text(str(HOLD_S))
+    banks = _banks(pair.decode)
+    assert banks
+    before = [b.copy() for b in banks]
+    out: dict[str, Generation] = {}                           # it may return before or after the hold
+    t = threading.Thread(target=lambda: out.setdefault("g", pair.decode.generate(batch, MAX_TOKENS)))
+    t.start()
+    deadline = time.monotonic() + 60
+    while all(np.array_equal(b, old) for b, old in zip(banks, before)):
+        assert time.monotonic() < deadline, "the decode engine stored nothing"
+        time.sleep(0.001)
+    seen = [b.copy() for b in banks]
+    while True:                                               # until every region's copy landed
+        time.sleep(0.002)
+        now = [b.copy() for b in banks]
+        if all(np.array_equal(a, c) for a, c in zip(now, seen)):
+            break
+        seen = now
+    completed = time.monotonic()
+    time.sleep(0.05)
+    assert time.monotonic() - completed >= 0.05
+    assert not (pair.probes / kv_configs.HOLD_GIL_AFTER_STORE).exists()  # the hold began with the stores
+    asked = time.monotonic()
+    got = pair.prefill.generate(batch, MAX_TOKENS)
+    t.join(300)
+    assert got.tokens == out["g"].tokens
+    ended = pair.probes / kv_configs.HOLD_ENDED
+    while not ended.exists():
+        assert time.monotonic() < deadline + HOLD_S, "the decode worker's hold never ended"
+        time.sleep(0.05)
+    assert asked < float(ended.read_text()), "the decode worker's Python ran before the prefill engine asked"
     assert evidence.reuse(got).external_problems(kit.loadable((100,))) == []
     c = kit.counters(got)
     assert c.get("loads_ok") == 1 and c.get("tokens_loaded") == kit.loadable((100,))[0], c

@@ -5,10 +5,16 @@ its inventory, and its link to the index.
   :mod:`.layout`), registers and advertises it, serves leases at a fixed socket name
   (``<source>.r<rank>``), and connects to the index in its scheduler process (a thread
   that retries until the scheduler side is up: vLLM builds workers first).
-- Each step's :class:`~.orders.StoreOrder`\\ s are submitted with ``Bank.store`` at once;
-  when a store finishes, its blocks are recorded in the inventory (what leases pin) and
-  reported to the index, and the request is reported finished so that vLLM frees its
-  pages only then (:meth:`DecodeRank.finished`).
+- Each step's :class:`~.orders.StoreOrder`\\ s are submitted with ``Bank.store`` at once.
+  Their blocks enter the inventory (what leases pin) at submit, and the op engine itself
+  sends the ``stored`` report to the index as the store's last op ends
+  (``TransferHandle.report``), from its own thread: the index advertises the blocks
+  without waiting for this process's Python, whose GIL vLLM's worker holds while it
+  busy-polls (up to 1 s after each step). The index advertises nothing before that
+  report, so no lease names a block still being written. When a store finishes, its
+  request is reported finished so that vLLM frees its pages only then
+  (:meth:`DecodeRank.finished`); a report the engine could not send (no link to the
+  index yet, a full socket) goes from here instead, and failed blocks leave the inventory.
 - The index's ``evict`` is answered with the keys the inventory dropped and those a lease
   still pins (it asks again later).
 - Descriptors are re-advertised at half their time to live.
@@ -28,6 +34,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvstate import channel as chan
+from kvstate.channel.framing import pack
 from kvstate.core.reasons import BusyReason, ChannelReason
 from kvstate.core.errors import ChannelError, KvStateError, Busy
 from kvstate.integrations.vllm import wire
@@ -71,6 +78,7 @@ class DecodeRank:
         self._announced: set[str] = set()         # vLLM named them finished, their stores still running here
         self._handles: list[TransferHandle] = []
         self._outbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        self._ch: chan.Channel | None = None      # the link to the index, once welcomed (under _lock)
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._link, name=f"kvstate-decode-r{rank}", daemon=True)
         self._thread.start()
@@ -80,34 +88,49 @@ class DecodeRank:
     def store(self, order: StoreOrder) -> None:
         with self._lock:
             self._pending[order.req_id] = self._pending.get(order.req_id, 0) + 1
+        keys = list(order.keys)
+        try:
+            refused = set(self.inventory.store(INVENTORY_GROUP, keys).not_retained)
+        except KvStateError as exc:
+            log.error("kvstate: rank %d inventory refused blocks to store: %s", self.rank, exc)
+            refused = set(keys)
+        # cannot happen while the index assigns at most num_blocks blocks: reported failed
+        ok = [k for k in keys if k not in refused]
         try:
             handle = self.bank.store(self.kv_caches, list(order.src_blocks), list(order.slots))
         except KvStateError as exc:
             log.warning("kvstate: rank %d could not store %s: %s", self.rank, order.req_id, exc)
-            self._finish(order, frozenset(order.slots), 0)
+            self._finish(order, frozenset(order.slots), 0, reported=False)
             return
         with self._lock:
             self._handles.append(handle)
+            if self._ch is not None:  # under the lock: the link cannot close (and its fd number be reused) meanwhile
+                handle.report(self._ch.fileno(),
+                              pack(wire.encode("stored", rank=self.rank, keys=ok, failed=sorted(refused)), 0, wire.LIMITS),
+                              pack(wire.encode("stored", rank=self.rank, keys=[], failed=keys), 0, wire.LIMITS))
         handle.add_done_callback(lambda h: self._stored(order, h))
 
     def _stored(self, order: StoreOrder, handle: TransferHandle) -> None:
         result = handle.result()
         failed = frozenset(order.slots) if result is None else result.failed_blocks
-        self._finish(order, failed, 0 if result is None else result.bytes)
+        self._finish(order, failed, 0 if result is None else result.bytes,
+                     reported=handle.report_status in ("sent_ok", "sent_failed"))
 
-    def _finish(self, order: StoreOrder, failed_slots: frozenset[int], nbytes: int) -> None:
-        ok = [k for s, k in zip(order.slots, order.keys) if s not in failed_slots]
-        bad = [k for s, k in zip(order.slots, order.keys) if s in failed_slots]
-        if ok:
-            try:
-                kept = self.inventory.store(INVENTORY_GROUP, ok).not_retained
-            except KvStateError as exc:
-                log.error("kvstate: rank %d inventory refused stored blocks: %s", self.rank, exc)
-                kept = tuple(ok)
-            if kept:  # cannot happen while the index assigns at most num_blocks blocks
-                ok, bad = [k for k in ok if k not in kept], bad + list(kept)
+    def _finish(self, order: StoreOrder, failed_slots: frozenset[int], nbytes: int, *, reported: bool) -> None:
+        """The store ended: drop what failed from the inventory, report the outcome to the
+        index unless the op engine did (``reported``), and let vLLM free the pages."""
+        held = self.inventory.hashes(INVENTORY_GROUP)
+        ok = [k for s, k in zip(order.slots, order.keys) if s not in failed_slots and k in held]
+        bad = [k for k in order.keys if k not in ok]
         try:
-            self._outbox.put(wire.encode("stored", rank=self.rank, keys=ok, failed=bad))
+            dropped = [k for k in bad if k in held]
+            if dropped:  # never advertised (the index saw them fail), so no lease pins them
+                self.inventory.remove(INVENTORY_GROUP, dropped)
+        except KvStateError as exc:
+            log.error("kvstate: rank %d could not drop failed blocks from its inventory: %s", self.rank, exc)
+        try:
+            if not reported:
+                self._outbox.put(wire.encode("stored", rank=self.rank, keys=ok, failed=bad))
             self.tally.add("stores_ok" if not bad else "stores_failed")
             self.tally.add("bytes_stored", nbytes)
         finally:  # the request is done here whatever the report: vLLM frees its pages
@@ -173,6 +196,8 @@ class DecodeRank:
                 if not self._stopping.is_set():
                     log.info("kvstate: rank %d lost the index (%s); reconnecting", self.rank, exc)
             finally:
+                with self._lock:
+                    self._ch = None
                 ch.close()
             self._stopping.wait(RETRY_S)
 
@@ -186,6 +211,8 @@ class DecodeRank:
             log.error("kvstate: the index refused rank %d: %s (%s)", self.rank, answer["reason"], answer["detail"])
             return False
         self._advertise(ch, again=False)
+        with self._lock:
+            self._ch = ch  # stores from now on are reported by the op engine on this link
         while not self._stopping.is_set():
             while True:
                 try:

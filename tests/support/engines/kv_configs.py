@@ -23,6 +23,11 @@ PROBE_MODULE = "support.engines.probe"
 
 #: A file in a probe's directory that makes the next load fail (see :mod:`.probe`).
 FAIL_NEXT_LOAD = "fail-next-load"
+#: A file in $KVSTATE_PROBE_DIR that makes ProbeKvStateConnector's worker hold its GIL
+#: after its next stores, for the seconds the file says (see :mod:`.probe`).
+HOLD_GIL_AFTER_STORE = "hold-gil-after-store"
+PROBE_DIR_ENV = "KVSTATE_PROBE_DIR"
+HOLD_ENDED = "hold-ended"  # written by the probe when the hold ended: its time.monotonic()
 
 
 def _base(connector: str, role: str, extra: Mapping[str, Any], module: str | None) -> dict[str, Any]:
@@ -35,8 +40,11 @@ def _base(connector: str, role: str, extra: Mapping[str, Any], module: str | Non
     return cfg
 
 
-def kvstate(role: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """kvstate's connector, loaded by module path like any out-of-tree connector."""
+def kvstate(role: str, extra: Mapping[str, Any] | None = None, *, probe: bool = False) -> dict[str, Any]:
+    """kvstate's connector, loaded by module path like any out-of-tree connector; with
+    ``probe``, its subclass that holds a worker's GIL after stores on request (:mod:`.probe`)."""
+    if probe:
+        return _base("ProbeKvStateConnector", role, extra or {}, PROBE_MODULE)
     return _base(KVSTATE_CONNECTOR, role, extra or {}, KVSTATE_MODULE)
 
 

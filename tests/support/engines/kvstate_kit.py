@@ -38,13 +38,18 @@ def socket_dir(base: Path) -> Path:
 
 
 def spec(model: str, role: str, sockets: Path, *, policy: dict[str, Any] | None = None, tp: int = 1,
-         dtype: str = "bfloat16", **extra: Any) -> EngineSpec:
+         dtype: str = "bfloat16", probe_dir: Path | None = None, **extra: Any) -> EngineSpec:
+    """With ``probe_dir``, the engine runs kvstate's connector as the probe subclass that
+    holds a worker's GIL after stores while ``probe_dir/hold-gil-after-store`` exists."""
     cfg: dict[str, Any] = {"socket_dir": str(sockets), "retain_bytes": 64 << 20, "load_timeout_s": 20.0,
                            "lookup_timeout_s": 2.0, **extra}
     if policy is not None:
         cfg["policy"] = policy
-    return EngineSpec(model, tp=tp, dtype=dtype, kv_transfer=kv_configs.kvstate(role, cfg),
-                      env={"KVSTATE_DEPLOYMENT_KEY": KEY_HEX})
+    env = {"KVSTATE_DEPLOYMENT_KEY": KEY_HEX}
+    if probe_dir is not None:
+        env[kv_configs.PROBE_DIR_ENV] = str(probe_dir)
+    return EngineSpec(model, tp=tp, dtype=dtype, kv_transfer=kv_configs.kvstate(role, cfg, probe=probe_dir is not None),
+                      env=env)
 
 
 #: The engines' block size (vLLM's CPU attention needs a multiple of 32).
@@ -133,9 +138,9 @@ def produce(engine: Engine, batch: list[list[int]], max_tokens: int, timeout: fl
     (kvstate's ``stores_ok``): vLLM returns the outputs a step before the stores report,
     and a prefill engine asking sooner finds nothing yet (a miss, rightly). The front end
     takes in the stats of later steps only with its next request, hence the one-token
-    requests (too short to retain anything). Then a moment more for the index to learn
-    of the stores from the ranks: their link thread sends that, and vLLM's worker
-    busy-polls (holding the GIL most of the time) for 1 s after its last step."""
+    requests (too short to retain anything). A rank counts a store only after the op
+    engine sent its report to the index (``TransferHandle.report``), so the index knows
+    of every store counted here; no wait for the ranks' Python follows."""
     import time
 
     g = engine.generate(batch, max_tokens)
@@ -145,5 +150,4 @@ def produce(engine: Engine, batch: list[list[int]], max_tokens: int, timeout: fl
         if time.monotonic() > deadline:
             raise AssertionError(f"{engine.name}: stores of {len(batch)} request(s) not reported in {timeout} s")
         time.sleep(0.1)
-    time.sleep(1.5)
     return g

@@ -15,14 +15,22 @@ side in each ``VLLM::Worker``), so this module imports vLLM and torch.
   yet still counts the tokens as cached: the reason why reuse evidence must also show
   that no load failure was recovered (:mod:`.evidence`).
 - :class:`ProbeNullConnector` loads and stores nothing.
+- :class:`ProbeKvStateConnector` is kvstate's own connector, whose worker holds its
+  process's GIL right after it submitted a step's stores, while
+  ``$KVSTATE_PROBE_DIR/hold-gil-after-store`` exists (the file says for how many seconds;
+  it is removed when the hold starts, and ``hold-ended`` then says when it ended, in
+  ``time.monotonic()``): an engine step whose Python keeps the GIL while the
+  stores complete, as vLLM's busy-polling worker nearly does on a loaded machine.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import enum
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +39,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
 
 from kvstate.integrations.vllm.amx import request_amx_tiles
+from kvstate.integrations.vllm.connector import KvStateConnector
 
 FAIL_NEXT_LOAD = "fail-next-load"  # same name as kv_configs.FAIL_NEXT_LOAD
+HOLD_GIL_AFTER_STORE = "hold-gil-after-store"  # same name as kv_configs.HOLD_GIL_AFTER_STORE
+PROBE_DIR_ENV = "KVSTATE_PROBE_DIR"  # same name as kv_configs.PROBE_DIR_ENV
+HOLD_ENDED = "hold-ended"  # same name as kv_configs.HOLD_ENDED
 
 
 def jsonable(value: Any) -> Any:
@@ -161,3 +173,17 @@ class ProbeNullConnector(_GeometryRecorder, KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return KVConnectorMetadata()
+
+
+class ProbeKvStateConnector(KvStateConnector):
+    """kvstate's connector, holding the worker's GIL after a step's stores on request."""
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        orders = getattr(connector_metadata, "orders", None)
+        trigger = Path(os.environ.get(PROBE_DIR_ENV, "/nonexistent")) / HOLD_GIL_AFTER_STORE
+        if orders is not None and orders.stores and trigger.exists():
+            seconds = float(trigger.read_text())
+            trigger.unlink()
+            ctypes.PyDLL(None).usleep(int(seconds * 1e6))  # a C call through PyDLL keeps the GIL
+            (trigger.parent / HOLD_ENDED).write_text(repr(time.monotonic()))  # CLOCK_MONOTONIC: one per machine
