@@ -39,6 +39,7 @@ from kvstate.integrations.vllm.hashing import Compat
 from kvstate.integrations.vllm.layout import TORCH_DTYPES, tensor_problem
 from kvstate.integrations.vllm.orders import LoadFailures, StepOrders
 from kvstate.integrations.vllm.stats import Tally
+from kvstate.integrations.vllm.tp import source_view
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +134,8 @@ class KvStateConnector(KVConnectorBase_V1):
         transfer = vllm_config.kv_transfer_config
         self._cfg = parse(transfer.kv_connector_extra_config, transfer.kv_role)
         self._compat = compat_of(vllm_config, kv_cache_config, self._cfg)
+        self._view = source_view(self._compat, int(vllm_config.model_config.get_total_num_kv_heads()),
+                                 self._cfg.source_tp)
         share_the_gil(self._cfg.gil_switch_interval_s)
         self._engine_id = str(transfer.engine_id)
         self._tally = Tally()
@@ -143,7 +146,7 @@ class KvStateConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             from kvstate.integrations.vllm.scheduler_side import SchedulerSide
 
-            self._sched = SchedulerSide(self._cfg, self._compat, self._engine_id)
+            self._sched = SchedulerSide(self._cfg, self._compat, self._engine_id, self._view)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -170,7 +173,7 @@ class KvStateConnector(KVConnectorBase_V1):
             from kvstate.integrations.vllm.prefill_rank import PrefillRank
 
             path = self._cfg.socket_dir / f"{self._cfg.coordinator_name(self._engine_id)}.sock"
-            self._prefill = PrefillRank(self._cfg, self._compat, self._rank, caches, self._tally, path)
+            self._prefill = PrefillRank(self._cfg, self._compat, self._rank, caches, self._tally, path, self._view)
 
     @_guarded(lambda: None)
     def bind_connector_metadata(self, connector_metadata: Any) -> None:

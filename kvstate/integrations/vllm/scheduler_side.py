@@ -45,6 +45,7 @@ from kvstate.integrations.vllm.layout import INVENTORY_GROUP, bank_blocks
 from kvstate.integrations.vllm.orders import LoadFailures, LoadOrder, StepOrders, StoreOrder, failure_code
 from kvstate.integrations.vllm.slots import SlotTable
 from kvstate.integrations.vllm.stats import Tally
+from kvstate.integrations.vllm.tp import SourceView, same_tp
 from kvstate.integrations.vllm import wire
 from kvstate.reuse.policy import Candidate, DecisionReason, choose_transfer_source
 from kvstate.share.coordinator import CoordinatedGroup, Coordinator, CoordinatorConfig
@@ -101,8 +102,10 @@ def failure_reason(group: CoordinatedGroup) -> str:
 class SchedulerSide:
     """See the module docstring. ``tp``: this engine's tensor-parallel size."""
 
-    def __init__(self, cfg: ConnectorConfig, compat: Compat, engine_id: str) -> None:
+    def __init__(self, cfg: ConnectorConfig, compat: Compat, engine_id: str, view: SourceView | None = None) -> None:
         self.cfg, self.compat = cfg, compat
+        #: the decode sources' key and this engine's slices of their ranks (heterogeneous TP)
+        self.view = same_tp(compat) if view is None else view
         self.tally = Tally()
         self.index: DecodeIndex | None = None
         self.coordinator: Coordinator | None = None
@@ -122,9 +125,11 @@ class SchedulerSide:
             self.index = DecodeIndex(cfg.index_path(cfg.source), compat, table)
             self.index.start()
         if cfg.consumer:
-            self.coordinator = Coordinator(CoordinatorConfig(
-                dep, compat.tp, cfg.socket_dir, name=cfg.coordinator_name(engine_id),
-                phase_timeout_s=max(cfg.load_timeout_s / 2, 1.0)))
+            mixed = self.view.mixed
+            self.coordinator = Coordinator(CoordinatorConfig(  # one part per slice: a rank at equal TP sizes
+                dep, len(self.view.slices), cfg.socket_dir, name=cfg.coordinator_name(engine_id),
+                phase_timeout_s=max(cfg.load_timeout_s / 2, 1.0), source_tp=self.view.compat.tp if mixed else 0,
+                sources=tuple(s.src_rank for s in self.view.slices) if mixed else ()))
             self.coordinator.start()
             self.clients = {s: IndexClient(cfg.index_path(s), dep, cfg.lookup_timeout_s) for s in cfg.sources}
 
@@ -186,14 +191,14 @@ class SchedulerSide:
         local, most = local_tokens // bs, (num_tokens - 1) // bs  # vLLM computes the last token itself
         if most <= local:
             return self._miss(req_id, "nothing_beyond_local")
-        hashes = prefix_hashes(self.cfg.deployment, root(self.cfg.deployment, self.compat, salt),
-                               tokens[:most * bs], bs)
+        source = self.view.compat  # the decode engines' key: they named the blocks with it
+        hashes = prefix_hashes(self.cfg.deployment, root(self.cfg.deployment, source, salt), tokens[:most * bs], bs)
         found: dict[str, Found] = {}
         refused: list[Refusal] = []
 
         def candidates() -> Iterator[Candidate]:
             for name, client in self.clients.items():
-                answer = client.lookup(self.compat, hashes)
+                answer = client.lookup(source, hashes)
                 self.tally.add("lookups")
                 if isinstance(answer, Refusal):
                     refused.append(answer)
@@ -209,7 +214,7 @@ class SchedulerSide:
             return self._miss(req_id, reason)
         name = decision.source.source_id
         hit = found[name]
-        descriptors = self.clients[name].descriptors(self.compat, hit.generation)
+        descriptors = self.clients[name].descriptors(source, hit.generation)
         if isinstance(descriptors, Refusal):
             return self._miss(req_id, descriptors.reason)
         problem = self._precheck(descriptors)
@@ -226,7 +231,8 @@ class SchedulerSide:
         assert self.coordinator is not None
         try:
             decoded = [decode_descriptor(d, self.cfg.deployment) for d in descriptors]
-            if len(decoded) != self.compat.tp or any(d.tp != self.compat.tp for d in decoded):
+            tp = self.view.compat.tp
+            if len(decoded) != tp or any(d.tp != tp for d in decoded):
                 return "tp_mismatch"
             validate_group(decoded, self.coordinator.expectation())
         except DescriptorRejected as exc:
