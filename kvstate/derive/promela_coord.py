@@ -39,7 +39,7 @@ how "the coordinator counts reports without checking that ranks are distinct" is
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from kvstate.core.errors import ConfigInvalid
 from kvstate.core.spec import MachineSpec, Spec, TransitionSpec
@@ -63,8 +63,12 @@ def _states(m: MachineSpec) -> list[str]:
 
 
 class _Gen:
-    def __init__(self, spec: Spec, tp: int, registry: Mapping[tuple[str, str, str], str]) -> None:
+    def __init__(self, spec: Spec, tp: int, registry: Mapping[tuple[str, str, str], str],
+                 slices: Sequence[tuple[int, int]] | None = None) -> None:
         self.spec, self.tp, self.registry = spec, tp, registry
+        #: heterogeneous TP: (worker process, exporter) of each part; None: part r is
+        #: worker r's and imports exporter r's bank
+        self.slices = None if slices is None else tuple((int(w), int(e)) for w, e in slices)
         self.coord = spec["coordinator"]
         self.rank = spec["rank"]
         self.commands = [e[len(SEND_PREFIX):] for e in self.coord.effects if e.startswith(SEND_PREFIX)]
@@ -273,15 +277,28 @@ inline unmap(q) {{
     def reaper(self) -> str:
         kill = ["\t:: atomic { deaths < MAX_DEATHS && c_alive -> c_alive = 0; deaths++; g_died = 1;\n"
                 f'\t\tprintf("{MARK} process coordinator died alive dead\\n"); check_invariants() }}']
-        # The ranks are symmetric (no row, guard or world rule singles one out), so killing
-        # the last rank's worker or exporter stands for killing any rank's.
-        for q in [self.tp - 1]:
-            kill.append(f"\t:: atomic {{ deaths < MAX_DEATHS && w_alive[{q}] -> w_alive[{q}] = 0; deaths++; "
-                        f"g_died = 1;\n\t\tmapped[{q}] = 0; pins[{q}] = 0; leases[{q}] = 0;\n"
-                        f'\t\tprintf("{MARK} process worker{q} died alive dead\\n"); check_invariants() }}')
-            kill.append(f"\t:: atomic {{ deaths < MAX_DEATHS && e_alive[{q}] -> e_alive[{q}] = 0; deaths++; "
-                        f"g_died = 1; leases[{q}] = 0;\n"
-                        f'\t\tprintf("{MARK} process exporter{q} died alive dead\\n"); check_invariants() }}')
+        if self.slices is None:
+            # The ranks are symmetric (no row, guard or world rule singles one out), so killing
+            # the last rank's worker or exporter stands for killing any rank's.
+            workers = {f"worker{self.tp - 1}": [self.tp - 1]}
+            exporters = {f"exporter{self.tp - 1}": [self.tp - 1]}
+        else:
+            # Heterogeneous TP: a process's death ends every part it holds (one prefill
+            # worker with several slices; one exporter whose bank several slices lease).
+            workers = {f"worker{w}": [q for q, (pw, _) in enumerate(self.slices) if pw == w]
+                       for w in sorted({w for w, _ in self.slices})}
+            exporters = {f"exporter{e}": [q for q, (_, pe) in enumerate(self.slices) if pe == e]
+                         for e in sorted({e for _, e in self.slices})}
+        for name, parts in workers.items():
+            ends = " ".join(f"w_alive[{q}] = 0; mapped[{q}] = 0; pins[{q}] = 0; leases[{q}] = 0;" for q in parts)
+            alive = " || ".join(f"w_alive[{q}]" for q in parts)
+            kill.append(f"\t:: atomic {{ deaths < MAX_DEATHS && ({alive}) -> deaths++; g_died = 1;\n\t\t{ends}\n"
+                        f'\t\tprintf("{MARK} process {name} died alive dead\\n"); check_invariants() }}')
+        for name, parts in exporters.items():
+            ends = " ".join(f"e_alive[{q}] = 0; leases[{q}] = 0;" for q in parts)
+            alive = " || ".join(f"e_alive[{q}]" for q in parts)
+            kill.append(f"\t:: atomic {{ deaths < MAX_DEATHS && ({alive}) -> deaths++; g_died = 1; {ends}\n"
+                        f'\t\tprintf("{MARK} process {name} died alive dead\\n"); check_invariants() }}')
         over = " && ".join(["(!c_alive || COORD_ENDED)", *(f"(!w_alive[{q}] || RANK_ENDED({q}) || "
                                                           f"rank[{q}] == RANK_idle)" for q in range(self.tp))])
         return _proctype("reaper", "", kill, f"deaths == MAX_DEATHS || ({over})")
@@ -310,11 +327,16 @@ def _proctype(name: str, param: str, commands: list[str], done: str) -> str:
     return f"{head}\n{{\n\tdo\n" + "\n".join(commands) + f"\n\t:: {done} -> break\n\tod\n}}\n"
 
 
-def generate(spec: Spec, tp: int, registry: Mapping[tuple[str, str, str], str] | None = None) -> str:
-    """The Promela text of the coordinator protocol for ``tp`` ranks."""
+def generate(spec: Spec, tp: int, registry: Mapping[tuple[str, str, str], str] | None = None,
+             slices: Sequence[tuple[int, int]] | None = None) -> str:
+    """The Promela text of the coordinator protocol for ``tp`` parts: one per rank, or with
+    ``slices`` (heterogeneous TP, :func:`kvstate.core.heads.split`) the (worker process,
+    exporter) of each part, so that a death ends every part of that process."""
     if not 1 <= tp <= 8:
         raise ValueError(f"the coordinator model unrolls ranks: tp must be 1..8, not {tp}")
-    g = _Gen(spec, tp, world.REGISTRY if registry is None else registry)
+    if slices is not None and len(slices) != tp:
+        raise ValueError(f"{len(slices)} slices for a model of {tp} parts")
+    g = _Gen(spec, tp, world.REGISTRY if registry is None else registry, slices)
     return "\n".join([g.header(), world.GLOBALS + "\n", g.inlines(), g.invariants(), g.coordinator(),
                       g.worker(), g.engine(), g.reaper(), g.init(), g.liveness()])
 

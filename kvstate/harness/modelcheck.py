@@ -227,15 +227,17 @@ def check_text(text: str, *, model: str, tp: int, liveness: bool = False, memlim
 
 def check(model: str, tp: int, *, liveness: bool = False, spec: Spec | None = None,
           spec_dir: Path | None = None, memlim_mb: int = 2048, timeout_s: float = 600.0,
-          registry: Mapping[tuple[str, str, str], str] | None = None) -> CheckResult:
+          registry: Mapping[tuple[str, str, str], str] | None = None,
+          slices: Sequence[tuple[int, int]] | None = None) -> CheckResult:
     """Generate a model from the tables (``spec_dir`` for a variant) and check it.
 
     ``registry`` replaces the coordinator model's meanings of guards and effects (planted
-    bugs of an implementation that the tables cannot express)."""
+    bugs of an implementation that the tables cannot express); ``slices``: the coordinator
+    model's parts as heterogeneous-TP slices (:func:`promela_coord.generate`)."""
     if spec is None:
         spec = load_spec(spec_dir)
     if model == promela_coord.COORD_MODEL:
-        text = promela_coord.generate(spec, tp, registry)
+        text = promela_coord.generate(spec, tp, registry, slices)
         return check_text(text, model=model, tp=tp, liveness=liveness, memlim_mb=memlim_mb, timeout_s=timeout_s,
                           claim=coord_world.LIVENESS_CLAIM, nfair=max(_NFAIR, 2 * tp + 3))
     if liveness and model != models.PER_RANK:

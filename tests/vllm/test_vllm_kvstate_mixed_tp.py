@@ -67,59 +67,53 @@ def _no_bank_left(engine: Engine) -> list[str]:
         [f"{pid}: {fd}" for pid in kit.worker_pids(engine) for fd in kit.bank_fds(pid)]
 
 
-class Checks:
-    """The cases, run on each pair in this order."""
-
-    def test_every_prefill_rank_loads_its_heads_and_the_tokens_are_the_decode_engines(self, pair: Pair) -> None:
-        batch = prompts(LENGTHS, seed=51)
-        reference = kit.produce(pair.decode, batch, MAX_TOKENS)
-        got = pair.fresh(batch)
-        assert got.tokens == reference.tokens
-        expected = kit.loadable(LENGTHS)
-        assert evidence.reuse(got).external_problems(expected) == []
-        c = kit.counters(got)
-        assert c.get("hits") == len(batch) and c.get("tokens_matched") == sum(expected), c
-        # loads_ok counts per prefill rank: each rank loaded every slice it has.
-        assert c.get("loads_ok") == pair.prefill_tp * len(batch), c
-        assert not any(k.startswith(("loads_failed", "rejections", "misses")) for k in c), c
-
-    def test_a_corrupted_decode_bank_changes_the_tokens(self, pair: Pair) -> None:
-        batch = prompts(LENGTHS, seed=52)
-        reference = kit.produce(pair.decode, batch, MAX_TOKENS)
-        victim = sorted(kit.worker_pids(pair.decode))[-1]
-        assert kit.corrupt_banks(pair.decode, pids=[victim]) > 0  # one decode rank's heads only
-        got = pair.fresh(batch)
-        assert evidence.reuse(got).external_problems(kit.loadable(LENGTHS)) == []
-        for mine, theirs in zip(got.tokens, reference.tokens):
-            assert mine != theirs
-
-    def test_a_decode_worker_killed_during_the_load_means_recompute(self, pair: Pair) -> None:
-        batch = prompts((600,), seed=53)
-        reference = kit.produce(pair.decode, batch, MAX_TOKENS)
-        victim = sorted(kit.worker_pids(pair.decode))[-1]
-        os.kill(victim, signal.SIGSTOP)              # the index answers; this rank's exporter does not
-        out: dict[str, Generation] = {}
-        t = threading.Thread(target=lambda: out.setdefault("g", pair.fresh(batch)))
-        t.start()
-        time.sleep(3.0)
-        os.kill(victim, signal.SIGKILL)
-        t.join(300)
-        got = out["g"]
-        assert got.tokens == reference.tokens
-        c = kit.counters(got)
-        assert c.get("hits") == len(batch), c         # promised...
-        assert "loads_ok" not in c and c.get("loads_failed", 0) >= 1, c  # ...and recomputed
-        assert evidence.reuse(got).recovered
-        assert _no_bank_left(pair.prefill) == []
+@pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["decode_tp2-prefill_tp1", "decode_tp1-prefill_tp2"])
+def pair(request: pytest.FixtureRequest, model_dir: Path, memory: MemorySampler,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    """One pair at a time: pytest runs every test on the first before it starts the second."""
+    decode_tp, prefill_tp = request.param
+    yield from _pair(model_dir, memory, tmp_path_factory.mktemp(f"kvstate-tp{decode_tp}-tp{prefill_tp}"), decode_tp,
+                     prefill_tp)
 
 
-class TestDecodeTp2PrefillTp1(Checks):
-    @pytest.fixture(scope="class")
-    def pair(self, model_dir: Path, memory: MemorySampler, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-        yield from _pair(model_dir, memory, tmp_path_factory.mktemp("kvstate-tp2-tp1"), 2, 1)
+def test_every_prefill_rank_loads_its_heads_and_the_tokens_are_the_decode_engines(pair: Pair) -> None:
+    batch = prompts(LENGTHS, seed=51)
+    reference = kit.produce(pair.decode, batch, MAX_TOKENS)
+    got = pair.fresh(batch)
+    assert got.tokens == reference.tokens
+    expected = kit.loadable(LENGTHS)
+    assert evidence.reuse(got).external_problems(expected) == []
+    c = kit.counters(got)
+    assert c.get("hits") == len(batch) and c.get("tokens_matched") == sum(expected), c
+    # loads_ok counts per prefill rank: each rank loaded every slice it has.
+    assert c.get("loads_ok") == pair.prefill_tp * len(batch), c
+    assert not any(k.startswith(("loads_failed", "rejections", "misses")) for k in c), c
 
+def test_a_corrupted_decode_bank_changes_the_tokens(pair: Pair) -> None:
+    batch = prompts(LENGTHS, seed=52)
+    reference = kit.produce(pair.decode, batch, MAX_TOKENS)
+    victim = sorted(kit.worker_pids(pair.decode))[-1]
+    assert kit.corrupt_banks(pair.decode, pids=[victim]) > 0  # one decode rank's heads only
+    got = pair.fresh(batch)
+    assert evidence.reuse(got).external_problems(kit.loadable(LENGTHS)) == []
+    for mine, theirs in zip(got.tokens, reference.tokens):
+        assert mine != theirs
 
-class TestDecodeTp1PrefillTp2(Checks):
-    @pytest.fixture(scope="class")
-    def pair(self, model_dir: Path, memory: MemorySampler, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-        yield from _pair(model_dir, memory, tmp_path_factory.mktemp("kvstate-tp1-tp2"), 1, 2)
+def test_a_decode_worker_killed_during_the_load_means_recompute(pair: Pair) -> None:
+    batch = prompts((600,), seed=53)
+    reference = kit.produce(pair.decode, batch, MAX_TOKENS)
+    victim = sorted(kit.worker_pids(pair.decode))[-1]
+    os.kill(victim, signal.SIGSTOP)              # the index answers; this rank's exporter does not
+    out: dict[str, Generation] = {}
+    t = threading.Thread(target=lambda: out.setdefault("g", pair.fresh(batch)))
+    t.start()
+    time.sleep(3.0)
+    os.kill(victim, signal.SIGKILL)
+    t.join(300)
+    got = out["g"]
+    assert got.tokens == reference.tokens
+    c = kit.counters(got)
+    assert c.get("hits") == len(batch), c         # promised...
+    assert "loads_ok" not in c and c.get("loads_failed", 0) >= 1, c  # ...and recomputed
+    assert evidence.reuse(got).recovered
+    assert _no_bank_left(pair.prefill) == []
