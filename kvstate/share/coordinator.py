@@ -20,9 +20,11 @@ is then the coordinator's too; the protocol handles that as well: workers clean 
 The protocol (see the tables for every step):
 
 1. :meth:`Coordinator.import_group` decodes every rank's descriptor and validates the whole
-   group (every rule, and its tp equal to the coordinator's: heterogeneous TP is refused
-   here, :class:`~kvstate.core.reasons.RejectReason` ``tp_mismatch``) before any worker
-   hears of it. Then each worker gets its own descriptor (``check``) and validates it fully
+   group (every rule, and its tp equal to the exporting size the coordinator imports,
+   else :class:`~kvstate.core.reasons.RejectReason` ``tp_mismatch``) before any worker
+   hears of it. With heterogeneous TP (``source_tp``, ``sources``) the parts are head
+   slices, (worker, exporting rank) pairs of :func:`kvstate.core.heads.split`; everything
+   below says "rank" for a part. Then each worker gets its own descriptor (``check``) and validates it fully
    with its own expectations (device, transport, socket path); no worker opens anything
    until every rank reported valid (INV-COORD-VALIDATE-BEFORE-OPEN).
 2. ``open``: each worker leases and maps its part and reports ``imported`` with what it

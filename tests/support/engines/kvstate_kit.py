@@ -38,12 +38,13 @@ def socket_dir(base: Path) -> Path:
 
 
 def spec(model: str, role: str, sockets: Path, *, policy: dict[str, Any] | None = None, tp: int = 1,
-         dtype: str = "bfloat16", **extra: Any) -> EngineSpec:
+         dtype: str = "bfloat16", kv_cache_dtype: str = "auto", **extra: Any) -> EngineSpec:
     cfg: dict[str, Any] = {"socket_dir": str(sockets), "retain_bytes": 64 << 20, "load_timeout_s": 20.0,
                            "lookup_timeout_s": 2.0, **extra}
     if policy is not None:
         cfg["policy"] = policy
-    return EngineSpec(model, tp=tp, dtype=dtype, kv_transfer=kv_configs.kvstate(role, cfg),
+    return EngineSpec(model, tp=tp, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                      kv_transfer=kv_configs.kvstate(role, cfg),
                       env={"KVSTATE_DEPLOYMENT_KEY": KEY_HEX})
 
 
