@@ -206,9 +206,14 @@ class KvStateConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self._prefill is not None:
             self._prefill.progress()
+            if self._cfg.layer_loads:
+                self._prefill.start_layers()
 
+    @_guarded(lambda: None)
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads are asynchronous: the request waits until they finished
+        # Asynchronous loads finished before the request ran; per-layer ones wait here.
+        if self._prefill is not None and self._cfg.layer_loads:
+            self._prefill.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         return None  # stores run when a request finished, from its pages
@@ -264,7 +269,7 @@ class KvStateConnector(KVConnectorBase_V1):
             return 0, False
         n = self._sched.match(request.request_id, request.all_token_ids, request.num_tokens, num_computed_tokens,
                               request.cache_salt)
-        return n, n > 0
+        return n, n > 0 and not self._cfg.layer_loads  # per-layer: the request runs now, its layers wait
 
     @_guarded(lambda: None)
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:

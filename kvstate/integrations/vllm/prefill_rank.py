@@ -13,9 +13,14 @@
   reason goes to the scheduler side in the same step (:meth:`PrefillRank.failures`); the
   request is reported finished either way (:meth:`PrefillRank.finished`).
 
-Loads are asynchronous in vLLM's sense: the request waits (``WAITING_FOR_REMOTE_KVS``)
-until every rank reported its load finished, so no forward pass reads a page while it
-loads and no per-layer wait is needed.
+Loads are asynchronous in vLLM's sense by default: the request waits
+(``WAITING_FOR_REMOTE_KVS``) until every rank reported its load finished, so no forward
+pass reads a page while it loads. With ``layer_loads`` the request runs in the step its
+load is ordered: :meth:`PrefillRank.start_layers` (vLLM's ``start_load_kv``) starts the
+load once the shares are ready, and :meth:`PrefillRank.wait_layer` (``wait_for_layer_load``,
+called in each layer's attention) waits for that layer's region only
+(``TransferHandle.wait_region``); the load is then never reported in ``finished_recving``,
+and a failed one names its pages for vLLM to recompute.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,10 +68,12 @@ class PrefillRank:
     banks this rank loads (heterogeneous TP); None: this engine's own TP size."""
 
     def __init__(self, cfg: ConnectorConfig, compat: Compat, rank: int, kv_caches: Mapping[str, Any],
-                 tally: Tally, coordinator_path: Path, view: SourceView | None = None) -> None:
+                 tally: Tally, coordinator_path: Path, view: SourceView | None = None,
+                 transport: Callable[[], HostTransport] = HostTransport) -> None:
         self.cfg, self.compat, self.rank, self.tally = cfg, compat, rank, tally
         self.kv_caches = dict(kv_caches)
         self.coordinator_path = coordinator_path
+        self.transport = transport  # makes each part's worker its transport
         self.view = same_tp(compat) if view is None else view
         #: (coordinator part, slice) of every decode bank this rank loads heads from
         self.slices = self.view.of_rank(rank)
@@ -100,7 +107,7 @@ class PrefillRank:
                                   reuse=self.cfg.policy,  # the importer enforces the same switches
                                   source_rank=cut.src_rank, source_tp=self.view.compat.tp)
             while not self._stopping.is_set():
-                worker: RankWorker[Any, Any, Any, Any, Any] = RankWorker(config, HostTransport())
+                worker: RankWorker[Any, Any, Any, Any, Any] = RankWorker(config, self.transport())
                 try:
                     worker.start()
                 except (ChannelError, OSError) as exc:
@@ -166,11 +173,44 @@ class PrefillRank:
         self.tally.add("bytes_loaded", sum(r.bytes for r in results if r is not None))
         return ""
 
+    # -- per-layer loads (cfg.layer_loads) ---------------------------------------------------------
+
+    def start_layers(self) -> None:
+        """Before the forward pass: start every load ordered for this step. Its shares must
+        be ready first (the coordinator releases them once every part of every rank
+        imported), so this waits for that, up to ``load_timeout_s`` from the order; a load
+        that cannot start fails here, and its pages are recomputed."""
+        for req_id, load in list(self._loads.items()):
+            if load.handles is not None or load.order.gid is None:
+                continue
+            deadline = load.started + self.cfg.load_timeout_s
+            for part, _ in self.slices:
+                worker = self.workers.get(part)
+                left = deadline - time.monotonic()
+                if worker is not None and left > 0:
+                    worker.wait(load.order.gid, ("ready", *_ENDED), left)
+        self.progress()
+
+    def wait_layer(self, name: str) -> None:
+        """In layer ``name``'s attention: wait until that layer's pages of every load
+        running this step are in place (later layers may still be loading). A layer that
+        fails or outlasts the load's time fails the whole load (its pages are recomputed)."""
+        for req_id, load in list(self._loads.items()):
+            if load.handles is None:
+                continue
+            left = load.started + self.cfg.load_timeout_s - time.monotonic()
+            ok = all(h.wait_region(name, max(0.0, left)) and h.region_ok(name) is not False for h in load.handles)
+            if not ok:
+                for h in load.handles:
+                    h.cancel()
+                self._end(req_id, load, "load_failed" if left > 0 else "timeout")
+
     def _end(self, req_id: str, load: _Load, why: str) -> None:
         del self._loads[req_id]
         for h in load.handles or ():
             h.close()
-        self._finished.add(req_id)
+        if not self.cfg.layer_loads:  # a per-layer load is the step's: vLLM never waits for it
+            self._finished.add(req_id)
         self.tally.add("load_ms", 1000.0 * (time.monotonic() - load.started))
         if why:
             self._failed_blocks.update(load.order.dst_blocks)

@@ -119,6 +119,10 @@ class SchedulerSide:
         self._groups: list[_Group] = []
         self._counted: set[str] = set()           # requests whose miss was counted
         self._failed: set[str] = set()            # live requests whose load failed: computed from then on
+        # Per-layer loads (cfg.layer_loads) run in the step that orders them and never reach
+        # finished_recving: ordered this step, then in the step whose output comes next.
+        self._layer_ordered: list[str] = []
+        self._layer_running: list[str] = []
         dep = cfg.deployment
         if cfg.producer:
             table = SlotTable(bank_blocks(compat, cfg.retain_bytes), compat.tp, lambda h, s: block_key(dep, h, s))
@@ -267,6 +271,8 @@ class SchedulerSide:
         self.tally.add("hits")
         self.tally.add("tokens_matched", num_external_tokens)
         self._loads.append(LoadOrder(req_id, shared.group.gid, m.slots, dst))
+        if self.cfg.layer_loads:
+            self._layer_ordered.append(req_id)
 
     def _refused(self, req_id: str, m: _Match, dst: tuple[int, ...], why: str) -> None:
         self.clients[m.source].drop_descriptors()
@@ -279,6 +285,8 @@ class SchedulerSide:
         in flight like any other (vLLM waits for it; its pages hold nothing)."""
         self._active[req_id] = _Active(None, frozenset(dst), failed=True)
         self._loads.append(LoadOrder(req_id, None, m.slots, dst, why))
+        if self.cfg.layer_loads:
+            self._layer_ordered.append(req_id)
 
     def _live_group(self, m: _Match) -> _Group | None:
         """A group of the same source whose lease already pins every block wanted."""
@@ -291,7 +299,10 @@ class SchedulerSide:
     def worker_output(self, finished: Sequence[str], invalid_pages: set[int],
                       failures: LoadFailures = LoadFailures()) -> None:
         """What vLLM aggregated from the workers this step: loads every rank finished, pages
-        some rank failed to load (possibly in an earlier step than the finish), and why."""
+        some rank failed to load (possibly in an earlier step than the finish), and why.
+        Per-layer loads finish with the output of the step that ran them."""
+        finished = [*finished, *self._layer_running]
+        self._layer_running = []
         if invalid_pages:
             for active in self._active.values():
                 active.failed = active.failed or not active.pages.isdisjoint(invalid_pages)
@@ -355,6 +366,8 @@ class SchedulerSide:
     def step_orders(self) -> StepOrders:
         orders = StepOrders(tuple(self._stores), tuple(self._loads))
         self._stores, self._loads = [], []
+        self._layer_running += self._layer_ordered
+        self._layer_ordered = []
         return orders
 
     def pending(self) -> int:
@@ -365,7 +378,8 @@ class SchedulerSide:
         once no request is in the engine and every load and store reported."""
         out = {"matches": len(self._matches), "active": len(self._active), "groups": len(self._groups),
                "counted": len(self._counted), "failed": len(self._failed),
-               "store_orders": len(self._stores), "load_orders": len(self._loads)}
+               "store_orders": len(self._stores), "load_orders": len(self._loads),
+               "layer_loads": len(self._layer_ordered) + len(self._layer_running)}
         if self.coordinator is not None:
             out["coordinator_live_groups"] = sum(1 for g in list(self.coordinator.groups.values())
                                                  if not g.is_terminal)
