@@ -518,11 +518,11 @@ def test_a_per_layer_load_runs_in_its_step_and_each_layer_waits_for_its_own_regi
             rank.load(order)                                  # bind_connector_metadata
         rank.progress()
         rank.start_layers()                                   # start_load_kv: waits for ready, starts
-        load = rank._loads.get("p-layers")                    # gone already if every copy finished
-        assert load is None or (load.handles is not None and len(load.handles) == 1)
+        load = rank._loads["p-layers"]                        # started, and kept until after the forward
+        assert load.handles is not None and len(load.handles) == 1
         for layer in LAYERS:                                  # the forward pass, layer by layer
             rank.wait_layer(layer)
-            assert load is None or load.handles is None or load.handles[0].region_ok(layer)
+            assert load.handles[0].region_ok(layer)
             for s_page, d_page in zip(src, dst):
                 assert torch.equal(prefill.caches[0][layer][d_page], decode.caches[0][layer][s_page])
         done, failed = rank.finished()                        # get_finished after the forward
@@ -531,7 +531,8 @@ def test_a_per_layer_load_runs_in_its_step_and_each_layer_waits_for_its_own_regi
         prefill.sched.worker_output([], set(), rank.failures())  # the step's output
         sizes = prefill.sched.sizes()
         assert sizes["layer_loads"] == 0 and sizes["active"] == 0 and sizes["groups"] == 0
-        assert rank.sizes()["loads"] == 0 and prefill.tally.take()["loads_ok"] == 1
+        counted = prefill.tally.take()
+        assert rank.sizes()["loads"] == 0 and counted["loads_ok"] == 1 and counted["layer_waits"] == len(LAYERS)
     finally:
         prefill.close()
         decode.close()

@@ -144,24 +144,9 @@ class PrefillRank:
             return order.why or "not_started"
         late = now - load.started > self.cfg.load_timeout_s
         if load.handles is None:
-            if len(self.workers) < len(self.slices):
-                return "rank_not_connected" if late else None
-            shares = [self.workers[part].share(order.gid) for part, _ in self.slices]
-            for share in shares:
-                if share is not None and share.state in _ENDED:
-                    if share.problems:
-                        return str(share.problems[0].reason.value)  # this rank rejected its descriptor
-                    return failure_code(share.cause) or f"share_{share.state}"
-            if not all(share is not None and share.state == "ready" for share in shares):
-                return "timeout" if late else None
-            load.handles = []
-            for share, (part, _) in zip(shares, self.slices):
-                assert share is not None
-                dst, cut = self._targets[part]
-                try:
-                    load.handles.append(share.load(list(order.slots), dst, list(order.dst_blocks), cut))
-                except KvStateError as exc:
-                    return f"load_refused:{exc.reason.value}"  # TransitionError illegal: the share left ready
+            why = self._start(load, late)
+            if why is not None or load.handles is None:
+                return why
         if not all(h.done() for h in load.handles):
             if late:
                 for h in load.handles:
@@ -172,6 +157,31 @@ class PrefillRank:
             return "load_failed"
         self.tally.add("bytes_loaded", sum(r.bytes for r in results if r is not None))
         return ""
+
+    def _start(self, load: _Load, late: bool) -> str | None:
+        """Start the load once every part of this rank is ready: None (started, or not
+        yet), or why it cannot start."""
+        order = load.order
+        assert order.gid is not None
+        if len(self.workers) < len(self.slices):
+            return "rank_not_connected" if late else None
+        shares = [self.workers[part].share(order.gid) for part, _ in self.slices]
+        for share in shares:
+            if share is not None and share.state in _ENDED:
+                if share.problems:
+                    return str(share.problems[0].reason.value)  # this rank rejected its descriptor
+                return failure_code(share.cause) or f"share_{share.state}"
+        if not all(share is not None and share.state == "ready" for share in shares):
+            return "timeout" if late else None
+        load.handles = []
+        for share, (part, _) in zip(shares, self.slices):
+            assert share is not None
+            dst, cut = self._targets[part]
+            try:
+                load.handles.append(share.load(list(order.slots), dst, list(order.dst_blocks), cut))
+            except KvStateError as exc:
+                return f"load_refused:{exc.reason.value}"  # TransitionError illegal: the share left ready
+        return None
 
     # -- per-layer loads (cfg.layer_loads) ---------------------------------------------------------
 
@@ -189,7 +199,13 @@ class PrefillRank:
                 left = deadline - time.monotonic()
                 if worker is not None and left > 0:
                     worker.wait(load.order.gid, ("ready", *_ENDED), left)
-        self.progress()
+            # Started, not finished here: the layers wait for it (wait_layer), and it ends
+            # after the forward pass (finished).
+            why = self._start(load, time.monotonic() > deadline)
+            if why is None and load.handles is None:
+                why = "not_ready"  # the forward pass runs now: what is not loading is recomputed
+            if why is not None:
+                self._end(req_id, load, why)
 
     def wait_layer(self, name: str) -> None:
         """In layer ``name``'s attention: wait until that layer's pages of every load
@@ -200,6 +216,10 @@ class PrefillRank:
                 continue
             left = load.started + self.cfg.load_timeout_s - time.monotonic()
             ok = all(h.wait_region(name, max(0.0, left)) and h.region_ok(name) is not False for h in load.handles)
+            self.tally.add("layer_waits")
+            last = self.compat.layers[-1]
+            if ok and name != last and any(h.region_ok(last) is None for h in load.handles):
+                self.tally.add("layer_waits_ahead")  # this layer computes while a later one loads
             if not ok:
                 for h in load.handles:
                     h.cancel()
