@@ -516,7 +516,6 @@ def test_a_per_layer_load_runs_in_its_step_and_each_layer_waits_for_its_own_regi
         rank = prefill.prefill[0]
         for order in orders.loads:
             rank.load(order)                                  # bind_connector_metadata
-        rank.progress()
         rank.start_layers()                                   # start_load_kv: waits for ready, starts
         load = rank._loads["p-layers"]                        # started, and kept until after the forward
         assert load.handles is not None and len(load.handles) == 1

@@ -205,9 +205,10 @@ class KvStateConnector(KVConnectorBase_V1):
     @_guarded(lambda: None)
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self._prefill is not None:
-            self._prefill.progress()
             if self._cfg.layer_loads:
-                self._prefill.start_layers()
+                self._prefill.start_layers()  # started, not ended: the layers wait for them
+            else:
+                self._prefill.progress()
 
     @_guarded(lambda: None)
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -278,7 +279,12 @@ class KvStateConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         try:
-            return KvStateMetadata(self._sched.step_orders())
+            orders = self._sched.step_orders()
+            if self._cfg.layer_loads and orders.loads and hasattr(scheduler_output, "has_sync_kv_loads"):
+                # vLLM starts loads after the forward pass unless the step has a sync load;
+                # it sets this for the requests it schedules so, and it must hold for ours.
+                scheduler_output.has_sync_kv_loads = True
+            return KvStateMetadata(orders)
         except Exception:
             log.exception("kvstate connector: build_connector_meta failed")
             return KvStateMetadata(StepOrders())

@@ -144,6 +144,8 @@ class PrefillRank:
             return order.why or "not_started"
         late = now - load.started > self.cfg.load_timeout_s
         if load.handles is None:
+            if self.cfg.layer_loads:
+                return "not_ready"  # start_layers did not start it before its forward pass ran
             why = self._start(load, late)
             if why is not None or load.handles is None:
                 return why
