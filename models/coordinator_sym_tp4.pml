@@ -910,25 +910,25 @@ end:
 	if
 	:: deaths < MAX_DEATHS && c_alive -> c_alive = 0; deaths++; g_died = 1;
 		printf("@@ process coordinator died alive dead\n")
-	:: deaths < MAX_DEATHS && w_alive[0] -> w_alive[0] = 0; deaths++; g_died = 1;
-		mapped[0] = 0; pins[0] = 0; leases[0] = 0;
+	:: deaths < MAX_DEATHS && (w_alive[0]) -> deaths++; g_died = 1;
+		w_alive[0] = 0; mapped[0] = 0; pins[0] = 0; leases[0] = 0;
 		printf("@@ process worker0 died alive dead\n")
-	:: deaths < MAX_DEATHS && e_alive[0] -> e_alive[0] = 0; deaths++; g_died = 1; leases[0] = 0;
-		printf("@@ process exporter0 died alive dead\n")
-	:: deaths < MAX_DEATHS && w_alive[1] -> w_alive[1] = 0; deaths++; g_died = 1;
-		mapped[1] = 0; pins[1] = 0; leases[1] = 0;
+	:: deaths < MAX_DEATHS && (w_alive[1]) -> deaths++; g_died = 1;
+		w_alive[1] = 0; mapped[1] = 0; pins[1] = 0; leases[1] = 0;
 		printf("@@ process worker1 died alive dead\n")
-	:: deaths < MAX_DEATHS && e_alive[1] -> e_alive[1] = 0; deaths++; g_died = 1; leases[1] = 0;
-		printf("@@ process exporter1 died alive dead\n")
-	:: deaths < MAX_DEATHS && w_alive[2] -> w_alive[2] = 0; deaths++; g_died = 1;
-		mapped[2] = 0; pins[2] = 0; leases[2] = 0;
+	:: deaths < MAX_DEATHS && (w_alive[2]) -> deaths++; g_died = 1;
+		w_alive[2] = 0; mapped[2] = 0; pins[2] = 0; leases[2] = 0;
 		printf("@@ process worker2 died alive dead\n")
-	:: deaths < MAX_DEATHS && e_alive[2] -> e_alive[2] = 0; deaths++; g_died = 1; leases[2] = 0;
-		printf("@@ process exporter2 died alive dead\n")
-	:: deaths < MAX_DEATHS && w_alive[3] -> w_alive[3] = 0; deaths++; g_died = 1;
-		mapped[3] = 0; pins[3] = 0; leases[3] = 0;
+	:: deaths < MAX_DEATHS && (w_alive[3]) -> deaths++; g_died = 1;
+		w_alive[3] = 0; mapped[3] = 0; pins[3] = 0; leases[3] = 0;
 		printf("@@ process worker3 died alive dead\n")
-	:: deaths < MAX_DEATHS && e_alive[3] -> e_alive[3] = 0; deaths++; g_died = 1; leases[3] = 0;
+	:: deaths < MAX_DEATHS && (e_alive[0]) -> deaths++; g_died = 1; e_alive[0] = 0; leases[0] = 0;
+		printf("@@ process exporter0 died alive dead\n")
+	:: deaths < MAX_DEATHS && (e_alive[1]) -> deaths++; g_died = 1; e_alive[1] = 0; leases[1] = 0;
+		printf("@@ process exporter1 died alive dead\n")
+	:: deaths < MAX_DEATHS && (e_alive[2]) -> deaths++; g_died = 1; e_alive[2] = 0; leases[2] = 0;
+		printf("@@ process exporter2 died alive dead\n")
+	:: deaths < MAX_DEATHS && (e_alive[3]) -> deaths++; g_died = 1; e_alive[3] = 0; leases[3] = 0;
 		printf("@@ process exporter3 died alive dead\n")
 	fi;
 	check_invariants(); forget(); canon() }

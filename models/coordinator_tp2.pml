@@ -692,10 +692,10 @@ proctype reaper()
 	do
 	:: atomic { deaths < MAX_DEATHS && c_alive -> c_alive = 0; deaths++; g_died = 1;
 		printf("@@ process coordinator died alive dead\n"); check_invariants() }
-	:: atomic { deaths < MAX_DEATHS && w_alive[1] -> w_alive[1] = 0; deaths++; g_died = 1;
-		mapped[1] = 0; pins[1] = 0; leases[1] = 0;
+	:: atomic { deaths < MAX_DEATHS && (w_alive[1]) -> deaths++; g_died = 1;
+		w_alive[1] = 0; mapped[1] = 0; pins[1] = 0; leases[1] = 0;
 		printf("@@ process worker1 died alive dead\n"); check_invariants() }
-	:: atomic { deaths < MAX_DEATHS && e_alive[1] -> e_alive[1] = 0; deaths++; g_died = 1; leases[1] = 0;
+	:: atomic { deaths < MAX_DEATHS && (e_alive[1]) -> deaths++; g_died = 1; e_alive[1] = 0; leases[1] = 0;
 		printf("@@ process exporter1 died alive dead\n"); check_invariants() }
 	:: deaths == MAX_DEATHS || ((!c_alive || COORD_ENDED) && (!w_alive[0] || RANK_ENDED(0) || rank[0] == RANK_idle) && (!w_alive[1] || RANK_ENDED(1) || rank[1] == RANK_idle)) -> break
 	od

@@ -185,3 +185,48 @@ def test_forgetting_what_a_property_reads_is_a_clear_error(monkeypatch: pytest.M
     monkeypatch.setattr(coord_world, "STATE", (*coord_world.STATE, ("INV-COORD-LEASES", "all: !gone[{q}] || TP")))
     with raises(ConfigInvalid, ConfigReason.MODEL, match="gone is forgotten"):
         promela_coord.generate(load_spec(), 3, symmetric=True)
+
+
+# -- heterogeneous TP: the parts are head slices -------------------------------------
+
+#: (worker process, exporter) of each part: decode tp=2 -> prefill tp=1 (one worker holds
+#: both slices) and decode tp=1 -> prefill tp=2 (both workers lease the one bank)
+MIXED = {"tp2_to_tp1": ((0, 0), (0, 1)), "tp1_to_tp2": ((0, 0), (1, 0))}
+MIXED_PLANTED = sorted((ROOT / "tests" / "planted").glob("mixed_*.toml"))
+
+
+def test_the_slices_follow_the_head_split() -> None:
+    """The models' slices are those the coordinator runs (kvstate.core.heads.split)."""
+    from kvstate.core import heads
+
+    for name, (src, dst) in {"tp2_to_tp1": (2, 1), "tp1_to_tp2": (1, 2)}.items():
+        assert tuple((s.dst_rank, s.src_rank) for s in heads.split(2, src, dst)) == MIXED[name]
+
+
+def test_a_death_ends_every_part_of_its_process() -> None:
+    text = promela_coord.generate(load_spec(), 2, slices=MIXED["tp2_to_tp1"])
+    assert "w_alive[0] = 0; mapped[0] = 0; pins[0] = 0; leases[0] = 0; w_alive[1] = 0;" in text
+    text = promela_coord.generate(load_spec(), 2, slices=MIXED["tp1_to_tp2"])
+    assert "e_alive[0] = 0; leases[0] = 0; e_alive[1] = 0; leases[1] = 0;" in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MIXED))
+def test_safety_holds_with_mixed_tp(name: str) -> None:
+    """Every invariant of the real tables, with the parts as slices and any one process
+    (the coordinator, a worker holding several slices, an exporter several slices lease)
+    dying at any step."""
+    require_spin()
+    result = modelcheck.check(MODEL, 2, memlim_mb=4096, slices=MIXED[name])
+    assert result.ok, result.report()
+    assert result.states_stored > 100_000
+
+
+@pytest.mark.parametrize("patch", MIXED_PLANTED, ids=lambda p: p.stem)
+def test_planted_mixed_tp_bug_yields_a_counterexample(patch: Path) -> None:
+    require_spin()
+    meta = tomllib.loads(patch.read_text())
+    result = modelcheck.check(MODEL, 2, memlim_mb=4096, registry=registry(patch, coord_world.REGISTRY),
+                              slices=[tuple(s) for s in meta["slices"]])
+    assert not result.ok, f"{patch.name}: Spin found no counterexample"
+    assert result.trace is not None and meta["expect"] in result.trace.violated, result.report()

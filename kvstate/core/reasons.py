@@ -65,6 +65,7 @@ class ConfigReason(_Reason):
     SPEC = "spec"                              # a transition table is malformed (``source``, ``entry``)
     BINDING = "binding"                        # a class does not match its table's guards and effects
     MODEL = "model"                            # a table means nothing to the Promela generator
+    HEAD_SPLIT = "head_split"                  # KV heads no TP split divides (``kvstate.core.heads``)
 
 
 class ArgumentReason(_Reason):

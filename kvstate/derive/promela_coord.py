@@ -40,7 +40,7 @@ how "the coordinator counts reports without checking that ranks are distinct" is
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from kvstate.core.errors import ConfigInvalid
 from kvstate.core.spec import MachineSpec, Spec, TransitionSpec
@@ -72,11 +72,14 @@ def _states(m: MachineSpec) -> list[str]:
 
 class _Gen:
     def __init__(self, spec: Spec, tp: int, registry: Mapping[tuple[str, str, str], str],
-                 symmetric: bool = False) -> None:
+                 symmetric: bool = False, slices: Sequence[tuple[int, int]] | None = None) -> None:
         self.spec, self.tp, self.registry, self.symmetric = spec, tp, registry, symmetric
         # every step ends with the state invariants (the symmetric model: see _proctype)
         self.tail = "check_invariants()"
         self.done: list[str] = []  # each process's end condition (symmetric model: the watchdog's)
+        #: heterogeneous TP: (worker process, exporter) of each part; None: part r is
+        #: worker r's and imports exporter r's bank
+        self.slices = None if slices is None else tuple((int(w), int(e)) for w, e in slices)
         self.coord = spec["coordinator"]
         self.rank = spec["rank"]
         self.commands = [e[len(SEND_PREFIX):] for e in self.coord.effects if e.startswith(SEND_PREFIX)]
@@ -346,16 +349,32 @@ inline unmap(q) {{
     def reaper(self) -> str:
         kill = ["\t:: atomic { deaths < MAX_DEATHS && c_alive -> c_alive = 0; deaths++; g_died = 1;\n"
                 f'\t\tprintf("{MARK} process coordinator died alive dead\\n"); {self.tail} }}']
-        # The ranks are symmetric (no row, guard or world rule singles one out), so killing
-        # the last rank's worker or exporter stands for killing any rank's. Not so in the
-        # symmetric model: its sort moves ranks between slots, so any slot may die there.
-        for q in range(self.tp) if self.symmetric else [self.tp - 1]:
-            kill.append(f"\t:: atomic {{ deaths < MAX_DEATHS && w_alive[{q}] -> w_alive[{q}] = 0; deaths++; "
-                        f"g_died = 1;\n\t\tmapped[{q}] = 0; pins[{q}] = 0; leases[{q}] = 0;\n"
-                        f'\t\tprintf("{MARK} process worker{q} died alive dead\\n"); {self.tail} }}')
-            kill.append(f"\t:: atomic {{ deaths < MAX_DEATHS && e_alive[{q}] -> e_alive[{q}] = 0; deaths++; "
-                        f"g_died = 1; leases[{q}] = 0;\n"
-                        f'\t\tprintf("{MARK} process exporter{q} died alive dead\\n"); {self.tail} }}')
+        if self.symmetric:
+            # The symmetric model's sort moves ranks between slots, so any slot may die.
+            workers = {f"worker{q}": [q] for q in range(self.tp)}
+            exporters = {f"exporter{q}": [q] for q in range(self.tp)}
+        elif self.slices is None:
+            # The ranks are symmetric (no row, guard or world rule singles one out), so killing
+            # the last rank's worker or exporter stands for killing any rank's.
+            workers = {f"worker{self.tp - 1}": [self.tp - 1]}
+            exporters = {f"exporter{self.tp - 1}": [self.tp - 1]}
+        else:
+            # Heterogeneous TP: a process's death ends every part it holds (one prefill
+            # worker with several slices; one exporter whose bank several slices lease).
+            workers = {f"worker{w}": [q for q, (pw, _) in enumerate(self.slices) if pw == w]
+                       for w in sorted({w for w, _ in self.slices})}
+            exporters = {f"exporter{e}": [q for q, (_, pe) in enumerate(self.slices) if pe == e]
+                         for e in sorted({e for _, e in self.slices})}
+        for name, parts in workers.items():
+            ends = " ".join(f"w_alive[{q}] = 0; mapped[{q}] = 0; pins[{q}] = 0; leases[{q}] = 0;" for q in parts)
+            alive = " || ".join(f"w_alive[{q}]" for q in parts)
+            kill.append(f"\t:: atomic {{ deaths < MAX_DEATHS && ({alive}) -> deaths++; g_died = 1;\n\t\t{ends}\n"
+                        f'\t\tprintf("{MARK} process {name} died alive dead\\n"); {self.tail} }}')
+        for name, parts in exporters.items():
+            ends = " ".join(f"e_alive[{q}] = 0; leases[{q}] = 0;" for q in parts)
+            alive = " || ".join(f"e_alive[{q}]" for q in parts)
+            kill.append(f"\t:: atomic {{ deaths < MAX_DEATHS && ({alive}) -> deaths++; g_died = 1; {ends}\n"
+                        f'\t\tprintf("{MARK} process {name} died alive dead\\n"); {self.tail} }}')
         over = " && ".join(["(!c_alive || COORD_ENDED)", *(f"(!w_alive[{q}] || RANK_ENDED({q}) || "
                                                           f"rank[{q}] == RANK_idle)" for q in range(self.tp))])
         return self._proctype("reaper", "", kill, f"deaths == MAX_DEATHS || ({over})")
@@ -387,12 +406,19 @@ def _proctype(name: str, param: str, commands: list[str], done: str) -> str:
 
 
 def generate(spec: Spec, tp: int, registry: Mapping[tuple[str, str, str], str] | None = None,
-             *, symmetric: bool = False) -> str:
-    """The Promela text of the coordinator protocol for ``tp`` ranks; ``symmetric``: the
-    reduced model, whose rank slots are kept sorted (see :mod:`kvstate.derive.coord_symmetry`)."""
+             *, symmetric: bool = False, slices: Sequence[tuple[int, int]] | None = None) -> str:
+    """The Promela text of the coordinator protocol for ``tp`` parts: one per rank, or with
+    ``slices`` (heterogeneous TP, :func:`kvstate.core.heads.split`) the (worker process,
+    exporter) of each part, so that a death ends every part of that process. ``symmetric``:
+    the reduced model, whose rank slots are kept sorted (see
+    :mod:`kvstate.derive.coord_symmetry`); slices single ranks out, so not with them."""
     if not 1 <= tp <= 8:
         raise ValueError(f"the coordinator model unrolls ranks: tp must be 1..8, not {tp}")
-    g = _Gen(spec, tp, world.REGISTRY if registry is None else registry, symmetric)
+    if slices is not None and len(slices) != tp:
+        raise ValueError(f"{len(slices)} slices for a model of {tp} parts")
+    if slices is not None and symmetric:
+        raise ValueError("heterogeneous-TP slices are not interchangeable: no symmetric model of them")
+    g = _Gen(spec, tp, world.REGISTRY if registry is None else registry, symmetric, slices)
     channels = world.QUEUES if symmetric else world.CHANNELS
     parts = [g.header(), world.GLOBALS.replace("{channels}", channels) + "\n"]
     if symmetric:

@@ -230,24 +230,25 @@ def check_text(text: str, *, model: str, tp: int, liveness: bool = False, memlim
 def check(model: str, tp: int, *, liveness: bool = False, spec: Spec | None = None,
           spec_dir: Path | None = None, memlim_mb: int = 2048, timeout_s: float = 600.0,
           registry: Mapping[tuple[str, str, str], str] | None = None,
-          symmetric: bool | None = None) -> CheckResult:
+          symmetric: bool | None = None, slices: Sequence[tuple[int, int]] | None = None) -> CheckResult:
     """Generate a model from the tables (``spec_dir`` for a variant) and check it.
 
     ``registry`` replaces the coordinator model's meanings of guards and effects (planted
     bugs of an implementation that the tables cannot express). ``symmetric`` picks the
     coordinator model's symmetry-reduced form (:mod:`kvstate.derive.coord_symmetry`); by
-    default, for tp above the concrete model's (:data:`coord_world.COORD_TPS`)."""
+    default, for tp above the concrete model's (:data:`coord_world.COORD_TPS`) and never
+    with ``slices``: the model's parts as heterogeneous-TP slices (:func:`promela_coord.generate`)."""
     if spec is None:
         spec = load_spec(spec_dir)
     if model == promela_coord.COORD_MODEL:
         if symmetric is None:
-            symmetric = tp > max(coord_world.COORD_TPS)
+            symmetric = slices is None and tp > max(coord_world.COORD_TPS)
         if symmetric and liveness:
             raise ArgumentInvalid.of("liveness", ArgumentReason.RANGE,
                                      f"the coordinator's liveness is checked at tp {max(coord_world.COORD_TPS)} "
                                      "only: the symmetric model (safety) moves ranks between processes, and "
                                      "weak fairness is per process")
-        text = promela_coord.generate(spec, tp, registry, symmetric=symmetric)
+        text = promela_coord.generate(spec, tp, registry, symmetric=symmetric, slices=slices)
         return check_text(text, model=COORD_SYMMETRIC if symmetric else model, tp=tp, liveness=liveness,
                           memlim_mb=memlim_mb, timeout_s=timeout_s, claim=coord_world.LIVENESS_CLAIM,
                           nfair=max(_NFAIR, 2 * tp + 3))

@@ -20,9 +20,11 @@ is then the coordinator's too; the protocol handles that as well: workers clean 
 The protocol (see the tables for every step):
 
 1. :meth:`Coordinator.import_group` decodes every rank's descriptor and validates the whole
-   group (every rule, and its tp equal to the coordinator's: heterogeneous TP is refused
-   here, :class:`~kvstate.core.reasons.RejectReason` ``tp_mismatch``) before any worker
-   hears of it. Then each worker gets its own descriptor (``check``) and validates it fully
+   group (every rule, and its tp equal to the exporting size the coordinator imports,
+   else :class:`~kvstate.core.reasons.RejectReason` ``tp_mismatch``) before any worker
+   hears of it. With heterogeneous TP (``source_tp``, ``sources``) the parts are head
+   slices, (worker, exporting rank) pairs of :func:`kvstate.core.heads.split`; everything
+   below says "rank" for a part. Then each worker gets its own descriptor (``check``) and validates it fully
    with its own expectations (device, transport, socket path); no worker opens anything
    until every rank reported valid (INV-COORD-VALIDATE-BEFORE-OPEN).
 2. ``open``: each worker leases and maps its part and reports ``imported`` with what it
@@ -106,6 +108,11 @@ class CoordinatorConfig:
     max_tp: int = 64
     check_socket: bool = True         # validate exporters' socket paths here too (same node)
     handle_kinds: frozenset[HandleKind] = frozenset(HandleKind)
+    #: Heterogeneous TP: the exporting group's size (0: ``tp``), and for each of the ``tp``
+    #: parts the exporting rank whose bank it imports (empty: part r imports rank r). A
+    #: part is then one (worker, exporting rank) pair of :func:`kvstate.core.heads.split`.
+    source_tp: int = 0
+    sources: tuple[int, ...] = ()
 
     def __attrs_post_init__(self) -> None:
         """Every field checked where the config is made (ArgumentInvalid naming it)."""
@@ -118,10 +125,27 @@ class CoordinatorConfig:
             raise ArgumentInvalid.of(n + "name", ArgumentReason.RANGE, "names the socket file: no '/', '.' or '..'")
         for name in ("phase_timeout_s", "heartbeat_s", "silence_s", "request_timeout_s"):
             need_seconds(n + name, getattr(self, name), allow_zero=False)
+        need_int(n + "source_tp", self.source_tp, 0, self.max_tp)
+        for i, r in enumerate(need_items(n + "sources", self.sources, int, max_len=self.max_tp)):
+            need_int(f"{n}sources[{i}]", r, 0, self.exporting_tp - 1)
+        if self.sources and (len(self.sources) != self.tp or set(self.sources) != set(range(self.exporting_tp))):
+            raise ArgumentInvalid.of(n + "sources", ArgumentReason.RANGE, f"{list(self.sources)[:8]}: one exporting "
+                                     f"rank per part ({self.tp}), every rank of 0..{self.exporting_tp - 1} named")
+        if not self.sources and self.exporting_tp != self.tp:
+            raise ArgumentInvalid.of(n + "sources", ArgumentReason.RANGE, "required when source_tp differs from tp")
         need(n + "check_socket", self.check_socket, bool)
         need_kinds(n + "handle_kinds", self.handle_kinds, HandleKind)
         if self.silence_s <= 2 * self.heartbeat_s:
             raise ArgumentInvalid.of(n + "silence_s", ArgumentReason.RANGE, "must exceed two heartbeats")
+
+    @property
+    def exporting_tp(self) -> int:
+        """The TP size of the exporting groups this coordinator imports."""
+        return self.source_tp or self.tp
+
+    def source(self, part: int) -> int:
+        """The exporting rank whose bank part ``part`` imports."""
+        return self.sources[part] if self.sources else part
 
 
 @attrs.define(eq=False)
@@ -248,7 +272,7 @@ class CoordinatedGroup(Lifecycle):
     @guard("report_compatible")
     def _compatible(self, *, rank: int, report: msgs.Report, **kw: Any) -> bool:
         assert self.validated is not None
-        d = self.validated.parts[rank]
+        d = self.validated.parts[self.coordinator.config.source(rank)]
         try:
             fingerprint, tp, generation, size, _, _ = msgs.imported_info(report.info)
         except ChannelError as exc:
@@ -468,28 +492,27 @@ class Coordinator:
 
     def _validate(self, wire: Sequence[bytes], blocks: BlockRequest | None,
                   expect: Mapping[str, Any]) -> tuple[ValidatedGroup, tuple[bytes, ...]]:
-        """The whole group, before any worker hears of it (every rule, every rank); and
-        the wire in rank order, for each worker its own rank's descriptor (``wire`` may
-        come in any order, as :meth:`Importer.import_group` takes it)."""
-        tp = self.config.tp
+        """The whole exporting group, before any worker hears of it (every rule, every
+        rank); and for each part, in part order, the descriptor of the rank it imports
+        (``wire`` may come in any order, as :meth:`Importer.import_group` takes it)."""
+        tp = self.config.exporting_tp
         descriptors, problems = decode_group(wire, self.config.deployment)
         for d in descriptors:
             if d.tp != tp:
                 problems.append(DescriptorRejected(
-                    RejectReason.TP_MISMATCH, f"the exporting group has tp={d.tp}, this prefill group tp={tp}: "
-                    "heterogeneous TP needs KV heads sliced across ranks, which kvstate does not do "
-                    "(docs/coordinator.md)", d.rank))
+                    RejectReason.TP_MISMATCH, f"the exporting group has tp={d.tp}, this coordinator imports "
+                    f"tp={tp} groups (heterogeneous TP: CoordinatorConfig.source_tp and sources)", d.rank))
         if len(wire) != tp:
             problems.append(DescriptorRejected(RejectReason.TP_MISMATCH,
-                                               f"{len(wire)} descriptor(s) for a prefill group of tp={tp}"))
+                                               f"{len(wire)} descriptor(s) for an exporting group of tp={tp}"))
         if blocks is not None and len(blocks.epochs) != tp:
             problems.append(DescriptorRejected(RejectReason.MALFORMED,
                                                f"the block request names {len(blocks.epochs)} epoch(s) for tp={tp}"))
         if problems:
             raise GroupRejected(problems)
         validated = validate_group(descriptors, self.expectation(**expect))  # one part per rank 0..tp-1
-        by_rank = sorted(range(len(wire)), key=lambda i: descriptors[i].rank)
-        return validated, tuple(wire[i] for i in by_rank)
+        by_rank = {descriptors[i].rank: wire[i] for i in range(len(wire))}
+        return validated, tuple(by_rank[self.config.source(p)] for p in range(self.config.tp))
 
     def _missing_rank(self) -> int | None:
         return next((r for r in range(self.config.tp) if r not in self.links or not self.links[r].alive), None)

@@ -18,9 +18,11 @@ import functools
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
 from kvstate.core import blockmap
 from kvstate.core.errors import ArgumentInvalid
-from kvstate.core.geometry import Geometry, contiguous_strides
+from kvstate.core.geometry import Geometry, Region, contiguous_strides
 from kvstate.core.reasons import ArgumentReason
 from kvstate.share import tensors
 from kvstate.share.plan import Copy, Plan, block_ids, triples, unique
@@ -83,10 +85,35 @@ def paged(group: Group, bank_block_ids: object, dst_tensors: object, dst_block_i
     return paged_parts(group.label, g, parts, targets, bank_block_ids, dst_block_ids)
 
 
+@attrs.frozen
+class Sliced:
+    """Only indices ``[start, start + count)`` along dimension ``axis`` of every region's
+    blocks are loaded (heterogeneous TP: the KV heads one target rank takes from a bank);
+    the destination tensors then have ``count`` there (a view of the engine's pages)."""
+
+    axis: int
+    start: int
+    count: int
+
+
+def _sliced(region: Region, cut: Sliced | None) -> tuple[Region, int]:
+    """The region as the slice sees it (the destinations' shape), and the byte offset of
+    the slice within a source block."""
+    if cut is None:
+        return region, 0
+    if not 0 <= cut.axis < len(region.shape) or cut.axis == region.block_dim or cut.count < 1 \
+            or cut.start < 0 or cut.start + cut.count > region.shape[cut.axis]:
+        raise ArgumentInvalid.transfer(ArgumentReason.SHAPE, f"region {region.name!r}", f"slice {cut} outside its "
+                                       f"shape {region.shape} (blocks along dimension {region.block_dim})")
+    shape = tuple(cut.count if i == cut.axis else n for i, n in enumerate(region.shape))
+    return attrs.evolve(region, shape=shape), cut.start * region.strides[cut.axis] * region.itemsize
+
+
 def paged_parts(label: str, g: Geometry, parts: Mapping[int, Part], targets: Mapping[int, Any],
-                bank_block_ids: object, dst_block_ids: object) -> Plan:
+                bank_block_ids: object, dst_block_ids: object, cut: Sliced | None = None) -> Plan:
     """:func:`paged` over given mapped parts (rank -> part) and their targets (rank ->
-    region name -> tensor): also what one rank's worker loads from its own part."""
+    region name -> tensor): also what one rank's worker loads from its own part, whole or
+    (``cut``) a slice of every block."""
     src_ids = block_ids(bank_block_ids, g.num_blocks, "bank_block_ids")
     dst_ids = block_ids(dst_block_ids, None, "dst_block_ids")
     if len(src_ids) != len(dst_ids):
@@ -104,7 +131,8 @@ def paged_parts(label: str, g: Geometry, parts: Mapping[int, Part], targets: Map
                 raise ArgumentInvalid.transfer(ArgumentReason.REGIONS, f"dst_tensors of rank {r}",
                                                f"missing {missing[:5]}, unknown {unknown[:5]}: one tensor per region")
             top = max(dst_ids)
-            for region in g.regions:
+            for whole in g.regions:
+                region, skip = _sliced(whole, cut)
                 where = f"rank {r} region {region.name!r}"
                 ref = tensors.adapt(named[region.name], where)
                 plan.refs.append(ref)
@@ -119,7 +147,7 @@ def paged_parts(label: str, g: Geometry, parts: Mapping[int, Part], targets: Map
                 dstride = ref.strides[region.block_dim] * ref.itemsize
                 plan.copies.append(Copy(parts[r].mapping, ref.buffer(),
                                         functools.partial(triples, pairs,
-                                                          [region.offset + b * stride for b in src_ids],
+                                                          [region.offset + skip + b * stride for b in src_ids],
                                                           [d * dstride for d in dst_ids]),
                                         region.name, r, len(src_ids) * region.block_bytes))
     except BaseException:

@@ -99,6 +99,11 @@ class WorkerConfig:
     #: The reuse switches and profile admission its importer enforces (off by default).
     reuse: ReuseSettings = ReuseSettings()
     admission: Admitted | None = None
+    #: Heterogeneous TP (CoordinatorConfig.sources): ``rank`` and ``tp`` name this worker's
+    #: part among the coordinator's; the exporting rank it imports and that group's size
+    #: (None: ``rank`` and ``tp``).
+    source_rank: int | None = None
+    source_tp: int | None = None
 
     def __attrs_post_init__(self) -> None:
         """Every field checked where the config is made (ArgumentInvalid naming it)."""
@@ -116,9 +121,19 @@ class WorkerConfig:
             need_kinds(n + "device_uuids", self.device_uuids, bytes)
         need(n + "check_socket", self.check_socket, bool)
         need_int(n + "keep_ended", self.keep_ended, 1, 1 << 16)
+        if self.source_tp is not None:
+            need_int(n + "source_tp", self.source_tp, 1, self.max_tp)
+        if self.source_rank is not None:
+            need_int(n + "source_rank", self.source_rank, 0, self.exporting[1] - 1)
         need(n + "reuse", self.reuse, ReuseSettings)
         if self.admission is not None:
             need(n + "admission", self.admission, Admitted)
+
+    @property
+    def exporting(self) -> tuple[int, int]:
+        """(rank, tp) of the exporting rank this worker's part imports."""
+        return (self.rank if self.source_rank is None else self.source_rank,
+                self.tp if self.source_tp is None else self.source_tp)
 
 
 class RankShare(Lifecycle, Generic[H, A, R, M, E]):
@@ -298,18 +313,19 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
                     self._withdrawn(f"lease renewal of {part.label} failed: {exc}")
 
     def load(self, bank_block_ids: Sequence[int], dst_tensors: Mapping[str, Any],
-             dst_block_ids: Sequence[int]) -> TransferHandle:
+             dst_block_ids: Sequence[int], cut: loads.Sliced | None = None) -> TransferHandle:
         """Scatter bank blocks of this rank's part into the engine's paged KV tensors:
         for every region, bank block ``bank_block_ids[i]`` into page ``dst_block_ids[i]`` of
         ``dst_tensors[name]`` (``Group.load`` for one rank: the same checks, the same handle
-        with per-region waits). Returns at once. Only in ``ready``: TransitionError (ILLEGAL) before
+        with per-region waits); ``cut``: only that slice of every block (the KV heads
+        of a heterogeneous-TP part), into ``dst_tensors`` shaped like it. Returns at once. Only in ``ready``: TransitionError (ILLEGAL) before
         the coordinator released loads or after a drain; ArgumentInvalid (a load/store reason) for bad
         arguments, before anything is submitted."""
         if not self.may("load"):
             raise TransitionError.illegal(self.table.name, self.state, "load")
         part = self._mapped_part()
         plan = loads.paged_parts(self.label, part.descriptor.geometry, {self.rank: part}, {self.rank: dst_tensors},
-                                 bank_block_ids, dst_block_ids)
+                                 bank_block_ids, dst_block_ids, cut)
         return self._fire_load(plan)
 
     def load_prefix(self, blocks: Sequence[int], dst: E | NixlAllocation, *, timeout: float = 30.0) -> LoadResult:
@@ -647,12 +663,13 @@ class RankWorker(Generic[H, A, R, M, E]):
                              device_uuids=self.config.device_uuids, max_tp=self.config.max_tp,
                              check_socket=self.config.check_socket)
         problems = descriptor_problems(d, expect)
-        if d.tp != self.config.tp:
+        rank, tp = self.config.exporting
+        if d.tp != tp:
             problems.append(DescriptorRejected(RejectReason.TP_MISMATCH, f"descriptor of a tp={d.tp} group for the "
-                                               f"worker of a tp={self.config.tp} group", d.rank))
-        if d.rank != self.config.rank:
+                                               f"worker of a part of a tp={tp} group", d.rank))
+        if d.rank != rank:
             problems.append(DescriptorRejected(RejectReason.RANK_RANGE, f"descriptor of rank {d.rank} sent to the "
-                                               f"worker of rank {self.config.rank}", d.rank))
+                                               f"worker of rank {rank}'s part", d.rank))
         return problems
 
     def _open(self, share: RankShare[H, A, R, M, E]) -> None:

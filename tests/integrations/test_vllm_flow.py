@@ -31,6 +31,9 @@ from kvstate.integrations.vllm.orders import LoadFailures, StepOrders
 from kvstate.integrations.vllm.prefill_rank import PrefillRank
 from kvstate.integrations.vllm.scheduler_side import SchedulerSide
 from kvstate.integrations.vllm.stats import Tally
+from kvstate.integrations.vllm.tp import source_view
+from kvstate.transport.host import HostTransport
+from kvstate.core import heads as heads_mod
 
 BS, HD, HEADS, PAGES = 4, 8, 2, 64
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
@@ -50,11 +53,11 @@ def wait_for(cond: Callable[[], Any], what: str, timeout: float = 10.0) -> Any:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def caches(seed: int | None) -> dict[str, torch.Tensor]:
+def caches(seed: int | None, heads: int = HEADS) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed or 0)
     out = {}
     for name in LAYERS:
-        t = torch.randn(PAGES, HEADS, BS, 2 * HD, generator=g).to(torch.bfloat16)
+        t = torch.randn(PAGES, heads, BS, 2 * HD, generator=g).to(torch.bfloat16)
         out[name] = t if seed is not None else torch.zeros_like(t)
     return out
 
@@ -62,18 +65,25 @@ def caches(seed: int | None) -> dict[str, torch.Tensor]:
 class Engine:
     """One engine's scheduler side and its ranks."""
 
-    def __init__(self, role: str, extra: dict[str, Any], tp: int, name: str) -> None:
+    def __init__(self, role: str, extra: dict[str, Any], tp: int, name: str, total_heads: int | None = None,
+                 transport: Any = None) -> None:
+        """``total_heads``: the model's KV heads (default: HEADS per rank); with
+        ``source_tp`` in ``extra`` the engine loads from decode engines of that size.
+        ``transport``: the prefill ranks' (default: the host transport)."""
         # A small bank: the default (256 MiB) of these tiny blocks is half a million slots.
         self.cfg = cfgmod.parse({"retain_bytes": 16 * 2 * HEADS * BS * 2 * HD * 2, **extra}, role, ENV)
-        self.compat = Compat(model="tiny", dtype="bf16", block_size=BS, head_dim=HD, kv_heads=HEADS, layers=LAYERS,
+        total = HEADS * tp if total_heads is None else total_heads
+        heads = heads_mod.rank_heads(total, tp, 0)[1]
+        self.compat = Compat(model="tiny", dtype="bf16", block_size=BS, head_dim=HD, kv_heads=heads, layers=LAYERS,
                              tp=tp, isa="vec", engine="test")
-        self.sched = SchedulerSide(self.cfg, self.compat, name)
+        self.view = source_view(self.compat, total, self.cfg.source_tp)
+        self.sched = SchedulerSide(self.cfg, self.compat, name, self.view)
         self.tally = Tally()
         self.tp = tp
         self._sent: dict[str, int] = {}
         self._loaded: dict[str, int] = {}
         self.said = LoadFailures()  # every reason the ranks sent
-        self.caches = [caches(r + 1 if self.cfg.producer else None) for r in range(tp)]
+        self.caches = [caches(r + 1 if self.cfg.producer else None, heads) for r in range(tp)]
         self.decode: list[DecodeRank] = []
         self.prefill: list[PrefillRank] = []
         if self.cfg.producer:
@@ -81,7 +91,8 @@ class Engine:
             wait_for(lambda: self.sched.index is not None and self.sched.index.ready(), "decode index ready")
         if self.cfg.consumer:
             path = Path(self.sched.coordinator_path)
-            self.prefill = [PrefillRank(self.cfg, self.compat, r, self.caches[r], self.tally, path) for r in range(tp)]
+            self.prefill = [PrefillRank(self.cfg, self.compat, r, self.caches[r], self.tally, path, self.view,
+                                        transport or HostTransport) for r in range(tp)]
             assert self.sched.coordinator is not None
             self.sched.coordinator.wait_for_workers(10.0)
 
@@ -448,3 +459,108 @@ def test_a_finished_request_that_stored_nothing_leaves_no_trace_on_the_ranks(pai
     sent, _ = settle(decode, {"short", "again"})
     assert sent == set()
     assert traces(decode) == {}
+
+
+# -- heterogeneous TP and per-layer loads ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("src_tp, dst_tp", [(2, 1), (1, 2), (4, 2), (2, 4)])
+def test_mixed_tp_loads_every_head_from_a_rank_holding_it(sockets: Path, src_tp: int, dst_tp: int) -> None:
+    """A decode engine at src_tp serves a prefill engine at dst_tp (source_tp): every
+    prefill rank's pages get exactly its heads, each from the decode rank that holds it."""
+    common = {"socket_dir": str(sockets), "retain_bytes": 16 * 2 * 4 * BS * 2 * HD * 2}
+    decode = Engine("kv_producer", common, src_tp, "decode-engine", total_heads=4)
+    prefill = Engine("kv_consumer", {**common, "policy": POLICY, "source_tp": src_tp}, dst_tp, "prefill-engine",
+                     total_heads=4)
+    try:
+        tokens = list(range(2000, 2000 + 3 * BS + 1))
+        src = [7, 2, 11, 5]
+        finish(decode, "d-mixed", tokens, src)
+        dst = [40, 41, 42, 43]
+        n, failed = load(prefill, "p-mixed", tokens, dst)
+        assert (n, failed) == (3 * BS, set())
+        for p in range(dst_tp):
+            first, count = heads_mod.rank_heads(4, dst_tp, p)
+            for h in range(count):
+                d_rank = next(r for r in range(src_tp) if heads_mod.rank_heads(4, src_tp, r)[0] <= first + h
+                              < sum(heads_mod.rank_heads(4, src_tp, r)))
+                d_head = first + h - heads_mod.rank_heads(4, src_tp, d_rank)[0]
+                for layer in LAYERS:
+                    for s_page, d_page in zip(src[:3], dst[:3]):
+                        assert torch.equal(prefill.caches[p][layer][d_page][h],
+                                           decode.caches[d_rank][layer][s_page][d_head])
+                    assert not prefill.caches[p][layer][dst[3]].any()
+        assert prefill.tally.take()["loads_ok"] == dst_tp
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_per_layer_load_runs_in_its_step_and_each_layer_waits_for_its_own_region(sockets: Path) -> None:
+    """layer_loads: the order's load starts before the forward pass (start_layers, once
+    the shares are ready) and each layer's wait returns once that layer is in place; the
+    request is never reported in finished_recving (vLLM did not wait for it), and the
+    scheduler side lets the group go with the output of the step that ran it."""
+    common = {"socket_dir": str(sockets), "retain_bytes": 16 * 2 * HEADS * BS * 2 * HD * 2}
+    decode = Engine("kv_producer", common, 1, "decode-engine")
+    prefill = Engine("kv_consumer", {**common, "policy": POLICY, "layer_loads": True}, 1, "prefill-engine")
+    try:
+        tokens = list(range(4000, 4000 + 4 * BS + 1))
+        src = [3, 9, 1, 12]
+        finish(decode, "d-layers", tokens, src)
+        n = prefill.sched.match("p-layers", tokens, len(tokens), 0, None)
+        assert n == 4 * BS
+        dst = [50, 51, 52, 53]
+        prefill.sched.allocated("p-layers", dst, n)
+        orders = prefill.sched.step_orders()                  # build_connector_meta
+        rank = prefill.prefill[0]
+        for order in orders.loads:
+            rank.load(order)                                  # bind_connector_metadata
+        rank.start_layers()                                   # start_load_kv: waits for ready, starts
+        load = rank._loads["p-layers"]                        # started, and kept until after the forward
+        assert load.handles is not None and len(load.handles) == 1
+        for layer in LAYERS:                                  # the forward pass, layer by layer
+            rank.wait_layer(layer)
+            assert load.handles[0].region_ok(layer)
+            for s_page, d_page in zip(src, dst):
+                assert torch.equal(prefill.caches[0][layer][d_page], decode.caches[0][layer][s_page])
+        done, failed = rank.finished()                        # get_finished after the forward
+        assert done == set() and failed == set()
+        assert prefill.sched.sizes()["layer_loads"] == 1 and prefill.sched.sizes()["active"] == 1
+        prefill.sched.worker_output([], set(), rank.failures())  # the step's output
+        sizes = prefill.sched.sizes()
+        assert sizes["layer_loads"] == 0 and sizes["active"] == 0 and sizes["groups"] == 0
+        counted = prefill.tally.take()
+        assert rank.sizes()["loads"] == 0 and counted["loads_ok"] == 1 and counted["layer_waits"] == len(LAYERS)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_per_layer_load_that_cannot_start_names_its_pages(sockets: Path) -> None:
+    """The decode engine is gone before the step: the shares never become ready, the load
+    fails in start_layers (within load_timeout_s) and its pages are named for recompute;
+    a layer's wait then returns at once."""
+    common = {"socket_dir": str(sockets), "retain_bytes": 16 * 2 * HEADS * BS * 2 * HD * 2}
+    decode = Engine("kv_producer", common, 1, "decode-engine")
+    prefill = Engine("kv_consumer", {**common, "policy": POLICY, "layer_loads": True, "load_timeout_s": 2.0}, 1,
+                     "prefill-engine")
+    try:
+        tokens = list(range(5000, 5000 + 2 * BS + 1))
+        finish(decode, "d-gone", tokens, [4, 6])
+        n = prefill.sched.match("p-gone", tokens, len(tokens), 0, None)
+        assert n == 2 * BS
+        decode.close()
+        prefill.sched.allocated("p-gone", [20, 21], n)
+        rank = prefill.prefill[0]
+        for order in prefill.sched.step_orders().loads:
+            rank.load(order)
+        rank.start_layers()
+        for layer in LAYERS:
+            rank.wait_layer(layer)
+        done, failed = rank.finished()
+        assert done == set() and failed == {20, 21}
+        prefill.sched.worker_output([], failed, rank.failures())
+        assert prefill.sched.sizes()["active"] == 0 and prefill.sched.tally.take()["rejections"]
+    finally:
+        prefill.close()

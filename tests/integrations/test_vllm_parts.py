@@ -14,13 +14,15 @@ import pytest
 from support.errors import raises
 
 from kvstate import channel as chan
-from kvstate.core.reasons import ChannelReason
+from kvstate.core import heads
+from kvstate.core.reasons import ChannelReason, ConfigReason
 from kvstate.core.errors import ConfigInvalid, ImportFailed, ChannelError
 from kvstate.core.identity import Deployment
 from kvstate.integrations.vllm import config as cfgmod
 from kvstate.integrations.vllm import stats, wire
 from kvstate.integrations.vllm.hashing import Compat, block_key, prefix_hashes, root, source_id
-from kvstate.integrations.vllm.layout import bank_blocks, bank_geometry, block_bytes, tensor_problem
+from kvstate.integrations.vllm.layout import bank_blocks, bank_geometry, block_bytes, scales_problem, tensor_problem
+from kvstate.integrations.vllm.tp import same_tp, source_view
 from kvstate.integrations.vllm.orders import LoadFailures, failure_code
 from kvstate.integrations.vllm.slots import SlotTable
 
@@ -183,6 +185,56 @@ def test_bank_geometry_matches_the_cpu_layout() -> None:
     assert "dtype" in str(tensor_problem(c, {**good, "l1": T("torch.float16", (64, 2, 4, 16))}))
     assert "CPU layout" in str(tensor_problem(c, {**good, "l1": T("torch.bfloat16", (2, 64, 4, 2, 8))}))
     assert "layers" in str(tensor_problem(c, {"l0": good["l0"]}))
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_kv_is_uint8_tensors_and_one_byte_banks(fmt: str) -> None:
+    """vLLM's CPU FP8 cache is torch.uint8 holding the FP8 bits: accepted for an FP8 key,
+    refused for any other (and a bf16 tensor is refused for an FP8 key)."""
+    c = compat(dtype=fmt)
+    assert block_bytes(c) == 2 * 2 * 4 * 16 * 1
+    assert bank_geometry(c, 4).regions[0].dtype.value == fmt
+
+    class T:
+        def __init__(self, dtype: str, shape: tuple[int, ...]) -> None:
+            self.dtype, self.shape = dtype, shape
+
+    fp8 = {"l0": T("torch.uint8", (64, 2, 4, 16)), "l1": T("torch.uint8", (64, 2, 4, 16))}
+    assert tensor_problem(c, fp8) is None
+    assert "dtype" in str(tensor_problem(compat(), fp8))
+    assert "dtype" in str(tensor_problem(c, {**fp8, "l1": T("torch.bfloat16", (64, 2, 4, 16))}))
+
+
+def test_fp8_kv_is_shared_only_under_unit_scales() -> None:
+    assert scales_problem({"l0": (1.0, 1.0), "l1": (1.0, 1.0)}) is None
+    assert "l1" in str(scales_problem({"l0": (1.0, 1.0), "l1": (0.5, 1.0)}))
+    assert scales_problem({"l0": (None, None)}) is not None  # a layer without scales is not assumed
+
+
+@pytest.mark.parametrize("total, own_tp, source_tp, parts", [(2, 1, 2, 2), (2, 2, 1, 2), (8, 2, 4, 4), (2, 4, 2, 4)])
+def test_source_view_is_the_decode_engines_key(total: int, own_tp: int, source_tp: int, parts: int) -> None:
+    """A prefill engine at own_tp looks blocks up under the decode engine's key (its tp and
+    heads per rank), and its coordinator has one part per slice."""
+    c = compat(tp=own_tp, kv_heads=heads.rank_heads(total, own_tp, 0)[1])
+    view = source_view(c, total, source_tp)
+    assert view.compat == compat(tp=source_tp, kv_heads=heads.rank_heads(total, source_tp, 0)[1])
+    assert len(view.slices) == parts and view.mixed
+    assert source_view(c, total, None) == same_tp(c) and not same_tp(c).mixed
+
+
+def test_source_view_refuses_what_no_split_divides() -> None:
+    with raises(ConfigInvalid, ConfigReason.HEAD_SPLIT):
+        source_view(compat(tp=1, kv_heads=6), 6, 4)
+    with raises(ConfigInvalid, ConfigReason.FIELD):  # the registered heads are not this split's
+        source_view(compat(tp=2, kv_heads=2), 2, 1)
+
+
+def test_source_tp_is_a_tp_size_or_null() -> None:
+    assert cfgmod.parse({"source_tp": 2}, "kv_consumer", ENV).source_tp == 2
+    assert cfgmod.parse({}, "kv_consumer", ENV).source_tp is None
+    for bad in (0, 65, True, "2", 1.0):
+        with raises(ConfigInvalid, ConfigReason.FIELD, match="source_tp"):
+            cfgmod.parse({"source_tp": bad}, "kv_consumer", ENV)
 
 
 # -- the slot table ------------------------------------------------------------------------------

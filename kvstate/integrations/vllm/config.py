@@ -54,6 +54,10 @@ KEYS: Mapping[str, tuple[object, str]] = {
     "lease_timeout_s": (30.0, "decode side: a lease not renewed or returned this long ends"),
     "descriptor_ttl_s": (3600.0, "decode side: descriptors expire after this; re-advertised at half"),
     "model_id": (None, "the model's identity in the compatibility key (default: vLLM's model name)"),
+    "source_tp": (None, "prefill side: the TP size of the decode sources (null: this engine's); another size "
+                        "opts into heterogeneous TP: each rank loads its KV heads from the decode ranks holding them"),
+    "layer_loads": (False, "prefill side: load layer by layer in the forward pass (each layer's attention waits "
+                           "for that layer only) instead of before the request runs"),
     "gil_switch_interval_s": (0.0005, "every engine process with the connector: Python's thread switch interval, "
                                       "lowered to this (null: leave it)"),
 }
@@ -133,6 +137,8 @@ class ConnectorConfig:
     descriptor_ttl_s: float
     model_id: str | None
     gil_switch_interval_s: float | None
+    source_tp: int | None = None
+    layer_loads: bool = False
 
     @property
     def producer(self) -> bool:
@@ -210,6 +216,15 @@ def parse(extra: Mapping[str, Any] | None, role: str, environ: Mapping[str, str]
         raise ConfigInvalid.of("gil_switch_interval_s", f"must be null or seconds in (0, {MAX_SWITCH_INTERVAL_S}], "
                                f"not {switch!r:.40}")
 
+    source_tp = v["source_tp"]
+    if source_tp is not None and (isinstance(source_tp, bool) or not isinstance(source_tp, int)
+                                  or not 1 <= source_tp <= 64):
+        raise ConfigInvalid.of("source_tp", f"must be null or a TP size in 1..64, not {source_tp!r:.40}")
+
+    layer_loads = v["layer_loads"]
+    if not isinstance(layer_loads, bool):
+        raise ConfigInvalid.of("layer_loads", f"must be true or false, not {layer_loads!r:.40}")
+
     return ConnectorConfig(
         role=role, deployment=Deployment(name, key), socket_dir=Path(os.path.normpath(socket_dir)),
         source=_name("source", v["source"]),
@@ -219,5 +234,6 @@ def parse(extra: Mapping[str, Any] | None, role: str, environ: Mapping[str, str]
         lookup_timeout_s=_seconds("lookup_timeout_s", v["lookup_timeout_s"]),
         lease_timeout_s=_seconds("lease_timeout_s", v["lease_timeout_s"]),
         descriptor_ttl_s=_seconds("descriptor_ttl_s", v["descriptor_ttl_s"]),
-        model_id=model_id, gil_switch_interval_s=None if switch is None else float(switch),
+        model_id=model_id, gil_switch_interval_s=None if switch is None else float(switch), source_tp=source_tp,
+        layer_loads=layer_loads,
     )

@@ -8,7 +8,7 @@ it needs from them and hands plain values to :mod:`.scheduler_side`,
 :mod:`.decode_rank` and :mod:`.prefill_rank`.
 
 Errors: a wrong ``kv_connector_extra_config`` or an engine kvstate cannot serve (not the
-CPU backend, a hybrid or FP8 KV cache, pipeline parallelism) raises
+CPU backend, a hybrid or MLA KV cache, FP8 KV with scales other than 1, pipeline parallelism) raises
 :class:`~kvstate.core.errors.ConfigInvalid` when the engine starts. After that nothing
 raises into the engine: a step hook that fails logs the error and fails its loads, which
 vLLM recomputes (with ``kv_load_failure_policy="recompute"``).
@@ -36,9 +36,10 @@ from kvstate.integrations.vllm.amx import request_amx_tiles
 from kvstate.integrations.vllm.config import ConnectorConfig, parse
 from kvstate.integrations.vllm.gil import share_the_gil
 from kvstate.integrations.vllm.hashing import Compat
-from kvstate.integrations.vllm.layout import TORCH_DTYPES, tensor_problem
+from kvstate.integrations.vllm.layout import FP8_CACHE_DTYPES, TORCH_DTYPES, scales_problem, tensor_problem
 from kvstate.integrations.vllm.orders import LoadFailures, StepOrders
 from kvstate.integrations.vllm.stats import Tally
+from kvstate.integrations.vllm.tp import source_view
 
 log = logging.getLogger(__name__)
 
@@ -99,13 +100,20 @@ def compat_of(vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig) -> C
         raise ConfigInvalid.of("kv_cache_groups", "one full-attention KV cache group is supported (no hybrid, "
                                f"sliding-window or MLA caches): {[type(g.kv_cache_spec).__name__ for g in groups]}")
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
-    dtype = TORCH_DTYPES.get(str(spec.dtype))
-    if dtype is None or cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
+    fp8 = FP8_CACHE_DTYPES.get(cache_dtype)
+    dtype = fp8 if fp8 is not None and str(spec.dtype) == "torch.uint8" else TORCH_DTYPES.get(str(spec.dtype))
+    if dtype is None or (fp8 is None and cache_dtype not in ("auto", "bfloat16", "float16", "float32")):
         raise ConfigInvalid.of("cache_dtype", f"KV dtype {spec.dtype} ({cache_dtype}) is not supported")
     try:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # private: how blocks are packed
 
-        isa = str(_get_attn_isa(spec.dtype, spec.block_size, spec.head_size))
+        if fp8 is None:
+            isa = str(_get_attn_isa(spec.dtype, spec.block_size, spec.head_size))
+        else:
+            # FP8 blocks are quantized from the model's dtype by the kernel of that ISA: both
+            # decide the bytes, so both are in the key.
+            model_dtype = vllm_config.model_config.dtype
+            isa = f"{_get_attn_isa(model_dtype, spec.block_size, spec.head_size, cache_dtype)}:{model_dtype}"
     except (ImportError, NotImplementedError) as exc:
         raise ConfigInvalid.of("attention", f"cannot tell the CPU attention ISA: {exc}") from None
     return Compat(model=cfg.model_id or str(vllm_config.model_config.model), dtype=dtype.value,
@@ -130,9 +138,12 @@ class KvStateConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        self._vllm_config = vllm_config
         transfer = vllm_config.kv_transfer_config
         self._cfg = parse(transfer.kv_connector_extra_config, transfer.kv_role)
         self._compat = compat_of(vllm_config, kv_cache_config, self._cfg)
+        self._view = source_view(self._compat, int(vllm_config.model_config.get_total_num_kv_heads()),
+                                 self._cfg.source_tp)
         share_the_gil(self._cfg.gil_switch_interval_s)
         self._engine_id = str(transfer.engine_id)
         self._tally = Tally()
@@ -143,7 +154,7 @@ class KvStateConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             from kvstate.integrations.vllm.scheduler_side import SchedulerSide
 
-            self._sched = SchedulerSide(self._cfg, self._compat, self._engine_id)
+            self._sched = SchedulerSide(self._cfg, self._compat, self._engine_id, self._view)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -160,6 +171,13 @@ class KvStateConnector(KVConnectorBase_V1):
         if problem is not None:
             raise ConfigInvalid.of("kv_caches", problem)
         caches = {name: kv_caches[name] for name in self._compat.layers}
+        if self._compat.dtype in {d.value for d in FP8_CACHE_DTYPES.values()}:
+            layers = self._vllm_config.compilation_config.static_forward_context
+            problem = scales_problem({name: (getattr(layers.get(name), "_k_scale_float", None),
+                                             getattr(layers.get(name), "_v_scale_float", None))
+                                      for name in self._compat.layers})
+            if problem is not None:
+                raise ConfigInvalid.of("kv_scales", problem)
         if self._compat.isa == "amx":
             request_amx_tiles()  # a prefill worker's first forward may run over loaded KV (see .amx)
         if self._cfg.producer:
@@ -170,7 +188,7 @@ class KvStateConnector(KVConnectorBase_V1):
             from kvstate.integrations.vllm.prefill_rank import PrefillRank
 
             path = self._cfg.socket_dir / f"{self._cfg.coordinator_name(self._engine_id)}.sock"
-            self._prefill = PrefillRank(self._cfg, self._compat, self._rank, caches, self._tally, path)
+            self._prefill = PrefillRank(self._cfg, self._compat, self._rank, caches, self._tally, path, self._view)
 
     @_guarded(lambda: None)
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
@@ -187,10 +205,16 @@ class KvStateConnector(KVConnectorBase_V1):
     @_guarded(lambda: None)
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self._prefill is not None:
-            self._prefill.progress()
+            if self._cfg.layer_loads:
+                self._prefill.start_layers()  # started, not ended: the layers wait for them
+            else:
+                self._prefill.progress()
 
+    @_guarded(lambda: None)
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads are asynchronous: the request waits until they finished
+        # Asynchronous loads finished before the request ran; per-layer ones wait here.
+        if self._prefill is not None and self._cfg.layer_loads:
+            self._prefill.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         return None  # stores run when a request finished, from its pages
@@ -246,7 +270,7 @@ class KvStateConnector(KVConnectorBase_V1):
             return 0, False
         n = self._sched.match(request.request_id, request.all_token_ids, request.num_tokens, num_computed_tokens,
                               request.cache_salt)
-        return n, n > 0
+        return n, n > 0 and not self._cfg.layer_loads  # per-layer: the request runs now, its layers wait
 
     @_guarded(lambda: None)
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -255,7 +279,12 @@ class KvStateConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         try:
-            return KvStateMetadata(self._sched.step_orders())
+            orders = self._sched.step_orders()
+            if self._cfg.layer_loads and orders.loads and hasattr(scheduler_output, "has_sync_kv_loads"):
+                # vLLM starts loads after the forward pass unless the step has a sync load;
+                # it sets this for the requests it schedules so, and it must hold for ours.
+                scheduler_output.has_sync_kv_loads = True
+            return KvStateMetadata(orders)
         except Exception:
             log.exception("kvstate connector: build_connector_meta failed")
             return KvStateMetadata(StepOrders())

@@ -8,7 +8,8 @@ head dim, KV heads per rank, the layers, the tensor-parallel size (bf16 KV compu
 tp=1 and tp=2 differs after the first layer: the all-reduce sums in another order), the
 attention ISA that packs a block's bytes, and the engine version. Decode and prefill
 compare their keys field by field, so a refusal names its reason (``tp_mismatch`` for
-heterogeneous TP).
+another TP size). A prefill engine configured with ``source_tp`` looks blocks up under the
+decode engine's key (:mod:`.tp`), so blocks stay keyed by the TP size that computed them.
 
 **Prefix hashes.** Block ``i`` of a prompt is named by a chain, as vLLM's prefix cache
 names it: ``h_i = H(h_{i-1}, tokens of block i)``, so a block's hash covers every token

@@ -22,6 +22,12 @@ from kvstate.integrations.vllm.hashing import Compat
 TORCH_DTYPES: Mapping[str, DType] = {"torch.bfloat16": DType.BF16, "torch.float16": DType.FP16,
                                      "torch.float32": DType.FP32}
 
+#: vLLM's FP8 ``kv_cache_dtype`` names -> kvstate dtypes. On CPU the cache tensor is
+#: ``torch.uint8`` holding the FP8 bits, and every layer has one K and one V scale (floats,
+#: 1 unless the checkpoint sets them): blocks are only the same KV under the same scales.
+FP8_CACHE_DTYPES: Mapping[str, DType] = {"fp8": DType.FP8_E4M3, "fp8_e4m3": DType.FP8_E4M3,
+                                         "fp8_e5m2": DType.FP8_E5M2}
+
 #: The inventory group every rank's exporter records prefix blocks under.
 INVENTORY_GROUP = "vllm-prefix"
 
@@ -51,11 +57,25 @@ def tensor_problem(compat: Compat, kv_caches: Mapping[str, Any]) -> str | None:
         return f"layers {list(kv_caches)[:4]} registered, {list(compat.layers)[:4]} configured"
     want = (compat.kv_heads, compat.block_size, 2 * compat.head_dim)
     for name, t in kv_caches.items():
-        dtype = TORCH_DTYPES.get(str(getattr(t, "dtype", None)))
+        torch_dtype = str(getattr(t, "dtype", None))
+        fp8 = compat.dtype in (d.value for d in FP8_CACHE_DTYPES.values())
+        dtype = DType(compat.dtype) if fp8 and torch_dtype == "torch.uint8" else TORCH_DTYPES.get(torch_dtype)
         shape = tuple(getattr(t, "shape", ()))
         if dtype is None or dtype.value != compat.dtype:
             return f"{name}: dtype {getattr(t, 'dtype', None)}, configured {compat.dtype}"
         if len(shape) != 4 or tuple(shape[1:]) != want:
             return (f"{name}: shape {list(shape)}; the CPU layout [num_blocks, {want[0]}, {want[1]}, {want[2]}] "
                     "is the one kvstate supports")
+    return None
+
+
+def scales_problem(scales: Mapping[str, tuple[object, object]]) -> str | None:
+    """Why FP8 KV under these per-layer (K, V) scales is not shared, or None. Only scales
+    of 1 are: a block is its bits, and two engines read the same bits as the same KV only
+    under the same scales, which the prefill side cannot see (its scheduler never loads the
+    model); scales of 1 are what vLLM uses unless the checkpoint sets others."""
+    odd = [name for name, pair in scales.items() if pair != (1.0, 1.0)]
+    if odd:
+        return (f"FP8 KV with scales other than 1 ({odd[0]}: {scales[odd[0]]}) is not shared: engines could "
+                "read the same bits under different scales")
     return None

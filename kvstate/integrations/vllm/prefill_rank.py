@@ -13,9 +13,14 @@
   reason goes to the scheduler side in the same step (:meth:`PrefillRank.failures`); the
   request is reported finished either way (:meth:`PrefillRank.finished`).
 
-Loads are asynchronous in vLLM's sense: the request waits (``WAITING_FOR_REMOTE_KVS``)
-until every rank reported its load finished, so no forward pass reads a page while it
-loads and no per-layer wait is needed.
+Loads are asynchronous in vLLM's sense by default: the request waits
+(``WAITING_FOR_REMOTE_KVS``) until every rank reported its load finished, so no forward
+pass reads a page while it loads. With ``layer_loads`` the request runs in the step its
+load is ordered: :meth:`PrefillRank.start_layers` (vLLM's ``start_load_kv``) starts the
+load once the shares are ready, and :meth:`PrefillRank.wait_layer` (``wait_for_layer_load``,
+called in each layer's attention) waits for that layer's region only
+(``TransferHandle.wait_region``); the load is then never reported in ``finished_recving``,
+and a failed one names its pages for vLLM to recompute.
 """
 
 from __future__ import annotations
@@ -23,18 +28,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 
 from kvstate.core.errors import ChannelError, KvStateError
+from kvstate.core.heads import Slice
 from kvstate.core.reasons import ChannelReason
 from kvstate.integrations.vllm.config import ConnectorConfig
 from kvstate.integrations.vllm.hashing import Compat
 from kvstate.integrations.vllm.orders import LoadFailures, LoadOrder, failure_code
 from kvstate.integrations.vllm.stats import Tally
+from kvstate.integrations.vllm.tp import SourceView, same_tp
+from kvstate.share.load import Sliced
 from kvstate.share.rank_worker import RankWorker, WorkerConfig
 from kvstate.share.transfer import TransferHandle
 from kvstate.transport.host import HostTransport
@@ -42,6 +50,8 @@ from kvstate.transport.host import HostTransport
 log = logging.getLogger(__name__)
 
 RETRY_S = 0.05
+#: The KV heads' dimension of vLLM's CPU cache tensors (:mod:`.layout`).
+HEAD_AXIS = 1
 #: share states in which a load can no longer start
 _ENDED = ("draining", "quiescent", "closed", "rejected", "failed")
 
@@ -50,18 +60,25 @@ _ENDED = ("draining", "quiescent", "closed", "rejected", "failed")
 class _Load:
     order: LoadOrder
     started: float
-    handle: TransferHandle | None = None
+    handles: list[TransferHandle] | None = None   # one per part of this rank, once all started
 
 
 class PrefillRank:
-    """See the module docstring."""
+    """See the module docstring. ``view``: the decode sources' key and the slices of their
+    banks this rank loads (heterogeneous TP); None: this engine's own TP size."""
 
     def __init__(self, cfg: ConnectorConfig, compat: Compat, rank: int, kv_caches: Mapping[str, Any],
-                 tally: Tally, coordinator_path: Path) -> None:
+                 tally: Tally, coordinator_path: Path, view: SourceView | None = None,
+                 transport: Callable[[], HostTransport] = HostTransport) -> None:
         self.cfg, self.compat, self.rank, self.tally = cfg, compat, rank, tally
         self.kv_caches = dict(kv_caches)
         self.coordinator_path = coordinator_path
-        self.worker: RankWorker[Any, Any, Any, Any, Any] | None = None
+        self.transport = transport  # makes each part's worker its transport
+        self.view = same_tp(compat) if view is None else view
+        #: (coordinator part, slice) of every decode bank this rank loads heads from
+        self.slices = self.view.of_rank(rank)
+        self.workers: dict[int, RankWorker[Any, Any, Any, Any, Any]] = {}  # part -> its worker, once connected
+        self._targets = {part: self._target(cut) for part, cut in self.slices}
         self._loads: dict[str, _Load] = {}
         self._finished: set[str] = set()
         self._failed_blocks: set[int] = set()
@@ -70,24 +87,40 @@ class PrefillRank:
         self._thread = threading.Thread(target=self._connect, name=f"kvstate-prefill-r{rank}", daemon=True)
         self._thread.start()
 
+    @property
+    def worker(self) -> RankWorker[Any, Any, Any, Any, Any] | None:
+        """The worker of this rank's first part (its only one at equal TP sizes)."""
+        return self.workers.get(self.slices[0][0]) if self.slices else None
+
+    def _target(self, cut: Slice) -> tuple[Mapping[str, Any], Sliced | None]:
+        """Where a part's slice lands: the pages' heads it fills (a view), and the heads of
+        the bank block it reads; the whole tensors when it is every head of both."""
+        if cut.src_head == cut.dst_head == 0 and cut.count == self.compat.kv_heads == self.view.compat.kv_heads:
+            return self.kv_caches, None
+        views = {name: t[:, cut.dst_head:cut.dst_head + cut.count] for name, t in self.kv_caches.items()}
+        return views, Sliced(HEAD_AXIS, cut.src_head, cut.count)
+
     def _connect(self) -> None:
-        config = WorkerConfig(self.cfg.deployment, self.rank, self.compat.tp, self.coordinator_path,
-                              request_timeout_s=max(self.cfg.load_timeout_s / 2, 1.0),
-                              reuse=self.cfg.policy)  # the importer enforces the same switches
-        while not self._stopping.is_set():
-            worker: RankWorker[Any, Any, Any, Any, Any] = RankWorker(config, HostTransport())
-            try:
-                worker.start()
-            except (ChannelError, OSError) as exc:
-                if isinstance(exc, ChannelError) and exc.reason is ChannelReason.COORDINATOR_REFUSED:
-                    log.error("kvstate: the coordinator refused prefill rank %d: %s", self.rank, exc)
-                    worker.close(timeout=0.0)
-                    return
-                worker.close(timeout=0.0)  # its importer's threads, else one set per retry
-                self._stopping.wait(RETRY_S)  # the scheduler side is not up yet
-                continue
-            self.worker = worker
-            return
+        for part, cut in self.slices:
+            config = WorkerConfig(self.cfg.deployment, part, len(self.view.slices), self.coordinator_path,
+                                  request_timeout_s=max(self.cfg.load_timeout_s / 2, 1.0),
+                                  reuse=self.cfg.policy,  # the importer enforces the same switches
+                                  source_rank=cut.src_rank, source_tp=self.view.compat.tp)
+            while not self._stopping.is_set():
+                worker: RankWorker[Any, Any, Any, Any, Any] = RankWorker(config, self.transport())
+                try:
+                    worker.start()
+                except (ChannelError, OSError) as exc:
+                    if isinstance(exc, ChannelError) and exc.reason is ChannelReason.COORDINATOR_REFUSED:
+                        log.error("kvstate: the coordinator refused prefill rank %d (part %d): %s", self.rank, part,
+                                  exc)
+                        worker.close(timeout=0.0)
+                        return
+                    worker.close(timeout=0.0)  # its importer's threads, else one set per retry
+                    self._stopping.wait(RETRY_S)  # the scheduler side is not up yet
+                    continue
+                self.workers[part] = worker
+                break
 
     # -- loads ------------------------------------------------------------------------------------
 
@@ -95,7 +128,7 @@ class PrefillRank:
         self._loads[order.req_id] = _Load(order, time.monotonic())
 
     def progress(self) -> None:
-        """Start the loads whose share is ready; finish those that ended either way."""
+        """Start the loads whose shares are ready; finish those that ended either way."""
         now = time.monotonic()
         for req_id, load in list(self._loads.items()):
             why = self._step(load, now)
@@ -103,45 +136,103 @@ class PrefillRank:
                 self._end(req_id, load, why)
 
     def _step(self, load: _Load, now: float) -> str | None:
-        """None while the load goes on; "" once it completed; else why it failed."""
+        """None while the load goes on; "" once it completed; else why it failed. The load
+        starts once every part of this rank is ready (the coordinator releases them
+        together, once every part of every rank imported), each part its slice."""
         order = load.order
         if order.gid is None:
             return order.why or "not_started"
         late = now - load.started > self.cfg.load_timeout_s
-        if load.handle is None:
-            worker = self.worker
-            if worker is None:
-                return "rank_not_connected" if late else None
-            share = worker.share(order.gid)
-            if share is not None and share.state == "ready":
-                try:
-                    load.handle = share.load(list(order.slots), self.kv_caches, list(order.dst_blocks))
-                except KvStateError as exc:
-                    return f"load_refused:{exc.reason.value}"  # TransitionError illegal: the share left ready
-            elif share is not None and share.state in _ENDED:
+        if load.handles is None:
+            if self.cfg.layer_loads:
+                return "not_ready"  # start_layers did not start it before its forward pass ran
+            why = self._start(load, late)
+            if why is not None or load.handles is None:
+                return why
+        if not all(h.done() for h in load.handles):
+            if late:
+                for h in load.handles:
+                    h.cancel()  # what has not started is cancelled; the rest completes
+            return None
+        results = [h.result() for h in load.handles]
+        if any(r is None or not r.ok for r in results):
+            return "load_failed"
+        self.tally.add("bytes_loaded", sum(r.bytes for r in results if r is not None))
+        return ""
+
+    def _start(self, load: _Load, late: bool) -> str | None:
+        """Start the load once every part of this rank is ready: None (started, or not
+        yet), or why it cannot start."""
+        order = load.order
+        assert order.gid is not None
+        if len(self.workers) < len(self.slices):
+            return "rank_not_connected" if late else None
+        shares = [self.workers[part].share(order.gid) for part, _ in self.slices]
+        for share in shares:
+            if share is not None and share.state in _ENDED:
                 if share.problems:
                     return str(share.problems[0].reason.value)  # this rank rejected its descriptor
                 return failure_code(share.cause) or f"share_{share.state}"
-            elif late:
-                return "timeout"
-            else:
-                return None
-        handle = load.handle
-        if not handle.done():
-            if late:
-                handle.cancel()  # what has not started is cancelled; the rest completes
-            return None
-        result = handle.result()
-        if result is None or not result.ok:
-            return "load_failed"
-        self.tally.add("bytes_loaded", result.bytes)
-        return ""
+        if not all(share is not None and share.state == "ready" for share in shares):
+            return "timeout" if late else None
+        load.handles = []
+        for share, (part, _) in zip(shares, self.slices):
+            assert share is not None
+            dst, cut = self._targets[part]
+            try:
+                load.handles.append(share.load(list(order.slots), dst, list(order.dst_blocks), cut))
+            except KvStateError as exc:
+                return f"load_refused:{exc.reason.value}"  # TransitionError illegal: the share left ready
+        return None
+
+    # -- per-layer loads (cfg.layer_loads) ---------------------------------------------------------
+
+    def start_layers(self) -> None:
+        """Before the forward pass: start every load ordered for this step. Its shares must
+        be ready first (the coordinator releases them once every part of every rank
+        imported), so this waits for that, up to ``load_timeout_s`` from the order; a load
+        that cannot start fails here, and its pages are recomputed."""
+        for req_id, load in list(self._loads.items()):
+            if load.handles is not None or load.order.gid is None:
+                continue
+            deadline = load.started + self.cfg.load_timeout_s
+            for part, _ in self.slices:
+                worker = self.workers.get(part)
+                left = deadline - time.monotonic()
+                if worker is not None and left > 0:
+                    worker.wait(load.order.gid, ("ready", *_ENDED), left)
+            # Started, not finished here: the layers wait for it (wait_layer), and it ends
+            # after the forward pass (finished).
+            why = self._start(load, time.monotonic() > deadline)
+            if why is None and load.handles is None:
+                why = "not_ready"  # the forward pass runs now: what is not loading is recomputed
+            if why is not None:
+                self._end(req_id, load, why)
+
+    def wait_layer(self, name: str) -> None:
+        """In layer ``name``'s attention: wait until that layer's pages of every load
+        running this step are in place (later layers may still be loading). A layer that
+        fails or outlasts the load's time fails the whole load (its pages are recomputed)."""
+        for req_id, load in list(self._loads.items()):
+            if load.handles is None:
+                continue
+            left = load.started + self.cfg.load_timeout_s - time.monotonic()
+            ok = all(h.wait_region(name, max(0.0, left)) and h.region_ok(name) is not False for h in load.handles)
+            self.tally.add("layer_waits")
+            last = self.compat.layers[-1]
+            if ok and name != last and any(h.region_ok(last) is None for h in load.handles):
+                self.tally.add("layer_waits_ahead")  # this layer computes while a later one loads
+            if not ok:
+                for h in load.handles:
+                    h.cancel()
+                self._end(req_id, load, "load_failed" if left > 0 else "timeout")
 
     def _end(self, req_id: str, load: _Load, why: str) -> None:
         del self._loads[req_id]
-        if load.handle is not None:
-            load.handle.close()
-        self._finished.add(req_id)
+        for h in load.handles or ():
+            h.close()
+        if not self.cfg.layer_loads:  # a per-layer load is the step's: vLLM never waits for it
+            self._finished.add(req_id)
         self.tally.add("load_ms", 1000.0 * (time.monotonic() - load.started))
         if why:
             self._failed_blocks.update(load.order.dst_blocks)
@@ -155,9 +246,8 @@ class PrefillRank:
 
     def sizes(self) -> dict[str, int]:
         """Entries of every per-request structure of this rank (zero once every load was
-        reported), and its worker's live shares."""
-        worker = self.worker
-        live = 0 if worker is None else sum(1 for s in list(worker.shares.values()) if not s.is_terminal)
+        reported), and its workers' live shares."""
+        live = sum(1 for w in list(self.workers.values()) for s in list(w.shares.values()) if not s.is_terminal)
         return {"loads": len(self._loads), "finished": len(self._finished), "failed_blocks": len(self._failed_blocks),
                 "reasons": len(self._reasons), "live_shares": live}
 
@@ -181,8 +271,8 @@ class PrefillRank:
         self._stopping.set()
         self._thread.join(2.0)
         for load in self._loads.values():
-            if load.handle is not None:
-                load.handle.close()
+            for h in load.handles or ():
+                h.close()
         self._loads.clear()
-        if self.worker is not None:
-            self.worker.close()
+        for worker in self.workers.values():
+            worker.close()

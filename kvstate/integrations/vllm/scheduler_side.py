@@ -45,6 +45,7 @@ from kvstate.integrations.vllm.layout import INVENTORY_GROUP, bank_blocks
 from kvstate.integrations.vllm.orders import LoadFailures, LoadOrder, StepOrders, StoreOrder, failure_code
 from kvstate.integrations.vllm.slots import SlotTable
 from kvstate.integrations.vllm.stats import Tally
+from kvstate.integrations.vllm.tp import SourceView, same_tp
 from kvstate.integrations.vllm import wire
 from kvstate.reuse.policy import Candidate, DecisionReason, choose_transfer_source
 from kvstate.share.coordinator import CoordinatedGroup, Coordinator, CoordinatorConfig
@@ -101,8 +102,10 @@ def failure_reason(group: CoordinatedGroup) -> str:
 class SchedulerSide:
     """See the module docstring. ``tp``: this engine's tensor-parallel size."""
 
-    def __init__(self, cfg: ConnectorConfig, compat: Compat, engine_id: str) -> None:
+    def __init__(self, cfg: ConnectorConfig, compat: Compat, engine_id: str, view: SourceView | None = None) -> None:
         self.cfg, self.compat = cfg, compat
+        #: the decode sources' key and this engine's slices of their ranks (heterogeneous TP)
+        self.view = same_tp(compat) if view is None else view
         self.tally = Tally()
         self.index: DecodeIndex | None = None
         self.coordinator: Coordinator | None = None
@@ -116,15 +119,21 @@ class SchedulerSide:
         self._groups: list[_Group] = []
         self._counted: set[str] = set()           # requests whose miss was counted
         self._failed: set[str] = set()            # live requests whose load failed: computed from then on
+        # Per-layer loads (cfg.layer_loads) run in the step that orders them and never reach
+        # finished_recving: ordered this step, then in the step whose output comes next.
+        self._layer_ordered: list[str] = []
+        self._layer_running: list[str] = []
         dep = cfg.deployment
         if cfg.producer:
             table = SlotTable(bank_blocks(compat, cfg.retain_bytes), compat.tp, lambda h, s: block_key(dep, h, s))
             self.index = DecodeIndex(cfg.index_path(cfg.source), compat, table)
             self.index.start()
         if cfg.consumer:
-            self.coordinator = Coordinator(CoordinatorConfig(
-                dep, compat.tp, cfg.socket_dir, name=cfg.coordinator_name(engine_id),
-                phase_timeout_s=max(cfg.load_timeout_s / 2, 1.0)))
+            mixed = self.view.mixed
+            self.coordinator = Coordinator(CoordinatorConfig(  # one part per slice: a rank at equal TP sizes
+                dep, len(self.view.slices), cfg.socket_dir, name=cfg.coordinator_name(engine_id),
+                phase_timeout_s=max(cfg.load_timeout_s / 2, 1.0), source_tp=self.view.compat.tp if mixed else 0,
+                sources=tuple(s.src_rank for s in self.view.slices) if mixed else ()))
             self.coordinator.start()
             self.clients = {s: IndexClient(cfg.index_path(s), dep, cfg.lookup_timeout_s) for s in cfg.sources}
 
@@ -186,14 +195,14 @@ class SchedulerSide:
         local, most = local_tokens // bs, (num_tokens - 1) // bs  # vLLM computes the last token itself
         if most <= local:
             return self._miss(req_id, "nothing_beyond_local")
-        hashes = prefix_hashes(self.cfg.deployment, root(self.cfg.deployment, self.compat, salt),
-                               tokens[:most * bs], bs)
+        source = self.view.compat  # the decode engines' key: they named the blocks with it
+        hashes = prefix_hashes(self.cfg.deployment, root(self.cfg.deployment, source, salt), tokens[:most * bs], bs)
         found: dict[str, Found] = {}
         refused: list[Refusal] = []
 
         def candidates() -> Iterator[Candidate]:
             for name, client in self.clients.items():
-                answer = client.lookup(self.compat, hashes)
+                answer = client.lookup(source, hashes)
                 self.tally.add("lookups")
                 if isinstance(answer, Refusal):
                     refused.append(answer)
@@ -209,7 +218,7 @@ class SchedulerSide:
             return self._miss(req_id, reason)
         name = decision.source.source_id
         hit = found[name]
-        descriptors = self.clients[name].descriptors(self.compat, hit.generation)
+        descriptors = self.clients[name].descriptors(source, hit.generation)
         if isinstance(descriptors, Refusal):
             return self._miss(req_id, descriptors.reason)
         problem = self._precheck(descriptors)
@@ -226,7 +235,8 @@ class SchedulerSide:
         assert self.coordinator is not None
         try:
             decoded = [decode_descriptor(d, self.cfg.deployment) for d in descriptors]
-            if len(decoded) != self.compat.tp or any(d.tp != self.compat.tp for d in decoded):
+            tp = self.view.compat.tp
+            if len(decoded) != tp or any(d.tp != tp for d in decoded):
                 return "tp_mismatch"
             validate_group(decoded, self.coordinator.expectation())
         except DescriptorRejected as exc:
@@ -261,6 +271,8 @@ class SchedulerSide:
         self.tally.add("hits")
         self.tally.add("tokens_matched", num_external_tokens)
         self._loads.append(LoadOrder(req_id, shared.group.gid, m.slots, dst))
+        if self.cfg.layer_loads:
+            self._layer_ordered.append(req_id)
 
     def _refused(self, req_id: str, m: _Match, dst: tuple[int, ...], why: str) -> None:
         self.clients[m.source].drop_descriptors()
@@ -273,6 +285,8 @@ class SchedulerSide:
         in flight like any other (vLLM waits for it; its pages hold nothing)."""
         self._active[req_id] = _Active(None, frozenset(dst), failed=True)
         self._loads.append(LoadOrder(req_id, None, m.slots, dst, why))
+        if self.cfg.layer_loads:
+            self._layer_ordered.append(req_id)
 
     def _live_group(self, m: _Match) -> _Group | None:
         """A group of the same source whose lease already pins every block wanted."""
@@ -285,7 +299,10 @@ class SchedulerSide:
     def worker_output(self, finished: Sequence[str], invalid_pages: set[int],
                       failures: LoadFailures = LoadFailures()) -> None:
         """What vLLM aggregated from the workers this step: loads every rank finished, pages
-        some rank failed to load (possibly in an earlier step than the finish), and why."""
+        some rank failed to load (possibly in an earlier step than the finish), and why.
+        Per-layer loads finish with the output of the step that ran them."""
+        finished = [*finished, *self._layer_running]
+        self._layer_running = []
         if invalid_pages:
             for active in self._active.values():
                 active.failed = active.failed or not active.pages.isdisjoint(invalid_pages)
@@ -349,6 +366,8 @@ class SchedulerSide:
     def step_orders(self) -> StepOrders:
         orders = StepOrders(tuple(self._stores), tuple(self._loads))
         self._stores, self._loads = [], []
+        self._layer_running += self._layer_ordered
+        self._layer_ordered = []
         return orders
 
     def pending(self) -> int:
@@ -359,7 +378,8 @@ class SchedulerSide:
         once no request is in the engine and every load and store reported."""
         out = {"matches": len(self._matches), "active": len(self._active), "groups": len(self._groups),
                "counted": len(self._counted), "failed": len(self._failed),
-               "store_orders": len(self._stores), "load_orders": len(self._loads)}
+               "store_orders": len(self._stores), "load_orders": len(self._loads),
+               "layer_loads": len(self._layer_ordered) + len(self._layer_running)}
         if self.coordinator is not None:
             out["coordinator_live_groups"] = sum(1 for g in list(self.coordinator.groups.values())
                                                  if not g.is_terminal)

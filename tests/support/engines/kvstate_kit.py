@@ -38,7 +38,8 @@ def socket_dir(base: Path) -> Path:
 
 
 def spec(model: str, role: str, sockets: Path, *, policy: dict[str, Any] | None = None, tp: int = 1,
-         dtype: str = "bfloat16", probe_dir: Path | None = None, **extra: Any) -> EngineSpec:
+         dtype: str = "bfloat16", kv_cache_dtype: str = "auto", probe_dir: Path | None = None,
+         **extra: Any) -> EngineSpec:
     """With ``probe_dir``, the engine runs kvstate's connector as the probe subclass that
     holds a worker's GIL after stores while ``probe_dir/hold-gil-after-store`` exists."""
     cfg: dict[str, Any] = {"socket_dir": str(sockets), "retain_bytes": 64 << 20, "load_timeout_s": 20.0,
@@ -48,8 +49,8 @@ def spec(model: str, role: str, sockets: Path, *, policy: dict[str, Any] | None 
     env = {"KVSTATE_DEPLOYMENT_KEY": KEY_HEX}
     if probe_dir is not None:
         env[kv_configs.PROBE_DIR_ENV] = str(probe_dir)
-    return EngineSpec(model, tp=tp, dtype=dtype, kv_transfer=kv_configs.kvstate(role, cfg, probe=probe_dir is not None),
-                      env=env)
+    return EngineSpec(model, tp=tp, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                      kv_transfer=kv_configs.kvstate(role, cfg, probe=probe_dir is not None), env=env)
 
 
 #: The engines' block size (vLLM's CPU attention needs a multiple of 32).

@@ -59,6 +59,7 @@ class EngineSpec:
     kv_cache_memory_bytes: int = 128 << 20     # else vLLM wants 92% of the NUMA node
     max_model_len: int = 8192
     dtype: str = "bfloat16"
+    kv_cache_dtype: str = "auto"               # "fp8", "fp8_e4m3", "fp8_e5m2": FP8 KV (uint8 tensors on CPU)
     seed: int = 0
     kv_transfer: dict[str, Any] | None = None  # kv_configs
     env: dict[str, str] = field(default_factory=dict)
@@ -77,6 +78,8 @@ class EngineSpec:
             "disable_log_stats": False,        # else get_metrics() has no prefix-cache counters
             "tensor_parallel_size": self.tp,
         }
+        if self.kv_cache_dtype != "auto":
+            kwargs["kv_cache_dtype"] = self.kv_cache_dtype
         if self.tp > 1:
             kwargs["distributed_executor_backend"] = "mp"
         return kwargs

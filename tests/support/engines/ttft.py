@@ -146,3 +146,67 @@ def bench_table(rows: list[Row]) -> str:
         lines.append(f"| {r.length} | {_ms(reuse)} | {_ms(r.med(r.recompute_s))} | {_ms(r.med(r.example_s))} "
                      f"| not run | {_ratio(reuse, r.med(r.recompute_s))} | {_ratio(reuse, r.med(r.example_s))} |")
     return "\n".join(lines) + f"\n\nLMCache: {LMCACHE}."
+
+
+@dataclass
+class LayerRow:
+    length: int
+    async_s: list[float] = field(default_factory=list)
+    layers_s: list[float] = field(default_factory=list)
+    identical: bool = True            # 16 greedy tokens, per-layer vs asynchronous, every run
+    layer_waits: int = 0              # wait_for_layer_load calls over a load (all runs)
+    ahead: int = 0                    # of those, returned while a later layer still loaded
+    failed_loads: int = 0
+
+
+def measure_layers(workdir: Path, lengths: tuple[int, ...] = (1024, 4096), repeats: int = 3,
+                   progress: Any = print) -> list[LayerRow]:
+    """TTFT of kvstate reuse with asynchronous loads (the request waits for its load) and
+    with per-layer loads (``layer_loads``: it runs at once, each layer waiting for its own
+    KV), from one decode engine, alternating the two per sample."""
+    model = str(tiny_llama.write_model(workdir / "model", seed=0))
+    sampler = MemorySampler()
+    rows = [LayerRow(n) for n in lengths]
+    sockets = kvstate_kit.socket_dir(workdir)
+    box = Engines(workdir / "layers", sampler)
+    try:
+        progress("starting 3 engines: decode, prefill (asynchronous loads), prefill (per-layer loads)")
+        decode, plain, layered = start_all([
+            box.make("decode", kvstate_kit.spec(model, "kv_producer", sockets)),
+            box.make("async", kvstate_kit.spec(model, "kv_consumer", sockets, policy=kvstate_kit.POLICY_ON)),
+            box.make("layers", kvstate_kit.spec(model, "kv_consumer", sockets, policy=kvstate_kit.POLICY_ON,
+                                                layer_loads=True)),
+        ])
+        warm = _prompt(256, 98)
+        for e in (decode, plain, layered):
+            e.generate([warm], 2)
+        for row in rows:
+            for r in range(repeats):
+                p = _prompt(row.length, 2000 * row.length + r)
+                kvstate_kit.produce(decode, [p], 16)
+                for engine, samples in ((plain, row.async_s), (layered, row.layers_s)):
+                    g = _fresh(engine, p, 1)
+                    samples.append(g.seconds)
+                    c = kvstate_kit.counters(g)
+                    row.failed_loads += int(c.get("loads_failed", 0))
+                    if engine is layered:
+                        row.layer_waits += int(c.get("layer_waits", 0))
+                        row.ahead += int(c.get("layer_waits_ahead", 0))
+                row.identical &= _fresh(plain, p, 16).tokens == _fresh(layered, p, 16).tokens
+            progress(f"  {row.length} tokens: async {statistics.median(row.async_s) * 1e3:.1f} ms, "
+                     f"per-layer {statistics.median(row.layers_s) * 1e3:.1f} ms")
+    finally:
+        box.close_all()
+        shutil.rmtree(sockets, ignore_errors=True)
+    return rows
+
+
+def layers_table(rows: list[LayerRow]) -> str:
+    head = ("| prompt tokens | TTFT asynchronous load (ms) | TTFT per-layer load (ms) | async / per-layer "
+            "| layer waits (ahead of the last layer) | failed loads | tokens identical |\n|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        a, b = statistics.median(r.async_s), statistics.median(r.layers_s)
+        lines.append(f"| {r.length} | {_ms(a)} | {_ms(b)} | {_ratio(b, a)} | {r.layer_waits} ({r.ahead}) "
+                     f"| {r.failed_loads} | {'yes' if r.identical else 'NO'} |")
+    return "\n".join(lines)
