@@ -89,6 +89,7 @@ DEFAULTS: Mapping[str, tuple[str, ...]] = {
     "test_scenarios.py": ("unit",),
     "test_spec_loader.py": ("unit",),
     "test_spec_tables.py": ("unit",),
+    "test_tempdirs.py": ("multiproc",),     # a child process sees the session's root
     "test_tiers.py": ("unit",),
 }
 
