@@ -8,6 +8,7 @@ HYPOTHESIS_PROFILE.
 
 from __future__ import annotations
 
+import multiprocessing.util
 import os
 import tempfile
 from collections.abc import Iterator
@@ -103,6 +104,9 @@ _watch = pytest.StashKey[tempdirs.EscapeWatch]()
 @pytest.fixture(scope="session", autouse=True)
 def temp_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     tmp_path_factory.getbasetemp()  # pytest's own tmp_path stays where pytest keeps it
+    # multiprocessing's own temp dir (the forkserver's socket) is removed at interpreter
+    # exit, after the root: it is made first, where it always was.
+    multiprocessing.util.get_temp_dir()
     root = tempdirs.TempRoot(SYSTEM_TMP)
     yield root.path
     root.close()
