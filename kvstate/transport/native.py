@@ -406,11 +406,13 @@ class Native:
             raise self.error(rc, "kvs_op_notify", f"op {op}, fd {fd}")
 
     def submit_cuda(self, device: int, src: tuple[int, int, int], dst: tuple[int, int, int],
-                    blocks: Sequence[Block] | HostBuffer, *, fail: bool = False, notify_fd: int | None = None) -> Op:
+                    blocks: Sequence[Block] | HostBuffer, *, fail: bool = False, notify_fd: int | None = None,
+                    hold: tuple[RawBuffer | None, RawBuffer | None] = (None, None)) -> Op:
         """A gather on a CUDA device (``kvs_cuda_submit``): each end is ``(region, addr,
         size)``, a region of that device (addr and size 0) or device memory by address;
-        ``blocks`` as :meth:`submit_gather`. The op is the engine's like any other: wait,
-        reap, ``result`` or ``notify`` it here."""
+        ``blocks`` as :meth:`submit_gather`. ``hold``: the RawBuffers the ends came from,
+        held (with their owners) until the op is reaped, as a host op holds them. The op
+        is the engine's like any other: wait, reap, ``result`` or ``notify`` it here."""
         if notify_fd is not None and (type(notify_fd) is not int or notify_fd <= 0):
             raise ArgumentInvalid.native("kvs_op_notify", -1, f"notify_fd must be a positive fd, not {notify_fd!r}")
         ffi = self.ffi
@@ -424,7 +426,7 @@ class Native:
                 raise self.error(rc, "kvs_cuda_submit", f"gather of {n} blocks", OPS.initial, SUBMIT)
         finally:
             self._release(cblocks)  # the engine copied the list
-        op = Op(self, int(out[0]))
+        op = self._submitted(int(out[0]), *hold)
         if notify_fd is not None:
             self.notify(op.id, notify_fd)  # cannot fail: a fresh op, a positive fd, checked above
         return op

@@ -4,7 +4,8 @@ The CUDA half of tests/native/test_op_stateful.py: the C engine's CUDA path agai
 model. An op's ends are drawn from a mapping this process created (``m``), an imported
 mapping (``i``: a VMM allocation exported as a POSIX fd and imported, as an importer
 holds a peer's bank), a device buffer of ``alloc_buffer`` (``d``) and caller memory by
-address inside that buffer (``dr``: a RawBuffer, which names the buffer's region). The
+address inside that buffer (``dr``: a RawBuffer, which names the buffer's region; its
+owner, which the test drops at submit, must live until the op is reaped). The
 shim stalls the device between ``run_all`` steps, so the model knows which ops are in
 flight: unmap and release of a mapping, and ``free_buffer`` of a buffer, that an op in
 flight touches are refused with ``Busy`` (``pinned``); releasing a mapped allocation is
@@ -21,6 +22,8 @@ The self-test runs the same machine on a build that drops an op's pins at enqueu
 from __future__ import annotations
 
 import enum
+import gc
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -52,6 +55,10 @@ ENDS = ("m", "i", "d", "dr")    # d: a device buffer; dr: caller memory (a RawBu
 CHUNK = 256
 
 
+class Owner:
+    """What keeps caller memory alive (an engine's tensor, in real use)."""
+
+
 def outcome(fn: Callable[[], Any]) -> enum.Enum | None:
     try:
         fn()
@@ -73,6 +80,7 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
             self.buf: DeviceBuffer | None = None
             self.ops: dict[int, tuple[Op, frozenset[str]]] = {}
             self.done: set[int] = set()
+            self.owners: dict[int, list[weakref.ref[Owner]]] = {}  # of each op's RawBuffers
 
         @initialize()
         def setup(self) -> None:
@@ -112,13 +120,15 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
             touched = {"d", "dr"} if name == "d" else {name}
             return sum(1 for k, (_, ends) in self.ops.items() if k not in self.done and ends & touched)
 
-        def end(self, name: str) -> Any:
+        def end(self, name: str, owners: list[weakref.ref[Owner]]) -> Any:
             assert self.buf is not None
             if name in MAPPINGS:
                 return self.maps[name]
             if name == "d":
                 return self.buf
-            return RawBuffer(self.buf.ptr + self.g, self.g)  # inside the buffer: pins it too
+            owner = Owner()
+            owners.append(weakref.ref(owner))
+            return RawBuffer(self.buf.ptr + self.g, self.g, owner)  # inside the buffer: pins it too
 
         # -- rules ------------------------------------------------------------------------
 
@@ -131,10 +141,18 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
             want = ArgumentReason.UNKNOWN_OBJECT if stale else None
             ops: list[Op] = []
             blocks = [(src_off * CHUNK, dst_off * CHUNK, CHUNK)]
-            got = outcome(lambda: ops.append(self.t.submit_blocks(self.end(src), self.end(dst), blocks)))  # type: ignore[union-attr]
+            owners: list[weakref.ref[Owner]] = []
+            got = outcome(lambda: ops.append(self.t.submit_blocks(self.end(src, owners), self.end(dst, owners),  # type: ignore[union-attr]
+                                                                  blocks)))
             assert got is want, f"submit {src}->{dst}: expected {want}, got {got}"
+            gc.collect()
             if ops:
                 self.ops[ops[0].id] = (ops[0], frozenset((src, dst)))
+                self.owners[ops[0].id] = owners
+                assert all(o() is not None for o in owners), \
+                    "INV-OP-PINS: a RawBuffer's owner was dropped while its op is in flight"
+            else:
+                assert all(o() is None for o in owners), "a refused op holds a RawBuffer's owner"
 
         @rule(name=st.sampled_from(MAPPINGS))
         def unmap(self, name: str) -> None:
@@ -201,9 +219,12 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
                 assert outcome(op.cancel) is TransitionReason.ILLEGAL, "INV-EVENT-DECLARED: cancel of a running op"
                 assert outcome(op.reap) is TransitionReason.ILLEGAL, "INV-EVENT-DECLARED: reap of a running op"
                 return
+            assert all(o() is not None for o in self.owners[key]), \
+                "INV-OP-PINS: a RawBuffer's owner was dropped before its op was reaped"
             assert op.reap().state == "done"
             del self.ops[key]
             self.done.discard(key)
+            assert all(o() is None for o in self.owners.pop(key)), "a reaped op still holds a RawBuffer's owner"
 
         @precondition(lambda self: any(k not in self.done for k in self.ops))
         @rule()
