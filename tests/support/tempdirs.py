@@ -65,15 +65,11 @@ class EscapeWatch:
         sys.addaudithook(self._hook)
 
     def _hook(self, event: str, args: tuple[object, ...]) -> None:
-        if not self.armed or event != "os.mkdir" or not args:
+        if event != "os.mkdir" or not self.armed or not args:  # called for every audit event
             return
-        path = args[0]
-        if isinstance(path, bytes):
-            path = os.fsdecode(path)
-        if not isinstance(path, (str, os.PathLike)):
-            return
-        path = os.fspath(path)
-        if not isinstance(path, str):
+        try:
+            path = os.fsdecode(args[0])  # str, bytes or a PathLike
+        except TypeError:
             return
         name = os.path.basename(path.rstrip("/"))
         if name.startswith(PREFIX) and os.path.dirname(os.path.realpath(path)) == self.system:
