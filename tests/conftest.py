@@ -82,6 +82,8 @@ def leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
 # temp dir, and leaves there, fails the session.
 
 SYSTEM_TMP = Path(tempfile.gettempdir())
+_watch = pytest.StashKey[tempdirs.EscapeWatch]()
+_left = pytest.StashKey[list[str]]()
 _running = "(collection)"
 
 
@@ -98,9 +100,6 @@ def pytest_runtest_logstart(nodeid: str) -> None:
     _running = nodeid
 
 
-_watch = pytest.StashKey[tempdirs.EscapeWatch]()
-
-
 @pytest.fixture(scope="session", autouse=True)
 def temp_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     tmp_path_factory.getbasetemp()  # pytest's own tmp_path stays where pytest keeps it
@@ -110,9 +109,6 @@ def temp_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     root = tempdirs.TempRoot(SYSTEM_TMP)
     yield root.path
     root.close()
-
-
-_left = pytest.StashKey[list[str]]()
 
 
 @pytest.hookimpl(tryfirst=True)  # before the terminal reporter's summary, which reads the status

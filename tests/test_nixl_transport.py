@@ -427,11 +427,7 @@ def test_importing_kvstate_loads_no_nixl() -> None:
 
 def test_missing_nixl_is_backend_unavailable() -> None:
     r = _python(textwrap.dedent(HIDE_NIXL) + textwrap.dedent("""
-        from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
-
-from kvstate.core.errors import BackendUnavailable
+        from kvstate.core.errors import BackendUnavailable
         from kvstate.transport.nixl import NixlTransport
         try:
             NixlTransport()
