@@ -50,3 +50,22 @@ def test_the_watch_reports_a_kvs_folder_left_in_the_system_temp_dir_and_who_made
                             f"{system / 'kvstate-soak-b'} (made by tests/x.py::test_leaky)"]
     Path(tempfile.mkdtemp(prefix="kvs-after-", dir=system))  # disarmed: not recorded
     assert len(watch.left()) == 2
+
+
+def test_a_session_that_leaves_a_kvs_folder_in_the_system_temp_dir_fails_naming_the_test(temp_root: Path) -> None:
+    """tests/planted/temp_folders.py in a child pytest, whose system temp dir is this
+    session's root (it inherits TMPDIR): every test passes, yet the session fails, naming
+    the one folder left there and the test that made it; the child's own root is gone."""
+    tests = Path(__file__).resolve().parent
+    done = subprocess.run([sys.executable, "-m", "pytest", str(tests / "planted" / "temp_folders.py"), "-q",
+                           "-p", "no:cacheprovider"], capture_output=True, text=True, timeout=120, cwd=tests.parent)
+    out = done.stdout
+    assert done.returncode == 1 and "3 passed" in out, out + done.stderr
+    left = [line.strip() for line in out.splitlines() if "(made by " in line]
+    assert len(left) == 1 and left[0].endswith("(made by tests/planted/temp_folders.py::"
+                                               "test_leaves_a_folder_in_the_system_temp_dir)"), out
+    folder = Path(left[0].split(" (made by ")[0])
+    assert folder.parent == temp_root and folder.is_dir()
+    assert [p.name for p in temp_root.iterdir() if p.name.startswith("kvs-planted-")] == [folder.name]
+    assert not [p for p in temp_root.iterdir() if p.name.startswith("kvt-")], "the child's root was not removed"
+    folder.rmdir()
