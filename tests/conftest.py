@@ -1,4 +1,5 @@
-"""Shared test configuration: Hypothesis profiles, test tiers, the leak check.
+"""Shared test configuration: Hypothesis profiles, test tiers, the leak check, the
+session's temp root.
 
 ``ci`` (derandomized) is the default Hypothesis profile when CI is set, ``dev``
 otherwise; ``fuzz`` is the long random run behind ``make fuzz``. Select one with
@@ -7,7 +8,9 @@ HYPOTHESIS_PROFILE.
 
 from __future__ import annotations
 
+import multiprocessing.util
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from kvstate.harness import leaks
-from support import tiers
+from support import tempdirs, tiers
 
 settings.register_profile("ci", derandomize=True, max_examples=100, deadline=None,
                           print_blob=True, suppress_health_check=[HealthCheck.too_slow])
@@ -71,3 +74,58 @@ def leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
     found = leaks.settled_leaks(before, float(os.environ.get("KVSTATE_LEAK_GRACE_S", "5")))
     if found:
         pytest.fail("leaked: " + "; ".join(found), pytrace=False)
+
+
+# -- temp root (tests/support/tempdirs.py) ---------------------------------------------
+# Every mkdtemp of the session (children too, through TMPDIR) lands in one short root that
+# is removed at the end; a kvs* folder this process still makes directly in the system
+# temp dir, and leaves there, fails the session.
+
+SYSTEM_TMP = Path(tempfile.gettempdir())
+_watch = pytest.StashKey[tempdirs.EscapeWatch]()
+_left = pytest.StashKey[list[str]]()
+_running = "(collection)"
+
+
+def _current() -> str:
+    return _running
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_watch] = tempdirs.EscapeWatch(SYSTEM_TMP, _current)
+
+
+def pytest_runtest_logstart(nodeid: str) -> None:
+    global _running
+    _running = nodeid
+
+
+@pytest.fixture(scope="session", autouse=True)
+def temp_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    tmp_path_factory.getbasetemp()  # pytest's own tmp_path stays where pytest keeps it
+    # multiprocessing's own temp dir (the forkserver's socket) is removed at interpreter
+    # exit, after the root: it is made first, where it always was.
+    multiprocessing.util.get_temp_dir()
+    root = tempdirs.TempRoot(SYSTEM_TMP)
+    yield root.path
+    root.close()
+
+
+@pytest.hookimpl(tryfirst=True)  # before the terminal reporter's summary, which reads the status
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    watch = session.config.stash.get(_watch, None)
+    if watch is None:
+        return
+    watch.stop()
+    left = session.config.stash[_left] = watch.left()
+    if left:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    left = config.stash.get(_left, [])
+    if left:
+        terminalreporter.section("folders left in the system temp dir", red=True)
+        terminalreporter.write_line("make them under tempfile.gettempdir() (the session's root):")
+        for line in left:
+            terminalreporter.write_line("  " + line)

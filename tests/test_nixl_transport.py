@@ -14,8 +14,13 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from kvstate.core.errors import BackendUnavailable
 from support.peers import PeerError, peers
@@ -257,6 +262,90 @@ def test_a_load_target_is_not_deregistered_under_a_read() -> None:
             os.kill(exporter.process.pid, signal.SIGCONT)
         assert importer.call("load_outcome") == "done"
         assert importer.call("release_target") == "released"  # nothing in flight: it goes
+
+
+class _NixlTargets(RuleBasedStateMachine):
+    """The one pin rule for NIXL load targets, over both kinds (docs/threat-model.md): a
+    target ``created`` by the transport or caller memory ``registered`` with it. A READ is
+    held in flight by stopping the exporter; releasing (deregistering) the target is
+    ``Busy`` (``pinned``) while it is, and goes at quiescence; the importer's pin count
+    equals the model's after every step. One exporter and importer serve every example."""
+
+    exporter: Any
+    importer: Any
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.target: str | None = None
+        self.inflight = self.stopped = False
+
+    @rule(kind=st.sampled_from(["created", "registered"]))
+    def make_target(self, kind: str) -> None:
+        if self.target is None:
+            self.importer.call("make_target", kind=kind, size=SIZE)
+            self.target = kind
+
+    @precondition(lambda self: self.target is not None and not self.inflight)
+    @rule(stall=st.booleans(), blocks=st.lists(st.integers(0, BLOCKS - 1), min_size=1, max_size=8))
+    def load(self, stall: bool, blocks: list[int]) -> None:
+        if stall:
+            _stop(self.exporter.process.pid)
+            self.stopped = True
+        self.importer.call("load_in_background", blocks=blocks, block_bytes=BLOCK, generation=1)
+        self.inflight = True
+        if not stall:
+            self.finish()
+
+    @precondition(lambda self: self.inflight)
+    @rule()
+    def finish(self) -> None:
+        if self.stopped:
+            os.kill(self.exporter.process.pid, signal.SIGCONT)
+            self.stopped = False
+        assert self.importer.call("load_outcome") == "done"
+        self.inflight = False
+
+    @precondition(lambda self: self.target is not None)
+    @rule()
+    def release(self) -> None:
+        want = "Busy: pinned" if self.inflight else "released"
+        got = self.importer.call("release_target")
+        assert got == want, f"INV-NO-UNMAP-PINNED: release of a {self.target} target with the load " \
+                            f"{'in flight' if self.inflight else 'done'}: expected {want!r}, got {got!r}"
+        if got == "released":
+            self.target = None
+
+    @invariant()
+    def pins_match_the_model(self) -> None:
+        if self.target is not None:
+            pins = self.importer.call("target_pins")
+            assert pins == int(self.inflight), f"INV-OP-PINS: the target has {pins} pins, model {int(self.inflight)}"
+
+    def teardown(self) -> None:
+        if self.inflight:
+            self.finish()
+        if self.target is not None:
+            assert self.importer.call("release_target") == "released"
+
+
+@needs_nixl
+def test_the_pin_rule_holds_for_every_kind_of_nixl_target() -> None:
+    with peers(CMDS, 2) as (exporter, importer):
+        exporter.call("start")
+        importer.call("start")
+        handle = exporter.call("export_bank", blocks=BLOCKS, block_bytes=BLOCK, seed=5, generation=1)
+        importer.call("import_bank", handle=handle, size=SIZE, generation=1)
+        assert importer.call("release_target") == "released"  # the machine makes its own
+        _NixlTargets.exporter, _NixlTargets.importer = exporter, importer
+        try:
+            run_state_machine_as_test(_NixlTargets, settings=settings(
+                max_examples=15, stateful_step_count=12, deadline=None, database=None))
+        finally:
+            os.kill(exporter.process.pid, signal.SIGCONT)
+            del _NixlTargets.exporter, _NixlTargets.importer  # the peers' pipes close with them
+        importer.call("close")
+        exporter.call("close")
+        assert importer.stop() == 0 and exporter.stop() == 0
 
 
 @needs_nixl

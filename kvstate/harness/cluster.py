@@ -45,7 +45,7 @@ from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.core.handles import HandleKind
 from kvstate.core.identity import Deployment
 from kvstate.harness import children
-from kvstate.harness.leaks import snapshot
+from kvstate.harness.leaks import shm_held, shm_left, snapshot
 from kvstate.share import status
 
 PHASES = ("advertised", "checking", "importing", "ready", "loading", "draining")
@@ -229,12 +229,16 @@ class Worker:
     conn: multiprocessing.connection.Connection
     killed: bool = False
     killed_at: float | None = None
+    #: what it had open or mapped in /dev/shm when it was killed: none may remain after
+    #: the next start (a SIGKILL runs no cleanup; /dev/shm is shared, so files are its by pid)
+    shm: frozenset[str] = frozenset()
 
     def ask(self, wait: float, **cmd: Any) -> dict[str, Any]:
         send(self.conn, **cmd)
         return recv(self.conn, wait)
 
     def kill(self) -> None:
+        self.shm = shm_held(self.process.pid)
         self.killed_at = time.monotonic()
         os.kill(self.process.pid, signal.SIGKILL)
         self.process.join(5)
@@ -536,6 +540,7 @@ class _Scenario:
                  f"in {report['exporter_quiescent_s'] * 1e3:.1f} ms and released")
         self.show_status("after draining")
         live = c.live(c.everyone())
+        held = frozenset().union(*(shm_held(w.process.pid) for w in live))  # by pid: /dev/shm is shared
         exits = dict(zip((id(w) for w in live), c.broadcast(live, cmd="exit")))
         report["leaks"] = [r.get("leaks", {}) for r in exits.values()]
         report["violations"] = [v for r in exits.values() for v in r.get("violations", [])]
@@ -545,11 +550,13 @@ class _Scenario:
         for w in c.everyone():
             w.process.join(5)
         report["stray_processes"] = [w.process.pid for w in c.everyone() if w.process.is_alive()]
+        report["shm_left_at_exit"] = shm_left(held)
         self.next_start()
 
     def next_start(self) -> None:
         """What a killed process left in each socket directory, then what is left once the
-        next server started there (its start sweeps: kvstate.channel.owner)."""
+        next server started there (its start sweeps: kvstate.channel.owner); and what it
+        had in /dev/shm that is still there (nothing sweeps /dev/shm: nothing may be left)."""
         dirs = [d for d in (self.c.socket_dir, self.c.dir / "coordinator") if d.is_dir()]
         self.report["leftovers_before_next_start"] = [n for d in dirs for n in owner.leftovers(d)]
         after = []
@@ -557,6 +564,8 @@ class _Scenario:
             with chan.Server(d / "next-start.sock"):
                 after += owner.leftovers(d)
         self.report["leftovers_after_next_start"] = after
+        self.report["shm_after_next_start"] = shm_left(
+            frozenset().union(*(w.shm for w in self.c.everyone() if w.killed)))
 
 
 def _describe_descriptor(wire: bytes, key: bytes) -> dict[str, Any]:
@@ -583,7 +592,8 @@ def outcome(report: dict[str, Any]) -> str:
 def judge(report: dict[str, Any], kill: tuple[str, str] | None) -> bool:
     """The safety verdict: no partial readiness, verified bytes, every part gone, no leaks."""
     clean = (not report["exporter_errors"] and not report["violations"] and not report["stray_processes"]
-             and not report["leftovers_after_next_start"]
+             and not report["leftovers_after_next_start"] and not report.get("shm_after_next_start")
+             and not report.get("shm_left_at_exit")
              and all(v <= 0 for leak in report["leaks"] for v in leak.values()))
     every_load_ok = all(ok for _, ok in report["verified"])
     ended = all(s in ("closed", "failed", "rejected", None) for s in report["worker_final"])

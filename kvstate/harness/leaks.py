@@ -18,6 +18,12 @@ server or watcher exit on their next poll, and a SIGKILLed child is reaped
 asynchronously. Long-lived helpers that multiprocessing starts once per process (the
 resource tracker, the forkserver) and their pipe fds are not leaks of whoever happened
 to start them: they are excluded by identity, not by name patterns.
+
+Files in /dev/shm outlive a SIGKILLed process, and /dev/shm is shared by every job on the
+machine, so a diff of the directory would blame others. :func:`shm_held` attributes by
+owner instead: the entries a process has open or mapped, read from its /proc while it
+lives (the demo's kill matrix and the soak read a victim just before its SIGKILL);
+:func:`shm_left` says which of those remain.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
+
+SHM = "/dev/shm"
 
 #: Native engine counters that must come back to their earlier value.
 NATIVE_COUNTERS = ("allocations", "reservations", "regions", "pins", "ops_live")
@@ -83,6 +91,34 @@ def _native() -> dict[str, int]:
         return {}  # never loaded: nothing native can be held
     stats = engine.stats()
     return {k: int(getattr(stats, k)) for k in NATIVE_COUNTERS}
+
+
+def shm_held(pid: int) -> frozenset[str]:
+    """Paths under /dev/shm that process ``pid`` has open (its fds) or mapped (its maps),
+    for example a POSIX semaphore or a ``SharedMemory`` block; empty once it has exited."""
+    found = set()
+    prefix = SHM + "/"
+    try:
+        for name in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{name}")
+            except OSError:
+                continue  # closed meanwhile
+            if target.startswith(prefix):
+                found.add(target.removesuffix(" (deleted)"))
+        with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                i = line.find(prefix)
+                if i >= 0:
+                    found.add(line[i:].rstrip("\n").removesuffix(" (deleted)"))
+    except OSError:
+        pass  # exited meanwhile: what was read so far stands
+    return frozenset(found)
+
+
+def shm_left(paths: frozenset[str] | set[str]) -> list[str]:
+    """Those of ``paths`` (from :func:`shm_held`) that still exist."""
+    return sorted(p for p in paths if os.path.lexists(p))
 
 
 def snapshot() -> Snapshot:

@@ -56,9 +56,11 @@ class ArrayInterface(Protocol):
 @attrs.frozen(eq=False)
 class RawBuffer:
     """Caller memory named by address, for memory that has no buffer protocol (a torch
-    tensor, a DLPack capsule): ops read or write ``[addr, addr + size)``. Whoever makes one
-    keeps that memory alive until every op using it is reaped; ``owner`` is carried along
-    for that purpose and is never touched here."""
+    tensor, a DLPack capsule): ops read or write ``[addr, addr + size)``. kvstate cannot pin
+    memory it did not allocate, so an op of :class:`Native` holds the RawBuffer, and with it
+    ``owner`` (the object that keeps the memory alive), until the op is reaped: a caller
+    that drops its reference early does not free the memory under the op. ``owner`` is
+    never touched otherwise."""
 
     addr: int
     size: int
@@ -74,6 +76,9 @@ if TYPE_CHECKING:
     HostBuffer = Union[Buffer, ArrayInterface]
     #: One end of an op: a region id, caller memory by address, or a caller buffer.
     Endpoint = Union[int, RawBuffer, HostBuffer]
+
+#: What an op holds of caller memory until it is reaped (see :meth:`Native._endpoint`).
+Kept = Union[CBuffer, RawBuffer, None]
 
 
 @attrs.frozen
@@ -152,8 +157,9 @@ class Native:
         self.op_states: tuple[str, ...] = tuple(
             ffi.string(lib.kvs_op_state_name(i)).decode() for i in range(lib.kvs_op_nstates()))
         self._errors = self._error_map()
-        # Caller buffers an op reads or writes stay referenced until the op is reaped.
-        self._keep: dict[int, tuple[CBuffer | None, CBuffer | None]] = {}
+        # Caller memory an op reads or writes (a buffer's export, a RawBuffer and its owner)
+        # stays referenced until the op is reaped.
+        self._keep: dict[int, tuple[Kept, Kept]] = {}
         self.page_size: int = int(lib.kvs_page_size())
         # Bound once: the submit path is measured in microseconds.
         self._new = ffi.new
@@ -289,33 +295,34 @@ class Native:
         """Paused workers take no new op; submitted ops stay queued (and pinned)."""
         self.lib.kvs_engine_pause(1 if paused else 0)
 
-    def _endpoint(self, ep: Endpoint, writable: bool) -> tuple[int, int, int, CBuffer | None]:
+    def _endpoint(self, ep: Endpoint, writable: bool) -> tuple[int, int, int, Kept]:
         """(region, addr, size, keepalive) for a region id, a :class:`RawBuffer` or a caller
         buffer. A buffer's export (``ffi.from_buffer``) is the keepalive: it is given back
-        (:meth:`_release`) on every path, so no export outlives its op."""
+        (:meth:`_release`) on every path, so no export outlives its op. A RawBuffer is its
+        own keepalive (its owner holds the memory)."""
         if isinstance(ep, int):
             if isinstance(ep, bool) or not 0 < ep < 1 << 64:
                 raise ArgumentInvalid.native("kvs_submit", -1, f"region id {ep!r} is not a positive u64")
             return int(ep), 0, 0, None
         if isinstance(ep, RawBuffer):
-            return 0, ep.addr, ep.size, None  # its owner keeps the memory alive
+            return 0, ep.addr, ep.size, ep  # held until reaped: its owner keeps the memory alive
         try:
             cbuf = self.ffi.from_buffer(ep, require_writable=writable)
         except (TypeError, BufferError) as exc:
             raise ArgumentInvalid.native("kvs_submit", -1, f"not a usable buffer: {exc}") from None
         return 0, int(self.ffi.cast("uintptr_t", cbuf)), len(cbuf), cbuf
 
-    def _submitted(self, op_id: int, keep_src: CBuffer | None, keep_dst: CBuffer | None) -> Op:
+    def _submitted(self, op_id: int, keep_src: Kept, keep_dst: Kept) -> Op:
         if keep_src is not None or keep_dst is not None:
             self._keep[op_id] = (keep_src, keep_dst)  # a dict store is atomic under the GIL
         return Op(self, op_id)
 
-    def _release(self, *kept: CBuffer | BlockArray | None) -> None:
+    def _release(self, *kept: Kept | BlockArray) -> None:
         """Give back buffer exports now rather than at some later garbage collection: an
         export left behind (a traceback holding the frame is enough) pins the exporter (a
         memoryview can no longer be released) and, once its owner goes, names freed memory."""
         for k in kept:
-            if k is not None:
+            if k is not None and not isinstance(k, RawBuffer):  # a RawBuffer is only dropped
                 self.ffi.release(k)
 
     def submit_copy(self, src: Endpoint, dst: Endpoint, length: int, *, src_off: int = 0,
@@ -436,11 +443,13 @@ class Native:
         return int(status[0])
 
     def submit_cuda(self, device: int, src: tuple[int, int, int], dst: tuple[int, int, int],
-                    blocks: Sequence[Block] | HostBuffer, *, fail: bool = False, notify_fd: int | None = None) -> Op:
+                    blocks: Sequence[Block] | HostBuffer, *, fail: bool = False, notify_fd: int | None = None,
+                    hold: tuple[RawBuffer | None, RawBuffer | None] = (None, None)) -> Op:
         """A gather on a CUDA device (``kvs_cuda_submit``): each end is ``(region, addr,
         size)``, a region of that device (addr and size 0) or device memory by address;
-        ``blocks`` as :meth:`submit_gather`. The op is the engine's like any other: wait,
-        reap, ``result`` or ``notify`` it here."""
+        ``blocks`` as :meth:`submit_gather`. ``hold``: the RawBuffers the ends came from,
+        held (with their owners) until the op is reaped, as a host op holds them. The op
+        is the engine's like any other: wait, reap, ``result`` or ``notify`` it here."""
         if notify_fd is not None and (type(notify_fd) is not int or notify_fd <= 0):
             raise ArgumentInvalid.native("kvs_op_notify", -1, f"notify_fd must be a positive fd, not {notify_fd!r}")
         ffi = self.ffi
@@ -454,7 +463,7 @@ class Native:
                 raise self.error(rc, "kvs_cuda_submit", f"gather of {n} blocks", OPS.initial, SUBMIT)
         finally:
             self._release(cblocks)  # the engine copied the list
-        op = Op(self, int(out[0]))
+        op = self._submitted(int(out[0]), *hold)
         if notify_fd is not None:
             self.notify(op.id, notify_fd)  # cannot fail: a fresh op, a positive fd, checked above
         return op

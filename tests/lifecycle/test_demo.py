@@ -169,12 +169,17 @@ def test_a_worker_that_dies_at_start_is_one_line_naming_it(tmp_path: Path) -> No
 @pytest.mark.parametrize("case", [None, "exporter:ready", "coordinator:importing", "worker:loading", "broken"])
 def test_a_demo_run_leaves_nothing_on_the_node(tmp_path: Path, case: str | None) -> None:
     """With or without a SIGKILL, or failing at start, every folder, socket, owner mark and
-    stderr log of the run is gone after it."""
+    stderr log of the run is gone after it, and nothing its processes had in /dev/shm
+    (attributed by pid: the victim's just before its SIGKILL, the others' before they exit)."""
     broken = case == "broken"
     env = with_path(without(tmp_path / "broken", "_cffi_backend")) if broken else with_path()
     kill = ["--kill", case] if case and not broken else []
+    json_out = [] if broken else ["--json"]
     with tempfile.TemporaryDirectory(prefix="kvs-") as short:  # socket paths must stay under 108 bytes
-        out = subprocess.run([*DEMO, *kill], capture_output=True, text=True, timeout=120,
+        out = subprocess.run([*DEMO, *kill, *json_out], capture_output=True, text=True, timeout=120,
                              env={**env, "TMPDIR": short})
         assert out.returncode == (1 if broken else 0), out.stdout + out.stderr
         assert [p.name for p in Path(short).iterdir()] == []
+    if not broken:
+        report = json.loads(out.stdout)
+        assert report["shm_left_at_exit"] == [] and report["shm_after_next_start"] == [], report

@@ -70,6 +70,7 @@ def test_sigkill_in_every_phase(role: str, phase: str) -> None:
     if role != "worker":  # workers serve no socket
         assert report["leftovers_before_next_start"], json.dumps(report)[:3000]
     assert report["leftovers_after_next_start"] == []
+    assert report["shm_after_next_start"] == []  # what the victim had in /dev/shm, by its pid
 
 
 def test_the_verdict_catches_a_worker_that_keeps_its_part() -> None:

@@ -120,3 +120,47 @@ def test_a_mark_left_half_made_is_swept_but_not_a_held_one(d: Path) -> None:
         fcntl.flock(f, fcntl.LOCK_EX)
         assert owner.sweep(d) == [".kvstate-lock-123-deadbeef"]
         assert held.exists() and not half.exists()
+
+
+HOLD_SHM = """
+import mmap, os, sys
+base = f"/dev/shm/kvstate-test-{os.getpid()}"
+mapped = os.open(base + "-mapped", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+os.ftruncate(mapped, 4096)
+mem = mmap.mmap(mapped, 4096)
+os.close(mapped)
+held = os.open(base + "-open", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+gone = os.open(base + "-unlinked", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+os.unlink(base + "-unlinked")
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_killed_process_files_in_dev_shm_are_attributed_by_its_pid() -> None:
+    """leaks.shm_held (the kill matrix and the soak read each victim with it just before
+    its SIGKILL): what the process has mapped or open in /dev/shm, not what others made;
+    shm_left: which of those a SIGKILL left behind (an unlinked one is not left)."""
+    from kvstate.harness import leaks
+
+    p = subprocess.Popen([sys.executable, "-c", HOLD_SHM], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    base = f"/dev/shm/kvstate-test-{p.pid}"
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        held = leaks.shm_held(p.pid)
+        assert {base + "-mapped", base + "-open", base + "-unlinked"} <= held
+        assert all(path.startswith("/dev/shm/") for path in held)
+        p.kill()
+        p.wait(10)
+        assert leaks.shm_left(held) == [base + "-mapped", base + "-open"]
+        assert leaks.shm_held(p.pid) == frozenset()  # gone: nothing more to read
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+        for path in (base + "-mapped", base + "-open"):
+            if os.path.lexists(path):
+                os.unlink(path)
+        p.stdin.close()  # type: ignore[union-attr]
+        p.stdout.close()  # type: ignore[union-attr]
+    assert leaks.shm_left(held) == []

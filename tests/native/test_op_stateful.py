@@ -7,6 +7,17 @@ releases, remaps and access changes are
 checked against the model; after every step the native layer's own observation (pins,
 ops in flight, live and queued ops) must equal the model's.
 
+The one pin rule over every memory kind a host op can touch (docs/threat-model.md): an
+op's ends are drawn from bank mappings (``a``, ``b``, ``c``: allocations this process
+created), an imported mapping (``i``: a memfd exported, received and imported, as an
+importer holds a peer's bank), a caller buffer (``buf``: buffer protocol) and caller
+memory by address (``raw``: a :class:`RawBuffer` whose owner the test drops at once).
+Unmapping or releasing a mapping under an op is refused with ``Busy`` (``pinned``); a
+caller buffer cannot be resized while an op holds its export (``BufferError``); a
+RawBuffer's owner lives until its op is reaped, and not longer. At quiescence each goes.
+The CUDA kinds (mappings, imported mappings, device buffers) have their own machine on
+the shim driver (tests/cudashim/test_op_stateful.py).
+
 Invariants: INV-NO-UNMAP-PINNED, INV-OP-PINS, INV-EVENT-DECLARED.
 
 The self-test builds a test-only module with a planted bug (unmap and release ignore
@@ -15,9 +26,11 @@ pins) and asserts that this same machine fails on it.
 
 from __future__ import annotations
 
+import ctypes
 import enum
-
+import gc
 import random
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,15 +51,18 @@ from kvstate.core.reasons import ArgumentReason, BusyReason, TransitionReason
 from kvstate.core import errors
 from kvstate.core.errors import KvStateError
 from kvstate.core.capabilities import Access
+from kvstate.core.handles import HandleKind
 from kvstate.transport.host import HostAllocation, HostMapping, HostReservation, HostTransport
-from kvstate.transport.native import Native, Op, default
+from kvstate.transport.native import Native, Op, RawBuffer, default
 from native.helpers import build_variant
 
 PAGE = 4096
 SIZE = 16 * PAGE
-NAMES = ("a", "b", "c")   # a, b: sources (never written); c: a sink
-SOURCES = ("a", "b", "buf")
-SINKS = ("c", "buf")
+NAMES = ("a", "b", "c", "i")   # mappings. a, b, i: sources (never written); c: a sink
+IMPORTED = ("i",)               # its allocation is an import of an exported memfd
+CALLER = ("buf", "raw")         # caller memory: a buffer, a RawBuffer
+SOURCES = ("a", "b", "i", *CALLER)
+SINKS = ("c", *CALLER)
 #: Access levels as the C layer orders them (each includes the previous).
 LEVELS = (Access.NONE, Access.READ, Access.READ_WRITE)
 ACCESS_NONE, ACCESS_READ, ACCESS_READ_WRITE = range(3)
@@ -65,6 +81,17 @@ def pattern(name: str) -> bytes:
     return random.Random(name).randbytes(SIZE)
 
 
+class Owner:
+    """What keeps a RawBuffer's memory alive (a tensor, in real use)."""
+
+    def __init__(self, data: bytes | int) -> None:
+        self.mem = ctypes.create_string_buffer(data, SIZE) if isinstance(data, bytes) else \
+            ctypes.create_string_buffer(data)
+
+    def raw(self) -> RawBuffer:
+        return RawBuffer(ctypes.addressof(self.mem), len(self.mem), self)
+
+
 class ModelOp:
     def __init__(self, op: Op, touches: frozenset[str], fail: bool, dst: bytearray | None,
                  expect: bytes | None) -> None:
@@ -74,6 +101,9 @@ class ModelOp:
         self.dst = dst
         self.expect = expect
         self.state = "queued"
+        self.buffers: list[bytearray] = []                       # caller buffers it exports
+        self.owners: list[weakref.ref[Owner]] = []               # RawBuffer owners it holds
+        self.raw_dst: weakref.ref[Owner] | None = None
 
 
 def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
@@ -105,7 +135,7 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
         def _map(self, name: str) -> None:
             fresh = self.allocs[name] is None
             if fresh:
-                self.allocs[name] = self.t.create(SIZE)
+                self.allocs[name] = self._imported() if name in IMPORTED else self.t.create(SIZE)
             alloc = self.allocs[name]
             assert alloc is not None and self.res is not None
             region = self.t.map(self.res, NAMES.index(name) * SIZE, alloc)
@@ -114,6 +144,18 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
                 self.t.view(region)[:] = pattern(name)
             self.regions[name], self.mapped[name], self.access[name] = region, True, ACCESS_READ_WRITE
             self.leases[name] = 0
+
+        def _imported(self) -> HostAllocation:
+            """An import of a peer's memfd: exported, received and imported; the exporting
+            allocation is released at once, as when the peer dies (the import outlives it)."""
+            mine = self.t.create(SIZE)
+            try:
+                sent = self.t.export(mine, HandleKind.MEMFD)
+                got = self.t.import_(self.t.receive_handle(HandleKind.MEMFD, sent.identity, [sent.fd]), SIZE)
+            finally:
+                self.t.release(mine)
+            assert got.imported
+            return got
 
         def inflight(self, name: str) -> int:
             return sum(1 for o in self.ops.values() if o.state == "queued" and name in o.touches)
@@ -128,30 +170,67 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
         def submit(self, src: str, dst: str, nblocks: int, seed: int, fail: bool) -> None:
             rng = random.Random(seed)
             blocks, expect, dst_off = [], bytearray(), 0
-            src_bytes = pattern(src) if src != "buf" else rng.randbytes(SIZE)
+            src_bytes = pattern(src) if src not in CALLER else rng.randbytes(SIZE)
             for _ in range(nblocks):
                 length = rng.randint(1, PAGE)
                 off = rng.randrange(0, SIZE - length)
                 blocks.append((off, dst_off, length))
                 expect += src_bytes[off:off + length]
                 dst_off += length
-            src_ep: Any = self.regions[src].region if src != "buf" else bytearray(src_bytes)
-            dst_buf = bytearray(dst_off) if dst == "buf" else None
-            dst_ep: Any = self.regions[dst].region if dst_buf is None else dst_buf
-            touches = frozenset(n for n in (src, dst) if n != "buf")
+            # Caller memory: the test keeps a buffer (to try to resize it) but never a
+            # RawBuffer's owner (only a weak reference: the op must hold it).
+            ends: list[Any] = []
+            buffers: list[bytearray] = []
+            owners: list[weakref.ref[Owner]] = []
+            dst_buf: bytearray | None = None
+            for end, (name, data) in enumerate(((src, src_bytes), (dst, dst_off))):
+                if name == "buf":
+                    buf = bytearray(data)  # the source's bytes, or the destination's size
+                    buffers.append(buf)
+                    ends.append(buf)
+                    dst_buf = buf if end == 1 else None
+                elif name == "raw":
+                    owner = Owner(data)
+                    owners.append(weakref.ref(owner))
+                    ends.append(owner.raw())
+                    del owner
+                else:
+                    ends.append(self.regions[name].region)
+            touches = frozenset(n for n in (src, dst) if n not in CALLER)
 
             if any(not self.mapped[n] for n in touches):
                 want: enum.Enum | None = ArgumentReason.UNKNOWN_OBJECT
-            elif (src != "buf" and self.access[src] < ACCESS_READ) or (
-                    dst != "buf" and self.access[dst] < ACCESS_READ_WRITE):
+            elif (src not in CALLER and self.access[src] < ACCESS_READ) or (
+                    dst not in CALLER and self.access[dst] < ACCESS_READ_WRITE):
                 want = TransitionReason.GUARD
             else:
                 want = None
             ops: list[Op] = []
-            got = outcome(lambda: ops.append(self.nat.submit_gather(src_ep, dst_ep, blocks, fail=fail)))
+            got = outcome(lambda: ops.append(self.nat.submit_gather(ends[0], ends[1], blocks, fail=fail)))
+            del ends
             assert got is want, f"submit {src}->{dst}: expected {want}, got {got}"
             if ops:
-                self.ops[ops[0].id] = ModelOp(ops[0], touches, fail, dst_buf, bytes(expect))
+                mop = self.ops[ops[0].id] = ModelOp(ops[0], touches, fail, dst_buf, bytes(expect))
+                mop.buffers, mop.owners = buffers, owners
+                mop.raw_dst = owners[-1] if dst == "raw" else None
+                self.held_raw(mop)
+            else:  # refused: nothing of the caller's is held
+                gc.collect()
+                assert all(o() is None for o in owners), "a refused op holds a RawBuffer's owner"
+                self.resizable(buffers, "a refused op")
+
+        def held_raw(self, op: ModelOp) -> None:
+            assert all(o() is not None for o in op.owners), \
+                f"INV-OP-PINS: a RawBuffer's owner was dropped while its op is {op.state} (not reaped)"
+
+        @staticmethod
+        def resizable(buffers: list[bytearray], who: str) -> None:
+            for buf in buffers:
+                try:
+                    buf.append(0)
+                except BufferError:
+                    raise AssertionError(f"a caller buffer is still exported after {who}") from None
+                buf.pop()
 
         @rule(name=st.sampled_from(NAMES))
         def unmap(self, name: str) -> None:
@@ -242,12 +321,31 @@ def machine_for(nat: Native) -> type[RuleBasedStateMachine]:
             if op.state == "queued":
                 assert outcome(op.op.reap) is TransitionReason.ILLEGAL, "INV-EVENT-DECLARED: reap of a queued op"
                 return
+            self.held_raw(op)
+            raw_dst = op.raw_dst() if op.raw_dst is not None else None
             info = op.op.reap()
             assert info.state == op.state
             if op.state == "done" and op.dst is not None:
                 assert bytes(op.dst) == op.expect, "gathered bytes differ from the source"
+            if op.state == "done" and raw_dst is not None:
+                assert raw_dst.mem.raw[:len(op.expect or b"")] == op.expect, "gathered bytes differ from the source"
+            del raw_dst
             del self.ops[key]
             self.reaped.append(key)
+            # Reaped: the op lets go of the caller's memory, and holds nothing for longer.
+            self.resizable(op.buffers, "its op was reaped")
+            assert all(o() is None for o in op.owners), "a reaped op still holds a RawBuffer's owner"
+
+        @precondition(lambda self: any(o.buffers for o in self.ops.values()))
+        @rule(data=st.data())
+        def free_caller_buffer(self, data: st.DataObject) -> None:
+            """Resizing (freeing) a caller buffer under an op that is not reaped is refused by
+            the buffer protocol: the op holds its export."""
+            op = self.ops[data.draw(st.sampled_from(sorted(k for k, o in self.ops.items() if o.buffers)))]
+            for buf in op.buffers:
+                with pytest.raises(BufferError):
+                    buf.clear()
+                    raise AssertionError(f"INV-OP-PINS: a caller buffer was resized under an op ({op.state})")
 
         @precondition(lambda self: bool(self.ops))
         @rule(data=st.data())

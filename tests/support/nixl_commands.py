@@ -208,7 +208,25 @@ def release_target(state: State) -> str:
     except KvStateError as exc:
         return f"{type(exc).__name__}: {exc.reason.value}"
     del state["dst"]
+    if "dst_mem" in state:  # deregistered: the owner may free its memory now
+        state.pop("dst_mem").close()
     return "released"
+
+
+def make_target(state: State, kind: str, size: int) -> None:
+    """A new load target: ``created`` by the transport, or ``registered`` caller memory
+    (an mmap this process owns, as an engine's host KV would be)."""
+    t: NixlTransport = state["t"]
+    if kind == "created":
+        state["dst"] = t.create(size)
+        return
+    mem = mmap.mmap(-1, size)
+    addr = np.frombuffer(mem, dtype=np.uint8).ctypes.data
+    state["dst"], state["dst_mem"] = t.register(addr, size), mem
+
+
+def target_pins(state: State) -> int:
+    return int(state["dst"].pins)
 
 
 # -- an exporter process with several banks, through NIXL (the exporter's own path) ------

@@ -22,7 +22,9 @@ beyond its baseline (fds and memfd mappings, from ``/proc``).
 
 The verdict (:meth:`SoakReport.problems`): no importer was ever ready without every part
 (partial readiness); no leaked fd or memfd mapping in any worker; every exporter became
-quiescent within its lease timeout; every completed load's checksum matched.
+quiescent within its lease timeout; every completed load's checksum matched; nothing a
+killed process left in the socket directory or in /dev/shm (what it had open or mapped
+there when it was killed: ``leaks.shm_held``) remains after the next start.
 
 Run it with ``python -m support.soak --cycles N`` (``make soak``).
 """
@@ -34,6 +36,7 @@ import collections
 import ctypes
 import hashlib
 import json
+import mmap
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -49,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from kvstate.harness import children
+from kvstate.harness import children, leaks as probe
 from support.stalls import Heartbeat, collect
 from kvstate.harness.cluster import ClusterSpec, Worker, _recv, _send, expected_checksum, kv_pattern, resources
 from kvstate.channel import owner
@@ -75,6 +78,27 @@ ROLES = ("exporter", "importer")
 STALL_TERMS = 2
 SOAK_SPEC = ClusterSpec(tp=2, layers=2, kv_heads=2, head_dim=32, block_tokens=16, num_blocks=32,
                         prefix_blocks=8, granularity=64 * 1024, lease_timeout_s=3.0, timeout_s=10.0)
+
+
+def _plant_shm() -> None:
+    """The ``shm_left`` plant: a file in /dev/shm, mapped for the process's life and removed
+    only when it is told to exit (:func:`_unplant_shm`), as a SharedMemory block or a POSIX
+    semaphore would be: a SIGKILL leaves it."""
+    path = f"{probe.SHM}/kvstate-soak-plant-{os.getpid()}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.ftruncate(fd, 4096)
+    _planted.append((path, mmap.mmap(fd, 4096)))
+    os.close(fd)
+
+
+def _unplant_shm() -> None:
+    while _planted:
+        path, mem = _planted.pop()
+        mem.close()
+        os.unlink(path)
+
+
+_planted: list[tuple[str, mmap.mmap]] = []
 
 
 def _settled(baseline: dict[str, int], grace_s: float) -> dict[str, int]:
@@ -103,6 +127,8 @@ def exporter_worker(conn: multiprocessing.connection.Connection, spec_json: str,
 
     if plant == "no_sweep":  # the self-test: starts leave what dead servers left
         owner.sweep = lambda directory: []
+    if plant == "shm_left":
+        _plant_shm()
 
     spec = ClusterSpec(**json.loads(spec_json))
     if stall_dir is not None:
@@ -137,6 +163,7 @@ def exporter_worker(conn: multiprocessing.connection.Connection, spec_json: str,
                 ex.stop()
                 ex = None
         elif cmd["cmd"] == "exit":
+            _unplant_shm()
             _send(conn, leaks=_settled(baseline, 2.0))
             return
 
@@ -144,8 +171,8 @@ def exporter_worker(conn: multiprocessing.connection.Connection, spec_json: str,
 def importer_worker(conn: multiprocessing.connection.Connection, spec_json: str, key_hex: str, rank: int,
                     plant: str | None = None, stall_dir: str | None = None) -> None:
     """One prefill-rank process: one Importer for its whole life, a new group per cycle.
-    ``plant`` plants a bug for the soak's self-test: ``leak_fd``, ``corrupt`` or
-    ``hold_gil`` (a C call that keeps the GIL past the heartbeat limit before a load)."""
+    ``plant`` plants a bug for the soak's self-test: ``leak_fd``, ``corrupt``, ``hold_gil``
+    (a C call that keeps the GIL past the heartbeat limit before a load) or ``shm_left``."""
     from kvstate.share.importer import ImportConfig, Importer
     from kvstate.reuse.policy import ReuseSettings
     from kvstate.core.machine import StateChange
@@ -154,6 +181,8 @@ def importer_worker(conn: multiprocessing.connection.Connection, spec_json: str,
     spec = ClusterSpec(**json.loads(spec_json))
     if stall_dir is not None:
         Heartbeat(Path(stall_dir), STALL_TERMS * spec.lease_timeout_s)
+    if plant == "shm_left":
+        _plant_shm()
     t = HostTransport(granularity=spec.granularity)
     stalled: list[bool] = []  # the hold_gil plant stalls once
     partial: list[str] = []
@@ -227,6 +256,7 @@ def importer_worker(conn: multiprocessing.connection.Connection, spec_json: str,
                 partial.clear()
             elif cmd["cmd"] == "exit":
                 im.close()
+                _unplant_shm()
                 _send(conn, ok=True)
                 return
         except KvStateError as exc:
@@ -247,7 +277,7 @@ class SoakReport:
     leaks: list[str] = attrs.Factory(list)
     slow_quiescence: list[str] = attrs.Factory(list)
     exporter_errors: list[str] = attrs.Factory(list)
-    leftovers: list[str] = attrs.Factory(list)  # of dead processes, in the socket dir after the next start
+    leftovers: list[str] = attrs.Factory(list)  # of dead processes, in the socket dir or /dev/shm after the next start
     stalls: list[str] = attrs.Factory(list)  # stacks of processes whose Python stopped (support.stalls)
     worst_quiescent_s: float = 0.0
     ready_groups: int = 0
@@ -287,6 +317,7 @@ class _Pool:
         self.stall_dir = self.dir / "stalls"
         self.stall_dir.mkdir()
         # The server preloads support.soak from tests/ too, wherever the soak runs from.
+        self.dead_shm: set[str] = set()  # what killed workers had in /dev/shm
         self.ctx = children.forkserver(["support.soak", "kvstate.share.exporter", "kvstate.share.importer",
                                         "kvstate.transport.host"])
         self.spec_json = json.dumps(attrs.asdict(spec))
@@ -311,10 +342,24 @@ class _Pool:
         for workers in (self.exporters, self.importers):
             for i, w in enumerate(workers):
                 if w.killed:
+                    self.dead_shm |= w.shm
                     w.conn.close()
                     workers[i] = self._start(w.role, w.rank)
                     n += 1
         return n
+
+    def shm_left(self) -> list[str]:
+        """What killed workers had in /dev/shm and is still there. Nothing sweeps /dev/shm, so
+        nothing may be left; once reported it is removed (that worker's, by pid), so the run
+        leaves nothing behind."""
+        for w in self.exporters + self.importers:
+            if w.killed:
+                self.dead_shm |= w.shm
+        left = probe.shm_left(self.dead_shm)
+        self.dead_shm.clear()
+        for path in left:
+            os.unlink(path)
+        return left
 
     def close(self) -> list[str]:
         leaks = []
@@ -362,6 +407,9 @@ def run_soak(cycles: int, *, seed: int = 1, kill_rate: float = 0.7, spec: Cluste
         report.stalls += collect(pool.stall_dir)
     finally:
         report.leaks += pool.close()
+        shm = pool.shm_left()  # of the last cycle's victims: there is no next start
+        if shm:
+            report.leftovers.append(f"end of the run: a dead process's files in /dev/shm: {shm}")
         report.seconds = time.monotonic() - start
     return report
 
@@ -395,6 +443,9 @@ def _cycle(pool: _Pool, spec: ClusterSpec, kill: tuple[str, str, int] | None, ex
     left = owner.leftovers(pool.socket_dir)
     if left:
         report.leftovers.append(f"cycle {n}: a dead process's files after the next start: {left}")
+    shm = pool.shm_left()
+    if shm:
+        report.leftovers.append(f"cycle {n}: a dead process's files in /dev/shm after the next start: {shm}")
     maybe_kill("advertised")
 
     # 2. import the whole group in every importer

@@ -28,6 +28,7 @@ DEFAULTS: Mapping[str, tuple[str, ...]] = {
     "cudashim/": ("native",),              # the C engine's CUDA path on the shim driver, in-process
     "cudashim/test_failures.py": ("native", "multiproc"),  # a peer process, subprocesses per driver setting
     "cudashim/test_processes.py": ("native", "multiproc"),
+    "cudashim/test_op_stateful.py": ("stateful", "native"),
     "cudashim/test_gpucheck.py": ("native", "multiproc", "slow"),  # gpucheck and the GPU suite, end to end
     "datapath/": ("native",),              # a real exporter and importer, in-process, over the op engine
     "datapath/test_async_stateful.py": ("stateful", "native", "slow"),
@@ -89,6 +90,7 @@ DEFAULTS: Mapping[str, tuple[str, ...]] = {
     "test_scenarios.py": ("unit",),
     "test_spec_loader.py": ("unit",),
     "test_spec_tables.py": ("unit",),
+    "test_tempdirs.py": ("multiproc",),     # a child process sees the session's root
     "test_tiers.py": ("unit",),
 }
 

@@ -71,6 +71,11 @@ def _object(name: str, value: object, kind: type, *ids: str) -> None:
         need_int(f"{name}.{field}", getattr(value, field), 0, _U64)
 
 
+def _raw(ep: object) -> RawBuffer | None:
+    """The end an op must hold until it is reaped: a RawBuffer (its owner keeps the memory)."""
+    return ep if isinstance(ep, RawBuffer) else None
+
+
 if TYPE_CHECKING:
     from typing import Union
 
@@ -385,7 +390,8 @@ class CudaTransport:
     def submit_gather(self, src: CudaEndpoint, dst: CudaEndpoint, blocks: Sequence[Block]) -> Op:
         """Copy each (src_off, dst_off, len) block device to device: an op of the C engine,
         on a stream of its own; it pins every mapping it touches until its event completes."""
-        return self._native.submit_cuda(self._device, self._endpoint(src), self._endpoint(dst), blocks)
+        return self._native.submit_cuda(self._device, self._endpoint(src), self._endpoint(dst), blocks,
+                                        hold=(_raw(src), _raw(dst)))
 
     def submit_blocks(self, src: CudaEndpoint | RawBuffer, dst: CudaEndpoint | RawBuffer,
                       blocks: Sequence[Block] | HostBuffer, *, notify_fd: int | None = None, fail: bool = False) -> Op:
@@ -393,7 +399,7 @@ class CudaTransport:
         end a mapping or device memory (a :class:`RawBuffer` names it by address); 1 is
         added to the eventfd ``notify_fd`` once the op is collectable."""
         return self._native.submit_cuda(self._device, self._endpoint(src), self._endpoint(dst), blocks,
-                                        fail=fail, notify_fd=notify_fd)
+                                        fail=fail, notify_fd=notify_fd, hold=(_raw(src), _raw(dst)))
 
     def submit_copy(self, src: CudaEndpoint, dst: CudaEndpoint, length: int, *, src_off: int = 0,
                     dst_off: int = 0) -> Op:
