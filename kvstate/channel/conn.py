@@ -17,7 +17,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import attrs
@@ -64,6 +64,9 @@ class Channel:
         self.limits = limits
         self._closed = False
         self._close_lock = threading.Lock()
+        #: Called once by :meth:`close`, before the socket closes: whoever holds another
+        #: descriptor of this connection (an importer's request link) shuts it down too.
+        self.on_close: Callable[[], None] | None = None
         try:
             sock.setblocking(False)
             self.peer = _peercred(sock)
@@ -137,6 +140,8 @@ class Channel:
             if self._closed:
                 return
             self._closed = True
+            if self.on_close is not None:
+                self.on_close()
             self._sock.close()
             if self._pidfd is not None:
                 close_quietly(self._pidfd)
