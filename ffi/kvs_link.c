@@ -203,9 +203,9 @@ int kvs_link_send(kvs_link *l, const uint8_t *payload, uint32_t len, const int32
     }
 }
 
+/* Close every fd of a refused packet; nfds stays, for the refusal's message. */
 static int refuse(kvs_frame *f, int code) {
     for (uint32_t i = 0; i < f->nfds; i++) close(f->fds[i]);
-    f->nfds = 0;
     return code;
 }
 

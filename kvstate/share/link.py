@@ -81,6 +81,7 @@ class NativeLink:
         if ptr == ffi.NULL:
             raise ChannelError(ChannelReason.FAILED, f"cannot set up the request link: {os.strerror(ffi.errno)}")
         self.ptr = ffi.gc(ptr, lib.kvs_link_unref)
+        channel.on_close = self.close  # closing either end closes the connection for both
 
     @property
     def closed(self) -> bool:

@@ -221,11 +221,17 @@ class LeaseKeeping(Generic[H, A, R, M, E]):
 
     def _expire_loop(self) -> None:
         renewal = self.renewal
+        outcomes = select.poll()
+        if renewal is not None:  # an outcome of the renewal thread wakes this at once
+            outcomes.register(renewal.fileno(), select.POLLIN)
         while not self._stopping.is_set():
             if renewal is None:
                 self._stopping.wait(0.05)
-            else:  # an outcome of the renewal thread wakes this at once
-                select.select([renewal.fileno()], [], [], 0.05)
+            else:
+                try:
+                    outcomes.poll(50)
+                except OSError:  # ENOMEM: wait the round out instead
+                    self._stopping.wait(0.05)
             if self._stopping.is_set():
                 break
             self.peers.close_idle()

@@ -58,7 +58,8 @@ def test_status_shows_banks_and_leases_as_they_are(transport: HostTransport, imp
         assert wait_until(lambda: all(b.state == "ready" for b in ex.banks.values()))
         changes.clear()
         snap = snapshot(ex.config.socket_dir)
-        assert changes == []  # a status request fires nothing
+        # a status request fires nothing (the importer's renewals go on meanwhile, on their own clock)
+        assert [c for c in changes if c.event != "renew_lease"] == []
         check_exporter(snap, ex)
     finally:
         group.drain(10.0)
