@@ -94,6 +94,7 @@ def test_renewals_send_pythons_frame_and_move_the_expiry_on(renewal: Renewal[str
 
 @pytest.mark.parametrize("answer,expect", [
     (b'{"code":"not_renewing","detail":"draining","ok":false}', "lease refused (not_renewing): draining"),
+    (b'{"code":"gone","detail":"no lease","expires_in_s":5,"ok":false}', "lease refused (gone): no lease"),
     (b'{"ok":true}', "malformed renewal"),
     (b'{"expires_in_s":-1,"ok":true}', "malformed renewal"),
     (b'{"expires_in_s":1e12,"ok":true}', "malformed renewal"),
