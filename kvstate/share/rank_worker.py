@@ -65,7 +65,8 @@ from kvstate.share import protocol_msgs as msgs
 from kvstate.reuse.policy import ReuseSettings
 from kvstate.reuse.inventory import refused_by_inventory
 from kvstate.reuse.profile import Admitted
-from kvstate.share.importer import BlockRequest, ImportConfig, Importer, LoadResult, Part
+from kvstate.share.importer import ImportConfig, Importer, LoadResult
+from kvstate.share.part import BlockRequest, Part
 from kvstate.share.plan import Plan, block_ids
 from kvstate.share.remote_part import RemotePart
 from kvstate.share.transfer import TransferHandle, check_timeout
