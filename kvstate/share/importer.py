@@ -29,7 +29,9 @@ native layer reports zero pins, then closes.
 
 Faults reported by the environment (:meth:`Group.fault`): the exporter's connection
 closing or its process exiting (``peer_died``, detected by a watcher on every part's
-channel), a lease reaching its expiry (``expired``), an exporter restart
+channel), a lease renewal refused or failed, or a lease reaching its expiry
+(``expired``; leases on links are renewed by a native thread that never waits for the
+GIL: :mod:`kvstate.share.renewal`), an exporter restart
 (``incarnation_changed``: a lease refused as ``stale_incarnation`` while importing, or a
 lease granted for the same source and rank under a new incarnation while the group
 lives). Before ready they fail the group and roll back; after ready they drain it:
