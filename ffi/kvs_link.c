@@ -62,10 +62,11 @@ kvs_link *kvs_link_open(int32_t fd, int32_t pidfd, uint32_t max_payload, uint32_
     kvs_link *l = calloc(1, sizeof *l);
     if (!l) return NULL;
     l->fd = dup_cloexec(fd);
-    l->pidfd = pidfd < 0 ? -1 : dup_cloexec(pidfd);
+    l->pidfd = l->fd < 0 || pidfd < 0 ? -1 : dup_cloexec(pidfd);
     if (l->fd < 0 || (pidfd >= 0 && l->pidfd < 0)) {
         int e = errno;
         if (l->fd >= 0) close(l->fd);
+        if (l->pidfd >= 0) close(l->pidfd);
         free(l);
         errno = e;
         return NULL;

@@ -58,15 +58,16 @@ def _peercred(sock: socket.socket) -> PeerCred:
 class Channel:
     """One connected SOCK_SEQPACKET socket. Thread-safe for one sender and one receiver."""
 
+    #: Called once by :meth:`close`, before the socket closes: whoever holds another
+    #: descriptor of this connection (an importer's request link) shuts it down too.
+    on_close: Callable[[], None] | None = None
+
     def __init__(self, sock: socket.socket, *, limits: Limits = Limits(),
                  allowed_uids: Iterable[int] | None = None) -> None:
         self._sock = sock
         self.limits = limits
         self._closed = False
         self._close_lock = threading.Lock()
-        #: Called once by :meth:`close`, before the socket closes: whoever holds another
-        #: descriptor of this connection (an importer's request link) shuts it down too.
-        self.on_close: Callable[[], None] | None = None
         try:
             sock.setblocking(False)
             self.peer = _peercred(sock)

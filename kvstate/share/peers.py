@@ -59,7 +59,11 @@ class PeerLink:
         self.channel = channel
         #: The connection's frame I/O and its lock, held from a request's send to its
         #: answer's receipt (and for notifications), by Python and the renewal thread.
-        self.native = NativeLink(channel, channel.limits)  # channel.close() closes it too
+        try:
+            self.native = NativeLink(channel, channel.limits)  # channel.close() closes it too
+        except BaseException:  # no link (EMFILE duplicating the socket): no connection either
+            channel.close()
+            raise
         self.users = 0                 # holders: requests in flight, grants and parts leasing on it (Peers)
         self.idle_since = time.monotonic()
 
