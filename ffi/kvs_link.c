@@ -19,6 +19,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -136,7 +137,8 @@ static int wait_for(kvs_link *l, short events, int64_t deadline, int32_t *err) {
         int64_t left = deadline - now_ns();
         if (left <= 0) return 0;
         struct pollfd p[2] = {{l->fd, events, 0}, {l->pidfd, POLLIN, 0}};
-        int n = poll(p, l->pidfd >= 0 ? 2 : 1, (int)((left + 999999) / 1000000));
+        int64_t ms = (left + 999999) / 1000000;
+        int n = poll(p, l->pidfd >= 0 ? 2 : 1, ms > INT_MAX ? INT_MAX : (int)ms);
         if (n < 0) {
             if (errno == EINTR) continue;
             *err = errno;

@@ -254,6 +254,7 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
 
     def lease_lost(self, part: Part[H, A, R, M, E], why: str) -> bool:
         """The renewal of ``part``'s lease was refused or failed: the ``expired`` fault."""
+        need("part", part, Part)
         return self.fault("expired", reason=why)
 
     def fault(self, event: GroupFault, *, reason: str | None = None) -> bool:

@@ -28,7 +28,8 @@ from kvstate.transport import libkvs
 
 
 def _ns(seconds: float) -> int:
-    return int(seconds * 1e9)
+    """A checked timeout in int64 nanoseconds (a longer one waits 126 years)."""
+    return int(min(seconds, 4e9) * 1e9)
 
 
 def link_error(code: int, *, err: int = 0, frame: libkvs.FramePtr | None = None, pid: int = 0,

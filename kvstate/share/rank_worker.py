@@ -274,6 +274,8 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
 
     def lease_lost(self, part: Part[H, A, R, M, E], why: str) -> bool:
         """The importer's renewal thread could not renew the part's lease."""
+        need("part", part, Part)
+        need_text("why", why)
         if part.channel is None:  # just closed by the share's own row
             return False
         self._withdrawn(why)

@@ -164,3 +164,23 @@ def test_a_peer_hang_up_is_closed(pair: tuple[Channel, NativeLink, socket.socket
     b.close()
     with raises(ChannelError, ChannelReason.CLOSED):
         link.request(chan.encode({"op": "renew"}), 5.0)
+
+
+def test_a_timeout_of_any_finite_length_is_taken(pair: tuple[Channel, NativeLink, socket.socket]) -> None:
+    """A long timeout is waited in poll's int milliseconds, a longer one in int64 ns: no
+    overflow (the answer is there at once, so nothing actually waits)."""
+    ch, link, b = pair
+    peer = Channel(b.dup(), limits=LIMITS)
+    try:
+        peer.send(b'{"ok":true}')  # queued before the request: the answer is read at once
+        for timeout in (1e7, 1e300):
+            link.lock()
+            try:
+                link.send(b"{}", timeout=timeout)
+                with link.recv(timeout) as msg:
+                    assert msg.payload == b'{"ok":true}'
+            finally:
+                link.unlock()
+            peer.send(b'{"ok":true}')
+    finally:
+        peer.close()
