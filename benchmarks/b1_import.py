@@ -137,6 +137,9 @@ class _Worker:
     def peer_closed(self, part: Part[Any, Any, Any, Any, Any]) -> None:
         pass
 
+    def lease_lost(self, part: Part[Any, Any, Any, Any, Any], why: str) -> bool:
+        return False
+
 
 def import_rank(importer: Importer[Any, Any, Any, Any, Any], wire: bytes, rank: int,
                 tp: int) -> Part[Any, Any, Any, Any, Any]:

@@ -22,8 +22,10 @@ from cffi import FFI
 HERE = Path(__file__).resolve().parent
 SOURCES = ("kvs_slots.c", "kvs_host.c", "kvs_ops.c", "kvs_machine.c", "kvs_machines.c", "kvs_cuda_load.c",
            "kvs_cuda_mem.c", "kvs_cuda_ops.c")
+SOURCES += ("kvs_link.c", "kvs_renew.c")  # the importer's request links and renewal thread
 DEPENDS = ("kvs.h", "kvs_slots.h", "kvs_engine.h", "kvs_cuda.h", "kvs_cuda_driver.h", "kvs_op_table.h",
            "kvs_machine.h", "kvs_machines.h", "kvs_bank_table.h", "kvs_part_table.h", *SOURCES)
+DEPENDS += ("kvs_link.h",)
 
 _COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.S)
 _DEFINE = re.compile(r"#define\s+(\w+)(\s+\S.*)?$")

@@ -349,4 +349,98 @@ int32_t kvs_op_collectable(int32_t state);  /* the table lets the caller reap it
 int32_t kvs_planted_bug(void);  /* 1 only in the test build with a planted bug */
 const char *kvs_strerror(int32_t code);
 
+/* -- request links and lease renewal, importer side (kvs_link.c, kvs_renew.c) ------------
+ *
+ * A request link drives one connected SOCK_SEQPACKET control socket of an importer (a
+ * PeerLink): frames as kvstate.channel.framing (12-byte header <4sIH2x, magic "KVS\x01",
+ * payload, fds by SCM_RIGHTS), one request and its answer at a time under the link's
+ * mutex, so a Python request (cffi drops the GIL while it waits) and the renewal thread
+ * never interleave on one connection. The link holds its own duplicates of the socket
+ * and of the peer's pidfd. kvs_link_close shuts the socket down at once (the exporter
+ * sees the hang-up and ends every lease on it) and closes the duplicates as soon as no
+ * call is inside; the memory goes with the last reference. */
+typedef struct kvs_link kvs_link;
+
+/* Refusals of a link call (each also leaves the link as Python's Channel does). */
+#define KVS_E_LINK_CLOSED (-40)    /* the peer closed the connection, or it was closed here */
+#define KVS_E_LINK_PEER_DIED (-41) /* the peer process exited and nothing is left to read */
+#define KVS_E_LINK_TIMEOUT (-42)   /* no answer (or no room to send) before the deadline */
+#define KVS_E_LINK_SYS (-43)       /* a system call failed: kvs_frame.err is its errno */
+#define KVS_E_LINK_CAP (-44)       /* sending: payload or fd count over the link's caps */
+#define KVS_E_LINK_TOOBIG (-45)    /* sending: EMSGSIZE, the message exceeds the send buffer */
+#define KVS_E_LINK_SHORT_SEND (-46) /* sending: part of a message went out; the link is closed */
+#define KVS_E_LINK_TRUNC (-47)     /* received: larger than the payload cap (MSG_TRUNC) */
+#define KVS_E_LINK_CTRUNC (-48)    /* received: fds dropped (MSG_CTRUNC) */
+#define KVS_E_LINK_SHORT (-49)     /* received: shorter than the header */
+#define KVS_E_LINK_MAGIC (-50)     /* received: bad magic */
+#define KVS_E_LINK_LENGTH (-51)    /* received: the header's length disagrees with the frame */
+#define KVS_E_LINK_FDS (-52)       /* received: the header's fd count disagrees, or over the cap */
+#define KVS_LINK_HEADER 12
+#define KVS_LINK_MAX_FDS 253
+
+/* One received frame, or what a refused one claimed. The caller sets buf and cap (at
+ * least the link's payload cap); a received frame's fds belong to the caller. */
+typedef struct kvs_frame {
+    uint8_t *buf;
+    uint32_t cap;
+    uint32_t len;          /* payload bytes (received), or bytes of the whole packet (refused) */
+    uint32_t nfds;
+    uint32_t said_len;     /* the header's payload length and fd count (refusals) */
+    uint32_t said_fds;
+    uint8_t magic[4];
+    int32_t err;           /* errno with KVS_E_LINK_SYS */
+    int32_t fds[253];      /* KVS_LINK_MAX_FDS */
+} kvs_frame;
+
+/* NULL with errno set when dup or allocation fails. pidfd may be -1 (peer already gone). */
+kvs_link *kvs_link_open(int32_t fd, int32_t pidfd, uint32_t max_payload, uint32_t max_fds);
+void kvs_link_unref(kvs_link *l);
+void kvs_link_close(kvs_link *l);
+int32_t kvs_link_closed(kvs_link *l);
+/* Hold the link across several calls (a pipelined exchange): send and recv need it held. */
+void kvs_link_lock(kvs_link *l);
+void kvs_link_unlock(kvs_link *l);
+int kvs_link_send(kvs_link *l, const uint8_t *payload, uint32_t len, const int32_t *fds, uint32_t nfds,
+                  int64_t timeout_ns, int32_t *err);
+int kvs_link_recv(kvs_link *l, kvs_frame *f, int64_t timeout_ns);
+/* lock, send, receive the answer, unlock; any failure closes the link: a late answer
+ * would be read as the next request's. */
+int kvs_link_request(kvs_link *l, const uint8_t *payload, uint32_t len, kvs_frame *f, int64_t timeout_ns);
+
+/* A renewal thread: it owns (link, rank, lease id, term, renewed_at) of every registered
+ * lease and renews each once min(term/2, interval) has passed since its grant or last
+ * renewal, sending {"lease":N,"op":"renew","rank":R} on the link and reading the answer.
+ * A refusal or a failed request is queued as an outcome and signals kvs_renewer_fd (an
+ * eventfd); that lease is renewed no more. It never calls into Python. */
+typedef struct kvs_renewer kvs_renewer;
+#define KVS_RENEW_REFUSED 1     /* the answer was not {"ok":true,"expires_in_s":x}: reply holds it */
+#define KVS_RENEW_REPLY_MAX 2048
+
+typedef struct kvs_renew_outcome {
+    uint64_t key;
+    int32_t code;          /* KVS_RENEW_REFUSED, or a KVS_E_LINK_* of the request */
+    int32_t err;           /* errno with KVS_E_LINK_SYS */
+    uint32_t len;          /* reply bytes kept (the reply may have been longer) */
+    uint8_t reply[2048];   /* KVS_RENEW_REPLY_MAX */
+} kvs_renew_outcome;
+
+typedef struct kvs_renew_state {
+    int64_t renewed_at_ns; /* CLOCK_MONOTONIC of the grant or last renewal */
+    int64_t expires_at_ns; /* CLOCK_MONOTONIC of the lease's end as last answered */
+    uint64_t renewals;     /* renewals the exporter granted */
+    int32_t failed;        /* 1 once an outcome was queued */
+} kvs_renew_state;
+
+/* NULL with errno set (eventfd, timerfd, thread). */
+kvs_renewer *kvs_renewer_start(int64_t interval_ns, int64_t timeout_ns);
+void kvs_renewer_stop(kvs_renewer *r);  /* joins the thread, drops its links, frees */
+int32_t kvs_renewer_fd(kvs_renewer *r);
+/* KVS_E_INVAL for a key in use or a bad term; KVS_E_NOMEM. */
+int kvs_renewer_add(kvs_renewer *r, kvs_link *l, uint64_t key, uint32_t rank, int64_t lease, int64_t term_ns,
+                    int64_t renewed_at_ns);
+int kvs_renewer_remove(kvs_renewer *r, uint64_t key);  /* KVS_E_NOENT if not registered */
+int kvs_renewer_state(kvs_renewer *r, uint64_t key, kvs_renew_state *out);
+int32_t kvs_renewer_take(kvs_renewer *r, kvs_renew_outcome *out, int32_t max); /* how many; drains the fd */
+uint64_t kvs_renewer_dropped(kvs_renewer *r); /* outcomes lost to a full queue */
+
 #endif /* KVS_H */

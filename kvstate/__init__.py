@@ -22,7 +22,8 @@ __version__ = "0.1.0"
 #: TYPE_CHECKING block below equal to this list).
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "kvstate.share.exporter": ("ExportConfig", "Exporter"),
-    "kvstate.share.importer": ("ImportConfig", "Importer"),
+    "kvstate.share.importer": ("Importer",),
+    "kvstate.share.import_config": ("ImportConfig",),
     "kvstate.reuse.policy": ("ReuseSettings",),
     "kvstate.share.coordinator": ("Coordinator", "CoordinatorConfig"),
     "kvstate.share.rank_worker": ("RankWorker", "WorkerConfig"),
@@ -48,7 +49,8 @@ __all__ = ["__version__", *sorted(_HOME)]
 
 if TYPE_CHECKING:  # what mypy and IDEs see; at run time __getattr__ imports on first use
     from kvstate.share.exporter import ExportConfig as ExportConfig, Exporter as Exporter
-    from kvstate.share.importer import ImportConfig as ImportConfig, Importer as Importer
+    from kvstate.share.importer import Importer as Importer
+    from kvstate.share.import_config import ImportConfig as ImportConfig
     from kvstate.reuse.policy import ReuseSettings as ReuseSettings
     from kvstate.share.coordinator import Coordinator as Coordinator, CoordinatorConfig as CoordinatorConfig
     from kvstate.share.rank_worker import RankWorker as RankWorker, WorkerConfig as WorkerConfig

@@ -17,7 +17,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import attrs
@@ -57,6 +57,10 @@ def _peercred(sock: socket.socket) -> PeerCred:
 
 class Channel:
     """One connected SOCK_SEQPACKET socket. Thread-safe for one sender and one receiver."""
+
+    #: Called once by :meth:`close`, before the socket closes: whoever holds another
+    #: descriptor of this connection (an importer's request link) shuts it down too.
+    on_close: Callable[[], None] | None = None
 
     def __init__(self, sock: socket.socket, *, limits: Limits = Limits(),
                  allowed_uids: Iterable[int] | None = None) -> None:
@@ -137,6 +141,8 @@ class Channel:
             if self._closed:
                 return
             self._closed = True
+            if self.on_close is not None:
+                self.on_close()
             self._sock.close()
             if self._pidfd is not None:
                 close_quietly(self._pidfd)

@@ -29,7 +29,9 @@ native layer reports zero pins, then closes.
 
 Faults reported by the environment (:meth:`Group.fault`): the exporter's connection
 closing or its process exiting (``peer_died``, detected by a watcher on every part's
-channel), a lease reaching its expiry (``expired``), an exporter restart
+channel), a lease renewal refused or failed, or a lease reaching its expiry
+(``expired``; leases on links are renewed by a native thread that never waits for the
+GIL: :mod:`kvstate.share.renewal`), an exporter restart
 (``incarnation_changed``: a lease refused as ``stale_incarnation`` while importing, or a
 lease granted for the same source and rank under a new incarnation while the group
 lives). Before ready they fail the group and roll back; after ready they drain it:
@@ -42,35 +44,32 @@ import os
 import threading
 import time
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import ExitStack
-from typing import Any, Generic, Literal, NoReturn, Protocol, get_args
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Generic, Literal, NoReturn, get_args
 
 import attrs
 
 from kvstate import channel as chan
 from kvstate.core.descriptor import Descriptor, decode_group
 from kvstate.core.errors import (
-    ArgumentInvalid, ChannelError, ConfigInvalid, DescriptorRejected, GroupRejected, ImportFailed,
+    ArgumentInvalid, ChannelError, ConfigInvalid, GroupRejected, ImportFailed,
     KvStateError, ReuseRefused, TransitionError, TransferFailed, TimedOut,
 )
-from kvstate.core.args import (need, need_callables, need_choice, need_items, need_mapping_keys, need_seconds,
-                               need_text, typed)
-from kvstate.core.identity import Deployment, host_boot_id
-from kvstate.core.reasons import (
-    ArgumentReason, ImportReason, TransferFailReason, TimeoutReason, TransitionReason,
-)
+from kvstate.core.args import need, need_callables, need_choice, need_items, need_mapping_keys, need_seconds, need_text
+from kvstate.core.identity import host_boot_id
+from kvstate.core.reasons import ArgumentReason, ImportReason, TransferFailReason, TimeoutReason, TransitionReason
 from kvstate.reuse.gates import import_refusal
-from kvstate.reuse.inventory import block_hashes, group_name
-from kvstate.reuse.policy import ReuseSettings
-from kvstate.reuse.profile import Admitted
 from kvstate.core.machine import Lifecycle, Observer, effect, guard
 from kvstate.core.spec import load_machine
-from kvstate.core.capabilities import Access, MemoryKind
+from kvstate.core.capabilities import MemoryKind
 from kvstate.transport.protocol import A, E, H, M, MappedTransport, R, require_mapped
-from kvstate.core.validate import MAX_TP, Expectation, ValidatedGroup, group_complete, validate_group
+from kvstate.core.validate import Expectation, ValidatedGroup, group_complete, validate_group
 from kvstate.share import load as loads
 from kvstate.share import peers
+from kvstate.share.import_config import ImportConfig as ImportConfig
+from kvstate.share.part import BlockRequest as BlockRequest, Part as Part, PartOwner as PartOwner
+from kvstate.share.part import lease_fields, lease_request as lease_request
+from kvstate.share.renewal import LeaseKeeping, Renewal
 from kvstate.share.plan import Plan
 from kvstate.share.transfer import TransferHandle, check_timeout, stop_dispatcher_if_idle
 
@@ -79,361 +78,6 @@ log = logging.getLogger(__name__)
 
 #: The group events that report a fault from the environment (see :meth:`Group.fault`).
 GroupFault = Literal["part_failed", "peer_died", "incarnation_changed", "expired"]
-
-
-def _epochs(value: object) -> tuple[int, ...]:
-    if not isinstance(value, (tuple, list)) or not value or \
-            not all(type(e) is int and e >= 0 for e in value):
-        raise ArgumentInvalid(ArgumentReason.INVENTORY,
-                              f"epochs must be a non-empty sequence of non-negative ints (one per rank), "
-                              f"not {value!r:.80}")
-    return tuple(value)
-
-
-@attrs.frozen
-class BlockRequest:
-    """Inventory blocks every rank's lease must pin, as the decode workers advertised them.
-
-    Each rank's bank keeps its own inventory, so each rank has its own epoch: ``epochs[r]``
-    is the epoch rank ``r``'s bank advertised for ``group`` (one entry per rank)."""
-
-    group: str = attrs.field(converter=group_name)
-    epochs: tuple[int, ...] = attrs.field(converter=_epochs)
-    hashes: tuple[int, ...] = attrs.field(converter=block_hashes)  # the exporter's rules, checked here first
-
-    def epoch(self, rank: int) -> int:
-        """The epoch rank ``rank``'s lease names."""
-        if not 0 <= rank < len(self.epochs):
-            raise ArgumentInvalid(ArgumentReason.INVENTORY,
-                                  f"no epoch for rank {rank}: the request names {len(self.epochs)} rank(s)")
-        return self.epochs[rank]
-
-
-class PartOwner(Protocol[H, A, R, M, E]):
-    """What a :class:`Part` needs of the object it belongs to: an importer-side
-    :class:`Group` (every rank in one process), or one worker's share of a coordinated group
-    (:class:`kvstate.share.rank_worker.RankShare`, its own rank only)."""
-
-    label: str
-    observers: tuple[Observer, ...]
-
-    @property
-    def importer(self) -> Importer[H, A, R, M, E]: ...
-
-    @property
-    def blocks(self) -> BlockRequest | None: ...
-
-    @property
-    def validated(self) -> object: ...
-
-    @property
-    def state(self) -> str: ...
-
-    @property
-    def leasing(self) -> bool:
-        """True while the owner, validated whole, may take its parts' leases (phase 1)."""
-
-    @property
-    def parts(self) -> Sequence[Part[H, A, R, M, E]]:
-        """The parts that import together: phase 2 (open) starts once every one holds a
-        checked lease (a coordinated share owns its own rank's part only)."""
-
-    @property
-    def releasing(self) -> bool:
-        """True only while the owner itself closes its parts (rolling back, or closing
-        when nothing pins them): a part never closes on its own under a live owner."""
-
-    def peer_closed(self, part: Part[H, A, R, M, E]) -> None:
-        """The exporter of ``part`` closed its channel or exited."""
-
-
-def _seconds(_: object, attribute: attrs.Attribute[float], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1e9 or value != value:
-        raise ConfigInvalid.of(f"ImportConfig.{attribute.name}", f"must be a finite number of seconds > 0, "
-                               f"not {value!r:.40}")
-
-
-def _count(most: int) -> Callable[[object, attrs.Attribute[int], object], None]:
-    def check(_: object, attribute: attrs.Attribute[int], value: object) -> None:
-        if type(value) is not int or not 1 <= value <= most:
-            raise ConfigInvalid.of(f"ImportConfig.{attribute.name}", f"must be an int in 1..{most}, not {value!r:.40}")
-    return check
-
-
-def _optional(kind: type) -> Callable[[object, attrs.Attribute[Any], object], None]:
-    def check(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
-        if value is not None and not isinstance(value, kind):
-            raise ConfigInvalid.of(f"ImportConfig.{attribute.name}", f"must be {kind.__name__} or None, "
-                                   f"not {type(value).__name__}")
-    return check
-
-
-@attrs.frozen
-class ImportConfig:
-    deployment: Deployment = attrs.field(validator=typed(Deployment))
-    request_timeout_s: float = attrs.field(default=5.0, validator=_seconds)
-    max_tp: int = attrs.field(default=64, validator=_count(MAX_TP))
-    max_parallel_imports: int = attrs.field(default=8, validator=_count(256))  # kept: parts open without threads now
-    #: A channel to an exporter that no lease uses closes after this (kvstate.share.peers).
-    link_idle_s: float = attrs.field(default=2.0, validator=_seconds)
-    geometry_fingerprint: bytes | None = attrs.field(default=None, validator=_optional(bytes))  # of the banks
-    block_format: bytes | None = attrs.field(default=None, validator=_optional(bytes))  # the engine's pages hold
-    device_uuids: frozenset[bytes] | None = attrs.field(default=None, validator=_optional(frozenset))
-    #: Leases are renewed every min(half the lease, this) seconds while leased or mapped,
-    #: so a bank that drains (and refuses renewal) gets its mappings back within this.
-    renew_interval_s: float = attrs.field(default=1.0, validator=_seconds)
-    #: The reuse switches, enforced by import_group (kvstate.reuse.gates): off by default.
-    reuse: ReuseSettings = attrs.field(default=ReuseSettings(), validator=typed(ReuseSettings))
-    #: The deployment profile admission (kvstate.reuse.profile.admit); GPU imports need one.
-    admission: Admitted | None = attrs.field(default=None, validator=_optional(Admitted))
-
-
-class Part(Lifecycle, Generic[H, A, R, M, E]):
-    """One rank part, driven by spec/part.toml. ``H, A, R, M, E``: the transport's types."""
-
-    table = load_machine("part")
-
-    def __init__(self, group: PartOwner[H, A, R, M, E], descriptor: Descriptor) -> None:
-        super().__init__(label=f"{group.label}/part[{descriptor.rank}]", observers=group.observers)
-        self.group = group
-        self.transport = group.importer.transport
-        self.descriptor = descriptor
-        self.rank = descriptor.rank
-        self.channel: chan.Channel | None = None
-        self.link: peers.PeerLink | None = None  # the persistent channel the lease is on, if any
-        self._channel_lock = threading.Lock()  # one request and its answer at a time (own channel)
-        self.lease_id: int | None = None
-        self.lease_s = 0.0                # the lease's length as the exporter granted it
-        self.renewed_at = 0.0             # time.monotonic() of the grant or last renewal
-        self.lease_expires_at = 0.0       # time.monotonic()
-        self.received: peers.Grant | None = None  # phase 1's grant, with the handle's fds
-        self.handle: H | None = None      # checked, not opened (phase 1)
-        self.allocation: A | None = None
-        self.reservation: R | None = None
-        self.mapping: M | None = None
-
-    def pins(self) -> int:
-        return 0 if self.mapping is None else self.transport.stats(self.mapping).pins
-
-    def mapped(self) -> M:
-        """The part's mapping (TransferFailed (LOAD) when it has none: not imported, or closed)."""
-        if self.mapping is None:
-            raise TransferFailed(TransferFailReason.LOAD, f"{self.label} is not mapped")
-        return self.mapping
-
-    @guard("group_importing")
-    def _importing(self, **kw: Any) -> bool:
-        return self.group.leasing
-
-    @guard("group_admitted")
-    def _admitted(self, **kw: Any) -> bool:
-        """Phase 2 may start: every part of the group holds a checked lease."""
-        return self.group.state == "importing" and self.group.validated is not None \
-            and all(p.state in ("leased", "imported") for p in self.group.parts)
-
-    @guard("group_releasing")
-    def _releasing(self, **kw: Any) -> bool:
-        # A ready or draining group may have loads on every part: only the owner's own rows
-        # (rollback while importing, close when quiescent) let a part go. Stricter than the
-        # model's reading (the group neither ready nor draining), which it implies.
-        return self.group.releasing
-
-    @guard("part_unpinned")
-    def _unpinned(self, **kw: Any) -> bool:
-        return self.pins() == 0
-
-    @effect("native_lease")
-    def _lease(self, *, grant: peers.Grant | None = None, **kw: Any) -> Callable[[], None]:
-        """Phase 1: lease (unless the group's batched request already did: ``grant``),
-        receive the handle, check the exporter's report. Opens nothing."""
-        d, t = self.descriptor, self.transport
-        importer = self.group.importer
-        with ExitStack() as undo:
-            if grant is None:
-                grant = importer._lease_one(d, self.group.blocks)
-            grant.taken = True
-            # Refused below: give the lease back now, not when the exporter sees a close.
-            undo.callback(grant.give_back)
-            _check_report(grant.reply, d)
-            handle = t.receive_handle(d.handle_kind, d.handle, grant.fds)
-            importer._watch(self, grant.link.channel)  # raises if the importer is closing
-            undo.pop_all()
-        # The part takes the grant over: its fds, its lease and its hold on the link.
-        self.link, self.channel, self.lease_id = grant.link, grant.link.channel, grant.lease_id
-        self.received, self.handle = grant, handle
-        grant.let_go = None
-        self.lease_s = grant.expires_in_s
-        self.renewed_at = time.monotonic()
-        self.lease_expires_at = self.renewed_at + grant.expires_in_s
-        return self._return_lease
-
-    @effect("native_import")
-    def _import(self, **kw: Any) -> None:
-        """Phase 2: open the handle leased in phase 1, reserve, map, set access."""
-        d, t = self.descriptor, self.transport
-        link, handle, grant = self.link, self.handle, self.received
-        if link is None or handle is None or grant is None:
-            raise ImportFailed.of(d.rank, ImportReason.INTERRUPTED, f"{self.label} holds no lease to open")
-        timeout = self.group.importer.config.request_timeout_s
-        # Each object is recorded on the part as it is made: when undoing a failed step
-        # fails too (the driver refuses an unmap), what is left stays known and counted
-        # (pins, stats) instead of lost, and the step's own failure is the one raised.
-        try:
-            self.allocation = t.import_(handle, d.size)
-            self.reservation = t.reserve(d.size)
-            self.mapping = t.map(self.reservation, 0, self.allocation)
-            t.set_access(self.mapping, Access.READ)
-            # A notification (no answer awaited): the bank moves from importing to ready.
-            # A group's opens report every rank of a link in one message instead.
-            if grant.report_mapped:
-                link.notify(peers.mapped_payload([(d.rank, grant.lease_id)]), timeout)
-        except BaseException:
-            try:
-                self._unmap()
-            except Exception as undo_failed:
-                log.warning("%s: undoing a failed open failed too (%s); the part keeps what is left",
-                            self.label, undo_failed)
-            raise
-        grant.close_fds()  # the transport holds its own duplicate of the fd now
-        self.received = self.handle = None
-
-    def renew(self) -> float:
-        """Renew this part's lease: the importer's expiry thread calls this for every part
-        that is leased or mapped, once half the lease has run (:meth:`Importer.renew_leases`).
-        Returns the seconds to the new expiry. ImportFailed (REFUSED) when the exporter refuses (the
-        lease expired there, or the bank drains: unmap and return it), ChannelError when
-        the exporter is gone."""
-        ch, link, lease_id = self.channel, self.link, self.lease_id
-        if ch is None or lease_id is None:
-            raise ImportFailed.lease_refused("not_leased", f"{self.label} holds no lease to renew")
-        timeout = self.group.importer.config.request_timeout_s
-        payload = chan.encode({"op": "renew", "rank": self.rank, "lease": lease_id})
-        if link is not None:  # the link's lock keeps other parts' requests apart
-            with link.request(payload, timeout) as msg:
-                reply = chan.decode(msg.payload)
-        else:
-            with self._channel_lock:
-                try:
-                    ch.send(payload, timeout=timeout)
-                    with ch.recv(timeout=timeout) as msg:
-                        reply = chan.decode(msg.payload)
-                except ChannelError:
-                    ch.close()  # a late answer would be read as the next request's
-                    raise
-        if not reply.get("ok"):
-            raise ImportFailed.lease_refused(str(reply.get("code")), str(reply.get("detail")))
-        expires: Any = reply.get("expires_in_s")
-        if type(expires) not in (int, float) or not 0 <= expires < 1e9:
-            raise ImportFailed.lease_refused("malformed", f"malformed renewal {reply!r:.200}")
-        self.renewed_at = time.monotonic()
-        self.lease_expires_at = self.renewed_at + float(expires)
-        return float(expires)
-
-    @effect("return_lease")
-    def _return(self, **kw: Any) -> None:
-        try:
-            self._unmap()  # what a failed open could not undo (as a rule, there is nothing)
-        except Exception as exc:
-            log.warning("%s: still cannot undo a failed open (%s); the part keeps what is left", self.label, exc)
-        self._return_lease()
-
-    @effect("unmap_close")
-    def _unmap_close(self, **kw: Any) -> None:
-        """Unmap and release first (pins were checked by the guard), then return the lease.
-        The transport calls straight into C: row -> this effect -> transport -> C."""
-        self._unmap()
-        self._return_lease()
-
-    def _unmap(self) -> None:
-        """Unmap, free, release: each object forgotten only once it is gone (retryable)."""
-        t = self.transport
-        if self.mapping is not None:
-            t.unmap(self.mapping)
-            self.mapping = None
-        if self.reservation is not None:
-            t.free(self.reservation)
-            self.reservation = None
-        if self.allocation is not None:
-            t.release(self.allocation)
-            self.allocation = None
-
-    def _return_lease(self) -> None:
-        """Close the received handle, tell the exporter, and let go of the channel: a
-        persistent link stays open for later imports (it closes if the release is not
-        answered, which ends the lease too); a part's own channel closes."""
-        grant, self.received, self.handle = self.received, None, None
-        if grant is not None:
-            grant.close_fds()
-        link, self.link = self.link, None
-        if link is not None:
-            self.channel = None
-            self.group.importer._unwatch_part(self, link)
-            link.release(self.rank, self.lease_id)
-            self.group.importer.peers.let_go(link)
-            return
-        ch, self.channel = self.channel, None
-        if ch is not None:
-            self.group.importer._unwatch(ch)
-            with self._channel_lock:
-                _release_quietly(ch, self.rank, self.lease_id)
-            ch.close()
-
-
-def _release_quietly(ch: chan.Channel, rank: int, lease_id: int | None) -> None:
-    """Return a lease and wait for the answer; an exporter that is gone, or a lease that
-    already ended, is fine: closing the channel ends the lease too."""
-    try:
-        ch.send(chan.encode({"op": "release", "rank": rank, "lease": lease_id}), timeout=1.0)
-        _expect_ok(ch, 1.0)
-    except (ChannelError, ImportFailed):  # gone, or a refusal (the only ImportFailed these raise)
-        pass
-
-
-def _check_report(reply: dict[str, Any], d: Descriptor) -> None:
-    """Phase 1's check of what the exporter reports about the bank it leased against the
-    descriptor: a restarted, re-advertised, resized or re-shaped bank is refused here,
-    before anything is opened. Exporters that report nothing are checked by the grant's
-    own refusals (incarnation and generation) only."""
-    report = reply.get("bank")
-    if report is None:
-        return
-    want = {"rank": d.rank, "generation": d.generation, "incarnation": d.incarnation.hex(),
-            "geometry": d.geometry.fingerprint().hex(), "num_blocks": d.geometry.num_blocks,
-            "device_uuid": d.device_uuid.hex(), "size": d.size}
-    if not isinstance(report, dict):
-        raise ImportFailed.lease_refused("lease_mismatch", f"malformed bank report {report!r:.100}")
-    for key, value in want.items():
-        if report.get(key) != value:
-            raise ImportFailed.lease_refused("lease_mismatch", f"the exporter reports {key} {report.get(key)!r:.80}, "
-                                             f"the descriptor says {value!r:.80}")
-
-
-def lease_fields(d: Descriptor, blocks: BlockRequest | None) -> dict[str, Any]:
-    """What a lease request of one rank part names (without its ``op``)."""
-    return {"rank": d.rank, "generation": d.generation, "incarnation": d.incarnation.hex(),
-            "blocks": None if blocks is None else {"group": blocks.group, "epoch": blocks.epoch(d.rank),
-                                                   "hashes": list(blocks.hashes)}}
-
-
-def lease_request(d: Descriptor, blocks: BlockRequest | None) -> bytes:
-    """The lease request of one rank part (whatever transport then opens its handle)."""
-    return chan.encode({"op": "lease", **lease_fields(d, blocks)})
-
-
-def _grant_fields(reply: dict[str, Any], rank: int) -> tuple[int, float]:
-    """The lease id and seconds to expiry of a grant, checked: the exporter is a peer."""
-    lease: Any = reply.get("lease")
-    expires: Any = reply.get("expires_in_s")
-    if type(lease) is not int or type(expires) not in (int, float) or not 0 <= expires < 1e9:
-        raise ImportFailed.of(rank, ImportReason.MALFORMED, f"malformed lease grant {reply!r:.200}")
-    return lease, float(expires)
-
-
-def _expect_ok(ch: chan.Channel, timeout: float) -> None:
-    with ch.recv(timeout=timeout) as msg:
-        reply = chan.decode(msg.payload)
-    if not reply.get("ok"):
-        raise ImportFailed.lease_refused(str(reply.get("code")), str(reply.get("detail")))
 
 
 @attrs.frozen
@@ -608,6 +252,11 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
         except TransitionError:
             pass  # a concurrent transition already moved the group on
 
+    def lease_lost(self, part: Part[H, A, R, M, E], why: str) -> bool:
+        """The renewal of ``part``'s lease was refused or failed: the ``expired`` fault."""
+        need("part", part, Part)
+        return self.fault("expired", reason=why)
+
     def fault(self, event: GroupFault, *, reason: str | None = None) -> bool:
         """Report a fault event; False when it is not declared in the current state (for
         example a terminal one). Check and transition are one atomic step. ``reason``
@@ -662,8 +311,9 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
         return False
 
 
-class Importer(Generic[H, A, R, M, E]):
-    """A prefill worker's importing side: validates, imports, watches, loads."""
+class Importer(LeaseKeeping[H, A, R, M, E]):
+    """A prefill worker's importing side: validates, imports, watches, loads; its leases
+    are kept (watched, renewed, expired) by :class:`~kvstate.share.renewal.LeaseKeeping`."""
 
     group_class: type[Group[H, A, R, M, E]] = Group
 
@@ -688,6 +338,14 @@ class Importer(Generic[H, A, R, M, E]):
         #: Groups this importer made and that have not reached a terminal state.
         self.groups: list[Group[H, A, R, M, E]] = []
         self._stopping = threading.Event()
+        #: The native renewal thread of every lease on a link (kvstate.share.renewal).
+        self.renewal: Renewal[Part[H, A, R, M, E]] | None = None
+        if config.native_renewal:
+            try:
+                self.renewal = Renewal(config.renew_interval_s, config.request_timeout_s)
+            except BaseException:
+                self._watcher.close()
+                raise
         self._expiry = threading.Thread(target=self._expire_loop, name="kvstate-importer-expiry", daemon=True)
         self._expiry.start()
 
@@ -697,6 +355,8 @@ class Importer(Generic[H, A, R, M, E]):
             return
         self._stopping.set()
         self._expiry.join(2.0)
+        if self.renewal is not None:
+            self.renewal.close()
         self.peers.close()  # idle channels now, busy ones when their last lease returns
         self._watcher.close()
         stop_dispatcher_if_idle()
@@ -903,90 +563,3 @@ class Importer(Generic[H, A, R, M, E]):
 
     def _connect(self, address: str, timeout: float) -> chan.Channel:
         return chan.connect(address, timeout=timeout, limits=peers.LINK_LIMITS)
-
-    # -- fault detection ------------------------------------------------------------------
-
-    def _watch(self, part: Part[H, A, R, M, E], ch: chan.Channel) -> None:
-        """Hear when the exporter of ``part`` goes: its channel ``ch`` is watched once,
-        however many parts hold leases on it. Raises, changing nothing, when the watcher
-        is closed (the importer is closing)."""
-        with self._owners_lock:
-            first = id(ch) not in self._watched
-            if first:  # a link stays watched while it is open, used or not: no watcher wake-up per import
-                try:
-                    self._watcher.watch(ch, self._peer_closed)
-                except ChannelError as exc:
-                    if not exc.closed:
-                        raise
-                    # this importer closes: not the exporter's doing
-                    raise ImportFailed.wrap(part.rank, exc, ImportReason.INTERRUPTED) from exc
-                self._watched.add(id(ch))
-            self._owners.setdefault(id(ch), {})[id(part)] = part
-
-    def _unwatch(self, ch: chan.Channel) -> None:
-        with self._owners_lock:
-            self._owners.pop(id(ch), None)
-            self._watched.discard(id(ch))
-        self._watcher.unwatch(ch)
-
-    def _unwatch_part(self, part: Part[H, A, R, M, E], link: peers.PeerLink) -> None:
-        """``part`` let go of its lease on ``link`` (the link stays watched while open)."""
-        with self._owners_lock:
-            owners = self._owners.get(id(link.channel))
-            if owners is not None:
-                owners.pop(id(part), None)
-
-    def _peer_closed(self, ch: chan.Channel) -> None:
-        self.peers.forget(ch)
-        with self._owners_lock:
-            owners = self._owners.pop(id(ch), {})
-            self._watched.discard(id(ch))
-        for part in owners.values():
-            part.group.peer_closed(part)
-
-    def _expire_loop(self) -> None:
-        while not self._stopping.wait(0.05):
-            self.peers.close_idle()
-            live = [g for g in self.groups if g.state in ("importing", "ready", "draining", "quiescent")]
-            try:
-                self.renew_leases(live)
-                self.expire_leases([g for g in live if g.state == "ready"])
-                for group in live:  # a group that lost a lease lets go of the bank promptly
-                    if group.expired_at is not None:
-                        group.settle()
-            except KvStateError:
-                pass  # the group moved on concurrently; the next round looks again
-
-    def renew_leases(self, groups: Iterable[Group[H, A, R, M, E]]) -> list[Group[H, A, R, M, E]]:
-        """Renew every lease of every part still leased or mapped, once half its term or
-        ``renew_interval_s`` has passed since its grant or last renewal (the expiry thread
-        calls this every 50 ms). A renewal the exporter refuses, or cannot
-        answer, is the group's ``expired`` fault, with the reason: the group drains, then
-        unmaps and returns its leases. Returns the groups that faulted."""
-        groups = need_items("groups", groups, Group)
-        faulted: list[Group[H, A, R, M, E]] = []
-        every = self.config.renew_interval_s
-        group: Group[H, A, R, M, E]
-        for group in groups:
-            for part in list(group.parts):
-                if part.channel is None or time.monotonic() - part.renewed_at < min(part.lease_s / 2, every):
-                    continue
-                try:
-                    part.renew()
-                except KvStateError as exc:
-                    if group.fault("expired", reason=f"{part.label}: lease renewal failed: {exc}"):
-                        faulted.append(group)
-                    break
-        return faulted
-
-    def expire_leases(self, groups: Iterable[Group[H, A, R, M, E]]) -> list[Group[H, A, R, M, E]]:
-        """Fire ``expired`` on every group holding a lease past its expiry; return them."""
-        groups = need_items("groups", groups, Group)
-        now = time.monotonic()
-        expired: list[Group[H, A, R, M, E]] = []
-        group: Group[H, A, R, M, E]
-        for group in groups:
-            late = [p.label for p in group.parts if p.lease_id is not None and p.lease_expires_at <= now]
-            if late and group.fault("expired", reason=f"lease of {', '.join(late)} ran out unrenewed"):
-                expired.append(group)
-        return expired

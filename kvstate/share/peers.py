@@ -23,8 +23,10 @@ What stays the same
 - A batched request is all or nothing on the exporter (:meth:`Exporter._handle_batch`):
   a refusal of any rank returns every lease it granted in that request.
 
-Threads: one request and its answer at a time per link (:attr:`PeerLink.lock`), so a
-lease renewal, a release and an import never read each other's answers. Requests to
+Threads: one request and its answer at a time per link, so a lease renewal, a release
+and an import never read each other's answers. The link's frame I/O and that lock are
+in C (:mod:`kvstate.share.link`), so that the importer's native renewal thread
+(:mod:`kvstate.share.renewal`) shares the connection without the GIL. Requests to
 several exporters are pipelined without threads (:func:`exchange`): every request is
 sent, then every answer read.
 """
@@ -41,6 +43,7 @@ import attrs
 
 from kvstate import channel as chan
 from kvstate.channel.framing import close_quietly
+from kvstate.share.link import NativeLink
 from kvstate.core.errors import ChannelError, ImportFailed, KvStateError
 from kvstate.core.reasons import ImportReason, ChannelReason
 
@@ -54,8 +57,13 @@ class PeerLink:
     def __init__(self, address: str, channel: chan.Channel) -> None:
         self.address = address
         self.channel = channel
-        #: Held from a request's send to its answer's receipt (and for notifications).
-        self.lock = threading.Lock()
+        #: The connection's frame I/O and its lock, held from a request's send to its
+        #: answer's receipt (and for notifications), by Python and the renewal thread.
+        try:
+            self.native = NativeLink(channel, channel.limits)  # channel.close() closes it too
+        except BaseException:  # no link (EMFILE duplicating the socket): no connection either
+            channel.close()
+            raise
         self.users = 0                 # holders: requests in flight, grants and parts leasing on it (Peers)
         self.idle_since = time.monotonic()
 
@@ -64,30 +72,31 @@ class PeerLink:
 
     @property
     def closed(self) -> bool:
-        return self.channel.closed
+        return self.channel.closed or self.native.closed
 
     def usable(self) -> bool:
         """Open, its peer process alive, and not hung up: an exporter that stopped (or
         restarted at the same address) is noticed here before the watcher says so."""
-        return not self.channel.closed and self.channel.peer_alive() and not self.channel.hung_up()
+        return not self.closed and self.channel.peer_alive() and not self.channel.hung_up()
 
     def request(self, payload: bytes, timeout: float) -> chan.Message:
         """Send one request and return its answer (the caller closes the message's fds).
         A request whose answer did not come closes the link: a late answer would be read
         as the next request's, so the link can no longer be trusted (the exporter ends
         every lease on it)."""
-        with self.lock:
-            try:
-                self.channel.send(payload, timeout=timeout)
-                return self.channel.recv(timeout=timeout)
-            except ChannelError:
-                self.channel.close()
-                raise
+        try:
+            return self.native.request(payload, timeout)
+        except ChannelError:
+            self.close()
+            raise
 
     def notify(self, payload: bytes, timeout: float) -> None:
         """Send a message that has no answer."""
-        with self.lock:
-            self.channel.send(payload, timeout=timeout)
+        self.native.lock()
+        try:
+            self.native.send(payload, timeout=timeout)
+        finally:
+            self.native.unlock()
 
     def release(self, rank: int, lease_id: int | None, timeout: float = 1.0) -> None:
         """Return a lease and wait for the answer. An exporter that is gone, or a lease that
@@ -100,6 +109,7 @@ class PeerLink:
             self.close()  # an answer that did not parse: out of step as well
 
     def close(self) -> None:
+        self.native.close()
         self.channel.close()
 
 
@@ -228,12 +238,13 @@ def exchange(requests: Sequence[tuple[PeerLink, bytes]], timeout: float) -> list
         for i in order:
             link = requests[i][0]
             if not any(requests[j][0] is link for j in order[:order.index(i)]):
-                held.enter_context(link.lock)
+                link.native.lock()
+                held.callback(link.native.unlock)
         sent: list[int] = []
         for i in order:
             link, payload = requests[i]
             try:
-                link.channel.send(payload, timeout=timeout)
+                link.native.send(payload, timeout=timeout)
                 sent.append(i)
             except ChannelError as exc:
                 out[i] = exc
@@ -241,7 +252,7 @@ def exchange(requests: Sequence[tuple[PeerLink, bytes]], timeout: float) -> list
         for i in sent:
             link = requests[i][0]
             try:
-                out[i] = link.channel.recv(timeout=max(0.0, deadline - time.monotonic()))
+                out[i] = link.native.recv(timeout=max(0.0, deadline - time.monotonic()))
             except ChannelError as exc:
                 out[i] = exc
                 link.close()
@@ -360,7 +371,7 @@ class Peers:
             dead = [k for k, v in self._links.items() if v.channel is channel]
             for k in dead:
                 del self._links[k]
-        channel.close()
+        channel.close()  # its link too (Channel.on_close)
 
     def close_idle(self, now: float | None = None, *, everything: bool = False) -> None:
         """Close links nobody has held for ``idle_s`` (every idle one while closing, or

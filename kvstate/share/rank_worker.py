@@ -65,7 +65,8 @@ from kvstate.share import protocol_msgs as msgs
 from kvstate.reuse.policy import ReuseSettings
 from kvstate.reuse.inventory import refused_by_inventory
 from kvstate.reuse.profile import Admitted
-from kvstate.share.importer import BlockRequest, ImportConfig, Importer, LoadResult, Part
+from kvstate.share.importer import ImportConfig, Importer, LoadResult
+from kvstate.share.part import BlockRequest, Part
 from kvstate.share.plan import Plan, block_ids
 from kvstate.share.remote_part import RemotePart
 from kvstate.share.transfer import TransferHandle, check_timeout
@@ -286,6 +287,15 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
         """The exporter of this share's part went away."""
         self._withdrawn("its exporter's connection closed")
 
+    def lease_lost(self, part: Part[H, A, R, M, E], why: str) -> bool:
+        """The importer's renewal thread could not renew the part's lease."""
+        need("part", part, Part)
+        need_text("why", why)
+        if part.channel is None:  # just closed by the share's own row
+            return False
+        self._withdrawn(why)
+        return True
+
     def _withdrawn(self, why: str) -> None:
         """The bank under this share's part is gone for it (its exporter died, refused to
         renew the lease, or the lease ran out): before ready roll back, after ready drain."""
@@ -305,7 +315,8 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
         now = time.monotonic()
         if part.lease_expires_at <= now:
             self._withdrawn(f"the lease of {part.label} ran out unrenewed")
-        elif now - part.renewed_at >= min(part.lease_s / 2, every):
+        elif part.renewal_key is None and now - part.renewed_at >= min(part.lease_s / 2, every):
+            # (a part on a link is renewed by the importer's native thread: lease_lost)
             try:
                 part.renew()
             except (KvStateError, OSError) as exc:

@@ -35,7 +35,7 @@ from kvstate.channel.tcp import SCHEME, connect_tcp
 from kvstate.core.descriptor import Descriptor
 from kvstate.core.errors import ImportFailed, TransferFailed
 from kvstate.core.machine import effect, guard
-from kvstate.share.importer import Part, PartOwner, _check_report, _grant_fields, _release_quietly, lease_request
+from kvstate.share.part import Part, PartOwner, _check_report, _grant_fields, _release_quietly, lease_request
 from kvstate.transport.nixl.transport import LeaseGate, NixlAllocation, NixlRemote, NixlTransport
 from kvstate.transport.protocol import A, E, H, M, R
 

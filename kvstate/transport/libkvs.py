@@ -19,7 +19,7 @@ change of the header that this file does not follow fails that test.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Literal, Protocol, SupportsInt, overload
 
 if TYPE_CHECKING:
@@ -36,9 +36,10 @@ class UInt64Ptr(Protocol):
 
 
 class Int32Ptr(Protocol):
-    """``int32_t *`` from ``ffi.new``: one out parameter."""
+    """``int32_t *`` from ``ffi.new``: one out parameter (or an array of them)."""
 
     def __getitem__(self, index: int) -> int: ...
+    def __setitem__(self, index: int, value: int) -> None: ...
 
 
 class Int64Ptr(Protocol):
@@ -131,6 +132,49 @@ class CudaDeviceInfoPtr(Protocol):
     max_pitch: int
 
 
+class LinkPtr(Protocol):
+    """``kvs_link *``: one request link (opaque; ``kvs_link_unref`` frees it)."""
+
+
+class FramePtr(Protocol):
+    """``kvs_frame *``: one received frame, or what a refused one claimed."""
+
+    buf: CharPtr
+    cap: int
+    len: int
+    nfds: int
+    said_len: int
+    said_fds: int
+    magic: CharPtr
+    err: int
+    fds: Int32Ptr
+
+
+class RenewerPtr(Protocol):
+    """``kvs_renewer *``: one renewal thread (opaque; ``kvs_renewer_stop`` frees it)."""
+
+
+class RenewOutcomePtr(Protocol):
+    """``kvs_renew_outcome *`` (also an array of them): a lease renewal that failed."""
+
+    key: int
+    code: int
+    err: int
+    len: int
+    reply: CharPtr
+
+    def __getitem__(self, index: int) -> RenewOutcomePtr: ...
+
+
+class RenewStatePtr(Protocol):
+    """``kvs_renew_state *``."""
+
+    renewed_at_ns: int
+    expires_at_ns: int
+    renewals: int
+    failed: int
+
+
 class MachineInstPtr(Protocol):
     """``kvs_machine_inst *``: one instance of a natively executed lifecycle machine."""
 
@@ -218,6 +262,23 @@ class Lib(Protocol):
     KVS_MNAME_EVENT: int
     KVS_MNAME_GUARD: int
     KVS_MNAME_EFFECT: int
+    KVS_E_LINK_CLOSED: int
+    KVS_E_LINK_PEER_DIED: int
+    KVS_E_LINK_TIMEOUT: int
+    KVS_E_LINK_SYS: int
+    KVS_E_LINK_CAP: int
+    KVS_E_LINK_TOOBIG: int
+    KVS_E_LINK_SHORT_SEND: int
+    KVS_E_LINK_TRUNC: int
+    KVS_E_LINK_CTRUNC: int
+    KVS_E_LINK_SHORT: int
+    KVS_E_LINK_MAGIC: int
+    KVS_E_LINK_LENGTH: int
+    KVS_E_LINK_FDS: int
+    KVS_LINK_HEADER: int
+    KVS_LINK_MAX_FDS: int
+    KVS_RENEW_REFUSED: int
+    KVS_RENEW_REPLY_MAX: int
 
     # host backend
     def kvs_page_size(self) -> int: ...
@@ -300,6 +361,27 @@ class Lib(Protocol):
                                  fail_undos: int, reenter_effects: int, log: Int32Ptr, logcap: int,
                                  nlog: Int32Ptr, out: FireResultPtr) -> int: ...
 
+    # request links and lease renewal (importer side)
+    def kvs_link_open(self, fd: int, pidfd: int, max_payload: int, max_fds: int) -> LinkPtr: ...
+    def kvs_link_unref(self, l: LinkPtr) -> None: ...
+    def kvs_link_close(self, l: LinkPtr) -> None: ...
+    def kvs_link_closed(self, l: LinkPtr) -> int: ...
+    def kvs_link_lock(self, l: LinkPtr) -> None: ...
+    def kvs_link_unlock(self, l: LinkPtr) -> None: ...
+    def kvs_link_send(self, l: LinkPtr, payload: bytes, len: int, fds: Int32Ptr, nfds: int,
+                      timeout_ns: int, err: Int32Ptr) -> int: ...
+    def kvs_link_recv(self, l: LinkPtr, f: FramePtr, timeout_ns: int) -> int: ...
+    def kvs_link_request(self, l: LinkPtr, payload: bytes, len: int, f: FramePtr, timeout_ns: int) -> int: ...
+    def kvs_renewer_start(self, interval_ns: int, timeout_ns: int) -> RenewerPtr: ...
+    def kvs_renewer_stop(self, r: RenewerPtr) -> None: ...
+    def kvs_renewer_fd(self, r: RenewerPtr) -> int: ...
+    def kvs_renewer_add(self, r: RenewerPtr, l: LinkPtr, key: int, rank: int, lease: int, term_ns: int,
+                        renewed_at_ns: int) -> int: ...
+    def kvs_renewer_remove(self, r: RenewerPtr, key: int) -> int: ...
+    def kvs_renewer_state(self, r: RenewerPtr, key: int, out: RenewStatePtr) -> int: ...
+    def kvs_renewer_take(self, r: RenewerPtr, out: RenewOutcomePtr, max: int) -> int: ...
+    def kvs_renewer_dropped(self, r: RenewerPtr) -> int: ...
+
     # the generated op table
     def kvs_op_nstates(self) -> int: ...
     def kvs_op_table_digest(self) -> CharPtr: ...
@@ -347,6 +429,14 @@ class Ffi(Protocol):
     def new(self, cdecl: Literal["kvs_machine_inst *"]) -> MachineInstPtr: ...
     @overload
     def new(self, cdecl: Literal["kvs_fire_result *"]) -> FireResultPtr: ...
+    @overload
+    def new(self, cdecl: Literal["kvs_frame *"]) -> FramePtr: ...
+    @overload
+    def new(self, cdecl: Literal["uint8_t[]"], init: int) -> CharPtr: ...
+    @overload
+    def new(self, cdecl: Literal["kvs_renew_state *"]) -> RenewStatePtr: ...
+    @overload
+    def new(self, cdecl: Literal["kvs_renew_outcome[]"], init: int) -> RenewOutcomePtr: ...
 
     # cffi takes any object here and raises TypeError (or BufferError) for one without the
     # buffer protocol, so the parameter is honestly ``object``; callers catch those.
@@ -369,6 +459,8 @@ class Ffi(Protocol):
     def release(self, cdata: CBuffer | BlockArray) -> None: ...
 
     def string(self, cdata: CharPtr) -> bytes: ...
+
+    def gc(self, cdata: LinkPtr, destructor: Callable[[LinkPtr], None]) -> LinkPtr: ...
 
 
 MODULE = "kvstate._native"

@@ -27,7 +27,8 @@ from support.waiting import wait_until
 
 
 class HungImporter(Importer):  # type: ignore[type-arg]
-    """An importer whose renewal thread is stuck: it maps, but never renews."""
+    """An importer whose renewal is stuck: it maps, but never renews (renewal left to
+    Python, whose rounds do nothing)."""
 
     def renew_leases(self, groups: Any) -> list[Group]:  # type: ignore[type-arg]
         return []
@@ -61,7 +62,7 @@ def test_expiry_while_mapped_drains_the_bank_and_never_releases_under_the_mappin
     ex = make_exporter(1, transport, name="hung", lease_timeout_s=0.2)
     seen: list[StateChange] = []
     ex.banks[0].observe(seen.append)
-    importer = HungImporter(ImportConfig(DEPLOYMENT, reuse=REUSE_ON), transport)
+    importer = HungImporter(ImportConfig(DEPLOYMENT, reuse=REUSE_ON, native_renewal=False), transport)
     try:
         group = importer.import_group([ex.descriptor(0)])
         bank = ex.banks[0]
@@ -81,7 +82,7 @@ def test_expiry_while_mapped_drains_the_bank_and_never_releases_under_the_mappin
 
 def test_a_closed_connection_ends_an_expired_lease(transport: HostTransport) -> None:
     ex = make_exporter(1, transport, name="hung-dies", lease_timeout_s=0.2)
-    importer = HungImporter(ImportConfig(DEPLOYMENT, reuse=REUSE_ON), transport)
+    importer = HungImporter(ImportConfig(DEPLOYMENT, reuse=REUSE_ON, native_renewal=False), transport)
     try:
         group = importer.import_group([ex.descriptor(0)])
         bank = ex.banks[0]

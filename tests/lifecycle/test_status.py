@@ -14,18 +14,31 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import make_exporter
+from conftest import DEPLOYMENT, make_exporter
 from kvstate.core.machine import StateChange
 from kvstate.share import status
 from kvstate.share.coordinator import Coordinator, CoordinatorConfig
-from kvstate.share.importer import Importer
+from kvstate.share.importer import ImportConfig, Importer
 from kvstate.transport.host import HostTransport
+from support.reuse import REUSE_ON
 from support.waiting import wait_until
+
+
+@pytest.fixture
+def importer(transport: HostTransport) -> Iterator[Importer]:  # type: ignore[type-arg]
+    """An importer that renews its 30 s leases only after 15 s: what a status run shows
+    (and fires) is then the status request's doing alone, however slow the machine; a
+    renewal of a draining bank's lease would be refused and end it mid-test."""
+    im: Importer = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON, renew_interval_s=60.0),  # type: ignore[type-arg]
+                            transport)
+    yield im
+    im.close()
 
 pytestmark = [pytest.mark.multiproc]
 

@@ -39,11 +39,18 @@ _C_TO_PY: dict[str, Any] = {
     "struct kvs_fire_result *": libkvs.FireResultPtr,
     "int32_t(*)(void *, int32_t, int32_t)": libkvs.EffectFn,
     "void *": libkvs.VoidPtr,
+    "uint8_t *": bytes,  # a request's payload: cffi passes bytes as they are
+    "struct kvs_link *": libkvs.LinkPtr,
+    "struct kvs_frame *": libkvs.FramePtr,
+    "struct kvs_renewer *": libkvs.RenewerPtr,
+    "struct kvs_renew_outcome *": libkvs.RenewOutcomePtr,
+    "struct kvs_renew_state *": libkvs.RenewStatePtr,
 }
 _STRUCTS = {"kvs_region_info": libkvs.RegionInfoPtr, "kvs_global_info": libkvs.GlobalInfoPtr,
             "kvs_op_info": libkvs.OpInfoPtr, "kvs_cuda_driver_info": libkvs.CudaDriverInfoPtr,
             "kvs_cuda_device_info": libkvs.CudaDeviceInfoPtr, "kvs_machine_inst": libkvs.MachineInstPtr,
-            "kvs_fire_result": libkvs.FireResultPtr}
+            "kvs_fire_result": libkvs.FireResultPtr, "kvs_frame": libkvs.FramePtr,
+            "kvs_renew_outcome": libkvs.RenewOutcomePtr, "kvs_renew_state": libkvs.RenewStatePtr}
 
 
 def _builder() -> Any:

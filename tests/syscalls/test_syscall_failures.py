@@ -30,7 +30,8 @@ EXPECTED = {
     "add_bank": {"memfd_create", "ftruncate", "fcntl_add_seals"},
     "register": {"mmap", "mprotect"},
     "start": {"socket", "pipe2"},
-    "import_group": {"socket", "connect", "accept4", "sendmsg", "send", "recvmsg", "pidfd_open", "fcntl_get_seals",
+    # (the importer's requests go through its native link, which sends every frame by sendmsg)
+    "import_group": {"socket", "connect", "accept4", "sendmsg", "recvmsg", "pidfd_open", "fcntl_get_seals",
                      "fcntl_dupfd", "mmap", "mprotect"},
     "load": {"eventfd", "epoll_ctl"},
     "store": {"eventfd", "epoll_ctl"},
@@ -57,6 +58,7 @@ FIXED = [
     ("hello", "accept4", "ECONNABORTED"),      # the coordinator's accept thread died
     ("watch", "poll", "ENOMEM"),               # the watcher thread died: leases outlived their peers
     ("watch", "pipe2", "EMFILE"),              # raw OSError from Watcher() (and so Importer(), RankWorker())
+    ("import_group", "fcntl_dupfd", "EMFILE"), # a native link that could not be made left its channel open
 ]
 
 

@@ -1,0 +1,408 @@
+/* The importer's renewal thread (kvs.h): leases renewed without the GIL.
+ *
+ * Why: engines hold the GIL for long stretches. A renewal that needs Python waits for
+ * it, and a lease whose term passes unrenewed is expired by its exporter although the
+ * importer lives. This thread renews every registered lease by itself, on the lease's
+ * request link (kvs_link.c, whose mutex keeps it apart from Python's requests), and
+ * only reports to Python: a refused or failed renewal is queued as an outcome and
+ * signalled on an eventfd. Python's group machine then faults the group ("expired"),
+ * as it did when Python renewed.
+ *
+ * The thread sleeps on a timerfd armed at the earliest due time (a lease is due once
+ * min(term/2, interval) has passed since its grant or last renewal) and on a command
+ * eventfd that add, remove and stop write, so that a new lease re-arms the timer. The
+ * table is guarded by one mutex that is never held across a request: a request runs on
+ * a copy of its entry (with a reference on the link), and its result is applied only if
+ * the same key is still registered.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <math.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/timerfd.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvs.h"
+#include "kvs_link.h"
+
+_Static_assert(KVS_RENEW_REPLY_MAX == sizeof(((kvs_renew_outcome *)0)->reply), "kvs_renew_outcome.reply");
+
+#define QUEUE_CAP 128
+
+struct entry {
+    uint64_t key;
+    kvs_link *link;  /* one reference per entry */
+    uint32_t rank;
+    int64_t lease, term_ns, renewed_at_ns, expires_at_ns;
+    uint64_t renewals;
+    int failed;
+};
+
+struct kvs_renewer {
+    pthread_mutex_t mu;
+    pthread_t thread;
+    int cmd_fd, out_fd, timer_fd;
+    int64_t interval_ns, timeout_ns;
+    struct entry *entries;
+    size_t n, cap;
+    kvs_renew_outcome queue[QUEUE_CAP];
+    size_t head, count;
+    uint64_t dropped;
+    int stop;
+};
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static void poke(int fd) {
+    uint64_t one = 1;
+    while (write(fd, &one, sizeof one) < 0 && errno == EINTR) {}
+    /* EAGAIN: the counter is already non-zero, so the reader wakes anyway. */
+}
+
+static void drain_fd(int fd) {
+    uint64_t v;
+    while (read(fd, &v, sizeof v) < 0 && errno == EINTR) {}
+}
+
+static struct entry *find(kvs_renewer *r, uint64_t key) {
+    for (size_t i = 0; i < r->n; i++)
+        if (r->entries[i].key == key) return &r->entries[i];
+    return NULL;
+}
+
+static int64_t due_at(const kvs_renewer *r, const struct entry *e) {
+    int64_t every = e->term_ns / 2 < r->interval_ns ? e->term_ns / 2 : r->interval_ns;
+    return e->renewed_at_ns + every;
+}
+
+/* -- the answer: {"ok":true,"expires_in_s":x} ----------------------------------------
+ * A strict reader of one flat JSON object: the two keys it needs, every other value
+ * skipped whole (strings with escapes, nested arrays and objects), a duplicate key or
+ * trailing bytes refused. Anything it refuses goes to Python as a refusal, whose codec
+ * (kvstate.channel.framing.decode) then names what was wrong. */
+
+struct cursor { const uint8_t *p, *end; };
+
+static void ws(struct cursor *c) {
+    while (c->p < c->end && (*c->p == ' ' || *c->p == '\t' || *c->p == '\n' || *c->p == '\r')) c->p++;
+}
+
+static int skip_string(struct cursor *c, const uint8_t **start, size_t *len) {
+    if (c->p >= c->end || *c->p != '"') return 0;
+    const uint8_t *s = ++c->p;
+    while (c->p < c->end && *c->p != '"') {
+        if (*c->p < 0x20) return 0;
+        if (*c->p == '\\') c->p++;
+        c->p++;
+    }
+    if (c->p >= c->end) return 0;
+    if (start) *start = s;
+    if (len) *len = (size_t)(c->p - s);
+    c->p++;
+    return 1;
+}
+
+static int skip_value(struct cursor *c, int depth) {
+    ws(c);
+    if (c->p >= c->end || depth > 32) return 0;
+    uint8_t ch = *c->p;
+    if (ch == '"') return skip_string(c, NULL, NULL);
+    if (ch == '{' || ch == '[') {
+        uint8_t close = ch == '{' ? '}' : ']';
+        c->p++;
+        ws(c);
+        if (c->p < c->end && *c->p == close) { c->p++; return 1; }
+        for (;;) {
+            if (ch == '{') {
+                ws(c);
+                if (!skip_string(c, NULL, NULL)) return 0;
+                ws(c);
+                if (c->p >= c->end || *c->p++ != ':') return 0;
+            }
+            if (!skip_value(c, depth + 1)) return 0;
+            ws(c);
+            if (c->p >= c->end) return 0;
+            if (*c->p == ',') { c->p++; continue; }
+            if (*c->p == close) { c->p++; return 1; }
+            return 0;
+        }
+    }
+    const uint8_t *s = c->p;
+    while (c->p < c->end && (strchr("+-.0123456789eE", *c->p) || (*c->p >= 'a' && *c->p <= 'z'))) c->p++;
+    size_t n = (size_t)(c->p - s);
+    if (n == 0) return 0;
+    if ((n == 4 && !memcmp(s, "true", 4)) || (n == 5 && !memcmp(s, "false", 5)) || (n == 4 && !memcmp(s, "null", 4)))
+        return 1;
+    return (*s == '-' || (*s >= '0' && *s <= '9'));
+}
+
+static int read_number(struct cursor *c, double *out) {
+    ws(c);
+    const uint8_t *s = c->p;
+    while (c->p < c->end && strchr("+-.0123456789eE", *c->p)) c->p++;
+    size_t n = (size_t)(c->p - s);
+    if (n == 0 || n > 63 || !(*s == '-' || (*s >= '0' && *s <= '9'))) return 0;
+    char buf[64];
+    memcpy(buf, s, n);
+    buf[n] = 0;
+    char *endp;
+    *out = strtod(buf, &endp);
+    return endp == buf + n && isfinite(*out);
+}
+
+/* 1 with *expires_s when the answer grants the renewal; 0 for anything else. */
+static int granted(const uint8_t *data, size_t len, double *expires_s) {
+    struct cursor c = {data, data + len};
+    int ok = 0, seen_ok = 0, seen_expires = 0;
+    ws(&c);
+    if (c.p >= c.end || *c.p++ != '{') return 0;
+    ws(&c);
+    if (c.p < c.end && *c.p == '}') return 0;
+    for (;;) {
+        const uint8_t *key;
+        size_t klen;
+        ws(&c);
+        if (!skip_string(&c, &key, &klen)) return 0;
+        ws(&c);
+        if (c.p >= c.end || *c.p++ != ':') return 0;
+        ws(&c);
+        if (klen == 2 && !memcmp(key, "ok", 2)) {
+            if (seen_ok++) return 0;
+            if (c.end - c.p >= 4 && !memcmp(c.p, "true", 4)) { ok = 1; c.p += 4; }
+            else if (!skip_value(&c, 0)) return 0;
+        } else if (klen == 12 && !memcmp(key, "expires_in_s", 12)) {
+            if (seen_expires++ || !read_number(&c, expires_s)) return 0;
+        } else if (!skip_value(&c, 0)) {
+            return 0;
+        }
+        ws(&c);
+        if (c.p >= c.end) return 0;
+        if (*c.p == ',') { c.p++; continue; }
+        if (*c.p++ != '}') return 0;
+        break;
+    }
+    ws(&c);
+    return c.p == c.end && ok && seen_expires && *expires_s >= 0 && *expires_s < 1e9;
+}
+
+/* -- the thread ------------------------------------------------------------------------ */
+
+static void push(kvs_renewer *r, uint64_t key, int32_t code, int32_t err, const uint8_t *reply, size_t len) {
+    if (r->count == QUEUE_CAP) {
+        r->dropped++;  /* the entry stays failed: Python sees its expiry pass */
+        return;
+    }
+    kvs_renew_outcome *o = &r->queue[(r->head + r->count++) % QUEUE_CAP];
+    o->key = key;
+    o->code = code;
+    o->err = err;
+    o->len = (uint32_t)(len < KVS_RENEW_REPLY_MAX ? len : KVS_RENEW_REPLY_MAX);
+    if (o->len) memcpy(o->reply, reply, o->len);
+    poke(r->out_fd);
+}
+
+/* One renewal of the copy `e`, then its result applied to the entry, if still there. */
+static void renew_one(kvs_renewer *r, const struct entry *e, kvs_frame *f) {
+    char payload[96];
+    int len = snprintf(payload, sizeof payload, "{\"lease\":%lld,\"op\":\"renew\",\"rank\":%u}",
+                       (long long)e->lease, e->rank);
+    int rc = kvs_link_request(e->link, (const uint8_t *)payload, (uint32_t)len, f, r->timeout_ns);
+    double expires_s = 0;
+    int ok = rc == KVS_OK && f->nfds == 0 && granted(f->buf, f->len, &expires_s);
+    if (rc == KVS_OK)
+        for (uint32_t i = 0; i < f->nfds; i++) close(f->fds[i]);
+    int64_t at = now_ns();
+    pthread_mutex_lock(&r->mu);
+    struct entry *live = find(r, e->key);
+    if (live && !live->failed) {
+        if (ok) {
+            live->renewed_at_ns = at;
+            live->expires_at_ns = at + (int64_t)(expires_s * 1e9);
+            live->renewals++;
+        } else {
+            live->failed = 1;
+            push(r, e->key, rc == KVS_OK ? KVS_RENEW_REFUSED : rc, f->err, f->buf, rc == KVS_OK ? f->len : 0);
+        }
+    }
+    pthread_mutex_unlock(&r->mu);
+}
+
+static void *run(void *arg) {
+    kvs_renewer *r = arg;
+    kvs_frame *f = calloc(1, sizeof *f);
+    uint8_t *buf = malloc(1u << 20);  /* the largest payload cap a link may have */
+    struct entry *due = NULL;
+    size_t due_cap = 0;
+    if (!f || !buf) goto out;  /* every lease then runs out unrenewed, which Python sees */
+    f->buf = buf;
+    f->cap = 1u << 20;
+    pthread_mutex_lock(&r->mu);
+    while (!r->stop) {
+        int64_t now = now_ns(), next = 0;
+        size_t ndue = 0;
+        for (size_t i = 0; i < r->n; i++) {
+            struct entry *e = &r->entries[i];
+            if (e->failed) continue;
+            int64_t at = due_at(r, e);
+            if (at <= now) {
+                if (ndue == due_cap) {
+                    size_t cap = due_cap ? 2 * due_cap : 16;
+                    struct entry *grown = realloc(due, cap * sizeof *due);
+                    if (!grown) break;  /* the rest wait for the next round */
+                    due = grown;
+                    due_cap = cap;
+                }
+                due[ndue++] = *e;
+                kvs_link_ref(e->link);
+            } else if (!next || at < next) {
+                next = at;
+            }
+        }
+        pthread_mutex_unlock(&r->mu);
+        for (size_t i = 0; i < ndue; i++) {
+            renew_one(r, &due[i], f);
+            kvs_link_unref(due[i].link);
+        }
+        if (!ndue) {
+            struct itimerspec when = {{0, 0}, {next / 1000000000, next % 1000000000}};
+            timerfd_settime(r->timer_fd, TFD_TIMER_ABSTIME, &when, NULL);  /* 0: disarmed */
+            struct pollfd p[2] = {{r->cmd_fd, POLLIN, 0}, {r->timer_fd, POLLIN, 0}};
+            if (poll(p, 2, -1) > 0) {
+                if (p[0].revents & POLLIN) drain_fd(r->cmd_fd);
+                if (p[1].revents & POLLIN) drain_fd(r->timer_fd);
+            }
+        }
+        pthread_mutex_lock(&r->mu);
+    }
+    pthread_mutex_unlock(&r->mu);
+out:
+    free(due);
+    free(buf);
+    free(f);
+    return NULL;
+}
+
+/* -- what Python calls ----------------------------------------------------------------- */
+
+kvs_renewer *kvs_renewer_start(int64_t interval_ns, int64_t timeout_ns) {
+    if (interval_ns <= 0 || timeout_ns < 0) {
+        errno = EINVAL;
+        return NULL;
+    }
+    kvs_renewer *r = calloc(1, sizeof *r);
+    if (!r) return NULL;
+    r->interval_ns = interval_ns;
+    r->timeout_ns = timeout_ns;
+    r->cmd_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    r->out_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    r->timer_fd = timerfd_create(CLOCK_MONOTONIC, TFD_CLOEXEC | TFD_NONBLOCK);
+    int e = errno;
+    if (r->cmd_fd >= 0 && r->out_fd >= 0 && r->timer_fd >= 0) {
+        pthread_mutex_init(&r->mu, NULL);
+        e = pthread_create(&r->thread, NULL, run, r);
+        if (!e) return r;
+        pthread_mutex_destroy(&r->mu);
+    }
+    if (r->cmd_fd >= 0) close(r->cmd_fd);
+    if (r->out_fd >= 0) close(r->out_fd);
+    if (r->timer_fd >= 0) close(r->timer_fd);
+    free(r);
+    errno = e;
+    return NULL;
+}
+
+void kvs_renewer_stop(kvs_renewer *r) {
+    if (!r) return;
+    pthread_mutex_lock(&r->mu);
+    r->stop = 1;
+    pthread_mutex_unlock(&r->mu);
+    poke(r->cmd_fd);
+    pthread_join(r->thread, NULL);
+    for (size_t i = 0; i < r->n; i++) kvs_link_unref(r->entries[i].link);
+    free(r->entries);
+    close(r->cmd_fd);
+    close(r->out_fd);
+    close(r->timer_fd);
+    pthread_mutex_destroy(&r->mu);
+    free(r);
+}
+
+int32_t kvs_renewer_fd(kvs_renewer *r) { return r->out_fd; }
+
+int kvs_renewer_add(kvs_renewer *r, kvs_link *l, uint64_t key, uint32_t rank, int64_t lease, int64_t term_ns,
+                    int64_t renewed_at_ns) {
+    if (!l || term_ns <= 0) return KVS_E_INVAL;
+    pthread_mutex_lock(&r->mu);
+    int rc = KVS_OK;
+    if (find(r, key)) {
+        rc = KVS_E_INVAL;
+    } else if (r->n == r->cap) {
+        size_t cap = r->cap ? 2 * r->cap : 16;
+        struct entry *grown = realloc(r->entries, cap * sizeof *grown);
+        if (!grown) rc = KVS_E_NOMEM;
+        else {
+            r->entries = grown;
+            r->cap = cap;
+        }
+    }
+    if (rc == KVS_OK) {
+        kvs_link_ref(l);
+        r->entries[r->n++] = (struct entry){key, l, rank, lease, term_ns, renewed_at_ns, renewed_at_ns + term_ns, 0, 0};
+    }
+    pthread_mutex_unlock(&r->mu);
+    if (rc == KVS_OK) poke(r->cmd_fd);  /* the timer may need to ring sooner */
+    return rc;
+}
+
+int kvs_renewer_remove(kvs_renewer *r, uint64_t key) {
+    pthread_mutex_lock(&r->mu);
+    struct entry *e = find(r, key);
+    kvs_link *l = NULL;
+    if (e) {
+        l = e->link;
+        *e = r->entries[--r->n];
+    }
+    pthread_mutex_unlock(&r->mu);
+    if (!l) return KVS_E_NOENT;
+    kvs_link_unref(l);
+    return KVS_OK;
+}
+
+int kvs_renewer_state(kvs_renewer *r, uint64_t key, kvs_renew_state *out) {
+    pthread_mutex_lock(&r->mu);
+    struct entry *e = find(r, key);
+    if (e) *out = (kvs_renew_state){e->renewed_at_ns, e->expires_at_ns, e->renewals, e->failed};
+    pthread_mutex_unlock(&r->mu);
+    return e ? KVS_OK : KVS_E_NOENT;
+}
+
+int32_t kvs_renewer_take(kvs_renewer *r, kvs_renew_outcome *out, int32_t max) {
+    pthread_mutex_lock(&r->mu);
+    drain_fd(r->out_fd);
+    int32_t n = 0;
+    while (n < max && r->count) {
+        out[n++] = r->queue[r->head];
+        r->head = (r->head + 1) % QUEUE_CAP;
+        r->count--;
+    }
+    if (r->count) poke(r->out_fd);  /* more than the caller took: still readable */
+    pthread_mutex_unlock(&r->mu);
+    return n;
+}
+
+uint64_t kvs_renewer_dropped(kvs_renewer *r) {
+    pthread_mutex_lock(&r->mu);
+    uint64_t n = r->dropped;
+    pthread_mutex_unlock(&r->mu);
+    return n;
+}

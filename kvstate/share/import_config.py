@@ -1,0 +1,61 @@
+"""The importer's configuration (:class:`ImportConfig`), checked when it is made."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from kvstate.core.args import typed
+from kvstate.core.errors import ConfigInvalid
+from kvstate.core.identity import Deployment
+from kvstate.core.validate import MAX_TP
+from kvstate.reuse.policy import ReuseSettings
+from kvstate.reuse.profile import Admitted
+
+
+def _seconds(_: object, attribute: attrs.Attribute[float], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1e9 or value != value:
+        raise ConfigInvalid.of(f"ImportConfig.{attribute.name}", f"must be a finite number of seconds > 0, "
+                               f"not {value!r:.40}")
+
+
+def _count(most: int) -> Callable[[object, attrs.Attribute[int], object], None]:
+    def check(_: object, attribute: attrs.Attribute[int], value: object) -> None:
+        if type(value) is not int or not 1 <= value <= most:
+            raise ConfigInvalid.of(f"ImportConfig.{attribute.name}", f"must be an int in 1..{most}, not {value!r:.40}")
+    return check
+
+
+def _optional(kind: type) -> Callable[[object, attrs.Attribute[Any], object], None]:
+    def check(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if value is not None and not isinstance(value, kind):
+            raise ConfigInvalid.of(f"ImportConfig.{attribute.name}", f"must be {kind.__name__} or None, "
+                                   f"not {type(value).__name__}")
+    return check
+
+
+@attrs.frozen
+class ImportConfig:
+    deployment: Deployment = attrs.field(validator=typed(Deployment))
+    request_timeout_s: float = attrs.field(default=5.0, validator=_seconds)
+    max_tp: int = attrs.field(default=64, validator=_count(MAX_TP))
+    max_parallel_imports: int = attrs.field(default=8, validator=_count(256))  # kept: parts open without threads now
+    #: A channel to an exporter that no lease uses closes after this (kvstate.share.peers).
+    link_idle_s: float = attrs.field(default=2.0, validator=_seconds)
+    geometry_fingerprint: bytes | None = attrs.field(default=None, validator=_optional(bytes))  # of the banks
+    block_format: bytes | None = attrs.field(default=None, validator=_optional(bytes))  # the engine's pages hold
+    device_uuids: frozenset[bytes] | None = attrs.field(default=None, validator=_optional(frozenset))
+    #: Leases are renewed every min(half the lease, this) seconds while leased or mapped,
+    #: so a bank that drains (and refuses renewal) gets its mappings back within this.
+    renew_interval_s: float = attrs.field(default=1.0, validator=_seconds)
+    #: Leases on persistent links are renewed by a native thread that never waits for the
+    #: GIL (kvstate.share.renewal); off, Python's expiry thread renews them (and a process
+    #: holding its GIL past a lease's term loses the lease).
+    native_renewal: bool = attrs.field(default=True, validator=typed(bool))
+    #: The reuse switches, enforced by import_group (kvstate.reuse.gates): off by default.
+    reuse: ReuseSettings = attrs.field(default=ReuseSettings(), validator=typed(ReuseSettings))
+    #: The deployment profile admission (kvstate.reuse.profile.admit); GPU imports need one.
+    admission: Admitted | None = attrs.field(default=None, validator=_optional(Admitted))
+

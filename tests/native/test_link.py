@@ -1,0 +1,186 @@
+"""The native request link (ffi/kvs_link.c, kvstate.share.link): the frames and refusals
+of kvstate.channel.framing, checked against Python's own Channel on the same packets."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from support.errors import raises
+
+from kvstate import channel as chan
+from kvstate.channel import HEADER, MAGIC, Channel, Limits
+from kvstate.core.errors import ChannelError
+from kvstate.core.reasons import ChannelReason
+from kvstate.share.link import NativeLink
+
+LIMITS = Limits(max_payload=1024, max_fds=2)
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[Channel, NativeLink, socket.socket]]:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ch = Channel(a, limits=LIMITS)
+    link = NativeLink(ch, LIMITS)
+    yield ch, link, b
+    ch.close()
+    b.close()
+
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+#: Packets framing.unpack refuses, each with fds attached where the case needs them.
+BAD = {
+    "short": (b"KVS", 0),
+    "magic": (b"XXXX" + struct.pack("<IH2x", 2, 0) + b"{}", 0),
+    "length-over": (HEADER.pack(MAGIC, 5, 0) + b"{}", 0),
+    "length-under": (HEADER.pack(MAGIC, 1, 0) + b"{}", 0),
+    "fds-missing": (HEADER.pack(MAGIC, 2, 1) + b"{}", 0),
+    "fds-extra": (HEADER.pack(MAGIC, 2, 0) + b"{}", 1),
+    "fds-over-cap": (HEADER.pack(MAGIC, 2, 3) + b"{}", 3),
+    "truncated": (HEADER.pack(MAGIC, 2000, 0) + b"x" * 2000, 0),
+}
+
+
+def send_raw(b: socket.socket, data: bytes, nfds: int) -> None:
+    fds = [os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC) for _ in range(nfds)]
+    try:
+        if fds:
+            socket.send_fds(b, [data], fds)
+        else:
+            b.send(data)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_a_malformed_frame_is_refused_as_framing_refuses_it_and_its_fds_closed(case: str) -> None:
+    data, nfds = BAD[case]
+    errors = []
+    for native in (False, True):
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ch = Channel(a, limits=LIMITS)
+        link = NativeLink(ch, LIMITS)
+        try:
+            before = fd_count()
+            send_raw(b, data, nfds)
+            with pytest.raises(ChannelError) as exc:
+                if native:
+                    link.lock()
+                    try:
+                        link.recv(5.0)
+                    finally:
+                        link.unlock()
+                else:
+                    ch.recv(5.0)
+            assert exc.value.reason is ChannelReason.FRAME
+            assert fd_count() == before, "every fd of a refused frame is closed"
+            errors.append(str(exc.value))
+        finally:
+            ch.close()
+            b.close()
+    assert errors[0] == errors[1]  # the same refusal, in the same words
+
+
+def test_a_request_returns_the_answer_with_its_fds(pair: tuple[Channel, NativeLink, socket.socket]) -> None:
+    ch, link, b = pair
+    r, w = os.pipe()
+
+    def answer() -> None:
+        peer = Channel(b.dup(), limits=LIMITS)
+        with peer.recv(5.0) as req:
+            assert req.payload == b'{"op":"renew"}' and req.fds == ()
+        peer.send(b'{"ok":true}', [r])
+        peer.close()
+
+    t = threading.Thread(target=answer)
+    t.start()
+    with link.request(b'{"op":"renew"}', 5.0) as msg:
+        assert msg.payload == b'{"ok":true}' and len(msg.fds) == 1
+        os.write(w, b"!")
+        assert os.read(msg.fds[0], 1) == b"!"  # the very pipe, received
+    t.join()
+    os.close(r)
+    os.close(w)
+
+
+def test_caps_are_checked_before_sending(pair: tuple[Channel, NativeLink, socket.socket]) -> None:
+    ch, link, b = pair
+    link.lock()
+    try:
+        with raises(ChannelError, ChannelReason.FRAME):
+            link.send(b"x" * (LIMITS.max_payload + 1))
+        with raises(ChannelError, ChannelReason.FRAME):
+            link.send(b"{}", [0, 1, 2])
+        link.send(b"x" * LIMITS.max_payload)  # the cap itself is fine
+    finally:
+        link.unlock()
+    assert len(b.recv(4096)) == HEADER.size + LIMITS.max_payload
+
+
+def test_a_request_that_times_out_closes_the_link(pair: tuple[Channel, NativeLink, socket.socket]) -> None:
+    ch, link, b = pair
+    with raises(ChannelError, ChannelReason.TIMEOUT):
+        link.request(b"{}", 0.05)
+    assert link.closed  # a late answer would be read as the next request's
+    assert b.recv(100) != b"" and b.recv(100) == b""  # the request, then the hang-up
+    with raises(ChannelError, ChannelReason.CLOSED):
+        link.request(b"{}", 1.0)
+    for bad in (-1, float("inf"), float("nan")):
+        with pytest.raises(ChannelError):
+            link.request(b"{}", bad)
+
+
+def test_closing_the_channel_wakes_a_waiting_request_and_closes_the_link(
+        pair: tuple[Channel, NativeLink, socket.socket]) -> None:
+    ch, link, b = pair
+    got: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            link.request(b"{}", 30.0)
+        except ChannelError as exc:
+            got.append(exc)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    assert b.recv(100)  # the request went out: the thread waits for its answer now
+    ch.close()          # Channel.on_close shuts the link's connection down
+    t.join(30.0)
+    assert not t.is_alive() and len(got) == 1 and isinstance(got[0], ChannelError) and got[0].closed
+    assert link.closed
+
+
+def test_a_peer_hang_up_is_closed(pair: tuple[Channel, NativeLink, socket.socket]) -> None:
+    ch, link, b = pair
+    b.close()
+    with raises(ChannelError, ChannelReason.CLOSED):
+        link.request(chan.encode({"op": "renew"}), 5.0)
+
+
+def test_a_timeout_of_any_finite_length_is_taken(pair: tuple[Channel, NativeLink, socket.socket]) -> None:
+    """A long timeout is waited in poll's int milliseconds, a longer one in int64 ns: no
+    overflow (the answer is there at once, so nothing actually waits)."""
+    ch, link, b = pair
+    peer = Channel(b.dup(), limits=LIMITS)
+    try:
+        peer.send(b'{"ok":true}')  # queued before the request: the answer is read at once
+        for timeout in (1e7, 1e300):
+            link.lock()
+            try:
+                link.send(b"{}", timeout=timeout)
+                with link.recv(timeout) as msg:
+                    assert msg.payload == b'{"ok":true}'
+            finally:
+                link.unlock()
+            peer.send(b'{"ok":true}')
+    finally:
+        peer.close()
