@@ -410,6 +410,19 @@ class Lifecycle:
                 _flush(p)
         return dest
 
+    def record(self, change: StateChange) -> None:
+        """A change committed by another executor of this object's table (the native lease
+        server: kvstate.share.lease_server), for the observers: delivered as :meth:`fire`
+        delivers its own, when the outermost :meth:`locked` block of this thread exits."""
+        if not self._observers:
+            return
+        self._kv_pending.append(change)
+        p = _held
+        if p.depth:
+            p.dirty.append(self)
+        else:
+            self._deliver()
+
     def _deliver(self) -> None:
         """Call the observers with every queued change, in order, outside the object's
         lock; one thread at a time per object (the others leave their changes to it)."""

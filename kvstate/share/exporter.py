@@ -46,18 +46,14 @@ it open.
 from __future__ import annotations
 
 import gc
-import itertools
 import logging
 import os
-import select
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Generic, Literal
-
-import logging
+from typing import Any, Generic
 
 import attrs
 
@@ -68,18 +64,19 @@ from kvstate.core.errors import (
     ChannelError, ConfigInvalid, KvStateError, TransitionError, BackendUnavailable, Busy, TimedOut,
     NativeError,
 )
-from kvstate.core.args import need, need_callables, need_choice, need_int, need_path, need_seconds, typed
+from kvstate.core.args import need, need_callables, need_choice, need_int, need_path, need_seconds, need_text, typed
 from kvstate.core.errors import ArgumentInvalid
 from kvstate.core.reasons import ArgumentReason, BusyReason, TimeoutReason, ChannelReason
 from kvstate.core.geometry import Geometry
 from kvstate.core.handles import FD_KINDS, UNCOUNTED_KINDS, HandleKind
 from kvstate.core.identity import Deployment, FabricDomain, FabricKind, Incarnation, host_boot_id
-from kvstate.reuse.inventory import refused_by_inventory, Inventory, LeaseGrant, Stale
+from kvstate.reuse.inventory import Inventory
 from kvstate.core.machine import Lifecycle, Observer, effect, guard
 from kvstate.core.spec import load_machine
 from kvstate.core.capabilities import Access
 from kvstate.transport.protocol import A, E, H, HostView, M, MappedTransport, R, require_mapped
-from kvstate.share import status, store
+from kvstate.share import store
+from kvstate.share.lease_server import HoldView, LeaseServer, NativeLease
 from kvstate.transport.nixl import handle as nixl_handle
 from kvstate.share.plan import Plan
 from kvstate.share.transfer import TransferHandle, stop_dispatcher_if_idle
@@ -98,9 +95,6 @@ def _source_id(_: object, attribute: attrs.Attribute[bytes], value: object) -> N
 def _positive_int(_: object, attribute: attrs.Attribute[int], value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigInvalid.of(f"ExportConfig.{attribute.name}", f"must be an int >= 1, not {value!r:.40}")
-
-log = logging.getLogger(__name__)
-
 
 def _seconds(_: object, attribute: attrs.Attribute[float], value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1e9 or value != value:
@@ -157,37 +151,9 @@ class ExportConfig:
     tcp_listen: tuple[str, int] | None = attrs.field(default=None, validator=_tcp_listen)
 
 
-@attrs.define(eq=False)
-class Hold:
-    """An importer that may have a bank open (see the module docstring), and a pidfd of its
-    process that outlives the connection."""
-
-    channel: chan.Channel
-    pidfd: int | None  # None: the process was gone when the lease was granted
-
-    def exited(self) -> bool:
-        return self.pidfd is None or bool(select.select([self.pidfd], [], [], 0)[0])
-
-
-@attrs.define
-class BankLease:
-    id: int
-    channel: chan.Channel
-    expires_at: float                # time.monotonic(); moved on by each renewal
-    blocks: LeaseGrant | None = None  # the inventory blocks this lease pins, if any
-    expired: bool = False            # ran out unrenewed: kept until returned or disconnected
-
-
-#: The bank events that end a lease without the importer asking.
-LeaseEnd = Literal["peer_died", "lease_expired"]
-
 #: The bank states whose descriptor is given out: from advertise until quiescent (a
 #: draining bank's is still true, and its leases are refused by the bank itself).
 DESCRIBED = frozenset({"advertised", "importing", "ready", "draining"})
-
-#: The type of each scalar request field; ``blocks`` is checked by the inventory.
-_REQUEST_FIELDS: dict[str, type] = {"op": str, "rank": int, "lease": int, "generation": int, "incarnation": str}
-
 
 def _stamped(kind: HandleKind, identity: bytes, generation: int) -> bytes:
     """The handle bytes a descriptor of ``generation`` carries: a NIXL record names its
@@ -221,14 +187,59 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         self.descriptor: bytes | None = None
         self.descriptor_expires_ns = 0
         self.inventory_epoch = 0
-        self.leases: dict[int, BankLease] = {}
-        #: lease id -> the importer that may have the bank open, for memory nobody counts
-        #: across processes (UNCOUNTED_KINDS): each is a pin.
-        self.holds: dict[int, Hold] = {}
         self.uncounted = exporter.config.handle_kind in UNCOUNTED_KINDS
+        #: The bank's state, its leases and holds live in the exporter's native lease server.
+        self._native = exporter.lease_server
+        self._native.add_bank(rank, self.uncounted)
         self.stores: set[TransferHandle] = set()
         self._views: list[weakref.ref[Any]] = []  # buffers under the engine's tensors (Bank.tensors)
         self._report: dict[str, Any] | None = None  # lease_report() of this generation and incarnation
+
+    # -- the state, in the native lease server (kvstate.share.lease_server) -----------
+
+    @property
+    def state(self) -> str:
+        return self._native.state(self.rank)
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.state in self.table.terminal
+
+    def may(self, event: str) -> bool:
+        return isinstance(event, str) and (event, self.state) in type(self)._kv_compiled.declared
+
+    @property
+    def leases(self) -> dict[int, NativeLease]:
+        """A snapshot of the bank's leases (lease id -> lease)."""
+        return self._native.leases(self.rank)
+
+    @property
+    def holds(self) -> dict[int, HoldView]:
+        """A snapshot of the bank's holds: lease id -> an importer that may have the bank
+        open, for memory nobody counts across processes (UNCOUNTED_KINDS): each is a pin."""
+        return self._native.holds(self.rank)
+
+    def fire(self, event: str, **kwargs: Any) -> str:
+        """Apply ``event`` on the bank's native instance (Lifecycle.fire's rules and errors);
+        lease events are the lease server's own (ffi/kvs_lease.c) and refused here."""
+        spec = self.table
+        if not isinstance(event, str):
+            raise TransitionError.illegal(spec.name, self.state, f"{event!r:.40}")
+        if kwargs.get("reason") is not None:
+            need_text("reason", kwargs["reason"], allow_empty=True)
+        with self.locked():
+            source = self.state
+            if self._kv_firing:
+                raise TransitionError.reentrant(spec.name, source, event)
+            if (event, source) not in type(self)._kv_compiled.declared:
+                raise TransitionError.illegal(spec.name, source, event)
+            quiescent = event == "quiesce" and not self.stores and self.pins() == 0
+            self._kv_firing = True
+            try:
+                return self._native.fire(self, event, kwargs, type(self)._kv_compiled.effects, quiescent)
+            finally:
+                self._kv_firing = False
+                self._native.pump()
 
     # -- what the engine uses -------------------------------------------------------
 
@@ -321,6 +332,9 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
 
     # -- guards -----------------------------------------------------------------------
 
+    # The lease server evaluates these from its own table just before each fire
+    # (ffi/kvs_lease.c: guards()); here they read its snapshot, for the reader's check.
+
     @guard("accepting_leases")
     def _accepting(self, **kw: Any) -> bool:
         return len(self.leases) < self.exporter.config.max_leases and self.descriptor is not None \
@@ -335,7 +349,7 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
     def _last_lease(self, *, lease_id: int, **kw: Any) -> bool:
         return set(self.leases) == {lease_id}
 
-    @guard("native_quiescent")
+    @guard("native_quiescent")  # Bank.fire passes the stores and pins part; the server adds "no lease"
     def _quiescent(self, **kw: Any) -> bool:
         return not self.leases and not self.stores and self.pins() == 0
 
@@ -400,88 +414,47 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
             socket_path=ex.lease_address, inventory_epoch=self.inventory_epoch,
         )
         self.descriptor = encode(desc, ex.config.deployment)
+        self._native.publish(self, self.lease_report(), handle.fd)  # what grants of this generation say
 
         def undo() -> None:
             self.generation, self.descriptor, self.descriptor_expires_ns, self.inventory_epoch = before
+            self._native.publish(self, self.lease_report(), handle.fd)
         return undo
+
+    # The lease effects run natively (ffi/kvs_lease.c: lease_fx), fired only by the lease
+    # server; Bank.fire refuses lease events before any effect, so these are never called.
 
     @effect("grant_lease")
-    def _grant(self, *, lease_id: int, channel: chan.Channel, blocks: LeaseGrant | None = None,
-               **kw: Any) -> Callable[[], None]:
-        if self.uncounted:
-            pidfd = channel.pidfd
-            self.transport.pin(self.mapped())  # the hold: unmap and release refuse from here
-            self.holds[lease_id] = Hold(channel, None if pidfd is None else os.dup(pidfd))
-        self.leases[lease_id] = BankLease(lease_id, channel, time.monotonic() + self.exporter.config.lease_timeout_s,
-                                      blocks)
-
-        def undo() -> None:
-            self.leases.pop(lease_id, None)
-            self.drop_hold(lease_id)
-        return undo
+    def _grant(self, **kw: Any) -> None:
+        raise TransitionError.illegal(self.table.name, self.state, "grant_lease (fired by the lease server only)")
 
     @effect("expire_lease")
-    def _expire(self, *, lease_id: int, **kw: Any) -> Callable[[], None]:
-        # Kept, not ended: the importer may still map the bank (INV-NO-RELEASE-MAPPED).
-        lease = self.leases[lease_id]
-        lease.expired = True
-
-        def undo() -> None:
-            lease.expired = False
-        return undo
+    def _expire(self, **kw: Any) -> None:
+        raise TransitionError.illegal(self.table.name, self.state, "lease_expired (fired by the lease server only)")
 
     @effect("renew_lease")
-    def _renew(self, *, lease_id: int, **kw: Any) -> Callable[[], None]:
-        lease = self.leases[lease_id]
-        before = lease.expires_at
-        lease.expires_at = time.monotonic() + self.exporter.config.lease_timeout_s
+    def _renew(self, **kw: Any) -> None:
+        raise TransitionError.illegal(self.table.name, self.state, "renew_lease (fired by the lease server only)")
 
-        def undo() -> None:
-            lease.expires_at = before
-        return undo
+    @effect("end_lease")
+    def _end(self, **kw: Any) -> None:
+        raise TransitionError.illegal(self.table.name, self.state, "end_lease (fired by the lease server only)")
 
     @effect("withdraw_descriptor")
     def _withdraw(self, **kw: Any) -> Callable[[], None]:
         before = (self.descriptor, self.descriptor_expires_ns)
         self.descriptor, self.descriptor_expires_ns = None, 0
+        self._native.descriptor(self.rank, 0)
 
         def undo() -> None:
             self.descriptor, self.descriptor_expires_ns = before
+            self._native.descriptor(self.rank, before[1])
         return undo
-
-    @effect("end_lease")
-    def _end(self, *, lease_id: int, still_open: bool = False, **kw: Any) -> None:
-        """``still_open``: the lease ended without evidence that its importer closed the
-        bank (it expired), so a hold it has stays until that evidence comes."""
-        lease = self.leases.pop(lease_id)
-        if not still_open:
-            self.drop_hold(lease_id)
-        if lease.blocks is not None and self.exporter.inventory is not None:
-            self.exporter.inventory.release(lease.blocks)  # the blocks may be evicted again
-
-    def drop_hold(self, lease_id: int) -> bool:
-        """Let go of a lease's hold (its importer closed the bank): one pin fewer."""
-        with self.locked():
-            hold = self.holds.pop(lease_id, None)
-            if hold is None:
-                return False
-            if hold.pidfd is not None:
-                os.close(hold.pidfd)
-            self.transport.unpin(self.mapped())
-            return True
-
-    def drop_holds(self, channel: chan.Channel) -> None:
-        """The importer on ``channel`` closed its end: none of its holds is open any more."""
-        with self.locked():
-            for lease_id in [i for i, h in self.holds.items() if h.channel is channel]:
-                self.drop_hold(lease_id)
 
     def drop_exited_holds(self) -> None:
         """Holds whose connection this side closed (it stopped serving) end only once the
         importer's process exited (the driver closes a dead process's opens)."""
-        with self.locked():
-            for lease_id in [i for i, h in self.holds.items() if h.channel.closed and h.exited()]:
-                self.drop_hold(lease_id)
+        self._native.drop_exited_holds(self.rank)
 
     @effect("submit_store")
     def _submit_store(self, *, plan: object = None, **kw: Any) -> None:
@@ -537,7 +510,7 @@ class Exporter(Generic[H, A, R, M, E]):
         self.transport = transport
         #: The retained inventory (advisory); a lease naming blocks pins them atomically.
         self.inventory = inventory
-        self.incarnation = Incarnation.new()
+        self._incarnation = Incarnation.new()
         self.boot_id = host_boot_id()
         self.node = os.uname().nodename
         if name is None:
@@ -552,14 +525,27 @@ class Exporter(Generic[H, A, R, M, E]):
         self.lease_address = self._tcp.address if self._tcp is not None else str(self.socket_path)
         self.banks: dict[int, Bank[H, A, R, M, E]] = {}
         self._observers = tuple(observers)
-        self._lease_ids = itertools.count(1)
-        self._lock = threading.Lock()
+        # A batched lease answers with every bank's fd in one message (kvstate.share.peers).
+        self.limits = chan.Limits(max_fds=min(chan.HARD_MAX_FDS, max(chan.DEFAULT_MAX_FDS, config.tp)))
+        #: Leases are served natively; every bank's state lives there (kvstate.share.lease_server).
+        self.lease_server = LeaseServer(self, self.limits)
         self._server: chan.Server | None = None
-        self._watcher: chan.Watcher | None = None
         self._expiry: threading.Thread | None = None
         self._stopping = threading.Event()
-        self._handlers = 0
+        self._handlers = 0  # TCP connections being served
         self._handlers_done = threading.Condition()
+
+    @property
+    def incarnation(self) -> Incarnation:
+        return self._incarnation
+
+    @incarnation.setter
+    def incarnation(self, value: Incarnation) -> None:
+        """A new incarnation (a restart, in tests): grants check it from now on."""
+        self._incarnation = need("incarnation", value, Incarnation)
+        for bank in self.banks.values():
+            if bank.handle is not None:
+                self.lease_server.publish(bank, bank.lease_report(), bank.handle.fd)
 
     # -- banks --------------------------------------------------------------------------
 
@@ -603,62 +589,57 @@ class Exporter(Generic[H, A, R, M, E]):
     # -- serving ------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Listen for importers, watch their connections and expire their leases. Once:
-        a stopped exporter is not started again (make a new one)."""
+        """Listen for importers and serve their leases (natively, see
+        kvstate.share.lease_server), and withdraw descriptors past their TTL. Once: a
+        stopped exporter is not started again (make a new one)."""
         if self._stopping.is_set() or self._server is not None:
             raise ArgumentInvalid.of("exporter", ArgumentReason.STATE,
                                      "started already, or stopped: an exporter serves once; make a new one")
         chan.make_socket_dir(self.config.socket_dir)
-        # A batched lease answers with every bank's fd in one message (kvstate.share.peers).
-        limits = chan.Limits(max_fds=min(chan.HARD_MAX_FDS, max(chan.DEFAULT_MAX_FDS, len(self.banks))))
-        self._server = chan.Server(self.socket_path, max_connections=self.config.max_connections, limits=limits)
+        # Bound by the channel's Server (owner mark, sweeps of dead servers); served natively.
+        self._server = chan.Server(self.socket_path, max_connections=self.config.max_connections, limits=self.limits)
         try:
-            self._watcher = chan.Watcher(name="kvstate-exporter-watch")
-            self._server.serve_in_thread(self._serve, name="kvstate-exporter")
+            self.lease_server.start(self._server.fileno())
             if self._tcp is not None:
-                self._tcp.serve_in_thread(self._serve, name="kvstate-exporter-tcp")
-            self._expiry = threading.Thread(target=self._expire_loop, name="kvstate-lease-expiry", daemon=True)
+                self._tcp.serve_in_thread(self._serve_tcp, name="kvstate-exporter-tcp")
+            self._expiry = threading.Thread(target=self._expire_loop, name="kvstate-descriptor-expiry", daemon=True)
             self._expiry.start()
         except BaseException as exc:  # a start that fails leaves nothing, so it can be tried again
-            server, watcher = self._server, self._watcher
-            self._server = self._watcher = self._expiry = None
+            server = self._server
+            self._server = self._expiry = None
+            self.lease_server.stop()
             server.close()
-            if watcher is not None:
-                watcher.close()
-            if isinstance(exc, (OSError, RuntimeError)):  # no fd or thread for the watcher
+            if isinstance(exc, (OSError, RuntimeError)):  # no thread
                 raise ChannelError(ChannelReason.FAILED, f"cannot start serving: {exc}") from None
             raise
 
     def stop(self) -> None:
         """Stop serving (idempotent). Live leases stay until drained or their peers go."""
         self._stopping.set()
-        server, watcher, expiry = self._server, self._watcher, self._expiry
-        self._server = self._watcher = self._expiry = None
+        server, expiry = self._server, self._expiry
+        self._server = self._expiry = None
+        self.lease_server.stop()
         if server is not None:
             server.close()
         if self._tcp is not None:
             self._tcp.close()
-        if watcher is not None:
-            watcher.close()
         if expiry is not None:
             expiry.join(2.0)
-        with self._handlers_done:  # connection handlers notice within one recv poll
+        with self._handlers_done:  # TCP connection handlers notice within one recv poll
             self._handlers_done.wait_for(lambda: self._handlers == 0, timeout=2.0)
         stop_dispatcher_if_idle()
 
     def connections(self) -> int:
         """Importer connections being served now (a lease holds one for its lifetime)."""
         with self._handlers_done:
-            return self._handlers
+            return self.lease_server.connections() + self._handlers
 
-    def _serve(self, ch: chan.Channel) -> None:
-        watcher = self._watcher
-        if watcher is None:  # stopped while this connection was being accepted
-            ch.close()
-            return
+    def _serve_tcp(self, ch: chan.Channel) -> None:
+        """One TCP importer: its requests go through the native handler, as the unix
+        socket's do (one home for the lease rules); its end ends its leases."""
         with self._handlers_done:
             self._handlers += 1
-        watcher.watch(ch, self._connection_closed)
+        conn = self.lease_server.open_connection(ch.peer.pid)
         importer_closed = False
         try:
             while not self._stopping.is_set():
@@ -672,192 +653,30 @@ class Exporter(Generic[H, A, R, M, E]):
                     importer_closed = True
                     break
                 msg.close()  # importers send no fds
-                request: dict[str, Any] = {}
-                fds: tuple[int, ...] = ()
+                reply, fds = self.lease_server.handle(conn, msg.payload)
+                if reply is None:
+                    continue  # a notification (mapped): the importer does not wait for an answer
                 try:
-                    request = chan.decode(msg.payload)
-                    if request == status.REQUEST:
-                        reply = status.exporter_status(self, asking=1, max_bytes=ch.limits.max_payload)
-                    elif request.get("op") == "leases":
-                        reply, fds = self._handle_batch(ch, request)
-                    elif request.get("op") == "mapped" and "items" in request:
-                        reply, fds = self._handle_mapped(ch, request)
-                    else:
-                        reply, fds = self._handle(ch, request)
-                except KvStateError as exc:
-                    reply, fds = {"ok": False, "code": exc.reason.value, "detail": str(exc)}, ()
-                if request.get("op") == "mapped":
-                    continue  # a notification: the importer does not wait for an answer
-                try:
-                    ch.send(chan.encode(reply), fds, timeout=self.config.request_timeout_s)
+                    ch.send(reply, fds, timeout=self.config.request_timeout_s)
                 except ChannelError:
                     break
         finally:
-            # Only the importer's end closing says it closed the bank; a stop or a failed send
-            # closes ours, and its holds then wait for its process (drop_exited_holds).
-            self._end_leases("peer_died", lambda lease: lease.channel is ch, still_open=not importer_closed)
-            if importer_closed:
-                for bank in list(self.banks.values()):
-                    bank.drop_holds(ch)
+            self.lease_server.close_connection(conn, importer_closed=importer_closed)
             ch.close()
             with self._handlers_done:
                 self._handlers -= 1
                 self._handlers_done.notify_all()
-
-    def _refuse(self, code: str, detail: str) -> tuple[dict[str, Any], tuple[int, ...]]:
-        return {"ok": False, "code": code, "detail": detail}, ()
-
-    def _handle(self, ch: chan.Channel, req: dict[str, Any]) -> tuple[dict[str, Any], tuple[int, ...]]:
-        for key, kind in _REQUEST_FIELDS.items():  # a peer's JSON may hold any type anywhere
-            if key in req and type(req[key]) is not kind:
-                raise ChannelError(ChannelReason.FRAME,
-                                   f"request field {key!r} must be {kind.__name__}, not {type(req[key]).__name__}")
-        op = req.get("op")
-        bank: Bank[H, A, R, M, E] | None = self.banks.get(req.get("rank", -1))
-        if bank is None:
-            return self._refuse("unknown_rank", f"no bank for rank {req.get('rank')!r}")
-        if op == "lease":
-            if req.get("incarnation") != self.incarnation.value.hex():
-                return self._refuse("stale_incarnation", "this exporter restarted since that descriptor")
-            if req.get("generation") != bank.generation:
-                return self._refuse("stale_generation", f"current generation is {bank.generation}")
-            blocks = None
-            if req.get("blocks") is not None:
-                granted = self._lease_blocks(req["blocks"])
-                if not isinstance(granted, LeaseGrant):
-                    return granted
-                blocks = granted
-            lease_id = next(self._lease_ids)
-            # Granted and read under the bank's lock: the watcher may end the lease the
-            # moment it exists (its importer died), and the answer must not read it half gone.
-            with bank.locked():
-                try:
-                    bank.fire("grant_lease", lease_id=lease_id, channel=ch, blocks=blocks)
-                except TransitionError as exc:
-                    if blocks is not None and self.inventory is not None:
-                        self.inventory.release(blocks)
-                    return self._refuse("not_leasing", str(exc))
-                remaining = bank.leases[lease_id].expires_at - time.monotonic()
-            fd = bank.exported().fd
-            fds = () if fd is None else (fd,)  # FABRIC and CUDA_IPC carry bytes only
-            return {"ok": True, "lease": lease_id, "expires_in_s": remaining, "bank": bank.lease_report()}, fds
-        held = bank.leases.get(req.get("lease", -1))
-        hold = bank.holds.get(req.get("lease", -1))
-        if held is None and op == "release" and hold is not None and hold.channel is ch:
-            bank.drop_hold(req["lease"])  # an expired lease's importer closed the bank after all
-            return {"ok": True}, ()
-        if held is None or held.channel is not ch:
-            return self._refuse("unknown_lease", f"no live lease {req.get('lease')!r} on this connection")
-        if op == "mapped":
-            bank.fire("lease_mapped")
-            return {"ok": True}, ()
-        if op == "release":
-            bank.fire("release_lease", lease_id=held.id)
-            return {"ok": True}, ()
-        if op == "renew":
-            try:
-                bank.fire("renew_lease", lease_id=held.id)
-            except TransitionError as exc:  # expired, or the bank drains: unmap and return it
-                return self._refuse("not_renewing", f"{'expired' if held.expired else bank.state}: {exc}")
-            return {"ok": True, "expires_in_s": held.expires_at - time.monotonic()}, ()
-        return self._refuse("bad_request", f"unknown op {op!r}")
-
-    def _handle_batch(self, ch: chan.Channel, req: dict[str, Any]) -> tuple[dict[str, Any], tuple[int, ...]]:
-        """``leases``: several ranks' lease requests in one message (kvstate.share.peers),
-        each checked exactly as a single ``lease``; all or nothing: on any refusal every
-        lease granted by this request is returned and the refusal names the rank. The
-        answer carries every fd in one SCM_RIGHTS message, in item order (``nfds`` each)."""
-        items = req.get("items")
-        if set(req) != {"op", "items"} or not isinstance(items, list) or not items or \
-                len(items) > len(self.banks) or not all(isinstance(i, dict) and "op" not in i for i in items):
-            raise ChannelError(ChannelReason.FRAME,
-                               f"leases: items must be 1..{len(self.banks)} lease requests (objects without 'op')")
-        ranks = [i.get("rank") for i in items]
-        if any(type(r) is not int for r in ranks) or len(set(ranks)) != len(ranks):
-            raise ChannelError(ChannelReason.FRAME, "leases: every item names a different int rank")
-        granted: list[tuple[int, int]] = []  # (rank, lease id)
-        answers: list[dict[str, Any]] = []
-        fds: list[int] = []
-        try:
-            for item in items:
-                reply, got = self._handle(ch, {**item, "op": "lease"})
-                if not reply.get("ok"):
-                    self._return_granted(ch, granted)
-                    return {**reply, "rank": item["rank"]}, ()
-                granted.append((item["rank"], reply["lease"]))
-                answers.append({**reply, "nfds": len(got)})
-                fds.extend(got)
-        except BaseException:
-            self._return_granted(ch, granted)
-            raise
-        return {"ok": True, "grants": answers}, tuple(fds)
-
-    def _handle_mapped(self, ch: chan.Channel, req: dict[str, Any]) -> tuple[dict[str, Any], tuple[int, ...]]:
-        """``mapped`` with ``items``: one notification for several ranks' leases (each
-        checked as a single ``mapped``). Nothing is answered; a bad item is logged."""
-        items = req.get("items")
-        if set(req) != {"op", "items"} or not isinstance(items, list) or len(items) > len(self.banks) or \
-                not all(isinstance(i, dict) and set(i) == {"rank", "lease"} for i in items):
-            raise ChannelError(ChannelReason.FRAME,
-                               f"mapped: items must be at most {len(self.banks)} objects of rank and lease")
-        for item in items:
-            reply, _ = self._handle(ch, {"op": "mapped", **item})
-            if not reply.get("ok"):
-                log.info("mapped notification refused for rank %r: %s", item.get("rank"), reply.get("detail"))
-        return {"ok": True}, ()
-
-    def _return_granted(self, ch: chan.Channel, granted: list[tuple[int, int]]) -> None:
-        for rank, lease_id in granted:
-            self._handle(ch, {"op": "release", "rank": rank, "lease": lease_id})
-
-    def _lease_blocks(self, want: Any) -> LeaseGrant | tuple[dict[str, Any], tuple[int, ...]]:
-        """Re-validate and pin the requested inventory blocks in one step, or a refusal."""
-        if self.inventory is None:
-            return self._refuse("no_inventory", "this exporter keeps no retained inventory")
-        try:
-            result = self.inventory.lease(want["group"], want["epoch"], want["hashes"])
-        except (ArgumentInvalid, Busy, KeyError, TypeError) as exc:
-            if isinstance(exc, KvStateError) and not refused_by_inventory(exc):
-                raise
-            return self._refuse("bad_request", f"blocks: {exc}")
-        if isinstance(result, Stale):
-            return self._refuse("stale_inventory", f"{result.reason.value} (epoch {result.current_epoch}, "
-                                f"{len(result.missing)} block(s) gone): recompute")
-        return result
-
-    def _end_leases(self, event: LeaseEnd, select: Callable[[BankLease], bool], *, still_open: bool,
-                    why: str = "the importer's connection closed") -> None:
-        """Fire ``event`` for the selected leases, with ``why`` as its reason; ``still_open``:
-        their importers may still have the bank open, so their holds stay (Bank.end_lease)."""
-        bank: Bank[H, A, R, M, E]
-        for bank in list(self.banks.values()):
-            for lease in [lease for lease in list(bank.leases.values()) if select(lease)]:
-                try:
-                    bank.fire(event, lease_id=lease.id, still_open=still_open, reason=f"lease {lease.id}: {why}")
-                except (TransitionError, KeyError):
-                    pass  # already ended by another path (release, expiry, death)
-                except KvStateError as exc:  # an effect failed and was rolled back: try again next round
-                    log.warning("%s: %s of lease %d failed: %s", bank.label, event, lease.id, exc)
-
-    def _connection_closed(self, ch: chan.Channel) -> None:
-        """The watcher saw ``ch`` close: its leases end; its holds too, unless this side
-        closed it (stopping), which says nothing of whether the importer closed the bank."""
-        self._end_leases("peer_died", lambda lease: lease.channel is ch, still_open=ch.closed)
-        if not ch.closed:
-            for bank in list(self.banks.values()):
-                bank.drop_holds(ch)
 
     def _expire_loop(self) -> None:
         while not self._stopping.wait(0.05):
             self.expire()
 
     def expire(self) -> None:
-        """One round of the expiry thread: a lease past its time without renewal drains its
-        bank (kept until returned or disconnected); a descriptor past its TTL is withdrawn.
-        Both are observed events with a reason."""
-        now = time.monotonic()
-        self._end_leases("lease_expired", lambda lease: not lease.expired and lease.expires_at <= now,
-                         still_open=True, why=f"not renewed within {self.config.lease_timeout_s} s")
+        """One round of expiry: a lease past its time without renewal drains its bank (kept
+        until returned or disconnected; the lease thread does this on its own at each
+        expiry); a descriptor past its TTL is withdrawn. Both are observed events with a reason."""
+        self.lease_server.expire()
+        self.lease_server.pump()
         now_ns = time.time_ns()
         bank: Bank[H, A, R, M, E]
         for bank in list(self.banks.values()):
