@@ -393,6 +393,7 @@ int32_t kvs_lease_expire(kvs_lease_server *s); /* one expiry round now: leases e
 int kvs_lease_serve(kvs_lease_server *s, int32_t listen_fd); /* start the thread */
 int kvs_lease_stop(kvs_lease_server *s); /* stop and join it; its connections close */
 int32_t kvs_lease_connections(kvs_lease_server *s);
+int64_t kvs_lease_lease_requests(kvs_lease_server *s); /* `lease` and `leases` requests handled */
 int32_t kvs_lease_events_fd(kvs_lease_server *s);
 int32_t kvs_lease_next_event(kvs_lease_server *s, kvs_lease_event *out); /* 1, or 0: none */
 int32_t kvs_lease_requests_fd(kvs_lease_server *s);

@@ -392,6 +392,14 @@ int32_t kvs_lease_connections(kvs_lease_server *s) {
     return n;
 }
 
+int64_t kvs_lease_lease_requests(kvs_lease_server *s) {
+    if (!s) return KVS_E_INVAL;
+    pthread_mutex_lock(&s->mu);
+    int64_t n = s->lease_requests;
+    pthread_mutex_unlock(&s->mu);
+    return n;
+}
+
 void kvs_lease_conn_end(struct kvs_lease_server *s, uint64_t conn, int importer_closed, int why) {
     for (int r = 0; r < KVS_LEASE_MAX_RANKS; r++) {
         struct kvs_bank *b = &s->banks[r];
@@ -531,6 +539,24 @@ static const char *shown(const struct kj_field *f, char *buf, size_t cap) {
     return buf;
 }
 
+/* The words of Python's TransitionError for a refused fire (kvstate.core.errors). */
+static const char *refusal_text(char *buf, size_t cap, int rc, int32_t event, const kvs_fire_result *out) {
+    const char *ev = kvs_bank_event_names[event], *st = kvs_bank_state_names[out->source];
+    if (rc == KVS_E_ILLEGAL) {
+        snprintf(buf, cap, "bank: event '%s' is not declared in state '%s'", ev, st);
+    } else if (rc == KVS_E_GUARD) {
+        int n = snprintf(buf, cap, "bank: event '%s' in state '%s' refused by guard(s) ", ev, st);
+        for (int k = 0; k < out->nrefused && n > 0 && (size_t)n < cap; k++) {
+            int g = out->refused[k];
+            n += snprintf(buf + n, cap - (size_t)n, "%s%s%s", k ? ", " : "", g < 0 ? "not " : "",
+                          kvs_bank_guard_names[g < 0 ? -1 - g : g]);
+        }
+    } else {
+        snprintf(buf, cap, "bank: event '%s' in state '%s' failed (%d)", ev, st, rc);
+    }
+    return buf;
+}
+
 static const char *const request_fields[] = {"op", "rank", "lease", "generation", "incarnation"};
 static const int request_types[] = {KJ_STR, KJ_INT, KJ_INT, KJ_INT, KJ_STR};
 
@@ -581,8 +607,8 @@ static int handle_one(struct kvs_lease_server *s, uint64_t conn, int pid, const 
         struct fx_ctx c = {.s = s, .b = b, .lease = s->next_lease++, .conn = conn, .pid = pid};
         int rc = fire_lease(s, (int32_t)rank, KVS_BANK_EV_GRANT_LEASE, &c, KVS_LWHY_NONE, &out);
         if (rc == KVS_E_GUARD || rc == KVS_E_ILLEGAL) {
-            refuse(o, "not_leasing", 0, 0, "bank: event 'grant_lease' in state '%s' refused%s",
-                   kvs_bank_state_names[out.source], rc == KVS_E_GUARD ? " by guard(s) accepting_leases" : "");
+            char why[256];
+            refuse(o, "not_leasing", 0, 0, "%s", refusal_text(why, sizeof why, rc, KVS_BANK_EV_GRANT_LEASE, &out));
             return 0;
         }
         if (rc != KVS_OK) {
@@ -616,16 +642,17 @@ static int handle_one(struct kvs_lease_server *s, uint64_t conn, int pid, const 
     struct fx_ctx c = {.s = s, .b = b, .lease = id, .conn = conn};
     if (strcmp(op, "mapped") == 0) {
         int rc = fire_lease(s, (int32_t)rank, KVS_BANK_EV_LEASE_MAPPED, &c, KVS_LWHY_NONE, &out);
-        if (rc != KVS_OK) refuse(o, rc == KVS_E_ILLEGAL ? "illegal" : "guard", 0, 0,
-                                 "bank: event 'lease_mapped' is not declared in state '%s'",
-                                 kvs_bank_state_names[out.source]);
+        char why[256];
+        if (rc != KVS_OK) refuse(o, rc == KVS_E_ILLEGAL ? "illegal" : "guard", 0, 0, "%s",
+                                 refusal_text(why, sizeof why, rc, KVS_BANK_EV_LEASE_MAPPED, &out));
         else put(o, "{\"ok\":true}");
         return 0;
     }
     if (strcmp(op, "release") == 0) {
         int rc = fire_lease(s, (int32_t)rank, KVS_BANK_EV_RELEASE_LEASE, &c, KVS_LWHY_NONE, &out);
-        if (rc != KVS_OK) refuse(o, rc == KVS_E_ILLEGAL ? "illegal" : "guard", 0, 0,
-                                 "bank: event 'release_lease' refused in state '%s'", kvs_bank_state_names[out.source]);
+        char why[256];
+        if (rc != KVS_OK) refuse(o, rc == KVS_E_ILLEGAL ? "illegal" : "guard", 0, 0, "%s",
+                                 refusal_text(why, sizeof why, rc, KVS_BANK_EV_RELEASE_LEASE, &out));
         else put(o, "{\"ok\":true}");
         return 0;
     }
@@ -633,8 +660,9 @@ static int handle_one(struct kvs_lease_server *s, uint64_t conn, int pid, const 
         int expired = held->expired;
         int rc = fire_lease(s, (int32_t)rank, KVS_BANK_EV_RENEW_LEASE, &c, KVS_LWHY_NONE, &out);
         if (rc == KVS_E_GUARD || rc == KVS_E_ILLEGAL) { /* expired, or the bank drains: unmap and return it */
-            refuse(o, "not_renewing", 0, 0, "%s: bank: event 'renew_lease' refused in state '%s'",
-                   expired ? "expired" : kvs_bank_state_names[out.source], kvs_bank_state_names[out.source]);
+            char why[256];
+            refuse(o, "not_renewing", 0, 0, "%s: %s", expired ? "expired" : kvs_bank_state_names[out.source],
+                   refusal_text(why, sizeof why, rc, KVS_BANK_EV_RENEW_LEASE, &out));
             return 0;
         }
         if (rc != KVS_OK) {
@@ -764,6 +792,7 @@ int kvs_lease_handle(kvs_lease_server *s, uint64_t conn, const char *payload, ui
         }
         char opname[81];
         if (op && op->type == KJ_STR) snprintf(opname, sizeof opname, "%.*s", (int)op->slen, op->s);
+        s->lease_requests += field_is(op, "lease") || field_is(op, "leases");
         if (field_is(op, "status") && r->top.n == 1) {
             rc = KVS_LEASE_PYTHON;
         } else if (field_is(op, "leases")) {

@@ -56,7 +56,7 @@ struct kvs_lease_server {
     int64_t lease_timeout_ns;
     int32_t max_leases, max_payload, max_fds, max_connections;
     uint32_t uid;
-    int64_t next_lease;
+    int64_t next_lease, lease_requests;
     uint64_t next_conn;
     int nbanks;
     struct kvs_bank banks[KVS_LEASE_MAX_RANKS];

@@ -219,7 +219,8 @@ static void *run(void *arg) {
 
 int kvs_lease_serve(kvs_lease_server *s, int32_t listen_fd) {
     if (!s || listen_fd < 0) return KVS_E_INVAL;
-    if (s->running || s->stopping) return KVS_E_BUSY;
+    if (s->running) return KVS_E_BUSY;
+    s->stopping = 0;
     s->listen_fd = listen_fd;
     s->epoll_fd = epoll_create1(EPOLL_CLOEXEC);
     s->timer_fd = timerfd_create(CLOCK_MONOTONIC, TFD_CLOEXEC | TFD_NONBLOCK);

@@ -183,7 +183,7 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         self.reservation: R | None = None
         self.mapping: M | None = None
         self.handle: H | None = None
-        self.generation = 0
+        self._generation = 0
         self.descriptor: bytes | None = None
         self.descriptor_expires_ns = 0
         self.inventory_epoch = 0
@@ -207,6 +207,17 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
 
     def may(self, event: str) -> bool:
         return isinstance(event, str) and (event, self.state) in type(self)._kv_compiled.declared
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    @generation.setter
+    def generation(self, value: int) -> None:
+        """The generation grants are checked against (set by advertise; moved by tests)."""
+        self._generation = value
+        if self.handle is not None and self.descriptor is not None:
+            self._native.publish(self, self.lease_report(), self.handle.fd)
 
     @property
     def leases(self) -> dict[int, NativeLease]:

@@ -232,11 +232,21 @@ class LeaseServer:
     def start(self, listen_fd: int | None) -> None:
         """Serve the listening socket ``listen_fd`` natively (None: TCP only), and start
         the thread that delivers transitions and serves what the handler passes on."""
-        if listen_fd is not None:
-            self._check(self.lib.kvs_lease_serve(self._s, listen_fd), "kvs_lease_serve", "the lease thread")
+        if listen_fd is None:
+            return
+        self._check(self.lib.kvs_lease_serve(self._s, listen_fd), "kvs_lease_serve", "the lease thread")
+        try:
             self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
             self._thread = threading.Thread(target=self._run, name="kvstate-lease-observer", daemon=True)
             self._thread.start()
+        except BaseException:  # nothing of this start stays, so it can be tried again
+            self._thread = None
+            for fd in (self._stop_r, self._stop_w):
+                if fd >= 0:
+                    os.close(fd)
+            self._stop_r = self._stop_w = -1
+            self.lib.kvs_lease_stop(self._s)
+            raise
 
     def stop(self) -> None:
         """Stop serving: the native thread is joined and its connections closed (their holds
@@ -253,6 +263,10 @@ class LeaseServer:
 
     def connections(self) -> int:
         return int(self.lib.kvs_lease_connections(self._s))
+
+    def lease_requests(self) -> int:
+        """``lease`` and ``leases`` requests handled so far (a batch counts once)."""
+        return int(self.lib.kvs_lease_lease_requests(self._s))
 
     def close_connection(self, conn: int, *, importer_closed: bool) -> None:
         self.lib.kvs_lease_conn_close(self._s, conn, int(importer_closed))
@@ -375,8 +389,11 @@ class LeaseServer:
         events_fd = self.lib.kvs_lease_events_fd(self._s)
         requests_fd = self.lib.kvs_lease_requests_fd(self._s)
         conn, buf, blen = self.ffi.new("uint64_t *"), self.ffi.new("char[]", _REPLY_CAP), self.ffi.new("uint32_t *")
+        poller = select.poll()
+        for fd in (events_fd, requests_fd, self._stop_r):
+            poller.register(fd, select.POLLIN)
         while True:
-            ready, _, _ = select.select([events_fd, requests_fd, self._stop_r], [], [])
+            ready = [fd for fd, _ in poller.poll()]
             if self._stop_r in ready:
                 return
             for fd in ready:

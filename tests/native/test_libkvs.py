@@ -39,11 +39,18 @@ _C_TO_PY: dict[str, Any] = {
     "struct kvs_fire_result *": libkvs.FireResultPtr,
     "int32_t(*)(void *, int32_t, int32_t)": libkvs.EffectFn,
     "void *": libkvs.VoidPtr,
+    "struct kvs_lease_server *": libkvs.LeaseServerPtr,
+    "struct kvs_lease_server * *": libkvs.LeaseServerOut,
+    "uint32_t *": libkvs.UInt32Ptr,
+    "struct kvs_lease_info *": libkvs.LeaseInfoArray,
+    "struct kvs_hold_info *": libkvs.HoldInfoArray,
+    "struct kvs_lease_event *": libkvs.LeaseEventPtr,
 }
 _STRUCTS = {"kvs_region_info": libkvs.RegionInfoPtr, "kvs_global_info": libkvs.GlobalInfoPtr,
             "kvs_op_info": libkvs.OpInfoPtr, "kvs_cuda_driver_info": libkvs.CudaDriverInfoPtr,
             "kvs_cuda_device_info": libkvs.CudaDeviceInfoPtr, "kvs_machine_inst": libkvs.MachineInstPtr,
-            "kvs_fire_result": libkvs.FireResultPtr}
+            "kvs_fire_result": libkvs.FireResultPtr, "kvs_lease_info": libkvs.LeaseInfo,
+            "kvs_hold_info": libkvs.HoldInfo, "kvs_lease_event": libkvs.LeaseEventPtr}
 
 
 def _builder() -> Any:
