@@ -389,7 +389,9 @@ int kvs_lease_conn_close(kvs_lease_server *s, uint64_t conn, int32_t importer_cl
 int kvs_lease_handle(kvs_lease_server *s, uint64_t conn, const char *payload, uint32_t len, char *reply,
                      uint32_t cap, uint32_t *reply_len, int32_t *fds, int32_t fdcap, int32_t *nfds,
                      int32_t *answer);
-int32_t kvs_lease_expire(kvs_lease_server *s); /* one expiry round now: leases expired */
+/* One expiry round: the leases whose expiry is `ahead_ns` from now or earlier run out
+ * (the thread passes 0; a test looks ahead). How many expired. */
+int32_t kvs_lease_expire(kvs_lease_server *s, int64_t ahead_ns);
 int kvs_lease_serve(kvs_lease_server *s, int32_t listen_fd); /* start the thread */
 int kvs_lease_stop(kvs_lease_server *s); /* stop and join it; its connections close */
 int32_t kvs_lease_connections(kvs_lease_server *s);

@@ -453,10 +453,10 @@ int64_t kvs_lease_next_expiry(struct kvs_lease_server *s) {
     return next;
 }
 
-int32_t kvs_lease_expire(kvs_lease_server *s) {
-    if (!s) return KVS_E_INVAL;
+int32_t kvs_lease_expire(kvs_lease_server *s, int64_t ahead_ns) {
+    if (!s || ahead_ns < 0) return KVS_E_INVAL;
     pthread_mutex_lock(&s->mu);
-    int64_t now = kvs_lease_now();
+    int64_t now = kvs_lease_now() + ahead_ns;
     int32_t n = 0;
     for (int r = 0; r < KVS_LEASE_MAX_RANKS; r++) {
         struct kvs_bank *b = &s->banks[r];
@@ -686,6 +686,16 @@ static void return_granted(struct kvs_lease_server *s, uint64_t conn, const int6
     }
 }
 
+/* Whether the answer in `o` is one Python raised (a malformed field, a refused or failed
+ * fire) rather than returned: its loops over items stopped there. */
+static int raised(const struct out *o) {
+    static const char *const codes[] = {"{\"code\":\"frame\"", "{\"code\":\"illegal\"",
+                                        "{\"code\":\"guard\"", "{\"code\":\"effect\""};
+    for (int k = 0; k < 4; k++)
+        if (o->n >= strlen(codes[k]) && strncmp(o->p, codes[k], strlen(codes[k])) == 0) return 1;
+    return 0;
+}
+
 /* `leases`: every item as a single lease; all or nothing; fds in item order. */
 static void handle_batch(struct kvs_lease_server *s, uint64_t conn, int pid, const struct kj_req *r, struct out *o) {
     int n = r->nitems, ok = r->top.n == 2 && kj_get(&r->top, "items") && n >= 1 && n <= s->nbanks;
@@ -720,8 +730,7 @@ static void handle_batch(struct kvs_lease_server *s, uint64_t conn, int pid, con
         if (!handle_one(s, conn, pid, "lease", &r->items[k], &one, &id)) {
             return_granted(s, conn, ranks, ids, granted);
             /* the refusal, with the rank that was refused (a malformed item is the frame's) */
-            int framed = strncmp(o->p, "{\"code\":\"frame\"", 15) == 0 || strncmp(o->p, "{\"code\":\"effect\"", 16) == 0;
-            if (!framed && one.n && o->p[one.n - 1] == '}') {
+            if (!raised(&one) && one.n && o->p[one.n - 1] == '}') {
                 one.n--;
                 put(&one, ",\"rank\":%lld}", (long long)ranks[k]);
             }
@@ -762,6 +771,7 @@ static void handle_mapped(struct kvs_lease_server *s, uint64_t conn, int pid, co
     for (int k = 0; k < n; k++) {
         int64_t id = 0;
         handle_one(s, conn, pid, "mapped", &r->items[k], o, &id);
+        if (raised(o)) return; /* Python's loop ended at the first item that raised */
     }
 }
 

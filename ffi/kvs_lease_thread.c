@@ -199,7 +199,7 @@ static void *run(void *arg) {
             } else if (tag == TAG_TIMER) {
                 uint64_t ticks;
                 if (read(s->timer_fd, &ticks, sizeof ticks) < 0) { /* re-armed below either way */ }
-                kvs_lease_expire(s);
+                kvs_lease_expire(s, 0);
             } else if (tag == TAG_CMD) {
                 /* stop: seen above */
             } else if (tag & 8) { /* a pidfd: the importer's process exited */

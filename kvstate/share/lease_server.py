@@ -223,9 +223,10 @@ class LeaseServer:
     def drop_exited_holds(self, rank: int) -> int:
         return int(self.lib.kvs_lease_drop_exited_holds(self._s, rank))
 
-    def expire(self) -> int:
-        """One expiry round now (the thread runs them at each expiry on its own)."""
-        return int(self.lib.kvs_lease_expire(self._s))
+    def expire(self, ahead_s: float = 0.0) -> int:
+        """One expiry round now (the thread runs them at each expiry on its own): leases
+        that run out within ``ahead_s`` expire (a test looks ahead)."""
+        return int(self.lib.kvs_lease_expire(self._s, int(ahead_s * 1e9)))
 
     # -- serving --------------------------------------------------------------------------
 
