@@ -247,7 +247,7 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
             quiescent = event == "quiesce" and not self.stores and self.pins() == 0
             self._kv_firing = True
             try:
-                return self._native.fire(self, event, kwargs, type(self)._kv_compiled.effects, quiescent)
+                return self._native.bank_event(self, event, kwargs, type(self)._kv_compiled.effects, quiescent)
             finally:
                 self._kv_firing = False
                 self._native.pump()

@@ -150,7 +150,7 @@ class LeaseServer:
             self._check(s, "kvs_lease_bank_state", f"rank {rank}")
         return str(self.table.states[s])
 
-    def fire(self, bank: Bank[Any, Any, Any, Any, Any], event: str, kwargs: dict[str, Any],
+    def bank_event(self, bank: Bank[Any, Any, Any, Any, Any], event: str, kwargs: dict[str, Any],
              effects: dict[str, Callable[..., Any]], quiescent: bool) -> str:
         """Fire ``event`` on ``bank``'s native instance with Python's ``effects`` called back
         (each may return an undo); raises what :meth:`Lifecycle.fire` raises."""
