@@ -11,7 +11,7 @@ literals blanked out) function by function:
 * a function with ``case KVS_OP_GUARD_X:`` or ``case KVS_OP_FX_X:`` implements op guard
   or effect ``x`` (``guard_holds`` and ``effect`` dispatch on them); one with
   ``case KVS_BANK_FX_X:`` implements bank effect ``x`` (``lease_fx``), and one that
-  sets ``1ull << KVS_BANK_G_X`` in the guard bits evaluates bank guard ``x`` (``guards``);
+  sets ``holds |= 1ull << KVS_BANK_G_X`` in the guard bits evaluates bank guard ``x`` (``guards``);
 * a function that calls the machine's firing call (``kvs_op_step``; ``fire_lease`` or
   ``kvs_machine_fire`` for the bank) fires every ``..._EV_X`` it names; a function that
   only reads the table fires nothing;
@@ -42,7 +42,7 @@ _CASE = re.compile(rf"\bcase\s+{PREFIX}(GUARD|FX)_(\w+)\s*:")
 _EVENT = re.compile(rf"\b{PREFIX}EV_(\w+)\b")
 _CALLS_STEP = re.compile(rf"\b{RUNNER}\s*\(")
 _BANK_CASE = re.compile(rf"\bcase\s+{BANK_PREFIX}FX_(\w+)\s*:")
-_BANK_GUARD = re.compile(rf"\b1ull\s*<<\s*{BANK_PREFIX}G_(\w+)\b")
+_BANK_GUARD = re.compile(rf"\|=\s*1ull\s*<<\s*{BANK_PREFIX}G_(\w+)\b")
 _BANK_EVENT = re.compile(rf"\b{BANK_PREFIX}EV_(\w+)\b")
 _BANK_FIRES = re.compile(r"\b(fire_lease|kvs_machine_fire)\s*\(")
 

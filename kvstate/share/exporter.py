@@ -169,6 +169,9 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
     caller-memory types (:class:`kvstate.transport.protocol.MappedTransport`)."""
 
     table = load_machine("bank")
+    #: The lease rows' guards and effects: the lease server's, in C (ffi/kvs_lease.c).
+    native = frozenset({"accepting_leases", "last_lease", "lease_live", "grant_lease", "renew_lease",
+                        "expire_lease", "end_lease"})
 
     def __init__(self, exporter: Exporter[H, A, R, M, E], rank: int, geometry: Geometry, *,
                  observers: Iterable[Observer] = ()) -> None:
@@ -244,7 +247,7 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
                 raise TransitionError.reentrant(spec.name, source, event)
             if (event, source) not in type(self)._kv_compiled.declared:
                 raise TransitionError.illegal(spec.name, source, event)
-            quiescent = event == "quiesce" and not self.stores and self.pins() == 0
+            quiescent = event == "quiesce" and self._quiescent()
             self._kv_firing = True
             try:
                 return self._native.bank_event(self, event, kwargs, type(self)._kv_compiled.effects, quiescent)
@@ -343,26 +346,9 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
 
     # -- guards -----------------------------------------------------------------------
 
-    # The lease server evaluates these from its own table just before each fire
-    # (ffi/kvs_lease.c: guards()); here they read its snapshot, for the reader's check.
-
-    @guard("accepting_leases")
-    def _accepting(self, **kw: Any) -> bool:
-        return len(self.leases) < self.exporter.config.max_leases and self.descriptor is not None \
-            and time.time_ns() < self.descriptor_expires_ns
-
-    @guard("lease_live")
-    def _lease_live(self, *, lease_id: int, **kw: Any) -> bool:
-        lease = self.leases.get(lease_id)
-        return lease is not None and not lease.expired
-
-    @guard("last_lease")
-    def _last_lease(self, *, lease_id: int, **kw: Any) -> bool:
-        return set(self.leases) == {lease_id}
-
-    @guard("native_quiescent")  # Bank.fire passes the stores and pins part; the server adds "no lease"
+    @guard("native_quiescent")  # what Python knows of it; the lease server adds "no lease left"
     def _quiescent(self, **kw: Any) -> bool:
-        return not self.leases and not self.stores and self.pins() == 0
+        return not self.stores and self.pins() == 0
 
     # -- effects ----------------------------------------------------------------------
 
@@ -431,25 +417,6 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
             self.generation, self.descriptor, self.descriptor_expires_ns, self.inventory_epoch = before
             self._native.publish(self, self.lease_report(), handle.fd)
         return undo
-
-    # The lease effects run natively (ffi/kvs_lease.c: lease_fx), fired only by the lease
-    # server; Bank.fire refuses lease events before any effect, so these are never called.
-
-    @effect("grant_lease")
-    def _grant(self, **kw: Any) -> None:
-        raise TransitionError.illegal(self.table.name, self.state, "grant_lease (fired by the lease server only)")
-
-    @effect("expire_lease")
-    def _expire(self, **kw: Any) -> None:
-        raise TransitionError.illegal(self.table.name, self.state, "lease_expired (fired by the lease server only)")
-
-    @effect("renew_lease")
-    def _renew(self, **kw: Any) -> None:
-        raise TransitionError.illegal(self.table.name, self.state, "renew_lease (fired by the lease server only)")
-
-    @effect("end_lease")
-    def _end(self, **kw: Any) -> None:
-        raise TransitionError.illegal(self.table.name, self.state, "end_lease (fired by the lease server only)")
 
     @effect("withdraw_descriptor")
     def _withdraw(self, **kw: Any) -> Callable[[], None]:
