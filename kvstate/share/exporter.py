@@ -31,16 +31,9 @@ copies pages of its own KV tensors into bank blocks on the op engine, or ``Bank.
 (``Exporter.allocate``) hands it tensors over the bank's memory to use as its KV cache,
 zero copy; the bank then refuses release while any of those tensors is alive.
 
-Memory nobody counts across processes (legacy CUDA IPC, ``UNCOUNTED_KINDS``): the driver
-frees it at the exporter's release whoever still has it open, so the bank keeps a *hold*
-for every importer that may have it open: a pin on its mapping, taken with the lease and
-dropped only on evidence that the importer closed it: its ``release`` request (an
-importer closes its handle before returning the lease), its connection closing from its
-side (it let go, or its process exited), or, once this exporter stopped serving and so
-closed the connection itself, the importer's process having exited (a pidfd kept with
-the hold). A lease that expires ends as a lease, but its hold stays, so the pins keep the
-bank out of ``quiescent`` and its memory is never freed under an importer that still has
-it open.
+Leases are served natively, and each bank's state lives there
+(:mod:`kvstate.share.lease_server`, which also says how memory nobody counts across
+processes is held while an importer may have it open).
 """
 
 from __future__ import annotations
@@ -64,11 +57,11 @@ from kvstate.core.errors import (
     ChannelError, ConfigInvalid, KvStateError, TransitionError, BackendUnavailable, Busy, TimedOut,
     NativeError,
 )
-from kvstate.core.args import need, need_callables, need_choice, need_int, need_path, need_seconds, need_text, typed
+from kvstate.core.args import need, need_callables, need_choice, need_int, need_seconds, need_text, typed
 from kvstate.core.errors import ArgumentInvalid
 from kvstate.core.reasons import ArgumentReason, BusyReason, TimeoutReason, ChannelReason
 from kvstate.core.geometry import Geometry
-from kvstate.core.handles import FD_KINDS, UNCOUNTED_KINDS, HandleKind
+from kvstate.core.handles import UNCOUNTED_KINDS, HandleKind
 from kvstate.core.identity import Deployment, FabricDomain, FabricKind, Incarnation, host_boot_id
 from kvstate.reuse.inventory import Inventory
 from kvstate.core.machine import Lifecycle, Observer, effect, guard
@@ -76,6 +69,7 @@ from kvstate.core.spec import load_machine
 from kvstate.core.capabilities import Access
 from kvstate.transport.protocol import A, E, H, HostView, M, MappedTransport, R, require_mapped
 from kvstate.share import store
+from kvstate.share.export_checks import positive_int, seconds, socket_dir, source_id, tcp_listen
 from kvstate.share.lease_server import HoldView, LeaseServer, NativeLease
 from kvstate.transport.nixl import handle as nixl_handle
 from kvstate.share.plan import Plan
@@ -83,72 +77,22 @@ from kvstate.share.transfer import TransferHandle, stop_dispatcher_if_idle
 
 log = logging.getLogger(__name__)
 
-_SOURCE_ID_BYTES = 16
-
-
-def _source_id(_: object, attribute: attrs.Attribute[bytes], value: object) -> None:
-    if not isinstance(value, bytes) or len(value) != _SOURCE_ID_BYTES:
-        raise ConfigInvalid.of("ExportConfig.source_id", f"must be exactly {_SOURCE_ID_BYTES} bytes (it is signed into "
-                               f"every descriptor and importers refuse any other length), not {value!r:.40}")
-
-
-def _positive_int(_: object, attribute: attrs.Attribute[int], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigInvalid.of(f"ExportConfig.{attribute.name}", f"must be an int >= 1, not {value!r:.40}")
-
-def _seconds(_: object, attribute: attrs.Attribute[float], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1e9 or value != value:
-        raise ConfigInvalid.of(f"ExportConfig.{attribute.name}", f"must be a finite number of seconds > 0, "
-                               f"not {value!r:.40}")
-
-
-def _socket_dir(_: object, attribute: attrs.Attribute[Path], value: object) -> None:
-    try:
-        need_path("ExportConfig.socket_dir", value)
-    except KvStateError as exc:
-        raise ConfigInvalid.of("ExportConfig.socket_dir", str(exc)) from None
-
-
-#: Hosts that bind every interface: a descriptor that named one would send importers on
-#: other nodes to their own host.
-_WILDCARDS = frozenset({"", "0.0.0.0", "::", "[::]"})
-
-
-def _tcp_listen(config: Any, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is None:
-        return
-    where = "ExportConfig.tcp_listen"
-    if not isinstance(value, tuple) or len(value) != 2:
-        raise ConfigInvalid.of(where, f"must be a (host, port) tuple, not {value!r:.60}")
-    host, port = value
-    if not isinstance(host, str) or not host.isascii() or not host.isprintable() or len(host) > 253:
-        raise ConfigInvalid.of(where, f"host must be a printable ASCII name or address, not {host!r:.60}")
-    if host in _WILDCARDS:
-        raise ConfigInvalid.of(where, f"host {host!r} binds every interface, and descriptors name it: "
-                               "give the address other nodes reach this one at")
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise ConfigInvalid.of(where, f"port must be an int in 0..65535 (0: any free one), not {port!r:.40}")
-    if config.handle_kind in FD_KINDS:  # fds travel over AF_UNIX only: such a lease could never be answered
-        raise ConfigInvalid.of(where, f"{config.handle_kind.value} handles are file descriptors and cannot cross "
-                               "nodes: serve them on the unix socket (no tcp_listen), or export NIXL handles")
-
-
 @attrs.frozen
 class ExportConfig:
     deployment: Deployment = attrs.field(validator=typed(Deployment))
-    socket_dir: Path = attrs.field(validator=_socket_dir)
-    source_id: bytes = attrs.field(validator=_source_id)  # the logical KV source: 16 bytes
-    tp: int = attrs.field(validator=_positive_int)
-    lease_timeout_s: float = attrs.field(default=30.0, validator=_seconds)
-    descriptor_ttl_s: float = attrs.field(default=300.0, validator=_seconds)
-    max_leases: int = attrs.field(default=64, validator=_positive_int)  # per bank
-    max_connections: int = attrs.field(default=chan.DEFAULT_MAX_CONNECTIONS, validator=_positive_int)
-    request_timeout_s: float = attrs.field(default=5.0, validator=_seconds)
+    socket_dir: Path = attrs.field(validator=socket_dir)
+    source_id: bytes = attrs.field(validator=source_id)  # the logical KV source: 16 bytes
+    tp: int = attrs.field(validator=positive_int)
+    lease_timeout_s: float = attrs.field(default=30.0, validator=seconds)
+    descriptor_ttl_s: float = attrs.field(default=300.0, validator=seconds)
+    max_leases: int = attrs.field(default=64, validator=positive_int)  # per bank
+    max_connections: int = attrs.field(default=chan.DEFAULT_MAX_CONNECTIONS, validator=positive_int)
+    request_timeout_s: float = attrs.field(default=5.0, validator=seconds)
     handle_kind: HandleKind = attrs.field(default=HandleKind.MEMFD,  # what the banks are exported as
                                           validator=typed(HandleKind))
     #: Also serve leases over TCP, for banks read from other nodes (NIXL): (host, port), the
     #: address every descriptor names; port 0 takes a free one.
-    tcp_listen: tuple[str, int] | None = attrs.field(default=None, validator=_tcp_listen)
+    tcp_listen: tuple[str, int] | None = attrs.field(default=None, validator=tcp_listen)
 
 
 #: The bank states whose descriptor is given out: from advertise until quiescent (a
@@ -208,7 +152,7 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
     def is_terminal(self) -> bool:
         return self.state in self.table.terminal
 
-    def may(self, event: str) -> bool:
+    def may(self, event: str) -> bool:  # Lifecycle.may, of the native state
         return isinstance(event, str) and (event, self.state) in type(self)._kv_compiled.declared
 
     @property
@@ -216,26 +160,21 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         return self._generation
 
     @generation.setter
-    def generation(self, value: int) -> None:
-        """The generation grants are checked against (set by advertise; moved by tests)."""
+    def generation(self, value: int) -> None:  # grants check it: set by advertise (and tests)
         self._generation = value
         if self.handle is not None and self.descriptor is not None:
             self._native.publish(self, self.lease_report(), self.handle.fd)
 
     @property
-    def leases(self) -> dict[int, NativeLease]:
-        """A snapshot of the bank's leases (lease id -> lease)."""
+    def leases(self) -> dict[int, NativeLease]:  # a snapshot: lease id -> lease
         return self._native.leases(self.rank)
 
     @property
-    def holds(self) -> dict[int, HoldView]:
-        """A snapshot of the bank's holds: lease id -> an importer that may have the bank
-        open, for memory nobody counts across processes (UNCOUNTED_KINDS): each is a pin."""
+    def holds(self) -> dict[int, HoldView]:  # a snapshot: lease id -> hold (UNCOUNTED_KINDS), each a pin
         return self._native.holds(self.rank)
 
     def fire(self, event: str, **kwargs: Any) -> str:
-        """Apply ``event`` on the bank's native instance (Lifecycle.fire's rules and errors);
-        lease events are the lease server's own (ffi/kvs_lease.c) and refused here."""
+        """Lifecycle.fire on the bank's native instance; lease events are the lease server's."""
         spec = self.table
         if not isinstance(event, str):
             raise TransitionError.illegal(spec.name, self.state, f"{event!r:.40}")
@@ -510,16 +449,13 @@ class Exporter(Generic[H, A, R, M, E]):
         self._server: chan.Server | None = None
         self._expiry: threading.Thread | None = None
         self._stopping = threading.Event()
-        self._handlers = 0  # TCP connections being served
-        self._handlers_done = threading.Condition()
 
     @property
     def incarnation(self) -> Incarnation:
         return self._incarnation
 
     @incarnation.setter
-    def incarnation(self, value: Incarnation) -> None:
-        """A new incarnation (a restart, in tests): grants check it from now on."""
+    def incarnation(self, value: Incarnation) -> None:  # a restart, in tests: grants check it
         self._incarnation = need("incarnation", value, Incarnation)
         for bank in self.banks.values():
             if bank.handle is not None:
@@ -579,7 +515,8 @@ class Exporter(Generic[H, A, R, M, E]):
         try:
             self.lease_server.start(self._server.fileno())
             if self._tcp is not None:
-                self._tcp.serve_in_thread(self._serve_tcp, name="kvstate-exporter-tcp")
+                self._tcp.serve_in_thread(lambda ch: self.lease_server.serve_tcp(ch, self._stopping),
+                                          name="kvstate-exporter-tcp")
             self._expiry = threading.Thread(target=self._expire_loop, name="kvstate-descriptor-expiry", daemon=True)
             self._expiry.start()
         except BaseException as exc:  # a start that fails leaves nothing, so it can be tried again
@@ -603,47 +540,12 @@ class Exporter(Generic[H, A, R, M, E]):
             self._tcp.close()
         if expiry is not None:
             expiry.join(2.0)
-        with self._handlers_done:  # TCP connection handlers notice within one recv poll
-            self._handlers_done.wait_for(lambda: self._handlers == 0, timeout=2.0)
+        self.lease_server.wait_tcp(2.0)  # TCP connection handlers notice within one recv poll
         stop_dispatcher_if_idle()
 
     def connections(self) -> int:
         """Importer connections being served now (a lease holds one for its lifetime)."""
-        with self._handlers_done:
-            return self.lease_server.connections() + self._handlers
-
-    def _serve_tcp(self, ch: chan.Channel) -> None:
-        """One TCP importer: its requests go through the native handler, as the unix
-        socket's do (one home for the lease rules); its end ends its leases."""
-        with self._handlers_done:
-            self._handlers += 1
-        conn = self.lease_server.open_connection(ch.peer.pid)
-        importer_closed = False
-        try:
-            while not self._stopping.is_set():
-                try:
-                    msg = ch.recv(timeout=0.25)
-                except ChannelError as exc:
-                    if exc.reason is ChannelReason.TIMEOUT:
-                        continue
-                    if not exc.closed:
-                        raise
-                    importer_closed = True
-                    break
-                msg.close()  # importers send no fds
-                reply, fds = self.lease_server.handle(conn, msg.payload)
-                if reply is None:
-                    continue  # a notification (mapped): the importer does not wait for an answer
-                try:
-                    ch.send(reply, fds, timeout=self.config.request_timeout_s)
-                except ChannelError:
-                    break
-        finally:
-            self.lease_server.close_connection(conn, importer_closed=importer_closed)
-            ch.close()
-            with self._handlers_done:
-                self._handlers -= 1
-                self._handlers_done.notify_all()
+        return self.lease_server.connections()
 
     def _expire_loop(self) -> None:
         while not self._stopping.wait(0.05):

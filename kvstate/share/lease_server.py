@@ -14,6 +14,18 @@ Python observes: every committed transition is queued natively; :meth:`LeaseServ
 is readable) turns them into :class:`kvstate.core.machine.StateChange` for the bank's
 observers, in order. Python also serves what the native handler passes on: the
 ``status`` request, and a lease naming inventory blocks (the inventory is Python's).
+
+Memory nobody counts across processes (legacy CUDA IPC, ``UNCOUNTED_KINDS``): the driver
+frees it at the exporter's release whoever still has it open, so the bank keeps a *hold*
+for every importer that may have it open: a pin on its mapping, taken with the lease and
+dropped only on evidence that the importer closed it: its ``release`` request (an
+importer closes its handle before returning the lease), its connection closing from its
+side (it let go, or its process exited), or, once this exporter stopped serving and so
+closed the connection itself, the importer's process having exited (a pidfd kept with
+the hold). A lease that expires ends as a lease, but its hold stays, so the pins keep the
+bank out of ``quiescent`` and its memory is never freed under an importer that still has
+it open.
+The lease server keeps those holds (``kvs_hold`` in ``ffi/kvs_lease.h``).
 """
 
 from __future__ import annotations
@@ -119,6 +131,8 @@ class LeaseServer:
                      lib.KVS_LWHY_EXPIRED: f"not renewed within {cfg.lease_timeout_s} s"}
         self._lease_events = {self.table.events.index(e) for e in ("peer_died", "release_lease")}
         self._pump_lock = threading.RLock()
+        self._tcp_handlers = 0  # TCP connections being served (serve_tcp)
+        self._tcp_done = threading.Condition()
         self._blocks: dict[int, LeaseGrant] = {}  # lease id -> the inventory blocks it pins
         self._pending_reason: dict[int, str | None] = {}  # rank -> reason of a Python fire
         self._stop_r = self._stop_w = -1  # a pipe while serving: stop() wakes the thread
@@ -294,6 +308,52 @@ class LeaseServer:
         if not answer[0]:
             return None, ()
         return bytes(ffi.buffer(reply, rlen[0])), tuple(fds[i] for i in range(nfds[0]))
+
+    def serve_tcp(self, ch: chan.Channel, stopping: threading.Event) -> None:
+        """One TCP importer (Python keeps this transport): its requests go through the
+        native handler, as the unix socket's do; its end ends its leases."""
+        with self._tcp_done:
+            self._tcp_handlers += 1
+        importer_closed = False
+        try:
+            conn = self.open_connection(ch.peer.pid)
+        except BaseException:
+            ch.close()
+            self._tcp_left()
+            raise
+        try:
+            while not stopping.is_set():
+                try:
+                    msg = ch.recv(timeout=0.25)
+                except ChannelError as exc:
+                    if exc.reason is ChannelReason.TIMEOUT:
+                        continue
+                    if not exc.closed:
+                        raise
+                    importer_closed = True
+                    break
+                msg.close()  # importers send no fds
+                reply, fds = self.handle(conn, msg.payload)
+                if reply is None:
+                    continue  # a notification (mapped): the importer does not wait for an answer
+                try:
+                    ch.send(reply, fds, timeout=self.exporter.config.request_timeout_s)
+                except ChannelError:
+                    break
+        finally:
+            self.close_connection(conn, importer_closed=importer_closed)
+            ch.close()
+            self._tcp_left()
+
+    def _tcp_left(self) -> None:
+        with self._tcp_done:
+            self._tcp_handlers -= 1
+            self._tcp_done.notify_all()
+
+    def wait_tcp(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` s) for the TCP handlers to end (after a stop)."""
+        with self._tcp_done:
+            self._tcp_done.wait_for(lambda: self._tcp_handlers == 0, timeout=timeout)
 
     def _serve_in_python(self, conn: int, payload: bytes) -> tuple[bytes | None, tuple[int, ...]]:
         """The requests the native handler passes on: status, and leases naming blocks."""
