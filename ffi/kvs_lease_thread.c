@@ -68,10 +68,14 @@ int kvs_lease_send(struct kvs_lease_server *s, struct kvs_conn *cn, const char *
     return w == (ssize_t)(HEADER + len) ? KVS_OK : KVS_E_SYS;
 }
 
-static void watch(struct kvs_lease_server *s, int fd, uint64_t tag) {
+static int watch(struct kvs_lease_server *s, int fd, uint64_t tag) {
     struct epoll_event ev = {.events = EPOLLIN, .data.u64 = tag};
-    epoll_ctl(s->epoll_fd, EPOLL_CTL_ADD, fd, &ev);
+    return epoll_ctl(s->epoll_fd, EPOLL_CTL_ADD, fd, &ev);
 }
+
+/* A stop never waits for a wake-up that may not come (a failed eventfd write): the
+ * thread looks at `stopping` at least this often. */
+#define STOP_CHECK_MS 500
 
 static void end_conn(struct kvs_lease_server *s, struct kvs_conn *cn, int importer_closed, int why) {
     epoll_ctl(s->epoll_fd, EPOLL_CTL_DEL, cn->fd, NULL);
@@ -100,8 +104,12 @@ static void accept_one(struct kvs_lease_server *s) {
         if (pidfd >= 0) close(pidfd);
         return;
     }
-    watch(s, fd, CONN_TAG(id, 0));
-    if (pidfd >= 0) watch(s, pidfd, CONN_TAG(id, 1));
+    if (watch(s, fd, CONN_TAG(id, 0)) < 0 || (pidfd >= 0 && watch(s, pidfd, CONN_TAG(id, 1)) < 0)) {
+        pthread_mutex_lock(&s->mu); /* unwatched, it would never be served nor ended: refused */
+        struct kvs_conn *cn = kvs_lease_conn(s, id);
+        if (cn) end_conn(s, cn, 1, KVS_LWHY_CLOSED);
+        pthread_mutex_unlock(&s->mu);
+    }
 }
 
 /* One packet of `cn`: checked as framing.unpack, answered as Exporter._serve did. */
@@ -189,9 +197,9 @@ static void *run(void *arg) {
     while (buf && reply) {
         arm_timer(s);
         struct epoll_event evs[32];
-        int n = epoll_wait(s->epoll_fd, evs, 32, -1);
-        if (n < 0 && errno != EINTR) break;
+        int n = epoll_wait(s->epoll_fd, evs, 32, STOP_CHECK_MS);
         if (__atomic_load_n(&s->stopping, __ATOMIC_ACQUIRE)) break;
+        if (n < 0) continue; /* EINTR, or ENOMEM for a moment: wait again */
         for (int k = 0; k < n; k++) {
             uint64_t tag = evs[k].data.u64;
             if (tag == TAG_LISTEN) {
@@ -228,9 +236,9 @@ int kvs_lease_serve(kvs_lease_server *s, int32_t listen_fd) {
     s->events_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     s->requests_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (s->epoll_fd < 0 || s->timer_fd < 0 || s->cmd_fd < 0 || s->events_fd < 0 || s->requests_fd < 0) goto fail;
-    watch(s, listen_fd, TAG_LISTEN);
-    watch(s, s->timer_fd, TAG_TIMER);
-    watch(s, s->cmd_fd, TAG_CMD);
+    if (watch(s, listen_fd, TAG_LISTEN) < 0 || watch(s, s->timer_fd, TAG_TIMER) < 0 ||
+        watch(s, s->cmd_fd, TAG_CMD) < 0)
+        goto fail;
     if (pthread_create(&s->thread, NULL, run, s) != 0) goto fail;
     s->running = 1;
     return KVS_OK;

@@ -30,7 +30,6 @@ The lease server keeps those holds (``kvs_hold`` in ``ffi/kvs_lease.h``).
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -454,15 +453,18 @@ class LeaseServer:
         for fd in (events_fd, requests_fd, self._stop_r):
             poller.register(fd, select.POLLIN)
         while True:
-            ready = [fd for fd, _ in poller.poll()]
+            try:
+                ready = [fd for fd, _ in poller.poll(500)]  # a lost wake-up costs half a second
+            except OSError as exc:  # ENOMEM for a moment: poll again
+                log.warning("lease server: poll failed (%s); polling again", exc.strerror or exc)
+                continue
             if self._stop_r in ready:
                 return
             for fd in ready:
                 try:
                     os.read(fd, 8)
-                except OSError as exc:
-                    if exc.errno != errno.EAGAIN:
-                        raise
+                except OSError:  # EAGAIN (raced), or a failed read: what is queued is read below anyway
+                    pass
             try:
                 self.pump()
                 while self.lib.kvs_lease_next_request(self._s, conn, buf, _REPLY_CAP, blen) == 1:
