@@ -373,6 +373,7 @@ int kvs_lease_bank_add(kvs_lease_server *s, int32_t rank, int32_t uncounted);
 int kvs_lease_bank_publish(kvs_lease_server *s, int32_t rank, int64_t generation, const char *incarnation,
                            int64_t descriptor_expires_ns, int32_t fd, uint64_t region, const char *report);
 int kvs_lease_bank_descriptor(kvs_lease_server *s, int32_t rank, int64_t descriptor_expires_ns); /* 0: withdrawn */
+int kvs_lease_bank_uncounted(kvs_lease_server *s, int32_t rank, int32_t uncounted); /* holds from the next grant */
 int32_t kvs_lease_bank_state(kvs_lease_server *s, int32_t rank); /* a state id, or KVS_E_NOENT */
 /* Fire one of the bank's non-lease events (Python's); `py_holds`: the guard bits only
  * Python knows (native_quiescent's stores and pins); lease effects are refused. */

@@ -107,6 +107,13 @@ int kvs_lease_bank_add(kvs_lease_server *s, int32_t rank, int32_t uncounted) {
     pthread_mutex_lock(&s->mu);
     struct kvs_bank *b = &s->banks[rank];
     int rc = KVS_OK;
+    if (b->live && b->m.state == KVS_BANK_S_RELEASED && !b->nleases && !b->nholds) { /* the rank is free again */
+        free(b->leases);
+        free(b->holds);
+        free(b->report);
+        memset(b, 0, sizeof *b);
+        s->nbanks--;
+    }
     if (b->live) rc = KVS_E_INVAL;
     else if (!(b->leases = calloc((size_t)s->max_leases, sizeof *b->leases))) rc = KVS_E_NOMEM;
     else {
@@ -148,6 +155,15 @@ int kvs_lease_bank_descriptor(kvs_lease_server *s, int32_t rank, int64_t descrip
     pthread_mutex_lock(&s->mu);
     struct kvs_bank *b = bank_of(s, rank);
     if (b) b->descriptor_expires_ns = descriptor_expires_ns;
+    pthread_mutex_unlock(&s->mu);
+    return b ? KVS_OK : KVS_E_NOENT;
+}
+
+int kvs_lease_bank_uncounted(kvs_lease_server *s, int32_t rank, int32_t uncounted) {
+    if (!s) return KVS_E_INVAL;
+    pthread_mutex_lock(&s->mu);
+    struct kvs_bank *b = bank_of(s, rank);
+    if (b) b->uncounted = uncounted != 0;
     pthread_mutex_unlock(&s->mu);
     return b ? KVS_OK : KVS_E_NOENT;
 }

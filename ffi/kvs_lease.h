@@ -76,6 +76,10 @@ struct kvs_lease_server {
     int listen_fd, epoll_fd, timer_fd, cmd_fd;
     int running, stopping;
     pthread_t thread;
+    /* refused connections, half closed for a moment so the refusal is read before a close
+     * with the peer's request unread turns into a reset (as kvstate.channel.Server does) */
+    struct { int fd; int64_t until_ns; } lingering[64];
+    int nlingering;
 };
 
 /* kvs_lease.c, for the thread: */

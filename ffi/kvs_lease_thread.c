@@ -14,6 +14,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
@@ -76,6 +77,18 @@ static int watch(struct kvs_lease_server *s, int fd, uint64_t tag) {
 /* A stop never waits for a wake-up that may not come (a failed eventfd write): the
  * thread looks at `stopping` at least this often. */
 #define STOP_CHECK_MS 500
+#define LINGER_NS 1000000000LL
+
+/* Close the refused connections whose moment is over (all of them with `everything`). */
+static void close_lingering(struct kvs_lease_server *s, int everything) {
+    int64_t now = kvs_lease_now();
+    int kept = 0;
+    for (int k = 0; k < s->nlingering; k++) {
+        if (everything || s->lingering[k].until_ns <= now) close(s->lingering[k].fd);
+        else s->lingering[kept++] = s->lingering[k];
+    }
+    s->nlingering = kept;
+}
 
 static void end_conn(struct kvs_lease_server *s, struct kvs_conn *cn, int importer_closed, int why) {
     epoll_ctl(s->epoll_fd, EPOLL_CTL_DEL, cn->fd, NULL);
@@ -97,11 +110,22 @@ static void accept_one(struct kvs_lease_server *s) {
     uint64_t id = kvs_lease_conn_add(s, fd, pidfd, cred.pid);
     pthread_mutex_unlock(&s->mu);
     if (!id) { /* past max_connections: closed (the Python server sent a refusal frame first) */
-        static const char busy[] = "{\"code\":\"ConnectionLimit\",\"detail\":\"too many connections\",\"ok\":false}";
+        char busy[160]; /* the words of kvstate.core.errors.Busy.connections */
+        int n = snprintf(busy, sizeof busy, "{\"code\":\"ConnectionLimit\",\"detail\":\"connection refused: %d "
+                         "connection handler(s) already running\",\"ok\":false}", s->max_connections);
         struct kvs_conn tmp = {0, fd, -1, 0};
-        kvs_lease_send(s, &tmp, busy, sizeof busy - 1, NULL, 0);
-        close(fd);
         if (pidfd >= 0) close(pidfd);
+        if (kvs_lease_send(s, &tmp, busy, (uint32_t)n, NULL, 0) != KVS_OK || shutdown(fd, SHUT_WR) < 0) {
+            close(fd);
+            return;
+        }
+        if (s->nlingering == 64) { /* oldest first */
+            close(s->lingering[0].fd);
+            memmove(s->lingering, s->lingering + 1, 63 * sizeof s->lingering[0]);
+            s->nlingering--;
+        }
+        s->lingering[s->nlingering].fd = fd;
+        s->lingering[s->nlingering++].until_ns = kvs_lease_now() + LINGER_NS;
         return;
     }
     if (watch(s, fd, CONN_TAG(id, 0)) < 0 || (pidfd >= 0 && watch(s, pidfd, CONN_TAG(id, 1)) < 0)) {
@@ -197,6 +221,7 @@ static void *run(void *arg) {
     while (buf && reply) {
         arm_timer(s);
         struct epoll_event evs[32];
+        close_lingering(s, 0);
         int n = epoll_wait(s->epoll_fd, evs, 32, STOP_CHECK_MS);
         if (__atomic_load_n(&s->stopping, __ATOMIC_ACQUIRE)) break;
         if (n < 0) continue; /* EINTR, or ENOMEM for a moment: wait again */
@@ -220,6 +245,7 @@ static void *run(void *arg) {
             }
         }
     }
+    close_lingering(s, 1);
     free(buf);
     free(reply);
     return NULL;

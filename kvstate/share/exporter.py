@@ -31,9 +31,7 @@ copies pages of its own KV tensors into bank blocks on the op engine, or ``Bank.
 (``Exporter.allocate``) hands it tensors over the bank's memory to use as its KV cache,
 zero copy; the bank then refuses release while any of those tensors is alive.
 
-Leases are served natively, and each bank's state lives there
-(:mod:`kvstate.share.lease_server`, which also says how memory nobody counts across
-processes is held while an importer may have it open).
+Leases are served natively, where each bank's state lives (:mod:`kvstate.share.lease_server`).
 """
 
 from __future__ import annotations
@@ -99,6 +97,7 @@ class ExportConfig:
 #: draining bank's is still true, and its leases are refused by the bank itself).
 DESCRIBED = frozenset({"advertised", "importing", "ready", "draining"})
 
+
 def _stamped(kind: HandleKind, identity: bytes, generation: int) -> bytes:
     """The handle bytes a descriptor of ``generation`` carries: a NIXL record names its
     generation itself (registered once, stamped at each advertise), so an importer's check
@@ -107,10 +106,8 @@ def _stamped(kind: HandleKind, identity: bytes, generation: int) -> bytes:
 
 
 class Bank(Lifecycle, Generic[H, A, R, M, E]):
-    """One rank's bank. Driven by spec/bank.toml; see the module docstring.
-
-    ``H, A, R, M, E`` are the transport's handle, allocation, reservation, mapping and
-    caller-memory types (:class:`kvstate.transport.protocol.MappedTransport`)."""
+    """One rank's bank (spec/bank.toml; see the module docstring). ``H, A, R, M, E``: the types
+    of :class:`kvstate.transport.protocol.MappedTransport`."""
 
     table = load_machine("bank")
     #: The lease rows' guards and effects: the lease server's, in C (ffi/kvs_lease.c).
@@ -134,10 +131,10 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         self.descriptor: bytes | None = None
         self.descriptor_expires_ns = 0
         self.inventory_epoch = 0
-        self.uncounted = exporter.config.handle_kind in UNCOUNTED_KINDS
         #: The bank's state, its leases and holds live in the exporter's native lease server.
         self._native = exporter.lease_server
-        self._native.add_bank(rank, self.uncounted)
+        self._uncounted = exporter.config.handle_kind in UNCOUNTED_KINDS
+        self._native.add_bank(rank, self._uncounted)
         self.stores: set[TransferHandle] = set()
         self._views: list[weakref.ref[Any]] = []  # buffers under the engine's tensors (Bank.tensors)
         self._report: dict[str, Any] | None = None  # lease_report() of this generation and incarnation
@@ -154,6 +151,15 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
 
     def may(self, event: str) -> bool:  # Lifecycle.may, of the native state
         return isinstance(event, str) and (event, self.state) in type(self)._kv_compiled.declared
+
+    @property
+    def uncounted(self) -> bool:  # grants take a hold (UNCOUNTED_KINDS)
+        return self._uncounted
+
+    @uncounted.setter
+    def uncounted(self, value: bool) -> None:  # tests plant a bug with it
+        self._uncounted = value
+        self._native.uncounted(self.rank, value)
 
     @property
     def generation(self) -> int:
@@ -197,9 +203,8 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
     # -- what the engine uses -------------------------------------------------------
 
     def register(self) -> None:
-        """Export the bank (``register``). If registration fails, ``register_failed`` is
-        recorded too, so observers see the failure, and NativeError (REGISTRATION) propagates
-        with the bank still ``allocated`` and owned by the engine (INV-REGISTER-ATOMIC)."""
+        """Export the bank (``register``). A failure records ``register_failed`` too, and NativeError
+        (REGISTRATION) propagates with the bank ``allocated``, the engine's (INV-REGISTER-ATOMIC)."""
         with self.locked():
             try:
                 self.fire("register")
@@ -221,8 +226,7 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         return t.view(self.mapped())
 
     def lease_report(self) -> dict[str, Any]:
-        """What a lease answer says about this bank, for the importer to check against its
-        descriptor before it opens anything (built once per generation, not per lease)."""
+        """What a grant says of this bank, for the importer's checks (built once per generation)."""
         report, incarnation = self._report, self.exporter.incarnation.value.hex()
         if report is None or report["generation"] != self.generation or report["incarnation"] != incarnation:
             report = self._report = {
@@ -367,11 +371,6 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
             self.descriptor, self.descriptor_expires_ns = before
             self._native.descriptor(self.rank, before[1])
         return undo
-
-    def drop_exited_holds(self) -> None:
-        """Holds whose connection this side closed (it stopped serving) end only once the
-        importer's process exited (the driver closes a dead process's opens)."""
-        self._native.drop_exited_holds(self.rank)
 
     @effect("submit_store")
     def _submit_store(self, *, plan: object = None, **kw: Any) -> None:
@@ -588,7 +587,8 @@ class Exporter(Generic[H, A, R, M, E]):
                 try:
                     bank.fire("quiesce")
                 except TransitionError:
-                    bank.drop_exited_holds()
+                    # holds this side's close left end only once their process exited
+                    self.lease_server.drop_exited_holds(bank.rank)
                     if time.monotonic() >= deadline:
                         raise TimedOut(TimeoutReason.DRAIN,
                                        f"{bank.label}: {len(bank.leases)} lease(s), {len(bank.holds)} hold(s), "

@@ -157,6 +157,11 @@ class LeaseServer:
         self._check(self.lib.kvs_lease_bank_descriptor(self._s, rank, expires_ns), "kvs_lease_bank_descriptor",
                     f"rank {rank}")
 
+    def uncounted(self, rank: int, value: bool) -> None:
+        """Whether grants of ``rank``'s bank take a hold (memory nobody counts)."""
+        self._check(self.lib.kvs_lease_bank_uncounted(self._s, rank, int(value)), "kvs_lease_bank_uncounted",
+                    f"rank {rank}")
+
     def state(self, rank: int) -> str:
         s = self.lib.kvs_lease_bank_state(self._s, rank)
         if s < 0:
