@@ -338,6 +338,93 @@ int kvs_machine_fire_planned(kvs_machine_inst *m, int32_t event, uint64_t holds,
                              uint64_t fail_undos, uint64_t reenter_effects, int32_t *log, int32_t logcap,
                              int32_t *nlog, kvs_fire_result *out);
 
+/* -- the exporter's lease server (kvs_lease.c, kvs_lease_thread.c) ------------------ */
+
+/* One per exporter: every bank's instance of the bank table (its state has no other
+ * home), the lease table, and a thread serving importers on the exporter's listening
+ * SOCK_SEQPACKET socket without the GIL (epoll: the socket, each connection and its
+ * peer's pidfd, a timerfd at the next lease expiry, an eventfd for commands). Lease
+ * events fire through kvs_machine_fire with C effects; Python fires the bank's other
+ * events through kvs_lease_fire with its own effects, serialised with the thread by the
+ * server's lock. Each committed transition is queued for Python (kvs_lease_next_event);
+ * requests not served natively (status, a lease naming inventory blocks) are queued for
+ * Python too (kvs_lease_next_request), which answers with kvs_lease_answer. */
+typedef struct kvs_lease_server kvs_lease_server;
+
+#define KVS_LEASE_PYTHON 1    /* kvs_lease_handle: a request Python serves */
+#define KVS_LEASE_MAX_RANKS 256
+
+/* Why a lease event fired (kvs_lease_event.why). */
+#define KVS_LWHY_NONE 0
+#define KVS_LWHY_CLOSED 1     /* the importer's connection closed */
+#define KVS_LWHY_EXITED 2     /* the importer's process exited */
+#define KVS_LWHY_STOPPED 3    /* this side closed the connection (stop, failed send) */
+#define KVS_LWHY_EXPIRED 4    /* not renewed within the lease timeout */
+
+typedef struct kvs_lease_event {
+    int32_t rank, event, source, dest;
+    int64_t lease;            /* the lease the event named, else 0 */
+    int64_t t_ns;             /* CLOCK_MONOTONIC */
+    int32_t why;              /* KVS_LWHY_* */
+    int32_t dropped;          /* events lost before this one (the queue was full) */
+} kvs_lease_event;
+
+typedef struct kvs_lease_info {
+    int64_t id;
+    uint64_t conn;
+    int64_t expires_in_ns;    /* negative once past */
+    int32_t expired;
+    int32_t pid;              /* the importer's pid at connect time */
+} kvs_lease_info;
+
+typedef struct kvs_hold_info {
+    int64_t id;
+    uint64_t conn;
+    int32_t conn_open;        /* 0: the connection is gone (this side closed it) */
+    int32_t has_pidfd;
+} kvs_hold_info;
+
+int kvs_lease_server_new(int64_t lease_timeout_ns, int32_t max_leases, uint32_t allowed_uid, int32_t max_payload,
+                         int32_t max_fds, int32_t max_connections, kvs_lease_server **out);
+void kvs_lease_server_free(kvs_lease_server *s); /* after kvs_lease_stop; holds are unpinned */
+/* A bank for `rank`: `uncounted` keeps a hold (a pin on `region`) per lease. */
+int kvs_lease_bank_add(kvs_lease_server *s, int32_t rank, int32_t uncounted);
+/* At advertise: what a lease answer needs (the fd stays the caller's). */
+int kvs_lease_bank_publish(kvs_lease_server *s, int32_t rank, int64_t generation, const char *incarnation,
+                           int64_t descriptor_expires_ns, int32_t fd, uint64_t region, const char *report);
+int kvs_lease_bank_descriptor(kvs_lease_server *s, int32_t rank, int64_t descriptor_expires_ns); /* 0: withdrawn */
+int kvs_lease_bank_uncounted(kvs_lease_server *s, int32_t rank, int32_t uncounted); /* holds from the next grant */
+int32_t kvs_lease_bank_state(kvs_lease_server *s, int32_t rank); /* a state id, or KVS_E_NOENT */
+/* Fire one of the bank's non-lease events (Python's); `py_holds`: the guard bits only
+ * Python knows (native_quiescent's stores and pins); lease effects are refused. */
+int kvs_lease_fire(kvs_lease_server *s, int32_t rank, int32_t event, uint64_t py_holds, kvs_effect_fn fx, void *ctx,
+                   kvs_fire_result *out);
+int32_t kvs_lease_leases(kvs_lease_server *s, int32_t rank, kvs_lease_info *out, int32_t cap);
+int32_t kvs_lease_holds(kvs_lease_server *s, int32_t rank, kvs_hold_info *out, int32_t cap);
+int32_t kvs_lease_drop_exited_holds(kvs_lease_server *s, int32_t rank); /* how many went */
+/* A connection Python serves itself (TCP): its requests go through kvs_lease_handle. */
+int kvs_lease_conn_open(kvs_lease_server *s, int32_t pid, uint64_t *conn);
+int kvs_lease_conn_close(kvs_lease_server *s, uint64_t conn, int32_t importer_closed);
+/* Serve one request of `conn`: KVS_OK with *answer 1 when `reply` (and `fds`) go back,
+ * KVS_LEASE_PYTHON when Python serves it, else an error. */
+int kvs_lease_handle(kvs_lease_server *s, uint64_t conn, const char *payload, uint32_t len, char *reply,
+                     uint32_t cap, uint32_t *reply_len, int32_t *fds, int32_t fdcap, int32_t *nfds,
+                     int32_t *answer);
+/* One expiry round: the leases whose expiry is `ahead_ns` from now or earlier run out
+ * (the thread passes 0; a test looks ahead). How many expired. */
+int32_t kvs_lease_expire(kvs_lease_server *s, int64_t ahead_ns);
+int kvs_lease_serve(kvs_lease_server *s, int32_t listen_fd); /* start the thread */
+int kvs_lease_stop(kvs_lease_server *s); /* stop and join it; its connections close */
+int32_t kvs_lease_connections(kvs_lease_server *s);
+int64_t kvs_lease_lease_requests(kvs_lease_server *s); /* `lease` and `leases` requests handled */
+int32_t kvs_lease_events_fd(kvs_lease_server *s);
+int32_t kvs_lease_next_event(kvs_lease_server *s, kvs_lease_event *out); /* 1, or 0: none */
+int32_t kvs_lease_requests_fd(kvs_lease_server *s);
+/* The next request for Python: 1 (with its connection), 0 none, KVS_E_RANGE: cap too small. */
+int32_t kvs_lease_next_request(kvs_lease_server *s, uint64_t *conn, char *buf, uint32_t cap, uint32_t *len);
+int kvs_lease_answer(kvs_lease_server *s, uint64_t conn, const char *payload, uint32_t len, const int32_t *fds,
+                     int32_t nfds);
+
 /* -- the generated op table, for the Python side's consistency check ---------------- */
 
 int32_t kvs_op_nstates(void);

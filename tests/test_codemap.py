@@ -56,8 +56,8 @@ EXTERNAL = 'external = "the engine registers banks"'
 
 @pytest.mark.parametrize(("file", "old", "new", "spec_patch", "expected"), [
     # code fires an event its table does not have (and the real one is then fired nowhere)
-    ("kvstate/share/exporter.py", 'bank.fire("lease_mapped")', 'bank.fire("lease_mapped_now")', None,
-     ["fires 'lease_mapped_now' on bank, which", "event 'lease_mapped' is fired nowhere"]),
+    ("kvstate/share/exporter.py", 'self.fire("stored", handle=handle)', 'self.fire("stored_now", handle=handle)', None,
+     ["fires 'stored_now' on bank, which", "event 'stored' is fired nowhere"]),
     # a table event fired nowhere
     ("kvstate/share/exporter.py", '                self.fire("register_failed")\n', "", None,
      ["event 'register_failed' is fired nowhere"]),
@@ -65,9 +65,10 @@ EXTERNAL = 'external = "the engine registers banks"'
     ("kvstate/share/importer.py", 'self.fire("load", plan=plan)', 'self.fire("validate", plan=plan)', None,
      ["fires 'validate' on group, which", "event 'load' is fired nowhere"]),
     # a receiver without an annotated class cannot be attributed
-    ("kvstate/share/exporter.py", "bank: Bank[H, A, R, M, E] | None = self.banks", "bank = self.banks", None,
-     ["exporter.py: cannot tell which machine `bank.fire` drives: `bank` needs an annotation"] * 4
-     + [f"event {e!r} is fired nowhere" for e in ("grant_lease", "lease_mapped", "release_lease", "renew_lease")]),
+    ("kvstate/share/exporter.py", "        bank: Bank[H, A, R, M, E]\n        for bank in list(self.banks.values()):\n"
+     "            with bank.locked():", "        for bank in list(self.banks.values()):\n            with bank.locked():",
+     None, ["exporter.py: cannot tell which machine `bank.fire` drives: `bank` needs an annotation",
+            "event 'descriptor_expired' is fired nowhere"]),
     # a helper taking any string cannot say which events it fires
     ("kvstate/share/importer.py", "def fault(self, event: GroupFault, *", "def fault(self, event: str, *", None,
      ["`self.fire` fires an event that is neither a string literal nor a name annotated Literal"]),
@@ -80,8 +81,14 @@ EXTERNAL = 'external = "the engine registers banks"'
     # C: an effect no function implements
     ("ffi/kvs_ops.c", "case KVS_OP_FX_UNPIN_REGIONS:", "case 99:", None,
      ["effect 'unpin_regions' is implemented by no function"]),
+    # C lease server: a bank event its table does not have, and a lease effect nobody implements
+    ("ffi/kvs_lease.c", "KVS_BANK_EV_LEASE_MAPPED, &c", "KVS_BANK_EV_LEASE_MAPPED_NOW, &c", None,
+     ["fires 'lease_mapped_now' on bank, which"]),
+    ("ffi/kvs_lease.c", "case KVS_BANK_FX_EXPIRE_LEASE:", "case 99:", None,
+     ["effect 'expire_lease' is implemented by no function"]),
 ], ids=["undeclared-event", "fired-nowhere", "other-machine", "unannotated-receiver", "untyped-helper",
-        "external-but-fired", "c-fired-nowhere", "c-unimplemented-effect"])
+        "external-but-fired", "c-fired-nowhere", "c-unimplemented-effect", "c-bank-undeclared-event",
+        "c-bank-unimplemented-effect"])
 def test_planted_disagreement_is_reported(file: str | None, old: str, new: str,
                                           spec_patch: tuple[str, str, str] | None,
                                           expected: list[str], tmp_path: Path) -> None:

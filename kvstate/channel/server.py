@@ -112,6 +112,11 @@ class Server:
     def closed(self) -> bool:
         return self._closed
 
+    def fileno(self) -> int:
+        """The listening socket, for a server that serves it elsewhere (the exporter's
+        native lease thread); it stays this object's to close."""
+        return self._sock.fileno()
+
     def accept(self, timeout: float = DEFAULT_TIMEOUT) -> Channel:
         """The next connection from an allowed uid; ChannelError (REJECTED) (connection closed) otherwise."""
         if self._closed:

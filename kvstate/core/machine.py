@@ -236,10 +236,22 @@ def _bindings(cls: type, spec: MachineSpec, attr: str, kind: str,
     return found
 
 
+def _native_only(kind: str, name: str) -> Callable[..., Any]:
+    def refuse(model: Any, **kw: Any) -> Any:
+        raise TransitionError.illegal(type(model).table.name, model.state,
+                                      f"{kind} {name} (run by the native executor only)")
+    return refuse
+
+
 def compile_table(cls: type, spec: MachineSpec) -> _Compiled:
-    """Build the shared ``transitions.Machine`` for ``cls`` from its table."""
-    guards = _bindings(cls, spec, _GUARD_ATTR, "guards", spec.guards)
-    effects = _bindings(cls, spec, _EFFECT_ATTR, "effects", spec.effects)
+    """Build the shared ``transitions.Machine`` for ``cls`` from its table. Guards and
+    effects the class names in ``native`` are implemented by a native executor that fires
+    their rows (kvstate.share.lease_server); here they refuse, and bind nothing."""
+    native: frozenset[str] = getattr(cls, "native", frozenset())
+    guards = _bindings(cls, spec, _GUARD_ATTR, "guards", set(spec.guards) - native)
+    effects = _bindings(cls, spec, _EFFECT_ATTR, "effects", set(spec.effects) - native)
+    guards.update({g: _native_only("guard", g) for g in native & set(spec.guards)})
+    effects.update({e: _native_only("effect", e) for e in native & set(spec.effects)})
     machine = transitions.Machine(
         model=None,
         states=list(spec.state_names),
@@ -327,8 +339,9 @@ class Lifecycle:
     def bindings(cls) -> dict[tuple[str, str], Callable[..., Any]]:
         """("guard" or "effect", name) -> the function bound to it from the class's table."""
         compiled = cls._kv_compiled
-        return {**{("guard", n): fn for n, fn in compiled.guards.items()},
-                **{("effect", n): fn for n, fn in compiled.effects.items()}}
+        native: frozenset[str] = getattr(cls, "native", frozenset())
+        return {**{("guard", n): fn for n, fn in compiled.guards.items() if n not in native},
+                **{("effect", n): fn for n, fn in compiled.effects.items() if n not in native}}
 
     @property
     def state(self) -> str:
@@ -409,6 +422,19 @@ class Lifecycle:
             if p.depth == 0 and p.dirty:
                 _flush(p)
         return dest
+
+    def record(self, change: StateChange) -> None:
+        """A change committed by another executor of this object's table (the native lease
+        server: kvstate.share.lease_server), for the observers: delivered as :meth:`fire`
+        delivers its own, when the outermost :meth:`locked` block of this thread exits."""
+        if not self._observers:
+            return
+        self._kv_pending.append(change)
+        p = _held
+        if p.depth:
+            p.dirty.append(self)
+        else:
+            self._deliver()
 
     def _deliver(self) -> None:
         """Call the observers with every queued change, in order, outside the object's

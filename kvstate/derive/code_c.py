@@ -1,16 +1,21 @@
-"""The C half of the code map: the op table, enforced by the op engine in ``ffi/*.c``.
+"""The C half of the code map: the tables enforced in ``ffi/*.c``.
 
-The generated header (:mod:`kvstate.derive.header`) names every guard, effect and event of
-``spec/op.toml`` as a C constant (``KVS_OP_GUARD_*``, ``KVS_OP_FX_*``, ``KVS_OP_EV_*``).
-The scan reads the C sources (comments and string literals blanked out) function by
-function:
+Two machines run natively with C guards and effects. The op table, by the op engine
+(``kvs_op_step``); the bank table's lease rows, by the exporter's lease server
+(``ffi/kvs_lease.c``, through ``kvs_machine_fire``). The generated headers
+(:mod:`kvstate.derive.header`) name every guard, effect and event as a C constant
+(``KVS_OP_GUARD_*``, ``KVS_OP_FX_*``, ``KVS_OP_EV_*``; ``KVS_BANK_G_*``,
+``KVS_BANK_FX_*``, ``KVS_BANK_EV_*``). The scan reads the C sources (comments and string
+literals blanked out) function by function:
 
-* a function with ``case KVS_OP_GUARD_X:`` or ``case KVS_OP_FX_X:`` implements guard or
-  effect ``x`` (``guard_holds`` and ``effect`` dispatch on them);
-* a function that calls ``kvs_op_step`` fires every ``KVS_OP_EV_X`` it names (the engine
-  fires ``start`` and ``finish``/``fail`` from a worker, ``submit`` from ``kvs_submit``...);
-  a function that only reads the table (``table_usable``) fires nothing;
-* ``kvs_op_step`` runs the rows (the header's contract).
+* a function with ``case KVS_OP_GUARD_X:`` or ``case KVS_OP_FX_X:`` implements op guard
+  or effect ``x`` (``guard_holds`` and ``effect`` dispatch on them); one with
+  ``case KVS_BANK_FX_X:`` implements bank effect ``x`` (``lease_fx``), and one that
+  sets ``holds |= 1ull << KVS_BANK_G_X`` in the guard bits evaluates bank guard ``x`` (``guards``);
+* a function that calls the machine's firing call (``kvs_op_step``; ``fire_lease`` or
+  ``kvs_machine_fire`` for the bank) fires every ``..._EV_X`` it names; a function that
+  only reads the table fires nothing;
+* ``kvs_op_step`` runs the op rows (the header's contract).
 
 Pure: reads text; needs no compiler.
 """
@@ -29,11 +34,17 @@ SOURCES = "ffi"
 MACHINE = "op"
 PREFIX = "KVS_OP_"
 RUNNER = "kvs_op_step"
+#: The bank's lease rows, fired by the lease server (ffi/kvs_lease.c).
+BANK, BANK_PREFIX = "bank", "KVS_BANK_"
 
 _NOISE = re.compile(r'/\*.*?\*/|//[^\n]*|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'', re.S)
 _CASE = re.compile(rf"\bcase\s+{PREFIX}(GUARD|FX)_(\w+)\s*:")
 _EVENT = re.compile(rf"\b{PREFIX}EV_(\w+)\b")
 _CALLS_STEP = re.compile(rf"\b{RUNNER}\s*\(")
+_BANK_CASE = re.compile(rf"\bcase\s+{BANK_PREFIX}FX_(\w+)\s*:")
+_BANK_GUARD = re.compile(rf"\|=\s*1ull\s*<<\s*{BANK_PREFIX}G_(\w+)\b")
+_BANK_EVENT = re.compile(rf"\b{BANK_PREFIX}EV_(\w+)\b")
+_BANK_FIRES = re.compile(r"\b(fire_lease|kvs_machine_fire)\s*\(")
 
 
 def _blank(text: str) -> str:
@@ -102,4 +113,22 @@ def scan(root: Path, spec: Spec) -> CodeMap:
                 for name in sorted(set(_EVENT.findall(body))):
                     event = names["EV"].get(name, name.lower())
                     fires.append(Fire(MACHINE, event, site, line))
+            _scan_bank(spec, fn, line, body, site, bindings, fires)
     return CodeMap(bindings=tuple(bindings), fires=tuple(fires), runners=tuple(runners), problems=tuple(problems))
+
+
+def _scan_bank(spec: Spec, fn: str, line: int, body: str, site: Site, bindings: list[Binding],
+               fires: list[Fire]) -> None:
+    """The bank rows one C function implements or fires (the lease server's)."""
+    b: MachineSpec = spec.machines[BANK]
+    effects, guards = {ident(e): e for e in b.effects}, {ident(g): g for g in b.guards}
+    events = {ident(e): e for e in b.event_names}
+    # A name the table lacks is bound as written, as kvstate.derive.code_py binds Python's:
+    # what implements nothing declared is left to the table's own checks.
+    for name in _BANK_CASE.findall(body):
+        bindings.append(Binding(BANK, "effect", effects.get(name, name.lower()), site))
+    for name in sorted(set(_BANK_GUARD.findall(body))):
+        bindings.append(Binding(BANK, "guard", guards.get(name, name.lower()), site))
+    if _BANK_FIRES.search(body) and fn not in ("kvs_machine_fire", "fire_lease"):
+        for name in sorted(set(_BANK_EVENT.findall(body))):
+            fires.append(Fire(BANK, events.get(name, name.lower()), site, line))

@@ -31,33 +31,20 @@ copies pages of its own KV tensors into bank blocks on the op engine, or ``Bank.
 (``Exporter.allocate``) hands it tensors over the bank's memory to use as its KV cache,
 zero copy; the bank then refuses release while any of those tensors is alive.
 
-Memory nobody counts across processes (legacy CUDA IPC, ``UNCOUNTED_KINDS``): the driver
-frees it at the exporter's release whoever still has it open, so the bank keeps a *hold*
-for every importer that may have it open: a pin on its mapping, taken with the lease and
-dropped only on evidence that the importer closed it: its ``release`` request (an
-importer closes its handle before returning the lease), its connection closing from its
-side (it let go, or its process exited), or, once this exporter stopped serving and so
-closed the connection itself, the importer's process having exited (a pidfd kept with
-the hold). A lease that expires ends as a lease, but its hold stays, so the pins keep the
-bank out of ``quiescent`` and its memory is never freed under an importer that still has
-it open.
+Leases are served natively, where each bank's state lives (:mod:`kvstate.share.lease_server`).
 """
 
 from __future__ import annotations
 
 import gc
-import itertools
 import logging
 import os
-import select
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Generic, Literal
-
-import logging
+from typing import Any, Generic
 
 import attrs
 
@@ -68,125 +55,47 @@ from kvstate.core.errors import (
     ChannelError, ConfigInvalid, KvStateError, TransitionError, BackendUnavailable, Busy, TimedOut,
     NativeError,
 )
-from kvstate.core.args import need, need_callables, need_choice, need_int, need_path, need_seconds, typed
+from kvstate.core.args import need, need_callables, need_choice, need_int, need_seconds, need_text, typed
 from kvstate.core.errors import ArgumentInvalid
 from kvstate.core.reasons import ArgumentReason, BusyReason, TimeoutReason, ChannelReason
 from kvstate.core.geometry import Geometry
-from kvstate.core.handles import FD_KINDS, UNCOUNTED_KINDS, HandleKind
+from kvstate.core.handles import UNCOUNTED_KINDS, HandleKind
 from kvstate.core.identity import Deployment, FabricDomain, FabricKind, Incarnation, host_boot_id
-from kvstate.reuse.inventory import refused_by_inventory, Inventory, LeaseGrant, Stale
+from kvstate.reuse.inventory import Inventory
 from kvstate.core.machine import Lifecycle, Observer, effect, guard
 from kvstate.core.spec import load_machine
 from kvstate.core.capabilities import Access
 from kvstate.transport.protocol import A, E, H, HostView, M, MappedTransport, R, require_mapped
-from kvstate.share import status, store
+from kvstate.share import store
+from kvstate.share.export_checks import positive_int, seconds, socket_dir, source_id, tcp_listen
+from kvstate.share.lease_server import HoldView, LeaseServer, NativeLease
 from kvstate.transport.nixl import handle as nixl_handle
 from kvstate.share.plan import Plan
 from kvstate.share.transfer import TransferHandle, stop_dispatcher_if_idle
 
 log = logging.getLogger(__name__)
 
-_SOURCE_ID_BYTES = 16
-
-
-def _source_id(_: object, attribute: attrs.Attribute[bytes], value: object) -> None:
-    if not isinstance(value, bytes) or len(value) != _SOURCE_ID_BYTES:
-        raise ConfigInvalid.of("ExportConfig.source_id", f"must be exactly {_SOURCE_ID_BYTES} bytes (it is signed into "
-                               f"every descriptor and importers refuse any other length), not {value!r:.40}")
-
-
-def _positive_int(_: object, attribute: attrs.Attribute[int], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigInvalid.of(f"ExportConfig.{attribute.name}", f"must be an int >= 1, not {value!r:.40}")
-
-log = logging.getLogger(__name__)
-
-
-def _seconds(_: object, attribute: attrs.Attribute[float], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1e9 or value != value:
-        raise ConfigInvalid.of(f"ExportConfig.{attribute.name}", f"must be a finite number of seconds > 0, "
-                               f"not {value!r:.40}")
-
-
-def _socket_dir(_: object, attribute: attrs.Attribute[Path], value: object) -> None:
-    try:
-        need_path("ExportConfig.socket_dir", value)
-    except KvStateError as exc:
-        raise ConfigInvalid.of("ExportConfig.socket_dir", str(exc)) from None
-
-
-#: Hosts that bind every interface: a descriptor that named one would send importers on
-#: other nodes to their own host.
-_WILDCARDS = frozenset({"", "0.0.0.0", "::", "[::]"})
-
-
-def _tcp_listen(config: Any, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is None:
-        return
-    where = "ExportConfig.tcp_listen"
-    if not isinstance(value, tuple) or len(value) != 2:
-        raise ConfigInvalid.of(where, f"must be a (host, port) tuple, not {value!r:.60}")
-    host, port = value
-    if not isinstance(host, str) or not host.isascii() or not host.isprintable() or len(host) > 253:
-        raise ConfigInvalid.of(where, f"host must be a printable ASCII name or address, not {host!r:.60}")
-    if host in _WILDCARDS:
-        raise ConfigInvalid.of(where, f"host {host!r} binds every interface, and descriptors name it: "
-                               "give the address other nodes reach this one at")
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise ConfigInvalid.of(where, f"port must be an int in 0..65535 (0: any free one), not {port!r:.40}")
-    if config.handle_kind in FD_KINDS:  # fds travel over AF_UNIX only: such a lease could never be answered
-        raise ConfigInvalid.of(where, f"{config.handle_kind.value} handles are file descriptors and cannot cross "
-                               "nodes: serve them on the unix socket (no tcp_listen), or export NIXL handles")
-
-
 @attrs.frozen
 class ExportConfig:
     deployment: Deployment = attrs.field(validator=typed(Deployment))
-    socket_dir: Path = attrs.field(validator=_socket_dir)
-    source_id: bytes = attrs.field(validator=_source_id)  # the logical KV source: 16 bytes
-    tp: int = attrs.field(validator=_positive_int)
-    lease_timeout_s: float = attrs.field(default=30.0, validator=_seconds)
-    descriptor_ttl_s: float = attrs.field(default=300.0, validator=_seconds)
-    max_leases: int = attrs.field(default=64, validator=_positive_int)  # per bank
-    max_connections: int = attrs.field(default=chan.DEFAULT_MAX_CONNECTIONS, validator=_positive_int)
-    request_timeout_s: float = attrs.field(default=5.0, validator=_seconds)
+    socket_dir: Path = attrs.field(validator=socket_dir)
+    source_id: bytes = attrs.field(validator=source_id)  # the logical KV source: 16 bytes
+    tp: int = attrs.field(validator=positive_int)
+    lease_timeout_s: float = attrs.field(default=30.0, validator=seconds)
+    descriptor_ttl_s: float = attrs.field(default=300.0, validator=seconds)
+    max_leases: int = attrs.field(default=64, validator=positive_int)  # per bank
+    max_connections: int = attrs.field(default=chan.DEFAULT_MAX_CONNECTIONS, validator=positive_int)
+    request_timeout_s: float = attrs.field(default=5.0, validator=seconds)
     handle_kind: HandleKind = attrs.field(default=HandleKind.MEMFD,  # what the banks are exported as
                                           validator=typed(HandleKind))
     #: Also serve leases over TCP, for banks read from other nodes (NIXL): (host, port), the
     #: address every descriptor names; port 0 takes a free one.
-    tcp_listen: tuple[str, int] | None = attrs.field(default=None, validator=_tcp_listen)
+    tcp_listen: tuple[str, int] | None = attrs.field(default=None, validator=tcp_listen)
 
-
-@attrs.define(eq=False)
-class Hold:
-    """An importer that may have a bank open (see the module docstring), and a pidfd of its
-    process that outlives the connection."""
-
-    channel: chan.Channel
-    pidfd: int | None  # None: the process was gone when the lease was granted
-
-    def exited(self) -> bool:
-        return self.pidfd is None or bool(select.select([self.pidfd], [], [], 0)[0])
-
-
-@attrs.define
-class BankLease:
-    id: int
-    channel: chan.Channel
-    expires_at: float                # time.monotonic(); moved on by each renewal
-    blocks: LeaseGrant | None = None  # the inventory blocks this lease pins, if any
-    expired: bool = False            # ran out unrenewed: kept until returned or disconnected
-
-
-#: The bank events that end a lease without the importer asking.
-LeaseEnd = Literal["peer_died", "lease_expired"]
 
 #: The bank states whose descriptor is given out: from advertise until quiescent (a
 #: draining bank's is still true, and its leases are refused by the bank itself).
 DESCRIBED = frozenset({"advertised", "importing", "ready", "draining"})
-
-#: The type of each scalar request field; ``blocks`` is checked by the inventory.
-_REQUEST_FIELDS: dict[str, type] = {"op": str, "rank": int, "lease": int, "generation": int, "incarnation": str}
 
 
 def _stamped(kind: HandleKind, identity: bytes, generation: int) -> bytes:
@@ -197,12 +106,13 @@ def _stamped(kind: HandleKind, identity: bytes, generation: int) -> bytes:
 
 
 class Bank(Lifecycle, Generic[H, A, R, M, E]):
-    """One rank's bank. Driven by spec/bank.toml; see the module docstring.
-
-    ``H, A, R, M, E`` are the transport's handle, allocation, reservation, mapping and
-    caller-memory types (:class:`kvstate.transport.protocol.MappedTransport`)."""
+    """One rank's bank (spec/bank.toml; see the module docstring). ``H, A, R, M, E``: the types
+    of :class:`kvstate.transport.protocol.MappedTransport`."""
 
     table = load_machine("bank")
+    #: The lease rows' guards and effects: the lease server's, in C (ffi/kvs_lease.c).
+    native = frozenset({"accepting_leases", "last_lease", "lease_live", "grant_lease", "renew_lease",
+                        "expire_lease", "end_lease"})
 
     def __init__(self, exporter: Exporter[H, A, R, M, E], rank: int, geometry: Geometry, *,
                  observers: Iterable[Observer] = ()) -> None:
@@ -217,25 +127,84 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         self.reservation: R | None = None
         self.mapping: M | None = None
         self.handle: H | None = None
-        self.generation = 0
+        self._generation = 0
         self.descriptor: bytes | None = None
         self.descriptor_expires_ns = 0
         self.inventory_epoch = 0
-        self.leases: dict[int, BankLease] = {}
-        #: lease id -> the importer that may have the bank open, for memory nobody counts
-        #: across processes (UNCOUNTED_KINDS): each is a pin.
-        self.holds: dict[int, Hold] = {}
-        self.uncounted = exporter.config.handle_kind in UNCOUNTED_KINDS
+        #: The bank's state, its leases and holds live in the exporter's native lease server.
+        self._native = exporter.lease_server
+        self._uncounted = exporter.config.handle_kind in UNCOUNTED_KINDS
+        self._native.add_bank(rank, self._uncounted)
         self.stores: set[TransferHandle] = set()
         self._views: list[weakref.ref[Any]] = []  # buffers under the engine's tensors (Bank.tensors)
         self._report: dict[str, Any] | None = None  # lease_report() of this generation and incarnation
 
+    # -- the state, in the native lease server (kvstate.share.lease_server) -----------
+
+    @property
+    def state(self) -> str:
+        return self._native.state(self.rank)
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.state in self.table.terminal
+
+    def may(self, event: str) -> bool:  # Lifecycle.may, of the native state
+        return isinstance(event, str) and (event, self.state) in type(self)._kv_compiled.declared
+
+    @property
+    def uncounted(self) -> bool:  # grants take a hold (UNCOUNTED_KINDS)
+        return self._uncounted
+
+    @uncounted.setter
+    def uncounted(self, value: bool) -> None:  # tests plant a bug with it
+        self._uncounted = value
+        self._native.uncounted(self.rank, value)
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    @generation.setter
+    def generation(self, value: int) -> None:  # grants check it: set by advertise (and tests)
+        self._generation = value
+        if self.handle is not None and self.descriptor is not None:
+            self._native.publish(self, self.lease_report(), self.handle.fd)
+
+    @property
+    def leases(self) -> dict[int, NativeLease]:  # a snapshot: lease id -> lease
+        return self._native.leases(self.rank)
+
+    @property
+    def holds(self) -> dict[int, HoldView]:  # a snapshot: lease id -> hold (UNCOUNTED_KINDS), each a pin
+        return self._native.holds(self.rank)
+
+    def fire(self, event: str, **kwargs: Any) -> str:
+        """Lifecycle.fire on the bank's native instance; lease events are the lease server's."""
+        spec = self.table
+        if not isinstance(event, str):
+            raise TransitionError.illegal(spec.name, self.state, f"{event!r:.40}")
+        if kwargs.get("reason") is not None:
+            need_text("reason", kwargs["reason"], allow_empty=True)
+        with self.locked():
+            source = self.state
+            if self._kv_firing:
+                raise TransitionError.reentrant(spec.name, source, event)
+            if (event, source) not in type(self)._kv_compiled.declared:
+                raise TransitionError.illegal(spec.name, source, event)
+            quiescent = event == "quiesce" and self._quiescent()
+            self._kv_firing = True
+            try:
+                return self._native.bank_event(self, event, kwargs, type(self)._kv_compiled.effects, quiescent)
+            finally:
+                self._kv_firing = False
+                self._native.pump()
+
     # -- what the engine uses -------------------------------------------------------
 
     def register(self) -> None:
-        """Export the bank (``register``). If registration fails, ``register_failed`` is
-        recorded too, so observers see the failure, and NativeError (REGISTRATION) propagates
-        with the bank still ``allocated`` and owned by the engine (INV-REGISTER-ATOMIC)."""
+        """Export the bank (``register``). A failure records ``register_failed`` too, and NativeError
+        (REGISTRATION) propagates with the bank ``allocated``, the engine's (INV-REGISTER-ATOMIC)."""
         with self.locked():
             try:
                 self.fire("register")
@@ -257,8 +226,7 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         return t.view(self.mapped())
 
     def lease_report(self) -> dict[str, Any]:
-        """What a lease answer says about this bank, for the importer to check against its
-        descriptor before it opens anything (built once per generation, not per lease)."""
+        """What a grant says of this bank, for the importer's checks (built once per generation)."""
         report, incarnation = self._report, self.exporter.incarnation.value.hex()
         if report is None or report["generation"] != self.generation or report["incarnation"] != incarnation:
             report = self._report = {
@@ -321,23 +289,9 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
 
     # -- guards -----------------------------------------------------------------------
 
-    @guard("accepting_leases")
-    def _accepting(self, **kw: Any) -> bool:
-        return len(self.leases) < self.exporter.config.max_leases and self.descriptor is not None \
-            and time.time_ns() < self.descriptor_expires_ns
-
-    @guard("lease_live")
-    def _lease_live(self, *, lease_id: int, **kw: Any) -> bool:
-        lease = self.leases.get(lease_id)
-        return lease is not None and not lease.expired
-
-    @guard("last_lease")
-    def _last_lease(self, *, lease_id: int, **kw: Any) -> bool:
-        return set(self.leases) == {lease_id}
-
-    @guard("native_quiescent")
+    @guard("native_quiescent")  # what Python knows of it; the lease server adds "no lease left"
     def _quiescent(self, **kw: Any) -> bool:
-        return not self.leases and not self.stores and self.pins() == 0
+        return not self.stores and self.pins() == 0
 
     # -- effects ----------------------------------------------------------------------
 
@@ -400,88 +354,23 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
             socket_path=ex.lease_address, inventory_epoch=self.inventory_epoch,
         )
         self.descriptor = encode(desc, ex.config.deployment)
+        self._native.publish(self, self.lease_report(), handle.fd)  # what grants of this generation say
 
         def undo() -> None:
             self.generation, self.descriptor, self.descriptor_expires_ns, self.inventory_epoch = before
-        return undo
-
-    @effect("grant_lease")
-    def _grant(self, *, lease_id: int, channel: chan.Channel, blocks: LeaseGrant | None = None,
-               **kw: Any) -> Callable[[], None]:
-        if self.uncounted:
-            pidfd = channel.pidfd
-            self.transport.pin(self.mapped())  # the hold: unmap and release refuse from here
-            self.holds[lease_id] = Hold(channel, None if pidfd is None else os.dup(pidfd))
-        self.leases[lease_id] = BankLease(lease_id, channel, time.monotonic() + self.exporter.config.lease_timeout_s,
-                                      blocks)
-
-        def undo() -> None:
-            self.leases.pop(lease_id, None)
-            self.drop_hold(lease_id)
-        return undo
-
-    @effect("expire_lease")
-    def _expire(self, *, lease_id: int, **kw: Any) -> Callable[[], None]:
-        # Kept, not ended: the importer may still map the bank (INV-NO-RELEASE-MAPPED).
-        lease = self.leases[lease_id]
-        lease.expired = True
-
-        def undo() -> None:
-            lease.expired = False
-        return undo
-
-    @effect("renew_lease")
-    def _renew(self, *, lease_id: int, **kw: Any) -> Callable[[], None]:
-        lease = self.leases[lease_id]
-        before = lease.expires_at
-        lease.expires_at = time.monotonic() + self.exporter.config.lease_timeout_s
-
-        def undo() -> None:
-            lease.expires_at = before
+            self._native.publish(self, self.lease_report(), handle.fd)
         return undo
 
     @effect("withdraw_descriptor")
     def _withdraw(self, **kw: Any) -> Callable[[], None]:
         before = (self.descriptor, self.descriptor_expires_ns)
         self.descriptor, self.descriptor_expires_ns = None, 0
+        self._native.descriptor(self.rank, 0)
 
         def undo() -> None:
             self.descriptor, self.descriptor_expires_ns = before
+            self._native.descriptor(self.rank, before[1])
         return undo
-
-    @effect("end_lease")
-    def _end(self, *, lease_id: int, still_open: bool = False, **kw: Any) -> None:
-        """``still_open``: the lease ended without evidence that its importer closed the
-        bank (it expired), so a hold it has stays until that evidence comes."""
-        lease = self.leases.pop(lease_id)
-        if not still_open:
-            self.drop_hold(lease_id)
-        if lease.blocks is not None and self.exporter.inventory is not None:
-            self.exporter.inventory.release(lease.blocks)  # the blocks may be evicted again
-
-    def drop_hold(self, lease_id: int) -> bool:
-        """Let go of a lease's hold (its importer closed the bank): one pin fewer."""
-        with self.locked():
-            hold = self.holds.pop(lease_id, None)
-            if hold is None:
-                return False
-            if hold.pidfd is not None:
-                os.close(hold.pidfd)
-            self.transport.unpin(self.mapped())
-            return True
-
-    def drop_holds(self, channel: chan.Channel) -> None:
-        """The importer on ``channel`` closed its end: none of its holds is open any more."""
-        with self.locked():
-            for lease_id in [i for i, h in self.holds.items() if h.channel is channel]:
-                self.drop_hold(lease_id)
-
-    def drop_exited_holds(self) -> None:
-        """Holds whose connection this side closed (it stopped serving) end only once the
-        importer's process exited (the driver closes a dead process's opens)."""
-        with self.locked():
-            for lease_id in [i for i, h in self.holds.items() if h.channel.closed and h.exited()]:
-                self.drop_hold(lease_id)
 
     @effect("submit_store")
     def _submit_store(self, *, plan: object = None, **kw: Any) -> None:
@@ -537,7 +426,7 @@ class Exporter(Generic[H, A, R, M, E]):
         self.transport = transport
         #: The retained inventory (advisory); a lease naming blocks pins them atomically.
         self.inventory = inventory
-        self.incarnation = Incarnation.new()
+        self._incarnation = Incarnation.new()
         self.boot_id = host_boot_id()
         self.node = os.uname().nodename
         if name is None:
@@ -552,14 +441,24 @@ class Exporter(Generic[H, A, R, M, E]):
         self.lease_address = self._tcp.address if self._tcp is not None else str(self.socket_path)
         self.banks: dict[int, Bank[H, A, R, M, E]] = {}
         self._observers = tuple(observers)
-        self._lease_ids = itertools.count(1)
-        self._lock = threading.Lock()
+        # A batched lease answers with every bank's fd in one message (kvstate.share.peers).
+        self.limits = chan.Limits(max_fds=min(chan.HARD_MAX_FDS, max(chan.DEFAULT_MAX_FDS, config.tp)))
+        #: Leases are served natively; every bank's state lives there (kvstate.share.lease_server).
+        self.lease_server = LeaseServer(self, self.limits)
         self._server: chan.Server | None = None
-        self._watcher: chan.Watcher | None = None
         self._expiry: threading.Thread | None = None
         self._stopping = threading.Event()
-        self._handlers = 0
-        self._handlers_done = threading.Condition()
+
+    @property
+    def incarnation(self) -> Incarnation:
+        return self._incarnation
+
+    @incarnation.setter
+    def incarnation(self, value: Incarnation) -> None:  # a restart, in tests: grants check it
+        self._incarnation = need("incarnation", value, Incarnation)
+        for bank in self.banks.values():
+            if bank.handle is not None:
+                self.lease_server.publish(bank, bank.lease_report(), bank.handle.fd)
 
     # -- banks --------------------------------------------------------------------------
 
@@ -603,261 +502,60 @@ class Exporter(Generic[H, A, R, M, E]):
     # -- serving ------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Listen for importers, watch their connections and expire their leases. Once:
-        a stopped exporter is not started again (make a new one)."""
+        """Listen for importers and serve their leases (natively, see
+        kvstate.share.lease_server), and withdraw descriptors past their TTL. Once: a
+        stopped exporter is not started again (make a new one)."""
         if self._stopping.is_set() or self._server is not None:
             raise ArgumentInvalid.of("exporter", ArgumentReason.STATE,
                                      "started already, or stopped: an exporter serves once; make a new one")
         chan.make_socket_dir(self.config.socket_dir)
-        # A batched lease answers with every bank's fd in one message (kvstate.share.peers).
-        limits = chan.Limits(max_fds=min(chan.HARD_MAX_FDS, max(chan.DEFAULT_MAX_FDS, len(self.banks))))
-        self._server = chan.Server(self.socket_path, max_connections=self.config.max_connections, limits=limits)
+        # Bound by the channel's Server (owner mark, sweeps of dead servers); served natively.
+        self._server = chan.Server(self.socket_path, max_connections=self.config.max_connections, limits=self.limits)
         try:
-            self._watcher = chan.Watcher(name="kvstate-exporter-watch")
-            self._server.serve_in_thread(self._serve, name="kvstate-exporter")
+            self.lease_server.start(self._server.fileno())
             if self._tcp is not None:
-                self._tcp.serve_in_thread(self._serve, name="kvstate-exporter-tcp")
-            self._expiry = threading.Thread(target=self._expire_loop, name="kvstate-lease-expiry", daemon=True)
+                self._tcp.serve_in_thread(lambda ch: self.lease_server.serve_tcp(ch, self._stopping),
+                                          name="kvstate-exporter-tcp")
+            self._expiry = threading.Thread(target=self._expire_loop, name="kvstate-descriptor-expiry", daemon=True)
             self._expiry.start()
         except BaseException as exc:  # a start that fails leaves nothing, so it can be tried again
-            server, watcher = self._server, self._watcher
-            self._server = self._watcher = self._expiry = None
+            server = self._server
+            self._server = self._expiry = None
+            self.lease_server.stop()
             server.close()
-            if watcher is not None:
-                watcher.close()
-            if isinstance(exc, (OSError, RuntimeError)):  # no fd or thread for the watcher
+            if isinstance(exc, (OSError, RuntimeError)):  # no thread
                 raise ChannelError(ChannelReason.FAILED, f"cannot start serving: {exc}") from None
             raise
 
     def stop(self) -> None:
         """Stop serving (idempotent). Live leases stay until drained or their peers go."""
         self._stopping.set()
-        server, watcher, expiry = self._server, self._watcher, self._expiry
-        self._server = self._watcher = self._expiry = None
+        server, expiry = self._server, self._expiry
+        self._server = self._expiry = None
+        self.lease_server.stop()
         if server is not None:
             server.close()
         if self._tcp is not None:
             self._tcp.close()
-        if watcher is not None:
-            watcher.close()
         if expiry is not None:
             expiry.join(2.0)
-        with self._handlers_done:  # connection handlers notice within one recv poll
-            self._handlers_done.wait_for(lambda: self._handlers == 0, timeout=2.0)
+        self.lease_server.wait_tcp(2.0)  # TCP connection handlers notice within one recv poll
         stop_dispatcher_if_idle()
 
     def connections(self) -> int:
         """Importer connections being served now (a lease holds one for its lifetime)."""
-        with self._handlers_done:
-            return self._handlers
-
-    def _serve(self, ch: chan.Channel) -> None:
-        watcher = self._watcher
-        if watcher is None:  # stopped while this connection was being accepted
-            ch.close()
-            return
-        with self._handlers_done:
-            self._handlers += 1
-        watcher.watch(ch, self._connection_closed)
-        importer_closed = False
-        try:
-            while not self._stopping.is_set():
-                try:
-                    msg = ch.recv(timeout=0.25)
-                except ChannelError as exc:
-                    if exc.reason is ChannelReason.TIMEOUT:
-                        continue
-                    if not exc.closed:
-                        raise
-                    importer_closed = True
-                    break
-                msg.close()  # importers send no fds
-                request: dict[str, Any] = {}
-                fds: tuple[int, ...] = ()
-                try:
-                    request = chan.decode(msg.payload)
-                    if request == status.REQUEST:
-                        reply = status.exporter_status(self, asking=1, max_bytes=ch.limits.max_payload)
-                    elif request.get("op") == "leases":
-                        reply, fds = self._handle_batch(ch, request)
-                    elif request.get("op") == "mapped" and "items" in request:
-                        reply, fds = self._handle_mapped(ch, request)
-                    else:
-                        reply, fds = self._handle(ch, request)
-                except KvStateError as exc:
-                    reply, fds = {"ok": False, "code": exc.reason.value, "detail": str(exc)}, ()
-                if request.get("op") == "mapped":
-                    continue  # a notification: the importer does not wait for an answer
-                try:
-                    ch.send(chan.encode(reply), fds, timeout=self.config.request_timeout_s)
-                except ChannelError:
-                    break
-        finally:
-            # Only the importer's end closing says it closed the bank; a stop or a failed send
-            # closes ours, and its holds then wait for its process (drop_exited_holds).
-            self._end_leases("peer_died", lambda lease: lease.channel is ch, still_open=not importer_closed)
-            if importer_closed:
-                for bank in list(self.banks.values()):
-                    bank.drop_holds(ch)
-            ch.close()
-            with self._handlers_done:
-                self._handlers -= 1
-                self._handlers_done.notify_all()
-
-    def _refuse(self, code: str, detail: str) -> tuple[dict[str, Any], tuple[int, ...]]:
-        return {"ok": False, "code": code, "detail": detail}, ()
-
-    def _handle(self, ch: chan.Channel, req: dict[str, Any]) -> tuple[dict[str, Any], tuple[int, ...]]:
-        for key, kind in _REQUEST_FIELDS.items():  # a peer's JSON may hold any type anywhere
-            if key in req and type(req[key]) is not kind:
-                raise ChannelError(ChannelReason.FRAME,
-                                   f"request field {key!r} must be {kind.__name__}, not {type(req[key]).__name__}")
-        op = req.get("op")
-        bank: Bank[H, A, R, M, E] | None = self.banks.get(req.get("rank", -1))
-        if bank is None:
-            return self._refuse("unknown_rank", f"no bank for rank {req.get('rank')!r}")
-        if op == "lease":
-            if req.get("incarnation") != self.incarnation.value.hex():
-                return self._refuse("stale_incarnation", "this exporter restarted since that descriptor")
-            if req.get("generation") != bank.generation:
-                return self._refuse("stale_generation", f"current generation is {bank.generation}")
-            blocks = None
-            if req.get("blocks") is not None:
-                granted = self._lease_blocks(req["blocks"])
-                if not isinstance(granted, LeaseGrant):
-                    return granted
-                blocks = granted
-            lease_id = next(self._lease_ids)
-            # Granted and read under the bank's lock: the watcher may end the lease the
-            # moment it exists (its importer died), and the answer must not read it half gone.
-            with bank.locked():
-                try:
-                    bank.fire("grant_lease", lease_id=lease_id, channel=ch, blocks=blocks)
-                except TransitionError as exc:
-                    if blocks is not None and self.inventory is not None:
-                        self.inventory.release(blocks)
-                    return self._refuse("not_leasing", str(exc))
-                remaining = bank.leases[lease_id].expires_at - time.monotonic()
-            fd = bank.exported().fd
-            fds = () if fd is None else (fd,)  # FABRIC and CUDA_IPC carry bytes only
-            return {"ok": True, "lease": lease_id, "expires_in_s": remaining, "bank": bank.lease_report()}, fds
-        held = bank.leases.get(req.get("lease", -1))
-        hold = bank.holds.get(req.get("lease", -1))
-        if held is None and op == "release" and hold is not None and hold.channel is ch:
-            bank.drop_hold(req["lease"])  # an expired lease's importer closed the bank after all
-            return {"ok": True}, ()
-        if held is None or held.channel is not ch:
-            return self._refuse("unknown_lease", f"no live lease {req.get('lease')!r} on this connection")
-        if op == "mapped":
-            bank.fire("lease_mapped")
-            return {"ok": True}, ()
-        if op == "release":
-            bank.fire("release_lease", lease_id=held.id)
-            return {"ok": True}, ()
-        if op == "renew":
-            try:
-                bank.fire("renew_lease", lease_id=held.id)
-            except TransitionError as exc:  # expired, or the bank drains: unmap and return it
-                return self._refuse("not_renewing", f"{'expired' if held.expired else bank.state}: {exc}")
-            return {"ok": True, "expires_in_s": held.expires_at - time.monotonic()}, ()
-        return self._refuse("bad_request", f"unknown op {op!r}")
-
-    def _handle_batch(self, ch: chan.Channel, req: dict[str, Any]) -> tuple[dict[str, Any], tuple[int, ...]]:
-        """``leases``: several ranks' lease requests in one message (kvstate.share.peers),
-        each checked exactly as a single ``lease``; all or nothing: on any refusal every
-        lease granted by this request is returned and the refusal names the rank. The
-        answer carries every fd in one SCM_RIGHTS message, in item order (``nfds`` each)."""
-        items = req.get("items")
-        if set(req) != {"op", "items"} or not isinstance(items, list) or not items or \
-                len(items) > len(self.banks) or not all(isinstance(i, dict) and "op" not in i for i in items):
-            raise ChannelError(ChannelReason.FRAME,
-                               f"leases: items must be 1..{len(self.banks)} lease requests (objects without 'op')")
-        ranks = [i.get("rank") for i in items]
-        if any(type(r) is not int for r in ranks) or len(set(ranks)) != len(ranks):
-            raise ChannelError(ChannelReason.FRAME, "leases: every item names a different int rank")
-        granted: list[tuple[int, int]] = []  # (rank, lease id)
-        answers: list[dict[str, Any]] = []
-        fds: list[int] = []
-        try:
-            for item in items:
-                reply, got = self._handle(ch, {**item, "op": "lease"})
-                if not reply.get("ok"):
-                    self._return_granted(ch, granted)
-                    return {**reply, "rank": item["rank"]}, ()
-                granted.append((item["rank"], reply["lease"]))
-                answers.append({**reply, "nfds": len(got)})
-                fds.extend(got)
-        except BaseException:
-            self._return_granted(ch, granted)
-            raise
-        return {"ok": True, "grants": answers}, tuple(fds)
-
-    def _handle_mapped(self, ch: chan.Channel, req: dict[str, Any]) -> tuple[dict[str, Any], tuple[int, ...]]:
-        """``mapped`` with ``items``: one notification for several ranks' leases (each
-        checked as a single ``mapped``). Nothing is answered; a bad item is logged."""
-        items = req.get("items")
-        if set(req) != {"op", "items"} or not isinstance(items, list) or len(items) > len(self.banks) or \
-                not all(isinstance(i, dict) and set(i) == {"rank", "lease"} for i in items):
-            raise ChannelError(ChannelReason.FRAME,
-                               f"mapped: items must be at most {len(self.banks)} objects of rank and lease")
-        for item in items:
-            reply, _ = self._handle(ch, {"op": "mapped", **item})
-            if not reply.get("ok"):
-                log.info("mapped notification refused for rank %r: %s", item.get("rank"), reply.get("detail"))
-        return {"ok": True}, ()
-
-    def _return_granted(self, ch: chan.Channel, granted: list[tuple[int, int]]) -> None:
-        for rank, lease_id in granted:
-            self._handle(ch, {"op": "release", "rank": rank, "lease": lease_id})
-
-    def _lease_blocks(self, want: Any) -> LeaseGrant | tuple[dict[str, Any], tuple[int, ...]]:
-        """Re-validate and pin the requested inventory blocks in one step, or a refusal."""
-        if self.inventory is None:
-            return self._refuse("no_inventory", "this exporter keeps no retained inventory")
-        try:
-            result = self.inventory.lease(want["group"], want["epoch"], want["hashes"])
-        except (ArgumentInvalid, Busy, KeyError, TypeError) as exc:
-            if isinstance(exc, KvStateError) and not refused_by_inventory(exc):
-                raise
-            return self._refuse("bad_request", f"blocks: {exc}")
-        if isinstance(result, Stale):
-            return self._refuse("stale_inventory", f"{result.reason.value} (epoch {result.current_epoch}, "
-                                f"{len(result.missing)} block(s) gone): recompute")
-        return result
-
-    def _end_leases(self, event: LeaseEnd, select: Callable[[BankLease], bool], *, still_open: bool,
-                    why: str = "the importer's connection closed") -> None:
-        """Fire ``event`` for the selected leases, with ``why`` as its reason; ``still_open``:
-        their importers may still have the bank open, so their holds stay (Bank.end_lease)."""
-        bank: Bank[H, A, R, M, E]
-        for bank in list(self.banks.values()):
-            for lease in [lease for lease in list(bank.leases.values()) if select(lease)]:
-                try:
-                    bank.fire(event, lease_id=lease.id, still_open=still_open, reason=f"lease {lease.id}: {why}")
-                except (TransitionError, KeyError):
-                    pass  # already ended by another path (release, expiry, death)
-                except KvStateError as exc:  # an effect failed and was rolled back: try again next round
-                    log.warning("%s: %s of lease %d failed: %s", bank.label, event, lease.id, exc)
-
-    def _connection_closed(self, ch: chan.Channel) -> None:
-        """The watcher saw ``ch`` close: its leases end; its holds too, unless this side
-        closed it (stopping), which says nothing of whether the importer closed the bank."""
-        self._end_leases("peer_died", lambda lease: lease.channel is ch, still_open=ch.closed)
-        if not ch.closed:
-            for bank in list(self.banks.values()):
-                bank.drop_holds(ch)
+        return self.lease_server.connections()
 
     def _expire_loop(self) -> None:
         while not self._stopping.wait(0.05):
             self.expire()
 
     def expire(self) -> None:
-        """One round of the expiry thread: a lease past its time without renewal drains its
-        bank (kept until returned or disconnected); a descriptor past its TTL is withdrawn.
-        Both are observed events with a reason."""
-        now = time.monotonic()
-        self._end_leases("lease_expired", lambda lease: not lease.expired and lease.expires_at <= now,
-                         still_open=True, why=f"not renewed within {self.config.lease_timeout_s} s")
+        """One round of expiry: a lease past its time without renewal drains its bank (kept
+        until returned or disconnected; the lease thread does this on its own at each
+        expiry); a descriptor past its TTL is withdrawn. Both are observed events with a reason."""
+        self.lease_server.expire()
+        self.lease_server.pump()
         now_ns = time.time_ns()
         bank: Bank[H, A, R, M, E]
         for bank in list(self.banks.values()):
@@ -889,7 +587,8 @@ class Exporter(Generic[H, A, R, M, E]):
                 try:
                     bank.fire("quiesce")
                 except TransitionError:
-                    bank.drop_exited_holds()
+                    # holds this side's close left end only once their process exited
+                    self.lease_server.drop_exited_holds(bank.rank)
                     if time.monotonic() >= deadline:
                         raise TimedOut(TimeoutReason.DRAIN,
                                        f"{bank.label}: {len(bank.leases)} lease(s), {len(bank.holds)} hold(s), "

@@ -212,6 +212,69 @@ class VoidPtr(Protocol):
     """``void *``: a callback's context, opaque here."""
 
 
+# -- the exporter's lease server (kvstate.share.lease_server) ------------------------------
+
+
+class LeaseServerPtr(Protocol):
+    """``kvs_lease_server *``: opaque; made by ``kvs_lease_server_new``."""
+
+
+class LeaseServerOut(Protocol):
+    """``kvs_lease_server **`` from ``ffi.new``: where ``kvs_lease_server_new`` puts it."""
+
+    def __getitem__(self, index: int) -> LeaseServerPtr: ...
+
+
+class UInt32Ptr(Protocol):
+    """``uint32_t *`` from ``ffi.new``: one out parameter."""
+
+    def __getitem__(self, index: int) -> int: ...
+
+
+class LeaseInfo(Protocol):
+    """One ``kvs_lease_info``: a lease of the native table."""
+
+    id: int
+    conn: int
+    expires_in_ns: int
+    expired: int
+    pid: int
+
+
+class LeaseInfoArray(Protocol):
+    """``kvs_lease_info[]`` from ``ffi.new``."""
+
+    def __getitem__(self, index: int) -> LeaseInfo: ...
+
+
+class HoldInfo(Protocol):
+    """One ``kvs_hold_info``: a hold of the native table."""
+
+    id: int
+    conn: int
+    conn_open: int
+    has_pidfd: int
+
+
+class HoldInfoArray(Protocol):
+    """``kvs_hold_info[]`` from ``ffi.new``."""
+
+    def __getitem__(self, index: int) -> HoldInfo: ...
+
+
+class LeaseEventPtr(Protocol):
+    """``kvs_lease_event *``: one committed transition of the lease server."""
+
+    rank: int
+    event: int
+    source: int
+    dest: int
+    lease: int
+    t_ns: int
+    why: int
+    dropped: int
+
+
 # -- the module ----------------------------------------------------------------------------
 
 
@@ -256,6 +319,13 @@ class Lib(Protocol):
     KVS_CUDA_FABRIC: int
     KVS_CUDA_HANDLE_BYTES: int
     KVS_MACHINE_BANK: int
+    KVS_LEASE_PYTHON: int
+    KVS_LEASE_MAX_RANKS: int
+    KVS_LWHY_NONE: int
+    KVS_LWHY_CLOSED: int
+    KVS_LWHY_EXITED: int
+    KVS_LWHY_STOPPED: int
+    KVS_LWHY_EXPIRED: int
     KVS_MACHINE_PART: int
     KVS_MNAME_MACHINE: int
     KVS_MNAME_STATE: int
@@ -381,6 +451,38 @@ class Lib(Protocol):
     def kvs_renewer_state(self, r: RenewerPtr, key: int, out: RenewStatePtr) -> int: ...
     def kvs_renewer_take(self, r: RenewerPtr, out: RenewOutcomePtr, max: int) -> int: ...
     def kvs_renewer_dropped(self, r: RenewerPtr) -> int: ...
+
+    # the exporter's lease server
+    def kvs_lease_server_new(self, lease_timeout_ns: int, max_leases: int, allowed_uid: int, max_payload: int,
+                             max_fds: int, max_connections: int, out: LeaseServerOut) -> int: ...
+    def kvs_lease_server_free(self, s: LeaseServerPtr) -> None: ...
+    def kvs_lease_bank_add(self, s: LeaseServerPtr, rank: int, uncounted: int) -> int: ...
+    def kvs_lease_bank_publish(self, s: LeaseServerPtr, rank: int, generation: int, incarnation: CharPtr,
+                               descriptor_expires_ns: int, fd: int, region: int, report: CharPtr) -> int: ...
+    def kvs_lease_bank_descriptor(self, s: LeaseServerPtr, rank: int, descriptor_expires_ns: int) -> int: ...
+    def kvs_lease_bank_uncounted(self, s: LeaseServerPtr, rank: int, uncounted: int) -> int: ...
+    def kvs_lease_bank_state(self, s: LeaseServerPtr, rank: int) -> int: ...
+    def kvs_lease_fire(self, s: LeaseServerPtr, rank: int, event: int, py_holds: int, fx: EffectFn, ctx: VoidPtr,
+                       out: FireResultPtr) -> int: ...
+    def kvs_lease_leases(self, s: LeaseServerPtr, rank: int, out: LeaseInfoArray, cap: int) -> int: ...
+    def kvs_lease_holds(self, s: LeaseServerPtr, rank: int, out: HoldInfoArray, cap: int) -> int: ...
+    def kvs_lease_drop_exited_holds(self, s: LeaseServerPtr, rank: int) -> int: ...
+    def kvs_lease_conn_open(self, s: LeaseServerPtr, pid: int, conn: UInt64Ptr) -> int: ...
+    def kvs_lease_conn_close(self, s: LeaseServerPtr, conn: int, importer_closed: int) -> int: ...
+    def kvs_lease_handle(self, s: LeaseServerPtr, conn: int, payload: CharPtr, len: int, reply: CharPtr, cap: int,
+                         reply_len: UInt32Ptr, fds: Int32Ptr, fdcap: int, nfds: Int32Ptr, answer: Int32Ptr) -> int: ...
+    def kvs_lease_expire(self, s: LeaseServerPtr, ahead_ns: int) -> int: ...
+    def kvs_lease_serve(self, s: LeaseServerPtr, listen_fd: int) -> int: ...
+    def kvs_lease_stop(self, s: LeaseServerPtr) -> int: ...
+    def kvs_lease_connections(self, s: LeaseServerPtr) -> int: ...
+    def kvs_lease_lease_requests(self, s: LeaseServerPtr) -> int: ...
+    def kvs_lease_events_fd(self, s: LeaseServerPtr) -> int: ...
+    def kvs_lease_next_event(self, s: LeaseServerPtr, out: LeaseEventPtr) -> int: ...
+    def kvs_lease_requests_fd(self, s: LeaseServerPtr) -> int: ...
+    def kvs_lease_next_request(self, s: LeaseServerPtr, conn: UInt64Ptr, buf: CharPtr, cap: int,
+                               len: UInt32Ptr) -> int: ...
+    def kvs_lease_answer(self, s: LeaseServerPtr, conn: int, payload: CharPtr, len: int, fds: Int32Ptr,
+                         nfds: int) -> int: ...
 
     # the generated op table
     def kvs_op_nstates(self) -> int: ...

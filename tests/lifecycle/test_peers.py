@@ -27,22 +27,16 @@ def test_imports_reuse_one_channel_and_lease_every_rank_in_one_request(transport
                                                                       importer: Importer) -> None:
     ex = make_exporter(4, transport)
     wire = [ex.descriptor(r) for r in range(4)]
-    requests: list[str] = []
-    handle = ex._handle_batch
-
-    def counting(ch: chan.Channel, req: dict[str, object]) -> tuple[dict[str, object], tuple[int, ...]]:
-        requests.append("leases")
-        return handle(ch, req)
-    ex._handle_batch = counting  # type: ignore[method-assign]
+    before = ex.lease_server.lease_requests()
     links = set()
     for _ in range(3):
         group = importer.import_group(wire)
         assert group.state == "ready" and len({p.lease_id for p in group.parts}) == 4
         links |= {id(p.link) for p in group.parts}
         group.drain()
-    assert requests == ["leases"] * 3  # one request per import, for all four ranks
+    assert ex.lease_server.lease_requests() - before == 3  # one request per import, for all four ranks
     assert len(links) == 1 and len(importer.peers) == 1
-    assert ex._handlers == 1  # one connection (one handler) served all three imports
+    assert ex.connections() == 1  # one connection served all three imports
 
 
 def test_a_batch_refused_for_one_rank_leases_none_and_names_that_rank(transport: HostTransport,
@@ -83,7 +77,7 @@ def test_an_idle_link_closes_and_a_new_import_reconnects(transport: HostTranspor
         group.drain()
     finally:
         im.close()
-    assert wait_until(lambda: ex._handlers == 0)  # the importer's close closed its idle link
+    assert wait_until(lambda: ex.connections() == 0)  # the importer's close closed its idle link
 
 
 def test_exporter_refuses_malformed_batches(transport: HostTransport) -> None:
@@ -142,7 +136,7 @@ def test_an_importer_closed_during_a_lease_keeps_no_fd_and_no_lease(transport: H
     assert [p.state for p in im.groups[-1].parts] == ["failed", "failed"]
     assert memfds() == before
     assert wait_until(lambda: all(not b.leases for b in ex.banks.values()))
-    assert wait_until(lambda: ex._handlers == 0)  # the link closed
+    assert wait_until(lambda: ex.connections() == 0)  # the link closed
 
 
 def test_a_link_is_held_by_its_grants_and_closes_idle_once_they_go(transport: HostTransport) -> None:

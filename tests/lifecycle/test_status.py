@@ -69,6 +69,7 @@ def test_status_shows_banks_and_leases_as_they_are(transport: HostTransport, imp
     try:
         # the importer's "mapped" note moves each bank to ready after the import returns
         assert wait_until(lambda: all(b.state == "ready" for b in ex.banks.values()))
+        ex.lease_server.pump()  # the lease server's transitions reach observers after its state moved
         changes.clear()
         snap = snapshot(ex.config.socket_dir)
         assert changes == []  # a status request fires nothing

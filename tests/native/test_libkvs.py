@@ -45,12 +45,20 @@ _C_TO_PY: dict[str, Any] = {
     "struct kvs_renewer *": libkvs.RenewerPtr,
     "struct kvs_renew_outcome *": libkvs.RenewOutcomePtr,
     "struct kvs_renew_state *": libkvs.RenewStatePtr,
+    "struct kvs_lease_server *": libkvs.LeaseServerPtr,
+    "struct kvs_lease_server * *": libkvs.LeaseServerOut,
+    "uint32_t *": libkvs.UInt32Ptr,
+    "struct kvs_lease_info *": libkvs.LeaseInfoArray,
+    "struct kvs_hold_info *": libkvs.HoldInfoArray,
+    "struct kvs_lease_event *": libkvs.LeaseEventPtr,
 }
 _STRUCTS = {"kvs_region_info": libkvs.RegionInfoPtr, "kvs_global_info": libkvs.GlobalInfoPtr,
             "kvs_op_info": libkvs.OpInfoPtr, "kvs_cuda_driver_info": libkvs.CudaDriverInfoPtr,
             "kvs_cuda_device_info": libkvs.CudaDeviceInfoPtr, "kvs_machine_inst": libkvs.MachineInstPtr,
             "kvs_fire_result": libkvs.FireResultPtr, "kvs_frame": libkvs.FramePtr,
-            "kvs_renew_outcome": libkvs.RenewOutcomePtr, "kvs_renew_state": libkvs.RenewStatePtr}
+            "kvs_renew_outcome": libkvs.RenewOutcomePtr, "kvs_renew_state": libkvs.RenewStatePtr,
+            "kvs_lease_info": libkvs.LeaseInfo, "kvs_hold_info": libkvs.HoldInfo,
+            "kvs_lease_event": libkvs.LeaseEventPtr}
 
 
 def _builder() -> Any:

@@ -1,0 +1,95 @@
+/* The lease server's own data, shared by its rules (kvs_lease.c) and its thread
+ * (kvs_lease_thread.c). Everything here is guarded by `mu` (recursive: Python's effects,
+ * called from inside kvs_lease_fire, publish through it again). */
+#ifndef KVS_LEASE_H
+#define KVS_LEASE_H
+
+#include <pthread.h>
+#include <stdint.h>
+
+#include "kvs.h"
+#include "kvs_json.h"
+
+struct kvs_lease {
+    int64_t id;
+    uint64_t conn;
+    int64_t expires_ns; /* CLOCK_MONOTONIC; moved on by each renewal */
+    int expired;        /* ran out unrenewed: kept until returned or disconnected */
+    int pid;
+};
+
+/* An importer that may have a bank of memory nobody counts open: one pin on the region. */
+struct kvs_hold {
+    int64_t id;
+    uint64_t conn;
+    int conn_open; /* 0: this side closed the connection; the pidfd says when it let go */
+    int pidfd;     /* -1: the process was gone at the grant */
+};
+
+struct kvs_bank {
+    int live;
+    kvs_machine_inst m;
+    int uncounted;
+    int64_t generation;
+    char incarnation[65];
+    int64_t descriptor_expires_ns; /* CLOCK_REALTIME; 0: no descriptor */
+    int fd;                        /* the exported fd sent with each grant, or -1 */
+    uint64_t region;               /* pinned by holds */
+    char *report;                  /* the `bank` object of a grant, rendered by Python */
+    struct kvs_lease *leases;      /* max_leases slots */
+    int nleases;
+    struct kvs_hold *holds;
+    int nholds, capholds;
+};
+
+struct kvs_conn {
+    uint64_t id;
+    int fd;    /* -1: served by Python (TCP) */
+    int pidfd; /* -1: none */
+    int pid;
+};
+
+#define KVS_LEASE_RING 4096
+
+struct kvs_lease_server {
+    pthread_mutex_t mu;
+    int64_t lease_timeout_ns;
+    int32_t max_leases, max_payload, max_fds, max_connections;
+    uint32_t uid;
+    int64_t next_lease, lease_requests;
+    uint64_t next_conn;
+    int nbanks;
+    struct kvs_bank banks[KVS_LEASE_MAX_RANKS];
+    struct kvs_conn *conns;
+    int nconns;
+    struct kj_req req; /* scratch of kvs_lease_handle */
+    /* committed transitions, for Python */
+    kvs_lease_event ring[KVS_LEASE_RING];
+    uint32_t head, tail;
+    int32_t dropped;
+    int events_fd;
+    /* requests Python serves: a bounded FIFO of copies */
+    struct pyreq { uint64_t conn; char *buf; uint32_t len; } pyq[64];
+    int pyq_head, pyq_n;
+    int requests_fd;
+    /* the thread */
+    int listen_fd, epoll_fd, timer_fd, cmd_fd;
+    int running, stopping;
+    pthread_t thread;
+    /* refused connections, half closed for a moment so the refusal is read before a close
+     * with the peer's request unread turns into a reset (as kvstate.channel.Server does) */
+    struct { int fd; int64_t until_ns; } lingering[64];
+    int nlingering;
+};
+
+/* kvs_lease.c, for the thread: */
+struct kvs_conn *kvs_lease_conn(struct kvs_lease_server *s, uint64_t id);
+/* Add a connection (fd, pidfd owned from here); its id, or 0 when the table is full. */
+uint64_t kvs_lease_conn_add(struct kvs_lease_server *s, int fd, int pidfd, int pid);
+/* End `conn`'s leases (peer_died), drop its holds when the importer closed, close its fds. */
+void kvs_lease_conn_end(struct kvs_lease_server *s, uint64_t conn, int importer_closed, int why);
+/* The nearest expiry of a live lease (CLOCK_MONOTONIC ns), or 0. */
+int64_t kvs_lease_next_expiry(struct kvs_lease_server *s);
+int64_t kvs_lease_now(void);
+
+#endif /* KVS_LEASE_H */

@@ -1,0 +1,67 @@
+"""Leases are served while the exporter's Python is frozen (issue 28): the exporter's
+process holds its GIL in one long C call (ctypes.PyDLL) while another process leases,
+maps and loads a tp=2 group from it and verifies the bytes. The test asserts on the order
+of events only (tests/support/gil_hostile.py says how the hold ends on the importer's
+word), never on wall-clock time."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.native, pytest.mark.multiproc]
+
+TESTS = Path(__file__).resolve().parents[1]
+RUN = f"import sys; sys.path.insert(0, {str(TESTS)!r}); from support.gil_hostile import main; main()"
+
+
+def _child(role: str, fd: int, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", RUN, role, str(fd), *args], pass_fds=(fd,),
+                            stdout=subprocess.PIPE, text=True)
+
+
+def _line(p: subprocess.Popen[str]) -> dict[str, Any]:
+    assert p.stdout is not None
+    line = p.stdout.readline()
+    assert line, f"the child ended early (rc {p.poll()})"
+    out: dict[str, Any] = json.loads(line)
+    return out
+
+
+def test_an_exporter_holding_its_gil_still_serves_a_tp2_import() -> None:
+    r, w = os.pipe()
+    exporter = _child("exporter", r)
+    importer = None
+    try:
+        holding = _line(exporter)
+        assert holding["event"] == "holding"
+        # From here the exporter's process is inside one C call with its GIL held, until
+        # the importer writes its word.
+        importer = _child("importer", w, *holding["descriptors"])
+        os.close(w)
+        w = -1
+        assert importer.wait(timeout=300) == 0
+        imported = _line(importer)
+        returned = _line(exporter)
+        # The importer finished (leased, mapped, loaded, verified) while the hold lasted:
+        # the hold returned with its word already there, and no Python ran during it.
+        assert imported["word"] == "done", imported
+        assert returned == {"event": "hold returned", "word": "done", "ticks_during_hold": 0,
+                            "bank_states": returned["bank_states"]}, returned
+        released = _line(exporter)
+        assert released["bank_states"] == ["released", "released"], released
+        assert exporter.wait(timeout=60) == 0
+    finally:
+        for p in (exporter, importer):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+        os.close(r)
+        if w >= 0:
+            os.close(w)

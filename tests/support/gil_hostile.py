@@ -1,0 +1,126 @@
+"""The two processes of the GIL-hostile lease test (tests/lifecycle/test_gil_hostile.py).
+
+``exporter``: a tp=2 exporter over host memory, each bank filled with its rank's pattern.
+It prints its descriptors, then holds its GIL in one C call, ``read()`` on the pipe the
+importer writes when it is done, made through ``ctypes.PyDLL`` (which keeps the GIL for
+the whole call). A Python ticker thread counts while the GIL is free, so the count
+before and after the hold says whether any Python ran during it. The hold ends only when
+the importer's word arrives, so the test needs no clock: if leases needed this process's
+Python, the importer could not lease and would write ``failed`` instead.
+
+``importer``: leases, maps and loads the group from the descriptors, verifies the bytes,
+and writes ``done`` (or ``failed: why``) to the pipe.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from kvstate.core.descriptor import decode
+from kvstate.core.geometry import DType, Geometry, Layout
+from kvstate.core.identity import Deployment
+from kvstate.share.exporter import ExportConfig, Exporter
+from kvstate.share.importer import ImportConfig, Importer
+from kvstate.transport.host import HostTransport
+from support.reuse import REUSE_ON
+
+DEPLOYMENT = Deployment("gil-hostile", bytes(range(32)))
+GEOMETRY = Geometry.uniform(layers=2, kv_heads=2, head_dim=16, block_tokens=8, dtype=DType.BF16,
+                            layout=Layout.LAYER_MAJOR, num_blocks=32)
+TP = 2
+BLOCKS = [5, 0, 31, 2]
+
+
+def pattern(rank: int, nbytes: int) -> bytes:
+    unit = bytes((rank * 37 + i) % 251 for i in range(251))
+    return (unit * (nbytes // len(unit) + 1))[:nbytes]
+
+
+def expected(rank: int) -> bytes:
+    data = pattern(rank, GEOMETRY.nbytes)
+    return b"".join(data[o:o + n] for b in BLOCKS for o, n in GEOMETRY.block_extents(b))
+
+
+def say(**what: object) -> None:
+    print(json.dumps(what), flush=True)
+
+
+def exporter(pipe_r: int) -> None:
+    d = Path(tempfile.mkdtemp(prefix="kvs-gil-"))
+    os.chmod(d, 0o700)
+    ex = Exporter(ExportConfig(DEPLOYMENT, d / "sock", os.urandom(16), TP), HostTransport())
+    for r in range(TP):
+        bank = ex.add_bank(r, GEOMETRY)
+        bank.fire("register")
+        bank.view()[:GEOMETRY.nbytes] = pattern(r, GEOMETRY.nbytes)
+        bank.fire("advertise")
+    ex.start()
+    ticks = [0]
+    stop = threading.Event()
+
+    def ticker() -> None:  # runs only while this process's GIL is free
+        while not stop.wait(0.0005):
+            ticks[0] += 1
+
+    threading.Thread(target=ticker, daemon=True).start()
+    while ticks[0] < 3:  # the ticker runs before the hold
+        stop.wait(0.001)
+    libc = ctypes.PyDLL(None)  # PyDLL: the GIL stays held for the whole call
+    libc.read.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+    libc.read.restype = ctypes.c_ssize_t
+    buf = ctypes.create_string_buffer(256)
+    say(descriptors=[ex.descriptor(r).hex() for r in range(TP)], event="holding")
+    # No forced GIL switch between reading the count and entering the call (nor after
+    # it returns): any tick counted in between ran while the call held the GIL.
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    before = ticks[0]
+    n = libc.read(pipe_r, buf, 255)  # returns once the importer wrote its word
+    during = ticks[0] - before
+    sys.setswitchinterval(interval)
+    stop.set()
+    word = buf.raw[:max(n, 0)].decode(errors="replace")
+    states_after = [b.state for b in ex.banks.values()]
+    say(event="hold returned", word=word, ticks_during_hold=during, bank_states=states_after)
+    ex.stop()
+    for b in ex.banks.values():
+        for lease in list(b.leases.values()):
+            lease.channel.close()
+    ex.drain(10.0)
+    say(event="released", bank_states=[b.state for b in ex.banks.values()])
+
+
+def importer(pipe_w: int, descriptors: list[str]) -> None:
+    word = "failed: nothing ran"
+    try:
+        im = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON, request_timeout_s=5.0), HostTransport())
+        group = im.import_group([bytes.fromhex(d) for d in descriptors])
+        dst = [bytearray(len(BLOCKS) * GEOMETRY.block_bytes) for _ in range(TP)]
+        group.load_prefix(BLOCKS, dst)
+        ok = all(bytes(dst[r]) == expected(r) for r in range(TP))
+        word = "done" if ok and group.state == "ready" else f"failed: bytes {ok}, group {group.state}"
+        group.drain()
+        im.close()
+    except Exception as exc:  # reported through the pipe: the exporter's hold must end either way
+        word = f"failed: {type(exc).__name__}: {exc}"
+    finally:
+        os.write(pipe_w, word.encode()[:255])
+    say(word=word)
+
+
+def main() -> None:
+    role, fd = sys.argv[1], int(sys.argv[2])
+    if role == "exporter":
+        exporter(fd)
+    else:
+        importer(fd, sys.argv[3:])
+
+
+if __name__ == "__main__":
+    main()
