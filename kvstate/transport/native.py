@@ -414,7 +414,7 @@ class Native:
         lib, ffi = self.lib, self.ffi
         if type(sock) is not int or sock < 0:
             raise ArgumentInvalid.native("kvs_report_open", -1, f"sock must be an fd, not {sock!r:.40}")
-        for name, msg in (("ok", ok), ("failed", failed)):
+        for name, msg in (("ok", ok), ("the failure message", failed)):
             if not isinstance(msg, bytes) or not 0 < len(msg) <= lib.KVS_REPORT_MAX_BYTES:
                 raise ArgumentInvalid.native("kvs_report_open", -1, f"{name} must be 1 to "
                                              f"{lib.KVS_REPORT_MAX_BYTES} bytes, not {type(msg).__name__} "
