@@ -56,6 +56,9 @@ def structures(src: Engine, eng: Engine) -> dict[str, int]:
             # live shares are in kvstate_sizes; ended ones are kept up to keep_ended (a deque)
             out[f"{e.name}.rank_worker.ended"] = len(worker.ended)
         if e.worker._decode is not None:
+            # A lease that ended in the native lease server gives its blocks back when its
+            # end is observed (LeaseServer.pump, on the observer thread): settle that first.
+            e.worker._decode.exporter.lease_server.pump()
             inventory = e.worker._decode.inventory
             out[f"{e.name}.inventory.blocks"] = len(inventory)
             out[f"{e.name}.inventory.leases"] = len(inventory.active_leases())
