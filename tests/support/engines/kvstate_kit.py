@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from support.engines import kv_configs
+from support.engines import evidence, kv_configs
 from support.engines.runner import Engine, EngineSpec, Generation
 
 #: The deployment key, given to engines through the environment (never the extra config).
@@ -72,6 +72,15 @@ def counters(g: Generation) -> dict[str, float]:
             if d:
                 out[k[len(PREFIX):]] = d
     return out
+
+
+def reused(got: Generation, reference: Generation, lengths: tuple[int, ...]) -> dict[str, float]:
+    """Check that a prefill engine's ``got`` has the decode engine's tokens (``reference``)
+    and loaded every loadable block of each prompt from outside; returns its counters."""
+    assert got.tokens == reference.tokens
+    problems = evidence.reuse(got).external_problems(loadable(lengths))
+    assert problems == [], problems
+    return counters(got)
 
 
 def worker_pids(engine: Engine) -> list[int]:
