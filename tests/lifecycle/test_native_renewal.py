@@ -96,5 +96,7 @@ def test_self_test_renewal_in_python_loses_the_leases(transport: HostTransport) 
     r = run_hold(transport, native=False)
     assert r["imported"]["imported"] == "ready"
     assert sorted(r["expired"]) == ["bank[rank 0]", "bank[rank 1]"], r
-    assert [(state, expired) for state, _, expired in r["banks"]] == [("draining", 1), ("draining", 1)], r
+    # Both drain; an expired lease stays until its importer returns it, which it may have
+    # done already (its group closes on the refused renewal): none is left live.
+    assert all(state == "draining" and leases == expired for state, leases, expired in r["banks"]), r
     assert r["held"]["renewals"] == []  # nothing was renewed natively
