@@ -16,28 +16,10 @@ from support.errors import raises
 
 from kvstate.core.errors import ArgumentInvalid
 from kvstate.core.reasons import ArgumentReason
-from kvstate.transport.host import HostTransport
 from kvstate.transport.native import Native
 
-from native.test_ops import Bank
-
-
-@pytest.fixture
-def t() -> HostTransport:
-    return HostTransport()
-
-
-@pytest.fixture
-def nat(t: HostTransport) -> Iterator[Native]:
-    yield t.native
-    t.native.pause(False)
-
-
-@pytest.fixture
-def bank(t: HostTransport) -> Iterator[Bank]:
-    b = Bank(t)
-    yield b
-    b.close()
+# The op tests' transport, engine and bank fixtures, shared rather than written again.
+from native.test_ops import Bank, bank, nat, t  # noqa: F401
 
 
 @pytest.fixture
