@@ -96,7 +96,8 @@ def test_self_test_renewal_in_python_loses_the_leases(transport: HostTransport) 
     r = run_hold(transport, native=False)
     assert r["imported"]["imported"] == "ready"
     assert sorted(r["expired"]) == ["bank[rank 0]", "bank[rank 1]"], r
-    # Both drain; an expired lease stays until its importer returns it, which it may have
-    # done already (its group closes on the refused renewal): none is left live.
-    assert all(state == "draining" and leases == expired for state, leases, expired in r["banks"]), r
+    # Both drain. What is left of each expired lease depends on how far the importer got
+    # when the snapshot was taken (returned, kept, or a new one refused), so only the
+    # drain is asserted: a renewed lease would have kept its bank ready.
+    assert all(state == "draining" for state, _, _ in r["banks"]), r
     assert r["held"]["renewals"] == []  # nothing was renewed natively
