@@ -33,6 +33,7 @@ from kvstate import channel as chan
 from kvstate.core.reasons import TransferFailReason
 from kvstate.channel.tcp import SCHEME, connect_tcp
 from kvstate.core.descriptor import Descriptor
+from kvstate.core.geometry import Geometry
 from kvstate.core.errors import ImportFailed, TransferFailed
 from kvstate.core.machine import effect, guard
 from kvstate.share.importer import Part, PartOwner, _check_report, _grant_fields, _release_quietly, lease_request
@@ -151,13 +152,33 @@ class RemotePart(Part[H, A, R, M, E]):
 
     def read(self, blocks: Sequence[int], dst: NixlAllocation, *, timeout: float) -> int:
         """READ bank blocks ``blocks`` into blocks 0..n-1 of ``dst`` (registered with this
-        process's agent); the caller pinned the part. Returns the bytes read."""
-        g = self.descriptor.geometry
-        if g.block_extents(0) != [(0, g.block_bytes)] or \
-                (g.num_blocks > 1 and g.block_extents(1) != [(g.block_bytes, g.block_bytes)]):
-            raise TransferFailed(TransferFailReason.LOAD, f"{self.label}: NIXL parts read banks whose block b is bytes "
-                                 f"[b*block_bytes, (b+1)*block_bytes) (one contiguous extent per block)")
+        process's agent), each block's regions back to back in the geometry's order; the
+        caller pinned the part. Returns the bytes read."""
+        chunks, chunk_bytes = block_chunks(self.descriptor.geometry, blocks, self.label)
         if self.remote is None or self.gate is None:
             raise TransferFailed(TransferFailReason.LOAD, f"{self.label}: not imported")
-        self.nixl.load(self.remote, dst, list(blocks), block_bytes=g.block_bytes, lease=self.gate, timeout=timeout)
-        return len(blocks) * g.block_bytes
+        self.nixl.load(self.remote, dst, chunks, block_bytes=chunk_bytes, lease=self.gate, timeout=timeout)
+        return len(chunks) * chunk_bytes
+
+
+def block_chunks(g: Geometry, blocks: Sequence[int], label: str) -> tuple[list[int], int]:
+    """The READ units of ``blocks``: NIXL reads equal chunks numbered from the bank's
+    start, so every region's block must be one run of the same size ``c`` starting at a
+    multiple of ``c`` (a block-major bank: one chunk per block; a layer-major one, as
+    vLLM's CPU layout is, one per region and block). Returns the chunk numbers, block by
+    block and region by region within a block, and ``c``."""
+    runs = {r.runs() for r in g.regions}
+    sizes = {r.block_bytes for r in g.regions}
+    if len(sizes) != 1 or any(len(rr) != 1 or rr[0][0] != 0 for rr in runs):
+        raise TransferFailed(TransferFailReason.LOAD, f"{label}: NIXL parts read banks whose regions each hold a "
+                             "block as one run of one common size")
+    c = sizes.pop()
+    out = []
+    for b in blocks:
+        for r in g.regions:
+            start = r.offset + b * r.block_stride_bytes
+            if start % c:
+                raise TransferFailed(TransferFailReason.LOAD, f"{label}: region {r.name!r} block {b} starts at "
+                                     f"{start}, not a multiple of its {c} bytes")
+            out.append(start // c)
+    return out, c

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -35,9 +35,14 @@ from kvstate.integrations.vllm.config import ConnectorConfig
 from kvstate.integrations.vllm.hashing import Compat
 from kvstate.integrations.vllm.orders import LoadFailures, LoadOrder, failure_code
 from kvstate.integrations.vllm.stats import Tally
+from kvstate.integrations.vllm.remote_load import RemoteLoad
 from kvstate.share.rank_worker import RankWorker, WorkerConfig
+from kvstate.share.remote_part import RemotePart
 from kvstate.share.transfer import TransferHandle
 from kvstate.transport.host import HostTransport
+
+if TYPE_CHECKING:
+    from kvstate.transport.nixl.transport import NixlTransport
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +55,7 @@ _ENDED = ("draining", "quiescent", "closed", "rejected", "failed")
 class _Load:
     order: LoadOrder
     started: float
-    handle: TransferHandle | None = None
+    handle: TransferHandle | RemoteLoad | None = None
 
 
 class PrefillRank:
@@ -62,6 +67,11 @@ class PrefillRank:
         self.kv_caches = dict(kv_caches)
         self.coordinator_path = coordinator_path
         self.worker: RankWorker[Any, Any, Any, Any, Any] | None = None
+        #: Reads banks of other nodes (transport nixl, or auto with a source by address).
+        self.nixl: NixlTransport | None = None
+        if cfg.reads_nixl:
+            from kvstate.integrations.vllm.nixl_agent import process_agent
+            self.nixl = process_agent()
         self._loads: dict[str, _Load] = {}
         self._finished: set[str] = set()
         self._failed_blocks: set[int] = set()
@@ -75,7 +85,7 @@ class PrefillRank:
                               request_timeout_s=max(self.cfg.load_timeout_s / 2, 1.0),
                               reuse=self.cfg.policy)  # the importer enforces the same switches
         while not self._stopping.is_set():
-            worker: RankWorker[Any, Any, Any, Any, Any] = RankWorker(config, HostTransport())
+            worker: RankWorker[Any, Any, Any, Any, Any] = RankWorker(config, HostTransport(), remote=self.nixl)
             try:
                 worker.start()
             except (ChannelError, OSError) as exc:
@@ -115,7 +125,12 @@ class PrefillRank:
             share = worker.share(order.gid)
             if share is not None and share.state == "ready":
                 try:
-                    load.handle = share.load(list(order.slots), self.kv_caches, list(order.dst_blocks))
+                    if isinstance(share.part, RemotePart):  # another node's bank: READ, then scatter
+                        left = max(self.cfg.load_timeout_s - (now - load.started), 0.1)
+                        load.handle = RemoteLoad(share, self.nixl, order.slots, self.kv_caches, order.dst_blocks,
+                                                 timeout=left)
+                    else:
+                        load.handle = share.load(list(order.slots), self.kv_caches, list(order.dst_blocks))
                 except KvStateError as exc:
                     return f"load_refused:{exc.reason.value}"  # TransitionError illegal: the share left ready
             elif share is not None and share.state in _ENDED:
@@ -133,7 +148,8 @@ class PrefillRank:
             return None
         result = handle.result()
         if result is None or not result.ok:
-            return "load_failed"
+            why = getattr(result, "why", "")
+            return f"load_failed:{why}" if why else "load_failed"
         self.tally.add("bytes_loaded", result.bytes)
         return ""
 
