@@ -87,6 +87,9 @@ class TcpChannel(Channel):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
+            # Probes are sent only while nothing is unacknowledged; data sent into a dead link
+            # is retransmitted for ~15 minutes instead. This bounds that wait the same way.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, KEEPALIVE_S * 1000)
             # ENOTCONN when the peer reset before we got here: the caller's to handle.
             self.address = sock.getpeername()
         except BaseException:

@@ -173,42 +173,6 @@ def _quiet_exporter(pair: Hosts, timeout: float) -> dict[str, Any]:
         time.sleep(0.5)
 
 
-def test_the_link_cut_mid_load_fails_the_load_and_the_exporter_reclaims(pair: Hosts) -> None:
-    """The link goes down while a 4,096-token prefix is being READ (the link slowed so the
-    READ takes seconds): the load fails within its timeout and vLLM recomputes; on the
-    decode side the lease runs out (nobody renews it) and keepalive ends the connection,
-    so the bank holds no lease, though the prefill never said goodbye."""
-    batch = prompts((4096,), seed=21)
-    reference = kit.produce(pair.decode, batch, MAX_TOKENS)
-    assert pair.prefill.reset_prefix_cache()
-    pair.net.shape(rate="4mbit")                      # 4 MiB of KV: about 8 s on the link
-    try:
-        t, out = _generate_in_thread(pair.prefill, batch)
-        deadline = time.monotonic() + 30
-        while pair.exporter()["banks"][0]["lease_count"] == 0:   # the lease is granted: READs follow
-            assert time.monotonic() < deadline, "no lease was granted"
-            time.sleep(0.1)
-        time.sleep(1.0)
-        cut_at = time.monotonic()
-        pair.net.cut()
-        t.join(LOAD_TIMEOUT_S + 120)
-        assert not t.is_alive()
-        snap = _quiet_exporter(pair, LEASE_TIMEOUT_S + 30)
-        reclaimed_s = time.monotonic() - cut_at
-    finally:
-        pair.net.restore()
-    got = out["g"]
-    assert got.tokens == reference.tokens
-    c = kit.counters(got)
-    assert c.get("hits") == 1 and "loads_ok" not in c and c.get("loads_failed", 0) >= 1, c
-    assert sum(v for k, v in c.items() if k.startswith("rejections")) == c["loads_failed"], c
-    bank = snap["banks"][0]
-    assert bank["lease_count"] == 0 and bank["holds"] == 0 and bank["pins"] == 0, (bank, reclaimed_s)
-    # The prefill engine keeps serving over the restored link.
-    again = pair.fresh(pair.prefill, prompts((100,), seed=22))
-    assert again.tokens == pair.fresh(pair.decode, prompts((100,), seed=22)).tokens
-
-
 def test_thirty_percent_packet_loss_never_gives_wrong_tokens(pair: Hosts) -> None:
     batch = prompts((100, 140, 600), seed=23)
     reference = kit.produce(pair.decode, batch, MAX_TOKENS)
@@ -260,6 +224,45 @@ def test_decode_killed_during_the_load_then_restarted(pair: Hosts) -> None:
     again = pair.fresh(pair.prefill, batch)
     assert again.tokens == reference.tokens
     assert evidence.reuse(again).external_problems(kit.loadable((140,))) == []
+
+
+def test_the_link_cut_mid_load_fails_the_load_and_the_exporter_reclaims(pair: Hosts) -> None:
+    """The link goes down while a 4,096-token prefix is being READ (the link slowed so the
+    READ takes seconds): the load fails within its timeout and vLLM recomputes; on the
+    decode side the lease runs out (nobody renews it; spec/bank.toml then drains the bank)
+    and keepalive ends the connection, so the bank ends with no lease, hold or pin, though
+    the prefill never said goodbye. Runs last of the engine tests: a drained bank retains
+    nothing more (docs/vllm.md, Limits)."""
+    batch = prompts((4096,), seed=21)
+    reference = kit.produce(pair.decode, batch, MAX_TOKENS)
+    assert pair.prefill.reset_prefix_cache()
+    pair.net.shape(rate="4mbit")                      # 4 MiB of KV: about 8 s on the link
+    try:
+        t, out = _generate_in_thread(pair.prefill, batch)
+        deadline = time.monotonic() + 30
+        while pair.exporter()["banks"][0]["lease_count"] == 0:   # the lease is granted: READs follow
+            assert time.monotonic() < deadline, "no lease was granted"
+            time.sleep(0.1)
+        time.sleep(1.0)
+        cut_at = time.monotonic()
+        pair.net.cut()
+        t.join(LOAD_TIMEOUT_S + 120)
+        assert not t.is_alive()
+        snap = _quiet_exporter(pair, LEASE_TIMEOUT_S + 30)
+        reclaimed_s = time.monotonic() - cut_at
+    finally:
+        pair.net.restore()
+    got = out["g"]
+    assert got.tokens == reference.tokens
+    c = kit.counters(got)
+    assert c.get("hits") == 1 and "loads_ok" not in c and c.get("loads_failed", 0) >= 1, c
+    assert sum(v for k, v in c.items() if k.startswith("rejections")) == c["loads_failed"], c
+    bank = snap["banks"][0]
+    assert bank["lease_count"] == 0 and bank["holds"] == 0 and bank["pins"] == 0, (bank, reclaimed_s)
+    assert bank["state"] == "quiescent", bank
+    # The prefill engine keeps serving over the restored link.
+    again = pair.fresh(pair.prefill, prompts((100,), seed=22))
+    assert again.tokens == pair.fresh(pair.decode, prompts((100,), seed=22)).tokens
 
 
 def test_no_namespace_is_left_after_the_module(net: TwoHosts) -> None:
