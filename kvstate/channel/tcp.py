@@ -330,6 +330,8 @@ class TcpServer:
                 hs.sock.close()
                 self._slots.release()
                 return
+            log.debug("tcp peer %s authenticated %.3f s after its accept", ch.address,
+                      time.monotonic() - (hs.deadline - self.handshake_timeout))
             try:
                 threading.Thread(target=run_one, args=(ch,), name=f"{name}-{ch.address[1]}", daemon=True).start()
             except RuntimeError as exc:

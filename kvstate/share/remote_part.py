@@ -23,6 +23,7 @@ node) through the importer's watcher, as for a local part.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -34,11 +35,13 @@ from kvstate.core.reasons import TransferFailReason
 from kvstate.channel.tcp import SCHEME, connect_tcp
 from kvstate.core.descriptor import Descriptor
 from kvstate.core.geometry import Geometry
-from kvstate.core.errors import ImportFailed, TransferFailed
+from kvstate.core.errors import ChannelError, ImportFailed, TransferFailed
 from kvstate.core.machine import effect, guard
 from kvstate.share.importer import Part, PartOwner, _check_report, _grant_fields, _release_quietly, lease_request
 from kvstate.transport.nixl.transport import LeaseGate, NixlAllocation, NixlRemote, NixlTransport
 from kvstate.transport.protocol import A, E, H, M, R
+
+log = logging.getLogger(__name__)
 
 
 def connect_lease_channel(address: str, part: Part[Any, Any, Any, Any, Any], timeout: float) -> chan.Channel:
@@ -75,11 +78,19 @@ class RemotePart(Part[H, A, R, M, E]):
         timeout = self.group.importer.config.request_timeout_s
         asked_ns = time.monotonic_ns()
         with ExitStack() as undo:
-            ch = connect_lease_channel(d.socket_path, self, timeout)
-            undo.callback(ch.close)
-            ch.send(lease_request(d, self.group.blocks), timeout=timeout)
-            with ch.recv(timeout=timeout) as msg:
-                reply = chan.decode(msg.payload)
+            stage = "connect and handshake"
+            try:
+                ch = connect_lease_channel(d.socket_path, self, timeout)
+                undo.callback(ch.close)
+                stage = "lease request"
+                ch.send(lease_request(d, self.group.blocks), timeout=timeout)
+                stage = "lease answer"
+                with ch.recv(timeout=timeout) as msg:
+                    reply = chan.decode(msg.payload)
+            except ChannelError as exc:  # which step, and when: a timeout's evidence
+                log.warning("%s: lease from %s failed at its %s after %.3f s: %s", self.label, d.socket_path,
+                            stage, (time.monotonic_ns() - asked_ns) / 1e9, exc)
+                raise
             if not reply.get("ok"):
                 raise ImportFailed.lease_refused(str(reply.get("code")), str(reply.get("detail")))
             lease_id, expires_in_s = _grant_fields(reply, d.rank)

@@ -256,3 +256,40 @@ def test_auto_picks_the_transport_by_the_settings() -> None:
     assert both.sources == ("local", "tcp://[fe80::1]:4000")
     host = cfgmod.parse({"transport": "host", "listen": "10.0.0.5:4000", "sources": ["tcp://h:1"]}, "kv_both", env)
     assert not host.exports_nixl and not host.reads_nixl and host.index_address() is None
+
+
+@AGENT
+def test_a_restarted_exporter_at_the_same_address_refuses_stale_descriptors_then_loads(tmp_path: Path) -> None:
+    """The decode process SIGKILLed while idle and a new one started at the same address:
+    the prefill side's cached descriptors of the old incarnation are refused as stale,
+    the blocks are recomputed, and the next load leases from the new incarnation."""
+    port = free_port(2)
+    extra = {"socket_dir": str(tmp_path / "a"), "retain_bytes": RETAIN, "transport": "nixl",
+             "listen": f"127.0.0.1:{port}"}
+    decode = Decode(extra, 1)
+    prefill = Engine("kv_consumer", {"socket_dir": str(tmp_path / "b"), "retain_bytes": RETAIN,
+                                     "sources": [f"tcp://127.0.0.1:{port}"], "policy": POLICY}, 1, "prefill-engine")
+    try:
+        tokens = list(range(2000, 2019))
+        decode.finish("d1", tokens, [9, 3, 40, 17, 22])
+        assert load(prefill, "p1", tokens[:18] + [5], [30, 31, 2, 60, 61]) == (4 * BS, set())
+        assert prefill.tally.take()["loads_ok"] == 1
+        decode.proc.kill()                                    # idle: nothing tells the prefill side
+        decode.proc.join(30)
+        decode.conn.close()
+        decode = Decode(extra, 1)                             # a new incarnation, same address
+        tokens = list(range(3000, 3019))
+        retained = decode.finish("d2", tokens, [9, 3, 40, 17, 22])
+        first = load(prefill, "p2", tokens[:18] + [5], [30, 31, 2, 60, 61])
+        ranks = prefill.tally.take()
+        if first[1]:                                          # the old descriptors: refused as stale
+            assert ranks.get("loads_failed") == 1, ranks
+        n, failed = load(prefill, "p3", tokens[:18] + [6], [30, 31, 2, 60, 61])
+        ranks = prefill.tally.take()
+        assert (n, failed) == (4 * BS, set()), ranks
+        assert ranks.get("loads_ok") == 1, ranks
+        for layer in LAYERS:
+            assert torch.equal(prefill.caches[0][layer][[30, 31, 2, 60]], retained[0][layer][:4])
+    finally:
+        prefill.close()
+        decode.close()
