@@ -12,11 +12,3 @@ _log = logging.getLogger("kvstate")
 _log.setLevel(logging.INFO)
 _log.addHandler(_handler)
 _log.propagate = False
-
-# Every thread's stack to the engine's log on SIGUSR2: what a test samples when a wait
-# in an engine runs long (which thread holds it up).
-import faulthandler  # noqa: E402
-import signal  # noqa: E402
-
-faulthandler.register(signal.SIGUSR2, all_threads=True)
-logging.getLogger("kvstate.channel.tcp").setLevel(logging.DEBUG)
