@@ -365,6 +365,24 @@ def test_an_importer_reads_two_banks_of_one_exporter_process() -> None:
 
 
 @needs_nixl
+def test_two_parts_of_one_process_share_a_banks_view() -> None:
+    """Two groups of one prefill worker lease the same bank at once: the second import of
+    the bank at the same generation shares the first's view (it raised "generation 1 is
+    already imported", and vLLM recomputed those blocks), and the view stays readable until
+    its last user closes it."""
+    with peers(CMDS, 2) as (exporter, importer):
+        exporter.call("start")
+        importer.call("start")
+        (d,) = exporter.call("export_banks", banks=1, blocks=BLOCKS, block_bytes=BLOCK, seed=9)
+        importer.call("import_descriptor", descriptor=d)
+        assert importer.call("import_again", descriptor=d) is True
+        assert importer.call("close_view", rank=0) is None             # one user left: still open
+        assert importer.call("load_rank", rank=0, blocks=[2, 4], block_bytes=BLOCK, seed=9) is True
+        assert importer.call("close_view", rank=0) == "closed by one part"  # the last one retires it
+        exporter.call("stop_exporter")
+
+
+@needs_nixl
 def test_the_nixl_record_carries_the_banks_generation() -> None:
     """The record inside a descriptor names the bank's generation (it said 0 whatever the
     generation), so a record of an older generation is refused by the record's own check."""

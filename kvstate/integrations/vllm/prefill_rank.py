@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -42,10 +42,15 @@ from kvstate.integrations.vllm.hashing import Compat
 from kvstate.integrations.vllm.orders import LoadFailures, LoadOrder, failure_code
 from kvstate.integrations.vllm.stats import Tally
 from kvstate.integrations.vllm.tp import SourceView, same_tp
+from kvstate.integrations.vllm.remote_load import RemoteLoad
 from kvstate.share.load import Sliced
 from kvstate.share.rank_worker import RankWorker, WorkerConfig
+from kvstate.share.remote_part import RemotePart
 from kvstate.share.transfer import TransferHandle
 from kvstate.transport.host import HostTransport
+
+if TYPE_CHECKING:
+    from kvstate.transport.nixl.transport import NixlTransport
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +65,7 @@ _ENDED = ("draining", "quiescent", "closed", "rejected", "failed")
 class _Load:
     order: LoadOrder
     started: float
-    handles: list[TransferHandle] | None = None   # one per part of this rank, once all started
+    handles: list[TransferHandle | RemoteLoad] | None = None   # one per part of this rank, once all started
 
 
 class PrefillRank:
@@ -79,6 +84,11 @@ class PrefillRank:
         self.slices = self.view.of_rank(rank)
         self.workers: dict[int, RankWorker[Any, Any, Any, Any, Any]] = {}  # part -> its worker, once connected
         self._targets = {part: self._target(cut) for part, cut in self.slices}
+        #: Reads banks of other nodes (transport nixl, or auto with a source by address).
+        self.nixl: NixlTransport | None = None
+        if cfg.reads_nixl:
+            from kvstate.integrations.vllm.nixl_agent import process_agent
+            self.nixl = process_agent()
         self._loads: dict[str, _Load] = {}
         self._finished: set[str] = set()
         self._failed_blocks: set[int] = set()
@@ -107,7 +117,7 @@ class PrefillRank:
                                   reuse=self.cfg.policy,  # the importer enforces the same switches
                                   source_rank=cut.src_rank, source_tp=self.view.compat.tp)
             while not self._stopping.is_set():
-                worker: RankWorker[Any, Any, Any, Any, Any] = RankWorker(config, self.transport())
+                worker: RankWorker[Any, Any, Any, Any, Any] = RankWorker(config, self.transport(), remote=self.nixl)
                 try:
                     worker.start()
                 except (ChannelError, OSError) as exc:
@@ -155,8 +165,10 @@ class PrefillRank:
                     h.cancel()  # what has not started is cancelled; the rest completes
             return None
         results = [h.result() for h in load.handles]
-        if any(r is None or not r.ok for r in results):
-            return "load_failed"
+        for r in results:
+            if r is None or not r.ok:
+                why = getattr(r, "why", "")  # a remote load says why (a READ's timeout, a lost peer)
+                return f"load_failed:{why}" if why else "load_failed"
         self.tally.add("bytes_loaded", sum(r.bytes for r in results if r is not None))
         return ""
 
@@ -180,7 +192,14 @@ class PrefillRank:
             assert share is not None
             dst, cut = self._targets[part]
             try:
-                load.handles.append(share.load(list(order.slots), dst, list(order.dst_blocks), cut))
+                if isinstance(share.part, RemotePart):  # another node's bank: READ, then scatter
+                    if cut is not None or self.nixl is None:
+                        return "remote_not_supported"  # head slices are same-node only (config refuses them)
+                    left = max(self.cfg.load_timeout_s - (time.monotonic() - load.started), 0.1)
+                    load.handles.append(RemoteLoad(share, self.nixl, order.slots, dst, order.dst_blocks,
+                                                   timeout=left))
+                else:
+                    load.handles.append(share.load(list(order.slots), dst, list(order.dst_blocks), cut))
             except KvStateError as exc:
                 return f"load_refused:{exc.reason.value}"  # TransitionError illegal: the share left ready
         return None
@@ -217,10 +236,12 @@ class PrefillRank:
             if load.handles is None:
                 continue
             left = load.started + self.cfg.load_timeout_s - time.monotonic()
-            ok = all(h.wait_region(name, max(0.0, left)) and h.region_ok(name) is not False for h in load.handles)
+            handles = [h for h in load.handles if isinstance(h, TransferHandle)]  # no remote ones (config)
+            ok = len(handles) == len(load.handles) and all(
+                h.wait_region(name, max(0.0, left)) and h.region_ok(name) is not False for h in handles)
             self.tally.add("layer_waits")
             last = self.compat.layers[-1]
-            if ok and name != last and any(h.region_ok(last) is None for h in load.handles):
+            if ok and name != last and any(h.region_ok(last) is None for h in handles):
                 self.tally.add("layer_waits_ahead")  # this layer computes while a later one loads
             if not ok:
                 for h in load.handles:

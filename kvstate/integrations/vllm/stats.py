@@ -40,6 +40,8 @@ COUNTERS: Mapping[str, str] = {
 GROUPS: Mapping[str, str] = {
     "misses": "prefill: prompts not loaded, by reason (reuse_disabled, no_eligible_source, unreachable, ...)",
     "rejections": "prefill: loads refused or failed after scheduling, by reason (stale_incarnation, timeout, ...)",
+    "routes_ignored": "prefill: sources a router named in kv_transfer_params and not asked, by reason "
+                      "(malformed, no_nixl, busy)",
     "gauges": "levels, latest value: retained_blocks, free_blocks (decode)",
 }
 

@@ -191,6 +191,9 @@ class NixlRemote:
     agent_name: str
     remote_dlists: dict[int, Any] = attrs.field(factory=dict)  # block bytes -> prepped dlist
     closed: str | None = None
+    #: Parts of this process that imported this bank at this generation (several groups
+    #: may lease one bank at once): the view goes when the last one closes it.
+    users: int = 1
 
     @property
     def size(self) -> int:
@@ -241,6 +244,7 @@ class NixlTransport:
         )
         self._allocations: list[NixlAllocation] = []
         self._pins = threading.Lock()  # NixlAllocation.pins and release decide under it
+        self._views = threading.RLock()  # imports and closes of views (ranks' threads share the agent)
         self._remotes: dict[tuple[str, int], NixlRemote] = {}     # one view per bank (NixlHandle.bank)
         self._latest_generation: dict[tuple[str, int], int] = {}
         self._closed = False
@@ -307,8 +311,13 @@ class NixlTransport:
 
         ``generation`` is the descriptor's; a record from an older generation, or older
         than one this process already imported from the same agent, is
-        :class:`ImportFailed` (HANDLE, defect STALE_GENERATION). A newer generation retires the older view first.
+        :class:`ImportFailed` (HANDLE, defect STALE_GENERATION). A newer generation retires the older view first;
+        the same generation again shares the view (one more user; :meth:`close_remote`).
         """
+        with self._views:
+            return self._import(handle, size, generation)
+
+    def _import(self, handle: bytes | NixlHandle, size: int, generation: int | None) -> NixlRemote:
         self._check_open()
         h = handle if isinstance(handle, NixlHandle) else decode(handle, generation=generation)
         if isinstance(handle, NixlHandle) and generation is not None and h.generation != generation:
@@ -326,9 +335,10 @@ class NixlTransport:
                                            f"{where}: generation {h.generation}, but {latest} was already imported")
         previous = self._remotes.get(bank)
         if previous is not None:
-            if previous.generation == h.generation:
-                raise NativeError(NativeReason.NIXL, f"{where} generation {h.generation} is already imported")
-            self.close_remote(previous, why=f"superseded by generation {h.generation}")
+            if previous.generation == h.generation:  # another part of this process reads it too
+                previous.users += 1
+                return previous
+            self._retire(previous, why=f"superseded by generation {h.generation}")
         # Loading partial metadata again for a known agent adds this bank's registration.
         loaded = _call("add_remote_agent", self._agent.add_remote_agent, h.metadata)
         loaded_name = loaded.decode("ascii", "replace") if isinstance(loaded, bytes) else str(loaded)
@@ -472,7 +482,18 @@ class NixlTransport:
     # -- teardown ---------------------------------------------------------------------
 
     def close_remote(self, remote: NixlRemote, why: str = "closed") -> None:
-        """Release the remote's prepared lists, then invalidate its metadata. Idempotent."""
+        """One user of the view is done with it; the last one releases the remote's
+        prepared lists, then invalidates its metadata. Idempotent once retired."""
+        with self._views:
+            if remote.closed is not None:
+                return
+            remote.users -= 1
+            if remote.users <= 0:
+                self._retire(remote, why)
+
+    def _retire(self, remote: NixlRemote, why: str) -> None:
+        """Retire the view for every user (the last one closed it, or a newer generation
+        of the bank supersedes it: its READs then fail as stale)."""
         if remote.closed is not None:
             return
         for dlist in remote.remote_dlists.values():
@@ -494,7 +515,7 @@ class NixlTransport:
                 _call("release_dlist_handle", self._agent.release_dlist_handle, dlist)
             allocation.local_dlists.clear()
         for remote in list(self._remotes.values()):
-            self.close_remote(remote)
+            self._retire(remote, "closed")
         failed: list[KvStateError] = []
         for allocation in list(self._allocations):
             try:
