@@ -349,6 +349,31 @@ def test_the_pin_rule_holds_for_every_kind_of_nixl_target() -> None:
 
 
 @needs_nixl
+def test_the_agent_locks_its_calls_and_its_progress_thread_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent kvstate makes is called from several threads (ranks, importers, remote
+    loads): NIXL's default sync mode NONE crashed the process on concurrent calls
+    (deregister_memory, two remote loads at once). And NIXL's Python API sets the UCX
+    progress thread's wait to 0, a busy spin that burnt a core per engine worker; the agent
+    gets a wait instead. Checked on the config NIXL's agent is built from."""
+    import importlib
+
+    from kvstate.transport.nixl import load_nixl
+    from kvstate.transport.nixl import transport as nt
+
+    nixl = load_nixl()
+    bind = importlib.import_module(nixl.__name__ + "._api").nixlBind
+    seen: list[Any] = []
+    real = bind.nixlAgent
+    monkeypatch.setattr(bind, "nixlAgent", lambda name, config: seen.append(config) or real(name, config))
+    nt._make_agent(nixl, f"cfg-check-{os.getpid()}", 0)
+    (config,) = seen
+    assert config.pthrDelay == nt.PROGRESS_DELAY_US > 0
+    assert config.useProgThread  # an exporter's worker must progress for a peer's READ to finish
+    assert config.syncMode == nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT.value
+    assert bind.nixlAgentConfig is not type(config)  # the module's own class is put back
+
+
+@needs_nixl
 def test_an_importer_reads_two_banks_of_one_exporter_process() -> None:
     """One view per bank, not per agent: both banks of one exporter process are imported
     side by side and each reads its own bytes (the second import used to fail, "generation

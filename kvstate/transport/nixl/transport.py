@@ -77,6 +77,8 @@ _OPTIONAL = frozenset(NIXL_MODULES) | {"numpy"}
 INSTALL_HINT = "pip install --no-deps 'nixl-cu12==1.5.1' numpy   (see README: NIXL transport)"
 BACKEND = "UCX"
 DEFAULT_TIMEOUT_S = 30.0
+#: The longest wait between two asks whether a transfer completed.
+MAX_POLL_NAP_S = 0.001
 
 _MEM_TYPE = {MemoryKind.HOST: "DRAM", MemoryKind.DEVICE: "VRAM"}
 
@@ -204,6 +206,47 @@ class NixlRemote:
         return self.handle.generation
 
 
+# -- the agent --------------------------------------------------------------------------
+
+#: How long NIXL's UCX progress thread waits for events when it has nothing to do, in
+#: microseconds. NIXL's Python API hard-codes 0, a busy spin: measured here, an idle
+#: agent burnt a whole core (2.97 s of CPU in 3 s), in every engine worker with an agent,
+#: and starved the engines on a small machine. The thread is needed (an exporter's UCX
+#: worker must progress for a peer's READ over TCP to complete: without it, the READ
+#: timed out); with a wait it costs 0.05 s of CPU in 3 s idle.
+PROGRESS_DELAY_US = int(os.environ.get("KVSTATE_NIXL_PROGRESS_DELAY_US", "100"))
+_config_lock = threading.Lock()
+
+
+def _make_agent(nixl: ModuleType, agent_name: str, num_threads: int) -> Any:
+    """A NIXL agent that several threads may call (sync mode STRICT: kvstate's ranks,
+    importer threads and remote loads share the process's one agent, and NIXL's default
+    without a listener thread is no locking at all: concurrent calls crashed the process),
+    and whose progress thread waits ``PROGRESS_DELAY_US`` instead of spinning."""
+    api = importlib.import_module(nixl.__name__ + "._api")
+    base = api.nixlBind.nixlAgentConfig
+
+    class _Config(base):  # type: ignore[misc, valid-type]
+        """NIXL's config, but the wrapper's ``pthrDelay = 0`` sets ours."""
+
+        @property
+        def pthrDelay(self) -> int:  # noqa: N802 - NIXL's name
+            return int(base.pthrDelay.__get__(self))
+
+        @pthrDelay.setter
+        def pthrDelay(self, _value: int) -> None:  # noqa: N802
+            base.pthrDelay.__set__(self, PROGRESS_DELAY_US)
+
+    config = nixl.nixl_agent_config(backends=[BACKEND], num_threads=num_threads,
+                                    sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+    with _config_lock:  # the wrapper builds its config from the module attribute
+        api.nixlBind.nixlAgentConfig = _Config
+        try:
+            return nixl.nixl_agent(agent_name, config)
+        finally:
+            api.nixlBind.nixlAgentConfig = base
+
+
 # -- the transport -------------------------------------------------------------------
 
 _process_agent_lock = threading.Lock()
@@ -226,8 +269,7 @@ class NixlTransport:
             if _process_agent is not None and _process_agent[0] == os.getpid():
                 raise NativeError(NativeReason.NIXL, f"this process already has a NIXL agent ({_process_agent[1]!r}); "
                                   "kvstate uses one agent per process")
-            config = nixl.nixl_agent_config(backends=[BACKEND], num_threads=num_threads)
-            self._agent = _call("create agent", nixl.nixl_agent, agent_name, config)
+            self._agent = _call("create agent", _make_agent, nixl, agent_name, num_threads)
             _process_agent = (os.getpid(), agent_name)
         if BACKEND not in self._agent.backends:
             raise BackendUnavailable.missing("nixl",
@@ -441,13 +483,15 @@ class NixlTransport:
     def _wait(self, xfer: Any, timeout: float) -> None:
         state = _call("transfer", self._agent.transfer, xfer)
         deadline = time.monotonic() + timeout
-        spins = 0
+        nap = 0.0
         while state == "PROC":
             if time.monotonic() >= deadline:
                 raise TimedOut.nixl("transfer", f"not complete after {timeout} s")
-            spins += 1
-            if spins % 1024 == 0:
-                time.sleep(0)
+            # NIXL's progress thread moves the bytes; this only asks. A spin here took a
+            # core (and the GIL, call after call) from the engine this runs in, so it
+            # backs off to at most MAX_POLL_NAP_S between asks.
+            time.sleep(nap)
+            nap = min(MAX_POLL_NAP_S, nap * 2 or 0.00005)
             state = _call("check_xfer_state", self._agent.check_xfer_state, xfer)
         if state != "DONE":
             raise NativeError.nixl("transfer", f"state {state}")
