@@ -55,6 +55,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RETRY_S = 0.05
+#: How often a connected rank checks that its workers still have their coordinator.
+RECHECK_S = 0.25
 #: The KV heads' dimension of vLLM's CPU cache tensors (:mod:`.layout`).
 HEAD_AXIS = 1
 #: share states in which a load can no longer start
@@ -111,26 +113,52 @@ class PrefillRank:
         return views, Sliced(HEAD_AXIS, cut.src_head, cut.count)
 
     def _connect(self) -> None:
-        for part, cut in self.slices:
-            config = WorkerConfig(self.cfg.deployment, part, len(self.view.slices), self.coordinator_path,
-                                  request_timeout_s=max(self.cfg.load_timeout_s / 2, 1.0),
-                                  reuse=self.cfg.policy,  # the importer enforces the same switches
-                                  source_rank=cut.src_rank, source_tp=self.view.compat.tp)
-            while not self._stopping.is_set():
-                worker: RankWorker[Any, Any, Any, Any, Any] = RankWorker(config, self.transport(), remote=self.nixl)
-                try:
-                    worker.start()
-                except (ChannelError, OSError) as exc:
-                    if isinstance(exc, ChannelError) and exc.reason is ChannelReason.COORDINATOR_REFUSED:
-                        log.error("kvstate: the coordinator refused prefill rank %d (part %d): %s", self.rank, part,
-                                  exc)
-                        worker.close(timeout=0.0)
-                        return
-                    worker.close(timeout=0.0)  # its importer's threads, else one set per retry
-                    self._stopping.wait(RETRY_S)  # the scheduler side is not up yet
+        """Connect every part's worker, then keep them connected: a worker whose
+        coordinator went away (its connection closed, or silent past ``silence_s`` while
+        this process or the scheduler's was starved) is replaced by a new connection. Its
+        shares ended with it, so the loads they served fail and are recomputed; the next
+        ones use the new worker. Only a coordinator's lasting refusal stops a part."""
+        configs = {part: WorkerConfig(self.cfg.deployment, part, len(self.view.slices), self.coordinator_path,
+                                      request_timeout_s=max(self.cfg.load_timeout_s / 2, 1.0),
+                                      reuse=self.cfg.policy,  # the importer enforces the same switches
+                                      source_rank=cut.src_rank, source_tp=self.view.compat.tp)
+                   for part, cut in self.slices}
+        refused: set[int] = set()
+        while not self._stopping.is_set():
+            for part, config in configs.items():
+                old = self.workers.get(part)
+                if part in refused or (old is not None and not old.coordinator_gone):
+                    continue
+                worker = self._connect_part(config, reconnect=old is not None)
+                if worker is None:
+                    refused.add(part)
                     continue
                 self.workers[part] = worker
-                break
+                if old is not None:
+                    self.tally.add("reconnects")
+                    log.warning("kvstate: prefill rank %d (part %d) reconnected to its coordinator", self.rank, part)
+                    old.close(timeout=0.0)  # its shares already ended with their coordinator
+            self._stopping.wait(RECHECK_S)
+
+    def _connect_part(self, config: WorkerConfig, *, reconnect: bool) -> RankWorker[Any, Any, Any, Any, Any] | None:
+        """A worker connected to the coordinator, retrying until it is up (vLLM builds
+        workers before the scheduler) or this rank stops; None if the coordinator refuses
+        it for good. ``duplicate_rank`` is retried on a reconnect: the coordinator may
+        not have noticed the old connection end yet."""
+        while not self._stopping.is_set():
+            worker: RankWorker[Any, Any, Any, Any, Any] = RankWorker(config, self.transport(), remote=self.nixl)
+            try:
+                worker.start()
+                return worker
+            except (ChannelError, OSError) as exc:
+                worker.close(timeout=0.0)  # its importer's threads, else one set per retry
+                if (isinstance(exc, ChannelError) and exc.reason is ChannelReason.COORDINATOR_REFUSED
+                        and not (reconnect and exc.code == "duplicate_rank")):
+                    log.error("kvstate: the coordinator refused prefill rank %d (part %d): %s", self.rank,
+                              config.rank, exc)
+                    return None
+            self._stopping.wait(RETRY_S)  # the scheduler side is not up yet
+        return None
 
     # -- loads ------------------------------------------------------------------------------------
 
