@@ -31,7 +31,7 @@ from support.engines import kvstate_kit as kit
 from support.engines.memory import MemorySampler
 from support.engines.netns import NetnsUnavailable, TwoHosts, leftover
 from support.engines.runner import Engine, EngineSpec, Generation, start_all
-from support.engines.suite import MAX_TOKENS, PROMPT_LENGTHS, Engines, Run, prompts
+from support.engines.suite import MAX_TOKENS, PROMPT_LENGTHS, Engines, prompts
 
 REQUIRE = os.environ.get("KVSTATE_REQUIRE_NETNS") == "1"
 #: The decode engine's index port (its ranks' lease ports follow it).
@@ -48,6 +48,7 @@ class Hosts:
     sockets: dict[str, Path]
     decode: Engine
     prefill: Engine
+    plain: list[list[int]]      # a plain engine's greedy tokens for prompts()
 
     def fresh(self, engine: Engine, batch: list[list[int]]) -> Generation:
         assert engine.reset_prefix_cache()
@@ -93,12 +94,17 @@ def pair(net: TwoHosts, model_dir: Path, memory: MemorySampler, tmp_path_factory
     sockets = {h: kit.socket_dir(work / f"s{h}") for h in ("a", "b")}
     box = Engines(work, memory)
     try:
-        hosts = Hosts(net, box, str(model_dir), sockets, None, None)  # type: ignore[arg-type]
+        hosts = Hosts(net, box, str(model_dir), sockets, None, None, [])  # type: ignore[arg-type]
         prefill_spec = on(net, "b", kit.spec(
             str(model_dir), "kv_consumer", sockets["b"], policy=kit.POLICY_ON, transport="nixl",
             sources=[f"tcp://{net.addr['a']}:{PORT}"], load_timeout_s=LOAD_TIMEOUT_S))
-        hosts.decode, hosts.prefill = start_all([box.make("decode", hosts.decode_spec()),
-                                                 box.make("prefill", prefill_spec)])
+        # The plain engine (no connector) starts with the pair and gives its tokens, then
+        # goes: one engine start instead of the session's plain pair (two more).
+        hosts.decode, hosts.prefill, plain = start_all([box.make("decode", hosts.decode_spec()),
+                                                        box.make("prefill", prefill_spec),
+                                                        box.make("plain", EngineSpec(str(model_dir)))])
+        hosts.plain = plain.generate(prompts(), MAX_TOKENS).tokens
+        assert plain.close().leaks == []
         yield hosts
     finally:
         leaks = box.close_all()
@@ -115,13 +121,13 @@ def _rx_bytes(net: TwoHosts, host: str) -> int:
     return int(out)
 
 
-def test_reuse_across_nodes_gives_a_plain_engines_tokens(pair: Hosts, plain_pair: Run) -> None:
+def test_reuse_across_nodes_gives_a_plain_engines_tokens(pair: Hosts) -> None:
     batch = prompts()
     kit.produce(pair.decode, batch, MAX_TOKENS)
     before = _rx_bytes(pair.net, "b")
     got = pair.fresh(pair.prefill, batch)
     received = _rx_bytes(pair.net, "b") - before
-    assert got.tokens == plain_pair.generations["a"].tokens
+    assert got.tokens == pair.plain
     expected = kit.loadable(PROMPT_LENGTHS)
     assert evidence.reuse(got).external_problems(expected) == []
     c = kit.counters(got)
@@ -135,9 +141,9 @@ def test_reuse_across_nodes_gives_a_plain_engines_tokens(pair: Hosts, plain_pair
         assert kit.bank_fds(pid) == [] and kit.bank_mappings(pid) == []
 
 
-def test_with_the_policy_off_nothing_is_asked_or_loaded(pair: Hosts, plain_pair: Run) -> None:
+def test_with_the_policy_off_nothing_is_asked_or_loaded(pair: Hosts) -> None:
     got = pair.fresh(pair.decode, prompts())
-    assert got.tokens == plain_pair.generations["a"].tokens
+    assert got.tokens == pair.plain
     assert evidence.reuse(got).none_problems() == []
     c = kit.counters(got)
     assert c.get("misses{reason=reuse_disabled}") == len(PROMPT_LENGTHS), c
