@@ -203,6 +203,34 @@ def test_a_finished_requests_blocks_load_into_another_engines_pages(pair: tuple[
     assert ranks["loads_ok"] == len(prefill.prefill) and ranks["tokens_loaded"] == 4 * BS * len(prefill.prefill)
 
 
+def test_a_rank_that_lost_its_coordinator_reconnects_and_loads_again(pair: tuple[Engine, Engine]) -> None:
+    """A prefill rank's worker whose coordinator went away (here: the coordinator
+    restarted at the same socket) connects again, counted in ``reconnects``, and the next
+    load is served. (It connected once: after the loss every later load timed out as
+    not connected, for the life of the engine.)"""
+    from kvstate.share.coordinator import Coordinator
+
+    decode, prefill = pair
+    tokens = list(range(2000, 2000 + 4 * BS + 1))
+    finish(decode, "d-re", tokens, [1, 2, 3, 4, 5])
+    assert load(prefill, "p-re1", tokens, [40, 41, 42, 43, 44]) == (4 * BS, set())
+    old = prefill.sched.coordinator
+    assert old is not None
+    workers = [p.worker for p in prefill.prefill]
+    old.close()
+    wait_for(lambda: all(w is not None and w.coordinator_gone for w in workers), "the ranks saw it go")
+    prefill.sched.coordinator = new = Coordinator(old.config)
+    new.start()
+    new.wait_for_workers(10.0)
+    wait_for(lambda: all(p.worker is not None and p.worker not in workers for p in prefill.prefill),
+             "every rank on a new worker")
+    assert prefill.tally.take().get("reconnects") == len(prefill.prefill)
+    assert load(prefill, "p-re2", tokens, [50, 51, 52, 53, 54]) == (4 * BS, set())
+    for rank in range(len(decode.decode)):
+        for s, d in zip([1, 2, 3, 4], [50, 51, 52, 53]):
+            assert torch.equal(prefill.caches[rank][LAYERS[0]][d], decode.caches[rank][LAYERS[0]][s])
+
+
 def test_a_request_longer_than_one_message_retains_its_first_blocks_and_finishes(
         pair: tuple[Engine, Engine], monkeypatch: pytest.MonkeyPatch) -> None:
     """A finished request names at most wire.MAX_BLOCKS blocks in its store report (here

@@ -15,7 +15,9 @@ import pytest
 from support.engines import kv_configs, tiny_llama
 from support.engines.evidence import reuse
 from support.engines.leftovers import SHM, collect, owner_of, remove_vllm_leftovers, shm_mapped, shm_names
+from support.engines.memory import MemorySampler
 from support.engines.runner import TAG_VAR, Generation, engine_pids
+from support.engines.suite import Engines
 
 
 def test_leftovers_are_attributed_by_name() -> None:
@@ -180,3 +182,27 @@ def test_the_fixture_for_an_amx_host_differs_only_in_the_bfloat16_attention_isa(
     assert host_has_amx(str(flags))
     flags.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512f\n")
     assert not host_has_amx(str(flags)) and not host_has_amx(str(tmp_path / "missing"))
+
+
+def test_close_all_closes_every_engine_then_raises(tmp_path: Path) -> None:
+    """An engine that fails to close does not leave the ones after it running."""
+    closed: list[str] = []
+
+    class Stub:
+        def __init__(self, name: str, fails: bool) -> None:
+            self.name, self.fails = name, fails
+
+        def close(self) -> object:
+            closed.append(self.name)
+            if self.fails:
+                raise RuntimeError(f"{self.name} would not close")
+            return type("Found", (), {"leaks": [f"{self.name}-file"]})()
+
+    box = Engines(tmp_path, MemorySampler())
+    box.started = [Stub("a", True), Stub("b", False), Stub("c", True)]  # type: ignore[list-item]
+    with pytest.raises(RuntimeError, match="a would not close") as err:
+        box.close_all()
+    assert closed == ["a", "b", "c"]
+    assert any("c would not close" in note for note in err.value.__notes__)
+    box.started = [Stub("d", False)]  # type: ignore[list-item]
+    assert box.close_all() == ["d: d-file"]

@@ -33,7 +33,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstate.core.errors import ConfigInvalid
 from kvstate.integrations.vllm.amx import request_amx_tiles
-from kvstate.integrations.vllm.config import ConnectorConfig, parse
+from kvstate.integrations.vllm.config import ROUTE_KEY, ConnectorConfig, parse
 from kvstate.integrations.vllm.gil import share_the_gil
 from kvstate.integrations.vllm.hashing import Compat
 from kvstate.integrations.vllm.layout import FP8_CACHE_DTYPES, TORCH_DTYPES, scales_problem, tensor_problem
@@ -144,6 +144,7 @@ class KvStateConnector(KVConnectorBase_V1):
         self._compat = compat_of(vllm_config, kv_cache_config, self._cfg)
         self._view = source_view(self._compat, int(vllm_config.model_config.get_total_num_kv_heads()),
                                  self._cfg.source_tp)
+        self._cfg.check_remote(self._view.mixed)
         share_the_gil(self._cfg.gil_switch_interval_s)
         self._engine_id = str(transfer.engine_id)
         self._tally = Tally()
@@ -268,8 +269,10 @@ class KvStateConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not _supported(request):
             return 0, False
+        params = getattr(request, "kv_transfer_params", None)
+        route = params.get(ROUTE_KEY) if isinstance(params, dict) else None
         n = self._sched.match(request.request_id, request.all_token_ids, request.num_tokens, num_computed_tokens,
-                              request.cache_salt)
+                              request.cache_salt, route)
         return n, n > 0 and not self._cfg.layer_loads  # per-layer: the request runs now, its layers wait
 
     @_guarded(lambda: None)
@@ -303,7 +306,9 @@ class KvStateConnector(KVConnectorBase_V1):
             return False, None
         delay = self._sched.request_finished(request.request_id, request.all_token_ids, request.num_computed_tokens,
                                              block_ids, request.cache_salt)
-        return delay, None
+        # What a router passes on to a prefill engine's request, as NixlConnector users route.
+        address = self._cfg.index_address()
+        return delay, ({ROUTE_KEY: address} if delay and address is not None else None)
 
     # -- front end ----------------------------------------------------------------------------------
 
