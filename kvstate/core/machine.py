@@ -450,6 +450,9 @@ class Lifecycle:
                         self._kv_delivering = False
                         return
                     change = self._kv_pending.popleft()
+                if log.isEnabledFor(logging.DEBUG):  # a timeline across processes (one monotonic clock)
+                    log.debug("t=%.6f %s %s: %s -(%s)-> %s", change.monotonic_ns / 1e9, change.machine,
+                              change.label, change.source, change.event, change.dest)
                 for observer in self._observers:
                     try:
                         observer(change)

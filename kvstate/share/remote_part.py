@@ -93,6 +93,7 @@ class RemotePart(Part[H, A, R, M, E]):
                 raise
             if not reply.get("ok"):
                 raise ImportFailed.lease_refused(str(reply.get("code")), str(reply.get("detail")))
+            log.debug("t=%.6f %s: lease granted (asked at t=%.6f)", time.monotonic(), self.label, asked_ns / 1e9)
             lease_id, expires_in_s = _grant_fields(reply, d.rank)
             undo.callback(_release_quietly, ch, d.rank, lease_id)
             _check_report(reply, d)
@@ -116,6 +117,7 @@ class RemotePart(Part[H, A, R, M, E]):
         with ExitStack() as undo:
             # the handle bytes are checked, against the descriptor's generation too, before NIXL sees them
             remote = self.nixl.import_(d.handle, d.size, generation=d.generation)
+            log.debug("t=%.6f %s: nixl metadata loaded", time.monotonic(), self.label)
             undo.callback(self.nixl.close_remote, remote, "import rolled back")
             with self._channel_lock:
                 ch.send(chan.encode({"op": "mapped", "rank": d.rank, "lease": self.lease_id}), timeout=timeout)

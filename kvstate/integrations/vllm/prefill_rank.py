@@ -164,6 +164,7 @@ class PrefillRank:
 
     def load(self, order: LoadOrder) -> None:
         self._loads[order.req_id] = _Load(order, time.monotonic())
+        log.debug("t=%.6f %s: load order at rank %d", self._loads[order.req_id].started, order.req_id, self.rank)
 
     def progress(self) -> None:
         """Start the loads whose shares are ready; finish those that ended either way."""
@@ -216,6 +217,7 @@ class PrefillRank:
         if not all(share is not None and share.state == "ready" for share in shares):
             return "timeout" if late else None
         load.handles = []
+        log.debug("t=%.6f %s: shares ready, loading", time.monotonic(), order.req_id)
         for share, (part, _) in zip(shares, self.slices):
             assert share is not None
             dst, cut = self._targets[part]
@@ -277,6 +279,7 @@ class PrefillRank:
                 self._end(req_id, load, "load_failed" if left > 0 else "timeout")
 
     def _end(self, req_id: str, load: _Load, why: str) -> None:
+        log.debug("t=%.6f %s: load ended at rank %d (%s)", time.monotonic(), req_id, self.rank, why or "ok")
         del self._loads[req_id]
         for h in load.handles or ():
             h.close()

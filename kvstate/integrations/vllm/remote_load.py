@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -84,12 +85,16 @@ class RemoteLoad:
         n = len(self.slots)
         gran = self.nixl.granularity()
         size = -(-n * g.block_bytes // gran) * gran
+        log.debug("t=%.6f remote load of %d block(s): staging", time.monotonic(), n)
         staging = self.nixl.create(size)
         try:
+            log.debug("t=%.6f remote load: READ", time.monotonic())
             result = self.share.load_prefix(self.slots, staging, timeout=self.timeout)
+            log.debug("t=%.6f remote load: READ done", time.monotonic())
             if self._cancelled.is_set():
                 return Outcome(False, 0, "cancelled")
             scatter(staging.view(), g, self.kv_caches, self.dst_pages)
+            log.debug("t=%.6f remote load: scattered", time.monotonic())
             return Outcome(True, result.bytes)
         finally:
             try:

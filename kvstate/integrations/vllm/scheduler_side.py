@@ -29,6 +29,7 @@ Nothing here raises into the engine: every refusal is a miss or a rejection with
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator, Sequence
 
 import attrs
@@ -239,6 +240,7 @@ class SchedulerSide:
         def candidates() -> Iterator[Candidate]:
             for name in order:
                 client = self.clients[name]
+                log.debug("t=%.6f %s: asking %r", time.monotonic(), req_id, name)
                 answer = client.lookup(source, hashes)
                 self.tally.add("lookups")
                 if isinstance(answer, Refusal):
@@ -255,7 +257,9 @@ class SchedulerSide:
             return self._miss(req_id, reason)
         name = decision.source.source_id
         hit = found[name]
+        log.debug("t=%.6f %s: found %d block(s) at %r", time.monotonic(), req_id, hit.blocks, name)
         descriptors = self.clients[name].descriptors(source, hit.generation)
+        log.debug("t=%.6f %s: descriptors of %r", time.monotonic(), req_id, name)
         if isinstance(descriptors, Refusal):
             return self._miss(req_id, descriptors.reason)
         problem = self._precheck(descriptors)
@@ -308,6 +312,7 @@ class SchedulerSide:
         self.tally.add("hits")
         self.tally.add("tokens_matched", num_external_tokens)
         self._loads.append(LoadOrder(req_id, shared.group.gid, m.slots, dst))
+        log.debug("t=%.6f %s: ordered, group %s", time.monotonic(), req_id, shared.group.gid)
         if self.cfg.layer_loads:
             self._layer_ordered.append(req_id)
 
@@ -348,6 +353,7 @@ class SchedulerSide:
             if loading is not None:
                 loading.why = loading.why.merge(LoadFailures((item,)))
         for req_id in finished:
+            log.debug("t=%.6f %s: every rank finished its load", time.monotonic(), req_id)
             self._counted.discard(req_id)
             a = self._active.pop(req_id, None)
             if a is None:
