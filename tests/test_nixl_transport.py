@@ -246,6 +246,32 @@ def test_hung_exporter_load_times_out_and_recovers() -> None:
 
 
 @needs_nixl
+def test_a_timed_out_read_keeps_its_target_pinned() -> None:
+    """A READ that timed out may still land (UCX over TCP delivered the late reply after
+    the transfer was released, and the importer crashed in ucp_get_rep_handler once the
+    target was unmapped: issue 30). Its target stays pinned: its release is refused even
+    after the exporter runs again, and nothing else is lost (loads into a new target work)."""
+    with peers(CMDS, 2) as (exporter, importer):
+        exporter.call("start")
+        importer.call("start")
+        handle = exporter.call("export_bank", blocks=BLOCKS, block_bytes=BLOCK, seed=5, generation=1)
+        importer.call("import_bank", handle=handle, size=SIZE, generation=1)
+        _stop(exporter.process.pid)
+        try:
+            with pytest.raises(PeerError) as hung:
+                importer.call("load", blocks=list(range(BLOCKS)), block_bytes=BLOCK, seed=None, generation=1,
+                              timeout=1.0)
+            assert hung.value.kind == "kvstate.core.errors.TimedOut:nixl"
+        finally:
+            os.kill(exporter.process.pid, signal.SIGCONT)
+        assert importer.call("target_pins") == 1
+        assert importer.call("release_target") == "Busy: pinned"
+        importer.call("make_target", kind="created", size=SIZE)
+        assert importer.call("load", blocks=[2, 3], block_bytes=BLOCK, seed=5, generation=1)["matches"] is True
+        assert importer.call("release_target") == "released"
+
+
+@needs_nixl
 def test_a_load_target_is_not_deregistered_under_a_read() -> None:
     """The one pin rule for NIXL regions: a READ in flight pins its local target, so its
     release (deregistration) is refused until the transfer is done (issue 29)."""

@@ -465,6 +465,13 @@ class NixlTransport:
             try:
                 self._wait(xfer, timeout)
             except BaseException as exc:
+                if not isinstance(exc, NativeError):
+                    # Not known to be over (timed out, interrupted): releasing it does not stop
+                    # the bytes. Over TCP, UCX delivered a timed-out READ's late reply into its
+                    # target after the release; once the target was unmapped, the importer died
+                    # in ucp_get_rep_handler (issue 30). So the target stays pinned for good.
+                    unpin = False
+                    exc.add_note("the READ may still land: its target stays pinned")
                 try:  # releasing an unfinished transfer asks NIXL to cancel it
                     _call("release_xfer_handle", self._agent.release_xfer_handle, xfer)
                 except NativeError as release_exc:  # _call raises only the NIXL reason
