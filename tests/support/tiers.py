@@ -62,6 +62,7 @@ DEFAULTS: Mapping[str, tuple[str, ...]] = {
     "test_contracts.py": ("unit", "slow"),  # crosshair
     "test_cuda_cpu.py": ("native",),
     "test_descriptor_canonical.py": ("unit",),
+    "test_engine_quiet.py": ("multiproc",),   # a real spinning process, watched through /proc
     "test_docs.py": ("unit",),
     "test_error_catalogue.py": ("unit",),
     "test_generate.py": ("unit",),

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from support.engines import evidence, kv_configs, kvstate_kit, tiny_llama
+from support.engines import evidence, kv_configs, kvstate_kit, quiet, tiny_llama
 from support.engines.memory import MemorySampler
 from support.engines.runner import Engine, EngineSpec, start_all
 from support.engines.suite import Engines
@@ -69,8 +69,13 @@ def _prompt(length: int, seed: int) -> list[int]:
     return [rng.randrange(3, tiny_llama.CONFIG["vocab_size"]) for _ in range(length)]
 
 
-def _fresh(engine: Engine, prompt: list[int], max_tokens: int) -> Any:
+def _fresh(engine: Engine, prompt: list[int], max_tokens: int, *, settle: tuple[Engine, ...] = ()) -> Any:
+    """One request of a prompt ``engine`` never saw; timed ones first wait until every
+    engine in ``settle`` stopped burning CPU (:mod:`support.engines.quiet`: vLLM's
+    processes spin a second after their last step, on cores the timed engine needs)."""
     engine.reset_prefix_cache()
+    if settle and not quiet.settle(lambda: [p for e in settle for p in e.pids()]):
+        print(f"warning: engines still busy after {quiet.LIMIT_S} s; timing anyway")
     return engine.generate([prompt], max_tokens)
 
 
@@ -95,12 +100,12 @@ def measure(workdir: Path, lengths: tuple[int, ...] = LENGTHS, repeats: int = 3,
             for r in range(repeats):
                 p = _prompt(row.length, 1000 * row.length + r)
                 kvstate_kit.produce(decode, [p], 16)
-                g = _fresh(prefill, p, 1)
+                g = _fresh(prefill, p, 1, settle=(decode, prefill, off))
                 row.reuse_s.append(g.seconds)
                 row.reused = g.num_cached_tokens[0]
                 row.computed = int(evidence.reuse(g).by_source["local_compute"])
                 row.failed_loads += int(kvstate_kit.counters(g).get("loads_failed", 0))
-                row.recompute_s.append(_fresh(off, p, 1).seconds)
+                row.recompute_s.append(_fresh(off, p, 1, settle=(decode, prefill, off)).seconds)
                 row.identical &= _fresh(prefill, p, 16).tokens == _fresh(off, p, 16).tokens
             progress(f"  {row.length} tokens: reuse {statistics.median(row.reuse_s) * 1e3:.1f} ms, "
                      f"recompute {statistics.median(row.recompute_s) * 1e3:.1f} ms")
@@ -124,7 +129,7 @@ def measure(workdir: Path, lengths: tuple[int, ...] = LENGTHS, repeats: int = 3,
             for r in range(repeats):
                 p = _prompt(row.length, 1000 * row.length + r)
                 producer.generate([p], 1)
-                g = _fresh(consumer, p, 1)
+                g = _fresh(consumer, p, 1, settle=(producer, consumer))
                 row.example_s.append(g.seconds)
                 row.example_reused = g.num_cached_tokens[0]
             progress(f"  {row.length} tokens: example {statistics.median(row.example_s) * 1e3:.1f} ms")
@@ -169,7 +174,7 @@ def _crossnode(workdir: Path, model: str, sampler: MemorySampler, rows: list[Row
             for r in range(repeats):
                 p = _prompt(row.length, 1000 * row.length + r)
                 kvstate_kit.produce(decode, [p], 16)
-                g = _fresh(prefill, p, 1)
+                g = _fresh(prefill, p, 1, settle=(decode, prefill))
                 row.crossnode_s.append(g.seconds)
                 row.crossnode_reused = g.num_cached_tokens[0]
                 row.failed_loads += int(kvstate_kit.counters(g).get("loads_failed", 0))
@@ -253,7 +258,7 @@ def measure_layers(workdir: Path, lengths: tuple[int, ...] = (1024, 4096), repea
                 p = _prompt(row.length, 2000 * row.length + r)
                 kvstate_kit.produce(decode, [p], 16)
                 for engine, samples in ((plain, row.async_s), (layered, row.layers_s)):
-                    g = _fresh(engine, p, 1)
+                    g = _fresh(engine, p, 1, settle=(decode, plain, layered))
                     samples.append(g.seconds)
                     c = kvstate_kit.counters(g)
                     row.failed_loads += int(c.get("loads_failed", 0))
