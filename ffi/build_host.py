@@ -23,6 +23,7 @@ HERE = Path(__file__).resolve().parent
 SOURCES = ("kvs_slots.c", "kvs_host.c", "kvs_ops.c", "kvs_machine.c", "kvs_machines.c", "kvs_cuda_load.c",
            "kvs_cuda_mem.c", "kvs_cuda_ops.c")
 SOURCES += ("kvs_link.c", "kvs_renew.c")  # the importer's request links and renewal thread
+SOURCES += ("kvs_attach.c",)  # the importer's native attach (phase 2 on the host backend)
 # The exporter's lease server (its rules, its thread, its request reader).
 SOURCES += ("kvs_lease.c", "kvs_lease_thread.c", "kvs_json.c")
 DEPENDS = ("kvs.h", "kvs_slots.h", "kvs_engine.h", "kvs_cuda.h", "kvs_cuda_driver.h", "kvs_op_table.h",

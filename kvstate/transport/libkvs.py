@@ -204,6 +204,34 @@ class FireResultPtr(Protocol):
     refused: Int32Array
 
 
+class AttachPartArray(Protocol):
+    """``kvs_attach_part[]``: one exporter batch of the native attach (``kvs_attach``)."""
+
+    def __getitem__(self, index: int) -> AttachPart: ...
+
+
+class AttachPart(Protocol):
+    """One ``kvs_attach_part``: a part's fd, state and guards in; what was made, or why
+    it failed, out."""
+
+    fd: int
+    state: int
+    holds: int
+    dev: int
+    ino: int
+    size: int
+    allocation: int
+    reservation: int
+    region: int
+    addr: int
+    step: int
+    code: int
+    err: int
+    nrefused: int
+    refused: Int32Array
+    left: int
+
+
 class EffectFn(Protocol):
     """``kvs_effect_fn``: a C function pointer (Python passes ``ffi.NULL`` or a C callback)."""
 
@@ -327,6 +355,14 @@ class Lib(Protocol):
     KVS_LWHY_STOPPED: int
     KVS_LWHY_EXPIRED: int
     KVS_MACHINE_PART: int
+    KVS_ATTACH_ROW: int
+    KVS_ATTACH_IDENTITY: int
+    KVS_ATTACH_IMPORT: int
+    KVS_ATTACH_RESERVE: int
+    KVS_ATTACH_MAP: int
+    KVS_ATTACH_ACCESS: int
+    KVS_E_IDENTITY: int
+    KVS_ATTACH_MAX_PARTS: int
     KVS_MNAME_MACHINE: int
     KVS_MNAME_STATE: int
     KVS_MNAME_EVENT: int
@@ -431,6 +467,9 @@ class Lib(Protocol):
                                  fail_undos: int, reenter_effects: int, log: Int32Ptr, logcap: int,
                                  nlog: Int32Ptr, out: FireResultPtr) -> int: ...
 
+    # native attach (importer side)
+    def kvs_attach(self, parts: AttachPartArray, n: int, align: int, access: int, failed: Int32Ptr) -> int: ...
+
     # request links and lease renewal (importer side)
     def kvs_link_open(self, fd: int, pidfd: int, max_payload: int, max_fds: int) -> LinkPtr: ...
     def kvs_link_unref(self, l: LinkPtr) -> None: ...
@@ -531,6 +570,8 @@ class Ffi(Protocol):
     def new(self, cdecl: Literal["kvs_machine_inst *"]) -> MachineInstPtr: ...
     @overload
     def new(self, cdecl: Literal["kvs_fire_result *"]) -> FireResultPtr: ...
+    @overload
+    def new(self, cdecl: Literal["kvs_attach_part[]"], init: int) -> AttachPartArray: ...
     @overload
     def new(self, cdecl: Literal["kvs_frame *"]) -> FramePtr: ...
     @overload

@@ -209,6 +209,7 @@ class Native:
             lib.KVS_E_SIZE: fd(ImportDefect.FD_SIZE),
             lib.KVS_E_SEALS: fd(ImportDefect.FD_UNSEALED),
             lib.KVS_E_NOTMEMFD: fd(ImportDefect.FD_NOT_MEMFD),
+            lib.KVS_E_IDENTITY: fd(ImportDefect.FD_IDENTITY),
             lib.KVS_E_TIMEOUT: TimedOut.native,
             lib.KVS_E_BUSY: busy(BusyReason.ENGINE),
             lib.KVS_E_NOMEM: native(NativeReason.NO_MEMORY),
