@@ -430,13 +430,15 @@ class Lifecycle:
         table declares, else TransitionError (ILLEGAL), the two executors having diverged.
         The caller holds :meth:`locked` across the native call and this, so no fire here
         runs in between."""
-        spec = type(self)._kv_compiled.spec
+        compiled = type(self)._kv_compiled
         with self._kv_lock:
             source = self._kv_state
-            if self._kv_firing or not any(row.dest == dest for row in spec.rows(event, source)):
-                raise TransitionError.illegal(spec.name, source, event)
+            if self._kv_firing or not any(row.dest == dest for row in compiled.rows.get((event, source), ())):
+                raise TransitionError.illegal(compiled.spec.name, source, event)
             self._kv_state = dest
-            self.record(StateChange(spec.name, self.label, event, source, dest, time.monotonic_ns(), reason))
+            if self._observers:
+                self.record(StateChange(compiled.spec.name, self.label, event, source, dest, time.monotonic_ns(),
+                                        reason))
 
     def record(self, change: StateChange) -> None:
         """A change committed by another executor of this object's table (the native lease

@@ -54,28 +54,25 @@ def attachable(part: Part[Any, Any, Any, Any, Any]) -> bool:
 
 
 @functools.cache
-def _guards() -> tuple[tuple[str, Callable[..., bool]], ...]:
-    """(name, guard function) for every guard of the part table."""
-    bound = Part.bindings()
-    return tuple((g, bound[("guard", g)]) for g in native_table("part").guards)
+def _guards(state: str) -> tuple[tuple[int, Callable[..., bool]], ...]:
+    """(bit, guard function) of every guard the part table's ``open`` rows in ``state``
+    name, as C numbers them: the only ones C reads for this call (the rollback's
+    ``close`` guards are the batch's own)."""
+    table, bound = native_table("part"), Part.bindings()
+    names = dict.fromkeys(g for row in table.spec.rows("open", state) for g in (*row.guards, *row.unless))
+    return tuple((table.mask((g,), "guard"), bound[("guard", g)]) for g in names)
 
 
-def _holds(part: Part[Any, Any, Any, Any, Any]) -> frozenset[str]:
-    """The part's guards that hold now, evaluated by Python's own guard functions."""
-    return frozenset(name for name, fn in _guards() if fn(part))
-
-
-def _call(lib: libkvs.Lib, arr: libkvs.AttachPartArray, n: int, align: int, access: int,
-          failed: libkvs.Int32Ptr) -> int:
-    """The one native call (its own function so profiles can name it)."""
-    return lib.kvs_attach(arr, n, align, access, failed)
+def _holds(part: Part[Any, Any, Any, Any, Any]) -> int:
+    """The guard bits of ``part`` that hold now, evaluated by Python's own guard functions."""
+    return sum(bit for bit, fn in _guards(part.state) if fn(part))
 
 
 @attrs.frozen
 class Item:
     """One part of a native batch, as C takes it: the received fd (borrowed), the
-    identity its descriptor names, its size, its state in the part table and the guard
-    bits that hold."""
+    identity its descriptor names, its size, its state in the part table and the guards
+    that hold."""
 
     fd: int
     identity: bytes
@@ -85,20 +82,28 @@ class Item:
     label: str = "part"
 
 
+def _call(lib: libkvs.Lib, arr: libkvs.AttachPartArray, n: int, align: int, access: int,
+          failed: libkvs.Int32Ptr) -> int:
+    """The one native call (its own function so profiles can name it)."""
+    return lib.kvs_attach(arr, n, align, access, failed)
+
+
+def _fill(c: libkvs.AttachPart, fd: int, identity: bytes, size: int, state: int, holds: int) -> None:
+    c.fd, c.state, c.holds, c.size = fd, state, holds, size
+    c.dev = int.from_bytes(identity[:8], "little")
+    c.ino = int.from_bytes(identity[8:], "little")
+
+
 def run(items: Sequence[Item], transport: HostTransport) -> tuple[libkvs.AttachPartArray, int, int]:
     """The one native call for ``items``: (the C array with what each made, the return
     code, the index of the part that failed or -1)."""
     nat = transport.native
-    ffi, lib, table = nat.ffi, nat.lib, native_table("part")
-    arr = ffi.new("kvs_attach_part[]", len(items))
+    table = native_table("part")
+    arr = nat.ffi.new("kvs_attach_part[]", len(items))
     for i, item in enumerate(items):
-        c = arr[i]
-        c.fd, c.state, c.holds = item.fd, table.states.index(item.state), table.mask(item.holds, "guard")
-        c.dev = int.from_bytes(item.identity[:8], "little")
-        c.ino = int.from_bytes(item.identity[8:], "little")
-        c.size = item.size
-    failed = ffi.new("int32_t *")
-    rc = _call(lib, arr, len(items), transport.granularity(), lib.KVS_ACCESS_READ, failed)
+        _fill(arr[i], item.fd, item.identity, item.size, table.states.index(item.state), table.mask(item.holds, "guard"))
+    failed = nat.ffi.new("int32_t *")
+    rc = _call(nat.lib, arr, len(items), transport.granularity(), nat.lib.KVS_ACCESS_READ, failed)
     return arr, rc, failed[0]
 
 
@@ -132,26 +137,32 @@ def attach(parts: Sequence[Part[Any, Any, Any, Any, Any]], transport: HostTransp
     """Open every part of one exporter batch natively; failures by rank (every other part
     of the batch then still ``leased``, with nothing opened). Parts a fault already moved
     on are left alone, as the Python path leaves them."""
+    nat, table = transport.native, native_table("part")
     with ExitStack() as held:
         for part in parts:  # a fault closing a part waits until its outcome is adopted
             held.enter_context(part.locked())
         batch = [p for p in parts if p.may("open")]
         if not batch:
             return {}
-        items = []
-        for part in batch:
+        arr = nat.ffi.new("kvs_attach_part[]", len(batch))
+        for i, part in enumerate(batch):
             handle = part.handle
             assert isinstance(handle, HostHandle)
-            items.append(Item(handle.fd, handle.identity, part.descriptor.size, part.state, _holds(part), part.label))
-        arr, rc, failed = run(items, transport)
-        if rc == transport.native.lib.KVS_OK:
+            _fill(arr[i], handle.fd, handle.identity, part.descriptor.size, table.states.index(part.state),
+                  _holds(part))
+        failed = nat.ffi.new("int32_t *")
+        rc = _call(nat.lib, arr, len(batch), transport.granularity(), nat.lib.KVS_ACCESS_READ, failed)
+        if rc == nat.lib.KVS_OK:
             return _adopt(batch, arr)
         for i, part in enumerate(batch):
             if arr[i].left:  # a rollback the native layer refused: the part keeps what is left
                 _keep(part, arr[i])
-        if not 0 <= failed < len(batch):
-            raise transport.native.error(rc, "kvs_attach", f"a batch of {len(batch)} part(s)")
-        return {batch[failed].rank: error(items[failed], arr[failed], transport)}
+        if not 0 <= failed[0] < len(batch):
+            raise nat.error(rc, "kvs_attach", f"a batch of {len(batch)} part(s)")
+        bad = batch[failed[0]]
+        assert isinstance(bad.handle, HostHandle)
+        item = Item(bad.handle.fd, bad.handle.identity, bad.descriptor.size, bad.state, frozenset(), bad.label)
+        return {bad.rank: error(item, arr[failed[0]], transport)}
 
 
 def open_natively(parts: Sequence[Part[Any, Any, Any, Any, Any]], transport: object) -> tuple[
