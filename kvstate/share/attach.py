@@ -20,20 +20,19 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
 from kvstate.core.errors import ImportFailed, KvStateError, NativeError, TransitionError
 from kvstate.core.handles import FD_IDENTITY_BYTES, HandleKind
 from kvstate.core.reasons import ImportDefect, NativeReason
+from kvstate.share import peers
 from kvstate.share.part import Part
 from kvstate.transport import libkvs
 from kvstate.transport.host import HostAllocation, HostHandle, HostMapping, HostReservation, HostTransport
 from kvstate.transport.machines import native_table
 
-if TYPE_CHECKING:
-    from kvstate.share import peers
 
 #: The C step that failed -> the call a refusal names (as the Python path's errors do).
 _CALLS = {"IDENTITY": "kvs_attach", "IMPORT": "kvs_import_fd", "RESERVE": "kvs_reserve",
@@ -188,6 +187,25 @@ def open_natively(parts: Sequence[Part[Any, Any, Any, Any, Any]], transport: obj
             return failures, opened, []
         opened += [p for p in batch if p.state == "imported"]
     return failures, opened, rest
+
+
+def open_part(part: Part[Any, Any, Any, Any, Any]) -> None:
+    """Phase 2 of one part on its own (a rank worker's share): one native call where it
+    serves the part, then the ``mapped`` note its exporter waits for; else the Python
+    path, ``part.fire("open")``. Raises what that fire raises for the same failure."""
+    transport = part.transport
+    if not (isinstance(transport, HostTransport) and usable(transport) and attachable(part)):
+        part.fire("open")
+        return
+    grant, link = part.received, part.link
+    failures = attach([part], transport)
+    if part.rank in failures:
+        raise failures[part.rank]
+    if part.state != "imported":  # a fault moved the part on first: as fire would say
+        raise TransitionError.illegal(part.table.name, part.state, "open")
+    if grant is not None and link is not None and grant.report_mapped:
+        link.notify(peers.mapped_payload([(part.rank, grant.lease_id)]),
+                    part.group.importer.config.request_timeout_s)
 
 
 def _objects(c: libkvs.AttachPart, size: int) -> tuple[HostAllocation | None, HostReservation | None,
