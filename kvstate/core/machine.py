@@ -430,6 +430,10 @@ class Lifecycle:
         table declares, else TransitionError (ILLEGAL), the two executors having diverged.
         The caller holds :meth:`locked` across the native call and this, so no fire here
         runs in between."""
+        need_text("event", event)
+        need_text("dest", dest)
+        if reason is not None:
+            need_text("reason", reason, allow_empty=True)
         compiled = type(self)._kv_compiled
         with self._kv_lock:
             source = self._kv_state

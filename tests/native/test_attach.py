@@ -280,3 +280,33 @@ def test_a_host_group_import_attaches_natively_and_feeds_the_part_machines(
         ex.stop()
         ex.drain(5.0)
 
+
+
+def test_adopt_commits_only_a_declared_row_and_tells_the_observers() -> None:
+    """Lifecycle.adopt, how the Part machine is fed what C committed: it decides nothing,
+    and refuses a row its table does not declare (the executors diverged)."""
+    from kvstate.core.errors import ArgumentInvalid
+    from kvstate.core.machine import Lifecycle
+    from kvstate.share.part import Part
+
+    seen: list[Any] = []
+    part: Any = Part.__new__(Part)  # the machine alone: no group, no transport (adopt runs no effect)
+    Lifecycle.__init__(part, label="g/part[0]", observers=[seen.append])
+    with pytest.raises(TransitionError):
+        part.adopt("open", "imported")  # received: `open` is not declared there
+    assert part.state == "received" and not seen
+    part.adopt("validate", "validated")
+    with pytest.raises(TransitionError):
+        part.adopt("lease", "imported")  # declared, but to `leased`: another row
+    part.adopt("lease", "leased")
+    part.adopt("open", "imported", reason="native")
+    assert part.state == "imported"
+    assert [(c.event, c.source, c.dest) for c in seen] == [
+        ("validate", "received", "validated"), ("lease", "validated", "leased"), ("open", "leased", "imported")]
+    assert seen[-1].reason == "native"
+    for bad in ([], None, 3):
+        with pytest.raises(ArgumentInvalid):
+            part.adopt(bad, "closed")
+        with pytest.raises(ArgumentInvalid):
+            part.adopt("close", bad)
+    assert part.state == "imported"
