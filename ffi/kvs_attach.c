@@ -84,7 +84,8 @@ static int32_t attach_effect(void *ctx, int32_t effect, int32_t undo) {
 /* Guard bits of the rollback's `close` of an opened part: the batch's owner is releasing
  * it, and the native layer reports whether anything pins the mapping. */
 static uint64_t close_holds(const kvs_attach_part *p) {
-    uint64_t holds = 1ull << KVS_PART_G_GROUP_RELEASING;
+    uint64_t holds = 0;
+    holds |= 1ull << KVS_PART_G_GROUP_RELEASING;
     kvs_region_info info;
     if (kvs_region_info_get(p->region, &info) == KVS_OK && info.pins == 0)
         holds |= 1ull << KVS_PART_G_PART_UNPINNED;

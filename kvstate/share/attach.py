@@ -224,6 +224,7 @@ def _adopt(batch: Sequence[Part[Any, Any, Any, Any, Any]], arr: libkvs.AttachPar
     """Every part opened natively: record its objects, close the received fd (the
     transport holds its duplicate) and feed the reference machine."""
     failures: dict[int, Exception] = {}
+    part: Part[Any, Any, Any, Any, Any]
     for i, part in enumerate(batch):
         _keep(part, arr[i])
         grant: peers.Grant | None = part.received
