@@ -9,9 +9,10 @@ Which tokens are the reference: CPU_MLA computes a prompt over cached context in
 (the context through ``run_prefill_context_chunk``, the new tokens through dense attention,
 merged by their log-sum-exp), while a prompt without context is one dense attention; and
 its prefill output depends on which prompts share the step (measured: a 140-token prompt's
-first token is 419 next to another prompt, 314 alone). Recomputed and loaded KV then give
-other greedy tokens, sometimes from the first one (measured: the first token of 1 prompt
-in 3), whoever loads it. So the reference for the prefill engine is vLLM's own
+first token is 419 next to another prompt, 314 alone). A prompt over loaded KV
+then gives other greedy tokens than the same prompt recomputed, sometimes from the first
+token on (measured, the three prompts in one step: 1 of 3 first tokens differ), with
+either connector. So the reference for the prefill engine is vLLM's own
 ExampleConnector loading the same prompts' KV on this model, every prompt alone in its
 step in both: identical KV in, identical tokens out. In float32 the backend's decode is not
 repeatable (one prompt run twice in one engine gives other tokens), so bfloat16 is run.

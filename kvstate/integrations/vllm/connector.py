@@ -8,7 +8,8 @@ it needs from them and hands plain values to :mod:`.scheduler_side`,
 :mod:`.decode_rank` and :mod:`.prefill_rank`.
 
 Errors: a wrong ``kv_connector_extra_config`` or an engine kvstate cannot serve (not the
-CPU backend, a hybrid cache, an MLA cache of another backend than CPU_MLA, FP8 KV with scales other than 1, pipeline parallelism) raises
+CPU backend, a hybrid cache, an MLA cache of another backend than CPU_MLA, FP8 KV with
+scales other than 1, pipeline parallelism) raises
 :class:`~kvstate.core.errors.ConfigInvalid` when the engine starts. After that nothing
 raises into the engine: a step hook that fails logs the error and fails its loads, which
 vLLM recomputes (with ``kv_load_failure_policy="recompute"``).
