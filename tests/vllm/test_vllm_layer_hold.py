@@ -10,7 +10,6 @@ hold is then released and the wait for the last layer returns with its pages loa
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -76,12 +75,8 @@ def test_the_wait_for_layer_0_returns_while_the_last_layer_is_still_loading(made
     eng = LayeredEngine("eng", "kv_consumer", model_dir, sockets, sources=("src",), native=native,
                         extra={"layer_loads": True, "load_timeout_s": 60.0})
     made.append(eng)
-    # The rank's worker is up (its connect thread sets it a moment after the coordinator
-    # sees its link): else start_layers finds no worker to wait on and the load is not_ready.
-    deadline = time.monotonic() + 30.0
-    while eng.worker._prefill.worker is None:
-        assert time.monotonic() < deadline, "the prefill rank never connected"
-        time.sleep(0.01)
+    # Ordered at once, before the rank's connect thread may have joined the coordinator:
+    # start_layers waits for the worker (else the load would be recomputed as not ready).
     eng.add("hit", PROMPT + [1, 2])
     native.pause(True)
     native.allow(1)  # the load's first op: layer 0's copy
