@@ -27,7 +27,7 @@ SOURCES += ("kvs_link.c", "kvs_renew.c")  # the importer's request links and ren
 SOURCES += ("kvs_lease.c", "kvs_lease_thread.c", "kvs_json.c")
 SOURCES += ("kvs_validate.c",)  # the descriptor rules, generated from spec/rules.toml
 DEPENDS = ("kvs.h", "kvs_slots.h", "kvs_engine.h", "kvs_cuda.h", "kvs_cuda_driver.h", "kvs_op_table.h",
-           "kvs_validate.h", "kvs_validate_rules.h", "kvs_machine.h", "kvs_machines.h", "kvs_bank_table.h", "kvs_part_table.h",
+           "kvs_validate.h", "kvs_validate_codes.h", "kvs_validate_rules.h", "kvs_machine.h", "kvs_machines.h", "kvs_bank_table.h", "kvs_part_table.h",
            "kvs_link.h", "kvs_lease.h", "kvs_json.h", *SOURCES)
 
 _COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.S)

@@ -32,6 +32,7 @@ static inline int kvs_vid_in(const uint8_t *id, const uint8_t *set, uint64_t n)
     return 0;
 }
 
+/* The generated rules: kvs_vrules() and KVS_VALIDATE_DIGEST. */
 #include "kvs_validate_rules.h"
 
 uint32_t kvs_validate_descriptor(const struct kvs_vfacts *d, const struct kvs_vexpect *e,

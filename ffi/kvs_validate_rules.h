@@ -4,6 +4,8 @@
 #ifndef KVS_VALIDATE_RULES_H
 #define KVS_VALIDATE_RULES_H
 
+#define KVS_VALIDATE_DIGEST 1988568831u
+
 static const uint64_t kvs_vkind_bit[KVS_VKINDS] = { UINT64_C(1), UINT64_C(2), UINT64_C(4), UINT64_C(8), UINT64_C(16) };
 static const uint64_t kvs_vkind_fd[KVS_VKINDS] = { UINT64_C(1), UINT64_C(1), UINT64_C(0), UINT64_C(0), UINT64_C(0) };
 static const uint64_t kvs_vkind_min_bytes[KVS_VKINDS] = { UINT64_C(16), UINT64_C(16), UINT64_C(64), UINT64_C(64), UINT64_C(1) };

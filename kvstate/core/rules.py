@@ -234,8 +234,9 @@ def _need(cond: bool, source: str, entry: str, problem: str) -> None:
 
 def _table(doc: dict[str, Any], key: str, source: str) -> dict[str, Any]:
     value = doc.get(key)
-    _need(isinstance(value, dict), source, key, "missing table")
-    return value  # type: ignore[no-any-return]
+    if not isinstance(value, dict):
+        raise ConfigInvalid.spec(source, key, "missing table")
+    return value
 
 
 def parse_rules(text: str, source: str = "spec/rules.toml") -> RuleSet:
@@ -275,8 +276,10 @@ def parse_rules(text: str, source: str = "spec/rules.toml") -> RuleSet:
         rid = entry["id"]
         _need(isinstance(rid, str) and re.fullmatch(r"[a-z][a-z0-9_]*", rid) is not None
               and rid not in {r.id for r in rules}, source, where, f"id {rid!r} must be a new snake_case name")
-        when = tuple(_Parser(t, f"{where}.when_any", rs).compare() if isinstance(t, str)
-                     else _need(False, source, where, "when_any lists strings") for t in entry.get("when_any", []))
+        when_text = entry.get("when_any", [])
+        _need(isinstance(when_text, list) and all(isinstance(t, str) for t in when_text), source, where,
+              "when_any lists strings")
+        when = tuple(_Parser(t, f"{where}.when_any", rs).compare() for t in when_text)
         checks: list[Check] = []
         _need(isinstance(entry["checks"], list) and bool(entry["checks"]), source, where, "needs checks")
         for k, c in enumerate(entry["checks"]):

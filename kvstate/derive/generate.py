@@ -80,6 +80,7 @@ ARTIFACTS: tuple[tuple[str, Producer], ...] = (
     *((f"models/{name}", partial(_model, kind, tp)) for name, (kind, tp) in promela.MODELS.items()),
     *((f"models/{name}", partial(_coord_model, tp, sym)) for name, (tp, sym) in promela_coord.MODELS.items()),
     (rules_c.PUBLIC_HEADER, lambda i: rules_c.public_header(i.rules)),
+    (rules_c.CODES_HEADER, lambda i: rules_c.codes_header(i.rules)),
     (rules_c.RULES_HEADER, lambda i: rules_c.rules_header(i.rules)),
     (rules_c.PAGE, lambda i: rules_c.page(i.rules)),
     ("docs/spec/index.md", lambda i: docs.index(i.spec)),

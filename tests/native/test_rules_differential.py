@@ -15,8 +15,10 @@ Python validator that importers call is held to C too, not only the rules engine
 
 from __future__ import annotations
 
+import importlib.util
 import random
 import time
+from pathlib import Path
 
 import attrs
 
@@ -30,6 +32,7 @@ from kvstate.derive import rules_c
 from support import descriptors as kit
 from support.rules_cases import cases, run_c
 
+ROOT = Path(__file__).resolve().parents[2]
 CASES, BATCH = 100_000, 10_000
 CODES = {reason: rules_c.reason_code(reason) for reason in RejectReason}
 
@@ -48,7 +51,19 @@ def test_module_runs_the_declared_rules() -> None:
     """The compiled module was generated from the installed declaration (a stale build
     would be compared against other rules)."""
     assert _native.lib.kvs_validate_digest() == rules_c.digest(rules.rules())
-    assert _native.lib.KVS_VRULES == len(rules.rules().rules)
+
+
+def test_cffi_reads_the_generated_header() -> None:
+    """cffi's declarations of the rules come from the generated header itself; the codes
+    stay out of the module (Python takes them from the declaration, C from the codes header)."""
+    spec = importlib.util.spec_from_file_location("_kvs_build_rules", ROOT / "ffi" / "build_host.py")
+    assert spec is not None and spec.loader is not None
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    header = (ROOT / rules_c.PUBLIC_HEADER).read_text(encoding="utf-8")
+    assert build.CDEF_VALIDATE == build.cdef_from_header(header, "KVS_VALIDATE_H")
+    assert "kvs_validate_descriptor(" in build.CDEF_VALIDATE and "#define" not in build.CDEF_VALIDATE
+    assert not any(n.startswith("KVS_REJECT_") for n in dir(_native.lib))
 
 
 def test_100k_descriptors_same_verdict_and_reason() -> None:

@@ -164,9 +164,9 @@ def run_c(native: Any, batch: Sequence[Case], rs: declared.RuleSet) -> list[tupl
     expect, keep_e = Packer(ffi, "struct kvs_vexpect", rs.expect).pack([e for _, e in batch])
     n = len(batch)
     first = ffi.new("uint32_t[]", n)
-    per_rule = ffi.new("uint8_t[]", n * lib.KVS_VRULES)
+    width = len(rs.rules)
+    per_rule = ffi.new("uint8_t[]", n * width)
     lib.kvs_validate_batch(n, facts, expect, first, per_rule)
     flat = bytes(ffi.buffer(per_rule))
-    width = lib.KVS_VRULES
     del keep_f, keep_e
     return [(first[i], list(flat[i * width:(i + 1) * width])) for i in range(n)]
