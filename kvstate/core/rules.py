@@ -20,7 +20,6 @@ from __future__ import annotations
 import re
 import tomllib
 from collections.abc import Callable, Mapping
-from functools import cache
 from importlib import resources
 from typing import Any, Union
 
@@ -293,11 +292,21 @@ def parse_rules(text: str, source: str = "spec/rules.toml") -> RuleSet:
     return RuleSet(source, dict(constants), tuple(kinds), dict(facts), dict(expect), tuple(rules))
 
 
-@cache
+# Module-level caches, not functools.cache: crosshair runs a cached call's body again
+# under analysis, where a file read ends the path unexplored (and the contracts of
+# kvstate.core.validate would hold vacuously).
+_installed: RuleSet | None = None
+_compiled: tuple[tuple[Rule, RuleFn], ...] | None = None
+_by_id: dict[str, RuleFn] = {}
+
+
 def rules() -> RuleSet:
     """The installed declaration (``kvstate.tables``, the top-level ``spec/`` of a checkout)."""
-    text = (resources.files("kvstate.tables") / "rules.toml").read_text(encoding="utf-8")
-    return parse_rules(text)
+    global _installed
+    if _installed is None:
+        text = (resources.files("kvstate.tables") / "rules.toml").read_text(encoding="utf-8")
+        _installed = parse_rules(text)
+    return _installed
 
 
 # -- evaluation --------------------------------------------------------------------------
@@ -308,7 +317,10 @@ _Test = Callable[[Facts, Facts], bool]
 
 
 def _in_u64(v: Any) -> Any:
-    return v if isinstance(v, bytes | frozenset) or (type(v) is int and 0 <= v <= U64_MAX) else None
+    # isinstance, not type(): crosshair's symbolic ints are ints to isinstance only.
+    if isinstance(v, (bytes, frozenset)):
+        return v
+    return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= U64_MAX else None
 
 
 def _value(rs: RuleSet, node: Expr) -> _Value:
@@ -376,18 +388,20 @@ def compile_rule(rs: RuleSet, rule: Rule) -> RuleFn:
     return run
 
 
-@cache
 def compiled() -> tuple[tuple[Rule, RuleFn], ...]:
-    rs = rules()
-    return tuple((r, compile_rule(rs, r)) for r in rs.rules)
+    """Every installed rule with its function, in declaration order (compiled once)."""
+    global _compiled
+    if _compiled is None:
+        rs = rules()
+        _compiled = tuple((r, compile_rule(rs, r)) for r in rs.rules)
+        _by_id.update((r.id, run) for r, run in _compiled)
+    return _compiled
 
 
 def check(rule_id: str, d: Facts, e: Facts) -> RejectReason | None:
     """One installed rule's verdict; ``d`` and ``e`` need only the names it reads."""
-    for r, run in compiled():
-        if r.id == rule_id:
-            return run(d, e)
-    raise KeyError(rule_id)
+    compiled()
+    return _by_id[rule_id](d, e)
 
 
 def broken(d: Facts, e: Facts) -> list[tuple[Rule, RejectReason]]:
