@@ -292,9 +292,10 @@ def parse_rules(text: str, source: str = "spec/rules.toml") -> RuleSet:
     return RuleSet(source, dict(constants), tuple(kinds), dict(facts), dict(expect), tuple(rules))
 
 
-# Module-level caches, not functools.cache: crosshair runs a cached call's body again
-# under analysis, where a file read ends the path unexplored (and the contracts of
-# kvstate.core.validate would hold vacuously).
+# Module-level caches, not functools.cache: with the rules reached through a
+# functools.cache call, crosshair explored none of them and a planted bug in the
+# declaration went unseen by the contracts of kvstate.core.validate (mutant
+# validate_contract_rank_equal_to_tp); with these it finds it.
 _installed: RuleSet | None = None
 _compiled: tuple[tuple[Rule, RuleFn], ...] | None = None
 _by_id: dict[str, RuleFn] = {}

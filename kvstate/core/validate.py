@@ -33,8 +33,8 @@ from kvstate.core.reasons import RejectReason
 
 #: Largest tensor-parallel group kvstate accepts at all; an Expectation may lower it.
 MAX_TP: int = rules.rules().constants["MAX_TP"]
-# Compiled at import, not on the first validation: crosshair explores the rules, not
-# the loader (a path that reads a file or builds closures under analysis is dropped).
+# Compiled at import, not on the first validation, so crosshair's analysis of the
+# contracts below starts from compiled rules (see kvstate.core.rules).
 rules.compiled()
 
 # -- the declared rules, one at a time (contract-checked) -----------------------------------------------------
