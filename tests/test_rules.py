@@ -132,3 +132,18 @@ def test_every_per_descriptor_reason_is_declared() -> None:
                         RejectReason.HANDLE_KIND, RejectReason.HANDLE_SIZE, RejectReason.TOTAL_SIZE,
                         RejectReason.GENERATION, RejectReason.EXPIRED, RejectReason.GEOMETRY,
                         RejectReason.DEVICE_UUID, RejectReason.INCARNATION, RejectReason.HOST}
+
+
+def test_the_straight_line_function_agrees_with_the_checks() -> None:
+    """broken() runs the rules as one function written from the declaration; the
+    per-check closures are the reference, on 20,000 drawn pairs and on values C cannot
+    hold (the function declines those and the closures answer)."""
+    from support.rules_cases import cases
+    rs = rules.rules()
+    for d, e in cases(seed=7, n=20_000, rs=rs):
+        assert rules.broken(d, e) == rules.broken_by_checks(d, e), (d, e)
+    d, e = cases(seed=8, n=1, rs=rs, valid_share=1.0)[0]
+    assert rules.broken(d, e) == []
+    for value in (-1, rules.U64_MAX + 1, True):
+        bad = {**d, "tp": value}
+        assert rules.broken(bad, e) == rules.broken_by_checks(bad, e) != []

@@ -165,14 +165,18 @@ class Expectation:
     check_socket: bool = attrs.field(default=True, validator=typed(bool))
 
 
-def facts_of(d: Descriptor) -> dict[str, object]:
-    """The descriptor as the declared rules read it (``[facts]`` of spec/rules.toml)."""
+def facts_of(d: Descriptor, expect: Expectation | None = None) -> dict[str, object]:
+    """The descriptor as the declared rules read it (``[facts]`` of spec/rules.toml).
+    Given ``expect``, a fingerprint it does not ask for is not computed (zeros: no rule
+    reads it then)."""
+    geometry_fp = _NO_ID if expect is not None and expect.geometry_fingerprint is None else d.geometry.fingerprint()
+    format_fp = _NO_ID if expect is not None and expect.block_format is None else d.geometry.format_fingerprint()
     return {
         "deployment_id": d.deployment_id, "rank": d.rank, "tp": d.tp,
         "handle_kind": kind_code(d.handle_kind), "handle_len": len(d.handle),
         "size": d.size, "nbytes": d.geometry.nbytes, "granularity": d.granularity,
         "generation": d.generation, "expires_at_ns": d.expires_at_ns,
-        "geometry_fp": d.geometry.fingerprint(), "format_fp": d.geometry.format_fingerprint(),
+        "geometry_fp": geometry_fp, "format_fp": format_fp,
         "device_uuid": d.device_uuid, "incarnation": d.incarnation, "host_boot_id": d.host_boot_id,
         "fabric_node": int(d.fabric.kind is FabricKind.NODE),
     }
@@ -181,9 +185,9 @@ def facts_of(d: Descriptor) -> dict[str, object]:
 _NO_ID = bytes(rules.ID_BYTES)
 
 
-def expected_for(rank: int, expect: Expectation) -> dict[str, object]:
-    """What ``expect`` accepts from the part of ``rank`` (``[expect]`` of spec/rules.toml)."""
-    incarnation = None if expect.incarnations is None else expect.incarnations.get(rank)
+def expected_of(expect: Expectation) -> dict[str, object]:
+    """What ``expect`` accepts from any part (``[expect]`` of spec/rules.toml, less the
+    per-rank incarnation): computed once per group."""
     return {
         "deployment_id": expect.deployment.id, "max_tp": expect.max_tp,
         "accepted_kinds": kinds_mask(expect.handle_kinds), "now_ns": expect.now_ns,
@@ -193,10 +197,18 @@ def expected_for(rank: int, expect: Expectation) -> dict[str, object]:
         "has_format_fp": int(expect.block_format is not None), "format_fp": expect.block_format or _NO_ID,
         "has_device_uuids": int(expect.device_uuids is not None),
         "device_uuids": expect.device_uuids or frozenset(),
-        "has_incarnations": int(expect.incarnations is not None), "incarnation_known": int(incarnation is not None),
-        "incarnation": incarnation if incarnation is not None else _NO_ID,
+        "has_incarnations": int(expect.incarnations is not None),
         "host_boot_id": expect.host_boot_id,
     }
+
+
+def expected_for(rank: int, expect: Expectation, base: dict[str, object] | None = None) -> dict[str, object]:
+    """What ``expect`` accepts from the part of ``rank``: ``base`` (:func:`expected_of`)
+    and the incarnation it knows for that rank."""
+    incarnation = None if expect.incarnations is None else expect.incarnations.get(rank)
+    return {**(expected_of(expect) if base is None else base),
+            "incarnation_known": int(incarnation is not None),
+            "incarnation": incarnation if incarnation is not None else _NO_ID}
 
 
 def _details(d: Descriptor, expect: Expectation) -> dict[str, Callable[[], str]]:
@@ -218,14 +230,16 @@ def _details(d: Descriptor, expect: Expectation) -> dict[str, Callable[[], str]]
 
 
 def descriptor_problems(d: Descriptor, expect: Expectation,
-                        socket_reasons: dict[str, RejectReason | None] | None = None) -> list[DescriptorRejected]:
+                        socket_reasons: dict[str, RejectReason | None] | None = None,
+                        expected: dict[str, object] | None = None) -> list[DescriptorRejected]:
     """Every rule one descriptor breaks on its own, in the declaration's order, then the
     socket path rule. Empty means it passes.
 
-    ``socket_reasons`` caches the socket path rule per path across one group's parts.
+    ``socket_reasons`` caches the socket path rule per path, and ``expected`` (from
+    :func:`expected_of`) the expectation, across one group's parts.
     """
     found: list[DescriptorRejected] = []
-    broken = rules.broken(facts_of(d), expected_for(d.rank, expect))
+    broken = rules.broken(facts_of(d, expect), expected_for(d.rank, expect, expected))
     if broken:
         details = _details(d, expect)
         found += [DescriptorRejected(reason, details.get(rule.id, lambda: rule.doc)(), d.rank)
@@ -264,7 +278,8 @@ def validate_group(descriptors: Iterable[Descriptor], expect: Expectation) -> Va
     if len(parts) > min(expect.max_tp, MAX_TP):
         raise GroupRejected([DescriptorRejected(RejectReason.TP_SIZE, f"{len(parts)} descriptors > max tp {expect.max_tp}")])
     socket_reasons: dict[str, RejectReason | None] = {}
-    problems = [p for d in parts for p in descriptor_problems(d, expect, socket_reasons)]
+    expected = expected_of(expect)
+    problems = [p for d in parts for p in descriptor_problems(d, expect, socket_reasons, expected)]
     first = parts[0]
     for d in parts[1:]:
         if d.tp != first.tp:
