@@ -25,7 +25,8 @@ PER_RANK = MODELS[:3]
 COORD_MODELS = ["models/coordinator_tp2.pml", "models/coordinator_sym_tp3.pml", "models/coordinator_sym_tp4.pml"]
 MACHINES = ("bank", "group", "part", "op", "coordinator", "rank")
 #: generated from spec/rules.toml (the descriptor rules in C, and their page)
-RULES = ["ffi/kvs_validate.h", "ffi/kvs_validate_codes.h", "ffi/kvs_validate_rules.h", "docs/spec/rules.md"]
+RULES = ["ffi/kvs_validate.h", "ffi/kvs_validate_codes.h", "ffi/kvs_validate_rules.h", "docs/spec/rules.md",
+         "kvstate/core/rules_table.py"]
 
 
 def test_every_generated_file_is_fresh() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstate.core import rules
+from kvstate.core import rules, rules_table
 from kvstate.core.errors import ConfigInvalid
 from kvstate.core.handles import FD_KINDS, HANDLE_BYTES, NIXL_HANDLE_MAX_BYTES, HandleKind
 from kvstate.core.reasons import ConfigReason, RejectReason
@@ -134,10 +134,12 @@ def test_every_per_descriptor_reason_is_declared() -> None:
                         RejectReason.DEVICE_UUID, RejectReason.INCARNATION, RejectReason.HOST}
 
 
-def test_the_straight_line_function_agrees_with_the_checks() -> None:
-    """broken() runs the rules as one function written from the declaration; the
+def test_the_generated_function_agrees_with_the_checks() -> None:
+    """broken() runs kvstate/core/rules_table.py, generated from the declaration; the
     per-check closures are the reference, on 20,000 drawn pairs and on values C cannot
     hold (the function declines those and the closures answer)."""
+    rules.compiled()
+    assert rules._fast is rules_table.broken, "the generated rules are not in use"
     from support.rules_cases import cases
     rs = rules.rules()
     for d, e in cases(seed=7, n=20_000, rs=rs):
@@ -147,3 +149,14 @@ def test_the_straight_line_function_agrees_with_the_checks() -> None:
     for value in (-1, rules.U64_MAX + 1, True):
         bad = {**d, "tp": value}
         assert rules.broken(bad, e) == rules.broken_by_checks(bad, e) != []
+
+
+def test_generated_rules_from_another_declaration_are_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rules_table.py whose DIGEST names another declaration text is ignored: the
+    closures, read from the installed declaration, answer."""
+    monkeypatch.setattr(rules, "_compiled", None)
+    monkeypatch.setattr(rules, "_fast", None)
+    monkeypatch.setattr(rules_table, "DIGEST", "0" * 32)
+    rules.compiled()
+    assert rules._fast is None
+    assert rules.check("rank", {"rank": 4, "tp": 4}, {"max_tp": 8}) is RejectReason.RANK_RANGE

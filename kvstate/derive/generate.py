@@ -23,7 +23,7 @@ from kvstate.core.errors import KvStateError, ConfigInvalid, ArgumentInvalid
 from kvstate.core.reasons import ArgumentReason
 from kvstate.core.spec import MACHINE_NAMES, Spec, load_spec
 from kvstate.core.rules import RuleSet, parse_rules
-from kvstate.derive import codemap, docs, header, promela, promela_coord, rules_c
+from kvstate.derive import codemap, docs, header, promela, promela_coord, rules_c, rules_py
 
 
 @attrs.define
@@ -36,11 +36,14 @@ class Inputs:
     _rules: RuleSet | None = None
 
     @property
+    def rules_text(self) -> str:
+        return (self.root / "spec" / "rules.toml").read_text(encoding="utf-8")
+
+    @property
     def rules(self) -> RuleSet:
         """The descriptor rules, read from this root's spec/ (not the installed copy)."""
         if self._rules is None:
-            path = self.root / "spec" / "rules.toml"
-            self._rules = parse_rules(path.read_text(encoding="utf-8"), "spec/rules.toml")
+            self._rules = parse_rules(self.rules_text, "spec/rules.toml")
         return self._rules
 
     @property
@@ -83,6 +86,7 @@ ARTIFACTS: tuple[tuple[str, Producer], ...] = (
     (rules_c.CODES_HEADER, lambda i: rules_c.codes_header(i.rules)),
     (rules_c.RULES_HEADER, lambda i: rules_c.rules_header(i.rules)),
     (rules_c.PAGE, lambda i: rules_c.page(i.rules)),
+    (rules_py.PATH, lambda i: rules_py.module(i.rules, i.rules_text)),
     ("docs/spec/index.md", lambda i: docs.index(i.spec)),
     *((f"docs/spec/{m}.md", partial(_page, m)) for m in MACHINE_NAMES),
 )
