@@ -1,8 +1,11 @@
 """The descriptor rules of ``spec/rules.toml``: loaded strictly, evaluated in Python. Pure.
 
 The declaration is the one home of the per-descriptor rules. This module parses it into
-small typed expression trees and evaluates them for :mod:`kvstate.core.validate`;
-:mod:`kvstate.derive.rules_c` turns the same trees into C for ``ffi/kvs_validate.c``.
+small typed expression trees and evaluates them for :mod:`kvstate.core.validate`, as
+per-check closures (the reference) and, on the import path, through the function
+:mod:`kvstate.derive.rules_py` writes into :mod:`kvstate.core.rules_table` when that
+file was generated from this very declaration; :mod:`kvstate.derive.rules_c` turns the
+same trees into C for ``ffi/kvs_validate.c``.
 Both follow the semantics the declaration states: unsigned 64-bit values, ``-`` wrapping
 modulo 2**64, ``x % 0 == x``, 0 for a kind column at an unknown kind. A Python value
 C could not hold (negative, or above 2**64-1) makes the check that reads it fail, so

@@ -174,10 +174,12 @@ def page(rs: RuleSet) -> str:
            "[`spec/rules.toml`](../../spec/rules.toml).", "",
            "**Where they run.** The same declaration runs in two places with one verdict and one reason: "
            "in Python, [`kvstate/core/validate.py`](../../kvstate/core/validate.py) evaluates it through "
-           "[`kvstate/core/rules.py`](../../kvstate/core/rules.py) (pure: `import kvstate` loads no native code); "
+           "[`kvstate/core/rules.py`](../../kvstate/core/rules.py), which runs the function `kvstate generate` writes "
+           "from it into [`kvstate/core/rules_table.py`](../../kvstate/core/rules_table.py) (its per-check closures "
+           "are the reference; pure: `import kvstate` loads no native code); "
            "in C, `kvstate generate` writes it into [`ffi/kvs_validate_rules.h`](../../ffi/kvs_validate_rules.h), "
            "run by `kvs_validate_descriptor` in [`ffi/kvs_validate.c`](../../ffi/kvs_validate.c) for native "
-           "callers. [`tests/test_rules_differential.py`](../../tests/test_rules_differential.py) holds the two "
+           "callers. [`tests/native/test_rules_differential.py`](../../tests/native/test_rules_differential.py) holds the two "
            "to each other on 100k generated descriptors. The socket path rule reads the filesystem and runs in "
            "Python only ([`kvstate/core/paths.py`](../../kvstate/core/paths.py)); the group rules (complete rank "
            "set, one source, one geometry, one generation) run in `validate_group`.", "",
