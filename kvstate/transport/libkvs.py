@@ -275,6 +275,17 @@ class LeaseEventPtr(Protocol):
     dropped: int
 
 
+# -- the descriptor rules (ffi/kvs_validate.h, generated from spec/rules.toml) -------------
+
+
+class VFactsArray(Protocol):
+    """``kvs_vfacts[]``: descriptors as the declared rules read them."""
+
+
+class VExpectArray(Protocol):
+    """``kvs_vexpect[]``: what the importer accepts, one per descriptor."""
+
+
 # -- the module ----------------------------------------------------------------------------
 
 
@@ -493,6 +504,12 @@ class Lib(Protocol):
     def kvs_op_event_name(self, event: int) -> CharPtr: ...
     def kvs_op_collectable(self, state: int) -> int: ...
     def kvs_planted_bug(self) -> int: ...
+
+    # the descriptor rules (ffi/kvs_validate.h)
+    def kvs_validate_descriptor(self, d: VFactsArray, e: VExpectArray, rule_reasons: bytes) -> int: ...
+    def kvs_validate_batch(self, n: int, d: VFactsArray, e: VExpectArray, first: UInt32Ptr,
+                           rule_reasons: bytes) -> None: ...
+    def kvs_validate_digest(self) -> int: ...
     def kvs_strerror(self, code: int) -> CharPtr: ...
 
 
