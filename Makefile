@@ -6,7 +6,7 @@ VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-vllm demo-vllm bench-vllm spec docs generate check clean bench bench-summary spin bench-models fuzz soak soak-contract churn cudashim gpucheck mutants
+.PHONY: demo test test-fast test-vllm test-crossnode demo-vllm bench-vllm spec docs generate check clean bench bench-summary spin bench-models fuzz soak soak-contract churn cudashim gpucheck mutants
 
 # Spin for the model tests: installed from Debian when we can (root or sudo); otherwise the
 # model tests skip loudly (and fail when CI is set).
@@ -62,7 +62,16 @@ VLLM_VENV := .venv-vllm
 
 test-vllm:
 	PYTHON=$(PYTHON) bash tools/vllm-venv.sh $(VLLM_VENV)
-	KVSTATE_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest tests/vllm --durations=0 -p no:cacheprovider
+	KVSTATE_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest tests/vllm --durations=0 -p no:cacheprovider \
+	    --ignore=tests/vllm/test_vllm_crossnode.py
+
+# The connector across nodes: a decode and a prefill engine, each in a network namespace of
+# its own joined by a veth pair (needs root: ip netns), the KV read over NIXL (UCX on TCP).
+# KVSTATE_REQUIRE_NETNS=1: namespaces that cannot be made fail the tests, never skip them.
+test-crossnode:
+	PYTHON=$(PYTHON) bash tools/vllm-venv.sh $(VLLM_VENV)
+	KVSTATE_REQUIRE_VLLM=1 KVSTATE_REQUIRE_NETNS=1 $(VLLM_VENV)/bin/python -m pytest tests/vllm/test_vllm_crossnode.py \
+	    --durations=0 -p no:cacheprovider
 
 # kvstate's connector between live vLLM engines: TTFT with reuse and recompute per prompt length.
 demo-vllm:

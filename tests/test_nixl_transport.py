@@ -349,6 +349,31 @@ def test_the_pin_rule_holds_for_every_kind_of_nixl_target() -> None:
 
 
 @needs_nixl
+def test_the_agent_locks_its_calls_and_its_progress_thread_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent kvstate makes is called from several threads (ranks, importers, remote
+    loads): NIXL's default sync mode NONE crashed the process on concurrent calls
+    (deregister_memory, two remote loads at once). And NIXL's Python API sets the UCX
+    progress thread's wait to 0, a busy spin that burnt a core per engine worker; the agent
+    gets a wait instead. Checked on the config NIXL's agent is built from."""
+    import importlib
+
+    from kvstate.transport.nixl import load_nixl
+    from kvstate.transport.nixl import transport as nt
+
+    nixl = load_nixl()
+    bind = importlib.import_module(nixl.__name__ + "._api").nixlBind
+    seen: list[Any] = []
+    real = bind.nixlAgent
+    monkeypatch.setattr(bind, "nixlAgent", lambda name, config: seen.append(config) or real(name, config))
+    nt._make_agent(nixl, f"cfg-check-{os.getpid()}", 0)
+    (config,) = seen
+    assert config.pthrDelay == nt.PROGRESS_DELAY_US > 0
+    assert config.useProgThread  # an exporter's worker must progress for a peer's READ to finish
+    assert config.syncMode == nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT.value
+    assert bind.nixlAgentConfig is not type(config)  # the module's own class is put back
+
+
+@needs_nixl
 def test_an_importer_reads_two_banks_of_one_exporter_process() -> None:
     """One view per bank, not per agent: both banks of one exporter process are imported
     side by side and each reads its own bytes (the second import used to fail, "generation
@@ -361,6 +386,24 @@ def test_an_importer_reads_two_banks_of_one_exporter_process() -> None:
             importer.call("import_descriptor", descriptor=d)
         assert importer.call("load_rank", rank=1, blocks=[0, 5], block_bytes=BLOCK, seed=9) is True
         assert importer.call("load_rank", rank=0, blocks=[3], block_bytes=BLOCK, seed=9) is True
+        exporter.call("stop_exporter")
+
+
+@needs_nixl
+def test_two_parts_of_one_process_share_a_banks_view() -> None:
+    """Two groups of one prefill worker lease the same bank at once: the second import of
+    the bank at the same generation shares the first's view (it raised "generation 1 is
+    already imported", and vLLM recomputed those blocks), and the view stays readable until
+    its last user closes it."""
+    with peers(CMDS, 2) as (exporter, importer):
+        exporter.call("start")
+        importer.call("start")
+        (d,) = exporter.call("export_banks", banks=1, blocks=BLOCKS, block_bytes=BLOCK, seed=9)
+        importer.call("import_descriptor", descriptor=d)
+        assert importer.call("import_again", descriptor=d) is True
+        assert importer.call("close_view", rank=0) is None             # one user left: still open
+        assert importer.call("load_rank", rank=0, blocks=[2, 4], block_bytes=BLOCK, seed=9) is True
+        assert importer.call("close_view", rank=0) == "closed by one part"  # the last one retires it
         exporter.call("stop_exporter")
 
 

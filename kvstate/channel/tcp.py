@@ -44,6 +44,13 @@ _NONCE = 32
 #: The most a frame that has begun may take past the receive's own timeout: its first byte
 #: may come at the very end of the wait, and a lost segment is resent after 200 ms or more.
 FRAME_GRACE_S = 1.0
+#: Keepalive: a silent connection is probed after KEEPALIVE_IDLE_S, then every
+#: KEEPALIVE_INTERVAL_S; KEEPALIVE_PROBES unanswered probes end it (with ETIMEDOUT), so a
+#: peer lost with its link is found within KEEPALIVE_S, not the kernel's two hours.
+KEEPALIVE_IDLE_S = 5
+KEEPALIVE_INTERVAL_S = 2
+KEEPALIVE_PROBES = 3
+KEEPALIVE_S = KEEPALIVE_IDLE_S + KEEPALIVE_INTERVAL_S * KEEPALIVE_PROBES
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -75,6 +82,14 @@ class TcpChannel(Channel):
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            # A peer whose node or link went away sends no FIN: keepalive probes find it
+            # (KEEPALIVE_S), where the kernel's default would wait two hours.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
+            # Probes are sent only while nothing is unacknowledged; data sent into a dead link
+            # is retransmitted for ~15 minutes instead. This bounds that wait the same way.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, KEEPALIVE_S * 1000)
             # ENOTCONN when the peer reset before we got here: the caller's to handle.
             self.address = sock.getpeername()
         except BaseException:
@@ -106,6 +121,8 @@ class TcpChannel(Channel):
                 pass
             except (BrokenPipeError, ConnectionResetError):
                 raise ChannelError(ChannelReason.CLOSED, "the peer closed the connection") from None
+            except TimeoutError:  # ETIMEDOUT: retransmissions or keepalive probes went unanswered
+                raise ChannelError(ChannelReason.CLOSED, "the peer stopped answering (keepalive)") from None
             except OSError:
                 self._live()
                 raise
@@ -122,6 +139,8 @@ class TcpChannel(Channel):
                 continue
             except ConnectionResetError:
                 raise ChannelError(ChannelReason.CLOSED, "the peer reset the connection") from None
+            except TimeoutError:  # ETIMEDOUT: keepalive probes (or retransmissions) went unanswered
+                raise ChannelError(ChannelReason.CLOSED, "the peer stopped answering (keepalive)") from None
             except OSError:
                 self._live()
                 raise
@@ -311,6 +330,8 @@ class TcpServer:
                 hs.sock.close()
                 self._slots.release()
                 return
+            log.debug("tcp peer %s authenticated %.3f s after its accept", ch.address,
+                      time.monotonic() - (hs.deadline - self.handshake_timeout))
             try:
                 threading.Thread(target=run_one, args=(ch,), name=f"{name}-{ch.address[1]}", daemon=True).start()
             except RuntimeError as exc:

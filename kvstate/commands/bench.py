@@ -28,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run only this suite (repeatable); default: all but vllm (real vLLM engines, "
                              "run it with the vLLM venv's interpreter)")
     parser.add_argument("--repeats", type=int, help="timed repeats per row (default 7, quick 2)")
+    parser.add_argument("--lengths", type=int, nargs="+",
+                        help="vllm suite: the prompt lengths measured (default 512 1024 2048 4096; quick 512 1024)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"), help="where bench.md and bench.png go")
     parser.add_argument("--no-plot", action="store_true", help="do not write the PNG plots (bench.png, summary.png)")
     parser.add_argument("--json", action="store_true",
@@ -109,7 +111,11 @@ def _vllm(args: argparse.Namespace) -> int:
     if why is not None:
         print(f"kvstate bench --suite vllm: {why}", file=sys.stderr)
         return 1
-    print(b5_vllm.run(args.out, repeats=args.repeats or 3, quick=args.quick))
+    if args.lengths is not None and not all(0 < n <= 8000 for n in args.lengths):
+        print("kvstate bench --lengths: prompt lengths must be in 1..8000 (the engines' max_model_len is 8192)",
+              file=sys.stderr)
+        return 2
+    print(b5_vllm.run(args.out, repeats=args.repeats or 3, quick=args.quick, lengths=args.lengths))
     print(f"\nwrote {args.out / 'bench-vllm.md'} and {args.out / 'bench-vllm.json'}")
     if not args.no_plot:
         print(_summary(args.out))

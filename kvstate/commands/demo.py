@@ -21,7 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstate.harness.children import ChildDied
-from kvstate.harness.cluster import PHASES, ROLES, ClusterSpec, run_scenario
+from kvstate.harness.cluster import PHASES, ROLES, ClusterSpec
+from kvstate.harness.scenario import run_scenario
 
 help = "run the decode-to-prefill reuse demo"
 
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def summary(r: dict[str, Any]) -> str:
-    """The report of :func:`kvstate.harness.cluster.run_scenario` as a two-column table."""
+    """The report of :func:`kvstate.harness.scenario.run_scenario` as a two-column table."""
     verified, leaks = r["verified"], r["leaks"]
     ranks = r.get("ranks") or []
     history = (r.get("coordinator") or {}).get("history") or []

@@ -23,6 +23,7 @@ node) through the importer's watcher, as for a local part.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -33,11 +34,14 @@ from kvstate import channel as chan
 from kvstate.core.reasons import TransferFailReason
 from kvstate.channel.tcp import SCHEME, connect_tcp
 from kvstate.core.descriptor import Descriptor
-from kvstate.core.errors import ImportFailed, TransferFailed
+from kvstate.core.geometry import Geometry
+from kvstate.core.errors import ChannelError, ImportFailed, TransferFailed
 from kvstate.core.machine import effect, guard
 from kvstate.share.part import Part, PartOwner, _check_report, _grant_fields, _release_quietly, lease_request
 from kvstate.transport.nixl.transport import LeaseGate, NixlAllocation, NixlRemote, NixlTransport
 from kvstate.transport.protocol import A, E, H, M, R
+
+log = logging.getLogger(__name__)
 
 
 def connect_lease_channel(address: str, part: Part[Any, Any, Any, Any, Any], timeout: float) -> chan.Channel:
@@ -74,11 +78,19 @@ class RemotePart(Part[H, A, R, M, E]):
         timeout = self.group.importer.config.request_timeout_s
         asked_ns = time.monotonic_ns()
         with ExitStack() as undo:
-            ch = connect_lease_channel(d.socket_path, self, timeout)
-            undo.callback(ch.close)
-            ch.send(lease_request(d, self.group.blocks), timeout=timeout)
-            with ch.recv(timeout=timeout) as msg:
-                reply = chan.decode(msg.payload)
+            stage = "connect and handshake"
+            try:
+                ch = connect_lease_channel(d.socket_path, self, timeout)
+                undo.callback(ch.close)
+                stage = "lease request"
+                ch.send(lease_request(d, self.group.blocks), timeout=timeout)
+                stage = "lease answer"
+                with ch.recv(timeout=timeout) as msg:
+                    reply = chan.decode(msg.payload)
+            except ChannelError as exc:  # which step, and when: a timeout's evidence
+                log.warning("%s: lease from %s failed at its %s after %.3f s: %s", self.label, d.socket_path,
+                            stage, (time.monotonic_ns() - asked_ns) / 1e9, exc)
+                raise
             if not reply.get("ok"):
                 raise ImportFailed.lease_refused(str(reply.get("code")), str(reply.get("detail")))
             lease_id, expires_in_s = _grant_fields(reply, d.rank)
@@ -151,13 +163,33 @@ class RemotePart(Part[H, A, R, M, E]):
 
     def read(self, blocks: Sequence[int], dst: NixlAllocation, *, timeout: float) -> int:
         """READ bank blocks ``blocks`` into blocks 0..n-1 of ``dst`` (registered with this
-        process's agent); the caller pinned the part. Returns the bytes read."""
-        g = self.descriptor.geometry
-        if g.block_extents(0) != [(0, g.block_bytes)] or \
-                (g.num_blocks > 1 and g.block_extents(1) != [(g.block_bytes, g.block_bytes)]):
-            raise TransferFailed(TransferFailReason.LOAD, f"{self.label}: NIXL parts read banks whose block b is bytes "
-                                 f"[b*block_bytes, (b+1)*block_bytes) (one contiguous extent per block)")
+        process's agent), each block's regions back to back in the geometry's order; the
+        caller pinned the part. Returns the bytes read."""
+        chunks, chunk_bytes = block_chunks(self.descriptor.geometry, blocks, self.label)
         if self.remote is None or self.gate is None:
             raise TransferFailed(TransferFailReason.LOAD, f"{self.label}: not imported")
-        self.nixl.load(self.remote, dst, list(blocks), block_bytes=g.block_bytes, lease=self.gate, timeout=timeout)
-        return len(blocks) * g.block_bytes
+        self.nixl.load(self.remote, dst, chunks, block_bytes=chunk_bytes, lease=self.gate, timeout=timeout)
+        return len(chunks) * chunk_bytes
+
+
+def block_chunks(g: Geometry, blocks: Sequence[int], label: str) -> tuple[list[int], int]:
+    """The READ units of ``blocks``: NIXL reads equal chunks numbered from the bank's
+    start, so every region's block must be one run of the same size ``c`` starting at a
+    multiple of ``c`` (a block-major bank: one chunk per block; a layer-major one, as
+    vLLM's CPU layout is, one per region and block). Returns the chunk numbers, block by
+    block and region by region within a block, and ``c``."""
+    runs = {r.runs() for r in g.regions}
+    sizes = {r.block_bytes for r in g.regions}
+    if len(sizes) != 1 or any(len(rr) != 1 or rr[0][0] != 0 for rr in runs):
+        raise TransferFailed(TransferFailReason.LOAD, f"{label}: NIXL parts read banks whose regions each hold a "
+                             "block as one run of one common size")
+    c = sizes.pop()
+    out = []
+    for b in blocks:
+        for r in g.regions:
+            start = r.offset + b * r.block_stride_bytes
+            if start % c:
+                raise TransferFailed(TransferFailReason.LOAD, f"{label}: region {r.name!r} block {b} starts at "
+                                     f"{start}, not a multiple of its {c} bytes")
+            out.append(start // c)
+    return out, c

@@ -303,6 +303,17 @@ class LeaseEventPtr(Protocol):
     dropped: int
 
 
+# -- the descriptor rules (ffi/kvs_validate.h, generated from spec/rules.toml) -------------
+
+
+class VFactsArray(Protocol):
+    """``kvs_vfacts[]``: descriptors as the declared rules read them."""
+
+
+class VExpectArray(Protocol):
+    """``kvs_vexpect[]``: what the importer accepts, one per descriptor."""
+
+
 # -- the module ----------------------------------------------------------------------------
 
 
@@ -408,6 +419,7 @@ class Lib(Protocol):
     # op engine
     def kvs_engine_configure(self, workers: int) -> int: ...
     def kvs_engine_pause(self, paused: int) -> int: ...
+    def kvs_engine_allow(self, ops: int) -> int: ...
     def kvs_submit(self, src: EndpointPtr, dst: EndpointPtr, blocks: BlockArray, nblocks: int,
                    flags: int, op: Int64Ptr) -> int: ...
     def kvs_submit_copy(self, src_region: int, src_addr: int, src_size: int, src_off: int,
@@ -531,6 +543,12 @@ class Lib(Protocol):
     def kvs_op_event_name(self, event: int) -> CharPtr: ...
     def kvs_op_collectable(self, state: int) -> int: ...
     def kvs_planted_bug(self) -> int: ...
+
+    # the descriptor rules (ffi/kvs_validate.h)
+    def kvs_validate_descriptor(self, d: VFactsArray, e: VExpectArray, rule_reasons: bytes) -> int: ...
+    def kvs_validate_batch(self, n: int, d: VFactsArray, e: VExpectArray, first: UInt32Ptr,
+                           rule_reasons: bytes) -> None: ...
+    def kvs_validate_digest(self) -> int: ...
     def kvs_strerror(self, code: int) -> CharPtr: ...
 
 

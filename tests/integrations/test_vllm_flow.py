@@ -203,6 +203,34 @@ def test_a_finished_requests_blocks_load_into_another_engines_pages(pair: tuple[
     assert ranks["loads_ok"] == len(prefill.prefill) and ranks["tokens_loaded"] == 4 * BS * len(prefill.prefill)
 
 
+def test_a_rank_that_lost_its_coordinator_reconnects_and_loads_again(pair: tuple[Engine, Engine]) -> None:
+    """A prefill rank's worker whose coordinator went away (here: the coordinator
+    restarted at the same socket) connects again, counted in ``reconnects``, and the next
+    load is served. (It connected once: after the loss every later load timed out as
+    not connected, for the life of the engine.)"""
+    from kvstate.share.coordinator import Coordinator
+
+    decode, prefill = pair
+    tokens = list(range(2000, 2000 + 4 * BS + 1))
+    finish(decode, "d-re", tokens, [1, 2, 3, 4, 5])
+    assert load(prefill, "p-re1", tokens, [40, 41, 42, 43, 44]) == (4 * BS, set())
+    old = prefill.sched.coordinator
+    assert old is not None
+    workers = [p.worker for p in prefill.prefill]
+    old.close()
+    wait_for(lambda: all(w is not None and w.coordinator_gone for w in workers), "the ranks saw it go")
+    prefill.sched.coordinator = new = Coordinator(old.config)
+    new.start()
+    new.wait_for_workers(10.0)
+    wait_for(lambda: all(p.worker is not None and p.worker not in workers for p in prefill.prefill),
+             "every rank on a new worker")
+    assert prefill.tally.take().get("reconnects") == len(prefill.prefill)
+    assert load(prefill, "p-re2", tokens, [50, 51, 52, 53, 54]) == (4 * BS, set())
+    for rank in range(len(decode.decode)):
+        for s, d in zip([1, 2, 3, 4], [50, 51, 52, 53]):
+            assert torch.equal(prefill.caches[rank][LAYERS[0]][d], decode.caches[rank][LAYERS[0]][s])
+
+
 def test_a_request_longer_than_one_message_retains_its_first_blocks_and_finishes(
         pair: tuple[Engine, Engine], monkeypatch: pytest.MonkeyPatch) -> None:
     """A finished request names at most wire.MAX_BLOCKS blocks in its store report (here
@@ -533,6 +561,53 @@ def test_a_per_layer_load_runs_in_its_step_and_each_layer_waits_for_its_own_regi
         counted = prefill.tally.take()
         assert rank.sizes()["loads"] == 0 and counted["loads_ok"] == 1 and counted["layer_waits"] == len(LAYERS)
     finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_per_layer_load_ordered_before_its_rank_connected_waits_for_it(sockets: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load ordered right after start-up reaches the forward pass (start_layers) while
+    the rank's connect thread has joined the coordinator but not yet handed the rank its
+    worker: start_layers waits for the worker, within load_timeout_s, and the load runs;
+    it is not recomputed as not ready. The hand-over is held on a gate until start_layers
+    was called."""
+    common = {"socket_dir": str(sockets), "retain_bytes": 16 * 2 * HEADS * BS * 2 * HD * 2}
+    gate = threading.Event()
+    connect = PrefillRank._connect_part
+
+    def held(self: PrefillRank, config: Any, *, reconnect: bool) -> Any:
+        worker = connect(self, config, reconnect=reconnect)  # joined: the coordinator sees its link
+        gate.wait(30.0)
+        return worker
+
+    monkeypatch.setattr(PrefillRank, "_connect_part", held)
+    decode = Engine("kv_producer", common, 1, "decode-engine")
+    prefill = Engine("kv_consumer", {**common, "policy": POLICY, "layer_loads": True, "load_timeout_s": 30.0}, 1,
+                     "prefill-engine")
+    try:
+        tokens = list(range(6000, 6000 + 2 * BS + 1))
+        finish(decode, "d-early", tokens, [5, 7])
+        n = prefill.sched.match("p-early", tokens, len(tokens), 0, None)
+        assert n == 2 * BS
+        prefill.sched.allocated("p-early", [30, 31], n)
+        rank = prefill.prefill[0]
+        for order in prefill.sched.step_orders().loads:
+            rank.load(order)
+        assert rank.worker is None                            # joined, but not yet handed over
+        opener = threading.Timer(0.2, gate.set)               # handed over while start_layers runs
+        opener.start()
+        rank.start_layers()
+        opener.join()
+        for layer in LAYERS:
+            rank.wait_layer(layer)
+        done, failed = rank.finished()
+        assert failed == set() and rank.failures().reasons == ()
+        for layer in LAYERS:
+            for s_page, d_page in zip([5, 7], [30, 31]):
+                assert torch.equal(prefill.caches[0][layer][d_page], decode.caches[0][layer][s_page])
+    finally:
+        gate.set()
         prefill.close()
         decode.close()
 

@@ -16,7 +16,8 @@ import json
 
 import pytest
 
-from kvstate.harness.cluster import PHASES, ROLES, ClusterSpec, run_scenario
+from kvstate.harness.cluster import PHASES, ROLES, ClusterSpec
+from kvstate.harness.scenario import run_scenario
 
 SMALL = dict(layers=2, kv_heads=2, head_dim=64, block_tokens=16, num_blocks=64, prefix_blocks=16,
              lease_timeout_s=3.0, timeout_s=10.0, phase_timeout_s=3.0, silence_s=1.5)

@@ -337,3 +337,40 @@ def test_unauthenticated_peers_cannot_hold_the_servers_slots(socket_dir: Path) -
         flood.stdout.close()
         flood.stdin.close()
         ex.stop()
+
+
+def test_both_ends_probe_a_silent_peer_within_seconds(echo: Echo) -> None:
+    """A peer lost with its link sends no FIN: keepalive (and, with data unacknowledged,
+    the user timeout) must find it in seconds (the kernel's defaults wait two hours, or
+    ~15 minutes of retransmissions), at both ends of a connection."""
+    from kvstate.channel.tcp import KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES, KEEPALIVE_S
+
+    seen: list[tuple[int, int, int, int, int]] = []
+
+    def handle(ch: chan.Channel) -> None:
+        s = ch._sock  # type: ignore[attr-defined]
+        seen.append((s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+                     s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+                     s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+                     s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT),
+                     s.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)))
+        ch.close()
+
+    server = TcpServer("127.0.0.1", 0, KEY, handshake_timeout=2.0)
+    server.serve_in_thread(handle)
+    try:
+        with connect_tcp(server.address, KEY, timeout=5.0) as ch:
+            s = ch._sock
+            mine = (s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+                    s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+                    s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+                    s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT),
+                    s.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT))
+        deadline = time.monotonic() + 5
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        server.close()
+    want = (1, KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES, KEEPALIVE_S * 1000)
+    assert mine == want and seen == [want]
+    assert KEEPALIVE_S <= 15

@@ -52,6 +52,8 @@ _C_TO_PY: dict[str, Any] = {
     "struct kvs_hold_info *": libkvs.HoldInfoArray,
     "struct kvs_lease_event *": libkvs.LeaseEventPtr,
     "struct kvs_attach_part *": libkvs.AttachPartArray,
+    "struct kvs_vfacts *": libkvs.VFactsArray,
+    "struct kvs_vexpect *": libkvs.VExpectArray,
 }
 _STRUCTS = {"kvs_region_info": libkvs.RegionInfoPtr, "kvs_global_info": libkvs.GlobalInfoPtr,
             "kvs_op_info": libkvs.OpInfoPtr, "kvs_cuda_driver_info": libkvs.CudaDriverInfoPtr,

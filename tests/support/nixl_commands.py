@@ -287,6 +287,25 @@ def import_descriptor(state: State, descriptor: bytes) -> dict[str, Any]:
     return {"rank": d.rank, "generation": d.generation, "record_generation": decode(d.handle).generation}
 
 
+def import_again(state: State, descriptor: bytes) -> bool:
+    """A second part of this process imports the same bank at the same generation: True
+    when it got the view the first import made."""
+    from kvstate.core.descriptor import decode as decode_descriptor
+    from kvstate.core.identity import Deployment
+
+    d = decode_descriptor(descriptor, Deployment("nixl-banks", BANKS_DEPLOYMENT_KEY))
+    remote = state["t"].import_(d.handle, d.size, generation=d.generation)
+    return remote is state["views"][d.rank]
+
+
+def close_view(state: State, rank: int) -> str | None:
+    """One user closes rank ``rank``'s view; what the view says then (None: still open)."""
+    remote = state["views"][rank]
+    state["t"].close_remote(remote, "closed by one part")
+    closed: str | None = remote.closed
+    return closed
+
+
 def load_rank(state: State, rank: int, blocks: list[int], block_bytes: int, seed: int) -> bool:
     """Load blocks of rank ``rank``'s bank and compare them with ``seed + rank``'s pattern."""
     t: NixlTransport = state["t"]

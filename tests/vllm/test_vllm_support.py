@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from support.engines import kv_configs, tiny_llama
+from support.engines import kv_configs, tiny_deepseek, tiny_llama
 from support.engines.evidence import reuse
 from support.engines.leftovers import SHM, collect, owner_of, remove_vllm_leftovers, shm_mapped, shm_names
+from support.engines.memory import MemorySampler
 from support.engines.runner import TAG_VAR, Generation, engine_pids
+from support.engines.suite import Engines
 
 
 def test_leftovers_are_attributed_by_name() -> None:
@@ -145,6 +147,20 @@ def test_seeded_weights_are_reproducible_and_scaled(tmp_path: Path) -> None:
     assert torch.equal(w["model.norm.weight"].float(), torch.ones(256))
 
 
+def test_the_tiny_deepseek_has_the_latent_cpu_mla_needs_and_seeded_weights(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    a = tiny_deepseek.write_model(tmp_path / "a", seed=0) / "model.safetensors"
+    b = tiny_deepseek.write_model(tmp_path / "b", seed=0) / "model.safetensors"
+    assert a.read_bytes() == b.read_bytes()
+    w = load_file(str(a))
+    assert {k: tuple(v.shape) for k, v in w.items()} == tiny_deepseek.weight_shapes()
+    assert tiny_deepseek.LATENT == 576  # CPU_MLA's decode kernel has no other size
+    assert w["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"].shape[0] == tiny_deepseek.LATENT
+    cfg = tiny_deepseek.CONFIG
+    assert cfg["first_k_dense_replace"] >= cfg["num_hidden_layers"]  # every MLP dense: no MoE weights
+
+
 def test_geometry_comparison_names_what_changed() -> None:
     import copy
     import json
@@ -180,3 +196,27 @@ def test_the_fixture_for_an_amx_host_differs_only_in_the_bfloat16_attention_isa(
     assert host_has_amx(str(flags))
     flags.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512f\n")
     assert not host_has_amx(str(flags)) and not host_has_amx(str(tmp_path / "missing"))
+
+
+def test_close_all_closes_every_engine_then_raises(tmp_path: Path) -> None:
+    """An engine that fails to close does not leave the ones after it running."""
+    closed: list[str] = []
+
+    class Stub:
+        def __init__(self, name: str, fails: bool) -> None:
+            self.name, self.fails = name, fails
+
+        def close(self) -> object:
+            closed.append(self.name)
+            if self.fails:
+                raise RuntimeError(f"{self.name} would not close")
+            return type("Found", (), {"leaks": [f"{self.name}-file"]})()
+
+    box = Engines(tmp_path, MemorySampler())
+    box.started = [Stub("a", True), Stub("b", False), Stub("c", True)]  # type: ignore[list-item]
+    with pytest.raises(RuntimeError, match="a would not close") as err:
+        box.close_all()
+    assert closed == ["a", "b", "c"]
+    assert any("c would not close" in note for note in err.value.__notes__)
+    box.started = [Stub("d", False)]  # type: ignore[list-item]
+    assert box.close_all() == ["d: d-file"]

@@ -34,6 +34,14 @@ from kvstate.reuse.policy import ReuseSettings
 
 KEY_ENV = "KVSTATE_DEPLOYMENT_KEY"
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+#: HOST:PORT: a DNS name, an IPv4 address or a bracketed IPv6 address, then a port.
+_HOSTPORT = re.compile(r"([A-Za-z0-9_.-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]):([0-9]{1,5})")
+TCP = "tcp://"
+TRANSPORTS = ("auto", "host", "nixl")
+#: The key of ``kv_transfer_params`` by which a router names the decode engine to load from.
+ROUTE_KEY = "kvstate_source"
+#: Hosts that bind every interface: an address others must reach cannot be one.
+_WILDCARDS = frozenset({"0.0.0.0", "[::]"})
 
 #: Roles that retain finished requests' KV (decode side) and that load it (prefill side).
 PRODUCERS = ("kv_producer", "kv_both")
@@ -46,7 +54,12 @@ KEYS: Mapping[str, tuple[object, str]] = {
     "deployment_key_file": (None, "file holding the deployment's 32-byte key (else $KVSTATE_DEPLOYMENT_KEY)"),
     "socket_dir": (None, "private directory (0700) for the control sockets of every engine of the deployment"),
     "source": ("decode", "decode side: the name this engine's retained KV is looked up by"),
-    "sources": (["decode"], "prefill side: the decode sources asked, in order"),
+    "sources": (["decode"], "prefill side: the decode sources asked, in order: names (this node) or "
+                            "tcp://HOST:PORT (a decode engine's listen address, on any node)"),
+    "transport": ("auto", "how bank bytes move: auto (decode: NIXL when listen is set, else memfd; prefill: "
+                          "NIXL for sources given by address), host (memfd, this node only) or nixl (NIXL over UCX)"),
+    "listen": (None, "decode side: HOST:PORT other nodes reach this engine at: its index at PORT, rank r's "
+                     "leases at PORT+1+r (null: this node only)"),
     "retain_bytes": (256 << 20, "decode side: bytes of KV retained per TP rank (the bank's size)"),
     "policy": ({}, "prefill side: reuse settings (kvstate.reuse.policy); reuse is off unless enabled here"),
     "load_timeout_s": (10.0, "prefill side: a load not finished this long after it was scheduled fails"),
@@ -62,6 +75,9 @@ KEYS: Mapping[str, tuple[object, str]] = {
                                       "lowered to this (null: leave it)"),
 }
 
+#: The most ranks a decode engine's ``listen`` leaves ports for (PORT+1 .. PORT+MAX_TP).
+MAX_TP = 64
+
 #: The most ``gil_switch_interval_s`` may be: Python's own default (the setting only lowers it).
 MAX_SWITCH_INTERVAL_S = 0.005
 
@@ -70,6 +86,27 @@ def _name(field: str, value: object) -> str:
     if not isinstance(value, str) or not _NAME.fullmatch(value):
         raise ConfigInvalid.of(field, f"must be 1-64 characters of A-Z a-z 0-9 _ . -, not {value!r:.60}")
     return value
+
+
+def host_port(field: str, value: object) -> tuple[str, int]:
+    """``HOST:PORT`` -> (host, port), a port in 1..65535; ConfigInvalid otherwise."""
+    m = _HOSTPORT.fullmatch(value) if isinstance(value, str) else None
+    if m is None or m.group(1) in _WILDCARDS or not 0 < int(m.group(2)) < 65536:
+        raise ConfigInvalid.of(field, f"must be HOST:PORT with a port in 1..65535 and a host others reach this "
+                               f"one at (not a wildcard), not {value!r:.80}")
+    return m.group(1).strip("[]"), int(m.group(2))
+
+
+def is_address(source: str) -> bool:
+    return source.startswith(TCP)
+
+
+def source_ref(field: str, value: object) -> str:
+    """A source as a name (this node) or ``tcp://HOST:PORT`` (any node), checked."""
+    if isinstance(value, str) and is_address(value):
+        host, port = host_port(field, value[len(TCP):])
+        return f"{TCP}{f'[{host}]' if ':' in host else host}:{port}"
+    return _name(field, value)
 
 
 def _seconds(field: str, value: object) -> float:
@@ -139,6 +176,8 @@ class ConnectorConfig:
     gil_switch_interval_s: float | None
     source_tp: int | None = None
     layer_loads: bool = False
+    transport: str = "auto"
+    listen: tuple[str, int] | None = None
 
     @property
     def producer(self) -> bool:
@@ -148,9 +187,49 @@ class ConnectorConfig:
     def consumer(self) -> bool:
         return self.role in CONSUMERS
 
+    @property
+    def exports_nixl(self) -> bool:
+        """Decode side: banks exported through NIXL, leases served over TCP (other nodes)."""
+        return self.producer and self.listen is not None and self.transport != "host"
+
+    @property
+    def reads_nixl(self) -> bool:
+        """Prefill side: the workers read NIXL banks (an agent per rank)."""
+        return self.consumer and (self.transport == "nixl"
+                                  or (self.transport == "auto" and any(map(is_address, self.sources))))
+
+    def check_remote(self, mixed_tp: bool) -> None:
+        """Refuse what a prefill engine reading other nodes' banks cannot do: a remote load
+        READs whole bank blocks into staging and scatters every head at once, so there are no
+        head slices (``mixed_tp``: ``source_tp`` is not this engine's size) and no per-layer
+        waits. Both are same-node only for now (issue 30 leaves them for later)."""
+        if not self.reads_nixl:
+            return
+        if mixed_tp:
+            raise ConfigInvalid.of("source_tp", "heterogeneous TP is same-node only: this engine reads banks of "
+                                   "other nodes (transport nixl, or a source by address)")
+        if self.layer_loads:
+            raise ConfigInvalid.of("layer_loads", "per-layer loads are same-node only: this engine reads banks "
+                                   "of other nodes (transport nixl, or a source by address)")
+
     def index_path(self, source: str) -> Path:
         """The decode source's inventory socket (served by its scheduler side)."""
         return self.socket_dir / f"{source}.index.sock"
+
+    def index_address(self) -> str | None:
+        """Decode side: the TCP address its index serves other nodes at."""
+        return None if self.listen is None or not self.exports_nixl else self.tcp_address(0)
+
+    def tcp_address(self, offset: int) -> str:
+        assert self.listen is not None
+        host, port = self.listen
+        return f"{TCP}{f'[{host}]' if ':' in host else host}:{port + offset}"
+
+    def lease_listen(self, rank: int) -> tuple[str, int] | None:
+        """Decode side: where rank ``rank`` serves leases over TCP (None: this node only)."""
+        if self.listen is None or not self.exports_nixl:
+            return None
+        return self.listen[0], self.listen[1] + 1 + rank
 
     def exporter_name(self, rank: int) -> str:
         """The decode rank's exporter socket name: fixed per source and rank, so a restarted
@@ -225,10 +304,20 @@ def parse(extra: Mapping[str, Any] | None, role: str, environ: Mapping[str, str]
     if not isinstance(layer_loads, bool):
         raise ConfigInvalid.of("layer_loads", f"must be true or false, not {layer_loads!r:.40}")
 
+    transport = v["transport"]
+    if transport not in TRANSPORTS:
+        raise ConfigInvalid.of("transport", f"must be one of {', '.join(TRANSPORTS)}, not {transport!r:.40}")
+    listen = None if v["listen"] is None else host_port("listen", v["listen"])
+    if listen is not None and listen[1] + 1 + MAX_TP > 65535:
+        raise ConfigInvalid.of("listen", f"port {listen[1]} leaves no room for the ranks' ports after it")
+    if role in PRODUCERS and transport == "nixl" and listen is None:
+        raise ConfigInvalid.of("listen", "a decode engine with transport nixl serves other nodes: give the "
+                               "HOST:PORT they reach it at")
+
     return ConnectorConfig(
-        role=role, deployment=Deployment(name, key), socket_dir=Path(os.path.normpath(socket_dir)),
+        role=role, transport=transport, listen=listen, deployment=Deployment(name, key), socket_dir=Path(os.path.normpath(socket_dir)),
         source=_name("source", v["source"]),
-        sources=tuple(_name(f"sources[{i}]", s) for i, s in enumerate(sources)),
+        sources=tuple(source_ref(f"sources[{i}]", s) for i, s in enumerate(sources)),
         retain_bytes=retain, policy=settings,
         load_timeout_s=_seconds("load_timeout_s", v["load_timeout_s"]),
         lookup_timeout_s=_seconds("lookup_timeout_s", v["lookup_timeout_s"]),

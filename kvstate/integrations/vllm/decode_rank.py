@@ -37,6 +37,7 @@ from kvstate import channel as chan
 from kvstate.channel.framing import pack
 from kvstate.core.reasons import BusyReason, ChannelReason
 from kvstate.core.errors import ChannelError, KvStateError, Busy
+from kvstate.core.handles import HandleKind
 from kvstate.integrations.vllm import wire
 from kvstate.integrations.vllm.config import ConnectorConfig
 from kvstate.integrations.vllm.hashing import Compat, source_id
@@ -63,10 +64,15 @@ class DecodeRank:
         self.num_blocks = bank_blocks(compat, cfg.retain_bytes)
         self.inventory = Inventory(budget_blocks=self.num_blocks)
         self.inventory.clear(INVENTORY_GROUP)  # the group exists from epoch 1 on
-        self.exporter: Exporter[Any, Any, Any, Any, Any] = Exporter(
-            ExportConfig(cfg.deployment, cfg.socket_dir, source_id(cfg.deployment, cfg.source), compat.tp,
-                         lease_timeout_s=cfg.lease_timeout_s, descriptor_ttl_s=cfg.descriptor_ttl_s),
-            HostTransport(), name=cfg.exporter_name(rank), inventory=self.inventory)
+        self.nixl, transport, across = _transport(cfg, rank)
+        try:
+            self.exporter: Exporter[Any, Any, Any, Any, Any] = Exporter(
+                ExportConfig(cfg.deployment, cfg.socket_dir, source_id(cfg.deployment, cfg.source), compat.tp,
+                             lease_timeout_s=cfg.lease_timeout_s, descriptor_ttl_s=cfg.descriptor_ttl_s, **across),
+                transport, name=cfg.exporter_name(rank), inventory=self.inventory)
+        except BaseException:
+            self.nixl = None
+            raise
         self.bank: Bank[Any, Any, Any, Any, Any] = self.exporter.add_bank(rank, bank_geometry(compat, self.num_blocks))
         self.bank.register()
         self.bank.advertise()
@@ -265,4 +271,19 @@ class DecodeRank:
             self.exporter.drain(timeout)
         except KvStateError as exc:  # a prefill worker still holds a lease: its death ends it
             log.warning("kvstate: rank %d bank not drained at shutdown: %s", self.rank, exc)
+            # its NIXL registration stays with the process's agent until the process ends
+
+
+def _transport(cfg: ConnectorConfig, rank: int) -> tuple[Any, Any, dict[str, Any]]:
+    """(NIXL agent or None, the exporter's transport, ExportConfig's cross-node fields):
+    memfd banks for this node, or host banks registered with NIXL, their leases served over
+    TCP at the rank's port (``listen`` + 1 + rank) for other nodes."""
+    if not cfg.exports_nixl:
+        return None, HostTransport(), {}
+    from kvstate.integrations.vllm.nixl_agent import process_agent
+    from kvstate.transport.nixl.exporting import NixlExportingHost
+
+    nixl = process_agent()
+    return nixl, NixlExportingHost(HostTransport(), nixl), {"handle_kind": HandleKind.NIXL,
+                                                          "tcp_listen": cfg.lease_listen(rank)}
 

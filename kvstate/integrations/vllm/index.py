@@ -45,6 +45,7 @@ from typing import Any
 import attrs
 
 from kvstate import channel as chan
+from kvstate.channel.tcp import SCHEME, TcpServer, connect_tcp
 from kvstate.core.reasons import ChannelReason
 from kvstate.core.descriptor import decode as decode_descriptor
 from kvstate.core.errors import ChannelError, DescriptorRejected
@@ -76,8 +77,15 @@ class DecodeIndex:
     """The decode engine's index (see the module docstring). ``capacity``: bank blocks
     per rank, the same on every rank."""
 
-    def __init__(self, path: Path, compat: Compat, table: SlotTable, *, request_timeout_s: float = 2.0) -> None:
+    def __init__(self, path: Path, compat: Compat, table: SlotTable, *, request_timeout_s: float = 2.0,
+                 tcp: tuple[str, int] | None = None, deployment: Deployment | None = None) -> None:
+        if tcp is not None and deployment is None:
+            raise ValueError("an index served over TCP needs the deployment whose key peers prove")
         self.path = Path(path)
+        #: (host, port): also answer prefill schedulers of other nodes, over the
+        #: authenticated TCP channel (decode ranks are on this node: AF_UNIX only).
+        self.tcp = tcp
+        self.deployment = deployment
         self.compat = compat
         self.table = table
         self.tp = compat.tp
@@ -85,6 +93,7 @@ class DecodeIndex:
         self._ranks: dict[int, _Rank] = {}
         self._lock = threading.Lock()
         self._server: chan.Server | None = None
+        self._tcp_server: TcpServer | None = None
         self._stopping = threading.Event()
         self._timer: threading.Thread | None = None
         self.lookups = 0
@@ -95,6 +104,11 @@ class DecodeIndex:
         chan.make_socket_dir(self.path.parent)
         self._server = chan.Server(self.path, limits=wire.LIMITS, max_connections=256)
         self._server.serve_in_thread(self._serve, name="kvstate-index")
+        if self.tcp is not None:
+            assert self.deployment is not None
+            self._tcp_server = TcpServer(*self.tcp, self.deployment, limits=wire.LIMITS, max_connections=256,
+                                         handshake_timeout=self.request_timeout_s)
+            self._tcp_server.serve_in_thread(self._serve_remote, name="kvstate-index-tcp")
         self._timer = threading.Thread(target=self._retry_loop, name="kvstate-index-evict", daemon=True)
         self._timer.start()
 
@@ -103,6 +117,9 @@ class DecodeIndex:
         if self._server is not None:
             self._server.close()
             self._server = None
+        if self._tcp_server is not None:
+            self._tcp_server.close()
+            self._tcp_server = None
         with self._lock:
             ranks = list(self._ranks.values())
         for r in ranks:
@@ -145,6 +162,19 @@ class DecodeIndex:
         except ChannelError as exc:
             if not self._stopping.is_set():
                 log.info("kvstate index: a connection ended: %s", exc)
+        finally:
+            ch.close()
+
+    def _serve_remote(self, ch: chan.Channel) -> None:
+        """A peer of another node (it proved the deployment key): questions only; a decode
+        rank says hello over its node's socket, never over TCP."""
+        try:
+            with ch.recv(timeout=self.request_timeout_s) as first:
+                msg = wire.decode(first.payload, "lookup", "descriptors")
+            self._serve_client(ch, msg)
+        except ChannelError as exc:
+            if not self._stopping.is_set():
+                log.info("kvstate index: a tcp connection ended: %s", exc)
         finally:
             ch.close()
 
@@ -314,7 +344,10 @@ class IndexClient:
     """One prefill scheduler's connection to one decode source's index (see the module
     docstring). Not thread-safe: the scheduler calls it from its one thread."""
 
-    def __init__(self, path: Path, deployment: Deployment, timeout_s: float, *, refresh_before_s: float = 60.0) -> None:
+    def __init__(self, path: Path | str, deployment: Deployment, timeout_s: float, *,
+                 refresh_before_s: float = 60.0) -> None:
+        #: a socket path (this node) or ``tcp://HOST:PORT`` (another node's index)
+        self.address = str(path) if str(path).startswith(SCHEME) else None
         self.path = Path(path)
         self.deployment = deployment
         self.timeout_s = timeout_s
@@ -333,7 +366,11 @@ class IndexClient:
         for attempt in (0, 1):  # one reconnect: the index may have restarted since
             if self._ch is None:
                 try:
-                    self._ch = chan.connect(self.path, timeout=self.timeout_s, limits=wire.LIMITS)
+                    if self.address is not None:
+                        self._ch = connect_tcp(self.address, self.deployment, timeout=self.timeout_s,
+                                               limits=wire.LIMITS)
+                    else:
+                        self._ch = chan.connect(self.path, timeout=self.timeout_s, limits=wire.LIMITS)
                 except (ChannelError, OSError) as exc:
                     return Refusal("unreachable", str(exc))
             ch = self._ch

@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -42,14 +42,21 @@ from kvstate.integrations.vllm.hashing import Compat
 from kvstate.integrations.vllm.orders import LoadFailures, LoadOrder, failure_code
 from kvstate.integrations.vllm.stats import Tally
 from kvstate.integrations.vllm.tp import SourceView, same_tp
+from kvstate.integrations.vllm.remote_load import RemoteLoad
 from kvstate.share.load import Sliced
 from kvstate.share.rank_worker import RankWorker, WorkerConfig
+from kvstate.share.remote_part import RemotePart
 from kvstate.share.transfer import TransferHandle
 from kvstate.transport.host import HostTransport
+
+if TYPE_CHECKING:
+    from kvstate.transport.nixl.transport import NixlTransport
 
 log = logging.getLogger(__name__)
 
 RETRY_S = 0.05
+#: How often a connected rank checks that its workers still have their coordinator.
+RECHECK_S = 0.25
 #: The KV heads' dimension of vLLM's CPU cache tensors (:mod:`.layout`).
 HEAD_AXIS = 1
 #: share states in which a load can no longer start
@@ -60,7 +67,7 @@ _ENDED = ("draining", "quiescent", "closed", "rejected", "failed")
 class _Load:
     order: LoadOrder
     started: float
-    handles: list[TransferHandle] | None = None   # one per part of this rank, once all started
+    handles: list[TransferHandle | RemoteLoad] | None = None   # one per part of this rank, once all started
 
 
 class PrefillRank:
@@ -79,11 +86,19 @@ class PrefillRank:
         self.slices = self.view.of_rank(rank)
         self.workers: dict[int, RankWorker[Any, Any, Any, Any, Any]] = {}  # part -> its worker, once connected
         self._targets = {part: self._target(cut) for part, cut in self.slices}
+        #: Reads banks of other nodes (transport nixl, or auto with a source by address).
+        self.nixl: NixlTransport | None = None
+        if cfg.reads_nixl:
+            from kvstate.integrations.vllm.nixl_agent import process_agent
+            self.nixl = process_agent()
         self._loads: dict[str, _Load] = {}
         self._finished: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._reasons: list[tuple[str, int, str]] = []
         self._stopping = threading.Event()
+        #: Notified when a part's worker connects or is refused for good (start_layers waits on it).
+        self._joined = threading.Condition()
+        self._refused: set[int] = set()
         self._thread = threading.Thread(target=self._connect, name=f"kvstate-prefill-r{rank}", daemon=True)
         self._thread.start()
 
@@ -101,26 +116,55 @@ class PrefillRank:
         return views, Sliced(HEAD_AXIS, cut.src_head, cut.count)
 
     def _connect(self) -> None:
-        for part, cut in self.slices:
-            config = WorkerConfig(self.cfg.deployment, part, len(self.view.slices), self.coordinator_path,
-                                  request_timeout_s=max(self.cfg.load_timeout_s / 2, 1.0),
-                                  reuse=self.cfg.policy,  # the importer enforces the same switches
-                                  source_rank=cut.src_rank, source_tp=self.view.compat.tp)
-            while not self._stopping.is_set():
-                worker: RankWorker[Any, Any, Any, Any, Any] = RankWorker(config, self.transport())
-                try:
-                    worker.start()
-                except (ChannelError, OSError) as exc:
-                    if isinstance(exc, ChannelError) and exc.reason is ChannelReason.COORDINATOR_REFUSED:
-                        log.error("kvstate: the coordinator refused prefill rank %d (part %d): %s", self.rank, part,
-                                  exc)
-                        worker.close(timeout=0.0)
-                        return
-                    worker.close(timeout=0.0)  # its importer's threads, else one set per retry
-                    self._stopping.wait(RETRY_S)  # the scheduler side is not up yet
+        """Connect every part's worker, then keep them connected: a worker whose
+        coordinator went away (its connection closed, or silent past ``silence_s`` while
+        this process or the scheduler's was starved) is replaced by a new connection. Its
+        shares ended with it, so the loads they served fail and are recomputed; the next
+        ones use the new worker. Only a coordinator's lasting refusal stops a part."""
+        configs = {part: WorkerConfig(self.cfg.deployment, part, len(self.view.slices), self.coordinator_path,
+                                      request_timeout_s=max(self.cfg.load_timeout_s / 2, 1.0),
+                                      reuse=self.cfg.policy,  # the importer enforces the same switches
+                                      source_rank=cut.src_rank, source_tp=self.view.compat.tp)
+                   for part, cut in self.slices}
+        while not self._stopping.is_set():
+            for part, config in configs.items():
+                old = self.workers.get(part)
+                if part in self._refused or (old is not None and not old.coordinator_gone):
                     continue
-                self.workers[part] = worker
-                break
+                worker = self._connect_part(config, reconnect=old is not None)
+                with self._joined:
+                    if worker is None:
+                        self._refused.add(part)
+                    else:
+                        self.workers[part] = worker
+                    self._joined.notify_all()
+                if worker is None:
+                    continue
+                if old is not None:
+                    self.tally.add("reconnects")
+                    log.warning("kvstate: prefill rank %d (part %d) reconnected to its coordinator", self.rank, part)
+                    old.close(timeout=0.0)  # its shares already ended with their coordinator
+            self._stopping.wait(RECHECK_S)
+
+    def _connect_part(self, config: WorkerConfig, *, reconnect: bool) -> RankWorker[Any, Any, Any, Any, Any] | None:
+        """A worker connected to the coordinator, retrying until it is up (vLLM builds
+        workers before the scheduler) or this rank stops; None if the coordinator refuses
+        it for good. ``duplicate_rank`` is retried on a reconnect: the coordinator may
+        not have noticed the old connection end yet."""
+        while not self._stopping.is_set():
+            worker: RankWorker[Any, Any, Any, Any, Any] = RankWorker(config, self.transport(), remote=self.nixl)
+            try:
+                worker.start()
+                return worker
+            except (ChannelError, OSError) as exc:
+                worker.close(timeout=0.0)  # its importer's threads, else one set per retry
+                if (isinstance(exc, ChannelError) and exc.reason is ChannelReason.COORDINATOR_REFUSED
+                        and not (reconnect and exc.code == "duplicate_rank")):
+                    log.error("kvstate: the coordinator refused prefill rank %d (part %d): %s", self.rank,
+                              config.rank, exc)
+                    return None
+            self._stopping.wait(RETRY_S)  # the scheduler side is not up yet
+        return None
 
     # -- loads ------------------------------------------------------------------------------------
 
@@ -155,8 +199,10 @@ class PrefillRank:
                     h.cancel()  # what has not started is cancelled; the rest completes
             return None
         results = [h.result() for h in load.handles]
-        if any(r is None or not r.ok for r in results):
-            return "load_failed"
+        for r in results:
+            if r is None or not r.ok:
+                why = getattr(r, "why", "")  # a remote load says why (a READ's timeout, a lost peer)
+                return f"load_failed:{why}" if why else "load_failed"
         self.tally.add("bytes_loaded", sum(r.bytes for r in results if r is not None))
         return ""
 
@@ -180,7 +226,14 @@ class PrefillRank:
             assert share is not None
             dst, cut = self._targets[part]
             try:
-                load.handles.append(share.load(list(order.slots), dst, list(order.dst_blocks), cut))
+                if isinstance(share.part, RemotePart):  # another node's bank: READ, then scatter
+                    if cut is not None or self.nixl is None:
+                        return "remote_not_supported"  # head slices are same-node only (config refuses them)
+                    left = max(self.cfg.load_timeout_s - (time.monotonic() - load.started), 0.1)
+                    load.handles.append(RemoteLoad(share, self.nixl, order.slots, dst, order.dst_blocks,
+                                                   timeout=left))
+                else:
+                    load.handles.append(share.load(list(order.slots), dst, list(order.dst_blocks), cut))
             except KvStateError as exc:
                 return f"load_refused:{exc.reason.value}"  # TransitionError illegal: the share left ready
         return None
@@ -197,7 +250,7 @@ class PrefillRank:
                 continue
             deadline = load.started + self.cfg.load_timeout_s
             for part, _ in self.slices:
-                worker = self.workers.get(part)
+                worker = self._connected(part, deadline)
                 left = deadline - time.monotonic()
                 if worker is not None and left > 0:
                     worker.wait(load.order.gid, ("ready", *_ENDED), left)
@@ -209,6 +262,15 @@ class PrefillRank:
             if why is not None:
                 self._end(req_id, load, why)
 
+    def _connected(self, part: int, deadline: float) -> RankWorker[Any, Any, Any, Any, Any] | None:
+        """Part ``part``'s worker, waiting up to ``deadline`` for it to connect: a load
+        ordered right after start-up may reach the forward pass before the connect thread
+        joined the coordinator, and would otherwise be recomputed as not ready."""
+        with self._joined:
+            self._joined.wait_for(lambda: part in self.workers or part in self._refused or self._stopping.is_set(),
+                                  timeout=max(0.0, deadline - time.monotonic()))
+            return self.workers.get(part)
+
     def wait_layer(self, name: str) -> None:
         """In layer ``name``'s attention: wait until that layer's pages of every load
         running this step are in place (later layers may still be loading). A layer that
@@ -217,10 +279,12 @@ class PrefillRank:
             if load.handles is None:
                 continue
             left = load.started + self.cfg.load_timeout_s - time.monotonic()
-            ok = all(h.wait_region(name, max(0.0, left)) and h.region_ok(name) is not False for h in load.handles)
+            handles = [h for h in load.handles if isinstance(h, TransferHandle)]  # no remote ones (config)
+            ok = len(handles) == len(load.handles) and all(
+                h.wait_region(name, max(0.0, left)) and h.region_ok(name) is not False for h in handles)
             self.tally.add("layer_waits")
             last = self.compat.layers[-1]
-            if ok and name != last and any(h.region_ok(last) is None for h in load.handles):
+            if ok and name != last and any(h.region_ok(last) is None for h in handles):
                 self.tally.add("layer_waits_ahead")  # this layer computes while a later one loads
             if not ok:
                 for h in load.handles:
@@ -268,7 +332,9 @@ class PrefillRank:
         return out
 
     def close(self) -> None:
-        self._stopping.set()
+        with self._joined:
+            self._stopping.set()
+            self._joined.notify_all()
         self._thread.join(2.0)
         for load in self._loads.values():
             for h in load.handles or ():

@@ -35,10 +35,10 @@ import attrs
 
 from kvstate.core.capabilities import MemoryKind
 from kvstate.core.descriptor import decode as decode_descriptor
-from kvstate.core.errors import DescriptorRejected, GroupRejected, KvStateError
+from kvstate.core.errors import ConfigInvalid, DescriptorRejected, GroupRejected, KvStateError
 from kvstate.core.reasons import DecisionReason
 from kvstate.core.validate import validate_group
-from kvstate.integrations.vllm.config import ConnectorConfig
+from kvstate.integrations.vllm.config import ROUTE_KEY, ConnectorConfig, is_address, source_ref
 from kvstate.integrations.vllm.hashing import Compat, block_key, prefix_hashes, root
 from kvstate.integrations.vllm.index import DecodeIndex, Found, IndexClient, Refusal
 from kvstate.integrations.vllm.layout import INVENTORY_GROUP, bank_blocks
@@ -52,6 +52,9 @@ from kvstate.share.coordinator import CoordinatedGroup, Coordinator, Coordinator
 from kvstate.share.importer import BlockRequest
 
 log = logging.getLogger(__name__)
+
+#: Sources named by routers (``kv_transfer_params``) with a client kept at once.
+MAX_ROUTED = 16
 
 
 @attrs.frozen
@@ -126,7 +129,8 @@ class SchedulerSide:
         dep = cfg.deployment
         if cfg.producer:
             table = SlotTable(bank_blocks(compat, cfg.retain_bytes), compat.tp, lambda h, s: block_key(dep, h, s))
-            self.index = DecodeIndex(cfg.index_path(cfg.source), compat, table)
+            self.index = DecodeIndex(cfg.index_path(cfg.source), compat, table, deployment=dep,
+                                     tcp=cfg.listen if cfg.exports_nixl else None)
             self.index.start()
         if cfg.consumer:
             mixed = self.view.mixed
@@ -135,7 +139,35 @@ class SchedulerSide:
                 phase_timeout_s=max(cfg.load_timeout_s / 2, 1.0), source_tp=self.view.compat.tp if mixed else 0,
                 sources=tuple(s.src_rank for s in self.view.slices) if mixed else ()))
             self.coordinator.start()
-            self.clients = {s: IndexClient(cfg.index_path(s), dep, cfg.lookup_timeout_s) for s in cfg.sources}
+            self.clients = {s: self._client(s) for s in cfg.sources}
+
+    def _client(self, source: str) -> IndexClient:
+        where = source if is_address(source) else self.cfg.index_path(source)
+        return IndexClient(where, self.cfg.deployment, self.cfg.lookup_timeout_s)
+
+    def _routed(self, route: object) -> str | None:
+        """The source a router named in ``kv_transfer_params`` (asked first), with a client
+        for it; None for none. A route that is not an address, or that this engine cannot
+        read (transport host, or no NIXL agent in its workers), is counted and ignored."""
+        if route is None:
+            return None
+        try:
+            source = source_ref(ROUTE_KEY, route)
+        except ConfigInvalid:
+            self.tally.reason("routes_ignored", "malformed")
+            return None
+        if not self.cfg.reads_nixl and is_address(source):
+            self.tally.reason("routes_ignored", "no_nixl")
+            return None
+        if source not in self.clients:
+            routed = [s for s in self.clients if s not in self.cfg.sources]
+            if len(routed) >= MAX_ROUTED:  # the oldest routed client goes; configured ones stay
+                if any(g.source == routed[0] for g in self._groups):
+                    self.tally.reason("routes_ignored", "busy")
+                    return None
+                self.clients.pop(routed[0]).close()
+            self.clients[source] = self._client(source)
+        return source
 
     @property
     def coordinator_path(self) -> str:
@@ -183,8 +215,9 @@ class SchedulerSide:
         return 0
 
     def match(self, req_id: str, tokens: Sequence[int], num_tokens: int, local_tokens: int,
-              salt: str | None) -> int:
-        """Tokens beyond ``local_tokens`` to load for this prompt (0: compute them)."""
+              salt: str | None, route: object = None) -> int:
+        """Tokens beyond ``local_tokens`` to load for this prompt (0: compute them).
+        ``route``: the ``kv_transfer_params`` entry a router named a source with (asked first)."""
         if self.coordinator is None:
             return 0
         settings, bs = self.cfg.policy, self.compat.block_size
@@ -200,8 +233,12 @@ class SchedulerSide:
         found: dict[str, Found] = {}
         refused: list[Refusal] = []
 
+        first = self._routed(route)
+        order = ([first] if first is not None else []) + [s for s in self.clients if s != first]
+
         def candidates() -> Iterator[Candidate]:
-            for name, client in self.clients.items():
+            for name in order:
+                client = self.clients[name]
                 answer = client.lookup(source, hashes)
                 self.tally.add("lookups")
                 if isinstance(answer, Refusal):

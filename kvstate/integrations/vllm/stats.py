@@ -30,6 +30,7 @@ COUNTERS: Mapping[str, str] = {
     "load_ms": "prefill: milliseconds from the load order to the load finished (per rank, summed)",
     "layer_waits": "prefill, layer_loads: layer waits in the forward pass (vLLM's wait_for_layer_load) over a load",
     "layer_waits_ahead": "prefill, layer_loads: layer waits that returned while a later layer was still loading",
+    "reconnects": "prefill: rank workers that reconnected to their coordinator after losing it",
     "blocks_retained": "decode: prefix blocks assigned a bank block",
     "stores_ok": "decode: stores that completed on a rank",
     "stores_failed": "decode: stores that failed on a rank",
@@ -40,6 +41,8 @@ COUNTERS: Mapping[str, str] = {
 GROUPS: Mapping[str, str] = {
     "misses": "prefill: prompts not loaded, by reason (reuse_disabled, no_eligible_source, unreachable, ...)",
     "rejections": "prefill: loads refused or failed after scheduling, by reason (stale_incarnation, timeout, ...)",
+    "routes_ignored": "prefill: sources a router named in kv_transfer_params and not asked, by reason "
+                      "(malformed, no_nixl, busy)",
     "gauges": "levels, latest value: retained_blocks, free_blocks (decode)",
 }
 

@@ -77,6 +77,8 @@ _OPTIONAL = frozenset(NIXL_MODULES) | {"numpy"}
 INSTALL_HINT = "pip install --no-deps 'nixl-cu12==1.5.1' numpy   (see README: NIXL transport)"
 BACKEND = "UCX"
 DEFAULT_TIMEOUT_S = 30.0
+#: The longest wait between two asks whether a transfer completed.
+MAX_POLL_NAP_S = 0.001
 
 _MEM_TYPE = {MemoryKind.HOST: "DRAM", MemoryKind.DEVICE: "VRAM"}
 
@@ -191,6 +193,9 @@ class NixlRemote:
     agent_name: str
     remote_dlists: dict[int, Any] = attrs.field(factory=dict)  # block bytes -> prepped dlist
     closed: str | None = None
+    #: Parts of this process that imported this bank at this generation (several groups
+    #: may lease one bank at once): the view goes when the last one closes it.
+    users: int = 1
 
     @property
     def size(self) -> int:
@@ -199,6 +204,47 @@ class NixlRemote:
     @property
     def generation(self) -> int:
         return self.handle.generation
+
+
+# -- the agent --------------------------------------------------------------------------
+
+#: How long NIXL's UCX progress thread waits for events when it has nothing to do, in
+#: microseconds. NIXL's Python API hard-codes 0, a busy spin: measured here, an idle
+#: agent burnt a whole core (2.97 s of CPU in 3 s), in every engine worker with an agent,
+#: and starved the engines on a small machine. The thread is needed (an exporter's UCX
+#: worker must progress for a peer's READ over TCP to complete: without it, the READ
+#: timed out); with a wait it costs 0.05 s of CPU in 3 s idle.
+PROGRESS_DELAY_US = int(os.environ.get("KVSTATE_NIXL_PROGRESS_DELAY_US", "100"))
+_config_lock = threading.Lock()
+
+
+def _make_agent(nixl: ModuleType, agent_name: str, num_threads: int) -> Any:
+    """A NIXL agent that several threads may call (sync mode STRICT: kvstate's ranks,
+    importer threads and remote loads share the process's one agent, and NIXL's default
+    without a listener thread is no locking at all: concurrent calls crashed the process),
+    and whose progress thread waits ``PROGRESS_DELAY_US`` instead of spinning."""
+    api = importlib.import_module(nixl.__name__ + "._api")
+    base = api.nixlBind.nixlAgentConfig
+
+    class _Config(base):  # type: ignore[misc, valid-type]
+        """NIXL's config, but the wrapper's ``pthrDelay = 0`` sets ours."""
+
+        @property
+        def pthrDelay(self) -> int:  # noqa: N802 - NIXL's name
+            return int(base.pthrDelay.__get__(self))
+
+        @pthrDelay.setter
+        def pthrDelay(self, _value: int) -> None:  # noqa: N802
+            base.pthrDelay.__set__(self, PROGRESS_DELAY_US)
+
+    config = nixl.nixl_agent_config(backends=[BACKEND], num_threads=num_threads,
+                                    sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+    with _config_lock:  # the wrapper builds its config from the module attribute
+        api.nixlBind.nixlAgentConfig = _Config
+        try:
+            return nixl.nixl_agent(agent_name, config)
+        finally:
+            api.nixlBind.nixlAgentConfig = base
 
 
 # -- the transport -------------------------------------------------------------------
@@ -223,8 +269,7 @@ class NixlTransport:
             if _process_agent is not None and _process_agent[0] == os.getpid():
                 raise NativeError(NativeReason.NIXL, f"this process already has a NIXL agent ({_process_agent[1]!r}); "
                                   "kvstate uses one agent per process")
-            config = nixl.nixl_agent_config(backends=[BACKEND], num_threads=num_threads)
-            self._agent = _call("create agent", nixl.nixl_agent, agent_name, config)
+            self._agent = _call("create agent", _make_agent, nixl, agent_name, num_threads)
             _process_agent = (os.getpid(), agent_name)
         if BACKEND not in self._agent.backends:
             raise BackendUnavailable.missing("nixl",
@@ -241,6 +286,7 @@ class NixlTransport:
         )
         self._allocations: list[NixlAllocation] = []
         self._pins = threading.Lock()  # NixlAllocation.pins and release decide under it
+        self._views = threading.RLock()  # imports and closes of views (ranks' threads share the agent)
         self._remotes: dict[tuple[str, int], NixlRemote] = {}     # one view per bank (NixlHandle.bank)
         self._latest_generation: dict[tuple[str, int], int] = {}
         self._closed = False
@@ -307,8 +353,13 @@ class NixlTransport:
 
         ``generation`` is the descriptor's; a record from an older generation, or older
         than one this process already imported from the same agent, is
-        :class:`ImportFailed` (HANDLE, defect STALE_GENERATION). A newer generation retires the older view first.
+        :class:`ImportFailed` (HANDLE, defect STALE_GENERATION). A newer generation retires the older view first;
+        the same generation again shares the view (one more user; :meth:`close_remote`).
         """
+        with self._views:
+            return self._import(handle, size, generation)
+
+    def _import(self, handle: bytes | NixlHandle, size: int, generation: int | None) -> NixlRemote:
         self._check_open()
         h = handle if isinstance(handle, NixlHandle) else decode(handle, generation=generation)
         if isinstance(handle, NixlHandle) and generation is not None and h.generation != generation:
@@ -326,9 +377,10 @@ class NixlTransport:
                                            f"{where}: generation {h.generation}, but {latest} was already imported")
         previous = self._remotes.get(bank)
         if previous is not None:
-            if previous.generation == h.generation:
-                raise NativeError(NativeReason.NIXL, f"{where} generation {h.generation} is already imported")
-            self.close_remote(previous, why=f"superseded by generation {h.generation}")
+            if previous.generation == h.generation:  # another part of this process reads it too
+                previous.users += 1
+                return previous
+            self._retire(previous, why=f"superseded by generation {h.generation}")
         # Loading partial metadata again for a known agent adds this bank's registration.
         loaded = _call("add_remote_agent", self._agent.add_remote_agent, h.metadata)
         loaded_name = loaded.decode("ascii", "replace") if isinstance(loaded, bytes) else str(loaded)
@@ -431,13 +483,15 @@ class NixlTransport:
     def _wait(self, xfer: Any, timeout: float) -> None:
         state = _call("transfer", self._agent.transfer, xfer)
         deadline = time.monotonic() + timeout
-        spins = 0
+        nap = 0.0
         while state == "PROC":
             if time.monotonic() >= deadline:
                 raise TimedOut.nixl("transfer", f"not complete after {timeout} s")
-            spins += 1
-            if spins % 1024 == 0:
-                time.sleep(0)
+            # NIXL's progress thread moves the bytes; this only asks. A spin here took a
+            # core (and the GIL, call after call) from the engine this runs in, so it
+            # backs off to at most MAX_POLL_NAP_S between asks.
+            time.sleep(nap)
+            nap = min(MAX_POLL_NAP_S, nap * 2 or 0.00005)
             state = _call("check_xfer_state", self._agent.check_xfer_state, xfer)
         if state != "DONE":
             raise NativeError.nixl("transfer", f"state {state}")
@@ -472,7 +526,18 @@ class NixlTransport:
     # -- teardown ---------------------------------------------------------------------
 
     def close_remote(self, remote: NixlRemote, why: str = "closed") -> None:
-        """Release the remote's prepared lists, then invalidate its metadata. Idempotent."""
+        """One user of the view is done with it; the last one releases the remote's
+        prepared lists, then invalidates its metadata. Idempotent once retired."""
+        with self._views:
+            if remote.closed is not None:
+                return
+            remote.users -= 1
+            if remote.users <= 0:
+                self._retire(remote, why)
+
+    def _retire(self, remote: NixlRemote, why: str) -> None:
+        """Retire the view for every user (the last one closed it, or a newer generation
+        of the bank supersedes it: its READs then fail as stale)."""
         if remote.closed is not None:
             return
         for dlist in remote.remote_dlists.values():
@@ -494,7 +559,7 @@ class NixlTransport:
                 _call("release_dlist_handle", self._agent.release_dlist_handle, dlist)
             allocation.local_dlists.clear()
         for remote in list(self._remotes.values()):
-            self.close_remote(remote)
+            self._retire(remote, "closed")
         failed: list[KvStateError] = []
         for allocation in list(self._allocations):
             try:

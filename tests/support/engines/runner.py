@@ -63,6 +63,8 @@ class EngineSpec:
     seed: int = 0
     kv_transfer: dict[str, Any] | None = None  # kv_configs
     env: dict[str, str] = field(default_factory=dict)
+    #: a command that runs the engine elsewhere, e.g. ``ip netns exec NS`` (netns.TwoHosts)
+    prefix: tuple[str, ...] = ()
 
     def llm_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
@@ -181,7 +183,7 @@ class Engine:
         ours, theirs = socket.socketpair()
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "support.engines.child", str(theirs.fileno())],
+                [*self.spec.prefix, sys.executable, "-m", "support.engines.child", str(theirs.fileno())],
                 cwd=self.workdir, env=self.spec.process_env(self.tag, self.tmpdir), stdin=subprocess.DEVNULL,
                 stdout=log, stderr=subprocess.STDOUT, pass_fds=(theirs.fileno(),), start_new_session=True)
         theirs.close()

@@ -42,12 +42,25 @@ class Engines:
         return engine
 
     def close_all(self) -> list[str]:
-        leaks = []
+        """Close every engine, even after one failed to close (its processes and files
+        would outlive the test otherwise), then raise the first failure, the others
+        noted on it; else the leftovers of all."""
+        leaks: list[str] = []
+        errors: list[BaseException] = []
         for engine in self.started:
-            found = engine.close()
+            try:
+                found = engine.close()
+            except BaseException as exc:  # noqa: BLE001 - raised below, once every engine is closed
+                errors.append(exc)
+                continue
+            finally:
+                if engine in self.sampler.engines:
+                    self.sampler.engines.remove(engine)
             leaks += [f"{engine.name}: {leak}" for leak in found.leaks]
-            if engine in self.sampler.engines:
-                self.sampler.engines.remove(engine)
+        if errors:
+            for other in errors[1:]:
+                errors[0].add_note(f"also failed to close: {other!r}")
+            raise errors[0]
         return leaks
 
 

