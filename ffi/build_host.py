@@ -24,10 +24,10 @@ SOURCES = ("kvs_slots.c", "kvs_host.c", "kvs_ops.c", "kvs_machine.c", "kvs_machi
            "kvs_cuda_mem.c", "kvs_cuda_ops.c")
 SOURCES += ("kvs_link.c", "kvs_renew.c")  # the importer's request links and renewal thread
 # The exporter's lease server (its rules, its thread, its request reader).
-SOURCES += ("kvs_lease.c", "kvs_lease_thread.c", "kvs_json.c")
+SOURCES += ("kvs_lease.c", "kvs_lease_thread.c", "kvs_json.c", "kvs_inventory.c")
 DEPENDS = ("kvs.h", "kvs_slots.h", "kvs_engine.h", "kvs_cuda.h", "kvs_cuda_driver.h", "kvs_op_table.h",
            "kvs_machine.h", "kvs_machines.h", "kvs_bank_table.h", "kvs_part_table.h",
-           "kvs_link.h", "kvs_lease.h", "kvs_json.h", *SOURCES)
+           "kvs_link.h", "kvs_lease.h", "kvs_json.h", "kvs_inventory.h", *SOURCES)
 
 _COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.S)
 _DEFINE = re.compile(r"#define\s+(\w+)(\s+\S.*)?$")

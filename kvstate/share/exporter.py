@@ -434,8 +434,7 @@ class Exporter(Generic[H, A, R, M, E]):
         require_mapped(transport)
         self.config = config
         self.transport = transport
-        #: The retained inventory (advisory); a lease naming blocks pins them atomically.
-        self.inventory = inventory
+        self._inventory: Inventory | None = None
         self._incarnation = Incarnation.new()
         self.boot_id = host_boot_id()
         self.node = os.uname().nodename
@@ -455,9 +454,25 @@ class Exporter(Generic[H, A, R, M, E]):
         self.limits = chan.Limits(max_fds=min(chan.HARD_MAX_FDS, max(chan.DEFAULT_MAX_FDS, config.tp)))
         #: Leases are served natively; every bank's state lives there (kvstate.share.lease_server).
         self.lease_server = LeaseServer(self, self.limits)
+        self.inventory = inventory
         self._server: chan.Server | None = None
         self._expiry: threading.Thread | None = None
         self._stopping = threading.Event()
+
+    @property
+    def inventory(self) -> Inventory | None:
+        """The retained inventory (advisory); a lease naming blocks pins them atomically,
+        on the native lease server (it keeps a mirror the inventory updates)."""
+        return self._inventory
+
+    @inventory.setter
+    def inventory(self, value: Inventory | None) -> None:
+        if value is self._inventory:
+            return
+        if value is None or self._inventory is not None:
+            raise ConfigInvalid.of("inventory", "is set once, to an Inventory")
+        self.lease_server.attach(need("inventory", value, Inventory))
+        self._inventory = value
 
     @property
     def incarnation(self) -> Incarnation:
