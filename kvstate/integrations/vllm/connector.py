@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
@@ -33,6 +34,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvstate.core.errors import ConfigInvalid
 from kvstate.integrations.vllm.amx import request_amx_tiles
 from kvstate.integrations.vllm.config import ConnectorConfig, parse
+from kvstate.integrations.vllm.gil import share_the_gil
 from kvstate.integrations.vllm.hashing import Compat
 from kvstate.integrations.vllm.layout import FP8_CACHE_DTYPES, TORCH_DTYPES, scales_problem, tensor_problem
 from kvstate.integrations.vllm.orders import LoadFailures, StepOrders
@@ -40,6 +42,9 @@ from kvstate.integrations.vllm.stats import Tally
 from kvstate.integrations.vllm.tp import source_view
 
 log = logging.getLogger(__name__)
+
+#: how long a worker step gives kvstate's threads the GIL while they have work (see get_finished)
+YIELD_S = 0.001
 
 T = TypeVar("T")
 
@@ -139,6 +144,7 @@ class KvStateConnector(KVConnectorBase_V1):
         self._compat = compat_of(vllm_config, kv_cache_config, self._cfg)
         self._view = source_view(self._compat, int(vllm_config.model_config.get_total_num_kv_heads()),
                                  self._cfg.source_tp)
+        share_the_gil(self._cfg.gil_switch_interval_s)
         self._engine_id = str(transfer.engine_id)
         self._tally = Tally()
         self._sched: Any = None
@@ -218,6 +224,12 @@ class KvStateConnector(KVConnectorBase_V1):
 
     @_guarded(lambda: (None, None))
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if any(part is not None and part.busy() for part in (self._decode, self._prefill)):
+            # vLLM's worker busy-polls its message queue with os.sched_yield, which releases
+            # the GIL and takes it straight back: kvstate's threads here (leases, imports,
+            # store completions) can starve for seconds on busy cores. A real sleep, only
+            # while they have work, hands them the GIL once per step.
+            time.sleep(YIELD_S)
         sending = self._decode.finished(set(finished_req_ids)) if self._decode is not None else set()
         recving: set[str] = set()
         if self._prefill is not None:
