@@ -389,8 +389,8 @@ int kvs_attach(kvs_attach_part *parts, int32_t n, uint64_t align, int32_t access
  * events fire through kvs_machine_fire with C effects; Python fires the bank's other
  * events through kvs_lease_fire with its own effects, serialised with the thread by the
  * server's lock. Each committed transition is queued for Python (kvs_lease_next_event);
- * requests not served natively (status, a lease naming inventory blocks) are queued for
- * Python too (kvs_lease_next_request), which answers with kvs_lease_answer. */
+ * the one request not served natively (status) is queued for Python too
+ * (kvs_lease_next_request), which answers with kvs_lease_answer. */
 typedef struct kvs_lease_server kvs_lease_server;
 
 #define KVS_LEASE_PYTHON 1    /* kvs_lease_handle: a request Python serves */
@@ -417,6 +417,7 @@ typedef struct kvs_lease_info {
     int64_t expires_in_ns;    /* negative once past */
     int32_t expired;
     int32_t pid;              /* the importer's pid at connect time */
+    uint32_t nblocks;         /* inventory blocks it pins */
 } kvs_lease_info;
 
 typedef struct kvs_hold_info {
@@ -466,6 +467,16 @@ int32_t kvs_lease_requests_fd(kvs_lease_server *s);
 int32_t kvs_lease_next_request(kvs_lease_server *s, uint64_t *conn, char *buf, uint32_t cap, uint32_t *len);
 int kvs_lease_answer(kvs_lease_server *s, uint64_t conn, const char *payload, uint32_t len, const int32_t *fds,
                      int32_t nfds);
+/* The exporter's retained inventory as leases naming blocks need it (kvs_inventory.h):
+ * Python's Inventory keeps it up to date, under its own lock, as blocks are stored,
+ * removed, evicted and cleared; a lease naming blocks is re-validated and pins them here,
+ * on the thread, without Python. KVS_E_BUSY: a lease pins a block (nothing changed). */
+int kvs_lease_inv_on(kvs_lease_server *s);  /* this exporter keeps an inventory */
+int kvs_lease_inv_epoch(kvs_lease_server *s, const char *group, uint32_t glen, int64_t epoch); /* new or cleared */
+int kvs_lease_inv_add(kvs_lease_server *s, const char *group, uint32_t glen, const uint64_t *hashes, uint32_t n);
+int kvs_lease_inv_remove(kvs_lease_server *s, const char *group, uint32_t glen, const uint64_t *hashes,
+                         uint32_t n);
+int64_t kvs_lease_inv_leases(kvs_lease_server *s, const char *group, uint32_t glen, uint64_t hash);
 
 /* -- the generated op table, for the Python side's consistency check ---------------- */
 

@@ -250,15 +250,25 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
             raise ArgumentInvalid(ArgumentReason.STATE, f"{self.label} is not registered")
         return self.handle
 
-    def store(self, src_tensors: Any, src_block_ids: Any, bank_block_ids: Any) -> TransferHandle:
+    def store(self, src_tensors: Any, src_block_ids: Any, bank_block_ids: Any, *,
+              report: tuple[int, bytes, bytes] | None = None) -> TransferHandle:
         """Copy pages ``src_block_ids`` of the engine's tensors (region name -> tensor) into
         bank blocks ``bank_block_ids``, every region, on the op engine. Returns at once;
         the handle says when the blocks hold the pages (``wait``, ``done``, a callback,
-        an fd) and which failed. Refused (ArgumentInvalid (a load/store reason), nothing submitted) when any
-        argument is wrong; TransitionError (ILLEGAL) unless the bank is registered and not draining."""
+        an fd) and which failed. ``report`` (socket fd, ok message, failed message): the op
+        engine itself sends one of them as the last op ends, armed before any op can end
+        (``handle.report_status`` says whether it went out). Refused (ArgumentInvalid (a
+        load/store reason), nothing submitted) when any argument is wrong; TransitionError
+        (ILLEGAL) unless the bank is registered and not draining."""
         if not self.may("store"):
             raise TransitionError.illegal(self.table.name, self.state, "store")
+        if report is not None and not (isinstance(report, tuple) and len(report) == 3
+                                       and type(report[0]) is int and report[0] >= 0
+                                       and isinstance(report[1], bytes) and isinstance(report[2], bytes)):
+            raise ArgumentInvalid(ArgumentReason.TYPE, f"report must be (socket fd, ok bytes, failed bytes), "
+                                                       f"not {report!r:.60}")
         plan = store.plan(self, src_tensors, src_block_ids, bank_block_ids)
+        plan.report = report
         try:
             self.fire("store", plan=plan)
         finally:
@@ -424,8 +434,7 @@ class Exporter(Generic[H, A, R, M, E]):
         require_mapped(transport)
         self.config = config
         self.transport = transport
-        #: The retained inventory (advisory); a lease naming blocks pins them atomically.
-        self.inventory = inventory
+        self._inventory: Inventory | None = None
         self._incarnation = Incarnation.new()
         self.boot_id = host_boot_id()
         self.node = os.uname().nodename
@@ -445,9 +454,25 @@ class Exporter(Generic[H, A, R, M, E]):
         self.limits = chan.Limits(max_fds=min(chan.HARD_MAX_FDS, max(chan.DEFAULT_MAX_FDS, config.tp)))
         #: Leases are served natively; every bank's state lives there (kvstate.share.lease_server).
         self.lease_server = LeaseServer(self, self.limits)
+        self.inventory = inventory
         self._server: chan.Server | None = None
         self._expiry: threading.Thread | None = None
         self._stopping = threading.Event()
+
+    @property
+    def inventory(self) -> Inventory | None:
+        """The retained inventory (advisory); a lease naming blocks pins them atomically,
+        on the native lease server (it keeps a mirror the inventory updates)."""
+        return self._inventory
+
+    @inventory.setter
+    def inventory(self, value: Inventory | None) -> None:
+        if value is self._inventory:
+            return
+        if value is None or self._inventory is not None:
+            raise ConfigInvalid.of("inventory", "is set once, to an Inventory")
+        self.lease_server.attach(need("inventory", value, Inventory))
+        self._inventory = value
 
     @property
     def incarnation(self) -> Incarnation:
