@@ -70,7 +70,9 @@ def _kvstate_exporter(conn: Pipe, p: dict[str, Any]) -> None:
     import tempfile
     from pathlib import Path
 
-    from kvstate.share.exporter import Exporter, ExportConfig
+    from kvstate.share.exporter import Exporter
+
+    from kvstate.share.export_config import ExportConfig
     from kvstate.core.identity import Deployment
     from kvstate.transport.host import HostTransport
 

@@ -46,52 +46,31 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Generic
 
-import attrs
-
 from kvstate import channel as chan
 from kvstate.channel.tcp import TcpServer
 from kvstate.core.descriptor import Descriptor, encode
 from kvstate.core.errors import (
-    ChannelError, ConfigInvalid, KvStateError, TransitionError, BackendUnavailable, Busy, TimedOut,
-    NativeError,
+    ArgumentInvalid, BackendUnavailable, Busy, ChannelError, ConfigInvalid, KvStateError, NativeError, TimedOut,
+    TransitionError,
 )
-from kvstate.core.args import need, need_callables, need_choice, need_int, need_seconds, need_text, typed
-from kvstate.core.errors import ArgumentInvalid
+from kvstate.core.args import need, need_callables, need_choice, need_int, need_seconds, need_text
 from kvstate.core.reasons import ArgumentReason, BusyReason, TimeoutReason, ChannelReason
 from kvstate.core.geometry import Geometry
 from kvstate.core.handles import UNCOUNTED_KINDS, HandleKind
-from kvstate.core.identity import Deployment, FabricDomain, FabricKind, Incarnation, host_boot_id
+from kvstate.core.identity import FabricDomain, FabricKind, Incarnation, host_boot_id
 from kvstate.reuse.inventory import Inventory
 from kvstate.core.machine import Lifecycle, Observer, effect, guard
 from kvstate.core.spec import load_machine
 from kvstate.core.capabilities import Access
 from kvstate.transport.protocol import A, E, H, HostView, M, MappedTransport, R, require_mapped
 from kvstate.share import store
-from kvstate.share.export_checks import positive_int, seconds, socket_dir, source_id, tcp_listen
+from kvstate.share.export_config import ExportConfig
 from kvstate.share.lease_server import HoldView, LeaseServer, NativeLease
 from kvstate.transport.nixl import handle as nixl_handle
 from kvstate.share.plan import Plan
 from kvstate.share.transfer import TransferHandle, stop_dispatcher_if_idle
 
 log = logging.getLogger(__name__)
-
-@attrs.frozen
-class ExportConfig:
-    deployment: Deployment = attrs.field(validator=typed(Deployment))
-    socket_dir: Path = attrs.field(validator=socket_dir)
-    source_id: bytes = attrs.field(validator=source_id)  # the logical KV source: 16 bytes
-    tp: int = attrs.field(validator=positive_int)
-    lease_timeout_s: float = attrs.field(default=30.0, validator=seconds)
-    descriptor_ttl_s: float = attrs.field(default=300.0, validator=seconds)
-    max_leases: int = attrs.field(default=64, validator=positive_int)  # per bank
-    max_connections: int = attrs.field(default=chan.DEFAULT_MAX_CONNECTIONS, validator=positive_int)
-    request_timeout_s: float = attrs.field(default=5.0, validator=seconds)
-    handle_kind: HandleKind = attrs.field(default=HandleKind.MEMFD,  # what the banks are exported as
-                                          validator=typed(HandleKind))
-    #: Also serve leases over TCP, for banks read from other nodes (NIXL): (host, port), the
-    #: address every descriptor names; port 0 takes a free one.
-    tcp_listen: tuple[str, int] | None = attrs.field(default=None, validator=tcp_listen)
-
 
 #: The bank states whose descriptor is given out: from advertise until quiescent (a
 #: draining bank's is still true, and its leases are refused by the bank itself).

@@ -26,7 +26,8 @@ from kvstate.core.errors import Busy
 from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.core.identity import Deployment
 from kvstate.reuse.inventory import Inventory
-from kvstate.share.exporter import ExportConfig, Exporter
+from kvstate.share.exporter import Exporter
+from kvstate.share.export_config import ExportConfig
 from kvstate.transport.host import HostTransport
 from support.lease_reference import RefBank, RefServer
 

@@ -30,7 +30,8 @@ from kvstate.core.descriptor import decode
 from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.core.identity import Deployment
 from kvstate.reuse.inventory import Inventory
-from kvstate.share.exporter import ExportConfig, Exporter
+from kvstate.share.exporter import Exporter
+from kvstate.share.export_config import ExportConfig
 from kvstate.share.importer import BlockRequest, ImportConfig, Importer
 from kvstate.transport.host import HostTransport
 from support.reuse import REUSE_ON

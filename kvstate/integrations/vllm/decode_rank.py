@@ -46,7 +46,8 @@ from kvstate.integrations.vllm.layout import INVENTORY_GROUP, bank_blocks, bank_
 from kvstate.integrations.vllm.orders import StoreOrder
 from kvstate.integrations.vllm.stats import Tally
 from kvstate.reuse.inventory import Inventory
-from kvstate.share.exporter import Bank, ExportConfig, Exporter
+from kvstate.share.exporter import Bank, Exporter
+from kvstate.share.export_config import ExportConfig
 from kvstate.share.transfer import TransferHandle
 from kvstate.transport.host import HostTransport
 
