@@ -45,7 +45,8 @@ _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 def _bound_exporter(conn: Connection, p: dict[str, Any]) -> None:
     from kvstate.core.identity import Deployment
-    from kvstate.share.exporter import ExportConfig, Exporter
+    from kvstate.share.exporter import Exporter
+    from kvstate.share.export_config import ExportConfig
     from kvstate.transport.host import HostTransport, fd_identity_of
 
     tp = p["tp"]

@@ -70,7 +70,9 @@ def _kvstate_exporter(conn: Pipe, p: dict[str, Any]) -> None:
     import tempfile
     from pathlib import Path
 
-    from kvstate.share.exporter import Exporter, ExportConfig
+    from kvstate.share.exporter import Exporter
+
+    from kvstate.share.export_config import ExportConfig
     from kvstate.core.identity import Deployment
     from kvstate.transport.host import HostTransport
 
@@ -148,6 +150,7 @@ def import_rank(importer: Importer[Any, Any, Any, Any, Any], wire: bytes, rank: 
     from kvstate.core.descriptor import decode_cached
     from kvstate.core.errors import GroupRejected
     from kvstate.core.validate import descriptor_problems
+    from kvstate.share import attach
 
     importer.check_gates()  # reuse enabled, as a worker's check requires
     d = decode_cached(wire, importer.config.deployment)
@@ -160,7 +163,7 @@ def import_rank(importer: Importer[Any, Any, Any, Any, Any], wire: bytes, rank: 
     owner.parts.append(part)
     part.fire("validate")
     part.fire("lease")
-    part.fire("open")
+    attach.open_part(part)  # as RankWorker opens its part
     return part
 
 

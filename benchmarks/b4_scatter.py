@@ -73,7 +73,8 @@ class _Pair:
     def __init__(self, p: dict[str, Any]) -> None:
         from kvstate.core import layouts
         from kvstate.core.identity import Deployment
-        from kvstate.share.exporter import ExportConfig, Exporter
+        from kvstate.share.exporter import Exporter
+        from kvstate.share.export_config import ExportConfig
         from kvstate.share.importer import ImportConfig, Importer
         from kvstate.reuse.policy import ReuseSettings
         from kvstate.transport.host import HostTransport

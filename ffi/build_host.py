@@ -23,17 +23,20 @@ HERE = Path(__file__).resolve().parent
 SOURCES = ("kvs_slots.c", "kvs_host.c", "kvs_ops.c", "kvs_machine.c", "kvs_machines.c", "kvs_cuda_load.c",
            "kvs_cuda_mem.c", "kvs_cuda_ops.c")
 SOURCES += ("kvs_link.c", "kvs_renew.c")  # the importer's request links and renewal thread
+SOURCES += ("kvs_attach.c",)  # the importer's native attach (phase 2 on the host backend)
 # The exporter's lease server (its rules, its thread, its request reader).
-SOURCES += ("kvs_lease.c", "kvs_lease_thread.c", "kvs_json.c")
+SOURCES += ("kvs_lease.c", "kvs_lease_thread.c", "kvs_json.c", "kvs_inventory.c")
+SOURCES += ("kvs_validate.c",)  # the descriptor rules, generated from spec/rules.toml
 DEPENDS = ("kvs.h", "kvs_slots.h", "kvs_engine.h", "kvs_cuda.h", "kvs_cuda_driver.h", "kvs_op_table.h",
-           "kvs_machine.h", "kvs_machines.h", "kvs_bank_table.h", "kvs_part_table.h",
-           "kvs_link.h", "kvs_lease.h", "kvs_json.h", *SOURCES)
+           "kvs_validate.h", "kvs_validate_codes.h", "kvs_validate_rules.h", "kvs_machine.h", "kvs_machines.h",
+           "kvs_bank_table.h", "kvs_part_table.h", "kvs_link.h", "kvs_lease.h", "kvs_json.h", "kvs_inventory.h",
+           *SOURCES)
 
 _COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.S)
 _DEFINE = re.compile(r"#define\s+(\w+)(\s+\S.*)?$")
 
 
-def cdef_from_header(text: str) -> str:
+def cdef_from_header(text: str, guard: str = "KVS_H") -> str:
     """The cffi declarations of ``kvs.h``: the header without comments, include guards and
     includes, with every ``#define NAME value`` turned into ``#define NAME ...`` (cffi
     then takes the value from the compiled header). Anything else a preprocessor would
@@ -46,29 +49,31 @@ def cdef_from_header(text: str) -> str:
             if stripped:
                 out.append(line.rstrip())
             continue
-        if stripped.startswith("#include") or stripped in ("#ifndef KVS_H", "#endif"):
+        if stripped.startswith("#include") or stripped in (f"#ifndef {guard}", "#endif"):
             continue
         m = _DEFINE.match(stripped)
-        if m is None or (m.group(2) is None and m.group(1) != "KVS_H"):
-            raise ValueError(f"kvs.h: cannot declare {stripped!r} to cffi")
-        if m.group(1) != "KVS_H":
+        if m is None or (m.group(2) is None and m.group(1) != guard):
+            raise ValueError(f"{guard}: cannot declare {stripped!r} to cffi")
+        if m.group(1) != guard:
             out.append(f"#define {m.group(1)} ...")
     return "\n".join(out) + "\n"
 
 
 CDEF = cdef_from_header((HERE / "kvs.h").read_text(encoding="utf-8"))
+# The descriptor rules' header is generated (kvstate generate), so it is read apart.
+CDEF_VALIDATE = cdef_from_header((HERE / "kvs_validate.h").read_text(encoding="utf-8"), "KVS_VALIDATE_H")
 
 
 def builder(module: str = "kvstate._native", defines: Sequence[tuple[str, str | None]] = (),
             src_dir: Path | None = None) -> FFI:
     ffi = FFI()
-    ffi.cdef(CDEF)
+    ffi.cdef(CDEF + CDEF_VALIDATE)
     # setuptools wants source paths relative to the project (pip runs this from there);
     # a test-only variant build passes the absolute directory of its copied sources.
     root = src_dir if src_dir is not None else Path("ffi") if Path("ffi/kvs.h").is_file() else HERE
     ffi.set_source(
         module,
-        '#include "kvs.h"\n',
+        '#include "kvs.h"\n#include "kvs_validate.h"\n',
         sources=[str(root / s) for s in SOURCES],
         include_dirs=[str(root)],
         depends=[str(root / d) for d in DEPENDS],

@@ -161,7 +161,11 @@ void kvs_global_info_get(kvs_global_info *out);
 /* -- op engine ---------------------------------------------------------------------- */
 
 int kvs_engine_configure(uint32_t workers); /* refuses with KVS_E_BUSY while ops are live */
-int kvs_engine_pause(int32_t paused);       /* paused workers take no new op */
+int kvs_engine_pause(int32_t paused);       /* paused workers take no new op; clears the allowance */
+/* While paused, workers may start the next `ops` queued ops (queue order) and finish them;
+ * the rest stay queued. Deterministic holds for tests (an op provably not started).
+ * KVS_E_INVAL when not paused. */
+int kvs_engine_allow(uint32_t ops);
 int kvs_submit(const kvs_endpoint *src, const kvs_endpoint *dst, const kvs_block *blocks,
                uint64_t nblocks, uint32_t flags, int64_t *op);
 /* One contiguous copy, without building endpoint structs (the cheap path). */
@@ -338,6 +342,44 @@ int kvs_machine_fire_planned(kvs_machine_inst *m, int32_t event, uint64_t holds,
                              uint64_t fail_undos, uint64_t reenter_effects, int32_t *log, int32_t logcap,
                              int32_t *nlog, kvs_fire_result *out);
 
+/* -- native attach, importer side (kvs_attach.c) ----------------------------------- */
+
+/* Phase 2 of a group import on the host backend, one call per exporter batch: every part
+ * fires the part table's `open` row (kvs_machine_fire, the generated kvs_part_table.h),
+ * whose native_import effect checks the received fd (identity, then memfd, size and seals),
+ * adopts a duplicate, reserves, maps and sets access. When any part fails, every part of
+ * the batch already opened fires `close` (its unmap_close effect undoes the native half),
+ * so the batch leaves nothing behind; leases stay with the caller. Python's Part machine
+ * is fed the outcome afterwards. The GIL is not held (a plain cffi call). */
+#define KVS_ATTACH_ROW 0      /* the part table refused `open` (illegal, or a guard) */
+#define KVS_ATTACH_IDENTITY 1 /* fstat of the fd, its (dev, ino) against the descriptor's */
+#define KVS_ATTACH_IMPORT 2   /* memfd, exact size, seals; its duplicate (kvs_import_fd) */
+#define KVS_ATTACH_RESERVE 3  /* address space (kvs_reserve) */
+#define KVS_ATTACH_MAP 4      /* MAP_FIXED inside it (kvs_map) */
+#define KVS_ATTACH_ACCESS 5   /* mprotect (kvs_set_access) */
+#define KVS_E_IDENTITY (-23)  /* a received fd is not the file its descriptor names */
+#define KVS_ATTACH_MAX_PARTS 1024 /* the most parts of one call (kvstate.core.validate.MAX_TP) */
+
+typedef struct kvs_attach_part {
+    int32_t fd;           /* in: the received memfd (borrowed: the caller closes it) */
+    int32_t state;        /* in: the part's state id in the part table; out: its state after */
+    uint64_t holds;       /* in: the part table's guard bits the caller evaluated */
+    uint64_t dev, ino;    /* in: the identity the descriptor's handle bytes name */
+    uint64_t size;        /* in: the descriptor's size */
+    uint64_t allocation, reservation, region, addr; /* out: what was made (0: nothing) */
+    int32_t step;         /* out, for the part that failed: KVS_ATTACH_* that failed, else -1 */
+    int32_t code;         /* out: that step's KVS_E_* code (KVS_OK when it did not fail) */
+    int32_t err;          /* out: errno with KVS_E_SYS */
+    int32_t nrefused;     /* out, with KVS_ATTACH_ROW and KVS_E_GUARD: refusing guard ids */
+    int32_t refused[16];
+    int32_t left;         /* out: 1 when rolling this part back left objects (ids above) */
+} kvs_attach_part;
+
+/* Attach parts[0..n) with `access` (KVS_ACCESS_*), reservations aligned to `align`.
+ * KVS_OK: every part is in `imported` with its objects. Otherwise the failing part's code,
+ * *failed its index, and every part back in its state with nothing made (unless `left`). */
+int kvs_attach(kvs_attach_part *parts, int32_t n, uint64_t align, int32_t access, int32_t *failed);
+
 /* -- the exporter's lease server (kvs_lease.c, kvs_lease_thread.c) ------------------ */
 
 /* One per exporter: every bank's instance of the bank table (its state has no other
@@ -347,8 +389,8 @@ int kvs_machine_fire_planned(kvs_machine_inst *m, int32_t event, uint64_t holds,
  * events fire through kvs_machine_fire with C effects; Python fires the bank's other
  * events through kvs_lease_fire with its own effects, serialised with the thread by the
  * server's lock. Each committed transition is queued for Python (kvs_lease_next_event);
- * requests not served natively (status, a lease naming inventory blocks) are queued for
- * Python too (kvs_lease_next_request), which answers with kvs_lease_answer. */
+ * the one request not served natively (status) is queued for Python too
+ * (kvs_lease_next_request), which answers with kvs_lease_answer. */
 typedef struct kvs_lease_server kvs_lease_server;
 
 #define KVS_LEASE_PYTHON 1    /* kvs_lease_handle: a request Python serves */
@@ -375,6 +417,7 @@ typedef struct kvs_lease_info {
     int64_t expires_in_ns;    /* negative once past */
     int32_t expired;
     int32_t pid;              /* the importer's pid at connect time */
+    uint32_t nblocks;         /* inventory blocks it pins */
 } kvs_lease_info;
 
 typedef struct kvs_hold_info {
@@ -424,6 +467,16 @@ int32_t kvs_lease_requests_fd(kvs_lease_server *s);
 int32_t kvs_lease_next_request(kvs_lease_server *s, uint64_t *conn, char *buf, uint32_t cap, uint32_t *len);
 int kvs_lease_answer(kvs_lease_server *s, uint64_t conn, const char *payload, uint32_t len, const int32_t *fds,
                      int32_t nfds);
+/* The exporter's retained inventory as leases naming blocks need it (kvs_inventory.h):
+ * Python's Inventory keeps it up to date, under its own lock, as blocks are stored,
+ * removed, evicted and cleared; a lease naming blocks is re-validated and pins them here,
+ * on the thread, without Python. KVS_E_BUSY: a lease pins a block (nothing changed). */
+int kvs_lease_inv_on(kvs_lease_server *s);  /* this exporter keeps an inventory */
+int kvs_lease_inv_epoch(kvs_lease_server *s, const char *group, uint32_t glen, int64_t epoch); /* new or cleared */
+int kvs_lease_inv_add(kvs_lease_server *s, const char *group, uint32_t glen, const uint64_t *hashes, uint32_t n);
+int kvs_lease_inv_remove(kvs_lease_server *s, const char *group, uint32_t glen, const uint64_t *hashes,
+                         uint32_t n);
+int64_t kvs_lease_inv_leases(kvs_lease_server *s, const char *group, uint32_t glen, uint64_t hash);
 
 /* -- the generated op table, for the Python side's consistency check ---------------- */
 

@@ -356,6 +356,7 @@ const char *kvs_strerror(int32_t code) {
     case KVS_E_GUARD: return "no row's guards admit the event";
     case KVS_E_EFFECT: return "an effect failed; the transition was rolled back";
     case KVS_E_REENTRANT: return "event fired from inside a transition of the same machine";
+    case KVS_E_IDENTITY: return "fd is not the file its descriptor names";
     default: return "unknown error";
     }
 }

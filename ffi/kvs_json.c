@@ -98,14 +98,8 @@ static int skip(struct cur *c, int depth) {
     }
 }
 
-static int value(struct cur *c, struct kj_field *f, int depth) {
-    f->s = NULL;
-    f->slen = 0;
-    f->i = 0;
-    f->big = 0;
-    if (c->p >= c->end) return -1;
+static int scalar_or_nested(struct cur *c, struct kj_field *f, int depth) {
     switch (*c->p) {
-    case '"': f->type = KJ_STR; return str(c, &f->s, &f->slen);
     case 't': f->type = KJ_BOOL; return lit(c, "true");
     case 'f': f->type = KJ_BOOL; return lit(c, "false");
     case 'n': f->type = KJ_NULL; return lit(c, "null");
@@ -118,6 +112,23 @@ static int value(struct cur *c, struct kj_field *f, int depth) {
         return 0;
     }
     }
+}
+
+static int value(struct cur *c, struct kj_field *f, int depth) {
+    f->s = NULL;
+    f->slen = 0;
+    f->i = 0;
+    f->big = 0;
+    if (c->p >= c->end) return -1;
+    if (*c->p == '"') {
+        f->type = KJ_STR;
+        return str(c, &f->s, &f->slen);
+    }
+    const char *start = c->p; /* any other value keeps its text (a nested one is read again) */
+    if (scalar_or_nested(c, f, depth) < 0) return -1;
+    f->s = start;
+    f->slen = (uint32_t)(c->p - start);
+    return 0;
 }
 
 /* One object's fields into `o`; `items` (top level only) into r->items. */
@@ -195,4 +206,51 @@ const struct kj_field *kj_get(const struct kj_obj *o, const char *key) {
 const char *kj_type_name(int type) {
     static const char *const names[] = {"?", "str", "int", "float", "bool", "NoneType", "dict", "list"};
     return type >= KJ_STR && type <= KJ_LIST ? names[type] : "?";
+}
+
+int kj_object(const char *p, size_t n, struct kj_obj *out) {
+    struct cur c = {p, p + n};
+    ws(&c);
+    if (object(&c, out, NULL) < 0) return -1;
+    ws(&c);
+    return c.p == c.end ? 0 : -1;
+}
+
+int kj_u64s(const char *p, size_t n, uint64_t *out, uint32_t cap, uint32_t *count) {
+    struct cur c = {p, p + n};
+    *count = 0;
+    ws(&c);
+    if (c.p >= c.end || *c.p != '[') return -1;
+    c.p++;
+    ws(&c);
+    if (c.p < c.end && *c.p == ']') return 0;
+    int bad = 0;
+    for (;;) {
+        ws(&c);
+        if (c.p >= c.end) return -1;
+        const char *start = c.p;
+        struct kj_field f;
+        if (value(&c, &f, 1) < 0) return -1;
+        uint64_t v = 0;
+        if (f.type != KJ_INT) {
+            bad = 1;
+        } else if (*start == '-') { /* only -0 is an unsigned value (0) */
+            for (const char *q = start + 1; q < c.p; q++) bad |= *q != '0';
+        } else { /* the digits again: num() keeps no value past int64 */
+            for (const char *q = start; q < c.p; q++) {
+                unsigned d = (unsigned)(*q - '0');
+                if (v > (UINT64_MAX - d) / 10) { bad = 1; break; }
+                v = v * 10 + d;
+            }
+        }
+        if (out && *count < cap) out[*count] = v;
+        (*count)++;
+        ws(&c);
+        if (c.p < c.end && *c.p == ',') { c.p++; continue; }
+        if (c.p < c.end && *c.p == ']') { c.p++; break; }
+        return -1;
+    }
+    ws(&c);
+    if (c.p != c.end) return -1;
+    return bad ? 1 : 0;
 }

@@ -18,7 +18,7 @@ enum kj_type { KJ_STR = 1, KJ_INT, KJ_FLOAT, KJ_BOOL, KJ_NULL, KJ_OBJ, KJ_LIST }
 #define KJ_MAXITEMS 256 /* entries of `items` that are kept (more: refused) */
 
 struct kj_field {
-    const char *key, *s; /* s: a string's bytes (not terminated) */
+    const char *key, *s; /* s: a string's bytes (not terminated); any other value's JSON text */
     uint32_t klen, slen;
     int type;
     int big;   /* an integer beyond int64: it equals no rank, lease or generation */
@@ -41,6 +41,13 @@ struct kj_req {
 int kj_parse(const char *p, size_t n, struct kj_req *out);
 /* The field `key` of `o`, or NULL. */
 const struct kj_field *kj_get(const struct kj_obj *o, const char *key);
+/* The fields of the object JSON text `p` (one a nested field keeps): 0, or -1. */
+int kj_object(const char *p, size_t n, struct kj_obj *out);
+/* The JSON array text `p` as unsigned 64-bit integers: *count entries (the first `cap`
+ * stored in `out`, which may be NULL to count). 0 when every entry is one, 1 when any is
+ * not (a float, a bool, a negative or too big number, anything else), -1 when `p` is not
+ * an array. */
+int kj_u64s(const char *p, size_t n, uint64_t *out, uint32_t cap, uint32_t *count);
 /* Python's name of a value type ("str", "int", ...). */
 const char *kj_type_name(int type);
 

@@ -88,12 +88,14 @@ void kvs_lease_server_free(kvs_lease_server *s) {
         struct kvs_bank *b = &s->banks[r];
         if (!b->live) continue;
         while (b->nholds) drop_hold_at(b, 0);
+        for (int k = 0; k < b->nleases; k++) free(b->leases[k].hashes);
         free(b->leases);
         free(b->holds);
         free(b->report);
     }
     for (int k = 0; k < s->pyq_n; k++) free(s->pyq[(s->pyq_head + k) % 64].buf);
     free(s->conns);
+    kvs_inv_free(&s->inv);
     pthread_mutex_destroy(&s->mu);
     free(s);
 }
@@ -234,6 +236,8 @@ struct fx_ctx {
     int64_t lease;
     uint64_t conn;
     int pid, still_open;
+    struct kvs_inv_want want; /* the blocks a grant pins (group -1: none) */
+    int ended;                /* END_LEASE ran: `saved` holds the ended lease */
     struct kvs_lease saved; /* for an undo */
     int64_t saved_expires;
     kvs_effect_fn py; /* Python's effects (kvs_lease_fire) */
@@ -247,6 +251,7 @@ static int32_t lease_fx(void *ctx, int32_t effect, int32_t undo) {
     switch (effect) {
     case KVS_BANK_FX_GRANT_LEASE:
         if (undo) {
+            if (l && l->hashes) kvs_inv_pin(&c->s->inv, l->inv_group, l->hashes, l->nhashes, -1);
             if (l) *l = b->leases[--b->nleases];
             int k = find_hold(b, c->lease);
             if (k >= 0) drop_hold_at(b, k);
@@ -269,8 +274,9 @@ static int32_t lease_fx(void *ctx, int32_t effect, int32_t undo) {
             int pidfd = cn && cn->pidfd >= 0 ? fcntl(cn->pidfd, F_DUPFD_CLOEXEC, 0) : -1;
             b->holds[b->nholds++] = (struct kvs_hold){c->lease, c->conn, 1, pidfd};
         }
-        b->leases[b->nleases++] =
-            (struct kvs_lease){c->lease, c->conn, kvs_lease_now() + c->s->lease_timeout_ns, 0, c->pid};
+        b->leases[b->nleases++] = (struct kvs_lease){c->lease, c->conn, kvs_lease_now() + c->s->lease_timeout_ns,
+                                                     0, c->pid, c->want.group, c->want.n, c->want.h};
+        if (c->want.h) kvs_inv_pin(&c->s->inv, c->want.group, c->want.h, c->want.n, 1); /* pinned with the lease */
         return KVS_OK;
     case KVS_BANK_FX_RENEW_LEASE:
         if (!l) return KVS_E_NOENT;
@@ -287,10 +293,14 @@ static int32_t lease_fx(void *ctx, int32_t effect, int32_t undo) {
     case KVS_BANK_FX_END_LEASE:
         if (undo) {
             if (b->nleases < c->s->max_leases) b->leases[b->nleases++] = c->saved;
+            if (c->saved.hashes) kvs_inv_pin(&c->s->inv, c->saved.inv_group, c->saved.hashes, c->saved.nhashes, 1);
+            c->ended = 0;
             return KVS_OK;
         }
         if (!l) return KVS_E_NOENT;
         c->saved = *l;
+        c->ended = 1;
+        if (l->hashes) kvs_inv_pin(&c->s->inv, l->inv_group, l->hashes, l->nhashes, -1); /* its blocks may go */
         *l = b->leases[--b->nleases];
         if (!c->still_open) { /* the importer closed the bank: its hold goes */
             int k = find_hold(b, c->lease);
@@ -306,8 +316,10 @@ static int32_t lease_fx(void *ctx, int32_t effect, int32_t undo) {
 static int fire_lease(struct kvs_lease_server *s, int32_t rank, int32_t event, struct fx_ctx *c, int32_t why,
                       kvs_fire_result *out) {
     struct kvs_bank *b = &s->banks[rank];
+    c->ended = 0;
     int rc = kvs_machine_fire(&b->m, event, guards(s, b, c->lease), lease_fx, c, out);
     if (rc == KVS_OK) committed(s, rank, event, out, c->lease, why);
+    if (rc == KVS_OK && c->ended) free(c->saved.hashes); /* the lease is gone for good */
     return rc;
 }
 
@@ -349,7 +361,7 @@ int32_t kvs_lease_leases(kvs_lease_server *s, int32_t rank, kvs_lease_info *out,
     int64_t now = kvs_lease_now();
     for (int k = 0; b && k < b->nleases && k < cap; k++)
         out[k] = (kvs_lease_info){b->leases[k].id, b->leases[k].conn, b->leases[k].expires_ns - now,
-                                  b->leases[k].expired, b->leases[k].pid};
+                                  b->leases[k].expired, b->leases[k].pid, b->leases[k].nhashes};
     pthread_mutex_unlock(&s->mu);
     return n;
 }
@@ -595,9 +607,10 @@ static int64_t int_or(const struct kj_field *f, int64_t none) {
 }
 
 /* One request (`op` given, the rest in `q`), as Python's Exporter._handle. Returns 0 with
- * the answer in `o`, or 1 when a grant was made (its id in *granted). */
+ * the answer in `o`, or 1 when a grant was made (its id in *granted). A grant pins the
+ * inventory blocks of `w` (if any), and its lease owns them from then on (w->h is NULL). */
 static int handle_one(struct kvs_lease_server *s, uint64_t conn, int pid, const char *op, const struct kj_obj *q,
-                      struct out *o, int64_t *granted) {
+                      struct out *o, int64_t *granted, struct kvs_inv_want *w) {
     char buf[96];
     if (mistyped(o, q)) return 0;
     const struct kj_field *frank = kj_get(q, "rank");
@@ -619,8 +632,10 @@ static int handle_one(struct kvs_lease_server *s, uint64_t conn, int pid, const 
             refuse(o, "stale_generation", 0, 0, "current generation is %lld", (long long)b->generation);
             return 0;
         }
-        struct fx_ctx c = {.s = s, .b = b, .lease = s->next_lease++, .conn = conn, .pid = pid};
+        struct fx_ctx c = {.s = s, .b = b, .lease = s->next_lease++, .conn = conn, .pid = pid,
+                           .want = w ? *w : (struct kvs_inv_want){-1, 0, NULL}};
         int rc = fire_lease(s, (int32_t)rank, KVS_BANK_EV_GRANT_LEASE, &c, KVS_LWHY_NONE, &out);
+        if (rc == KVS_OK && w) w->h = NULL;
         if (rc == KVS_E_GUARD || rc == KVS_E_ILLEGAL) {
             char why[256];
             refuse(o, "not_leasing", 0, 0, "%s", refusal_text(why, sizeof why, rc, KVS_BANK_EV_GRANT_LEASE, &out));
@@ -711,9 +726,12 @@ static int raised(const struct out *o) {
     return 0;
 }
 
-/* `leases`: every item as a single lease; all or nothing; fds in item order. */
-static void handle_batch(struct kvs_lease_server *s, uint64_t conn, int pid, const struct kj_req *r, struct out *o) {
-    int n = r->nitems, ok = r->top.n == 2 && kj_get(&r->top, "items") && n >= 1 && n <= s->nbanks;
+/* `leases`: every item as a single lease; all or nothing; fds in item order. `w`: the
+ * inventory blocks of each item (NULL: none), read before; then the top's other fields
+ * do not count (Python served such a batch with only op and items). */
+static void handle_batch(struct kvs_lease_server *s, uint64_t conn, int pid, const struct kj_req *r, struct out *o,
+                         struct kvs_inv_want *w) {
+    int n = r->nitems, ok = (w || r->top.n == 2) && kj_get(&r->top, "items") && n >= 1 && n <= s->nbanks;
     for (int k = 0; ok && k < n; k++) ok = r->items[k].is_obj && !kj_get(&r->items[k], "op");
     if (!ok) {
         refuse(o, "frame", 0, 0, "leases: items must be 1..%d lease requests (objects without 'op')", s->nbanks);
@@ -742,7 +760,7 @@ static void handle_batch(struct kvs_lease_server *s, uint64_t conn, int pid, con
         int32_t fd1[1];
         struct out one = {o->p, o->cap, 0, 0, fd1, 1, 0};
         int64_t id = 0;
-        if (!handle_one(s, conn, pid, "lease", &r->items[k], &one, &id)) {
+        if (!handle_one(s, conn, pid, "lease", &r->items[k], &one, &id, w ? &w[k] : NULL)) {
             return_granted(s, conn, ranks, ids, granted);
             /* the refusal, with the rank that was refused (a malformed item is the frame's) */
             if (!raised(&one) && one.n && o->p[one.n - 1] == '}') {
@@ -785,9 +803,109 @@ static void handle_mapped(struct kvs_lease_server *s, uint64_t conn, int pid, co
     if (!ok) return;
     for (int k = 0; k < n; k++) {
         int64_t id = 0;
-        handle_one(s, conn, pid, "mapped", &r->items[k], o, &id);
+        handle_one(s, conn, pid, "mapped", &r->items[k], o, &id, NULL);
         if (raised(o)) return; /* Python's loop ended at the first item that raised */
     }
+}
+
+/* The refusal of reading a request's inventory blocks; with the item's rank (its JSON
+ * text, null when absent) for a batch, as Python added it. */
+static void refuse_blocks(struct out *o, const char *code, const char *detail, const struct kj_obj *item) {
+    refuse(o, code, 0, 0, "%s", detail);
+    if (!item || !o->n) return;
+    const struct kj_field *rank = kj_get(item, "rank");
+    o->n--; /* the closing brace */
+    if (!rank) put(o, ",\"rank\":null}");
+    else if (rank->type == KJ_STR) put(o, ",\"rank\":\"%.*s\"}", (int)rank->slen, rank->s);
+    else put(o, ",\"rank\":%.*s}", (int)rank->slen, rank->s);
+}
+
+/* `lease` naming inventory blocks: re-validate them, then grant (which pins them). */
+static void lease_with_blocks(struct kvs_lease_server *s, uint64_t conn, int pid, const struct kj_obj *q,
+                              struct out *o) {
+    char detail[256];
+    struct kvs_inv_want w;
+    const char *code = kvs_inv_want_read(&s->inv, kj_get(q, "blocks"), &w, detail, sizeof detail);
+    if (code) {
+        refuse_blocks(o, code, detail, NULL);
+        return;
+    }
+    int64_t id = 0;
+    handle_one(s, conn, pid, "lease", q, o, &id, &w);
+    free(w.h); /* NULL once granted: the lease owns them */
+}
+
+/* `leases` where an item names inventory blocks: every item's blocks are re-validated
+ * first (the first refusal answers, with its rank), then the batch is granted as one. */
+static void leases_with_blocks(struct kvs_lease_server *s, uint64_t conn, int pid, const struct kj_req *r,
+                               struct out *o) {
+    for (int k = 0; k < r->nitems; k++)
+        if (!r->items[k].is_obj) {
+            refuse(o, "frame", 0, 0, "leases: items must be lease requests");
+            return;
+        }
+    struct kvs_inv_want *w = calloc((size_t)(r->nitems ? r->nitems : 1), sizeof *w);
+    if (!w) {
+        refuse(o, "nomem", 0, 0, "no memory for the request");
+        return;
+    }
+    int k = 0;
+    for (; k < r->nitems; k++) {
+        const struct kj_field *bl = kj_get(&r->items[k], "blocks");
+        w[k] = (struct kvs_inv_want){-1, 0, NULL};
+        if (!bl || bl->type == KJ_NULL) continue;
+        char detail[256];
+        const char *code = kvs_inv_want_read(&s->inv, bl, &w[k], detail, sizeof detail);
+        if (code) {
+            refuse_blocks(o, code, detail, &r->items[k]);
+            break;
+        }
+    }
+    if (k == r->nitems) handle_batch(s, conn, pid, r, o, w);
+    for (int j = 0; j < r->nitems; j++) free(w[j].h);
+    free(w);
+}
+
+/* -- the inventory, kept up to date by Python ---------------------------------------- */
+
+int kvs_lease_inv_on(kvs_lease_server *s) {
+    if (!s) return KVS_E_INVAL;
+    pthread_mutex_lock(&s->mu);
+    s->inv.on = 1;
+    pthread_mutex_unlock(&s->mu);
+    return KVS_OK;
+}
+
+int kvs_lease_inv_epoch(kvs_lease_server *s, const char *group, uint32_t glen, int64_t epoch) {
+    if (!s || !group) return KVS_E_INVAL;
+    pthread_mutex_lock(&s->mu);
+    int rc = kvs_inv_epoch(&s->inv, group, glen, epoch);
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+int kvs_lease_inv_add(kvs_lease_server *s, const char *group, uint32_t glen, const uint64_t *hashes, uint32_t n) {
+    if (!s || !group || (n && !hashes)) return KVS_E_INVAL;
+    pthread_mutex_lock(&s->mu);
+    int rc = kvs_inv_add(&s->inv, group, glen, hashes, n);
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+int kvs_lease_inv_remove(kvs_lease_server *s, const char *group, uint32_t glen, const uint64_t *hashes, uint32_t n) {
+    if (!s || !group || (n && !hashes)) return KVS_E_INVAL;
+    pthread_mutex_lock(&s->mu);
+    int rc = kvs_inv_remove(&s->inv, group, glen, hashes, n);
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+int64_t kvs_lease_inv_leases(kvs_lease_server *s, const char *group, uint32_t glen, uint64_t hash) {
+    if (!s || !group) return KVS_E_INVAL;
+    pthread_mutex_lock(&s->mu);
+    int64_t n = kvs_inv_leases(&s->inv, group, glen, hash);
+    pthread_mutex_unlock(&s->mu);
+    return n;
 }
 
 int kvs_lease_handle(kvs_lease_server *s, uint64_t conn, const char *payload, uint32_t len, char *reply,
@@ -808,7 +926,7 @@ int kvs_lease_handle(kvs_lease_server *s, uint64_t conn, const char *payload, ui
     } else {
         const struct kj_field *op = kj_get(&r->top, "op");
         const struct kj_field *items = kj_get(&r->top, "items");
-        int blocks = 0; /* a lease naming inventory blocks: the inventory is Python's */
+        int blocks = 0; /* a lease naming inventory blocks: they are re-validated and pinned first */
         const struct kj_field *bl = kj_get(&r->top, "blocks");
         blocks = bl && bl->type != KJ_NULL;
         for (int k = 0; k < r->nitems && !blocks; k++) {
@@ -821,13 +939,13 @@ int kvs_lease_handle(kvs_lease_server *s, uint64_t conn, const char *payload, ui
         if (field_is(op, "status") && r->top.n == 1) {
             rc = KVS_LEASE_PYTHON;
         } else if (field_is(op, "leases")) {
-            if (blocks && r->nitems >= 0) rc = KVS_LEASE_PYTHON;
-            else handle_batch(s, conn, pid, r, &o);
+            if (blocks && r->nitems >= 0) leases_with_blocks(s, conn, pid, r, &o);
+            else handle_batch(s, conn, pid, r, &o, NULL);
         } else if (field_is(op, "mapped") && items) {
             *answer = 0;
             handle_mapped(s, conn, pid, r, &o);
-        } else if (field_is(op, "lease") && blocks && !mistyped(&o, &r->top)) {
-            rc = KVS_LEASE_PYTHON;
+        } else if (field_is(op, "lease") && blocks) {
+            if (!mistyped(&o, &r->top)) lease_with_blocks(s, conn, pid, &r->top, &o);
         } else {
             int64_t id = 0;
             *answer = !field_is(op, "mapped"); /* a notification: the importer waits for no answer */
@@ -838,12 +956,12 @@ int kvs_lease_handle(kvs_lease_server *s, uint64_t conn, const char *payload, ui
                     if (strcmp(opname, "lease") && strcmp(opname, "renew") && strcmp(opname, "release") &&
                         strcmp(opname, "mapped")) {
                         /* handle_one refuses it after the rank and lease checks, as Python did */
-                        handle_one(s, conn, pid, q, &r->top, &o, &id);
+                        handle_one(s, conn, pid, q, &r->top, &o, &id, NULL);
                     } else {
-                        handle_one(s, conn, pid, opname, &r->top, &o, &id);
+                        handle_one(s, conn, pid, opname, &r->top, &o, &id, NULL);
                     }
                 } else {
-                    handle_one(s, conn, pid, "None", &r->top, &o, &id);
+                    handle_one(s, conn, pid, "None", &r->top, &o, &id, NULL);
                 }
             }
         }

@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "kvs.h"
+#include "kvs_inventory.h"
 #include "kvs_json.h"
 
 struct kvs_lease {
@@ -16,6 +17,9 @@ struct kvs_lease {
     int64_t expires_ns; /* CLOCK_MONOTONIC; moved on by each renewal */
     int expired;        /* ran out unrenewed: kept until returned or disconnected */
     int pid;
+    int32_t inv_group;  /* the inventory group whose blocks it pins, or -1 */
+    uint32_t nhashes;
+    uint64_t *hashes;   /* those blocks (owned) */
 };
 
 /* An importer that may have a bank of memory nobody counts open: one pin on the region. */
@@ -63,6 +67,7 @@ struct kvs_lease_server {
     struct kvs_conn *conns;
     int nconns;
     struct kj_req req; /* scratch of kvs_lease_handle */
+    struct kvs_inv inv; /* the retained inventory, for leases naming blocks */
     /* committed transitions, for Python */
     kvs_lease_event ring[KVS_LEASE_RING];
     uint32_t head, tail;

@@ -44,6 +44,7 @@ struct kvs_op {
     int32_t notify_fd; /* written (8 bytes: 1) once the op is collectable; 0 = none */
     struct kvs_report *report; /* counted down once the op is collectable; NULL = none */
     struct kvs_op *qnext;
+    int32_t allowed; /* started under kvs_engine_allow while paused: its parts may run */
     kvs_block inline_blocks[KVS_MAX_WORKERS]; /* small ops need no second malloc */
 };
 
@@ -53,6 +54,7 @@ static struct {
     pthread_t threads[KVS_MAX_WORKERS];
     uint32_t nthreads, want, idle;
     int stopping, paused, reconfiguring;
+    uint32_t allow; /* while paused: queued ops workers may still start (kvs_engine_allow) */
     struct kvs_op *qhead, *qtail;
     struct kvs_slots ops;
     uint64_t queued, running, submitted, completed, failed, cancelled, bytes;
@@ -303,11 +305,20 @@ static void account(struct kvs_op *op) {
     }
 }
 
+/* A worker may take a part of the queue's head: not paused, or paused with the head
+ * allowed (a new op while the allowance lasts, or the rest of an allowed op). */
+static int may_take(void) {
+    struct kvs_op *h = E.qhead;
+    if (!h) return 0;
+    if (!E.paused) return 1;
+    return h->next_part == 0 ? E.allow > 0 : h->allowed;
+}
+
 static void *worker(void *arg) {
     (void)arg;
     lock();
     for (;;) {
-        while (!E.stopping && (E.paused || !E.qhead)) {
+        while (!E.stopping && !may_take()) {
             E.idle++;
             pthread_cond_wait(&E.work_cv, &kvs_g.mu);
             E.idle--;
@@ -315,6 +326,10 @@ static void *worker(void *arg) {
         if (E.stopping) break;
         struct kvs_op *op = E.qhead;
         if (op->next_part == 0) {
+            if (E.paused) {
+                E.allow--;
+                op->allowed = 1;
+            }
             if (kvs_op_step(op, KVS_OP_EV_START) != KVS_OK) abort(); /* queued -> running */
             E.queued--;
             E.running++;
@@ -378,6 +393,19 @@ int kvs_engine_configure(uint32_t workers) {
 int kvs_engine_pause(int32_t paused) {
     lock();
     E.paused = paused != 0;
+    E.allow = 0;
+    pthread_cond_broadcast(&E.work_cv);
+    unlock();
+    return KVS_OK;
+}
+
+int kvs_engine_allow(uint32_t ops) {
+    lock();
+    if (!E.paused) {
+        unlock();
+        return KVS_E_INVAL;
+    }
+    E.allow = ops;
     pthread_cond_broadcast(&E.work_cv);
     unlock();
     return KVS_OK;
@@ -473,7 +501,7 @@ int kvs_submit(const kvs_endpoint *src, const kvs_endpoint *dst, const kvs_block
     E.submitted++;
     /* Wake workers only when one is idle and may run it: a futex wake per submit to a
      * paused or busy pool is the largest part of submit cost otherwise. */
-    int wake = E.idle && !E.paused ? (op->nparts > 1 ? 2 : 1) : 0;
+    int wake = E.idle && (!E.paused || E.allow) ? (op->nparts > 1 ? 2 : 1) : 0;
     unlock();
     if (wake == 1) pthread_cond_signal(&E.work_cv);
     if (wake == 2) pthread_cond_broadcast(&E.work_cv);

@@ -21,7 +21,8 @@ __version__ = "0.1.0"
 #: every enum in kvstate.core.reasons (tests/test_imports.py keeps both complete and the
 #: TYPE_CHECKING block below equal to this list).
 _EXPORTS: dict[str, tuple[str, ...]] = {
-    "kvstate.share.exporter": ("ExportConfig", "Exporter"),
+    "kvstate.share.exporter": ("Exporter",),
+    "kvstate.share.export_config": ("ExportConfig",),
     "kvstate.share.importer": ("Importer",),
     "kvstate.share.import_config": ("ImportConfig",),
     "kvstate.reuse.policy": ("ReuseSettings",),
@@ -48,7 +49,8 @@ _HOME = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = ["__version__", *sorted(_HOME)]
 
 if TYPE_CHECKING:  # what mypy and IDEs see; at run time __getattr__ imports on first use
-    from kvstate.share.exporter import ExportConfig as ExportConfig, Exporter as Exporter
+    from kvstate.share.exporter import Exporter as Exporter
+    from kvstate.share.export_config import ExportConfig as ExportConfig
     from kvstate.share.importer import Importer as Importer
     from kvstate.share.import_config import ImportConfig as ImportConfig
     from kvstate.reuse.policy import ReuseSettings as ReuseSettings

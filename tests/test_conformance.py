@@ -57,7 +57,8 @@ def test_lifecycle_sides_refuse_a_backend_that_cannot_map_before_touching_it() -
     from kvstate.core.capabilities import Capabilities, MemoryKind, Scope
     from kvstate.core.handles import HandleKind
     from kvstate.core.identity import Deployment
-    from kvstate.share.exporter import ExportConfig, Exporter
+    from kvstate.share.exporter import Exporter
+    from kvstate.share.export_config import ExportConfig
     from kvstate.share.importer import ImportConfig, Importer
     from kvstate.transport import Backend, Registry
 

@@ -24,6 +24,9 @@ MODELS = [f"models/{name}" for name in ("per_rank_tp2.pml", "per_rank_tp3.pml", 
 PER_RANK = MODELS[:3]
 COORD_MODELS = ["models/coordinator_tp2.pml", "models/coordinator_sym_tp3.pml", "models/coordinator_sym_tp4.pml"]
 MACHINES = ("bank", "group", "part", "op", "coordinator", "rank")
+#: generated from spec/rules.toml (the descriptor rules in C, and their page)
+RULES = ["ffi/kvs_validate.h", "ffi/kvs_validate_codes.h", "ffi/kvs_validate_rules.h", "docs/spec/rules.md",
+         "kvstate/core/rules_table.py"]
 
 
 def test_every_generated_file_is_fresh() -> None:
@@ -37,7 +40,7 @@ def test_every_artifact_is_produced_and_listed_once() -> None:
     paths = [path for path, _ in generate.ARTIFACTS]
     assert len(paths) == len(set(paths))
     assert set(paths) == {"ffi/kvs_op_table.h", "ffi/kvs_bank_table.h", "ffi/kvs_part_table.h", *MODELS, *COORD_MODELS, "docs/spec/index.md",
-                          *(f"docs/spec/{m}.md" for m in MACHINES)}
+                          *(f"docs/spec/{m}.md" for m in MACHINES), *RULES}
 
 
 def test_an_unchanged_copy_of_the_tables_is_fresh(tmp_path: Path) -> None:

@@ -95,7 +95,7 @@ def test_public_names_are_the_objects_of_their_home_modules() -> None:
     from kvstate import (Exporter, ExportConfig, Geometry, HostTransport, ImportConfig, Importer, KvStateError,
                          StateChange)
 
-    assert Exporter.__module__ == "kvstate.share.exporter" and ExportConfig.__module__ == "kvstate.share.exporter"
+    assert Exporter.__module__ == "kvstate.share.exporter" and ExportConfig.__module__ == "kvstate.share.export_config"
     assert Importer.__module__ == "kvstate.share.importer" and ImportConfig.__module__ == "kvstate.share.import_config"
     assert HostTransport.__module__ == "kvstate.transport.host"
     assert (Geometry.__module__, StateChange.__module__) == ("kvstate.core.geometry", "kvstate.core.machine")

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: kvstate/harness/ modules the wheel ships: what `kvstate demo`, `kvstate gpucheck` and
 #: `kvstate check` run. Anything else under kvstate/harness/ is harness code left behind.
-SHIPPED_HARNESS = {"__init__", "children", "cluster", "prefill_procs", "leaks", "gpucheck", "modelcheck"}
+SHIPPED_HARNESS = {"__init__", "children", "cluster", "scenario", "prefill_procs", "leaks", "gpucheck", "modelcheck"}
 #: folders that only the checkout's kits use: a wheel file under one is harness code
 HARNESS_NAMES = {"bench", "benchmarks", "engines", "soak", "coord_bench", "support", "tests"}
 

@@ -115,7 +115,9 @@ class Channel:
         """Whether the peer process still runs (pidfd not readable)."""
         if self._pidfd is None:
             return False
-        return not select.select([self._pidfd], [], [], 0)[0]
+        p = select.poll()  # not select(): it refuses fds past FD_SETSIZE (1,024), common in engines
+        p.register(self._pidfd, select.POLLIN)
+        return not p.poll(0)
 
     def hung_up(self) -> bool:
         """Whether the peer closed its end (or this end is closed), even with messages it

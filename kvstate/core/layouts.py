@@ -16,6 +16,9 @@ own cache, so a bank can be the engine's cache (``Bank.tensors``) or receive its
                        block is two runs.
 :func:`mla`            multi-head latent attention (DeepSeek): one latent region per layer,
                        ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``.
+:func:`vllm_cpu_mla`   vLLM's CPU MLA backend (``CPU_MLA``, v0.32): per layer
+                       ``[num_blocks, 1, block_size, latent_dim]``, the CPU layout with one
+                       "head" holding the latent (written row by row, no ISA packing).
 :func:`fp8_with_scales`  FP8 (e4m3) KV in the FlashAttention layout plus one float32 scale
                        region per layer, ``[num_blocks, 2, num_kv_heads]``: a scale per block,
                        K/V and head, moved with the block it scales.
@@ -52,6 +55,14 @@ def mla(layers: int | Sequence[str], *, num_blocks: int, block_size: int, latent
     """``latent_dim`` is kv_lora_rank + qk_rope_head_dim (576 for DeepSeek-V3)."""
     return Geometry.packed(Region.contiguous(n, dtype, (num_blocks, block_size, latent_dim))
                            for n in _names(layers))
+
+
+def vllm_cpu_mla(layers: int | Sequence[str], *, num_blocks: int, block_size: int, latent_dim: int,
+                 dtype: DType = DType.BF16) -> Geometry:
+    """vLLM's CPU MLA cache (one latent per token, as :func:`mla`, with the head axis of
+    :func:`vllm_cpu` kept at 1)."""
+    return Geometry.packed((Region.contiguous(n, dtype, (num_blocks, 1, block_size, latent_dim))
+                            for n in _names(layers)), align=1)
 
 
 def fp8_with_scales(layers: int | Sequence[str], *, num_blocks: int, block_size: int, num_kv_heads: int,

@@ -423,6 +423,27 @@ class Lifecycle:
                 _flush(p)
         return dest
 
+    def adopt(self, event: str, dest: str, *, reason: str | None = None) -> None:
+        """Commit a transition that another executor of this table already made (the
+        native attach fires the part's rows in C), for this object's state and observers.
+        Nothing is decided here: the row (event, current state -> ``dest``) must be one the
+        table declares, else TransitionError (ILLEGAL), the two executors having diverged.
+        The caller holds :meth:`locked` across the native call and this, so no fire here
+        runs in between."""
+        need_text("event", event)
+        need_text("dest", dest)
+        if reason is not None:
+            need_text("reason", reason, allow_empty=True)
+        compiled = type(self)._kv_compiled
+        with self._kv_lock:
+            source = self._kv_state
+            if self._kv_firing or not any(row.dest == dest for row in compiled.rows.get((event, source), ())):
+                raise TransitionError.illegal(compiled.spec.name, source, event)
+            self._kv_state = dest
+            if self._observers:
+                self.record(StateChange(compiled.spec.name, self.label, event, source, dest, time.monotonic_ns(),
+                                        reason))
+
     def record(self, change: StateChange) -> None:
         """A change committed by another executor of this object's table (the native lease
         server: kvstate.share.lease_server), for the observers: delivered as :meth:`fire`

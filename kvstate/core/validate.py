@@ -1,12 +1,17 @@
 """Reject before import: every rule a descriptor and a group must pass. Pure.
 
-Validation runs completely before any handle is opened. Each rule is a small pure
-function returning ``None`` (passes) or a :class:`RejectReason`; the rules carry PEP 316
-contracts that ``crosshair`` checks (``tests/test_contracts.py``): a validator never
-accepts what its rule rejects. :func:`validate_group` applies every rule to every part,
-collects *all* problems, and accepts the group whole or not at all (INV-GROUP-ATOMIC).
+Validation runs completely before any handle is opened. The per-descriptor rules are
+declared once, in ``spec/rules.toml``: :mod:`kvstate.core.rules` evaluates them here, and
+the same declaration is generated into C (``ffi/kvs_validate.c``) for native callers, so
+both give one verdict and one reason (``tests/test_rules_differential.py``). The
+one-rule functions below carry PEP 316 contracts that ``crosshair`` checks
+(``tests/test_contracts.py``): a validator never accepts what its rule rejects.
+:func:`validate_group` applies every rule to every part, adds the group rules (ranks,
+sources, geometries and generations agree), collects *all* problems, and accepts the
+group whole or not at all (INV-GROUP-ATOMIC).
 
-The socket path rule reads the filesystem (``lstat``) but opens nothing.
+The socket path rule reads the filesystem (``lstat``) but opens nothing; it is the one
+per-descriptor rule that stays in Python.
 """
 
 from __future__ import annotations
@@ -19,69 +24,77 @@ import attrs
 from kvstate.core.args import typed
 from kvstate.core.descriptor import Descriptor
 from kvstate.core.errors import DescriptorRejected, GroupRejected
-from kvstate.core.geometry import Geometry, round_up
+from kvstate.core import rules
+from kvstate.core.geometry import Geometry
 from kvstate.core.handles import FD_KINDS, HANDLE_BYTES, NIXL_HANDLE_MAX_BYTES, HandleKind
 from kvstate.core.identity import Deployment, FabricKind
 from kvstate.core.paths import socket_path_problem
 from kvstate.core.reasons import RejectReason
 
 #: Largest tensor-parallel group kvstate accepts at all; an Expectation may lower it.
-MAX_TP = 1024
+MAX_TP: int = rules.rules().constants["MAX_TP"]
+# Compiled at import, not on the first validation, so crosshair's analysis of the
+# contracts below starts from compiled rules (see kvstate.core.rules).
+rules.compiled()
 
-# -- pure rules (contract-checked) -----------------------------------------------------
+# -- the declared rules, one at a time (contract-checked) -----------------------------------------------------
 
 
 def rank_reason(rank: int, tp: int, max_tp: int) -> RejectReason | None:
-    """tp within 1..max_tp and rank within 0..tp-1.
+    """tp within 1..max_tp and rank within 0..tp-1 (the declared rule ``rank``).
 
     pre: 1 <= max_tp <= 1024
     post: __return__ is not None or (1 <= tp <= max_tp and 0 <= rank < tp)
     """
-    if not 1 <= tp <= max_tp:
-        return RejectReason.TP_SIZE
-    if not 0 <= rank < tp:
-        return RejectReason.RANK_RANGE
-    return None
+    return rules.check("rank", {"rank": rank, "tp": tp}, {"max_tp": max_tp})
 
 
 def handle_reason(kind: HandleKind, length: int, accepted: frozenset[HandleKind]) -> RejectReason | None:
-    """An accepted kind, with handle bytes of exactly its size (bounded when variable).
+    """An accepted kind, with handle bytes of exactly its size, bounded when variable
+    (the declared rule ``handle``).
 
     post: __return__ is not None or kind in accepted
     post: __return__ is not None or HANDLE_BYTES[kind] in (None, length)
     post: __return__ is not None or 0 < length <= NIXL_HANDLE_MAX_BYTES
     """
-    if kind not in accepted:
-        return RejectReason.HANDLE_KIND
-    exact = HANDLE_BYTES[kind]
-    if exact is None:
-        return None if 0 < length <= NIXL_HANDLE_MAX_BYTES else RejectReason.HANDLE_SIZE
-    return None if length == exact else RejectReason.HANDLE_SIZE
+    return rules.check("handle", {"handle_kind": kind_code(kind), "handle_len": length},
+                       {"accepted_kinds": kinds_mask(accepted)})
 
 
 def size_reason(size: int, nbytes: int, granularity: int) -> RejectReason | None:
-    """The bank size is the geometry's bytes rounded up to a power-of-two granularity.
+    """The bank size is the geometry's bytes rounded up to a power-of-two granularity
+    (the declared rule ``size``).
 
     pre: nbytes >= 1
     post: __return__ is not None or (granularity > 0 and size % granularity == 0)
     post: __return__ is not None or nbytes <= size < nbytes + granularity
     """
-    if granularity <= 0 or granularity & (granularity - 1):
-        return RejectReason.TOTAL_SIZE
-    return None if size == round_up(nbytes, granularity) else RejectReason.TOTAL_SIZE
+    return rules.check("size", {"size": size, "nbytes": nbytes, "granularity": granularity}, {})
 
 
 def freshness_reason(generation: int, min_generation: int, expires_at_ns: int, now_ns: int) -> RejectReason | None:
-    """Not older than a generation already seen, and not expired.
+    """Not older than a generation already seen, and not expired (the declared rule ``freshness``).
 
     post: __return__ is not None or generation >= min_generation
     post: __return__ is not None or now_ns < expires_at_ns
     """
-    if generation < min_generation:
-        return RejectReason.GENERATION
-    if now_ns >= expires_at_ns:
-        return RejectReason.EXPIRED
-    return None
+    return rules.check("freshness", {"generation": generation, "expires_at_ns": expires_at_ns},
+                       {"min_generation": min_generation, "now_ns": now_ns})
+
+
+_KIND_CODES = {kind: code for code, kind in enumerate(HandleKind)}
+
+
+def kind_code(kind: HandleKind) -> int:
+    """A handle kind's code in the declaration (``[kinds]`` lists them in HandleKind order)."""
+    return _KIND_CODES[kind]
+
+
+def kinds_mask(kinds: Iterable[HandleKind]) -> int:
+    mask = 0
+    for kind in kinds:
+        mask |= 1 << _KIND_CODES[kind]
+    return mask
 
 
 def group_complete(tp: int, ranks: Sequence[int]) -> bool:
@@ -152,44 +165,93 @@ class Expectation:
     check_socket: bool = attrs.field(default=True, validator=typed(bool))
 
 
-def descriptor_problems(d: Descriptor, expect: Expectation,
-                        socket_reasons: dict[str, RejectReason | None] | None = None) -> list[DescriptorRejected]:
-    """Every rule one descriptor breaks on its own. Empty means it passes.
+def facts_of(d: Descriptor, expect: Expectation | None = None) -> dict[str, object]:
+    """The descriptor as the declared rules read it (``[facts]`` of spec/rules.toml).
+    Given ``expect``, a fingerprint it does not ask for is not computed (zeros: no rule
+    reads it then)."""
+    geometry_fp = _NO_ID if expect is not None and expect.geometry_fingerprint is None else d.geometry.fingerprint()
+    format_fp = _NO_ID if expect is not None and expect.block_format is None else d.geometry.format_fingerprint()
+    return {
+        "deployment_id": d.deployment_id, "rank": d.rank, "tp": d.tp,
+        "handle_kind": kind_code(d.handle_kind), "handle_len": len(d.handle),
+        "size": d.size, "nbytes": d.geometry.nbytes, "granularity": d.granularity,
+        "generation": d.generation, "expires_at_ns": d.expires_at_ns,
+        "geometry_fp": geometry_fp, "format_fp": format_fp,
+        "device_uuid": d.device_uuid, "incarnation": d.incarnation, "host_boot_id": d.host_boot_id,
+        "fabric_node": int(d.fabric.kind is FabricKind.NODE),
+    }
 
-    ``socket_reasons`` caches the socket path rule per path across one group's parts.
+
+_NO_ID = bytes(rules.ID_BYTES)
+
+
+def expected_of(expect: Expectation) -> dict[str, object]:
+    """What ``expect`` accepts from any part (``[expect]`` of spec/rules.toml, less the
+    per-rank incarnation): computed once per group."""
+    return {
+        "deployment_id": expect.deployment.id, "max_tp": expect.max_tp,
+        "accepted_kinds": kinds_mask(expect.handle_kinds), "now_ns": expect.now_ns,
+        "min_generation": expect.min_generation,
+        "has_geometry_fp": int(expect.geometry_fingerprint is not None),
+        "geometry_fp": expect.geometry_fingerprint or _NO_ID,
+        "has_format_fp": int(expect.block_format is not None), "format_fp": expect.block_format or _NO_ID,
+        "has_device_uuids": int(expect.device_uuids is not None),
+        "device_uuids": expect.device_uuids or frozenset(),
+        "has_incarnations": int(expect.incarnations is not None),
+        "host_boot_id": expect.host_boot_id,
+    }
+
+
+def expected_for(rank: int, expect: Expectation, base: dict[str, object] | None = None) -> dict[str, object]:
+    """What ``expect`` accepts from the part of ``rank``: ``base`` (:func:`expected_of`)
+    and the incarnation it knows for that rank."""
+    incarnation = None if expect.incarnations is None else expect.incarnations.get(rank)
+    return {**(expected_of(expect) if base is None else base),
+            "incarnation_known": int(incarnation is not None),
+            "incarnation": incarnation if incarnation is not None else _NO_ID}
+
+
+def _details(d: Descriptor, expect: Expectation) -> dict[str, Callable[[], str]]:
+    """Per declared rule, the text of its refusal (written only for a rule that is broken)."""
+    return {
+        "domain": lambda: "names another deployment",
+        "rank": lambda: f"rank {d.rank} of tp {d.tp} (max tp {expect.max_tp})",
+        "handle": lambda: f"{d.handle_kind.value} handle of {len(d.handle)} bytes",
+        "size": lambda: f"size {d.size} for {d.geometry.nbytes} bytes at granularity {d.granularity}",
+        "freshness": lambda: (f"generation {d.generation} (min {expect.min_generation}), "
+                              f"expires {d.expires_at_ns} (now {expect.now_ns})"),
+        "geometry": lambda: "geometry fingerprint differs from the importer's",
+        "block_format": lambda: "blocks hold other regions, dtypes or shapes than the importer's "
+                                "(format fingerprint differs)",
+        "device": lambda: f"device {d.device_uuid.hex()} not acceptable",
+        "incarnation": lambda: "the exporter of this rank restarted since",
+        "host": lambda: "same-node handle from another host or boot",
+    }
+
+
+def descriptor_problems(d: Descriptor, expect: Expectation,
+                        socket_reasons: dict[str, RejectReason | None] | None = None,
+                        expected: dict[str, object] | None = None) -> list[DescriptorRejected]:
+    """Every rule one descriptor breaks on its own, in the declaration's order, then the
+    socket path rule. Empty means it passes.
+
+    ``socket_reasons`` caches the socket path rule per path, and ``expected`` (from
+    :func:`expected_of`) the expectation, across one group's parts.
     """
     found: list[DescriptorRejected] = []
-
-    def add(reason: RejectReason | None, detail: Callable[[], str]) -> None:
-        # A detail is written only for a rule that is broken: most descriptors break none.
-        if reason is not None:
-            found.append(DescriptorRejected(reason, detail(), d.rank))
-
-    add(RejectReason.DOMAIN if d.deployment_id != expect.deployment.id else None, lambda: "names another deployment")
-    add(rank_reason(d.rank, d.tp, min(expect.max_tp, MAX_TP)), lambda: f"rank {d.rank} of tp {d.tp} (max tp {expect.max_tp})")
-    add(handle_reason(d.handle_kind, len(d.handle), expect.handle_kinds),
-        lambda: f"{d.handle_kind.value} handle of {len(d.handle)} bytes")
-    add(size_reason(d.size, d.geometry.nbytes, d.granularity),
-        lambda: f"size {d.size} for {d.geometry.nbytes} bytes at granularity {d.granularity}")
-    add(freshness_reason(d.generation, expect.min_generation, d.expires_at_ns, expect.now_ns),
-        lambda: f"generation {d.generation} (min {expect.min_generation}), expires {d.expires_at_ns} (now {expect.now_ns})")
-    if expect.geometry_fingerprint is not None and d.geometry.fingerprint() != expect.geometry_fingerprint:
-        add(RejectReason.GEOMETRY, lambda: "geometry fingerprint differs from the importer's")
-    if expect.block_format is not None and d.geometry.format_fingerprint() != expect.block_format:
-        add(RejectReason.GEOMETRY, lambda: "blocks hold other regions, dtypes or shapes than the importer's "
-            "(format fingerprint differs)")
-    if expect.device_uuids is not None and d.device_uuid not in expect.device_uuids:
-        add(RejectReason.DEVICE_UUID, lambda: f"device {d.device_uuid.hex()} not acceptable")
-    if expect.incarnations is not None and expect.incarnations.get(d.rank) != d.incarnation:
-        add(RejectReason.INCARNATION, lambda: "the exporter of this rank restarted since")
-    # An fd handle is same-node whatever fabric the descriptor claims: it comes over a Unix socket.
-    if (d.fabric.kind is FabricKind.NODE or d.handle_kind in FD_KINDS) and d.host_boot_id != expect.host_boot_id:
-        add(RejectReason.HOST, lambda: "same-node handle from another host or boot")
+    broken = rules.broken(facts_of(d, expect), expected_for(d.rank, expect, expected))
+    if broken:
+        details = _details(d, expect)
+        found += [DescriptorRejected(reason, details.get(rule.id, lambda: rule.doc)(), d.rank)
+                  for rule, reason in broken]
+    # The filesystem rule: it reads the socket path's directories, so it runs here only.
     if d.handle_kind in FD_KINDS and expect.check_socket:
         cache = {} if socket_reasons is None else socket_reasons
         if d.socket_path not in cache:
             cache[d.socket_path] = socket_path_reason(d.socket_path, expect.uid)
-        add(cache[d.socket_path], lambda: f"socket path {d.socket_path!r}")
+        reason = cache[d.socket_path]
+        if reason is not None:
+            found.append(DescriptorRejected(reason, f"socket path {d.socket_path!r}", d.rank))
     return found
 
 
@@ -216,7 +278,8 @@ def validate_group(descriptors: Iterable[Descriptor], expect: Expectation) -> Va
     if len(parts) > min(expect.max_tp, MAX_TP):
         raise GroupRejected([DescriptorRejected(RejectReason.TP_SIZE, f"{len(parts)} descriptors > max tp {expect.max_tp}")])
     socket_reasons: dict[str, RejectReason | None] = {}
-    problems = [p for d in parts for p in descriptor_problems(d, expect, socket_reasons)]
+    expected = expected_of(expect)
+    problems = [p for d in parts for p in descriptor_problems(d, expect, socket_reasons, expected)]
     first = parts[0]
     for d in parts[1:]:
         if d.tp != first.tp:

@@ -15,6 +15,8 @@ literals blanked out) function by function:
 * a function that calls the machine's firing call (``kvs_op_step``; ``fire_lease`` or
   ``kvs_machine_fire`` for the bank) fires every ``..._EV_X`` it names; a function that
   only reads the table fires nothing;
+* the same holds for the part table's rows that the importer's native attach fires
+  (``ffi/kvs_attach.c``: ``KVS_PART_FX_*``, ``KVS_PART_G_*``, ``KVS_PART_EV_*``);
 * ``kvs_op_step`` runs the op rows (the header's contract).
 
 Pure: reads text; needs no compiler.
@@ -34,16 +36,18 @@ SOURCES = "ffi"
 MACHINE = "op"
 PREFIX = "KVS_OP_"
 RUNNER = "kvs_op_step"
-#: The bank's lease rows, fired by the lease server (ffi/kvs_lease.c).
+#: The bank's lease rows, fired by the lease server (ffi/kvs_lease.c), and the part's rows
+#: the importer's native attach fires (ffi/kvs_attach.c): machine -> constant prefix.
 BANK, BANK_PREFIX = "bank", "KVS_BANK_"
+GENERIC = {BANK: BANK_PREFIX, "part": "KVS_PART_"}
 
 _NOISE = re.compile(r'/\*.*?\*/|//[^\n]*|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'', re.S)
 _CASE = re.compile(rf"\bcase\s+{PREFIX}(GUARD|FX)_(\w+)\s*:")
 _EVENT = re.compile(rf"\b{PREFIX}EV_(\w+)\b")
 _CALLS_STEP = re.compile(rf"\b{RUNNER}\s*\(")
-_BANK_CASE = re.compile(rf"\bcase\s+{BANK_PREFIX}FX_(\w+)\s*:")
-_BANK_GUARD = re.compile(rf"\|=\s*1ull\s*<<\s*{BANK_PREFIX}G_(\w+)\b")
-_BANK_EVENT = re.compile(rf"\b{BANK_PREFIX}EV_(\w+)\b")
+_GEN_CASE = {m: re.compile(rf"\bcase\s+{p}FX_(\w+)\s*:") for m, p in GENERIC.items()}
+_GEN_GUARD = {m: re.compile(rf"\|=\s*1ull\s*<<\s*{p}G_(\w+)\b") for m, p in GENERIC.items()}
+_GEN_EVENT = {m: re.compile(rf"\b{p}EV_(\w+)\b") for m, p in GENERIC.items()}
 _BANK_FIRES = re.compile(r"\b(fire_lease|kvs_machine_fire)\s*\(")
 
 
@@ -113,22 +117,23 @@ def scan(root: Path, spec: Spec) -> CodeMap:
                 for name in sorted(set(_EVENT.findall(body))):
                     event = names["EV"].get(name, name.lower())
                     fires.append(Fire(MACHINE, event, site, line))
-            _scan_bank(spec, fn, line, body, site, bindings, fires)
+            for machine in GENERIC:
+                _scan_generic(spec, machine, fn, line, body, site, bindings, fires)
     return CodeMap(bindings=tuple(bindings), fires=tuple(fires), runners=tuple(runners), problems=tuple(problems))
 
 
-def _scan_bank(spec: Spec, fn: str, line: int, body: str, site: Site, bindings: list[Binding],
-               fires: list[Fire]) -> None:
-    """The bank rows one C function implements or fires (the lease server's)."""
-    b: MachineSpec = spec.machines[BANK]
+def _scan_generic(spec: Spec, machine: str, fn: str, line: int, body: str, site: Site, bindings: list[Binding],
+                  fires: list[Fire]) -> None:
+    """The rows of ``machine`` (run by kvs_machine_fire) one C function implements or fires."""
+    b: MachineSpec = spec.machines[machine]
     effects, guards = {ident(e): e for e in b.effects}, {ident(g): g for g in b.guards}
     events = {ident(e): e for e in b.event_names}
     # A name the table lacks is bound as written, as kvstate.derive.code_py binds Python's:
     # what implements nothing declared is left to the table's own checks.
-    for name in _BANK_CASE.findall(body):
-        bindings.append(Binding(BANK, "effect", effects.get(name, name.lower()), site))
-    for name in sorted(set(_BANK_GUARD.findall(body))):
-        bindings.append(Binding(BANK, "guard", guards.get(name, name.lower()), site))
+    for name in _GEN_CASE[machine].findall(body):
+        bindings.append(Binding(machine, "effect", effects.get(name, name.lower()), site))
+    for name in sorted(set(_GEN_GUARD[machine].findall(body))):
+        bindings.append(Binding(machine, "guard", guards.get(name, name.lower()), site))
     if _BANK_FIRES.search(body) and fn not in ("kvs_machine_fire", "fire_lease"):
-        for name in sorted(set(_BANK_EVENT.findall(body))):
-            fires.append(Fire(BANK, events.get(name, name.lower()), site, line))
+        for name in sorted(set(_GEN_EVENT[machine].findall(body))):
+            fires.append(Fire(machine, events.get(name, name.lower()), site, line))

@@ -34,7 +34,7 @@ from kvstate.derive.sites import Binding, CodeMap, Fire, Site
 
 PACKAGE = "kvstate"
 SKIP = ("harness",)
-FIRE_METHODS = ("fire", "fault")
+FIRE_METHODS = ("fire", "fault", "adopt")  # adopt: a row another executor fired (native attach)
 _DECORATORS = {"kvstate.core.machine.guard": "guard", "kvstate.core.machine.effect": "effect"}
 _LOAD_MACHINE = "kvstate.core.spec.load_machine"
 _LITERAL = ("typing.Literal", "typing_extensions.Literal")

@@ -114,6 +114,8 @@ def index(spec: Spec) -> str:
     for m in spec.machines.values():
         out.append(_md_row([f"[{m.title}]({m.name}.md)", str(len(m.states)), str(len(m.events)),
                             str(len(m.transitions))]))
+    out += ["", "The rules a descriptor must pass before import, and where they run (Python and C): "
+                "[Descriptor rules](rules.md)."]
     out += ["", "## Invariants", "", _md_row(["id", "machines", "statement"]), _md_row(["---"] * 3)]
     out += [_md_row([f"`{i.id}`", ", ".join(i.machines), i.statement]) for i in spec.invariants.values()]
     return "\n".join(out) + "\n"

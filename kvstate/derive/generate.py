@@ -22,7 +22,8 @@ import attrs
 from kvstate.core.errors import KvStateError, ConfigInvalid, ArgumentInvalid
 from kvstate.core.reasons import ArgumentReason
 from kvstate.core.spec import MACHINE_NAMES, Spec, load_spec
-from kvstate.derive import codemap, docs, header, promela, promela_coord
+from kvstate.core.rules import RuleSet, parse_rules
+from kvstate.derive import codemap, docs, header, promela, promela_coord, rules_c, rules_py
 
 
 @attrs.define
@@ -32,6 +33,18 @@ class Inputs:
     root: Path
     spec: Spec
     _code: codemap.CodeMap | None = None
+    _rules: RuleSet | None = None
+
+    @property
+    def rules_text(self) -> str:
+        return (self.root / "spec" / "rules.toml").read_text(encoding="utf-8")
+
+    @property
+    def rules(self) -> RuleSet:
+        """The descriptor rules, read from this root's spec/ (not the installed copy)."""
+        if self._rules is None:
+            self._rules = parse_rules(self.rules_text, "spec/rules.toml")
+        return self._rules
 
     @property
     def code(self) -> codemap.CodeMap:
@@ -69,6 +82,11 @@ ARTIFACTS: tuple[tuple[str, Producer], ...] = (
     *((header.machine_header_path(m), partial(_native_table, m)) for m in header.NATIVE_MACHINES),
     *((f"models/{name}", partial(_model, kind, tp)) for name, (kind, tp) in promela.MODELS.items()),
     *((f"models/{name}", partial(_coord_model, tp, sym)) for name, (tp, sym) in promela_coord.MODELS.items()),
+    (rules_c.PUBLIC_HEADER, lambda i: rules_c.public_header(i.rules)),
+    (rules_c.CODES_HEADER, lambda i: rules_c.codes_header(i.rules)),
+    (rules_c.RULES_HEADER, lambda i: rules_c.rules_header(i.rules)),
+    (rules_c.PAGE, lambda i: rules_c.page(i.rules)),
+    (rules_py.PATH, lambda i: rules_py.module(i.rules, i.rules_text)),
     ("docs/spec/index.md", lambda i: docs.index(i.spec)),
     *((f"docs/spec/{m}.md", partial(_page, m)) for m in MACHINE_NAMES),
 )

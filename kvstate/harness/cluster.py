@@ -150,7 +150,8 @@ _send, _recv = send, recv  # the soak's names
 def exporter_main(conn: multiprocessing.connection.Connection, spec_json: str, key_hex: str,
                   socket_dir: str, rank: int, source_hex: str) -> None:
     from kvstate.reuse.inventory import Inventory
-    from kvstate.share.exporter import ExportConfig, Exporter
+    from kvstate.share.exporter import Exporter
+    from kvstate.share.export_config import ExportConfig
     from kvstate.transport.host import HostTransport
 
     spec = ClusterSpec(**json.loads(spec_json))

@@ -115,7 +115,8 @@ def _expected(blocks: Sequence[int]) -> bytes:
 
 
 def _exporter(device: bytes, kind_value: str, socket_dir: str, lease_timeout_s: float, conn: Connection) -> None:
-    from kvstate.share.exporter import ExportConfig, Exporter
+    from kvstate.share.exporter import Exporter
+    from kvstate.share.export_config import ExportConfig
     from kvstate.transport.cuda import CudaTransport
 
     kind = HandleKind(kind_value)
@@ -353,7 +354,8 @@ def kill_during_copy(device: bytes, delay_us: int) -> dict[str, Any]:
     bank queued on the device, and is SIGKILLed right after it reported how many are still
     unfinished (so the kill lands during a copy). The exporter must see the death, drain
     to quiescent and release; the device must still work afterwards."""
-    from kvstate.share.exporter import ExportConfig, Exporter
+    from kvstate.share.exporter import Exporter
+    from kvstate.share.export_config import ExportConfig
     from kvstate.transport.cuda import CudaTransport
 
     t = CudaTransport(device)

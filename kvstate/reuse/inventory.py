@@ -33,6 +33,15 @@ and :attr:`StoreOutcome.not_retained` says so; the budget is never exceeded
 The API the exporter wires to its bank leases is small: ``lease(group, epoch, hashes)``
 -> ``LeaseGrant | Stale``, and ``release(grant)``. All methods are thread-safe and never
 block except on the inventory's own short critical sections.
+
+Leases granted elsewhere: an exporter's native lease server grants leases naming blocks
+without this process's Python (its GIL may be the engine's). It keeps a *mirror* of the
+groups, epochs and blocks (:class:`Mirror`, attached with :meth:`Inventory.attach`),
+which this inventory updates under its lock at every change; the mirror re-validates and
+pins under its own lock and is the authority for the leases it grants. So a block stays
+while any mirror's lease pins it: removal, eviction and clear ask every mirror first, all
+or nothing. :meth:`busy` counts those leases too; :meth:`active_leases` lists only the
+leases granted here.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import attrs
 
@@ -159,6 +169,26 @@ class Stale:
     granted = False
 
 
+class Mirror(Protocol):
+    """Another holder of this inventory's contents that grants leases on its blocks (see
+    the module docstring). Called under the inventory's lock; each change is all or
+    nothing."""
+
+    def epoch(self, group: str, epoch: int) -> bool:
+        """Group ``group`` now starts ``epoch`` with no blocks (made if new); False,
+        changing nothing, when a lease of the mirror pins one of its blocks."""
+
+    def stored(self, group: str, hashes: Sequence[int]) -> None:
+        """The group (already known to the mirror) holds these blocks too."""
+
+    def removed(self, group: str, hashes: Sequence[int]) -> bool:
+        """The group no longer holds these; False, removing nothing, when a lease of the
+        mirror pins any of them."""
+
+    def leases(self, group: str, block_hash: int) -> int:
+        """The mirror's leases on one block."""
+
+
 @attrs.define
 class _Block:
     pins: int = 0
@@ -188,6 +218,32 @@ class Inventory:
         self._lru: OrderedDict[tuple[str, int], None] = OrderedDict()  # oldest first
         self._leases: dict[int, LeaseGrant] = {}
         self._ids = itertools.count(1)
+        self._mirrors: list[Mirror] = []
+
+    def attach(self, mirror: Mirror) -> None:
+        """Keep ``mirror`` up to date from now on (it is told every group, epoch and block
+        held now first); see the module docstring."""
+        with self._lock:
+            for name, g in self._groups.items():
+                if not mirror.epoch(name, g.epoch):
+                    raise Busy.blocks(name, [])  # a new mirror pins nothing: cannot happen
+                if g.blocks:
+                    mirror.stored(name, list(g.blocks))
+            self._mirrors.append(mirror)
+
+    def _mirror_removed(self, group: str, hashes: Sequence[int]) -> bool:
+        """Remove from every mirror, or from none (False: a mirror's lease pins one)."""
+        done: list[Mirror] = []
+        for m in self._mirrors:
+            if not m.removed(group, hashes):
+                for d in done:
+                    d.stored(group, hashes)
+                return False
+            done.append(m)
+        return True
+
+    def _mirror_leases(self, group: str, h: int) -> int:
+        return sum(m.leases(group, h) for m in self._mirrors)
 
     @property
     def budget_blocks(self) -> int:
@@ -202,7 +258,7 @@ class Inventory:
         """
         group, hashes = group_name(group), block_hashes(hashes)
         with self._lock:
-            g = self._groups.setdefault(group, _Group(epoch=0))
+            g = self._groups.get(group) or self._new_group(group)
             stored: list[int] = []
             not_retained: list[int] = []
             evicted: dict[str, list[int]] = {}
@@ -220,8 +276,16 @@ class Inventory:
             events: list[Event] = [BlocksRemoved(name, self._groups[name].epoch, tuple(hs), evicted=True)
                                    for name, hs in evicted.items()]
             if stored:
+                for m in self._mirrors:
+                    m.stored(group, stored)
                 events.append(BlocksStored(group, g.epoch, tuple(stored)))
             return StoreOutcome(tuple(events), tuple(not_retained))
+
+    def _new_group(self, group: str) -> _Group:
+        for m in self._mirrors:
+            m.epoch(group, 0)  # a group a mirror does not know yet: nothing of it is leased
+        g = self._groups[group] = _Group(epoch=0)
+        return g
 
     def _evict_one(self, evicted: dict[str, list[int]], *, protect: str, hashes: tuple[int, ...]) -> bool:
         """Evict the least recently used idle block, not one of the batch being stored."""
@@ -230,6 +294,8 @@ class Inventory:
             name, h = key
             if self._groups[name].blocks[h].busy or (name == protect and h in batch):
                 continue
+            if not self._mirror_removed(name, [h]):
+                continue  # a mirror's lease pins it
             del self._lru[key]
             del self._groups[name].blocks[h]
             evicted.setdefault(name, []).append(h)
@@ -250,6 +316,8 @@ class Inventory:
             busy = [h for h in present if g.blocks[h].busy]
             if busy:
                 raise Busy.blocks(group, busy)
+            if not self._mirror_removed(group, present):
+                raise Busy.blocks(group, [h for h in present if self._mirror_leases(group, h)] or present)
             for h in present:
                 del g.blocks[h]
                 del self._lru[(group, h)]
@@ -262,10 +330,19 @@ class Inventory:
         """
         group = group_name(group)
         with self._lock:
-            g = self._groups.setdefault(group, _Group(epoch=0))
+            g = self._groups.get(group) or self._new_group(group)
             busy = [h for h, b in g.blocks.items() if b.busy]
             if busy:
                 raise Busy.blocks(group, busy)
+            done: list[Mirror] = []
+            for m in self._mirrors:  # all or nothing: a mirror that cleared gets the blocks back
+                if not m.epoch(group, g.epoch + 1):
+                    for d in done:
+                        d.epoch(group, g.epoch)
+                        if g.blocks:
+                            d.stored(group, list(g.blocks))
+                    raise Busy.blocks(group, [h for h in g.blocks if m.leases(group, h)])
+                done.append(m)
             for h in g.blocks:
                 del self._lru[(group, h)]
             g.blocks.clear()
@@ -356,9 +433,10 @@ class Inventory:
         with self._lock:
             g = self._groups.get(group)
             b = None if g is None else g.blocks.get(block_hash)
-            return (0, 0) if b is None else (b.pins, b.leases)
+            return (0, 0) if b is None else (b.pins, b.leases + self._mirror_leases(group, block_hash))
 
     def active_leases(self) -> tuple[LeaseGrant, ...]:
+        """The leases granted here (a mirror's are not listed: :meth:`busy` counts them)."""
         with self._lock:
             return tuple(self._leases.values())
 

@@ -46,52 +46,31 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Generic
 
-import attrs
-
 from kvstate import channel as chan
 from kvstate.channel.tcp import TcpServer
 from kvstate.core.descriptor import Descriptor, encode
 from kvstate.core.errors import (
-    ChannelError, ConfigInvalid, KvStateError, TransitionError, BackendUnavailable, Busy, TimedOut,
-    NativeError,
+    ArgumentInvalid, BackendUnavailable, Busy, ChannelError, ConfigInvalid, KvStateError, NativeError, TimedOut,
+    TransitionError,
 )
-from kvstate.core.args import need, need_callables, need_choice, need_int, need_seconds, need_text, typed
-from kvstate.core.errors import ArgumentInvalid
+from kvstate.core.args import need, need_callables, need_choice, need_int, need_seconds, need_text
 from kvstate.core.reasons import ArgumentReason, BusyReason, TimeoutReason, ChannelReason
 from kvstate.core.geometry import Geometry
 from kvstate.core.handles import UNCOUNTED_KINDS, HandleKind
-from kvstate.core.identity import Deployment, FabricDomain, FabricKind, Incarnation, host_boot_id
+from kvstate.core.identity import FabricDomain, FabricKind, Incarnation, host_boot_id
 from kvstate.reuse.inventory import Inventory
 from kvstate.core.machine import Lifecycle, Observer, effect, guard
 from kvstate.core.spec import load_machine
 from kvstate.core.capabilities import Access
 from kvstate.transport.protocol import A, E, H, HostView, M, MappedTransport, R, require_mapped
 from kvstate.share import store
-from kvstate.share.export_checks import positive_int, seconds, socket_dir, source_id, tcp_listen
+from kvstate.share.export_config import ExportConfig
 from kvstate.share.lease_server import HoldView, LeaseServer, NativeLease
 from kvstate.transport.nixl import handle as nixl_handle
 from kvstate.share.plan import Plan
 from kvstate.share.transfer import TransferHandle, stop_dispatcher_if_idle
 
 log = logging.getLogger(__name__)
-
-@attrs.frozen
-class ExportConfig:
-    deployment: Deployment = attrs.field(validator=typed(Deployment))
-    socket_dir: Path = attrs.field(validator=socket_dir)
-    source_id: bytes = attrs.field(validator=source_id)  # the logical KV source: 16 bytes
-    tp: int = attrs.field(validator=positive_int)
-    lease_timeout_s: float = attrs.field(default=30.0, validator=seconds)
-    descriptor_ttl_s: float = attrs.field(default=300.0, validator=seconds)
-    max_leases: int = attrs.field(default=64, validator=positive_int)  # per bank
-    max_connections: int = attrs.field(default=chan.DEFAULT_MAX_CONNECTIONS, validator=positive_int)
-    request_timeout_s: float = attrs.field(default=5.0, validator=seconds)
-    handle_kind: HandleKind = attrs.field(default=HandleKind.MEMFD,  # what the banks are exported as
-                                          validator=typed(HandleKind))
-    #: Also serve leases over TCP, for banks read from other nodes (NIXL): (host, port), the
-    #: address every descriptor names; port 0 takes a free one.
-    tcp_listen: tuple[str, int] | None = attrs.field(default=None, validator=tcp_listen)
-
 
 #: The bank states whose descriptor is given out: from advertise until quiescent (a
 #: draining bank's is still true, and its leases are refused by the bank itself).
@@ -250,15 +229,25 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
             raise ArgumentInvalid(ArgumentReason.STATE, f"{self.label} is not registered")
         return self.handle
 
-    def store(self, src_tensors: Any, src_block_ids: Any, bank_block_ids: Any) -> TransferHandle:
+    def store(self, src_tensors: Any, src_block_ids: Any, bank_block_ids: Any, *,
+              report: tuple[int, bytes, bytes] | None = None) -> TransferHandle:
         """Copy pages ``src_block_ids`` of the engine's tensors (region name -> tensor) into
         bank blocks ``bank_block_ids``, every region, on the op engine. Returns at once;
         the handle says when the blocks hold the pages (``wait``, ``done``, a callback,
-        an fd) and which failed. Refused (ArgumentInvalid (a load/store reason), nothing submitted) when any
-        argument is wrong; TransitionError (ILLEGAL) unless the bank is registered and not draining."""
+        an fd) and which failed. ``report`` (socket fd, ok message, failed message): the op
+        engine itself sends one of them as the last op ends, armed before any op can end
+        (``handle.report_status`` says whether it went out). Refused (ArgumentInvalid (a
+        load/store reason), nothing submitted) when any argument is wrong; TransitionError
+        (ILLEGAL) unless the bank is registered and not draining."""
         if not self.may("store"):
             raise TransitionError.illegal(self.table.name, self.state, "store")
+        if report is not None and not (isinstance(report, tuple) and len(report) == 3
+                                       and type(report[0]) is int and report[0] >= 0
+                                       and isinstance(report[1], bytes) and isinstance(report[2], bytes)):
+            raise ArgumentInvalid(ArgumentReason.TYPE, f"report must be (socket fd, ok bytes, failed bytes), "
+                                                       f"not {report!r:.60}")
         plan = store.plan(self, src_tensors, src_block_ids, bank_block_ids)
+        plan.report = report
         try:
             self.fire("store", plan=plan)
         finally:
@@ -424,8 +413,7 @@ class Exporter(Generic[H, A, R, M, E]):
         require_mapped(transport)
         self.config = config
         self.transport = transport
-        #: The retained inventory (advisory); a lease naming blocks pins them atomically.
-        self.inventory = inventory
+        self._inventory: Inventory | None = None
         self._incarnation = Incarnation.new()
         self.boot_id = host_boot_id()
         self.node = os.uname().nodename
@@ -445,9 +433,25 @@ class Exporter(Generic[H, A, R, M, E]):
         self.limits = chan.Limits(max_fds=min(chan.HARD_MAX_FDS, max(chan.DEFAULT_MAX_FDS, config.tp)))
         #: Leases are served natively; every bank's state lives there (kvstate.share.lease_server).
         self.lease_server = LeaseServer(self, self.limits)
+        self.inventory = inventory
         self._server: chan.Server | None = None
         self._expiry: threading.Thread | None = None
         self._stopping = threading.Event()
+
+    @property
+    def inventory(self) -> Inventory | None:
+        """The retained inventory (advisory); a lease naming blocks pins them atomically,
+        on the native lease server (it keeps a mirror the inventory updates)."""
+        return self._inventory
+
+    @inventory.setter
+    def inventory(self, value: Inventory | None) -> None:
+        if value is self._inventory:
+            return
+        if value is None or self._inventory is not None:
+            raise ConfigInvalid.of("inventory", "is set once, to an Inventory")
+        self.lease_server.attach(need("inventory", value, Inventory))
+        self._inventory = value
 
     @property
     def incarnation(self) -> Incarnation:

@@ -64,6 +64,7 @@ from kvstate.core.spec import load_machine
 from kvstate.core.capabilities import MemoryKind
 from kvstate.transport.protocol import A, E, H, M, MappedTransport, R, require_mapped
 from kvstate.core.validate import Expectation, ValidatedGroup, group_complete, validate_group
+from kvstate.share import attach
 from kvstate.share import load as loads
 from kvstate.share import peers
 from kvstate.share.import_config import ImportConfig as ImportConfig
@@ -475,14 +476,19 @@ class Importer(LeaseKeeping[H, A, R, M, E]):
     def _each_part(self, parts: Sequence[Part[H, A, R, M, E]], event: Literal["lease", "open"]) -> dict[int, Exception]:
         """Fire ``event`` on every part, in this thread. ``lease``: one batched request per
         exporter, every request sent before any answer is read (one round trip for the
-        group, :mod:`kvstate.share.peers`), then each part takes its grant. ``open``:
-        native calls only, then one ``mapped`` note per exporter. Returns failures by rank
-        (anything raised, typed or not: the caller rolls back on every one)."""
+        group, :mod:`kvstate.share.peers`), then each part takes its grant. ``open``: one
+        native call per exporter on the host backend (else part by part), then one
+        ``mapped`` note per exporter. Returns failures by rank (anything raised, typed or
+        not: the caller rolls back on every one)."""
         if event == "lease":
             return self._lease_parts(parts)
-        failures: dict[int, Exception] = {}
+        # The host backend opens each exporter's batch in one native call (kvstate.share.attach).
+        failures, native, parts = attach.open_natively(parts, self.transport)
         opened: dict[int, tuple[peers.PeerLink, list[tuple[int, int]]]] = {}
         part: Part[H, A, R, M, E]
+        for part in native:
+            if part.link is not None and part.lease_id is not None:
+                opened.setdefault(id(part.link), (part.link, []))[1].append((part.rank, part.lease_id))
         for part in parts:
             grant, link = part.received, part.link
             if grant is not None:

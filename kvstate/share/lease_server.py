@@ -13,7 +13,14 @@ Python observes: every committed transition is queued natively; :meth:`LeaseServ
 (called after each Python fire, and by this module's thread whenever the queue's eventfd
 is readable) turns them into :class:`kvstate.core.machine.StateChange` for the bank's
 observers, in order. Python also serves what the native handler passes on: the
-``status`` request, and a lease naming inventory blocks (the inventory is Python's).
+``status`` request.
+
+A lease naming inventory blocks is served natively too: the server keeps a mirror of the
+exporter's inventory (groups, epochs, blocks; ``ffi/kvs_inventory.c``) that the Python
+:class:`kvstate.reuse.inventory.Inventory` updates as blocks are stored, removed, evicted
+and cleared (:class:`InventoryMirror`, off the request path). The thread re-validates and
+pins the named blocks with the grant, and unpins them when the lease ends; the inventory
+never removes a block a native lease pins, and counts those leases in ``busy``.
 
 Memory nobody counts across processes (legacy CUDA IPC, ``UNCOUNTED_KINDS``): the driver
 frees it at the exporter's release whoever still has it open, so the bank keeps a *hold*
@@ -37,7 +44,7 @@ import select
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -46,7 +53,7 @@ from kvstate import channel as chan
 from kvstate.core.errors import ChannelError, KvStateError, NativeError, TransitionError
 from kvstate.core.machine import StateChange
 from kvstate.core.reasons import ChannelReason
-from kvstate.reuse.inventory import LeaseGrant, Stale, refused_by_inventory
+from kvstate.reuse.inventory import Inventory
 from kvstate.transport import native
 from kvstate.transport.machines import native_table
 
@@ -92,7 +99,7 @@ class NativeLease:
     channel: Connection
     expires_at: float  # time.monotonic()
     expired: bool
-    blocks: LeaseGrant | None = None
+    blocks: int = 0  # inventory blocks it pins
 
 
 @attrs.frozen
@@ -132,7 +139,6 @@ class LeaseServer:
         self._pump_lock = threading.RLock()
         self._tcp_handlers = 0  # TCP connections being served (serve_tcp)
         self._tcp_done = threading.Condition()
-        self._blocks: dict[int, LeaseGrant] = {}  # lease id -> the inventory blocks it pins
         self._pending_reason: dict[int, str | None] = {}  # rank -> reason of a Python fire
         self._stop_r = self._stop_w = -1  # a pipe while serving: stop() wakes the thread
         self._thread: threading.Thread | None = None
@@ -225,8 +231,7 @@ class LeaseServer:
         n = self.lib.kvs_lease_leases(self._s, rank, buf, cap)
         now = time.monotonic()
         return {buf[i].id: NativeLease(buf[i].id, Connection(self, buf[i].conn, buf[i].pid),
-                                       now + buf[i].expires_in_ns / 1e9, bool(buf[i].expired),
-                                       self._blocks.get(buf[i].id))
+                                       now + buf[i].expires_in_ns / 1e9, bool(buf[i].expired), buf[i].nblocks)
                 for i in range(max(0, min(n, cap)))}
 
     def holds(self, rank: int) -> dict[int, HoldView]:
@@ -360,7 +365,7 @@ class LeaseServer:
             self._tcp_done.wait_for(lambda: self._tcp_handlers == 0, timeout=timeout)
 
     def _serve_in_python(self, conn: int, payload: bytes) -> tuple[bytes | None, tuple[int, ...]]:
-        """The requests the native handler passes on: status, and leases naming blocks."""
+        """The one request the native handler passes on: status."""
         from kvstate.share import status
 
         try:
@@ -368,63 +373,16 @@ class LeaseServer:
             if request == status.REQUEST:
                 reply = status.exporter_status(self.exporter, asking=1, max_bytes=self.limits.max_payload)
                 return chan.encode(reply), ()
-            return self._lease_blocks(conn, request)
+            raise ChannelError(ChannelReason.FRAME, "only status is served in Python")
         except KvStateError as exc:
             return chan.encode({"ok": False, "code": exc.reason.value, "detail": str(exc)}), ()
 
-    def _lease_blocks(self, conn: int, request: dict[str, Any]) -> tuple[bytes | None, tuple[int, ...]]:
-        """A lease (or batch) naming inventory blocks: pin them, then let the native handler
-        decide the lease itself; a refusal gives the blocks back."""
-        items = request.get("items") if request.get("op") == "leases" else [request]
-        if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
-            raise ChannelError(ChannelReason.FRAME, "leases: items must be lease requests")
-        pinned: list[LeaseGrant] = []
-        stripped: list[dict[str, Any]] = []
-        for item in items:
-            want = item.get("blocks")
-            if want is not None:
-                got = self._pin_blocks(want)
-                if not isinstance(got, LeaseGrant):
-                    for g in pinned:
-                        self._release_blocks(g)
-                    answer = got if request.get("op") != "leases" else {**got, "rank": item.get("rank")}
-                    return chan.encode(answer), ()
-                pinned.append(got)
-            stripped.append({k: v for k, v in item.items() if k != "blocks"})
-        body = stripped[0] if request.get("op") != "leases" else {"op": "leases", "items": stripped}
-        payload = chan.encode(body)
-        reply, fds = self.handle(conn, payload)
-        answer = chan.decode(reply) if reply is not None else {}
-        grants = answer.get("grants") if request.get("op") == "leases" else [answer]
-        if not answer.get("ok") or not isinstance(grants, list):
-            for g in pinned:
-                self._release_blocks(g)
-            return reply, fds
-        at = 0
-        for item, grant in zip(items, grants):
-            if item.get("blocks") is not None:
-                self._blocks[int(grant["lease"])] = pinned[at]
-                at += 1
-        return reply, fds
+    # -- the inventory mirror ---------------------------------------------------------------
 
-    def _pin_blocks(self, want: Any) -> LeaseGrant | dict[str, Any]:
-        inv = self.exporter.inventory
-        if inv is None:
-            return {"ok": False, "code": "no_inventory", "detail": "this exporter keeps no retained inventory"}
-        try:
-            result = inv.lease(want["group"], want["epoch"], want["hashes"])
-        except (KvStateError, KeyError, TypeError) as exc:
-            if isinstance(exc, KvStateError) and not refused_by_inventory(exc):
-                raise
-            return {"ok": False, "code": "bad_request", "detail": f"blocks: {exc}"}
-        if isinstance(result, Stale):
-            return {"ok": False, "code": "stale_inventory", "detail": f"{result.reason.value} (epoch "
-                    f"{result.current_epoch}, {len(result.missing)} block(s) gone): recompute"}
-        return result
-
-    def _release_blocks(self, grant: LeaseGrant) -> None:
-        if self.exporter.inventory is not None:
-            self.exporter.inventory.release(grant)
+    def attach(self, inventory: Inventory) -> None:
+        """Serve leases naming ``inventory``'s blocks natively (see the module docstring)."""
+        self._check(self.lib.kvs_lease_inv_on(self._s), "kvs_lease_inv_on", "the inventory mirror")
+        inventory.attach(InventoryMirror(self))
 
     # -- observing ------------------------------------------------------------------------
 
@@ -436,10 +394,6 @@ class LeaseServer:
             while self.lib.kvs_lease_next_event(self._s, ev) == 1:
                 if ev.dropped:
                     log.warning("lease server: %d transition(s) were not observed (the queue was full)", ev.dropped)
-                if ev.lease and ev.event in self._lease_events:  # the lease ended: its blocks may go
-                    grant = self._blocks.pop(ev.lease, None)
-                    if grant is not None:
-                        self._release_blocks(grant)
                 bank = self.exporter.banks.get(ev.rank)
                 if ev.lease:
                     why = self._why.get(ev.why)
@@ -483,3 +437,42 @@ class LeaseServer:
     def _check(self, rc: int, call: str, what: str) -> None:
         if rc != self.lib.KVS_OK:
             raise native.default().error(rc, call, what)
+
+
+class InventoryMirror:
+    """The native server's copy of an inventory (a :class:`kvstate.reuse.inventory.Mirror`).
+    It holds the server weakly: an inventory may outlive its exporter, and then there is
+    nothing left to pin (every call answers as for a mirror with no leases)."""
+
+    def __init__(self, server: LeaseServer) -> None:
+        self._server = weakref.ref(server)
+
+    def _call(self, call: str, group: str, *args: Any) -> int:
+        s = self._server()
+        if s is None:
+            return 0
+        name = group.encode()
+        rc = int(getattr(s.lib, call)(s._s, name, len(name), *args))
+        if rc < 0 and rc != s.lib.KVS_E_BUSY:
+            s._check(rc, call, f"inventory group {group!r:.60}")
+        return rc
+
+    def _hashes(self, hashes: Sequence[int]) -> tuple[Any, int]:
+        s = self._server()
+        assert s is not None
+        return s.ffi.new("uint64_t[]", list(hashes)), len(hashes)
+
+    def epoch(self, group: str, epoch: int) -> bool:
+        return self._call("kvs_lease_inv_epoch", group, epoch) == 0
+
+    def stored(self, group: str, hashes: Sequence[int]) -> None:
+        if self._server() is not None:
+            self._call("kvs_lease_inv_add", group, *self._hashes(hashes))
+
+    def removed(self, group: str, hashes: Sequence[int]) -> bool:
+        if self._server() is None:
+            return True
+        return self._call("kvs_lease_inv_remove", group, *self._hashes(hashes)) == 0
+
+    def leases(self, group: str, block_hash: int) -> int:
+        return max(0, self._call("kvs_lease_inv_leases", group, block_hash))

@@ -106,6 +106,10 @@ class Plan:
     copies: list[Copy] = attrs.field(factory=list)
     refs: list[TensorRef] = attrs.field(factory=list)
     handle: TransferHandle | None = None
+    #: (socket, ok, failed): the op engine sends one of them as the last op ends
+    #: (:meth:`TransferHandle.report`). Armed here, before the handle can finish, so a fast
+    #: op cannot end first and leave the message to Python (whose GIL an engine may hold).
+    report: tuple[int, bytes, bytes] | None = None
 
     def release(self) -> None:
         """Give back the tensors of a plan that was never submitted (idempotent)."""
@@ -140,5 +144,7 @@ class Plan:
         except BaseException:
             h._abort()
             raise
+        if self.report is not None:  # not yet activated: no op is reaped, so this cannot miss one
+            h.report(*self.report)  # False (socket gone): report_status stays None, the owner reports
         self.handle = h
         return h

@@ -60,6 +60,7 @@ from kvstate.core.reasons import (
 )
 from kvstate.core.spec import load_machine
 from kvstate.core.validate import MAX_TP, Expectation, descriptor_problems
+from kvstate.share import attach
 from kvstate.share import load as loads
 from kvstate.share import protocol_msgs as msgs
 from kvstate.reuse.policy import ReuseSettings
@@ -232,7 +233,7 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
         assert part is not None  # _check made it
         start = time.monotonic()
         try:
-            part.fire("open")
+            attach.open_part(part)  # one native call on the host backend (kvstate.share.attach)
         except BaseException:
             if part.may("import_failed"):
                 part.fire("import_failed")  # returns the lease

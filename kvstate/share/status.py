@@ -57,7 +57,7 @@ def waiting_for(leases: list[dict[str, Any]], holds: int, pins: int, stores: int
 def bank_status(bank: Bank[Any, Any, Any, Any, Any], now: float) -> dict[str, Any]:
     with bank.locked():
         leases = [{"id": x.id, "pid": x.channel.peer.pid, "expires_in_s": round(x.expires_at - now, 3),
-                   "expired": x.expired, "blocks": 0 if x.blocks is None else len(x.blocks.hashes)}
+                   "expired": x.expired, "blocks": x.blocks}
                   for x in bank.leases.values()]
         out: dict[str, Any] = {
             "rank": bank.rank, "state": bank.state, "generation": bank.generation,

@@ -204,6 +204,34 @@ class FireResultPtr(Protocol):
     refused: Int32Array
 
 
+class AttachPartArray(Protocol):
+    """``kvs_attach_part[]``: one exporter batch of the native attach (``kvs_attach``)."""
+
+    def __getitem__(self, index: int) -> AttachPart: ...
+
+
+class AttachPart(Protocol):
+    """One ``kvs_attach_part``: a part's fd, state and guards in; what was made, or why
+    it failed, out."""
+
+    fd: int
+    state: int
+    holds: int
+    dev: int
+    ino: int
+    size: int
+    allocation: int
+    reservation: int
+    region: int
+    addr: int
+    step: int
+    code: int
+    err: int
+    nrefused: int
+    refused: Int32Array
+    left: int
+
+
 class EffectFn(Protocol):
     """``kvs_effect_fn``: a C function pointer (Python passes ``ffi.NULL`` or a C callback)."""
 
@@ -239,6 +267,7 @@ class LeaseInfo(Protocol):
     expires_in_ns: int
     expired: int
     pid: int
+    nblocks: int
 
 
 class LeaseInfoArray(Protocol):
@@ -273,6 +302,17 @@ class LeaseEventPtr(Protocol):
     t_ns: int
     why: int
     dropped: int
+
+
+# -- the descriptor rules (ffi/kvs_validate.h, generated from spec/rules.toml) -------------
+
+
+class VFactsArray(Protocol):
+    """``kvs_vfacts[]``: descriptors as the declared rules read them."""
+
+
+class VExpectArray(Protocol):
+    """``kvs_vexpect[]``: what the importer accepts, one per descriptor."""
 
 
 # -- the module ----------------------------------------------------------------------------
@@ -327,6 +367,14 @@ class Lib(Protocol):
     KVS_LWHY_STOPPED: int
     KVS_LWHY_EXPIRED: int
     KVS_MACHINE_PART: int
+    KVS_ATTACH_ROW: int
+    KVS_ATTACH_IDENTITY: int
+    KVS_ATTACH_IMPORT: int
+    KVS_ATTACH_RESERVE: int
+    KVS_ATTACH_MAP: int
+    KVS_ATTACH_ACCESS: int
+    KVS_E_IDENTITY: int
+    KVS_ATTACH_MAX_PARTS: int
     KVS_MNAME_MACHINE: int
     KVS_MNAME_STATE: int
     KVS_MNAME_EVENT: int
@@ -372,6 +420,7 @@ class Lib(Protocol):
     # op engine
     def kvs_engine_configure(self, workers: int) -> int: ...
     def kvs_engine_pause(self, paused: int) -> int: ...
+    def kvs_engine_allow(self, ops: int) -> int: ...
     def kvs_submit(self, src: EndpointPtr, dst: EndpointPtr, blocks: BlockArray, nblocks: int,
                    flags: int, op: Int64Ptr) -> int: ...
     def kvs_submit_copy(self, src_region: int, src_addr: int, src_size: int, src_off: int,
@@ -431,6 +480,9 @@ class Lib(Protocol):
                                  fail_undos: int, reenter_effects: int, log: Int32Ptr, logcap: int,
                                  nlog: Int32Ptr, out: FireResultPtr) -> int: ...
 
+    # native attach (importer side)
+    def kvs_attach(self, parts: AttachPartArray, n: int, align: int, access: int, failed: Int32Ptr) -> int: ...
+
     # request links and lease renewal (importer side)
     def kvs_link_open(self, fd: int, pidfd: int, max_payload: int, max_fds: int) -> LinkPtr: ...
     def kvs_link_unref(self, l: LinkPtr) -> None: ...
@@ -483,6 +535,11 @@ class Lib(Protocol):
                                len: UInt32Ptr) -> int: ...
     def kvs_lease_answer(self, s: LeaseServerPtr, conn: int, payload: CharPtr, len: int, fds: Int32Ptr,
                          nfds: int) -> int: ...
+    def kvs_lease_inv_on(self, s: LeaseServerPtr) -> int: ...
+    def kvs_lease_inv_epoch(self, s: LeaseServerPtr, group: CharPtr, glen: int, epoch: int) -> int: ...
+    def kvs_lease_inv_add(self, s: LeaseServerPtr, group: CharPtr, glen: int, hashes: UInt64Ptr, n: int) -> int: ...
+    def kvs_lease_inv_remove(self, s: LeaseServerPtr, group: CharPtr, glen: int, hashes: UInt64Ptr, n: int) -> int: ...
+    def kvs_lease_inv_leases(self, s: LeaseServerPtr, group: CharPtr, glen: int, hash: int) -> int: ...
 
     # the generated op table
     def kvs_op_nstates(self) -> int: ...
@@ -492,6 +549,12 @@ class Lib(Protocol):
     def kvs_op_event_name(self, event: int) -> CharPtr: ...
     def kvs_op_collectable(self, state: int) -> int: ...
     def kvs_planted_bug(self) -> int: ...
+
+    # the descriptor rules (ffi/kvs_validate.h)
+    def kvs_validate_descriptor(self, d: VFactsArray, e: VExpectArray, rule_reasons: bytes) -> int: ...
+    def kvs_validate_batch(self, n: int, d: VFactsArray, e: VExpectArray, first: UInt32Ptr,
+                           rule_reasons: bytes) -> None: ...
+    def kvs_validate_digest(self) -> int: ...
     def kvs_strerror(self, code: int) -> CharPtr: ...
 
 
@@ -531,6 +594,8 @@ class Ffi(Protocol):
     def new(self, cdecl: Literal["kvs_machine_inst *"]) -> MachineInstPtr: ...
     @overload
     def new(self, cdecl: Literal["kvs_fire_result *"]) -> FireResultPtr: ...
+    @overload
+    def new(self, cdecl: Literal["kvs_attach_part[]"], init: int) -> AttachPartArray: ...
     @overload
     def new(self, cdecl: Literal["kvs_frame *"]) -> FramePtr: ...
     @overload

@@ -209,6 +209,7 @@ class Native:
             lib.KVS_E_SIZE: fd(ImportDefect.FD_SIZE),
             lib.KVS_E_SEALS: fd(ImportDefect.FD_UNSEALED),
             lib.KVS_E_NOTMEMFD: fd(ImportDefect.FD_NOT_MEMFD),
+            lib.KVS_E_IDENTITY: fd(ImportDefect.FD_IDENTITY),
             lib.KVS_E_TIMEOUT: TimedOut.native,
             lib.KVS_E_BUSY: busy(BusyReason.ENGINE),
             lib.KVS_E_NOMEM: native(NativeReason.NO_MEMORY),
@@ -294,6 +295,15 @@ class Native:
     def pause(self, paused: bool) -> None:
         """Paused workers take no new op; submitted ops stay queued (and pinned)."""
         self.lib.kvs_engine_pause(1 if paused else 0)
+
+    def allow(self, ops: int) -> None:
+        """While paused, let workers start the next ``ops`` queued ops (in submit order) and
+        finish them; the others stay queued. A test's deterministic hold: what is queued
+        after them provably has not run. ArgumentInvalid when not paused."""
+        if type(ops) is not int or not 0 <= ops < 2**32:
+            raise ArgumentInvalid.of("ops", ArgumentReason.RANGE, f"{ops!r:.40} is not a count of ops")
+        if self.lib.kvs_engine_allow(ops):
+            raise ArgumentInvalid.of("ops", ArgumentReason.STATE, "the op engine is not paused")
 
     def _endpoint(self, ep: Endpoint, writable: bool) -> tuple[int, int, int, Kept]:
         """(region, addr, size, keepalive) for a region id, a :class:`RawBuffer` or a caller

@@ -26,7 +26,8 @@ from kvstate.core.errors import KvStateError
 from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.core.identity import Deployment
 from kvstate.reuse import inventory, policy, profile
-from kvstate.share.exporter import ExportConfig, Exporter
+from kvstate.share.exporter import Exporter
+from kvstate.share.export_config import ExportConfig
 from kvstate.share.importer import ImportConfig, Importer
 from kvstate.transport.host import HostTransport
 

@@ -25,7 +25,8 @@ from kvstate.core.errors import (
     KvStateError, DescriptorRejected, GroupRejected, ImportFailed, Busy, ConfigInvalid, ArgumentInvalid,
     ChannelError,
 )
-from kvstate.share.exporter import Exporter, ExportConfig
+from kvstate.share.exporter import Exporter
+from kvstate.share.export_config import ExportConfig
 from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.core.handles import HandleKind
 from kvstate.share.importer import ImportConfig, Importer

@@ -236,7 +236,8 @@ def test_registration_failure_in_the_driver_preserves_owners(kind: HandleKind, c
     register succeeds."""
     from kvstate.core.geometry import DType, Geometry, Layout
     from kvstate.core.identity import Deployment
-    from kvstate.share.exporter import ExportConfig, Exporter
+    from kvstate.share.exporter import Exporter
+    from kvstate.share.export_config import ExportConfig
 
     t = CudaTransport(UUID, kind=kind, legacy_ipc=kind is HandleKind.CUDA_IPC)
     geometry = Geometry.uniform(layers=2, kv_heads=2, head_dim=16, block_tokens=8, dtype=DType.BF16,
@@ -267,7 +268,8 @@ def _cuda_exporter(t: CudaTransport, tmp_path: Path, *, kind: HandleKind = Handl
                    register: bool = True, start: bool = False) -> Any:
     from kvstate.core.geometry import DType, Geometry, Layout
     from kvstate.core.identity import Deployment
-    from kvstate.share.exporter import ExportConfig, Exporter
+    from kvstate.share.exporter import Exporter
+    from kvstate.share.export_config import ExportConfig
 
     geometry = Geometry.uniform(layers=2, kv_heads=2, head_dim=16, block_tokens=8, dtype=DType.BF16,
                                 layout=Layout.LAYER_MAJOR, num_blocks=8)

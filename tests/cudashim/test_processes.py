@@ -33,7 +33,8 @@ from kvstate.core.reasons import BusyReason, TimeoutReason
 from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.core.handles import HandleKind
 from kvstate.core.identity import Deployment
-from kvstate.share.exporter import Exporter, ExportConfig
+from kvstate.share.exporter import Exporter
+from kvstate.share.export_config import ExportConfig
 from kvstate.transport.cuda import CudaTransport
 from support.waiting import wait_until
 

@@ -26,7 +26,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvstate.core.errors import TransferFailed, TransitionError
 from kvstate.core.reasons import TransferFailReason, TransitionReason
-from kvstate.share.exporter import ExportConfig, Exporter
+from kvstate.share.exporter import Exporter
+from kvstate.share.export_config import ExportConfig
 from kvstate.share.importer import ImportConfig, Importer
 from kvstate.transport.host import HostTransport
 from datapath.conftest import DEPLOYMENT, GRANULARITY, socket_dir

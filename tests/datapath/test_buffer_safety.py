@@ -26,7 +26,8 @@ PRELUDE = textwrap.dedent('''
     from kvstate.core.reasons import NativeReason
     from kvstate.core.errors import KvStateError, NativeError
     from kvstate.core.identity import Deployment
-    from kvstate.share.exporter import Exporter, ExportConfig
+    from kvstate.share.exporter import Exporter
+    from kvstate.share.export_config import ExportConfig
     from kvstate.reuse.policy import ReuseSettings
     from kvstate.share.importer import Importer, ImportConfig
     from kvstate.transport.host import HostTransport

@@ -194,6 +194,9 @@ def test_store_arguments_are_checked_like_loads(make_world: Any) -> None:
         (lambda: bank.store({**src, "layer.0": torch.zeros(3, dtype=torch.bfloat16)}, [1], [3]), R.SHAPE),
         (lambda: bank.store({**src, "layer.0": object()}, [1], [3]), R.TENSOR),
         (lambda: bank.store({}, [1], [3]), R.REGIONS),
+        (lambda: bank.store(src, [1], [3], report=(-1, b"ok", b"bad")), R.TYPE),   # no socket fd
+        (lambda: bank.store(src, [1], [3], report=(0, "ok", b"bad")), R.TYPE),    # text, not bytes
+        (lambda: bank.store(src, [1], [3], report=[0, b"ok", b"bad"]), R.TYPE),   # type: ignore[arg-type]
     ]
     before = engine().stats()
     for call, reason in cases:

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvstate.core.errors import ChannelError, ConfigInvalid, KvStateError
-from kvstate.share.exporter import ExportConfig, Exporter
+from kvstate.share.exporter import Exporter
+from kvstate.share.export_config import ExportConfig
 from kvstate.transport.host import HostTransport
 from datapath.conftest import DEPLOYMENT, GRANULARITY, socket_dir
 

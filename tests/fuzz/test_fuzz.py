@@ -25,7 +25,8 @@ from kvstate.core.reasons import ChannelReason
 from kvstate import channel as chan
 from kvstate.channel import HEADER, MAGIC
 from kvstate.core.descriptor import encode
-from kvstate.share.exporter import Exporter, ExportConfig
+from kvstate.share.exporter import Exporter
+from kvstate.share.export_config import ExportConfig
 from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.reuse.policy import SETTING_NAMES, cli_flag, env_var
 from kvstate.reuse.profile import PROTOCOL_VERSION

@@ -73,9 +73,6 @@ CHILD = textwrap.dedent("""
 
 
 @pytest.mark.multiproc
-@pytest.mark.xfail(strict=False, reason="known race, open in issue 28: DecodeRank.store arms the engine's "
-                   "report after the submit; ops that end before it is armed are reported by Python, which "
-                   "waits for the held GIL. Fix: arm the report inside the submit.")
 def test_a_lookup_50_ms_after_a_store_completed_finds_it_while_the_ranks_gil_is_held(tmp_path: Path) -> None:
     sockets = Path(f"/tmp/kvs-rep-{os.getpid()}")
     sockets.mkdir(mode=0o700, exist_ok=True)
@@ -211,3 +208,28 @@ def test_a_cancelled_store_is_reported_failed_and_leaves_the_inventory(decode: _
     got = decode.client.lookup(decode.compat, [b"\x03" * 16])
     assert isinstance(got, Found) and got.blocks == 0, got
     assert r.key not in decode.rank.inventory.hashes(INVENTORY_GROUP)
+
+
+@pytest.mark.native
+def test_a_store_that_ends_before_bank_store_returns_is_still_reported_by_the_op_engine(decode: _Decode) -> None:
+    """The race that armed the report too late: here every op of the store has ended, and
+    kvstate's dispatcher has finished the handle, before ``Bank.store`` returns to the
+    rank. The report was armed inside the submit, so the op engine sent it anyway (when
+    armed after the submit, it could no longer be, and the rank's Python had to send it)."""
+    decode.index.start()
+    decode.wait(decode.index.ready, "the rank's link")
+    real = decode.rank.bank.store
+
+    def store_then_finish(*args: object, **kwargs: object) -> object:
+        handle = real(*args, **kwargs)  # type: ignore[arg-type]
+        assert handle.wait(20)  # the dispatcher finished it: ops reaped, callbacks run
+        return handle
+
+    decode.rank.bank.store = store_then_finish  # type: ignore[method-assign]
+    (r,) = decode.index.reserve([b"\x04" * 16])
+    decode.rank.store(StoreOrder("req", (3,), (r.slot,), (r.key,)))
+    (handle,) = decode.rank._handles
+    assert handle.done() and handle.report_status == "sent_ok"
+    decode.wait(lambda: decode.table.counts()["stored"] == 1, "the engine's report")
+    got = decode.client.lookup(decode.compat, [b"\x04" * 16])
+    assert isinstance(got, Found) and got.keys == (r.key,), got

@@ -565,6 +565,53 @@ def test_a_per_layer_load_runs_in_its_step_and_each_layer_waits_for_its_own_regi
         decode.close()
 
 
+def test_a_per_layer_load_ordered_before_its_rank_connected_waits_for_it(sockets: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load ordered right after start-up reaches the forward pass (start_layers) while
+    the rank's connect thread has joined the coordinator but not yet handed the rank its
+    worker: start_layers waits for the worker, within load_timeout_s, and the load runs;
+    it is not recomputed as not ready. The hand-over is held on a gate until start_layers
+    was called."""
+    common = {"socket_dir": str(sockets), "retain_bytes": 16 * 2 * HEADS * BS * 2 * HD * 2}
+    gate = threading.Event()
+    connect = PrefillRank._connect_part
+
+    def held(self: PrefillRank, config: Any, *, reconnect: bool) -> Any:
+        worker = connect(self, config, reconnect=reconnect)  # joined: the coordinator sees its link
+        gate.wait(30.0)
+        return worker
+
+    monkeypatch.setattr(PrefillRank, "_connect_part", held)
+    decode = Engine("kv_producer", common, 1, "decode-engine")
+    prefill = Engine("kv_consumer", {**common, "policy": POLICY, "layer_loads": True, "load_timeout_s": 30.0}, 1,
+                     "prefill-engine")
+    try:
+        tokens = list(range(6000, 6000 + 2 * BS + 1))
+        finish(decode, "d-early", tokens, [5, 7])
+        n = prefill.sched.match("p-early", tokens, len(tokens), 0, None)
+        assert n == 2 * BS
+        prefill.sched.allocated("p-early", [30, 31], n)
+        rank = prefill.prefill[0]
+        for order in prefill.sched.step_orders().loads:
+            rank.load(order)
+        assert rank.worker is None                            # joined, but not yet handed over
+        opener = threading.Timer(0.2, gate.set)               # handed over while start_layers runs
+        opener.start()
+        rank.start_layers()
+        opener.join()
+        for layer in LAYERS:
+            rank.wait_layer(layer)
+        done, failed = rank.finished()
+        assert failed == set() and rank.failures().reasons == ()
+        for layer in LAYERS:
+            for s_page, d_page in zip([5, 7], [30, 31]):
+                assert torch.equal(prefill.caches[0][layer][d_page], decode.caches[0][layer][s_page])
+    finally:
+        gate.set()
+        prefill.close()
+        decode.close()
+
+
 def test_a_per_layer_load_that_cannot_start_names_its_pages(sockets: Path) -> None:
     """The decode engine is gone before the step: the shares never become ready, the load
     fails in start_layers (within load_timeout_s) and its pages are named for recompute;

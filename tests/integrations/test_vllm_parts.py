@@ -21,7 +21,8 @@ from kvstate.core.identity import Deployment
 from kvstate.integrations.vllm import config as cfgmod
 from kvstate.integrations.vllm import stats, wire
 from kvstate.integrations.vllm.hashing import Compat, block_key, prefix_hashes, root, source_id
-from kvstate.integrations.vllm.layout import bank_blocks, bank_geometry, block_bytes, scales_problem, tensor_problem
+from kvstate.integrations.vllm.layout import (MLA_ISA, bank_blocks, bank_geometry, block_bytes, scales_problem,
+                                              tensor_problem)
 from kvstate.integrations.vllm.tp import same_tp, source_view
 from kvstate.integrations.vllm.orders import LoadFailures, failure_code
 from kvstate.integrations.vllm.slots import SlotTable
@@ -185,6 +186,26 @@ def test_bank_geometry_matches_the_cpu_layout() -> None:
     assert "dtype" in str(tensor_problem(c, {**good, "l1": T("torch.float16", (64, 2, 4, 16))}))
     assert "CPU layout" in str(tensor_problem(c, {**good, "l1": T("torch.bfloat16", (2, 64, 4, 2, 8))}))
     assert "layers" in str(tensor_problem(c, {"l0": good["l0"]}))
+
+
+def test_an_mla_key_is_one_latent_per_token_in_the_cpu_mla_layout() -> None:
+    """vLLM's CPU_MLA cache: per layer [num_blocks, 1, block_size, latent], no K/V pair; the
+    key says MLA by its isa, and an MLA key never matches a K/V key of the same numbers."""
+    c = compat(isa=MLA_ISA, kv_heads=1, head_dim=576)
+    assert block_bytes(c) == 2 * 4 * 576 * 2
+    g = bank_geometry(c, 3)
+    assert g.block_bytes == block_bytes(c) and g.regions[0].shape == (3, 1, 4, 576)
+
+    class T:
+        def __init__(self, dtype: str, shape: tuple[int, ...]) -> None:
+            self.dtype, self.shape = dtype, shape
+
+    good = {"l0": T("torch.bfloat16", (64, 1, 4, 576)), "l1": T("torch.bfloat16", (64, 1, 4, 576))}
+    assert tensor_problem(c, good) is None
+    assert "CPU MLA layout" in str(tensor_problem(c, {**good, "l1": T("torch.bfloat16", (64, 1, 4, 1152))}))
+    assert "CPU MLA layout" in str(tensor_problem(c, {**good, "l1": T("torch.bfloat16", (64, 4, 576))}))
+    assert tensor_problem(compat(kv_heads=1, head_dim=576), good) is not None  # K/V of 576 is 1152 wide
+    assert reason(c, compat(kv_heads=1, head_dim=576)) == "attention_isa"
 
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvstate.share.exporter import Exporter, ExportConfig
+from kvstate.share.exporter import Exporter
+
+from kvstate.share.export_config import ExportConfig
 from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.core.identity import Deployment
 from kvstate.share.importer import ImportConfig, Importer

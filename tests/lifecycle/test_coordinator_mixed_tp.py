@@ -22,7 +22,8 @@ from kvstate.core.errors import ArgumentInvalid, ConfigInvalid, GroupFailed, Gro
 from kvstate.core.geometry import DType
 from kvstate.core.reasons import ArgumentReason, ConfigReason, RejectReason
 from kvstate.share.coordinator import Coordinator, CoordinatorConfig
-from kvstate.share.exporter import ExportConfig, Exporter
+from kvstate.share.exporter import Exporter
+from kvstate.share.export_config import ExportConfig
 from kvstate.share.load import Sliced
 from kvstate.share.rank_worker import RankWorker, WorkerConfig
 from kvstate.transport.host import HostTransport

@@ -21,7 +21,8 @@ from kvstate.core.errors import GroupRejected, ImportFailed, NativeError
 from kvstate.core.reasons import ImportReason, NativeReason
 from kvstate.core.identity import Incarnation
 from kvstate.core.machine import StateChange
-from kvstate.share.exporter import Exporter, ExportConfig
+from kvstate.share.exporter import Exporter
+from kvstate.share.export_config import ExportConfig
 from kvstate.share.importer import Group, ImportConfig, Importer
 from kvstate.transport.host import HostTransport
 from support.faults import FaultyTransport

@@ -34,16 +34,21 @@ def _line(p: subprocess.Popen[str]) -> dict[str, Any]:
     return out
 
 
-def test_an_exporter_holding_its_gil_still_serves_a_tp2_import() -> None:
+@pytest.mark.parametrize("blocks", [False, True], ids=["bank", "inventory-blocks"])
+def test_an_exporter_holding_its_gil_still_serves_a_tp2_import(blocks: bool) -> None:
+    """With ``blocks`` the leases name retained inventory blocks (as the vLLM connector's
+    do): they are re-validated and pinned natively too, and unpinned when the leases end."""
     r, w = os.pipe()
-    exporter = _child("exporter", r)
+    exporter = _child("exporter", r, *(["blocks"] if blocks else []))
     importer = None
     try:
         holding = _line(exporter)
         assert holding["event"] == "holding"
         # From here the exporter's process is inside one C call with its GIL held, until
         # the importer writes its word.
-        importer = _child("importer", w, *holding["descriptors"])
+        epoch = holding["epoch"]
+        assert (epoch is not None) == blocks
+        importer = _child("importer", w, "-" if epoch is None else str(epoch), *holding["descriptors"])
         os.close(w)
         w = -1
         assert importer.wait(timeout=300) == 0
@@ -54,6 +59,8 @@ def test_an_exporter_holding_its_gil_still_serves_a_tp2_import() -> None:
         assert imported["word"] == "done", imported
         assert returned == {"event": "hold returned", "word": "done", "ticks_during_hold": 0,
                             "bank_states": returned["bank_states"]}, returned
+        if blocks:  # 11 and 13 were pinned by both ranks' leases, and the drain ended them
+            assert _line(exporter) == {"event": "pins", "leased": [0, 0, 0]}
         released = _line(exporter)
         assert released["bank_states"] == ["released", "released"], released
         assert exporter.wait(timeout=60) == 0

@@ -70,7 +70,7 @@ def _one_bank_exporter(transport: HostTransport, rank: int, source: bytes, socke
                        epochs: int) -> Exporter:
     """A decode worker process of one rank: its own bank and its own inventory."""
     from conftest import DEPLOYMENT, GEOMETRY, _created
-    from kvstate.share.exporter import ExportConfig
+    from kvstate.share.export_config import ExportConfig
 
     ex = Exporter(ExportConfig(DEPLOYMENT, socket_dir, source, 2), transport,  # type: ignore[arg-type]
                   name=f"rank{rank}", inventory=Inventory(8))

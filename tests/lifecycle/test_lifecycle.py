@@ -27,7 +27,8 @@ from kvstate.core.reasons import (
     ArgumentReason, ImportReason, RejectReason, ImportDefect, ChannelReason, TimeoutReason, NativeReason,
     TransitionReason,
 )
-from kvstate.share.exporter import ExportConfig, Exporter
+from kvstate.share.exporter import Exporter
+from kvstate.share.export_config import ExportConfig
 from kvstate.transport.host import HostTransport
 from support.faults import FaultyTransport
 from support.reuse import REUSE_ON
@@ -171,7 +172,8 @@ def test_part_import_failure_rolls_back_every_part(step: str, failing_rank: int,
 @pytest.mark.parametrize("step", ["reserve", "map", "set_access", "export"])
 def test_registration_failure_preserves_owner_and_leaves_nothing(step: str, transport: HostTransport) -> None:
     """INV-REGISTER-ATOMIC: a failure at any registration step restores owner and state."""
-    from kvstate.share.exporter import Exporter, ExportConfig
+    from kvstate.share.exporter import Exporter
+    from kvstate.share.export_config import ExportConfig
     import tempfile
     from pathlib import Path
     faulty = FaultyTransport(transport)

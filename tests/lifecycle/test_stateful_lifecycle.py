@@ -31,7 +31,8 @@ from kvstate.core.errors import TimedOut
 from kvstate.core.reasons import TimeoutReason
 from kvstate.core.errors import GroupRejected, ImportFailed, KvStateError, TransitionError, NativeError
 from kvstate.core.reasons import NativeReason, TransitionReason
-from kvstate.share.exporter import Exporter, ExportConfig
+from kvstate.share.exporter import Exporter
+from kvstate.share.export_config import ExportConfig
 from kvstate.core.identity import Incarnation
 from kvstate.share.importer import Group, ImportConfig, Importer, Part
 from kvstate.core.machine import StateChange, effect

@@ -24,7 +24,8 @@ from kvstate.channel.tcp import FRAME_GRACE_S, TcpServer, connect_tcp, parse_add
 from kvstate.core.errors import ChannelError, ConfigInvalid
 from kvstate.core.handles import HandleKind
 from kvstate.core.identity import Deployment
-from kvstate.share.exporter import ExportConfig, Exporter
+from kvstate.share.exporter import Exporter
+from kvstate.share.export_config import ExportConfig
 from kvstate.transport.host import HostTransport
 
 KEY = Deployment("tcp-tests", bytes(range(32)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import socket
 import threading
 import time
@@ -37,6 +38,30 @@ def pair(server: Server) -> Iterator[tuple[Channel, Channel]]:
     yield client, srv
     client.close()
     srv.close()
+
+
+def test_peer_alive_with_descriptors_past_fd_setsize(server: Server) -> None:
+    """A process with more than 1,024 fds open (an engine's, with its tensors and sockets)
+    still checks its peer: select() refuses fds past FD_SETSIZE, so liveness polls."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    fillers: list[int] = []
+    try:
+        while (fd := os.open(os.devnull, os.O_RDONLY)) < 1100:
+            fillers.append(fd)
+        fillers.append(fd)
+        client = connect(server.path, timeout=5)
+        srv = server.accept(timeout=5)
+        try:
+            assert client.pidfd is not None and client.pidfd > 1024
+            assert client.peer_alive() and srv.peer_alive()
+        finally:
+            client.close()
+            srv.close()
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_roundtrip_with_fds_and_credentials(pair: tuple[Channel, Channel]) -> None:

@@ -4,7 +4,12 @@ renewals, releases, mapped notes single and batched, hang-ups, expiry ticks, max
 pressure, drains, re-advertisements, malformed frames) go to both, and after every step
 the answers (ok, code, lease ids, fd counts, batch shapes), the banks' states and the
 lease tables must agree. Details (free text) and remaining terms (clocks) are not
-compared; a term must be within the lease timeout."""
+compared; a term must be within the lease timeout.
+
+Leases naming inventory blocks too: the native server re-validates and pins them in its
+mirror of the exporter's inventory; the reference pinned them in a Python inventory. Both
+inventories see the same stores, removals and clears (whose refusals, a leased block,
+must agree), and after every step the same blocks, epochs and lease counts per block."""
 
 from __future__ import annotations
 
@@ -17,9 +22,12 @@ from typing import Any
 
 import pytest
 
+from kvstate.core.errors import Busy
 from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.core.identity import Deployment
-from kvstate.share.exporter import ExportConfig, Exporter
+from kvstate.reuse.inventory import Inventory
+from kvstate.share.exporter import Exporter
+from kvstate.share.export_config import ExportConfig
 from kvstate.transport.host import HostTransport
 from support.lease_reference import RefBank, RefServer
 
@@ -30,6 +38,7 @@ GEOMETRY = Geometry.uniform(layers=1, kv_heads=1, head_dim=8, block_tokens=4, dt
                             layout=Layout.LAYER_MAJOR, num_blocks=4)
 TP, MAX_LEASES, TIMEOUT_S = 3, 3, 30.0
 SEQUENCES, STEPS = 120, 40
+GROUPS, HASHES = ("g", "h"), range(8)
 
 
 class Pair:
@@ -39,8 +48,9 @@ class Pair:
     def __init__(self, transport: HostTransport) -> None:
         d = Path(tempfile.mkdtemp(prefix="kvs-ldiff-"))
         os.chmod(d, 0o700)
+        self.inventories = (Inventory(64), Inventory(64))  # native, reference (no eviction: see agree)
         self.ex = Exporter(ExportConfig(DEPLOYMENT, d / "sock", os.urandom(16), TP, max_leases=MAX_LEASES,
-                                        lease_timeout_s=TIMEOUT_S), transport)
+                                        lease_timeout_s=TIMEOUT_S), transport, inventory=self.inventories[0])
         self.ref_banks = {r: RefBank(r, MAX_LEASES, TIMEOUT_S) for r in range(TP)}
         for r in range(TP):
             self.ex.add_bank(r, GEOMETRY).fire("register")
@@ -48,7 +58,7 @@ class Pair:
             self.advertise(r)
         self.ref = RefServer(self.ref_banks, self.ex.incarnation.value.hex(),
                              lambda b: self.ex.banks[b.rank].lease_report(),
-                             lambda b: self.ex.banks[b.rank].exported().fd)
+                             lambda b: self.ex.banks[b.rank].exported().fd, self.inventories[1])
         self.conns: list[int] = []
         self.granted: list[int] = [0]
 
@@ -81,6 +91,26 @@ def normal(reply: dict[str, Any] | None, nfds: int) -> Any:
     return out, nfds
 
 
+def blocks(rng: random.Random, p: Pair) -> Any:
+    """What a lease names of the inventory: mostly well formed (held, or not quite), some not."""
+    group = rng.choice(GROUPS + ("nope",))
+    epoch = p.inventories[0].epoch(group)
+    held = sorted(p.inventories[0].hashes(group)) if epoch is not None else []
+    hashes = rng.sample(held, rng.randint(1, len(held))) if held and rng.random() < 0.7 else \
+        rng.sample(list(HASHES), rng.randint(1, 3))
+    want: dict[str, Any] = {"group": group, "epoch": epoch if epoch is not None and rng.random() < 0.85
+                            else rng.choice([0, 1, 10 ** 30]), "hashes": hashes}
+    roll = rng.random()
+    if roll < 0.06:
+        return rng.choice(["x", 3, [1], True])
+    if roll < 0.12:
+        del want[rng.choice(list(want))]
+    elif roll < 0.22:
+        want[rng.choice(list(want))] = rng.choice([None, -1, 1.5, True, "", "1", [], {}, {"a": 1}, [True], [-1],
+                                                   [2 ** 64], [2 ** 64 - 1], [1, 1], [1.0], 10 ** 30, -10 ** 30])
+    return want
+
+
 def request(rng: random.Random, p: Pair) -> bytes:
     """One frame: mostly well formed, some subtly or grossly not."""
     ex = p.ex
@@ -91,10 +121,18 @@ def request(rng: random.Random, p: Pair) -> bytes:
     kind = rng.randrange(14)
     if kind < 3:
         obj: Any = {"op": "lease", "rank": rank, "generation": gen, "incarnation": inc}
+        if rng.random() < 0.5:
+            obj["blocks"] = blocks(rng, p)
     elif kind == 3:
         ranks = rng.sample(range(TP), rng.randint(1, TP))
         obj = {"op": "leases", "items": [{"rank": r, "generation": ex.banks[r].generation if rng.random() < 0.85
                                            else 9, "incarnation": inc} for r in ranks]}
+        for item in obj["items"]:
+            if rng.random() < 0.5:
+                item["blocks"] = blocks(rng, p)
+        if rng.random() < 0.1:
+            obj["items"].append(rng.choice([{"rank": rank, "blocks": blocks(rng, p)}, {"blocks": blocks(rng, p)},
+                                            {"rank": "1", "blocks": blocks(rng, p)}, 7]))
     elif kind < 6:
         obj = {"op": "renew", "rank": rank, "lease": lease}
     elif kind < 8:
@@ -128,6 +166,11 @@ def request(rng: random.Random, p: Pair) -> bytes:
 
 
 def agree(p: Pair, where: str) -> None:
+    native, ref = p.inventories
+    for g in GROUPS:
+        assert (native.epoch(g), native.hashes(g)) == (ref.epoch(g), ref.hashes(g)), f"{where}: group {g}"
+        busy = [(native.busy(g, h), ref.busy(g, h)) for h in HASHES]
+        assert all(a == b for a, b in busy), f"{where}: group {g} pins and leases {busy}"
     for r in range(TP):
         nb, rb = p.ex.banks[r], p.ref_banks[r]
         assert nb.state == rb.state, f"{where}: rank {r} state {nb.state} vs {rb.state}"
@@ -158,6 +201,23 @@ def step(rng: random.Random, p: Pair, n: int) -> None:
             p.ex.banks[r].fire("drain")
             p.ref_banks[r].fire("drain")
         where = f"step {n}: drain {r}"
+    elif roll < 0.24:  # the engine changes its inventory: both refuse the same removals
+        group, hashes = rng.choice(GROUPS), rng.sample(list(HASHES), rng.randint(1, 4))
+        what = rng.choice(["store", "store", "remove", "clear"])
+        outcomes = []
+        for inv in p.inventories:
+            try:
+                if what == "store":
+                    inv.store(group, hashes)
+                elif what == "remove":
+                    inv.remove(group, hashes)
+                else:
+                    inv.clear(group)
+                outcomes.append("ok")
+            except Busy:
+                outcomes.append("busy")
+        where = f"step {n}: {what} {group} {hashes}"
+        assert outcomes[0] == outcomes[1], f"{where}: native {outcomes[0]}, reference {outcomes[1]}"
     else:
         if not p.conns or rng.random() < 0.1:
             p.connect()

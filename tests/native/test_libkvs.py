@@ -51,6 +51,9 @@ _C_TO_PY: dict[str, Any] = {
     "struct kvs_lease_info *": libkvs.LeaseInfoArray,
     "struct kvs_hold_info *": libkvs.HoldInfoArray,
     "struct kvs_lease_event *": libkvs.LeaseEventPtr,
+    "struct kvs_attach_part *": libkvs.AttachPartArray,
+    "struct kvs_vfacts *": libkvs.VFactsArray,
+    "struct kvs_vexpect *": libkvs.VExpectArray,
 }
 _STRUCTS = {"kvs_region_info": libkvs.RegionInfoPtr, "kvs_global_info": libkvs.GlobalInfoPtr,
             "kvs_op_info": libkvs.OpInfoPtr, "kvs_cuda_driver_info": libkvs.CudaDriverInfoPtr,
@@ -58,6 +61,7 @@ _STRUCTS = {"kvs_region_info": libkvs.RegionInfoPtr, "kvs_global_info": libkvs.G
             "kvs_fire_result": libkvs.FireResultPtr, "kvs_frame": libkvs.FramePtr,
             "kvs_renew_outcome": libkvs.RenewOutcomePtr, "kvs_renew_state": libkvs.RenewStatePtr,
             "kvs_lease_info": libkvs.LeaseInfo, "kvs_hold_info": libkvs.HoldInfo,
+            "kvs_attach_part": libkvs.AttachPart,
             "kvs_lease_event": libkvs.LeaseEventPtr}
 
 

@@ -260,3 +260,27 @@ def test_many_ops_from_many_threads(nat: Native, bank: Bank) -> None:
     after = nat.stats()
     assert after.completed - before.completed == 200 and after.ops_live == 0
     assert bank.t.stats(bank.m).completed == 200 and bank.t.stats(bank.m).pins == 0
+
+
+def test_a_paused_engine_runs_exactly_the_ops_it_is_allowed_in_queue_order(nat: Native, bank: Bank) -> None:
+    """kvs_engine_allow: while paused, the next N queued ops run to the end (every part of
+    a large one too) and the rest stay queued, provably not started; unpausing runs them.
+    Tests hold a chosen op of a transfer with it (the last layer of a per-layer load)."""
+    with raises(ArgumentInvalid, ArgumentReason.STATE):
+        nat.allow(1)  # not paused
+    nat.pause(True)
+    bufs = [bytearray(BANK), bytearray(4096), bytearray(4096)]
+    ops = [nat.submit_copy(bank.region, bufs[0], BANK), nat.submit_copy(bank.region, bufs[1], 4096),
+           nat.submit_copy(bank.region, bufs[2], 4096)]
+    nat.allow(2)
+    assert ops[0].wait(10) and ops[1].wait(10)
+    assert ops[2].info().state == "queued" and not ops[2].wait(0.05)
+    assert bufs[0] == bank.data and bufs[1] == bank.data[:4096] and bufs[2] == bytearray(4096)
+    nat.allow(0)
+    assert ops[2].info().state == "queued"
+    nat.pause(False)
+    assert ops[2].result(10).state == "done" and bufs[2] == bank.data[:4096]
+    for op in ops[:2]:
+        assert op.reap().state == "done"
+    with raises(ArgumentInvalid, ArgumentReason.RANGE):
+        nat.allow(-1)

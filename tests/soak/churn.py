@@ -87,7 +87,8 @@ def exporter_main(conn: multiprocessing.connection.Connection, key: str, socket_
     """One rank's bank, served for the whole run. ``plant="leak_fd"`` (the self-test) leaks
     an fd with every lease granted."""
     from kvstate.core.identity import Deployment
-    from kvstate.share.exporter import ExportConfig, Exporter
+    from kvstate.share.exporter import Exporter
+    from kvstate.share.export_config import ExportConfig
     from kvstate.transport.host import HostTransport
 
     Heartbeat(Path(stall_dir), STALL_TERMS * LEASE_S)

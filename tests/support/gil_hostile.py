@@ -10,6 +10,10 @@ Python, the importer could not lease and would write ``failed`` instead.
 
 ``importer``: leases, maps and loads the group from the descriptors, verifies the bytes,
 and writes ``done`` (or ``failed: why``) to the pipe.
+
+With ``blocks``, the exporter keeps a retained inventory (blocks 11, 12, 13 of group
+``prefix``), and the importer's leases name two of them, as the vLLM connector's do: the
+native lease server re-validates and pins them without the exporter's Python.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ from pathlib import Path
 from kvstate.core.descriptor import decode
 from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.core.identity import Deployment
-from kvstate.share.exporter import ExportConfig, Exporter
-from kvstate.share.importer import ImportConfig, Importer
+from kvstate.reuse.inventory import Inventory
+from kvstate.share.exporter import Exporter
+from kvstate.share.export_config import ExportConfig
+from kvstate.share.importer import BlockRequest, ImportConfig, Importer
 from kvstate.transport.host import HostTransport
 from support.reuse import REUSE_ON
 
@@ -35,6 +41,7 @@ GEOMETRY = Geometry.uniform(layers=2, kv_heads=2, head_dim=16, block_tokens=8, d
                             layout=Layout.LAYER_MAJOR, num_blocks=32)
 TP = 2
 BLOCKS = [5, 0, 31, 2]
+GROUP, HELD, NAMED = "prefix", (11, 12, 13), (11, 13)
 
 
 def pattern(rank: int, nbytes: int) -> bytes:
@@ -51,10 +58,14 @@ def say(**what: object) -> None:
     print(json.dumps(what), flush=True)
 
 
-def exporter(pipe_r: int) -> None:
+def exporter(pipe_r: int, with_blocks: bool) -> None:
     d = Path(tempfile.mkdtemp(prefix="kvs-gil-"))
     os.chmod(d, 0o700)
-    ex = Exporter(ExportConfig(DEPLOYMENT, d / "sock", os.urandom(16), TP), HostTransport())
+    inventory = None
+    if with_blocks:
+        inventory = Inventory(8)
+        inventory.store(GROUP, HELD)
+    ex = Exporter(ExportConfig(DEPLOYMENT, d / "sock", os.urandom(16), TP), HostTransport(), inventory=inventory)
     for r in range(TP):
         bank = ex.add_bank(r, GEOMETRY)
         bank.fire("register")
@@ -75,7 +86,8 @@ def exporter(pipe_r: int) -> None:
     libc.read.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
     libc.read.restype = ctypes.c_ssize_t
     buf = ctypes.create_string_buffer(256)
-    say(descriptors=[ex.descriptor(r).hex() for r in range(TP)], event="holding")
+    say(descriptors=[ex.descriptor(r).hex() for r in range(TP)], event="holding",
+        epoch=None if inventory is None else inventory.epoch(GROUP))
     # No forced GIL switch between reading the count and entering the call (nor after
     # it returns): any tick counted in between ran while the call held the GIL.
     interval = sys.getswitchinterval()
@@ -88,6 +100,8 @@ def exporter(pipe_r: int) -> None:
     word = buf.raw[:max(n, 0)].decode(errors="replace")
     states_after = [b.state for b in ex.banks.values()]
     say(event="hold returned", word=word, ticks_during_hold=during, bank_states=states_after)
+    if inventory is not None:  # the importer drained: its leases ended natively, and their pins
+        say(event="pins", leased=[inventory.busy(GROUP, h)[1] for h in HELD])
     ex.stop()
     for b in ex.banks.values():
         for lease in list(b.leases.values()):
@@ -96,11 +110,12 @@ def exporter(pipe_r: int) -> None:
     say(event="released", bank_states=[b.state for b in ex.banks.values()])
 
 
-def importer(pipe_w: int, descriptors: list[str]) -> None:
+def importer(pipe_w: int, epoch: str, descriptors: list[str]) -> None:
     word = "failed: nothing ran"
     try:
         im = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON, request_timeout_s=5.0), HostTransport())
-        group = im.import_group([bytes.fromhex(d) for d in descriptors])
+        blocks = None if epoch == "-" else BlockRequest(GROUP, (int(epoch),) * TP, NAMED)
+        group = im.import_group([bytes.fromhex(d) for d in descriptors], blocks=blocks)
         dst = [bytearray(len(BLOCKS) * GEOMETRY.block_bytes) for _ in range(TP)]
         group.load_prefix(BLOCKS, dst)
         ok = all(bytes(dst[r]) == expected(r) for r in range(TP))
@@ -117,9 +132,9 @@ def importer(pipe_w: int, descriptors: list[str]) -> None:
 def main() -> None:
     role, fd = sys.argv[1], int(sys.argv[2])
     if role == "exporter":
-        exporter(fd)
+        exporter(fd, sys.argv[3:] == ["blocks"])
     else:
-        importer(fd, sys.argv[3:])
+        importer(fd, sys.argv[3], sys.argv[4:])
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ kept as the reference the differential test holds the native handler to
 It is the former ``Exporter._handle``, ``_handle_batch``, ``_handle_mapped``,
 ``_end_leases`` and ``expire`` over banks driven by the Python
 :class:`kvstate.core.machine.Lifecycle` of ``spec/bank.toml``, with the former lease
-effects and guards. Connections are plain ids; what the native server does with
+effects and guards, and the former ``LeaseServer._lease_blocks``: a lease naming
+inventory blocks pinned them with :meth:`Inventory.lease` first (the inventory was only
+Python's), then the lease was decided, and its end released them. Connections are plain ids; what the native server does with
 sockets (framing, peer credentials, pidfds) is not part of this reference. Holds are
 left out: the differential banks export memfds, which are counted (no hold is kept).
 """
@@ -23,6 +25,7 @@ from kvstate.core.errors import ChannelError, KvStateError, TransitionError
 from kvstate.core.machine import Lifecycle, effect, guard
 from kvstate.core.reasons import ChannelReason
 from kvstate.core.spec import load_machine
+from kvstate.reuse.inventory import Inventory, LeaseGrant, Stale, refused_by_inventory
 
 _REQUEST_FIELDS: dict[str, type] = {"op": str, "rank": int, "lease": int, "generation": int, "incarnation": str}
 
@@ -46,6 +49,7 @@ class RefBank(Lifecycle):
         self.generation = 0
         self.descriptor_ok = False
         self.leases: dict[int, RefLease] = {}
+        self.on_end: Callable[[int], None] = lambda lease_id: None
 
     @guard("accepting_leases")
     def _accepting(self, **kw: Any) -> bool:
@@ -96,6 +100,7 @@ class RefBank(Lifecycle):
     @effect("end_lease")
     def _end(self, *, lease_id: int, **kw: Any) -> None:
         self.leases.pop(lease_id)
+        self.on_end(lease_id)
 
     @effect("submit_store")
     def _submit_store(self, **kw: Any) -> None:
@@ -114,16 +119,32 @@ class RefServer:
     """The former request handling of one exporter, over :class:`RefBank` s."""
 
     def __init__(self, banks: dict[int, RefBank], incarnation: str, report: Callable[[RefBank], dict[str, Any]],
-                 fd: Callable[[RefBank], int | None]) -> None:
+                 fd: Callable[[RefBank], int | None], inventory: Inventory | None = None) -> None:
         self.banks, self.incarnation, self.report, self.fd = banks, incarnation, report, fd
+        self.inventory = inventory
         self._next = 1
+        self._blocks: dict[int, LeaseGrant] = {}  # lease id -> the inventory blocks it pins
+        for bank in banks.values():
+            bank.on_end = self._ended
+
+    def _ended(self, lease_id: int) -> None:
+        grant = self._blocks.pop(lease_id, None)
+        if grant is not None and self.inventory is not None:
+            self.inventory.release(grant)
 
     def serve(self, conn: int, payload: bytes) -> tuple[dict[str, Any] | None, tuple[int, ...]]:
         """One request's answer (None: a notification, not answered) and its fds."""
         request: dict[str, Any] = {}
         try:
             request = chan.decode(payload)
-            if request.get("op") == "leases":
+            items = request.get("items")
+            blocks = request.get("blocks") is not None or (isinstance(items, list) and any(
+                isinstance(i, dict) and i.get("blocks") is not None for i in items))
+            if blocks and request.get("op") == "lease":
+                self._check_fields(request)
+            if blocks and request.get("op") in ("lease", "leases"):
+                reply, fds = self._lease_blocks(conn, request)
+            elif request.get("op") == "leases":
                 reply, fds = self._handle_batch(conn, request)
             elif request.get("op") == "mapped" and "items" in request:
                 reply, fds = self._handle_mapped(conn, request)
@@ -139,11 +160,65 @@ class RefServer:
     def _refuse(code: str, detail: str) -> tuple[dict[str, Any], tuple[int, ...]]:
         return {"ok": False, "code": code, "detail": detail}, ()
 
-    def _handle(self, conn: int, req: dict[str, Any]) -> tuple[dict[str, Any], tuple[int, ...]]:
+    @staticmethod
+    def _check_fields(req: dict[str, Any]) -> None:
         for key, kind in _REQUEST_FIELDS.items():
             if key in req and type(req[key]) is not kind:
                 raise ChannelError(ChannelReason.FRAME,
                                    f"request field {key!r} must be {kind.__name__}, not {type(req[key]).__name__}")
+
+    def _lease_blocks(self, conn: int, request: dict[str, Any]) -> tuple[dict[str, Any] | None, tuple[int, ...]]:
+        """Pin every item's blocks first (the first refusal answers, with its rank in a
+        batch), then serve the request without them; a refusal gives the blocks back."""
+        batch = request.get("op") == "leases"
+        items = request.get("items") if batch else [request]
+        if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+            raise ChannelError(ChannelReason.FRAME, "leases: items must be lease requests")
+        pinned: list[LeaseGrant] = []
+        stripped: list[dict[str, Any]] = []
+        for item in items:
+            want = item.get("blocks")
+            if want is not None:
+                got = self._pin_blocks(want)
+                if not isinstance(got, LeaseGrant):
+                    for g in pinned:
+                        self._release_pin(g)
+                    return ({**got, "rank": item.get("rank")} if batch else got), ()
+                pinned.append(got)
+            stripped.append({k: v for k, v in item.items() if k != "blocks"})
+        body = {"op": "leases", "items": stripped} if batch else stripped[0]
+        reply, fds = self.serve(conn, chan.encode(body))
+        grants = (reply or {}).get("grants") if batch else [reply]
+        if not (reply or {}).get("ok") or not isinstance(grants, list):
+            for g in pinned:
+                self._release_pin(g)
+            return reply, fds
+        at = 0
+        for item, grant in zip(items, grants):
+            if item.get("blocks") is not None:
+                self._blocks[int(grant["lease"])] = pinned[at]
+                at += 1
+        return reply, fds
+
+    def _pin_blocks(self, want: Any) -> LeaseGrant | dict[str, Any]:
+        if self.inventory is None:
+            return {"ok": False, "code": "no_inventory", "detail": "this exporter keeps no retained inventory"}
+        try:
+            result = self.inventory.lease(want["group"], want["epoch"], want["hashes"])
+        except (KvStateError, KeyError, TypeError) as exc:
+            if isinstance(exc, KvStateError) and not refused_by_inventory(exc):
+                raise
+            return {"ok": False, "code": "bad_request", "detail": f"blocks: {exc}"}
+        if isinstance(result, Stale):
+            return {"ok": False, "code": "stale_inventory", "detail": f"{result.reason.value}: recompute"}
+        return result
+
+    def _release_pin(self, grant: LeaseGrant) -> None:
+        assert self.inventory is not None
+        self.inventory.release(grant)
+
+    def _handle(self, conn: int, req: dict[str, Any]) -> tuple[dict[str, Any], tuple[int, ...]]:
+        self._check_fields(req)
         op = req.get("op")
         bank = self.banks.get(req.get("rank", -1))
         if bank is None:

@@ -46,7 +46,8 @@ def unsupported(state: State) -> list[str]:
     from pathlib import Path
 
     from kvstate.core.identity import Deployment
-    from kvstate.share.exporter import ExportConfig, Exporter
+    from kvstate.share.exporter import Exporter
+    from kvstate.share.export_config import ExportConfig
     from kvstate.share.importer import ImportConfig, Importer
     from kvstate.transport import Backend, MappedTransport
 
@@ -243,7 +244,8 @@ def export_banks(state: State, banks: int, blocks: int, block_bytes: int, seed: 
 
     from kvstate.core.geometry import DType, Geometry, Layout
     from kvstate.core.identity import Deployment
-    from kvstate.share.exporter import ExportConfig, Exporter
+    from kvstate.share.exporter import Exporter
+    from kvstate.share.export_config import ExportConfig
     from kvstate.transport.host import HostTransport
     from kvstate.transport.nixl.exporting import NixlExportingHost
 

@@ -122,7 +122,8 @@ def exporter_worker(conn: multiprocessing.connection.Connection, spec_json: str,
     """One decode-rank process: a new Exporter per cycle, named as the library names it
     (pid and incarnation), so a killed one's socket is not reused by its replacement and
     only the other servers' starts can sweep it."""
-    from kvstate.share.exporter import Exporter, ExportConfig
+    from kvstate.share.exporter import Exporter
+    from kvstate.share.export_config import ExportConfig
     from kvstate.transport.host import HostTransport
 
     if plant == "no_sweep":  # the self-test: starts leave what dead servers left

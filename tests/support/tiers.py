@@ -88,6 +88,7 @@ DEFAULTS: Mapping[str, tuple[str, ...]] = {
     "test_policy_contracts.py": ("unit", "slow"),  # crosshair
     "test_profile.py": ("unit",),
     "test_pure_core.py": ("unit",),
+    "test_rules.py": ("unit",),
     "test_scenarios.py": ("unit",),
     "test_spec_loader.py": ("unit",),
     "test_spec_tables.py": ("unit",),

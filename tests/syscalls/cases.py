@@ -55,7 +55,7 @@ ERRNOS: dict[str, tuple[str, ...]] = {
 }
 
 #: Every public operation of the host path the test runs (scenario.OPS).
-OPS = ("add_bank", "register", "advertise", "start", "import_group", "load", "store", "drain", "release", "hello",
+OPS = ("add_bank", "register", "advertise", "start", "import_group", "import_tp2", "load", "store", "drain", "release", "hello",
        "watch")
 
 #: Every errno a call gets at its first occurrence; later occurrences (up to the census

@@ -109,6 +109,19 @@ class World:
         assert self.exporter is not None
         self.exporter.start()
 
+    def new_exporter2(self) -> None:
+        """A tp=2 exporter with both banks advertised: a group of two parts, one batch."""
+        self.exporter = Exporter(ExportConfig(DEPLOYMENT, self.sockdir / "e", b"s" * 16, tp=2),
+                                 HostTransport(granularity=GRANULARITY), name="decode")
+        for rank in (0, 1):
+            bank = self.exporter.add_bank(rank, GEOMETRY)
+            bank.register()
+            bank.advertise()
+
+    def import_group2(self) -> None:
+        assert self.importer is not None and self.exporter is not None
+        self.group = self.importer.import_group([self.exporter.descriptor(0), self.exporter.descriptor(1)])
+
     def new_importer(self) -> None:
         self.importer = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE), HostTransport(granularity=GRANULARITY))
 
@@ -217,6 +230,8 @@ OPS: dict[str, tuple[tuple[str, ...], str]] = {
     "advertise": (("new_exporter", "add_bank", "register"), "advertise"),
     "start": (("new_exporter", "add_bank", "register", "advertise"), "start"),
     "import_group": (("new_exporter", "add_bank", "register", "advertise", "start", "new_importer"), "import_group"),
+    # Two parts in one native attach: a failure of the second rolls the first back too.
+    "import_tp2": (("new_exporter2", "start", "new_importer"), "import_group2"),
     "load": (("new_exporter", "add_bank", "register", "advertise", "start", "new_importer", "import_group",
               "load"), "load"),
     "store": (("new_exporter", "add_bank", "register", "store"), "store"),

@@ -33,6 +33,7 @@ EXPECTED = {
     # (the importer's requests go through its native link, which sends every frame by sendmsg)
     "import_group": {"socket", "connect", "accept4", "sendmsg", "recvmsg", "pidfd_open", "fcntl_get_seals",
                      "fcntl_dupfd", "mmap", "mprotect"},
+    "import_tp2": {"fcntl_get_seals", "fcntl_dupfd", "mmap", "mprotect"},
     "load": {"eventfd", "epoll_ctl"},
     "store": {"eventfd", "epoll_ctl"},
     "drain": {"mmap", "munmap"},
@@ -108,6 +109,23 @@ def test_a_failed_step_rolls_back_what_the_earlier_steps_made(op: str, call: str
     r = run(op, case.rule)
     assert r.get("fired") and r.get("outcome") == "typed", f"{case}: {r}"
     assert not C.verdict(case, r), f"{case}: {json.dumps(r, indent=1)}"
+
+
+#: The native attach's steps, each failed at its last occurrence in a tp=2 import: the
+#: second part's, after the first part of the same batch was fully opened (fd checks,
+#: duplicate, reserve, map, set_access), which must then be rolled back with it.
+ATTACH_STEPS = ["fcntl_get_seals", "fcntl_dupfd", "mmap", "mprotect"]
+
+
+def test_a_failure_at_each_step_of_the_native_attach_rolls_back_the_whole_batch() -> None:
+    counts = C.census(["import_tp2"], workers=1)["import_tp2"]
+    cases = [C.Case("import_tp2", call, counts[call], C.ERRNOS[call][0]) for call in ATTACH_STEPS]
+    # The reserve's mmap of the second part, the one before the map's (both are the native module's).
+    cases.append(C.Case("import_tp2", "mmap", counts["mmap"] - 1, "ENOMEM"))
+    results = C.run_cases([("import_tp2", c.rule) for c in cases], workers=1)
+    for case, r in zip(cases, results):
+        assert r.get("fired") and r.get("outcome") == "typed", f"{case}: {r}"
+        assert not C.verdict(case, r), f"{case}: {json.dumps(r, indent=1)}"
 
 
 @pytest.mark.parametrize("call", ["send", "sendmsg"])

@@ -25,7 +25,8 @@ from support.errors import raises
 from kvstate import channel as chan
 from kvstate.core.descriptor import decode, encode
 from kvstate.core.errors import DescriptorRejected, GroupRejected, ImportFailed, KvStateError, ChannelError
-from kvstate.share.exporter import Exporter, ExportConfig
+from kvstate.share.exporter import Exporter
+from kvstate.share.export_config import ExportConfig
 from kvstate.core.geometry import DType, Geometry, Layout
 from kvstate.core.identity import Deployment
 from kvstate.share.importer import ImportConfig, Importer

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from support.engines import kv_configs, tiny_llama
+from support.engines import kv_configs, tiny_deepseek, tiny_llama
 from support.engines.evidence import reuse
 from support.engines.leftovers import SHM, collect, owner_of, remove_vllm_leftovers, shm_mapped, shm_names
 from support.engines.memory import MemorySampler
@@ -145,6 +145,20 @@ def test_seeded_weights_are_reproducible_and_scaled(tmp_path: Path) -> None:
     assert abs(w["model.embed_tokens.weight"].float().std().item() - 1.0) < 0.02
     assert abs(w["model.layers.0.self_attn.k_proj.weight"].float().std().item() - 0.1) < 0.005
     assert torch.equal(w["model.norm.weight"].float(), torch.ones(256))
+
+
+def test_the_tiny_deepseek_has_the_latent_cpu_mla_needs_and_seeded_weights(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    a = tiny_deepseek.write_model(tmp_path / "a", seed=0) / "model.safetensors"
+    b = tiny_deepseek.write_model(tmp_path / "b", seed=0) / "model.safetensors"
+    assert a.read_bytes() == b.read_bytes()
+    w = load_file(str(a))
+    assert {k: tuple(v.shape) for k, v in w.items()} == tiny_deepseek.weight_shapes()
+    assert tiny_deepseek.LATENT == 576  # CPU_MLA's decode kernel has no other size
+    assert w["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"].shape[0] == tiny_deepseek.LATENT
+    cfg = tiny_deepseek.CONFIG
+    assert cfg["first_k_dense_replace"] >= cfg["num_hidden_layers"]  # every MLP dense: no MoE weights
 
 
 def test_geometry_comparison_names_what_changed() -> None:

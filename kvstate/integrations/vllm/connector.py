@@ -8,7 +8,8 @@ it needs from them and hands plain values to :mod:`.scheduler_side`,
 :mod:`.decode_rank` and :mod:`.prefill_rank`.
 
 Errors: a wrong ``kv_connector_extra_config`` or an engine kvstate cannot serve (not the
-CPU backend, a hybrid or MLA KV cache, FP8 KV with scales other than 1, pipeline parallelism) raises
+CPU backend, a hybrid cache, an MLA cache of another backend than CPU_MLA, FP8 KV with
+scales other than 1, pipeline parallelism) raises
 :class:`~kvstate.core.errors.ConfigInvalid` when the engine starts. After that nothing
 raises into the engine: a step hook that fails logs the error and fails its loads, which
 vLLM recomputes (with ``kv_load_failure_policy="recompute"``).
@@ -36,7 +37,8 @@ from kvstate.integrations.vllm.amx import request_amx_tiles
 from kvstate.integrations.vllm.config import ROUTE_KEY, ConnectorConfig, parse
 from kvstate.integrations.vllm.gil import share_the_gil
 from kvstate.integrations.vllm.hashing import Compat
-from kvstate.integrations.vllm.layout import FP8_CACHE_DTYPES, TORCH_DTYPES, scales_problem, tensor_problem
+from kvstate.integrations.vllm.layout import (FP8_CACHE_DTYPES, MLA_ISA, TORCH_DTYPES, is_mla, scales_problem,
+                                              tensor_problem)
 from kvstate.integrations.vllm.orders import LoadFailures, StepOrders
 from kvstate.integrations.vllm.stats import Tally
 from kvstate.integrations.vllm.tp import source_view
@@ -96,9 +98,10 @@ def compat_of(vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig) -> C
         raise ConfigInvalid.of("pipeline_parallel_size", "pipeline parallelism is not supported")
     groups = kv_cache_config.kv_cache_groups
     spec = groups[0].kv_cache_spec if len(groups) == 1 else None
-    if spec is None or type(spec).__name__ != "FullAttentionSpec":
-        raise ConfigInvalid.of("kv_cache_groups", "one full-attention KV cache group is supported (no hybrid, "
-                               f"sliding-window or MLA caches): {[type(g.kv_cache_spec).__name__ for g in groups]}")
+    kind = type(spec).__name__
+    if spec is None or kind not in ("FullAttentionSpec", "MLAAttentionSpec"):
+        raise ConfigInvalid.of("kv_cache_groups", "one full-attention or MLA KV cache group is supported (no "
+                               f"hybrid or sliding-window caches): {[type(g.kv_cache_spec).__name__ for g in groups]}")
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     fp8 = FP8_CACHE_DTYPES.get(cache_dtype)
     dtype = fp8 if fp8 is not None and str(spec.dtype) == "torch.uint8" else TORCH_DTYPES.get(str(spec.dtype))
@@ -107,7 +110,9 @@ def compat_of(vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig) -> C
     try:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # private: how blocks are packed
 
-        if fp8 is None:
+        if kind == "MLAAttentionSpec":
+            isa = _mla_isa(vllm_config, spec)
+        elif fp8 is None:
             isa = str(_get_attn_isa(spec.dtype, spec.block_size, spec.head_size))
         else:
             # FP8 blocks are quantized from the model's dtype by the kernel of that ISA: both
@@ -120,6 +125,21 @@ def compat_of(vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig) -> C
                   block_size=int(spec.block_size), head_dim=int(spec.head_size), kv_heads=int(spec.num_kv_heads),
                   layers=tuple(groups[0].layer_names), tp=int(parallel.tensor_parallel_size), isa=isa,
                   engine=f"vllm-{vllm.__version__}")
+
+
+def _mla_isa(vllm_config: Any, spec: Any) -> str:
+    """The key's ``isa`` of an MLA cache: only vLLM's reference CPU_MLA backend (chosen
+    where the CPU has no AMX, or when asked for) is run here; AMX_MLA and DeepSeek-V4's
+    sparse caches lay blocks out otherwise, untested."""
+    import torch
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    amx = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    if getattr(spec, "model_version", None) is not None or (
+            amx and vllm_config.attention_config.backend != AttentionBackendEnum.CPU_MLA):
+        raise ConfigInvalid.of("attention", "MLA KV is shared from vLLM's CPU_MLA backend only (set "
+                               "attention_config.backend to CPU_MLA on a CPU with AMX); not DeepSeek-V4")
+    return MLA_ISA
 
 
 def _supported(request: Any) -> bool:
@@ -142,8 +162,9 @@ class KvStateConnector(KVConnectorBase_V1):
         transfer = vllm_config.kv_transfer_config
         self._cfg = parse(transfer.kv_connector_extra_config, transfer.kv_role)
         self._compat = compat_of(vllm_config, kv_cache_config, self._cfg)
-        self._view = source_view(self._compat, int(vllm_config.model_config.get_total_num_kv_heads()),
-                                 self._cfg.source_tp)
+        # MLA: one latent per token on every rank (replicated, like one KV head over any TP size)
+        total_heads = 1 if is_mla(self._compat) else int(vllm_config.model_config.get_total_num_kv_heads())
+        self._view = source_view(self._compat, total_heads, self._cfg.source_tp)
         self._cfg.check_remote(self._view.mixed)
         share_the_gil(self._cfg.gil_switch_interval_s)
         self._engine_id = str(transfer.engine_id)

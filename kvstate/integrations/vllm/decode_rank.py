@@ -8,7 +8,8 @@ its inventory, and its link to the index.
 - Each step's :class:`~.orders.StoreOrder`\\ s are submitted with ``Bank.store`` at once.
   Their blocks enter the inventory (what leases pin) at submit, and the op engine itself
   sends the ``stored`` report to the index as the store's last op ends
-  (``TransferHandle.report``), from its own thread: the index advertises the blocks
+  (``Bank.store(report=...)``, armed inside the submit, before any op can end), from its
+  own thread: the index advertises the blocks
   without waiting for this process's Python, whose GIL vLLM's worker holds while it
   busy-polls (up to 1 s after each step). The index advertises nothing before that
   report, so no lease names a block still being written. When a store finishes, its
@@ -45,7 +46,8 @@ from kvstate.integrations.vllm.layout import INVENTORY_GROUP, bank_blocks, bank_
 from kvstate.integrations.vllm.orders import StoreOrder
 from kvstate.integrations.vllm.stats import Tally
 from kvstate.reuse.inventory import Inventory
-from kvstate.share.exporter import Bank, ExportConfig, Exporter
+from kvstate.share.exporter import Bank, Exporter
+from kvstate.share.export_config import ExportConfig
 from kvstate.share.transfer import TransferHandle
 from kvstate.transport.host import HostTransport
 
@@ -102,18 +104,24 @@ class DecodeRank:
             refused = set(keys)
         # cannot happen while the index assigns at most num_blocks blocks: reported failed
         ok = [k for k in keys if k not in refused]
+        with self._lock:  # our own dup, taken under the lock: the link may close (and its number be reused)
+            sock = os.dup(self._ch.fileno()) if self._ch is not None else None
         try:
-            handle = self.bank.store(self.kv_caches, list(order.src_blocks), list(order.slots))
+            # The report is armed inside the submit, before any op can end: a store that
+            # ends at once is still reported by the op engine, not by this process's Python.
+            report = None if sock is None else (
+                sock, pack(wire.encode("stored", rank=self.rank, keys=ok, failed=sorted(refused)), 0, wire.LIMITS),
+                pack(wire.encode("stored", rank=self.rank, keys=[], failed=keys), 0, wire.LIMITS))
+            handle = self.bank.store(self.kv_caches, list(order.src_blocks), list(order.slots), report=report)
         except KvStateError as exc:
             log.warning("kvstate: rank %d could not store %s: %s", self.rank, order.req_id, exc)
             self._finish(order, frozenset(order.slots), 0, reported=False)
             return
+        finally:
+            if sock is not None:
+                os.close(sock)  # the op engine keeps a dup of its own
         with self._lock:
             self._handles.append(handle)
-            if self._ch is not None:  # under the lock: the link cannot close (and its fd number be reused) meanwhile
-                handle.report(self._ch.fileno(),
-                              pack(wire.encode("stored", rank=self.rank, keys=ok, failed=sorted(refused)), 0, wire.LIMITS),
-                              pack(wire.encode("stored", rank=self.rank, keys=[], failed=keys), 0, wire.LIMITS))
         handle.add_done_callback(lambda h: self._stored(order, h))
 
     def _stored(self, order: StoreOrder, handle: TransferHandle) -> None:

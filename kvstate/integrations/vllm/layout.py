@@ -3,10 +3,13 @@ tensors vLLM registers. Pure (tensors are read through their ``dtype`` and ``sha
 
 vLLM's CPU backend (0.32) gives each attention layer a tensor
 ``[num_blocks, kv_heads, block_size, 2 * head_dim]``; every layer is a view of one buffer
-and a block ``T[b]`` is opaque bytes packed by the attention ISA. A bank has the same
-regions with its own number of blocks, so ``Bank.store`` and a load copy whole blocks.
-Any other layout (a GPU backend, a hybrid model) is refused, and the connector stays
-inactive on that engine: only the CPU layout is tested.
+and a block ``T[b]`` is opaque bytes packed by the attention ISA. Its CPU MLA backend
+(``CPU_MLA``, DeepSeek-style models) gives each layer ``[num_blocks, 1, block_size, latent]``:
+one latent per token (``kv_lora_rank + qk_rope_head_dim``), no K/V pair, the same on every
+TP rank; the key says so with ``isa`` :data:`MLA_ISA`, ``kv_heads`` 1 and
+``head_dim`` the latent. A bank has the same regions with its own number of blocks, so
+``Bank.store`` and a load copy whole blocks. Any other layout (a GPU backend, a hybrid
+model) is refused, and the connector stays inactive on that engine: only these are tested.
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ TORCH_DTYPES: Mapping[str, DType] = {"torch.bfloat16": DType.BF16, "torch.float1
 FP8_CACHE_DTYPES: Mapping[str, DType] = {"fp8": DType.FP8_E4M3, "fp8_e4m3": DType.FP8_E4M3,
                                          "fp8_e5m2": DType.FP8_E5M2}
 
+#: The key's ``isa`` for vLLM's CPU MLA cache: rows of latents written by plain tensor
+#: indexing (``CPUMLAImpl.do_kv_cache_update``), not packed for an attention ISA.
+MLA_ISA = "cpu-mla"
+
 #: The inventory group every rank's exporter records prefix blocks under.
 INVENTORY_GROUP = "vllm-prefix"
 
@@ -36,9 +43,14 @@ def dtype_of(compat: Compat) -> DType:
     return DType(compat.dtype)
 
 
+def is_mla(compat: Compat) -> bool:
+    return compat.isa == MLA_ISA
+
+
 def block_bytes(compat: Compat) -> int:
     """Bytes of one block in every layer of one rank."""
-    return len(compat.layers) * compat.kv_heads * compat.block_size * 2 * compat.head_dim * dtype_of(compat).itemsize
+    per_token = compat.head_dim if is_mla(compat) else compat.kv_heads * 2 * compat.head_dim
+    return len(compat.layers) * compat.block_size * per_token * dtype_of(compat).itemsize
 
 
 def bank_blocks(compat: Compat, retain_bytes: int) -> int:
@@ -47,6 +59,9 @@ def bank_blocks(compat: Compat, retain_bytes: int) -> int:
 
 
 def bank_geometry(compat: Compat, num_blocks: int) -> Geometry:
+    if is_mla(compat):
+        return layouts.vllm_cpu_mla(list(compat.layers), num_blocks=num_blocks, block_size=compat.block_size,
+                                    latent_dim=compat.head_dim, dtype=dtype_of(compat))
     return layouts.vllm_cpu(list(compat.layers), num_blocks=num_blocks, num_kv_heads=compat.kv_heads,
                             block_size=compat.block_size, head_dim=compat.head_dim, dtype=dtype_of(compat))
 
@@ -55,7 +70,9 @@ def tensor_problem(compat: Compat, kv_caches: Mapping[str, Any]) -> str | None:
     """Why the registered tensors are not the layout ``compat`` describes, or None."""
     if list(kv_caches) != list(compat.layers):
         return f"layers {list(kv_caches)[:4]} registered, {list(compat.layers)[:4]} configured"
-    want = (compat.kv_heads, compat.block_size, 2 * compat.head_dim)
+    mla = is_mla(compat)
+    want = (compat.kv_heads, compat.block_size, (1 if mla else 2) * compat.head_dim)
+    layout = "the CPU MLA layout" if mla else "the CPU layout"
     for name, t in kv_caches.items():
         torch_dtype = str(getattr(t, "dtype", None))
         fp8 = compat.dtype in (d.value for d in FP8_CACHE_DTYPES.values())
@@ -64,8 +81,8 @@ def tensor_problem(compat: Compat, kv_caches: Mapping[str, Any]) -> str | None:
         if dtype is None or dtype.value != compat.dtype:
             return f"{name}: dtype {getattr(t, 'dtype', None)}, configured {compat.dtype}"
         if len(shape) != 4 or tuple(shape[1:]) != want:
-            return (f"{name}: shape {list(shape)}; the CPU layout [num_blocks, {want[0]}, {want[1]}, {want[2]}] "
-                    "is the one kvstate supports")
+            return (f"{name}: shape {list(shape)}; {layout} [num_blocks, {want[0]}, {want[1]}, {want[2]}] is the "
+                    "one kvstate supports")
     return None
 
 

@@ -96,6 +96,9 @@ class PrefillRank:
         self._failed_blocks: set[int] = set()
         self._reasons: list[tuple[str, int, str]] = []
         self._stopping = threading.Event()
+        #: Notified when a part's worker connects or is refused for good (start_layers waits on it).
+        self._joined = threading.Condition()
+        self._refused: set[int] = set()
         self._thread = threading.Thread(target=self._connect, name=f"kvstate-prefill-r{rank}", daemon=True)
         self._thread.start()
 
@@ -123,17 +126,20 @@ class PrefillRank:
                                       reuse=self.cfg.policy,  # the importer enforces the same switches
                                       source_rank=cut.src_rank, source_tp=self.view.compat.tp)
                    for part, cut in self.slices}
-        refused: set[int] = set()
         while not self._stopping.is_set():
             for part, config in configs.items():
                 old = self.workers.get(part)
-                if part in refused or (old is not None and not old.coordinator_gone):
+                if part in self._refused or (old is not None and not old.coordinator_gone):
                     continue
                 worker = self._connect_part(config, reconnect=old is not None)
+                with self._joined:
+                    if worker is None:
+                        self._refused.add(part)
+                    else:
+                        self.workers[part] = worker
+                    self._joined.notify_all()
                 if worker is None:
-                    refused.add(part)
                     continue
-                self.workers[part] = worker
                 if old is not None:
                     self.tally.add("reconnects")
                     log.warning("kvstate: prefill rank %d (part %d) reconnected to its coordinator", self.rank, part)
@@ -246,7 +252,7 @@ class PrefillRank:
                 continue
             deadline = load.started + self.cfg.load_timeout_s
             for part, _ in self.slices:
-                worker = self.workers.get(part)
+                worker = self._connected(part, deadline)
                 left = deadline - time.monotonic()
                 if worker is not None and left > 0:
                     worker.wait(load.order.gid, ("ready", *_ENDED), left)
@@ -257,6 +263,15 @@ class PrefillRank:
                 why = "not_ready"  # the forward pass runs now: what is not loading is recomputed
             if why is not None:
                 self._end(req_id, load, why)
+
+    def _connected(self, part: int, deadline: float) -> RankWorker[Any, Any, Any, Any, Any] | None:
+        """Part ``part``'s worker, waiting up to ``deadline`` for it to connect: a load
+        ordered right after start-up may reach the forward pass before the connect thread
+        joined the coordinator, and would otherwise be recomputed as not ready."""
+        with self._joined:
+            self._joined.wait_for(lambda: part in self.workers or part in self._refused or self._stopping.is_set(),
+                                  timeout=max(0.0, deadline - time.monotonic()))
+            return self.workers.get(part)
 
     def wait_layer(self, name: str) -> None:
         """In layer ``name``'s attention: wait until that layer's pages of every load
@@ -320,7 +335,9 @@ class PrefillRank:
         return out
 
     def close(self) -> None:
-        self._stopping.set()
+        with self._joined:
+            self._stopping.set()
+            self._joined.notify_all()
         self._thread.join(2.0)
         for load in self._loads.values():
             for h in load.handles or ():

@@ -74,13 +74,20 @@ def write_model(directory: Path, *, seed: int = 0, config: dict[str, Any] = CONF
     The same seed gives the same bytes (torch's CPU generator is deterministic), so two
     engines, or two test runs, load identical weights.
     """
+    return write_tensors(directory, weight_shapes(config), config, seed=seed)
+
+
+def write_tensors(directory: Path, shapes: dict[str, tuple[int, ...]], config: dict[str, Any], *,
+                  seed: int) -> Path:
+    """Seeded weights of ``shapes`` (norms 1, embeddings std 1, the rest std 0.1) and
+    ``config`` as a checkpoint in ``directory`` (shared by the tiny models)."""
     import torch
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
-    for name, shape in sorted(weight_shapes(config).items()):  # sorted: draw order is fixed
+    for name, shape in sorted(shapes.items()):  # sorted: draw order is fixed
         if name.endswith("norm.weight"):
             t = torch.ones(shape)
         else:

@@ -233,11 +233,13 @@ class LayerRow:
 
 
 def measure_layers(workdir: Path, lengths: tuple[int, ...] = (1024, 4096), repeats: int = 3,
-                   progress: Any = print) -> list[LayerRow]:
+                   progress: Any = print, layers: int = tiny_llama.CONFIG["num_hidden_layers"]) -> list[LayerRow]:
     """TTFT of kvstate reuse with asynchronous loads (the request waits for its load) and
     with per-layer loads (``layer_loads``: it runs at once, each layer waiting for its own
-    KV), from one decode engine, alternating the two per sample."""
-    model = str(tiny_llama.write_model(workdir / "model", seed=0))
+    KV), from one decode engine, alternating the two per sample; on the tiny Llama made
+    ``layers`` deep (per-layer loads overlap only where there are layers to overlap)."""
+    config = {**tiny_llama.CONFIG, "num_hidden_layers": layers}
+    model = str(tiny_llama.write_model(workdir / "model", seed=0, config=config))
     sampler = MemorySampler()
     rows = [LayerRow(n) for n in lengths]
     sockets = kvstate_kit.socket_dir(workdir)

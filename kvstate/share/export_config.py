@@ -1,5 +1,5 @@
-"""The checks of :class:`kvstate.share.exporter.ExportConfig`, field by field, run when
-one is made: a bad value is ConfigInvalid before any exporter exists."""
+"""The exporter's configuration (:class:`ExportConfig`), checked field by field when it is
+made: a bad value is ConfigInvalid before any exporter exists."""
 
 from __future__ import annotations
 
@@ -62,3 +62,21 @@ def tcp_listen(config: Any, attribute: attrs.Attribute[Any], value: object) -> N
     if config.handle_kind in FD_KINDS:  # fds travel over AF_UNIX only: such a lease could never be answered
         raise ConfigInvalid.of(where, f"{config.handle_kind.value} handles are file descriptors and cannot cross "
                                "nodes: serve them on the unix socket (no tcp_listen), or export NIXL handles")
+
+
+@attrs.frozen
+class ExportConfig:
+    deployment: Deployment = attrs.field(validator=typed(Deployment))
+    socket_dir: Path = attrs.field(validator=socket_dir)
+    source_id: bytes = attrs.field(validator=source_id)  # the logical KV source: 16 bytes
+    tp: int = attrs.field(validator=positive_int)
+    lease_timeout_s: float = attrs.field(default=30.0, validator=seconds)
+    descriptor_ttl_s: float = attrs.field(default=300.0, validator=seconds)
+    max_leases: int = attrs.field(default=64, validator=positive_int)  # per bank
+    max_connections: int = attrs.field(default=chan.DEFAULT_MAX_CONNECTIONS, validator=positive_int)
+    request_timeout_s: float = attrs.field(default=5.0, validator=seconds)
+    handle_kind: HandleKind = attrs.field(default=HandleKind.MEMFD,  # what the banks are exported as
+                                          validator=typed(HandleKind))
+    #: Also serve leases over TCP, for banks read from other nodes (NIXL): (host, port), the
+    #: address every descriptor names; port 0 takes a free one.
+    tcp_listen: tuple[str, int] | None = attrs.field(default=None, validator=tcp_listen)
