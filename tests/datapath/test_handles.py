@@ -283,16 +283,18 @@ def test_region_ok_says_how_a_region_ended_while_another_thread_finishes_the_loa
     hold that window open."""
     world, group = _ready(make_world)
     real = transfer._reap
+    reaping = threading.Event()
 
     def slow_reap(op: Any) -> str:
         state = real(op)
+        reaping.set()                                # one op is reaped, the load not yet finished
         time.sleep(0.2)
         return state
     monkeypatch.setattr(transfer, "_reap", slow_reap)
     dst = zeros()
     h = group.load(BANK_IDS, dst, DST_IDS)
     assert all(h.wait_region(name, 10.0) for name in GEOMETRY.names)
-    time.sleep(0.1)                                  # the dispatcher is reaping, one op at a time
+    assert reaping.wait(10.0)                        # the dispatcher is reaping, one op at a time
     assert [h.region_ok(name) for name in GEOMETRY.names] == [True] * len(GEOMETRY.names)
     assert h.wait(10.0)
     _expected(world, dst)
