@@ -57,8 +57,11 @@ def test_an_exporter_holding_its_gil_still_serves_a_tp2_import(blocks: bool) -> 
         # The importer finished (leased, mapped, loaded, verified) while the hold lasted:
         # the hold returned with its word already there, and no Python ran during it.
         assert imported["word"] == "done", imported
-        assert returned == {"event": "hold returned", "word": "done", "ticks_during_hold": 0,
-                            "bank_states": returned["bank_states"]}, returned
+        assert returned["event"] == "hold returned" and returned["word"] == "done", returned
+        # A GIL switch the ticker asked for before the hold may land just before the call or
+        # just after it returns: at most one tick at each edge. A hold that let Python run
+        # would count one tick per 0.5 ms of an import that spans a process start.
+        assert returned["ticks_during_hold"] <= 2, returned
         if blocks:  # 11 and 13 were pinned by both ranks' leases, and the drain ended them
             assert _line(exporter) == {"event": "pins", "leased": [0, 0, 0]}
         released = _line(exporter)
@@ -66,9 +69,12 @@ def test_an_exporter_holding_its_gil_still_serves_a_tp2_import(blocks: bool) -> 
         assert exporter.wait(timeout=60) == 0
     finally:
         for p in (exporter, importer):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait()
+            if p is not None:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+                assert p.stdout is not None
+                p.stdout.close()
         os.close(r)
         if w >= 0:
             os.close(w)

@@ -88,8 +88,8 @@ def exporter(pipe_r: int, with_blocks: bool) -> None:
     buf = ctypes.create_string_buffer(256)
     say(descriptors=[ex.descriptor(r).hex() for r in range(TP)], event="holding",
         epoch=None if inventory is None else inventory.epoch(GROUP))
-    # No forced GIL switch between reading the count and entering the call (nor after
-    # it returns): any tick counted in between ran while the call held the GIL.
+    # A long switch interval keeps the edges of the call nearly free of GIL switches; a
+    # switch the ticker had already asked for can still land there (one tick each side).
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1000.0)
     before = ticks[0]
