@@ -188,11 +188,15 @@ class TransferHandle:
         return tuple(dict.fromkeys(e.region for e in self._entries))
 
     def done(self) -> bool:
-        """True once every op finished (done, failed or cancelled); never blocks."""
+        """True once every op finished (done, failed or cancelled); it waits only while
+        another thread (the dispatcher) is recording how the finished ops ended."""
         if self._finished.is_set():
             return True
         if all(_collectable(e.op) for e in self._entries):
             self._finish()
+            # When another thread was already finishing, _finish returned at once: its
+            # reaps end soon, and the ops are over, so the answer is True, not "not yet".
+            self._finished.wait(CLOSE_WAIT_S)
         return self._finished.is_set()
 
     def wait(self, timeout: float) -> bool:

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from kvstate.core.errors import KvStateError
 from kvstate.harness import leaks
 from kvstate.share.importer import ImportConfig, Importer
+from kvstate.transport.host import HostAllocation, HostMapping, HostReservation, HostTransport
 from surface import GEOMETRY, SKIP, World, call_with, targets
 
 ESCAPES: list[str] = []
@@ -34,7 +35,7 @@ def test_only_typed_errors_escape_and_nothing_leaks(data: st.DataObject) -> None
     before = leaks.snapshot()
     w = World()
     try:
-        call_some([(n, fn) for n, fn in targets(w) if n not in SKIP], data)
+        call_some([(n, fn) for n, fn in targets(w) if n not in SKIP], data, w.transport)
         still_works(w)
     finally:
         w.close()
@@ -42,7 +43,8 @@ def test_only_typed_errors_escape_and_nothing_leaks(data: st.DataObject) -> None
     assert not found, f"leaked: {found}"
 
 
-def call_some(surface: list[tuple[str, Callable[..., Any]]], data: st.DataObject) -> None:
+def call_some(surface: list[tuple[str, Callable[..., Any]]], data: st.DataObject,
+              transport: HostTransport) -> None:
     """Up to eight calls drawn from ``surface`` with arbitrary arguments: each returns or
     raises a KvStateError with a reason; anything else fails the test."""
     for _ in range(data.draw(st.integers(1, 8))):
@@ -56,12 +58,22 @@ def call_some(surface: list[tuple[str, Callable[..., Any]]], data: st.DataObject
         except Exception as exc:  # the defect this test exists to find
             raise AssertionError(f"{name}(*{args!r:.200}, **{kwargs!r:.200}) raised untyped "
                                  f"{type(exc).__name__}: {exc}") from exc
-        release(result)
+        release(name, result, transport)
         del result  # a caller drops what it does not keep (bank views would pin the bank)
 
 
-def release(result: object) -> None:
-    """Objects a call hands back that own resources are closed by the test, as a caller would."""
+def release(name: str, result: object, transport: HostTransport) -> None:
+    """Objects a call hands back that own resources are closed by the test, as a caller would.
+    What the transport itself creates (allocations, reservations, mappings) are plain
+    handles its caller owns, so the test gives them back; the same kinds handed out by a
+    part or bank stay theirs."""
+    giveback = {HostAllocation: transport.release, HostReservation: transport.free, HostMapping: transport.unmap}
+    if name.startswith("HostTransport.") and type(result) in giveback:
+        try:
+            giveback[type(result)](result)  # type: ignore[operator]
+        except KvStateError:
+            pass
+        return
     for attr in ("close", "stop"):
         fn = getattr(result, attr, None)
         if callable(fn) and type(result).__module__.startswith(("kvstate.channel", "kvstate.share.transfer")):

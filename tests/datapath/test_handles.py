@@ -283,9 +283,10 @@ def test_region_ok_says_how_a_region_ended_while_another_thread_finishes_the_loa
     hold that window open."""
     world, group = _ready(make_world)
     real = transfer._reap
-    reaping = threading.Event()
+    waited, reaping = threading.Event(), threading.Event()
 
     def slow_reap(op: Any) -> str:
+        waited.wait(10.0)                            # reaps start once wait_region said "finished"
         state = real(op)
         reaping.set()                                # one op is reaped, the load not yet finished
         time.sleep(0.2)
@@ -294,9 +295,34 @@ def test_region_ok_says_how_a_region_ended_while_another_thread_finishes_the_loa
     dst = zeros()
     h = group.load(BANK_IDS, dst, DST_IDS)
     assert all(h.wait_region(name, 10.0) for name in GEOMETRY.names)
+    waited.set()
     assert reaping.wait(10.0)                        # the dispatcher is reaping, one op at a time
     assert [h.region_ok(name) for name in GEOMETRY.names] == [True] * len(GEOMETRY.names)
     assert h.wait(10.0)
+    _expected(world, dst)
+    h.close()
+
+
+def test_done_is_true_while_another_thread_records_how_the_finished_ops_ended(
+        make_world: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every op ended and the dispatcher is reaping them: done() is True, not "not yet"
+    (a per-layer load whose layers were all in place stayed a step longer in the prefill
+    rank when done() answered False from under the dispatcher's reaps)."""
+    world, group = _ready(make_world)
+    real = transfer._reap
+    reaping = threading.Event()
+
+    def slow_reap(op: Any) -> str:
+        state = real(op)
+        reaping.set()
+        time.sleep(0.05)
+        return state
+    monkeypatch.setattr(transfer, "_reap", slow_reap)
+    dst = zeros()
+    h = group.load(BANK_IDS, dst, DST_IDS)
+    assert reaping.wait(10.0)                        # the dispatcher is finishing the load
+    assert h.done()
+    assert h.result() is not None and h.result().ok  # type: ignore[union-attr]
     _expected(world, dst)
     h.close()
 
