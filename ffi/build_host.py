@@ -25,7 +25,7 @@ SOURCES = ("kvs_slots.c", "kvs_host.c", "kvs_ops.c", "kvs_machine.c", "kvs_machi
 SOURCES += ("kvs_link.c", "kvs_renew.c")  # the importer's request links and renewal thread
 SOURCES += ("kvs_attach.c",)  # the importer's native attach (phase 2 on the host backend)
 # The exporter's lease server (its rules, its thread, its request reader).
-SOURCES += ("kvs_lease.c", "kvs_lease_thread.c", "kvs_json.c", "kvs_inventory.c")
+SOURCES += ("kvs_lease.c", "kvs_lease_thread.c", "kvs_lease_tcp.c", "kvs_blake2b.c", "kvs_json.c", "kvs_inventory.c")
 SOURCES += ("kvs_validate.c",)  # the descriptor rules, generated from spec/rules.toml
 DEPENDS = ("kvs.h", "kvs_slots.h", "kvs_engine.h", "kvs_cuda.h", "kvs_cuda_driver.h", "kvs_op_table.h",
            "kvs_validate.h", "kvs_validate_codes.h", "kvs_validate_rules.h", "kvs_machine.h", "kvs_machines.h",

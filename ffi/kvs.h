@@ -380,7 +380,7 @@ typedef struct kvs_attach_part {
  * *failed its index, and every part back in its state with nothing made (unless `left`). */
 int kvs_attach(kvs_attach_part *parts, int32_t n, uint64_t align, int32_t access, int32_t *failed);
 
-/* -- the exporter's lease server (kvs_lease.c, kvs_lease_thread.c) ------------------ */
+/* -- the exporter's lease server (kvs_lease.c, kvs_lease_thread.c, kvs_lease_tcp.c) -- */
 
 /* One per exporter: every bank's instance of the bank table (its state has no other
  * home), the lease table, and a thread serving importers on the exporter's listening
@@ -457,6 +457,20 @@ int kvs_lease_handle(kvs_lease_server *s, uint64_t conn, const char *payload, ui
  * (the thread passes 0; a test looks ahead). How many expired. */
 int32_t kvs_lease_expire(kvs_lease_server *s, int64_t ahead_ns);
 int kvs_lease_serve(kvs_lease_server *s, int32_t listen_fd); /* start the thread */
+/* Serve importers on another node too (call before kvs_lease_serve; kvs_lease_tcp.c): the
+ * thread accepts on the listening TCP socket (bound and kept by Python), answers each
+ * peer's mutual challenge with the deployment `key` itself (the handshake of
+ * kvstate.channel.tcp, MAC kvs_blake2b personalised `person`), at most max_handshakes
+ * at once (past that the oldest goes), each within handshake_ns, then serves its frames
+ * (a stream: reassembled here, answered without fds) exactly as a unix socket's. Its
+ * leases end at EOF, reset or keepalive timeout (keepalive_s: idle, interval, probes). */
+int kvs_lease_listen_tcp(kvs_lease_server *s, int32_t listen_fd, const uint8_t *key, uint32_t keylen,
+                         const uint8_t *person, uint32_t personlen, int32_t max_handshakes, int64_t handshake_ns,
+                         int32_t keepalive_idle_s, int32_t keepalive_interval_s, int32_t keepalive_probes);
+int32_t kvs_lease_handshakes(kvs_lease_server *s); /* TCP handshakes under way */
+/* BLAKE2b (RFC 7693; kvs_blake2b.c), keyed and personalised as Python's hashlib.blake2b. */
+int kvs_blake2b(uint8_t *out, uint32_t outlen, const uint8_t *key, uint32_t keylen, const uint8_t *person,
+                uint32_t personlen, const uint8_t *data, uint32_t datalen);
 int kvs_lease_stop(kvs_lease_server *s); /* stop and join it; its connections close */
 int32_t kvs_lease_connections(kvs_lease_server *s);
 int64_t kvs_lease_lease_requests(kvs_lease_server *s); /* `lease` and `leases` requests handled */

@@ -64,7 +64,7 @@ int kvs_lease_server_new(int64_t lease_timeout_ns, int32_t max_leases, uint32_t 
     s->uid = allowed_uid;
     s->next_lease = 1;
     s->next_conn = 1;
-    s->listen_fd = s->epoll_fd = s->timer_fd = s->cmd_fd = -1;
+    s->listen_fd = s->epoll_fd = s->timer_fd = s->cmd_fd = s->tcp_fd = -1;
     s->events_fd = s->requests_fd = -1; /* made by kvs_lease_serve: no fd before serving */
     s->conns = calloc((size_t)max_connections, sizeof *s->conns);
     if (!s->conns) {
@@ -95,6 +95,7 @@ void kvs_lease_server_free(kvs_lease_server *s) {
     }
     for (int k = 0; k < s->pyq_n; k++) free(s->pyq[(s->pyq_head + k) % 64].buf);
     free(s->conns);
+    free(s->hs);
     kvs_inv_free(&s->inv);
     pthread_mutex_destroy(&s->mu);
     free(s);
@@ -407,7 +408,7 @@ struct kvs_conn *kvs_lease_conn(struct kvs_lease_server *s, uint64_t id) {
 uint64_t kvs_lease_conn_add(struct kvs_lease_server *s, int fd, int pidfd, int pid) {
     if (s->nconns >= s->max_connections) return 0;
     uint64_t id = s->next_conn++;
-    s->conns[s->nconns++] = (struct kvs_conn){id, fd, pidfd, pid};
+    s->conns[s->nconns++] = (struct kvs_conn){.id = id, .fd = fd, .pidfd = pidfd, .pid = pid};
     return id;
 }
 
@@ -447,6 +448,7 @@ void kvs_lease_conn_end(struct kvs_lease_server *s, uint64_t conn, int importer_
     if (cn) {
         if (cn->fd >= 0) close(cn->fd);
         if (cn->pidfd >= 0) close(cn->pidfd);
+        kvs_tcp_conn_free(cn);
         *cn = s->conns[--s->nconns];
     }
 }

@@ -48,9 +48,24 @@ struct kvs_bank {
 
 struct kvs_conn {
     uint64_t id;
-    int fd;    /* -1: served by Python (TCP) */
-    int pidfd; /* -1: none */
+    int fd;    /* -1: served by Python (kvs_lease_handle) */
+    int pidfd; /* -1: none (always so across nodes) */
     int pid;
+    /* A TCP stream (kvs_lease_tcp.c): frames are reassembled in `in`; an answer the
+     * socket did not take whole waits in `out`, and no request is read meanwhile. */
+    int tcp;
+    char *in, *out;
+    uint32_t nin, nout, sent;
+};
+
+/* A TCP peer that has not yet proved it holds the deployment's key. */
+struct kvs_handshake {
+    int fd;
+    uint64_t serial; /* its epoll tag: (serial << 4) | 2 */
+    int64_t deadline_ns;
+    uint8_t nonce[32];
+    uint8_t got[76]; /* header, nonce_c, MAC */
+    uint32_t ngot;
 };
 
 #define KVS_LEASE_RING 4096
@@ -79,6 +94,16 @@ struct kvs_lease_server {
     int requests_fd;
     /* the thread */
     int listen_fd, epoll_fd, timer_fd, cmd_fd;
+    /* TCP (kvs_lease_tcp.c): its listening socket (Python's), the deployment key, and the
+     * handshakes under way, oldest first */
+    int tcp_fd;
+    uint8_t key[64], person[16];
+    uint32_t keylen, personlen;
+    int32_t max_handshakes, keepalive[3];
+    int64_t handshake_ns;
+    struct kvs_handshake *hs;
+    int nhs;
+    uint64_t next_hs;
     int running, stopping;
     pthread_t thread;
     /* refused connections, half closed for a moment so the refusal is read before a close
@@ -96,5 +121,28 @@ void kvs_lease_conn_end(struct kvs_lease_server *s, uint64_t conn, int importer_
 /* The nearest expiry of a live lease (CLOCK_MONOTONIC ns), or 0. */
 int64_t kvs_lease_next_expiry(struct kvs_lease_server *s);
 int64_t kvs_lease_now(void);
+
+/* kvs_lease_thread.c, for kvs_lease_tcp.c: */
+int kvs_lease_watch(struct kvs_lease_server *s, int fd, uint64_t tag, uint32_t events);
+void kvs_lease_end_conn(struct kvs_lease_server *s, struct kvs_conn *cn, int importer_closed, int why);
+/* Answer one request of `cn` (its frame checked): natively, or queued for Python. */
+void kvs_lease_answer_frame(struct kvs_lease_server *s, struct kvs_conn *cn, const char *payload, uint32_t len,
+                            char *reply, uint32_t rcap);
+int kvs_lease_send(struct kvs_lease_server *s, struct kvs_conn *cn, const char *payload, uint32_t len,
+                   const int32_t *fds, int32_t nfds);
+#define KVS_LEASE_HEADER 12
+#define KVS_LEASE_CONN_TAG(id) (((id) << 4) | 4u)
+#define KVS_LEASE_HS_TAG(serial) (((serial) << 4) | 2u)
+#define KVS_LEASE_TAG_TCP 5ull
+
+/* kvs_lease_tcp.c, for the thread (all with `mu` held but accept and handshake steps): */
+void kvs_tcp_accept(struct kvs_lease_server *s);
+void kvs_tcp_handshake(struct kvs_lease_server *s, uint64_t serial);
+int64_t kvs_tcp_expire_handshakes(struct kvs_lease_server *s); /* the next deadline, or 0 */
+void kvs_tcp_ready(struct kvs_lease_server *s, struct kvs_conn *cn, uint32_t events, char *reply, uint32_t rcap);
+int kvs_tcp_send(struct kvs_lease_server *s, struct kvs_conn *cn, const char *header, const char *payload,
+                 uint32_t len);
+void kvs_tcp_conn_free(struct kvs_conn *cn);
+void kvs_tcp_close_handshakes(struct kvs_lease_server *s);
 
 #endif /* KVS_LEASE_H */

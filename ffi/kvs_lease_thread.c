@@ -39,7 +39,7 @@ int kvs_lease_queue_python(struct kvs_lease_server *s, uint64_t conn, const char
 
 int kvs_lease_send(struct kvs_lease_server *s, struct kvs_conn *cn, const char *payload, uint32_t len,
                    const int32_t *fds, int32_t nfds) {
-    if ((int64_t)len > s->max_payload || nfds > s->max_fds || nfds > 253) return KVS_E_RANGE;
+    if ((int64_t)len > s->max_payload || nfds > s->max_fds || nfds > 253 || (cn->tcp && nfds)) return KVS_E_RANGE;
     char header[HEADER];
     memcpy(header, MAGIC, 4);
     uint32_t l = len;
@@ -47,6 +47,7 @@ int kvs_lease_send(struct kvs_lease_server *s, struct kvs_conn *cn, const char *
     memcpy(header + 4, &l, 4); /* little endian, as struct "<4sIH2x" (x86_64, aarch64) */
     memcpy(header + 8, &n, 2);
     header[10] = header[11] = 0;
+    if (cn->tcp) return kvs_tcp_send(s, cn, header, payload, len);
     struct iovec iov[2] = {{header, HEADER}, {(void *)payload, len}};
     union {
         char buf[CMSG_SPACE(253 * sizeof(int))];
@@ -69,10 +70,12 @@ int kvs_lease_send(struct kvs_lease_server *s, struct kvs_conn *cn, const char *
     return w == (ssize_t)(HEADER + len) ? KVS_OK : KVS_E_SYS;
 }
 
-static int watch(struct kvs_lease_server *s, int fd, uint64_t tag) {
-    struct epoll_event ev = {.events = EPOLLIN, .data.u64 = tag};
+int kvs_lease_watch(struct kvs_lease_server *s, int fd, uint64_t tag, uint32_t events) {
+    struct epoll_event ev = {.events = events, .data.u64 = tag};
     return epoll_ctl(s->epoll_fd, EPOLL_CTL_ADD, fd, &ev);
 }
+
+static int watch(struct kvs_lease_server *s, int fd, uint64_t tag) { return kvs_lease_watch(s, fd, tag, EPOLLIN); }
 
 /* A stop never waits for a wake-up that may not come (a failed eventfd write): the
  * thread looks at `stopping` at least this often. */
@@ -96,6 +99,10 @@ static void end_conn(struct kvs_lease_server *s, struct kvs_conn *cn, int import
     kvs_lease_conn_end(s, cn->id, importer_closed, why);
 }
 
+void kvs_lease_end_conn(struct kvs_lease_server *s, struct kvs_conn *cn, int importer_closed, int why) {
+    end_conn(s, cn, importer_closed, why);
+}
+
 static void accept_one(struct kvs_lease_server *s) {
     int fd = accept4(s->listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (fd < 0) return;
@@ -113,7 +120,7 @@ static void accept_one(struct kvs_lease_server *s) {
         char busy[160]; /* the words of kvstate.core.errors.Busy.connections */
         int n = snprintf(busy, sizeof busy, "{\"code\":\"ConnectionLimit\",\"detail\":\"connection refused: %d "
                          "connection handler(s) already running\",\"ok\":false}", s->max_connections);
-        struct kvs_conn tmp = {0, fd, -1, 0};
+        struct kvs_conn tmp = {.fd = fd, .pidfd = -1};
         if (pidfd >= 0) close(pidfd);
         if (kvs_lease_send(s, &tmp, busy, (uint32_t)n, NULL, 0) != KVS_OK || shutdown(fd, SHUT_WR) < 0) {
             close(fd);
@@ -187,18 +194,24 @@ static void serve_packet(struct kvs_lease_server *s, uint64_t id, char *buf, uin
         pthread_mutex_unlock(&s->mu);
         return;
     }
+    kvs_lease_answer_frame(s, cn, buf + HEADER, len, reply, rcap);
+    pthread_mutex_unlock(&s->mu);
+}
+
+void kvs_lease_answer_frame(struct kvs_lease_server *s, struct kvs_conn *cn, const char *payload, uint32_t len,
+                            char *reply, uint32_t rcap) {
+    uint64_t id = cn->id;
     uint32_t rlen = 0;
     int32_t fds[253], nout = 0, answer = 0;
-    int rc = kvs_lease_handle(s, id, buf + HEADER, len, reply, rcap, &rlen, fds, 253, &nout, &answer);
+    int rc = kvs_lease_handle(s, id, payload, len, reply, rcap, &rlen, fds, 253, &nout, &answer);
     if (rc == KVS_LEASE_PYTHON) {
-        if (kvs_lease_queue_python(s, id, buf + HEADER, len) < 0) {
+        if (kvs_lease_queue_python(s, id, payload, len) < 0) {
             static const char busy[] = "{\"code\":\"busy\",\"detail\":\"too many requests waiting for Python\",\"ok\":false}";
             if (kvs_lease_send(s, cn, busy, sizeof busy - 1, NULL, 0) != KVS_OK) end_conn(s, cn, 0, KVS_LWHY_STOPPED);
         }
     } else if (rc == KVS_OK && answer && kvs_lease_send(s, cn, reply, rlen, fds, nout) != KVS_OK) {
         end_conn(s, cn, 0, KVS_LWHY_STOPPED); /* a failed send: its holds wait for its process */
     }
-    pthread_mutex_unlock(&s->mu);
 }
 
 static void arm_timer(struct kvs_lease_server *s) {
@@ -222,13 +235,23 @@ static void *run(void *arg) {
         arm_timer(s);
         struct epoll_event evs[32];
         close_lingering(s, 0);
-        int n = epoll_wait(s->epoll_fd, evs, 32, STOP_CHECK_MS);
+        int wait_ms = STOP_CHECK_MS;
+        int64_t hs_next = kvs_tcp_expire_handshakes(s);
+        if (hs_next) {
+            int64_t ms = (hs_next - kvs_lease_now()) / 1000000 + 1;
+            if (ms < wait_ms) wait_ms = ms < 0 ? 0 : (int)ms;
+        }
+        int n = epoll_wait(s->epoll_fd, evs, 32, wait_ms);
         if (__atomic_load_n(&s->stopping, __ATOMIC_ACQUIRE)) break;
         if (n < 0) continue; /* EINTR, or ENOMEM for a moment: wait again */
         for (int k = 0; k < n; k++) {
             uint64_t tag = evs[k].data.u64;
             if (tag == TAG_LISTEN) {
                 accept_one(s);
+            } else if (tag == KVS_LEASE_TAG_TCP) {
+                kvs_tcp_accept(s);
+            } else if ((tag & 15) == 2 && tag != TAG_TIMER) {
+                kvs_tcp_handshake(s, tag >> 4);
             } else if (tag == TAG_TIMER) {
                 uint64_t ticks;
                 if (read(s->timer_fd, &ticks, sizeof ticks) < 0) { /* re-armed below either way */ }
@@ -241,7 +264,12 @@ static void *run(void *arg) {
                 if (cn) end_conn(s, cn, 1, KVS_LWHY_EXITED);
                 pthread_mutex_unlock(&s->mu);
             } else {
-                serve_packet(s, tag >> 4, buf, cap, reply, rcap);
+                pthread_mutex_lock(&s->mu);
+                struct kvs_conn *cn = kvs_lease_conn(s, tag >> 4);
+                int tcp = cn && cn->tcp;
+                if (tcp) kvs_tcp_ready(s, cn, evs[k].events, reply, rcap);
+                pthread_mutex_unlock(&s->mu);
+                if (!tcp) serve_packet(s, tag >> 4, buf, cap, reply, rcap);
             }
         }
     }
@@ -263,7 +291,7 @@ int kvs_lease_serve(kvs_lease_server *s, int32_t listen_fd) {
     s->requests_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (s->epoll_fd < 0 || s->timer_fd < 0 || s->cmd_fd < 0 || s->events_fd < 0 || s->requests_fd < 0) goto fail;
     if (watch(s, listen_fd, TAG_LISTEN) < 0 || watch(s, s->timer_fd, TAG_TIMER) < 0 ||
-        watch(s, s->cmd_fd, TAG_CMD) < 0)
+        watch(s, s->cmd_fd, TAG_CMD) < 0 || (s->tcp_fd >= 0 && watch(s, s->tcp_fd, KVS_LEASE_TAG_TCP) < 0))
         goto fail;
     if (pthread_create(&s->thread, NULL, run, s) != 0) goto fail;
     s->running = 1;
@@ -286,6 +314,7 @@ int kvs_lease_stop(kvs_lease_server *s) {
         if (write(s->cmd_fd, &one, sizeof one) < 0) { /* the counter is readable anyway */ }
         pthread_join(s->thread, NULL);
         s->running = 0;
+        kvs_tcp_close_handshakes(s);
         close(s->epoll_fd);
         close(s->timer_fd);
         close(s->cmd_fd);

@@ -299,6 +299,12 @@ class TcpServer:
         self._closed = False
         self._thread: threading.Thread | None = None
 
+    def fileno(self) -> int:
+        """The listening socket, for a native server that accepts on it itself (the
+        exporter's lease thread, ``ffi/kvs_lease_tcp.c``, which runs this handshake in C
+        with the same limits); it stays this object's to close."""
+        return self._sock.fileno()
+
     def serve_in_thread(self, handler: Callable[[Channel], None], *, name: str = "kvstate-tcp-accept") -> None:
         pending: dict[int, _Handshake] = {}  # fd -> handshake, oldest first
 

@@ -516,10 +516,7 @@ class Exporter(Generic[H, A, R, M, E]):
         # Bound by the channel's Server (owner mark, sweeps of dead servers); served natively.
         self._server = chan.Server(self.socket_path, max_connections=self.config.max_connections, limits=self.limits)
         try:
-            self.lease_server.start(self._server.fileno())
-            if self._tcp is not None:
-                self._tcp.serve_in_thread(lambda ch: self.lease_server.serve_tcp(ch, self._stopping),
-                                          name="kvstate-exporter-tcp")
+            self.lease_server.start(self._server.fileno(), self._tcp)
             self._expiry = threading.Thread(target=self._expire_loop, name="kvstate-descriptor-expiry", daemon=True)
             self._expiry.start()
         except BaseException as exc:  # a start that fails leaves nothing, so it can be tried again
@@ -543,7 +540,6 @@ class Exporter(Generic[H, A, R, M, E]):
             self._tcp.close()
         if expiry is not None:
             expiry.join(2.0)
-        self.lease_server.wait_tcp(2.0)  # TCP connection handlers notice within one recv poll
         stop_dispatcher_if_idle()
 
     def connections(self) -> int:

@@ -2,8 +2,11 @@
 
 Importers are served natively, by one thread per exporter that never takes the GIL
 (``ffi/kvs_lease_thread.c``), so an exporter whose Python is stuck in a long C call still
-grants, renews and ends leases. The lease rules have one home, ``kvs_lease_handle``: the
-unix-socket thread calls it, and so does :meth:`LeaseServer.handle` for the TCP path.
+grants, renews and ends leases. That thread serves importers on other nodes too: it
+accepts on the exporter's TCP socket, runs the deployment key's handshake of
+:mod:`kvstate.channel.tcp` and cuts the stream into frames (``ffi/kvs_lease_tcp.c``). The
+lease rules have one home, ``kvs_lease_handle``: the thread calls it for every frame, and
+:meth:`LeaseServer.handle` exposes it to tests.
 Each bank's state has one home too, the native instance of the bank table inside the
 server; :class:`kvstate.share.exporter.Bank` reads it and fires its own (non-lease)
 events through :meth:`LeaseServer.fire`, with its Python effects called back, so they are
@@ -50,7 +53,9 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from kvstate import channel as chan
+from kvstate.channel.tcp import KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES, MAX_HANDSHAKES, TcpServer
 from kvstate.core.errors import ChannelError, KvStateError, NativeError, TransitionError
+from kvstate.core.identity import Purpose
 from kvstate.core.machine import StateChange
 from kvstate.core.reasons import ChannelReason
 from kvstate.reuse.inventory import Inventory
@@ -137,8 +142,6 @@ class LeaseServer:
                      lib.KVS_LWHY_EXPIRED: f"not renewed within {cfg.lease_timeout_s} s"}
         self._lease_events = {self.table.events.index(e) for e in ("peer_died", "release_lease")}
         self._pump_lock = threading.RLock()
-        self._tcp_handlers = 0  # TCP connections being served (serve_tcp)
-        self._tcp_done = threading.Condition()
         self._pending_reason: dict[int, str | None] = {}  # rank -> reason of a Python fire
         self._stop_r = self._stop_w = -1  # a pipe while serving: stop() wakes the thread
         self._thread: threading.Thread | None = None
@@ -253,11 +256,19 @@ class LeaseServer:
 
     # -- serving --------------------------------------------------------------------------
 
-    def start(self, listen_fd: int | None) -> None:
-        """Serve the listening socket ``listen_fd`` natively (None: TCP only), and start
-        the thread that delivers transitions and serves what the handler passes on."""
+    def start(self, listen_fd: int | None, tcp: TcpServer | None = None) -> None:
+        """Serve the listening socket ``listen_fd`` natively (None: nothing is served), and
+        ``tcp``'s too (importers on other nodes: the thread runs the key handshake of
+        :mod:`kvstate.channel.tcp` itself), and start the thread that delivers transitions
+        and serves what the handler passes on."""
         if listen_fd is None:
             return
+        if tcp is not None:
+            key, person = tcp.deployment.key, Purpose.CHANNEL_AUTH.value
+            self._check(self.lib.kvs_lease_listen_tcp(
+                self._s, tcp.fileno(), key, len(key), person, len(person), MAX_HANDSHAKES,
+                int(tcp.handshake_timeout * 1e9), KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES),
+                "kvs_lease_listen_tcp", "the lease thread's tcp socket")
         self._check(self.lib.kvs_lease_serve(self._s, listen_fd), "kvs_lease_serve", "the lease thread")
         try:
             self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
@@ -285,6 +296,10 @@ class LeaseServer:
         self.lib.kvs_lease_stop(self._s)
         self.pump()
 
+    def handshakes(self) -> int:
+        """TCP peers not yet authenticated (each holds a socket, never a served slot)."""
+        return int(self.lib.kvs_lease_handshakes(self._s))
+
     def connections(self) -> int:
         return int(self.lib.kvs_lease_connections(self._s))
 
@@ -297,7 +312,7 @@ class LeaseServer:
         self.pump()
 
     def open_connection(self, pid: int) -> int:
-        """A connection served from Python (TCP): its requests go through :meth:`handle`."""
+        """A connection served from Python: its requests go through :meth:`handle`."""
         out = self.ffi.new("uint64_t *")
         self._check(self.lib.kvs_lease_conn_open(self._s, pid, out), "kvs_lease_conn_open", "a tcp connection")
         return int(out[0])
@@ -317,52 +332,6 @@ class LeaseServer:
         if not answer[0]:
             return None, ()
         return bytes(ffi.buffer(reply, rlen[0])), tuple(fds[i] for i in range(nfds[0]))
-
-    def serve_tcp(self, ch: chan.Channel, stopping: threading.Event) -> None:
-        """One TCP importer (Python keeps this transport): its requests go through the
-        native handler, as the unix socket's do; its end ends its leases."""
-        with self._tcp_done:
-            self._tcp_handlers += 1
-        importer_closed = False
-        try:
-            conn = self.open_connection(ch.peer.pid)
-        except BaseException:
-            ch.close()
-            self._tcp_left()
-            raise
-        try:
-            while not stopping.is_set():
-                try:
-                    msg = ch.recv(timeout=0.25)
-                except ChannelError as exc:
-                    if exc.reason is ChannelReason.TIMEOUT:
-                        continue
-                    if not exc.closed:
-                        raise
-                    importer_closed = True
-                    break
-                msg.close()  # importers send no fds
-                reply, fds = self.handle(conn, msg.payload)
-                if reply is None:
-                    continue  # a notification (mapped): the importer does not wait for an answer
-                try:
-                    ch.send(reply, fds, timeout=self.exporter.config.request_timeout_s)
-                except ChannelError:
-                    break
-        finally:
-            self.close_connection(conn, importer_closed=importer_closed)
-            ch.close()
-            self._tcp_left()
-
-    def _tcp_left(self) -> None:
-        with self._tcp_done:
-            self._tcp_handlers -= 1
-            self._tcp_done.notify_all()
-
-    def wait_tcp(self, timeout: float) -> None:
-        """Wait (at most ``timeout`` s) for the TCP handlers to end (after a stop)."""
-        with self._tcp_done:
-            self._tcp_done.wait_for(lambda: self._tcp_handlers == 0, timeout=timeout)
 
     def _serve_in_python(self, conn: int, payload: bytes) -> tuple[bytes | None, tuple[int, ...]]:
         """The one request the native handler passes on: status."""

@@ -29,6 +29,8 @@ def _child(role: str, fd: int, *args: str) -> subprocess.Popen[str]:
 def _line(p: subprocess.Popen[str]) -> dict[str, Any]:
     assert p.stdout is not None
     line = p.stdout.readline()
+    while line and not line.startswith("{"):  # NIXL's own log lines (the tcp case)
+        line = p.stdout.readline()
     assert line, f"the child ended early (rc {p.poll()})"
     out: dict[str, Any] = json.loads(line)
     return out
@@ -39,7 +41,7 @@ def test_an_exporter_holding_its_gil_still_serves_a_tp2_import(blocks: bool) -> 
     """With ``blocks`` the leases name retained inventory blocks (as the vLLM connector's
     do): they are re-validated and pinned natively too, and unpinned when the leases end."""
     r, w = os.pipe()
-    exporter = _child("exporter", r, *(["blocks"] if blocks else []))
+    exporter = _child("exporter", r, "blocks" if blocks else "bank")
     importer = None
     try:
         holding = _line(exporter)
@@ -64,6 +66,54 @@ def test_an_exporter_holding_its_gil_still_serves_a_tp2_import(blocks: bool) -> 
         assert returned["ticks_during_hold"] <= 2, returned
         if blocks:  # 11 and 13 were pinned by both ranks' leases, and the drain ended them
             assert _line(exporter) == {"event": "pins", "leased": [0, 0, 0]}
+        released = _line(exporter)
+        assert released["bank_states"] == ["released", "released"], released
+        assert exporter.wait(timeout=60) == 0
+    finally:
+        for p in (exporter, importer):
+            if p is not None:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+                assert p.stdout is not None
+                p.stdout.close()
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+
+
+def test_an_exporter_holding_its_gil_still_serves_leases_over_tcp() -> None:
+    """Issue 30: importers on other nodes lease over TCP. The exporter's Python is frozen
+    from before the importer connects until it is done, so the handshake, the leases, the
+    renewals and the releases of both ranks were all served natively."""
+    pytest.importorskip("kvstate.transport.nixl")
+    from kvstate.core.errors import BackendUnavailable
+    from kvstate.transport.nixl import load_nixl
+
+    try:
+        load_nixl()
+    except BackendUnavailable as exc:
+        if os.environ.get("KVSTATE_REQUIRE_NIXL") == "1":
+            pytest.fail(f"KVSTATE_REQUIRE_NIXL=1 but {exc}")
+        pytest.skip(f"NIXL TESTS SKIPPED: {exc}")
+    r, w = os.pipe()
+    exporter = _child("exporter", r, "tcp")
+    importer = None
+    try:
+        holding = _line(exporter)
+        assert holding["event"] == "holding"
+        importer = _child("tcp_importer", w, *holding["descriptors"])
+        os.close(w)
+        w = -1
+        assert importer.wait(timeout=300) == 0
+        imported = _line(importer)
+        returned = _line(exporter)
+        assert imported["word"] == "done", imported
+        assert imported["steps"] == [f"{step} {rank}" for rank in (0, 1)
+                                     for step in ("leased", "renewed", "renewed", "released")], imported
+        assert returned["event"] == "hold returned" and returned["word"] == "done", returned
+        assert returned["ticks_during_hold"] <= 2, returned
+        # Every lease was returned while Python was frozen: nothing holds the banks.
         released = _line(exporter)
         assert released["bank_states"] == ["released", "released"], released
         assert exporter.wait(timeout=60) == 0

@@ -375,3 +375,67 @@ def test_both_ends_probe_a_silent_peer_within_seconds(echo: Echo) -> None:
     want = (1, KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES, KEEPALIVE_S * 1000)
     assert mine == want and seen == [want]
     assert KEEPALIVE_S <= 15
+
+
+def _served_exporter(d: Path) -> Exporter:  # type: ignore[type-arg]
+    ex = Exporter(_config(d, ("127.0.0.1", 0), handle_kind=HandleKind.NIXL), HostTransport(granularity=64 * 1024),
+                  name="stream")
+    ex.start()
+    return ex
+
+
+def test_the_native_server_reassembles_frames_from_any_cut_of_the_stream(socket_dir: Path) -> None:
+    """The lease thread cuts a TCP stream into frames itself (ffi/kvs_lease_tcp.c): a
+    request dripped a byte at a time, and two requests in one segment, are each answered
+    whole and in order."""
+    from kvstate.share import status
+
+    ex = _served_exporter(socket_dir)
+    try:
+        with connect_tcp(ex.lease_address, KEY, timeout=5.0) as ch:
+            frame = HEADER.pack(MAGIC, len(chan.encode(status.REQUEST)), 0) + chan.encode(status.REQUEST)
+            for i in range(len(frame)):  # one byte per segment (TCP_NODELAY)
+                ch._sock.send(frame[i:i + 1])
+                time.sleep(0.001)
+            with ch.recv(timeout=5.0) as msg:
+                assert chan.decode(msg.payload)["kind"] == "exporter"
+            bad = chan.encode({"op": "renew", "rank": 0, "lease": 1})  # no such bank: refused, answered
+            ch._sock.send(HEADER.pack(MAGIC, len(bad), 0) + bad + frame)
+            with ch.recv(timeout=5.0) as msg:
+                assert chan.decode(msg.payload)["ok"] is False
+            with ch.recv(timeout=5.0) as msg:
+                assert chan.decode(msg.payload)["kind"] == "exporter"
+    finally:
+        ex.stop()
+
+
+def test_a_bad_header_on_the_stream_closes_the_connection(socket_dir: Path) -> None:
+    ex = _served_exporter(socket_dir)
+    try:
+        with connect_tcp(ex.lease_address, KEY, timeout=5.0) as ch:
+            assert ex.connections() == 1
+            ch._sock.send(b"XXXX" + bytes(8))  # out of step: nothing after it can be trusted
+            with raises(ChannelError, reason=ChannelReason.CLOSED):
+                ch.recv(timeout=5.0)
+        assert ex.connections() == 0
+    finally:
+        ex.stop()
+
+
+def test_handshakes_never_take_a_served_slot(socket_dir: Path) -> None:
+    """Unauthenticated peers wait in the native thread's handshake table; once they are
+    gone (or timed out) nothing of them stays."""
+    ex = _served_exporter(socket_dir)
+    _, port = parse_address(ex.lease_address)
+    socks = [socket.create_connection(("127.0.0.1", port), timeout=5.0) for _ in range(5)]
+    try:
+        for s in socks:  # the challenge came: the thread holds their handshakes
+            assert len(s.recv(HEADER.size + 32)) > 0
+        assert ex.lease_server.handshakes() == 5 and ex.connections() == 0
+        with connect_tcp(ex.lease_address, KEY, timeout=5.0):
+            assert ex.connections() == 1
+    finally:
+        for s in socks:
+            s.close()
+        ex.stop()
+    assert ex.lease_server.handshakes() == 0

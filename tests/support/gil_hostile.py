@@ -14,6 +14,12 @@ and writes ``done`` (or ``failed: why``) to the pipe.
 With ``blocks``, the exporter keeps a retained inventory (blocks 11, 12, 13 of group
 ``prefix``), and the importer's leases name two of them, as the vLLM connector's do: the
 native lease server re-validates and pins them without the exporter's Python.
+
+With ``tcp``, the exporter exports NIXL handles and listens on TCP (loopback), as for
+importers on other nodes, and ``tcp_importer`` speaks the control protocol over it as a
+remote part does: per rank a connection (the deployment key's handshake), a lease, a
+``mapped`` notice, two renewals and a release. Every step is served by the exporter's
+native lease thread (``ffi/kvs_lease_tcp.c``) while its Python is frozen.
 """
 
 from __future__ import annotations
@@ -58,14 +64,23 @@ def say(**what: object) -> None:
     print(json.dumps(what), flush=True)
 
 
-def exporter(pipe_r: int, with_blocks: bool) -> None:
+def exporter(pipe_r: int, mode: str) -> None:
     d = Path(tempfile.mkdtemp(prefix="kvs-gil-"))
     os.chmod(d, 0o700)
     inventory = None
-    if with_blocks:
+    if mode == "blocks":
         inventory = Inventory(8)
         inventory.store(GROUP, HELD)
-    ex = Exporter(ExportConfig(DEPLOYMENT, d / "sock", os.urandom(16), TP), HostTransport(), inventory=inventory)
+    if mode == "tcp":
+        from kvstate.core.handles import HandleKind
+        from kvstate.transport.nixl import NixlTransport
+        from kvstate.transport.nixl.exporting import NixlExportingHost
+
+        config = ExportConfig(DEPLOYMENT, d / "sock", os.urandom(16), TP, handle_kind=HandleKind.NIXL,
+                              tcp_listen=("127.0.0.1", 0))
+        ex = Exporter(config, NixlExportingHost(HostTransport(granularity=64 * 1024), NixlTransport()))
+    else:
+        ex = Exporter(ExportConfig(DEPLOYMENT, d / "sock", os.urandom(16), TP), HostTransport(), inventory=inventory)
     for r in range(TP):
         bank = ex.add_bank(r, GEOMETRY)
         bank.fire("register")
@@ -129,10 +144,55 @@ def importer(pipe_w: int, epoch: str, descriptors: list[str]) -> None:
     say(word=word)
 
 
+def tcp_importer(pipe_w: int, descriptors: list[str]) -> None:
+    from kvstate import channel as chan
+    from kvstate.channel.tcp import connect_tcp
+    from kvstate.share.part import lease_request
+
+    word = "failed: nothing ran"
+    steps: list[str] = []
+    chans = []
+    try:
+        for hexed in descriptors:
+            desc = decode(bytes.fromhex(hexed), DEPLOYMENT)
+            ch = connect_tcp(desc.socket_path, DEPLOYMENT, timeout=5.0)  # tcp://: the native handshake
+            chans.append(ch)
+
+            def ask(payload: bytes) -> dict[str, object]:
+                ch.send(payload, timeout=5.0)
+                with ch.recv(timeout=5.0) as msg:
+                    answer: dict[str, object] = chan.decode(msg.payload)
+                return answer
+
+            grant = ask(lease_request(desc, None))
+            assert grant.get("ok") is True and type(grant.get("lease")) is int, grant
+            lease = grant["lease"]
+            steps.append(f"leased {desc.rank}")
+            # A notice, never answered: the renewal behind it must be the next answer.
+            ch.send(chan.encode({"op": "mapped", "rank": desc.rank, "lease": lease}), timeout=5.0)
+            for _ in range(2):
+                renewed = ask(chan.encode({"op": "renew", "rank": desc.rank, "lease": lease}))
+                assert renewed.get("ok") is True, renewed
+                steps.append(f"renewed {desc.rank}")
+            released = ask(chan.encode({"op": "release", "rank": desc.rank, "lease": lease}))
+            assert released.get("ok") is True, released
+            steps.append(f"released {desc.rank}")
+        word = "done"
+    except Exception as exc:  # reported through the pipe: the exporter's hold must end either way
+        word = f"failed: {type(exc).__name__}: {exc}"
+    finally:
+        for c in chans:
+            c.close()
+        os.write(pipe_w, word.encode()[:255])
+    say(word=word, steps=steps)
+
+
 def main() -> None:
     role, fd = sys.argv[1], int(sys.argv[2])
     if role == "exporter":
-        exporter(fd, sys.argv[3:] == ["blocks"])
+        exporter(fd, sys.argv[3] if sys.argv[3:] else "bank")
+    elif role == "tcp_importer":
+        tcp_importer(fd, sys.argv[3:])
     else:
         importer(fd, sys.argv[3], sys.argv[4:])
 
