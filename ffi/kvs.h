@@ -548,6 +548,11 @@ typedef struct kvs_frame {
 
 /* NULL with errno set when dup or allocation fails. pidfd may be -1 (peer already gone). */
 kvs_link *kvs_link_open(int32_t fd, int32_t pidfd, uint32_t max_payload, uint32_t max_fds);
+/* A link over a connected TCP stream (kvstate.channel.tcp, authenticated already): the same
+ * frames without fds, written and read in pieces within the deadline; a frame cut short
+ * or a bad header shuts it (the stream is out of step). No pidfd: EOF, reset and the
+ * socket's keepalive say the peer is gone. */
+kvs_link *kvs_link_open_stream(int32_t fd, uint32_t max_payload);
 void kvs_link_unref(kvs_link *l);
 void kvs_link_close(kvs_link *l);
 int32_t kvs_link_closed(kvs_link *l);

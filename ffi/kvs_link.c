@@ -45,6 +45,7 @@ struct kvs_link {
     int pidfd;     /* -1: the peer was gone at open, or closed */
     int inside;    /* a call holds the mutex (guarded by mu) */
     uint32_t max_payload, max_fds;
+    int stream; /* a TCP stream (kvs_link_open_stream): frames are read and written in pieces */
 };
 
 static int64_t now_ns(void) {
@@ -78,6 +79,12 @@ kvs_link *kvs_link_open(int32_t fd, int32_t pidfd, uint32_t max_payload, uint32_
     atomic_init(&l->closed, 0);
     l->max_payload = max_payload;
     l->max_fds = max_fds;
+    return l;
+}
+
+kvs_link *kvs_link_open_stream(int32_t fd, uint32_t max_payload) {
+    kvs_link *l = kvs_link_open(fd, -1, max_payload, 0);
+    if (l) l->stream = 1;
     return l;
 }
 
@@ -179,10 +186,28 @@ int kvs_link_send(kvs_link *l, const uint8_t *payload, uint32_t len, const int32
             memcpy(CMSG_DATA(c) + i * sizeof(int), &fd, sizeof fd);
         }
     }
-    size_t total = sizeof header + len;
+    size_t total = sizeof header + len, done = 0;
     int64_t deadline = now_ns() + (timeout_ns > 0 ? timeout_ns : 0);
     for (;;) {
         ssize_t sent = sendmsg(l->fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (sent >= 0 && l->stream) { /* a stream takes what fits: the rest when there is room */
+            done += (size_t)sent;
+            if (done == total) return KVS_OK;
+            while (sent > 0) {
+                size_t step = (size_t)sent < m.msg_iov[0].iov_len ? (size_t)sent : m.msg_iov[0].iov_len;
+                m.msg_iov[0].iov_base = (char *)m.msg_iov[0].iov_base + step;
+                m.msg_iov[0].iov_len -= step;
+                sent -= (ssize_t)step;
+                if (!m.msg_iov[0].iov_len) {
+                    m.msg_iov++;
+                    m.msg_iovlen--;
+                }
+            }
+            int w = wait_for(l, POLLOUT, deadline, err);
+            if (w > 0 || w == KVS_E_LINK_PEER_DIED) continue;
+            if (done) shut(l); /* a frame cut short: the stream is out of step */
+            return w == 0 ? KVS_E_LINK_TIMEOUT : w;
+        }
         if (sent >= 0) {
             if ((size_t)sent == total) return KVS_OK;
             /* SOCK_SEQPACKET sends a message whole; the peer refuses a part of one. */
@@ -200,6 +225,7 @@ int kvs_link_send(kvs_link *l, const uint8_t *payload, uint32_t len, const int32
             return KVS_E_LINK_SYS;
         }
         int w = wait_for(l, POLLOUT, deadline, err);
+        if (done && (w == 0 || (w < 0 && w != KVS_E_LINK_PEER_DIED))) shut(l); /* a stream's frame cut short */
         if (w == 0) return KVS_E_LINK_TIMEOUT;
         if (w < 0 && w != KVS_E_LINK_PEER_DIED) return w;
         /* A dead peer with room to send: the send itself reports EPIPE or succeeds. */
@@ -259,6 +285,57 @@ static int take_packet(kvs_link *l, kvs_frame *f, int32_t *err) {
     return KVS_OK;
 }
 
+/* Exactly n bytes of a stream by the deadline; a frame cut short (`begun`) shuts the link. */
+static int read_exact(kvs_link *l, uint8_t *p, size_t n, int64_t deadline, int begun, int32_t *err) {
+    size_t got = 0;
+    while (got < n) {
+        ssize_t r = recv(l->fd, p + got, n - got, MSG_DONTWAIT);
+        if (r > 0) {
+            got += (size_t)r;
+            continue;
+        }
+        int e = r == 0 ? 0 : errno;
+        if (r < 0 && e == EINTR) continue;
+        if (r == 0 || e == ECONNRESET || e == ETIMEDOUT || (e == EBADF && atomic_load(&l->closed))) {
+            shut(l);
+            return KVS_E_LINK_CLOSED;
+        }
+        if (e != EAGAIN && e != EWOULDBLOCK) {
+            *err = e;
+            shut(l);
+            return KVS_E_LINK_SYS;
+        }
+        int w = wait_for(l, POLLIN, deadline, err);
+        if (w > 0) continue;
+        if (begun || got) shut(l);
+        return w == 0 ? KVS_E_LINK_TIMEOUT : w;
+    }
+    return KVS_OK;
+}
+
+/* One frame of a stream: its header (checked as kvstate.channel.tcp checks it), then
+ * exactly the payload it announces; a bad header shuts the link (out of step). */
+static int take_stream(kvs_link *l, kvs_frame *f, int64_t deadline) {
+    uint8_t header[KVS_LINK_HEADER];
+    int rc = read_exact(l, header, sizeof header, deadline, 0, &f->err);
+    if (rc) return rc;
+    memcpy(f->magic, header, 4);
+    f->said_len = (uint32_t)header[4] | (uint32_t)header[5] << 8 | (uint32_t)header[6] << 16 |
+                  (uint32_t)header[7] << 24;
+    f->said_fds = (uint32_t)header[8] | (uint32_t)header[9] << 8;
+    f->len = sizeof header;
+    int bad = memcmp(header, MAGIC, 4) != 0 ? KVS_E_LINK_MAGIC : f->said_fds ? KVS_E_LINK_FDS
+            : f->said_len > l->max_payload || f->said_len > f->cap ? KVS_E_LINK_TRUNC : 0;
+    if (bad) {
+        shut(l);
+        return bad;
+    }
+    rc = read_exact(l, f->buf, f->said_len, deadline, 1, &f->err);
+    if (rc) return rc;
+    f->len = f->said_len;
+    return KVS_OK;
+}
+
 int kvs_link_recv(kvs_link *l, kvs_frame *f, int64_t timeout_ns) {
     f->err = 0;
     f->nfds = 0;
@@ -266,6 +343,7 @@ int kvs_link_recv(kvs_link *l, kvs_frame *f, int64_t timeout_ns) {
     if (atomic_load(&l->closed) || l->fd < 0) return KVS_E_LINK_CLOSED;
     if (!f->buf || f->cap < l->max_payload) return KVS_E_INVAL;
     int64_t deadline = now_ns() + (timeout_ns > 0 ? timeout_ns : 0);
+    if (l->stream) return take_stream(l, f, deadline);
     for (;;) {
         int rc = take_packet(l, f, &f->err);
         if (rc <= 0) return rc;

@@ -216,12 +216,15 @@ static void renew_one(kvs_renewer *r, const struct entry *e, kvs_frame *f) {
     char payload[96];
     int len = snprintf(payload, sizeof payload, "{\"lease\":%lld,\"op\":\"renew\",\"rank\":%u}",
                        (long long)e->lease, e->rank);
+    /* The new term counts from the moment it was asked, which is before the exporter's
+     * own: the importer's view of a lease never outlasts the exporter's (a remote part's
+     * READ gate relies on it; kvstate.transport.nixl.transport.LeaseGate). */
+    int64_t at = now_ns();
     int rc = kvs_link_request(e->link, (const uint8_t *)payload, (uint32_t)len, f, r->timeout_ns);
     double expires_s = 0;
     int ok = rc == KVS_OK && f->nfds == 0 && granted(f->buf, f->len, &expires_s);
     if (rc == KVS_OK)
         for (uint32_t i = 0; i < f->nfds; i++) close(f->fds[i]);
-    int64_t at = now_ns();
     pthread_mutex_lock(&r->mu);
     struct entry *live = find(r, e->key);
     if (live && !live->failed) {

@@ -72,13 +72,19 @@ def link_error(code: int, *, err: int = 0, frame: libkvs.FramePtr | None = None,
 class NativeLink:
     """A request link over the connected socket of ``channel``: one exchange at a time."""
 
-    def __init__(self, channel: chan.Channel, limits: chan.Limits) -> None:
+    def __init__(self, channel: chan.Channel, limits: chan.Limits, *, stream: bool = False) -> None:
+        """``stream``: ``channel`` is a TCP stream (:mod:`kvstate.channel.tcp`, its handshake
+        done): frames without fds, read and written in pieces."""
         ffi, lib = libkvs.load()
         self._ffi, self._lib = ffi, lib
         self.limits = limits
         self.pid = channel.peer.pid
         pidfd = channel.pidfd
-        ptr = lib.kvs_link_open(channel.fileno(), -1 if pidfd is None else pidfd, limits.max_payload, limits.max_fds)
+        if stream:
+            ptr = lib.kvs_link_open_stream(channel.fileno(), limits.max_payload)
+        else:
+            ptr = lib.kvs_link_open(channel.fileno(), -1 if pidfd is None else pidfd, limits.max_payload,
+                                    limits.max_fds)
         if ptr == ffi.NULL:
             raise ChannelError(ChannelReason.FAILED, f"cannot set up the request link: {os.strerror(ffi.errno)}")
         self.ptr = ffi.gc(ptr, lib.kvs_link_unref)

@@ -19,6 +19,14 @@ same rows, guards and effects by name) whose bank lives on another node, exporte
 
 The exporter's death is seen on the lease channel (EOF or reset on TCP; pidfd too on one
 node) through the importer's watcher, as for a local part.
+
+Renewal without the GIL: once granted, a lease on a TCP channel is renewed by the
+importer's native renewal thread (:mod:`kvstate.share.renewal`), as a local part's is, on
+a stream link over the same socket (:class:`~kvstate.share.link.NativeLink`); every later
+request of the part (``mapped``, ``release``) takes that link's lock, so the thread's
+renewals and Python's requests never interleave on the stream. The READ gate follows the
+thread's renewals (each counted from when it was asked). Before this, a prefill worker
+whose engine held the GIL renewed late and its leases expired under it.
 """
 
 from __future__ import annotations
@@ -32,11 +40,12 @@ from typing import Any
 
 from kvstate import channel as chan
 from kvstate.core.reasons import TransferFailReason
-from kvstate.channel.tcp import SCHEME, connect_tcp
+from kvstate.channel.tcp import SCHEME, TcpChannel, connect_tcp
 from kvstate.core.descriptor import Descriptor
 from kvstate.core.geometry import Geometry
 from kvstate.core.errors import ChannelError, ImportFailed, TransferFailed
 from kvstate.core.machine import effect, guard
+from kvstate.share.link import NativeLink
 from kvstate.share.part import Part, PartOwner, _check_report, _grant_fields, _release_quietly, lease_request
 from kvstate.transport.nixl.transport import LeaseGate, NixlAllocation, NixlRemote, NixlTransport
 from kvstate.transport.protocol import A, E, H, M, R
@@ -61,6 +70,7 @@ class RemotePart(Part[H, A, R, M, E]):
         self.gate: LeaseGate | None = None
         self.inflight = 0
         self._inflight_lock = threading.Lock()
+        self._link: NativeLink | None = None  # the lease channel's stream link, while renewed natively
 
     def pins(self) -> int:
         """READs in flight: NIXL pins nothing, so the part counts its own."""
@@ -97,14 +107,52 @@ class RemotePart(Part[H, A, R, M, E]):
             lease_id, expires_in_s = _grant_fields(reply, d.rank)
             undo.callback(_release_quietly, ch, d.rank, lease_id)
             _check_report(reply, d)
-            gate = LeaseGate(self.label, requested_at_ns=asked_ns, duration_s=max(expires_in_s, 1e-3))
+            gate = LeaseGate(self.label, requested_at_ns=asked_ns, duration_s=max(expires_in_s, 1e-3),
+                             renewed=self._renewed_deadline)
             self.group.importer._watch(self, ch)  # raises if the importer is closing
+            native = self._renew_natively(ch, d.rank, lease_id, expires_in_s, asked_ns / 1e9)
+            link, key = native if native is not None else (None, None)
             undo.pop_all()
         self.channel, self.lease_id, self.gate = ch, lease_id, gate
+        self._link, self.renewal_key = link, key
         self.lease_s = expires_in_s
         self.renewed_at = time.monotonic()
         self.lease_expires_at = self.renewed_at + expires_in_s
         return self._return_lease
+
+    def _renew_natively(self, ch: chan.Channel, rank: int, lease_id: int, term_s: float,
+                        asked_at: float) -> tuple[NativeLink, int] | None:
+        """Hand the lease on ``ch`` (a TCP channel) to the importer's renewal thread: the
+        stream link and the key, or None when renewal stays with Python (native renewal
+        off, the importer closing, or a channel on this node)."""
+        renewal = self.group.importer.renewal
+        if renewal is None or not isinstance(ch, TcpChannel):
+            return None
+        link = NativeLink(ch, chan.Limits(), stream=True)
+        key = renewal.add(self, link, rank, lease_id, term_s, asked_at)
+        if key is None:
+            link.close()
+            return None
+        return link, key
+
+    def _renewed_deadline(self) -> int | None:
+        """The lease's end as the renewal thread last had it granted (monotonic ns)."""
+        native = self._renewed()
+        return None if native is None else int(native[1] * 1e9)
+
+    def _send_notice(self, payload: bytes, timeout: float) -> None:
+        """A notification on the lease channel: under the stream link's lock while the
+        renewal thread shares it, else under the part's."""
+        link, ch = self._link, self.channel
+        if link is not None:
+            link.lock()
+            try:
+                link.send(payload, timeout=timeout)
+            finally:
+                link.unlock()
+        elif ch is not None:
+            with self._channel_lock:
+                ch.send(payload, timeout=timeout)
 
     @effect("native_import")
     def _import(self, **kw: Any) -> None:
@@ -119,8 +167,7 @@ class RemotePart(Part[H, A, R, M, E]):
             remote = self.nixl.import_(d.handle, d.size, generation=d.generation)
             log.debug("t=%.6f %s: nixl metadata loaded", time.monotonic(), self.label)
             undo.callback(self.nixl.close_remote, remote, "import rolled back")
-            with self._channel_lock:
-                ch.send(chan.encode({"op": "mapped", "rank": d.rank, "lease": self.lease_id}), timeout=timeout)
+            self._send_notice(chan.encode({"op": "mapped", "rank": d.rank, "lease": self.lease_id}), timeout)
             undo.pop_all()
         self.remote = remote
 
@@ -134,11 +181,30 @@ class RemotePart(Part[H, A, R, M, E]):
         return expires_in_s
 
     def _return_lease(self) -> None:
-        """End the gate (no READ starts after this), then return the lease."""
+        """End the gate (no READ starts after this), then return the lease: on the stream
+        link once the renewal thread let go of it (no renewal after the release)."""
         if self.gate is not None:
             self.gate.end("returned")
         self.gate = None
-        super()._return_lease()
+        link, self._link = self._link, None
+        if link is None:
+            super()._return_lease()
+            return
+        key, self.renewal_key = self.renewal_key, None
+        renewal = self.group.importer.renewal
+        if key is not None and renewal is not None:
+            renewal.remove(key)
+        ch, self.channel = self.channel, None
+        if ch is not None:
+            self.group.importer._unwatch(ch)
+        try:
+            with link.request(chan.encode({"op": "release", "rank": self.rank, "lease": self.lease_id}), 1.0) as msg:
+                chan.decode(msg.payload)
+        except (ChannelError, ImportFailed):  # gone, or the lease ended already: the close ends it too
+            pass
+        if ch is not None:
+            ch.close()
+        link.close()
 
     @effect("unmap_close")
     def _unmap_close(self, **kw: Any) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 import sys
 from pathlib import Path
 from typing import Any
@@ -82,11 +83,7 @@ def test_an_exporter_holding_its_gil_still_serves_a_tp2_import(blocks: bool) -> 
             os.close(w)
 
 
-def test_an_exporter_holding_its_gil_still_serves_leases_over_tcp() -> None:
-    """Issue 30: importers on other nodes lease over TCP. The exporter's Python is frozen
-    from before the importer connects until it is done, so the handshake, the leases, the
-    renewals and the releases of both ranks were all served natively."""
-    pytest.importorskip("kvstate.transport.nixl")
+def _need_nixl() -> None:
     from kvstate.core.errors import BackendUnavailable
     from kvstate.transport.nixl import load_nixl
 
@@ -96,6 +93,13 @@ def test_an_exporter_holding_its_gil_still_serves_leases_over_tcp() -> None:
         if os.environ.get("KVSTATE_REQUIRE_NIXL") == "1":
             pytest.fail(f"KVSTATE_REQUIRE_NIXL=1 but {exc}")
         pytest.skip(f"NIXL TESTS SKIPPED: {exc}")
+
+
+def test_an_exporter_holding_its_gil_still_serves_leases_over_tcp() -> None:
+    """Issue 30: importers on other nodes lease over TCP. The exporter's Python is frozen
+    from before the importer connects until it is done, so the handshake, the leases, the
+    renewals and the releases of both ranks were all served natively."""
+    _need_nixl()
     r, w = os.pipe()
     exporter = _child("exporter", r, "tcp")
     importer = None
@@ -128,3 +132,62 @@ def test_an_exporter_holding_its_gil_still_serves_leases_over_tcp() -> None:
         os.close(r)
         if w >= 0:
             os.close(w)
+
+
+def test_an_importer_holding_its_gil_keeps_its_tcp_lease_renewed() -> None:
+    """Issue 30, the prefill side: a remote part's lease over TCP is renewed by the
+    importer's native renewal thread on a stream link (kvstate.share.remote_part), so an
+    importer whose engine holds its GIL for several lease terms still holds the lease
+    afterwards. (Renewed from Python, as before, it expired at the exporter.) This process
+    holds its GIL in one C call for four terms of a one-second lease; the exporter's
+    Python is frozen too, so both ends are native."""
+    import ctypes
+
+    from kvstate import channel as chan
+    from kvstate.channel.tcp import connect_tcp
+    from kvstate.core.descriptor import decode
+    from kvstate.share.link import NativeLink
+    from kvstate.share.part import lease_request
+    from kvstate.share.renewal import Renewal
+    from support.gil_hostile import DEPLOYMENT
+
+    _need_nixl()
+    r, w = os.pipe()
+    exporter = _child("exporter", r, "tcp-short")
+    renewal: Renewal[object] | None = None
+    try:
+        holding = _line(exporter)
+        desc = decode(bytes.fromhex(holding["descriptors"][0]), DEPLOYMENT)
+        ch = connect_tcp(desc.socket_path, DEPLOYMENT, timeout=5.0)
+        ch.send(lease_request(desc, None), timeout=5.0)
+        with ch.recv(timeout=5.0) as msg:
+            grant = chan.decode(msg.payload)
+        assert grant["ok"] is True and 0 < grant["expires_in_s"] <= 1.0, grant
+        link = NativeLink(ch, chan.Limits(), stream=True)
+        renewal = Renewal(interval_s=0.25, timeout_s=5.0)
+        key = renewal.add(object(), link, desc.rank, grant["lease"], grant["expires_in_s"], time.monotonic())
+        assert key is not None
+        libc = ctypes.PyDLL(None)  # PyDLL: the GIL stays held for the whole call
+        libc.usleep.argtypes = [ctypes.c_uint]
+        libc.usleep(4_000_000)  # four terms: unrenewed, the lease would have expired three times over
+        state = renewal.state(key)
+        assert state is not None and not state.failed and state.renewals >= 2, state
+        assert renewal.take() == []
+        renewal.remove(key)
+        # The exporter still holds the lease live: it grants one more renewal by hand.
+        with link.request(chan.encode({"op": "renew", "rank": desc.rank, "lease": grant["lease"]}), 5.0) as msg:
+            renewed = chan.decode(msg.payload)
+        assert renewed["ok"] is True, renewed
+        ch.close()
+        assert link.closed  # closing the channel closed its link
+    finally:
+        if renewal is not None:
+            renewal.close()
+        os.write(w, b"done")
+        os.close(w)
+        if exporter.poll() is None:
+            exporter.kill()
+        exporter.wait()
+        assert exporter.stdout is not None
+        exporter.stdout.close()
+        os.close(r)

@@ -71,13 +71,13 @@ def exporter(pipe_r: int, mode: str) -> None:
     if mode == "blocks":
         inventory = Inventory(8)
         inventory.store(GROUP, HELD)
-    if mode == "tcp":
+    if mode in ("tcp", "tcp-short"):  # tcp-short: one-second leases (an importer's renewals are the test)
         from kvstate.core.handles import HandleKind
         from kvstate.transport.nixl import NixlTransport
         from kvstate.transport.nixl.exporting import NixlExportingHost
 
         config = ExportConfig(DEPLOYMENT, d / "sock", os.urandom(16), TP, handle_kind=HandleKind.NIXL,
-                              tcp_listen=("127.0.0.1", 0))
+                              tcp_listen=("127.0.0.1", 0), lease_timeout_s=1.0 if mode == "tcp-short" else 30.0)
         ex = Exporter(config, NixlExportingHost(HostTransport(granularity=64 * 1024), NixlTransport()))
     else:
         ex = Exporter(ExportConfig(DEPLOYMENT, d / "sock", os.urandom(16), TP), HostTransport(), inventory=inventory)

@@ -46,7 +46,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -134,16 +134,27 @@ class LeaseGate:
     the exporter's, whatever the clocks of the two nodes say.
     """
 
-    def __init__(self, bank: str, *, requested_at_ns: int, duration_s: float) -> None:
+    def __init__(self, bank: str, *, requested_at_ns: int, duration_s: float,
+                 renewed: Callable[[], int | None] | None = None) -> None:
+        """``renewed``: the deadline (monotonic ns) of the lease's latest renewal, counted
+        from when it was asked too, for a lease renewed without Python (the importer's
+        renewal thread); consulted once the gate's own deadline has passed."""
         if duration_s <= 0:
             raise ValueError(f"lease duration must be positive, not {duration_s}")
         self.bank = bank
         self.deadline_ns = requested_at_ns + int(duration_s * 1e9)
+        self._renewed = renewed
         self._ended: str | None = None
+
+    def _past(self) -> bool:
+        now = time.monotonic_ns()
+        if now >= self.deadline_ns and self._renewed is not None:
+            self.deadline_ns = max(self.deadline_ns, self._renewed() or 0)
+        return now >= self.deadline_ns
 
     @property
     def live(self) -> bool:
-        return self._ended is None and time.monotonic_ns() < self.deadline_ns
+        return self._ended is None and not self._past()
 
     def end(self, why: str = "returned") -> None:
         """End the lease (returned, revoked by the exporter, peer died). Idempotent."""
@@ -153,7 +164,7 @@ class LeaseGate:
     def check(self) -> None:
         if self._ended is not None:
             raise TransferFailed.lease_ended(self.bank, self._ended)
-        if time.monotonic_ns() >= self.deadline_ns:
+        if self._past():
             raise TransferFailed.lease_ended(self.bank, "expired")
 
 
