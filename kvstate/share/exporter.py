@@ -475,6 +475,24 @@ class Exporter(Generic[H, A, R, M, E]):
         self.banks[rank] = bank
         return bank
 
+    def replace_bank(self, rank: int) -> Bank[H, A, R, M, E]:
+        """A new bank for ``rank`` once its bank is released (a drain that ended): same
+        geometry, fresh memory, not registered yet; its generation continues the old one's,
+        so its first advertise names a generation no descriptor of the old bank had."""
+        need_int("rank", rank, 0, self.config.tp - 1)
+        old = self.banks.get(rank)
+        if old is None or old.state != "released":
+            raise ArgumentInvalid.of("rank", ArgumentReason.STATE, f"rank {rank}'s bank is "
+                                     f"{'missing' if old is None else old.state}: only a released bank is replaced")
+        del self.banks[rank]
+        try:
+            bank = self.add_bank(rank, old.geometry)
+        except BaseException:
+            self.banks[rank] = old
+            raise
+        bank.generation = old.generation
+        return bank
+
     def allocate(self, rank: int, geometry: Geometry,
                  framework: str = "torch") -> tuple[Bank[H, A, R, M, E], dict[str, Any]]:
         """Zero copy: a registered bank for ``rank`` and one tensor per region over its

@@ -377,6 +377,54 @@ def test_a_dead_decode_is_a_miss_and_a_restarted_one_refuses_old_descriptors(soc
         decode.close()
 
 
+def test_a_bank_drained_by_an_expired_lease_is_replaced_and_reuse_goes_on(pair: tuple[Engine, Engine]) -> None:
+    """Issue 30: a lease that expires drains its bank (its importer may still read it).
+    Once nobody holds the bank, each decode rank replaces it with a new bank holding the
+    same blocks at the next generation; the index advertises that generation, an old
+    prefix still loads, and a new request stores and loads. Before, the bank stayed
+    draining and every later store and lease was refused (``draining``)."""
+    from kvstate.core.descriptor import decode as decode_descriptor
+    from kvstate.share.part import lease_request
+
+    decode, prefill = pair
+    tokens = list(range(2000, 2017))
+    finish(decode, "d1", tokens, [9, 3, 40, 17, 22])
+    assert load(prefill, "p1", tokens, [30, 31, 32, 33, 34]) == (4 * BS, set())
+    before = [r.bank.generation for r in decode.decode]
+    # An importer takes a lease on every rank and never renews it: it expires.
+    held = []
+    for r in decode.decode:
+        d = decode_descriptor(r.exporter.descriptor(r.rank), decode.cfg.deployment)
+        ch = chan.connect(d.socket_path, timeout=5.0)
+        ch.send(lease_request(d, None), timeout=5.0)
+        with ch.recv(timeout=5.0) as msg:
+            assert chan.decode(msg.payload)["ok"] is True
+        held.append(ch)
+    for r in decode.decode:
+        assert r.exporter.lease_server.expire(ahead_s=3600.0) >= 1  # ours (and the prefill engine's, if kept)
+        wait_for(lambda r=r: r.bank.state == "draining", "the expired lease drains the bank")
+    # The importer goes: nothing holds the old banks; each rank replaces its own.
+    for ch in held:
+        ch.close()
+    wait_for(lambda: all(r.bank.state == "advertised" and r.bank.generation > g for r, g in zip(decode.decode, before)),
+             "every rank's new bank advertised")
+    index = decode.sched.index
+    assert index is not None  # the index heard every new generation (a rank tells it right after)
+    wait_for(lambda: index.ready() and all(index._ranks[r.rank].generation == r.bank.generation for r in decode.decode),
+             "the index to advertise the new generation")
+    assert decode.tally.take().get("banks_replaced") == len(decode.decode)
+    # The old prefix is still retained (copied into the new bank) and loads at the new generation.
+    assert load(prefill, "p2", tokens, [40, 41, 42, 43, 44]) == (4 * BS, set())
+    for rank in range(len(decode.decode)):
+        assert torch.equal(prefill.caches[rank][LAYERS[0]][42], decode.caches[rank][LAYERS[0]][40])
+    # A new request stores into the new bank and loads from it.
+    fresh = list(range(3000, 3013))
+    finish(decode, "d2", fresh, [5, 6, 7, 8])
+    assert load(prefill, "p3", fresh, [50, 51, 52, 53]) == (3 * BS, set())
+    for rank in range(len(decode.decode)):
+        assert torch.equal(prefill.caches[rank][LAYERS[1]][52], decode.caches[rank][LAYERS[1]][7])
+
+
 # -- a finished request leaves no trace (issue 32) -------------------------------------------
 
 

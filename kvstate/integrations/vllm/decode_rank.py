@@ -19,6 +19,11 @@ its inventory, and its link to the index.
 - The index's ``evict`` is answered with the keys the inventory dropped and those a lease
   still pins (it asks again later).
 - Descriptors are re-advertised at half their time to live.
+- A bank that drains (a lease expired: its importer may still read it, so the bank takes
+  no new lease) is replaced once quiescent: a new bank of the same geometry gets the old
+  one's blocks (one copy through host memory, nothing reads the old one any more), the
+  old one is released, and the new one is advertised at the next generation, so stores
+  and loads go on. Before, the rank refused every later store and lease (``draining``).
 
 Nothing here raises into the engine once registered: a failed store is reported failed
 (its blocks are not advertised) and its request still finishes.
@@ -37,7 +42,7 @@ from typing import Any
 from kvstate import channel as chan
 from kvstate.channel.framing import pack
 from kvstate.core.reasons import BusyReason, ChannelReason
-from kvstate.core.errors import ChannelError, KvStateError, Busy
+from kvstate.core.errors import ChannelError, KvStateError, Busy, TransitionError
 from kvstate.core.handles import HandleKind
 from kvstate.integrations.vllm import wire
 from kvstate.integrations.vllm.config import ConnectorConfig
@@ -233,7 +238,9 @@ class DecodeRank:
                     ch.send(self._outbox.get_nowait(), timeout=2.0)
                 except queue.Empty:
                     break
-            if time.monotonic() - self._advertised_at > self.cfg.descriptor_ttl_s / 2:
+            if self._replace_drained_bank():
+                self._advertise(ch, again=False)
+            elif time.monotonic() - self._advertised_at > self.cfg.descriptor_ttl_s / 2:
                 self._advertise(ch, again=True)
             try:
                 msg = ch.recv(timeout=0.02)
@@ -252,6 +259,34 @@ class DecodeRank:
             self._advertised_at = time.monotonic()
         ch.send(wire.encode("advertised", rank=self.rank, descriptor=self.exporter.descriptor(self.rank),
                             generation=self.bank.generation), timeout=2.0)
+
+    def _replace_drained_bank(self) -> bool:
+        """Replace a drained bank once it is quiescent (see the module docstring); True
+        when a new one was advertised. A bank still leased, pinned or storing is left for
+        the next round."""
+        old = self.bank
+        if old.state != "draining":
+            return False
+        try:
+            old.fire("quiesce")
+        except TransitionError:
+            return False  # a lease, a pin or a store is left: the next round looks again
+        try:
+            blocks = bytes(old.view())  # what the inventory says is retained, kept for the new bank
+            old.fire("release")
+            new = self.exporter.replace_bank(self.rank)
+            new.register()
+            new.view()[:len(blocks)] = blocks
+            del blocks
+            new.advertise()
+        except KvStateError as exc:
+            log.error("kvstate: rank %d could not replace its drained bank: %s", self.rank, exc)
+            return False
+        self.bank = new
+        self._advertised_at = time.monotonic()
+        self.tally.add("banks_replaced")
+        log.info("kvstate: rank %d replaced its drained bank (generation %d)", self.rank, new.generation)
+        return True
 
     def _evict(self, ch: chan.Channel, keys: list[int]) -> None:
         removed, busy = [], []
