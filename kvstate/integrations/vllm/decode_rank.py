@@ -264,7 +264,7 @@ class DecodeRank:
         """Replace a drained bank once it is quiescent (see the module docstring); True
         when a new one was advertised. A bank still leased, pinned or storing is left for
         the next round."""
-        old = self.bank
+        old: Bank[Any, Any, Any, Any, Any] = self.bank
         if old.state != "draining":
             return False
         try:
