@@ -306,29 +306,43 @@ while time.monotonic() < end and sys.stdin.readable():
 """
 
 
-def test_unauthenticated_peers_cannot_hold_the_servers_slots(socket_dir: Path) -> None:
+@pytest.mark.parametrize("server", ["exporter", "tcp_server"])
+def test_unauthenticated_peers_cannot_hold_the_servers_slots(socket_dir: Path, server: str) -> None:
     """1,000 idle or slow connections that never authenticate: they hold no thread and no
-    served slot (their handshakes have a budget of their own), and a real importer is
-    still served, again and again, while they stay connected."""
+    served slot (their handshakes have a budget of their own), and a real peer is still
+    served, again and again, while they stay connected. ``exporter``: the lease thread's
+    native handshakes (ffi/kvs_lease_tcp.c), asked for its status; ``tcp_server``: the
+    Python :class:`TcpServer` (the decode index's), an echo."""
     import subprocess
     import sys
 
     from kvstate.share import status
 
-    config = _config(socket_dir, ("127.0.0.1", 0), handle_kind=HandleKind.NIXL, max_connections=8)
-    ex = Exporter(config, HostTransport(granularity=64 * 1024), name="flooded")
-    ex.start()
+    ex = echo = None
+    if server == "exporter":
+        config = _config(socket_dir, ("127.0.0.1", 0), handle_kind=HandleKind.NIXL, max_connections=8)
+        ex = Exporter(config, HostTransport(granularity=64 * 1024), name="flooded")
+        ex.start()
+        address = ex.lease_address
+    else:
+        echo = Echo()
+        address = echo.server.address
     threads = threading.active_count()
-    _, port = parse_address(ex.lease_address)
+    _, port = parse_address(address)
     flood = subprocess.Popen([sys.executable, "-c", FLOOD, str(port), "1000"], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
     try:
         assert flood.stdout is not None and flood.stdout.readline() == "connected\n"
         for _ in range(10):
-            with connect_tcp(ex.lease_address, KEY, timeout=5.0) as ch:  # never refused for the flood
-                ch.send(chan.encode(status.REQUEST), timeout=5.0)
-                with ch.recv(timeout=5.0) as msg:
-                    assert chan.decode(msg.payload)["kind"] == "exporter"
+            with connect_tcp(address, KEY, timeout=5.0) as ch:  # never refused for the flood
+                if ex is not None:
+                    ch.send(chan.encode(status.REQUEST), timeout=5.0)
+                    with ch.recv(timeout=5.0) as msg:
+                        assert chan.decode(msg.payload)["kind"] == "exporter"
+                else:
+                    ch.send(b"abc", timeout=5.0)
+                    with ch.recv(timeout=5.0) as msg:
+                        assert msg.payload == b"cba"
         assert flood.poll() is None  # the flood was still connected throughout
         assert threading.active_count() <= threads + 2  # no thread per unauthenticated peer
     finally:
@@ -337,7 +351,10 @@ def test_unauthenticated_peers_cannot_hold_the_servers_slots(socket_dir: Path) -
         assert flood.stdout is not None and flood.stdin is not None
         flood.stdout.close()
         flood.stdin.close()
-        ex.stop()
+        if ex is not None:
+            ex.stop()
+        if echo is not None:
+            echo.server.close()
 
 
 def test_both_ends_probe_a_silent_peer_within_seconds(echo: Echo) -> None:
