@@ -56,6 +56,7 @@ int kvs_lease_server_new(int64_t lease_timeout_ns, int32_t max_leases, uint32_t 
     pthread_mutexattr_settype(&a, PTHREAD_MUTEX_RECURSIVE);
     pthread_mutex_init(&s->mu, &a);
     pthread_mutexattr_destroy(&a);
+    pthread_mutex_init(&s->hs_mu, NULL);
     s->lease_timeout_ns = lease_timeout_ns;
     s->max_leases = max_leases;
     s->max_payload = max_payload;
@@ -98,6 +99,7 @@ void kvs_lease_server_free(kvs_lease_server *s) {
     free(s->hs);
     kvs_inv_free(&s->inv);
     pthread_mutex_destroy(&s->mu);
+    pthread_mutex_destroy(&s->hs_mu);
     free(s);
 }
 
@@ -338,6 +340,7 @@ int kvs_lease_fire(kvs_lease_server *s, int32_t rank, int32_t event, uint64_t py
     out->row = out->effect = -1;
     if (!s || lease_event(event)) return KVS_E_INVAL; /* lease events are the server's own */
     pthread_mutex_lock(&s->mu);
+    int64_t locked_at = kvs_lease_now();
     struct kvs_bank *b = bank_of(s, rank);
     int rc = KVS_E_NOENT;
     if (b) {
@@ -348,7 +351,13 @@ int kvs_lease_fire(kvs_lease_server *s, int32_t rank, int32_t event, uint64_t py
         rc = kvs_machine_fire(&b->m, event, holds, lease_fx, &c, out);
         if (rc == KVS_OK) committed(s, rank, event, out, 0, KVS_LWHY_NONE);
     }
+    int64_t held = kvs_lease_now() - locked_at;
     pthread_mutex_unlock(&s->mu);
+    /* Python's effects run under the lock, and each needs the GIL: the lease thread waits
+     * meanwhile. Said when it is long enough to fail an importer's request. */
+    if (held > 1000000000LL)
+        fprintf(stderr, "kvstate: the lease server's lock was held %.3f s by bank event %d of rank %d (its "
+                "effects waited for Python); the lease thread waited too\n", held / 1e9, event, rank);
     return rc;
 }
 

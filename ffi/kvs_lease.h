@@ -95,7 +95,9 @@ struct kvs_lease_server {
     /* the thread */
     int listen_fd, epoll_fd, timer_fd, cmd_fd;
     /* TCP (kvs_lease_tcp.c): its listening socket (Python's), the deployment key, and the
-     * handshakes under way, oldest first */
+     * handshakes under way, oldest first, under their own lock `hs_mu` (never `mu`, which
+     * Python's fires hold while their effects wait for the GIL) */
+    pthread_mutex_t hs_mu;
     int tcp_fd;
     uint8_t key[64], person[16];
     uint32_t keylen, personlen;
@@ -135,7 +137,7 @@ int kvs_lease_send(struct kvs_lease_server *s, struct kvs_conn *cn, const char *
 #define KVS_LEASE_HS_TAG(serial) (((serial) << 4) | 2u)
 #define KVS_LEASE_TAG_TCP 5ull
 
-/* kvs_lease_tcp.c, for the thread (all with `mu` held but accept and handshake steps): */
+/* kvs_lease_tcp.c, for the thread: served connections with `mu` held by the caller; handshakes take `hs_mu`. */
 void kvs_tcp_accept(struct kvs_lease_server *s);
 void kvs_tcp_handshake(struct kvs_lease_server *s, uint64_t serial);
 int64_t kvs_tcp_expire_handshakes(struct kvs_lease_server *s); /* the next deadline, or 0 */

@@ -79,7 +79,7 @@ int kvs_lease_listen_tcp(kvs_lease_server *s, int32_t listen_fd, const uint8_t *
     if (s->running) return KVS_E_BUSY; /* the thread watches it from its start */
     struct kvs_handshake *hs = calloc((size_t)max_handshakes, sizeof *hs);
     if (!hs) return KVS_E_NOMEM;
-    pthread_mutex_lock(&s->mu);
+    pthread_mutex_lock(&s->hs_mu);
     free(s->hs);
     s->hs = hs;
     s->nhs = 0;
@@ -93,15 +93,15 @@ int kvs_lease_listen_tcp(kvs_lease_server *s, int32_t listen_fd, const uint8_t *
     s->keepalive[0] = keepalive_idle_s;
     s->keepalive[1] = keepalive_interval_s;
     s->keepalive[2] = keepalive_probes;
-    pthread_mutex_unlock(&s->mu);
+    pthread_mutex_unlock(&s->hs_mu);
     return KVS_OK;
 }
 
 int32_t kvs_lease_handshakes(kvs_lease_server *s) {
     if (!s) return KVS_E_INVAL;
-    pthread_mutex_lock(&s->mu);
+    pthread_mutex_lock(&s->hs_mu);
     int32_t n = s->nhs;
-    pthread_mutex_unlock(&s->mu);
+    pthread_mutex_unlock(&s->hs_mu);
     return n;
 }
 
@@ -129,7 +129,7 @@ void kvs_tcp_accept(struct kvs_lease_server *s) {
     for (;;) {
         int fd = accept4(s->tcp_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
         if (fd < 0) return; /* EAGAIN, or a peer that reset before the accept */
-        pthread_mutex_lock(&s->mu);
+        pthread_mutex_lock(&s->hs_mu);
         if (s->nhs == s->max_handshakes) drop_handshake(s, 0, 1); /* the oldest goes */
         struct kvs_handshake *h = &s->hs[s->nhs];
         memset(h, 0, sizeof *h);
@@ -146,33 +146,33 @@ void kvs_tcp_accept(struct kvs_lease_server *s) {
             s->nhs++;
         else
             close(fd);
-        pthread_mutex_unlock(&s->mu);
+        pthread_mutex_unlock(&s->hs_mu);
     }
 }
 
 void kvs_tcp_handshake(struct kvs_lease_server *s, uint64_t serial) {
-    pthread_mutex_lock(&s->mu);
+    pthread_mutex_lock(&s->hs_mu);
     int k = 0;
     while (k < s->nhs && s->hs[k].serial != serial) k++;
     if (k == s->nhs) { /* dropped earlier in this round */
-        pthread_mutex_unlock(&s->mu);
+        pthread_mutex_unlock(&s->hs_mu);
         return;
     }
     struct kvs_handshake *h = &s->hs[k];
     /* Exactly the proof: a request sent right behind it stays in the socket for later. */
     ssize_t got = recv(h->fd, h->got + h->ngot, PROOF - h->ngot, MSG_DONTWAIT);
     if (got < 0 && (errno == EAGAIN || errno == EINTR)) {
-        pthread_mutex_unlock(&s->mu);
+        pthread_mutex_unlock(&s->hs_mu);
         return;
     }
     if (got <= 0) { /* closed or reset during the handshake */
         drop_handshake(s, k, 1);
-        pthread_mutex_unlock(&s->mu);
+        pthread_mutex_unlock(&s->hs_mu);
         return;
     }
     h->ngot += (uint32_t)got;
     if (h->ngot < PROOF) {
-        pthread_mutex_unlock(&s->mu);
+        pthread_mutex_unlock(&s->hs_mu);
         return;
     }
     uint32_t len;
@@ -184,7 +184,7 @@ void kvs_tcp_handshake(struct kvs_lease_server *s, uint64_t serial) {
     if (memcmp(h->got, MAGIC, 4) != 0 || len != NONCE + MAC || h->got[8] || h->got[9] ||
         !equal(want, nonce_c + NONCE, MAC)) { /* not this deployment's key */
         drop_handshake(s, k, 1);
-        pthread_mutex_unlock(&s->mu);
+        pthread_mutex_unlock(&s->hs_mu);
         return;
     }
     char answer[KVS_LEASE_HEADER + MAC];
@@ -192,7 +192,10 @@ void kvs_tcp_handshake(struct kvs_lease_server *s, uint64_t serial) {
     mac(s, "server", nonce_c, h->nonce, (uint8_t *)answer + KVS_LEASE_HEADER);
     drop_handshake(s, k, 0);
     epoll_ctl(s->epoll_fd, EPOLL_CTL_DEL, fd, NULL);
-    /* Every served slot taken: closed unanswered, so its handshake ends in EOF. */
+    pthread_mutex_unlock(&s->hs_mu);
+    /* Served from here: a connection of the lease table. Every served slot taken: closed
+     * unanswered, so its handshake ends in EOF. */
+    pthread_mutex_lock(&s->mu);
     uint64_t id = kvs_lease_conn_add(s, fd, -1, -1);
     if (!id) {
         close(fd);
@@ -208,7 +211,7 @@ void kvs_tcp_handshake(struct kvs_lease_server *s, uint64_t serial) {
 }
 
 int64_t kvs_tcp_expire_handshakes(struct kvs_lease_server *s) {
-    pthread_mutex_lock(&s->mu);
+    pthread_mutex_lock(&s->hs_mu);
     int64_t now = kvs_lease_now(), next = 0;
     for (int k = 0; k < s->nhs;) {
         if (s->hs[k].deadline_ns <= now) {
@@ -218,14 +221,14 @@ int64_t kvs_tcp_expire_handshakes(struct kvs_lease_server *s) {
         if (!next || s->hs[k].deadline_ns < next) next = s->hs[k].deadline_ns;
         k++;
     }
-    pthread_mutex_unlock(&s->mu);
+    pthread_mutex_unlock(&s->hs_mu);
     return next;
 }
 
 void kvs_tcp_close_handshakes(struct kvs_lease_server *s) {
-    pthread_mutex_lock(&s->mu);
+    pthread_mutex_lock(&s->hs_mu);
     while (s->nhs) drop_handshake(s, s->nhs - 1, 1);
-    pthread_mutex_unlock(&s->mu);
+    pthread_mutex_unlock(&s->hs_mu);
 }
 
 /* -- served connections ------------------------------------------------------------ */
