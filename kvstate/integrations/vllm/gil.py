@@ -7,7 +7,6 @@ completions in a worker) then gets the GIL only when its wait outlasts the switc
 interval (Python's default 5 ms) and it forces a hand-over, once for every blocking call
 it makes. Measured with tests/vllm/test_vllm_kvstate_tp2.py (two tp=2 float32 engines on
 2 cores): its 6 loads took 64.9 s in all (``load_ms``) at 5 ms, and 52 ms at 0.5 ms.
-Off by default since those threads' work runs natively (issue 28): an opt-in now.
 """
 
 from __future__ import annotations
