@@ -66,8 +66,8 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from functools import partial
 from typing import Any, ClassVar, TypeVar
 
@@ -443,6 +443,35 @@ class Lifecycle:
             if self._observers:
                 self.record(StateChange(compiled.spec.name, self.label, event, source, dest, time.monotonic_ns(),
                                         reason))
+
+    @classmethod
+    def adopt_all(cls, objects: Sequence[Lifecycle], steps: Sequence[tuple[str, str]]) -> None:
+        """:meth:`adopt` of the rows ``steps`` ((event, dest), in order) for every one of
+        ``objects`` (machines of this table) at once: another executor made them for a
+        whole batch (the native import leases and opens a group's parts in one C call).
+        Every object's path is checked against the table first; TransitionError (ILLEGAL),
+        and nothing committed, when any diverged. The caller holds every object's
+        :meth:`locked` across the native call and this."""
+        compiled = cls._kv_compiled
+        for obj in objects:
+            need("objects", obj, cls)
+        with ExitStack() as held:
+            for obj in objects:
+                held.enter_context(obj._kv_lock)
+            for obj in objects:
+                state = obj._kv_state
+                for event, dest in steps:
+                    if obj._kv_firing or not any(row.dest == dest for row in compiled.rows.get((event, state), ())):
+                        raise TransitionError.illegal(compiled.spec.name, state, event)
+                    state = dest
+            for obj in objects:
+                source = obj._kv_state
+                for event, dest in steps:
+                    obj._kv_state = dest
+                    if obj._observers:
+                        obj.record(StateChange(compiled.spec.name, obj.label, event, source, dest,
+                                               time.monotonic_ns(), None))
+                    source = dest
 
     def record(self, change: StateChange) -> None:
         """A change committed by another executor of this object's table (the native lease

@@ -216,6 +216,19 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         self.lease_expires_at = self.renewed_at + grant.expires_in_s
         return self._return_lease
 
+    def took_natively(self, link: peers.PeerLink, lease_id: int, term_s: float, key: int | None, renewed_at: float,
+                      allocation: A | None, reservation: R | None, mapping: M | None) -> None:
+        """What the native import (:mod:`kvstate.share.native_import`) made for this part,
+        recorded as :meth:`_lease` and :meth:`_import` record theirs: the lease on ``link``
+        (renewed natively under ``key``), and the mapping. The received fd is closed."""
+        self.renewal_key = key
+        self.link, self.channel, self.lease_id = link, link.channel, lease_id
+        self.received = self.handle = None
+        self.lease_s = term_s
+        self.renewed_at = renewed_at
+        self.lease_expires_at = renewed_at + term_s
+        self.allocation, self.reservation, self.mapping = allocation, reservation, mapping
+
     @effect("native_import")
     def _import(self, **kw: Any) -> None:
         """Phase 2: open the handle leased in phase 1, reserve, map, set access."""
