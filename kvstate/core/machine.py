@@ -74,8 +74,9 @@ from typing import Any, ClassVar, TypeVar
 import attrs
 import transitions
 
-from kvstate.core.errors import ConfigInvalid, NativeError, TransitionError
-from kvstate.core.args import need, need_callable, need_text
+from kvstate.core.errors import ArgumentInvalid, ConfigInvalid, NativeError, TransitionError
+from kvstate.core.args import need, need_callable, need_items, need_text
+from kvstate.core.reasons import ArgumentReason
 from kvstate.core.errors import KvStateError
 from kvstate.core.spec import MachineSpec, TransitionSpec
 
@@ -453,8 +454,13 @@ class Lifecycle:
         and nothing committed, when any diverged. The caller holds every object's
         :meth:`locked` across the native call and this."""
         compiled = cls._kv_compiled
-        for obj in objects:
-            need("objects", obj, cls)
+        objects = need_items("objects", objects, cls)
+        pairs = []
+        for i, step in enumerate(need_items("steps", steps, tuple)):
+            if len(step) != 2:
+                raise ArgumentInvalid.of(f"steps[{i}]", ArgumentReason.LENGTH, "must be one (event, dest) pair")
+            pairs.append((need_text(f"steps[{i}] event", step[0]), need_text(f"steps[{i}] dest", step[1])))
+        steps = pairs
         with ExitStack() as held:
             for obj in objects:
                 held.enter_context(obj._kv_lock)

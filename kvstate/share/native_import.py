@@ -157,7 +157,7 @@ def lease_and_open(parts: Sequence[AnyPart], fire_lease: FireLease) -> dict[int,
 
 
 def _call(lib: libkvs.Lib, link: libkvs.LinkPtr, payload: bytes, frame: libkvs.FramePtr, timeout_ns: int,
-          arr: libkvs.ImportPartArray, n: int, renewer: object, renewed_at_ns: int, align: int, access: int,
+          arr: libkvs.ImportPartArray, n: int, renewer: libkvs.RenewerPtr, renewed_at_ns: int, align: int, access: int,
           failed: libkvs.Int32Ptr) -> int:
     """The one native call (its own function so profiles can name it)."""
     return lib.kvs_import(link, payload, len(payload), frame, timeout_ns, arr, n, renewer, renewed_at_ns, align,

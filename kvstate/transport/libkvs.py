@@ -538,7 +538,7 @@ class Lib(Protocol):
     # the exporter's lease server
     # native import (importer side: phase 1 and the attach)
     def kvs_import(self, l: LinkPtr, req: bytes, len: int, f: FramePtr, timeout_ns: int, parts: ImportPartArray,
-                   n: int, r: object, renewed_at_ns: int, align: int, access: int,
+                   n: int, r: RenewerPtr, renewed_at_ns: int, align: int, access: int,
                    failed: Int32Ptr) -> int: ...
 
     def kvs_lease_server_new(self, lease_timeout_ns: int, max_leases: int, allowed_uid: int, max_payload: int,

@@ -271,3 +271,35 @@ def test_the_native_import_and_the_reference_agree(case: str, tp: int, extra_fds
         assert all(s is not None for s in native["renewed"]), "each lease was registered for renewal"
     else:
         assert native["state"] == "failed"
+
+
+def test_adopt_all_checks_every_path_before_it_commits_any() -> None:
+    """Lifecycle.adopt_all, how the native import feeds a group's Part machines: every
+    object's path must be rows its table declares, else nothing is committed."""
+    from kvstate.core.errors import ArgumentInvalid, TransitionError
+    from kvstate.core.machine import Lifecycle
+    from kvstate.share.part import Part
+
+    seen: list[Any] = []
+    parts: list[Any] = []
+    for r in range(2):
+        p: Any = Part.__new__(Part)  # the machine alone (adopt runs no effect)
+        Lifecycle.__init__(p, label=f"g/part[{r}]", observers=[seen.append])
+        parts.append(p)
+    parts[1].adopt("validate", "validated")
+    seen.clear()
+    steps = (("lease", "leased"), ("open", "imported"))
+    with pytest.raises(TransitionError):
+        Part.adopt_all(parts, steps)  # part 0 is still `received`: lease is not declared there
+    assert [p.state for p in parts] == ["received", "validated"] and not seen
+    parts[0].adopt("validate", "validated")
+    seen.clear()
+    Part.adopt_all(parts, steps)
+    assert [p.state for p in parts] == ["imported", "imported"]
+    assert [(c.label, c.event, c.source, c.dest) for c in seen] == [
+        (f"g/part[{r}]", e, s, d) for r in range(2) for e, s, d in
+        (("lease", "validated", "leased"), ("open", "leased", "imported"))]
+    with pytest.raises(ArgumentInvalid):
+        Part.adopt_all(parts, [("close",)])
+    with pytest.raises(ArgumentInvalid):
+        Part.adopt_all([object()], steps)
