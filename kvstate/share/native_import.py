@@ -149,6 +149,9 @@ def lease_and_open(parts: Sequence[AnyPart], fire_lease: FireLease) -> dict[int,
         msg = chan.Message(bytes(nat.ffi.buffer(buf, frame.len)), tuple(frame.fds[i] for i in range(frame.nfds)))
         failures = _reference(parts, link, msg, fire_lease)
         if rc == nat.lib.KVS_IMPORT_ATTACH:  # C passed phase 1 and undid a failed attach
+            for i, part in enumerate(parts):
+                if arr[i].attach.left:  # a rollback the native layer refused: the part keeps what is left
+                    attach._keep(part, arr[i].attach)
             bad = parts[failed[0]]
             c = arr[failed[0]].attach
             item = attach.Item(c.fd, bad.descriptor.handle, bad.descriptor.size, "leased", frozenset(), bad.label)
