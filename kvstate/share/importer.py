@@ -12,7 +12,10 @@ over the exporter's channel, fd received and checked, address reserved, mapped, 
 access set. The channel to each exporter is persistent and every rank an exporter serves
 is leased in one request, whose answer carries every fd (:mod:`kvstate.share.peers`); the
 parts then open one after another in the calling thread (native calls only: no thread
-pool on this path). If any part fails, every part imported so far is unmapped and closed and
+pool on this path). A group that one exporter serves on the host backend takes both phases
+in one native call instead (:mod:`kvstate.share.native_import`: lease, checks, renewal
+registration and, once every part passed, the attach), the Python path staying the
+reference for every answer it does not take whole. If any part fails, every part imported so far is unmapped and closed and
 the group ends ``failed`` (INV-ROLLBACK-COMPLETE). The group becomes ``ready`` only when
 every rank 0..tp-1 has an imported, compatible part (INV-GROUP-COMPLETE).
 
