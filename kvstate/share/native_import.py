@@ -144,14 +144,18 @@ def lease_and_open(parts: Sequence[AnyPart], fire_lease: FireLease) -> dict[int,
             if error.closed and reused:
                 return None  # a stale link: the reference path asks once more, freshly connected
             return {p.rank: error for p in parts}
-        if rc not in (nat.lib.KVS_IMPORT_DEFER, nat.lib.KVS_IMPORT_ATTACH):
-            raise nat.error(rc, "kvs_import", f"a batch of {len(parts)} part(s)")
+        if rc not in (nat.lib.KVS_IMPORT_DEFER, nat.lib.KVS_IMPORT_ATTACH):  # a malformed call: nothing was sent
+            refused = nat.error(rc, "kvs_import", f"a batch of {len(parts)} part(s)")
+            return {p.rank: refused for p in parts}
         msg = chan.Message(bytes(nat.ffi.buffer(buf, frame.len)), tuple(frame.fds[i] for i in range(frame.nfds)))
         failures = _reference(parts, link, msg, fire_lease)
         if rc == nat.lib.KVS_IMPORT_ATTACH:  # C passed phase 1 and undid a failed attach
             for i, part in enumerate(parts):
                 if arr[i].attach.left:  # a rollback the native layer refused: the part keeps what is left
                     attach._keep(part, arr[i].attach)
+            if not 0 <= failed[0] < len(parts):  # the attach refused its own arguments: the group fails
+                refused = nat.error(rc, "kvs_attach", f"a batch of {len(parts)} part(s)")
+                return {**failures, **{p.rank: refused for p in parts}}
             bad = parts[failed[0]]
             c = arr[failed[0]].attach
             item = attach.Item(c.fd, bad.descriptor.handle, bad.descriptor.size, "leased", frozenset(), bad.label)
