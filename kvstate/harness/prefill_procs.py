@@ -66,7 +66,8 @@ class _Pipe:
 
 def coordinator_main(conn: multiprocessing.connection.Connection, spec_json: str, key_hex: str,
                      socket_dir: str) -> None:
-    from kvstate.share.coordinator import CoordinatedGroup, Coordinator, CoordinatorConfig
+    from kvstate.share.coordinated_group import CoordinatedGroup
+    from kvstate.share.coordinator import Coordinator, CoordinatorConfig
     from kvstate.share.importer import BlockRequest
 
     spec = ClusterSpec(**json.loads(spec_json))
