@@ -67,7 +67,7 @@ class BlockRequest:
 class PartOwner(Protocol[H, A, R, M, E]):
     """What a :class:`Part` needs of the object it belongs to: an importer-side
     :class:`Group` (every rank in one process), or one worker's share of a coordinated group
-    (:class:`kvstate.share.rank_worker.RankShare`, its own rank only)."""
+    (:class:`kvstate.share.rank_share.RankShare`, its own rank only)."""
 
     label: str
     observers: tuple[Observer, ...]
