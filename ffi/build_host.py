@@ -24,12 +24,15 @@ SOURCES = ("kvs_slots.c", "kvs_host.c", "kvs_ops.c", "kvs_machine.c", "kvs_machi
            "kvs_cuda_mem.c", "kvs_cuda_ops.c")
 SOURCES += ("kvs_link.c", "kvs_renew.c")  # the importer's request links and renewal thread
 SOURCES += ("kvs_attach.c",)  # the importer's native attach (phase 2 on the host backend)
+SOURCES += ("kvs_import.c",)  # the importer's native phase 1 (lease, checks, renewal) and attach
 # The exporter's lease server (its rules, its thread, its request reader).
 SOURCES += ("kvs_lease.c", "kvs_lease_thread.c", "kvs_lease_tcp.c", "kvs_blake2b.c", "kvs_json.c", "kvs_inventory.c")
+SOURCES += ("kvs_index.c", "kvs_index_thread.c")  # the decode index's lookups, off the GIL
 SOURCES += ("kvs_validate.c",)  # the descriptor rules, generated from spec/rules.toml
 DEPENDS = ("kvs.h", "kvs_slots.h", "kvs_engine.h", "kvs_cuda.h", "kvs_cuda_driver.h", "kvs_op_table.h",
            "kvs_validate.h", "kvs_validate_codes.h", "kvs_validate_rules.h", "kvs_machine.h", "kvs_machines.h",
            "kvs_bank_table.h", "kvs_part_table.h", "kvs_link.h", "kvs_lease.h", "kvs_json.h", "kvs_inventory.h",
+           "kvs_index.h", "kvs_index_state.h",
            *SOURCES)
 
 _COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.S)
@@ -62,18 +65,20 @@ def cdef_from_header(text: str, guard: str = "KVS_H") -> str:
 CDEF = cdef_from_header((HERE / "kvs.h").read_text(encoding="utf-8"))
 # The descriptor rules' header is generated (kvstate generate), so it is read apart.
 CDEF_VALIDATE = cdef_from_header((HERE / "kvs_validate.h").read_text(encoding="utf-8"), "KVS_VALIDATE_H")
+# The decode index's mirror has a header of its own (kvs_index.h).
+CDEF_INDEX = cdef_from_header((HERE / "kvs_index.h").read_text(encoding="utf-8"), "KVS_INDEX_H")
 
 
 def builder(module: str = "kvstate._native", defines: Sequence[tuple[str, str | None]] = (),
             src_dir: Path | None = None) -> FFI:
     ffi = FFI()
-    ffi.cdef(CDEF + CDEF_VALIDATE)
+    ffi.cdef(CDEF + CDEF_VALIDATE + CDEF_INDEX)
     # setuptools wants source paths relative to the project (pip runs this from there);
     # a test-only variant build passes the absolute directory of its copied sources.
     root = src_dir if src_dir is not None else Path("ffi") if Path("ffi/kvs.h").is_file() else HERE
     ffi.set_source(
         module,
-        '#include "kvs.h"\n#include "kvs_validate.h"\n',
+        '#include "kvs.h"\n#include "kvs_validate.h"\n#include "kvs_index.h"\n',
         sources=[str(root / s) for s in SOURCES],
         include_dirs=[str(root)],
         depends=[str(root / d) for d in DEPENDS],

@@ -602,4 +602,43 @@ int kvs_renewer_state(kvs_renewer *r, uint64_t key, kvs_renew_state *out);
 int32_t kvs_renewer_take(kvs_renewer *r, kvs_renew_outcome *out, int32_t max); /* how many; drains the fd */
 uint64_t kvs_renewer_dropped(kvs_renewer *r); /* outcomes lost to a full queue */
 
+/* -- native import, importer side (kvs_import.c) ----------------------------------- */
+
+/* Phase 1 of a group import on the host backend for one exporter batch, and phase 2 when
+ * the batch is the whole group, in one call: the lease request is sent on the link and the
+ * answer read (kvs_link_request); each part fires the part table's `lease` row, whose
+ * native_lease effect checks the exporter's report against the descriptor, the received
+ * fd (identity, memfd seals) and registers the lease with the renewal thread; only when
+ * every part passed does kvs_attach open them all (the caller passes a batch only when it
+ * is the whole group, so that every rank is leased and checked before any open). It takes only answers it can accept whole: anything else (a refusal, an
+ * answer it does not read, a mismatch, a bad fd) comes back as KVS_IMPORT_DEFER with the
+ * answer and its fds in the frame and nothing registered, for Python's reference path to
+ * decide (and return the leases). The GIL is not held (a plain cffi call). */
+#define KVS_IMPORT_DEFER 1        /* the answer is in the frame, its fds the caller's; nothing else done */
+#define KVS_IMPORT_ATTACH 2       /* phase 2 failed: parts[*failed].attach says why; everything undone */
+#define KVS_IMPORT_WHY_REPORT 1   /* the exporter's report disagrees with the descriptor */
+#define KVS_IMPORT_WHY_FD 2       /* the received fd is not the named, sealed memfd */
+#define KVS_IMPORT_WHY_RENEWAL 3  /* the renewal thread refused the registration */
+#define KVS_IMPORT_HEX 72         /* room for a hex id and its NUL */
+
+typedef struct kvs_import_part {
+    kvs_attach_part attach;  /* in: state, dev, ino, size; out: the received fd (borrowed), what opened */
+    uint64_t lease_holds;    /* in: the part table's guard bits for `lease` (group_importing) */
+    int64_t rank, generation, num_blocks; /* in: what the descriptor says, for the report */
+    char incarnation[72];    /* in: hex, NUL-terminated (KVS_IMPORT_HEX) */
+    char geometry[72];
+    char device_uuid[72];
+    uint64_t renew_key;      /* in: the key the renewal thread knows the lease by (0: Python renews) */
+    int64_t lease;           /* out: the granted lease id */
+    int64_t expires_ns;      /* out: the grant's term */
+    int32_t why;             /* out: KVS_IMPORT_WHY_* of the part that stopped phase 1 */
+    int32_t registered;      /* out: 1 while the renewal thread holds the lease */
+} kvs_import_part;
+
+/* KVS_OK: every part `imported`, the received fds closed (f->nfds 0), each lease
+ * registered for renewal under its key; a KVS_E_LINK_* of the request (the link closed);
+ * KVS_IMPORT_DEFER; KVS_IMPORT_ATTACH; KVS_E_INVAL for a malformed call (nothing sent). */
+int kvs_import(kvs_link *l, const uint8_t *req, uint32_t len, kvs_frame *f, int64_t timeout_ns,
+               kvs_import_part *parts, int32_t n, kvs_renewer *r, int64_t renewed_at_ns, uint64_t align, int32_t access, int32_t *failed);
+
 #endif /* KVS_H */

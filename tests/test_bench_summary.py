@@ -130,3 +130,21 @@ def test_the_readme_shows_the_committed_picture_of_real_runs() -> None:
     assert all(p.absent is None and p.bars for p in summary.panels(bench, vllm))
     for doc in (bench, vllm):
         assert f"`{doc['command']}`" in caption and doc["when"][:10] in caption and "load average" in doc["machine"]
+
+
+def test_the_engine_cost_rows_compare_decode_per_token_with_the_97_percent_goal() -> None:
+    """Issue 28's engine cost: kvstate's decode tokens/s at least 97% of a plain engine's,
+    as seconds per token (kvstate's at most 1/0.97 of the plain engine's); not measured
+    is a row without a number."""
+    rows = [SimpleNamespace(length=512, reuse_s=[0.06], recompute_s=[0.05], example_s=[])]
+    cost = SimpleNamespace(kvstate_s=[0.0102, 0.0100, 0.0101], plain_s=[0.0100, 0.0099])
+    res = b5_vllm.result(rows, repeats=3, cost=cost)
+    by_name = {r.name: r for r in res.rows}
+    kv, plain = by_name[b5_vllm.COST_KVSTATE], by_name[b5_vllm.COST_PLAIN]
+    assert kv.kvstate and not plain.kvstate and kv.reference == b5_vllm.COST_PLAIN
+    assert kv.figure is not None and kv.figure.samples == (0.0102, 0.0100, 0.0101)
+    (goal,) = [c for c in res.suite.comparisons if c.numerator == b5_vllm.COST_KVSTATE]
+    assert goal.denominator == b5_vllm.COST_PLAIN and goal.goal == pytest.approx(1 / 0.97)
+    missing = {r.name: r for r in b5_vllm.result(rows, repeats=3).rows}
+    assert missing[b5_vllm.COST_KVSTATE].figure is None and missing[b5_vllm.COST_KVSTATE].skipped == "not measured"
+    assert b5_vllm.lengths(report.rows_json([res], when=WHEN, command=b5_vllm.COMMAND)) == [512]

@@ -107,6 +107,11 @@ def test_bad_input_is_a_typed_error_and_changes_nothing() -> None:
         inv.release(12345)
     with raises(ArgumentInvalid, ArgumentReason.INVENTORY):
         Inventory(budget_blocks=-1)
+    for not_a_mirror in (None, 3, object()):  # attached, it broke every later store and clear
+        with raises(ArgumentInvalid, ArgumentReason.TYPE):
+            inv.attach(not_a_mirror)  # type: ignore[arg-type]
+    inv.clear("g")
+    inv.store("g", [1])
     assert inv.hashes("g") == {1} and inv.busy("g", 1) == (0, 0)
 
 

@@ -66,16 +66,17 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from functools import partial
 from typing import Any, ClassVar, TypeVar
 
 import attrs
 import transitions
 
-from kvstate.core.errors import ConfigInvalid, NativeError, TransitionError
-from kvstate.core.args import need, need_callable, need_text
+from kvstate.core.errors import ArgumentInvalid, ConfigInvalid, NativeError, TransitionError
+from kvstate.core.args import need, need_callable, need_items, need_text
+from kvstate.core.reasons import ArgumentReason
 from kvstate.core.errors import KvStateError
 from kvstate.core.spec import MachineSpec, TransitionSpec
 
@@ -443,6 +444,40 @@ class Lifecycle:
             if self._observers:
                 self.record(StateChange(compiled.spec.name, self.label, event, source, dest, time.monotonic_ns(),
                                         reason))
+
+    @classmethod
+    def adopt_all(cls, objects: Sequence[Lifecycle], steps: Sequence[tuple[str, str]]) -> None:
+        """:meth:`adopt` of the rows ``steps`` ((event, dest), in order) for every one of
+        ``objects`` (machines of this table) at once: another executor made them for a
+        whole batch (the native import leases and opens a group's parts in one C call).
+        Every object's path is checked against the table first; TransitionError (ILLEGAL),
+        and nothing committed, when any diverged. The caller holds every object's
+        :meth:`locked` across the native call and this."""
+        compiled = cls._kv_compiled
+        objects = need_items("objects", objects, cls)
+        pairs = []
+        for i, step in enumerate(need_items("steps", steps, tuple)):
+            if len(step) != 2:
+                raise ArgumentInvalid.of(f"steps[{i}]", ArgumentReason.LENGTH, "must be one (event, dest) pair")
+            pairs.append((need_text(f"steps[{i}] event", step[0]), need_text(f"steps[{i}] dest", step[1])))
+        steps = pairs
+        with ExitStack() as held:
+            for obj in objects:
+                held.enter_context(obj._kv_lock)
+            for obj in objects:
+                state = obj._kv_state
+                for event, dest in steps:
+                    if obj._kv_firing or not any(row.dest == dest for row in compiled.rows.get((event, state), ())):
+                        raise TransitionError.illegal(compiled.spec.name, state, event)
+                    state = dest
+            for obj in objects:
+                source = obj._kv_state
+                for event, dest in steps:
+                    obj._kv_state = dest
+                    if obj._observers:
+                        obj.record(StateChange(compiled.spec.name, obj.label, event, source, dest,
+                                               time.monotonic_ns(), None))
+                    source = dest
 
     def record(self, change: StateChange) -> None:
         """A change committed by another executor of this object's table (the native lease

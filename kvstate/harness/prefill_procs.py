@@ -32,7 +32,8 @@ from kvstate.core.machine import StateChange
 from kvstate.harness.cluster import ClusterSpec, leaks_since, recv, resources, send
 from kvstate.share import protocol_msgs as msgs
 from kvstate.reuse.policy import ReuseSettings
-from kvstate.share.rank_worker import RankShare, RankWorker
+from kvstate.share.rank_share import RankShare
+from kvstate.share.rank_worker import RankWorker
 from kvstate.share.remote_part import RemotePart
 from kvstate.transport.protocol import A, E, H, M, R
 
@@ -65,7 +66,8 @@ class _Pipe:
 
 def coordinator_main(conn: multiprocessing.connection.Connection, spec_json: str, key_hex: str,
                      socket_dir: str) -> None:
-    from kvstate.share.coordinator import CoordinatedGroup, Coordinator, CoordinatorConfig
+    from kvstate.share.coordinated_group import CoordinatedGroup
+    from kvstate.share.coordinator import Coordinator, CoordinatorConfig
     from kvstate.share.importer import BlockRequest
 
     spec = ClusterSpec(**json.loads(spec_json))

@@ -223,6 +223,10 @@ class Inventory:
     def attach(self, mirror: Mirror) -> None:
         """Keep ``mirror`` up to date from now on (it is told every group, epoch and block
         held now first); see the module docstring."""
+        missing = [m for m in ("epoch", "stored", "removed", "leases") if not callable(getattr(mirror, m, None))]
+        if missing:  # checked before the first change: a wrong mirror fails later calls instead
+            raise ArgumentInvalid.of("mirror", ArgumentReason.TYPE, f"must be a Mirror, not "
+                                     f"{type(mirror).__name__} (no {', '.join(missing)})")
         with self._lock:
             for name, g in self._groups.items():
                 if not mirror.epoch(name, g.epoch):

@@ -12,7 +12,10 @@ over the exporter's channel, fd received and checked, address reserved, mapped, 
 access set. The channel to each exporter is persistent and every rank an exporter serves
 is leased in one request, whose answer carries every fd (:mod:`kvstate.share.peers`); the
 parts then open one after another in the calling thread (native calls only: no thread
-pool on this path). If any part fails, every part imported so far is unmapped and closed and
+pool on this path). A group that one exporter serves on the host backend takes both phases
+in one native call instead (:mod:`kvstate.share.native_import`: lease, checks, renewal
+registration and, once every part passed, the attach), the Python path staying the
+reference for every answer it does not take whole. If any part fails, every part imported so far is unmapped and closed and
 the group ends ``failed`` (INV-ROLLBACK-COMPLETE). The group becomes ``ready`` only when
 every rank 0..tp-1 has an imported, compatible part (INV-GROUP-COMPLETE).
 
@@ -66,7 +69,7 @@ from kvstate.transport.protocol import A, E, H, M, MappedTransport, R, require_m
 from kvstate.core.validate import Expectation, ValidatedGroup, group_complete, validate_group
 from kvstate.share import attach
 from kvstate.share import load as loads
-from kvstate.share import peers
+from kvstate.share import native_import, peers
 from kvstate.share.import_config import ImportConfig as ImportConfig
 from kvstate.share.part import BlockRequest as BlockRequest, Part as Part, PartOwner as PartOwner
 from kvstate.share.part import lease_fields, lease_request as lease_request
@@ -512,7 +515,12 @@ class Importer(LeaseKeeping[H, A, R, M, E]):
 
     def _lease_parts(self, parts: Sequence[Part[H, A, R, M, E]]) -> dict[int, Exception]:
         """Phase 1 of every part: batched per exporter address (parts of another kind, or
-        reached over TCP, lease on their own)."""
+        reached over TCP, lease on their own). A group that one exporter serves on the
+        host backend takes both phases in one native call (:mod:`kvstate.share.native_import`)."""
+        if native_import.eligible(parts, self.transport):
+            native = native_import.lease_and_open(parts, self._fire_lease)
+            if native is not None:
+                return native
         failures: dict[int, Exception] = {}
         timeout = self.config.request_timeout_s
         by_peer: dict[str, list[Part[H, A, R, M, E]]] = {}

@@ -67,7 +67,7 @@ class BlockRequest:
 class PartOwner(Protocol[H, A, R, M, E]):
     """What a :class:`Part` needs of the object it belongs to: an importer-side
     :class:`Group` (every rank in one process), or one worker's share of a coordinated group
-    (:class:`kvstate.share.rank_worker.RankShare`, its own rank only)."""
+    (:class:`kvstate.share.rank_share.RankShare`, its own rank only)."""
 
     label: str
     observers: tuple[Observer, ...]
@@ -215,6 +215,19 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         self.renewed_at = time.monotonic()
         self.lease_expires_at = self.renewed_at + grant.expires_in_s
         return self._return_lease
+
+    def took_natively(self, link: peers.PeerLink, lease_id: int, term_s: float, key: int | None, renewed_at: float,
+                      allocation: A | None, reservation: R | None, mapping: M | None) -> None:
+        """What the native import (:mod:`kvstate.share.native_import`) made for this part,
+        recorded as :meth:`_lease` and :meth:`_import` record theirs: the lease on ``link``
+        (renewed natively under ``key``), and the mapping. The received fd is closed."""
+        self.renewal_key = key
+        self.link, self.channel, self.lease_id = link, link.channel, lease_id
+        self.received = self.handle = None
+        self.lease_s = term_s
+        self.renewed_at = renewed_at
+        self.lease_expires_at = renewed_at + term_s
+        self.allocation, self.reservation, self.mapping = allocation, reservation, mapping
 
     @effect("native_import")
     def _import(self, **kw: Any) -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import select
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import attrs
@@ -92,6 +92,8 @@ class Renewal(Generic[P]):
         self._ptr: libkvs.RenewerPtr | None = ptr
         self._fd = lib.kvs_renewer_fd(ptr)
         self._lock = threading.Lock()  # keeps every call off a stopped thread
+        self._idle = threading.Condition(self._lock)
+        self._users = 0  # native imports registering leases right now (close waits for them)
         self._parts: dict[int, tuple[P, int]] = {}  # key -> (part, peer pid)
         self._next = 0
 
@@ -113,6 +115,29 @@ class Renewal(Generic[P]):
                 raise ChannelError(ChannelReason.FAILED, f"cannot register lease {lease_id} for renewal (code {rc})")
             self._parts[key] = (part, link.pid)
             return key
+
+    def reserve(self, parts: Sequence[P], link: NativeLink) -> tuple[libkvs.RenewerPtr, list[int]] | None:
+        """Keys for ``parts``' leases on ``link``, for a native import that registers them
+        itself (``kvs_import``): the thread's pointer and the keys, or None when the
+        thread is stopped. The thread stays up until :meth:`settle` (close waits)."""
+        with self._lock:
+            if self._ptr is None:
+                return None
+            keys = list(range(self._next + 1, self._next + 1 + len(parts)))
+            self._next += len(parts)
+            for key, part in zip(keys, parts):
+                self._parts[key] = (part, link.pid)
+            self._users += 1
+            return self._ptr, keys
+
+    def settle(self, keys: Sequence[int], *, registered: bool) -> None:
+        """End a :meth:`reserve`: the keys stay (the native call registered them) or go."""
+        with self._lock:
+            self._users -= 1
+            if not registered:
+                for key in keys:
+                    self._parts.pop(key, None)
+            self._idle.notify_all()
 
     def remove(self, key: int) -> None:
         with self._lock:
@@ -150,6 +175,8 @@ class Renewal(Generic[P]):
         with self._lock:
             ptr, self._ptr = self._ptr, None
             self._parts.clear()
+            while self._users:  # a native import still registering on it
+                self._idle.wait()
         if ptr is not None:
             self._lib.kvs_renewer_stop(ptr)
 

@@ -232,6 +232,31 @@ class AttachPart(Protocol):
     left: int
 
 
+class ImportPart(Protocol):
+    """One ``kvs_import_part``: the descriptor's fields the exporter's report must match,
+    the lease's guard bits and renewal key in; the grant and the attach half out."""
+
+    attach: AttachPart
+    lease_holds: int
+    rank: int
+    generation: int
+    num_blocks: int
+    incarnation: CharPtr
+    geometry: CharPtr
+    device_uuid: CharPtr
+    renew_key: int
+    lease: int
+    expires_ns: int
+    why: int
+    registered: int
+
+
+class ImportPartArray(Protocol):
+    """``kvs_import_part[]``: one exporter batch of the native import (``kvs_import``)."""
+
+    def __getitem__(self, index: int) -> ImportPart: ...
+
+
 class EffectFn(Protocol):
     """``kvs_effect_fn``: a C function pointer (Python passes ``ffi.NULL`` or a C callback)."""
 
@@ -375,6 +400,12 @@ class Lib(Protocol):
     KVS_ATTACH_ACCESS: int
     KVS_E_IDENTITY: int
     KVS_ATTACH_MAX_PARTS: int
+    KVS_IMPORT_DEFER: int
+    KVS_IMPORT_ATTACH: int
+    KVS_IMPORT_WHY_REPORT: int
+    KVS_IMPORT_WHY_FD: int
+    KVS_IMPORT_WHY_RENEWAL: int
+    KVS_IMPORT_HEX: int
     KVS_MNAME_MACHINE: int
     KVS_MNAME_STATE: int
     KVS_MNAME_EVENT: int
@@ -506,6 +537,11 @@ class Lib(Protocol):
     def kvs_renewer_dropped(self, r: RenewerPtr) -> int: ...
 
     # the exporter's lease server
+    # native import (importer side: phase 1 and the attach)
+    def kvs_import(self, l: LinkPtr, req: bytes, len: int, f: FramePtr, timeout_ns: int, parts: ImportPartArray,
+                   n: int, r: RenewerPtr, renewed_at_ns: int, align: int, access: int,
+                   failed: Int32Ptr) -> int: ...
+
     def kvs_lease_server_new(self, lease_timeout_ns: int, max_leases: int, allowed_uid: int, max_payload: int,
                              max_fds: int, max_connections: int, out: LeaseServerOut) -> int: ...
     def kvs_lease_server_free(self, s: LeaseServerPtr) -> None: ...
@@ -597,6 +633,8 @@ class Ffi(Protocol):
     def new(self, cdecl: Literal["kvs_fire_result *"]) -> FireResultPtr: ...
     @overload
     def new(self, cdecl: Literal["kvs_attach_part[]"], init: int) -> AttachPartArray: ...
+    @overload
+    def new(self, cdecl: Literal["kvs_import_part[]"], init: int) -> ImportPartArray: ...
     @overload
     def new(self, cdecl: Literal["kvs_frame *"]) -> FramePtr: ...
     @overload

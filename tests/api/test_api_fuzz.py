@@ -44,7 +44,7 @@ def test_only_typed_errors_escape_and_nothing_leaks(data: st.DataObject) -> None
 
 
 def call_some(surface: list[tuple[str, Callable[..., Any]]], data: st.DataObject,
-              transport: HostTransport) -> None:
+              transport: HostTransport | None = None) -> None:
     """Up to eight calls drawn from ``surface`` with arbitrary arguments: each returns or
     raises a KvStateError with a reason; anything else fails the test."""
     for _ in range(data.draw(st.integers(1, 8))):
@@ -62,18 +62,20 @@ def call_some(surface: list[tuple[str, Callable[..., Any]]], data: st.DataObject
         del result  # a caller drops what it does not keep (bank views would pin the bank)
 
 
-def release(name: str, result: object, transport: HostTransport) -> None:
+def release(name: str, result: object, transport: HostTransport | None) -> None:
     """Objects a call hands back that own resources are closed by the test, as a caller would.
     What the transport itself creates (allocations, reservations, mappings) are plain
     handles its caller owns, so the test gives them back; the same kinds handed out by a
     part or bank stay theirs."""
-    giveback = {HostAllocation: transport.release, HostReservation: transport.free, HostMapping: transport.unmap}
-    if name.startswith("HostTransport.") and type(result) in giveback:
-        try:
-            giveback[type(result)](result)  # type: ignore[operator]
-        except KvStateError:
-            pass
-        return
+    if transport is not None and name.startswith("HostTransport."):
+        giveback: dict[type, Callable[[Any], None]] = {
+            HostAllocation: transport.release, HostReservation: transport.free, HostMapping: transport.unmap}
+        if type(result) in giveback:
+            try:
+                giveback[type(result)](result)
+            except KvStateError:
+                pass
+            return
     for attr in ("close", "stop"):
         fn = getattr(result, attr, None)
         if callable(fn) and type(result).__module__.startswith(("kvstate.channel", "kvstate.share.transfer")):

@@ -256,7 +256,7 @@ def test_the_index_answers_what_it_knows_and_lets_idle_clients_go(pair: tuple[En
     decode, prefill = pair
     index = decode.sched.index
     assert index is not None
-    monkeypatch.setattr(index_mod, "CLIENT_IDLE_S", 0.2)
+    index.client_idle_s = 0.2  # on the native thread's connections too
     client = IndexClient(index.path, decode.cfg.deployment, 2.0)
     try:
         assert isinstance(client.lookup(decode.compat, [bytes(32)]), Found)
@@ -265,6 +265,7 @@ def test_the_index_answers_what_it_knows_and_lets_idle_clients_go(pair: tuple[En
         assert isinstance(client.lookup(decode.compat, [bytes(32)]), Found)   # and it came back
     finally:
         client.close()
+        index.client_idle_s = index_mod.CLIENT_IDLE_S
 
     with tempfile.TemporaryDirectory() as d:
         os.chmod(d, 0o700)

@@ -29,7 +29,8 @@ from kvstate.core.reasons import RejectReason, ChannelReason, TransitionReason
 from kvstate.share import protocol_msgs as msgs
 from kvstate.share.coordinator import Coordinator, CoordinatorConfig
 from kvstate.share.exporter import Exporter
-from kvstate.share.rank_worker import RankShare, RankWorker, WorkerConfig
+from kvstate.share.rank_share import RankShare
+from kvstate.share.rank_worker import RankWorker, WorkerConfig
 from kvstate.transport.host import HostTransport
 from support.coordinated import CountingTransport, Prefill, socket_path
 from support.reuse import REUSE_ON

@@ -12,7 +12,7 @@ from kvstate import channel as chan
 from kvstate.harness import leaks
 from kvstate.core.errors import ImportFailed
 from kvstate.core.reasons import ImportReason
-from kvstate.share import peers
+from kvstate.share import native_import, peers
 from kvstate.share.importer import ImportConfig, Importer, lease_fields
 from kvstate.core.descriptor import decode
 from kvstate.transport.host import HostTransport
@@ -117,9 +117,13 @@ def test_a_malformed_batched_answer_gives_every_grant_back(transport: HostTransp
         ch.close()
 
 
-def test_an_importer_closed_during_a_lease_keeps_no_fd_and_no_lease(transport: HostTransport) -> None:
-    """The close lands between the grant and the watch (phase 1): the part fails, its
-    received fd is closed, its lease returned, and the link closes with its last holder."""
+def test_an_importer_closed_during_a_lease_keeps_no_fd_and_no_lease(transport: HostTransport,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The close lands between the grant and the watch (phase 1 on the Python path, whose
+    receive_handle is hooked here; the native import watches before it sends): the part
+    fails, its received fd is closed, its lease returned, and the link closes with its
+    last holder."""
+    monkeypatch.setattr(native_import, "eligible", lambda *a: False)
     ex = make_exporter(2, transport)
     closing = HostTransport(granularity=GRANULARITY)
     im = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON), closing)

@@ -27,7 +27,7 @@ import pytest
 
 from kvstate.core.capabilities import Access
 from kvstate.core.errors import ImportFailed, KvStateError, TransitionError
-from kvstate.share import attach
+from kvstate.share import attach, native_import
 from kvstate.transport.host import HostHandle, HostTransport, fd_identity_of
 
 pytestmark = pytest.mark.native
@@ -256,8 +256,11 @@ def test_a_host_group_import_attaches_natively_and_feeds_the_part_machines(
         bank.advertise()
     ex.start()
     calls: list[int] = []
-    real = attach._call
-    monkeypatch.setattr(attach, "_call", lambda lib, arr, n, *a: calls.append(n) or real(lib, arr, n, *a))
+    real = native_import._call
+    monkeypatch.setattr(native_import, "_call",
+                        lambda lib, link, payload, frame, ns, arr, n, *a: calls.append(n) or
+                        real(lib, link, payload, frame, ns, arr, n, *a))
+    monkeypatch.setattr(attach, "_call", lambda *a: pytest.fail("phase 2 belongs to the group's one native call"))
     changes: list[Any] = []
     t = HostTransport(granularity=granularity)
     im: Any = Importer(ImportConfig(deployment, reuse=ReuseSettings(enable_decode_to_prefill_reuse=True)), t,
@@ -265,10 +268,13 @@ def test_a_host_group_import_attaches_natively_and_feeds_the_part_machines(
     try:
         before = held(t)
         group = im.import_group([ex.descriptor(r) for r in range(3)])
-        assert calls == [3], "one native call for the exporter's batch of three parts"
+        assert calls == [3], "one native call leases and opens the exporter's batch of three parts"
         assert group.state == "ready"
-        opens = [(c.label, c.source, c.dest) for c in changes if c.machine == "part" and c.event == "open"]
-        assert sorted(opens) == [(f"{group.label}/part[{r}]", "leased", "imported") for r in range(3)]
+        steps = [(c.label, c.event, c.source, c.dest) for c in changes if c.machine == "part"
+                 and c.event in ("lease", "open")]
+        assert sorted(steps) == sorted((f"{group.label}/part[{r}]", e, s, d) for r in range(3)
+                                       for e, s, d in (("lease", "validated", "leased"),
+                                                       ("open", "leased", "imported")))
         for p in group.parts:
             assert p.state == "imported" and p.received is None and p.handle is None
             assert t.stats(p.mapping).access == t.native.lib.KVS_ACCESS_READ

@@ -52,6 +52,7 @@ _C_TO_PY: dict[str, Any] = {
     "struct kvs_hold_info *": libkvs.HoldInfoArray,
     "struct kvs_lease_event *": libkvs.LeaseEventPtr,
     "struct kvs_attach_part *": libkvs.AttachPartArray,
+    "struct kvs_import_part *": libkvs.ImportPartArray,
     "struct kvs_vfacts *": libkvs.VFactsArray,
     "struct kvs_vexpect *": libkvs.VExpectArray,
 }
@@ -62,6 +63,7 @@ _STRUCTS = {"kvs_region_info": libkvs.RegionInfoPtr, "kvs_global_info": libkvs.G
             "kvs_renew_outcome": libkvs.RenewOutcomePtr, "kvs_renew_state": libkvs.RenewStatePtr,
             "kvs_lease_info": libkvs.LeaseInfo, "kvs_hold_info": libkvs.HoldInfo,
             "kvs_attach_part": libkvs.AttachPart,
+            "kvs_import_part": libkvs.ImportPart,
             "kvs_lease_event": libkvs.LeaseEventPtr}
 
 

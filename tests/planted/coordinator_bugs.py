@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvstate.core.machine import effect
-from kvstate.share.rank_worker import RankShare
+from kvstate.share.rank_share import RankShare
 
 
 class KeepsPartOnAbort(RankShare):

@@ -19,6 +19,16 @@ first; the scheduler outlives its workers.
 (``lookup``, ``descriptors``); see :mod:`.wire`. The index answers lookups only while every
 rank is connected and advertised descriptors of one generation.
 
+**Off the GIL.** The scheduler process is the engine's: vLLM busy-polls there holding the
+GIL. So the socket is served by a native thread (:mod:`.index_mirror`) that answers
+``lookup`` and ``descriptors`` from a C mirror of what :meth:`DecodeIndex._answer` reads:
+the table's advertised blocks (the table tells the mirror under its own lock) and the
+ranks' descriptors, epochs and generation (set here under the index's lock whenever a
+rank comes, advertises or goes). Everything else (a rank's ``hello``, a question under
+another compatibility key, a malformed message) is handed to Python with its connection,
+and :meth:`_answer` stays the reference (a differential test holds the two equal). The
+TCP listener for other nodes' prefill schedulers is still served here, in Python.
+
 **Evictions.** When free bank blocks run low, the least recently used blocks stop being
 advertised and every rank is asked to drop their keys; a rank refuses a key a lease pins,
 and the index asks again every second until every rank dropped it.
@@ -36,6 +46,8 @@ vLLM recomputes those blocks.
 from __future__ import annotations
 
 import logging
+import os
+import select
 import threading
 import time
 from collections.abc import Sequence
@@ -52,6 +64,7 @@ from kvstate.core.errors import ChannelError, DescriptorRejected
 from kvstate.core.identity import Deployment
 from kvstate.integrations.vllm import wire
 from kvstate.integrations.vllm.hashing import COMPAT_FIELDS, HASH_BYTES, Compat
+from kvstate.integrations.vllm.index_mirror import IndexMirror
 from kvstate.integrations.vllm.slots import Reservation, SlotTable
 
 log = logging.getLogger(__name__)
@@ -60,6 +73,9 @@ RETRY_EVICT_S = 1.0
 #: A prefill scheduler's connection closes after this long without a question (it
 #: reconnects on its next one): idle connections would hold the server's handler slots.
 CLIENT_IDLE_S = 30.0
+#: Connections served at once (natively, and in Python each).
+MAX_CONNECTIONS = 256
+NOT_READY = "not every decode rank is connected with descriptors of one generation"
 
 
 @attrs.define(eq=False)
@@ -96,17 +112,43 @@ class DecodeIndex:
         self._tcp_server: TcpServer | None = None
         self._stopping = threading.Event()
         self._timer: threading.Thread | None = None
-        self.lookups = 0
+        self._handoff: threading.Thread | None = None
+        self._python_slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._py_lookups = 0
+        self._client_idle_s = CLIENT_IDLE_S
+        self.mirror = IndexMirror(chan.encode(compat.as_dict()),
+                                  wire.encode("refused", reason="decode_not_ready", detail=NOT_READY),
+                                  hash_bytes=HASH_BYTES, capacity=table.capacity, max_blocks=wire.MAX_BLOCKS,
+                                  limits=wire.LIMITS, max_connections=MAX_CONNECTIONS,
+                                  first_timeout_s=request_timeout_s, idle_s=CLIENT_IDLE_S)
+        table.attach(self.mirror)
+
+    @property
+    def client_idle_s(self) -> float:
+        """A prefill scheduler's connection closes after this long without a question."""
+        return self._client_idle_s
+
+    @client_idle_s.setter
+    def client_idle_s(self, seconds: float) -> None:
+        self.mirror.deadlines(self.request_timeout_s, seconds)
+        self._client_idle_s = seconds
+
+    @property
+    def lookups(self) -> int:
+        """Lookups answered while ready (natively and here)."""
+        return self._py_lookups + self.mirror.lookups
 
     # -- life -----------------------------------------------------------------------------
 
     def start(self) -> None:
         chan.make_socket_dir(self.path.parent)
-        self._server = chan.Server(self.path, limits=wire.LIMITS, max_connections=256)
-        self._server.serve_in_thread(self._serve, name="kvstate-index")
+        self._server = chan.Server(self.path, limits=wire.LIMITS, max_connections=MAX_CONNECTIONS)
+        self.mirror.serve(self._server.fileno())
+        self._handoff = threading.Thread(target=self._take_handoffs, name="kvstate-index-handoff", daemon=True)
+        self._handoff.start()
         if self.tcp is not None:
             assert self.deployment is not None
-            self._tcp_server = TcpServer(*self.tcp, self.deployment, limits=wire.LIMITS, max_connections=256,
+            self._tcp_server = TcpServer(*self.tcp, self.deployment, limits=wire.LIMITS, max_connections=MAX_CONNECTIONS,
                                          handshake_timeout=self.request_timeout_s)
             self._tcp_server.serve_in_thread(self._serve_remote, name="kvstate-index-tcp")
         self._timer = threading.Thread(target=self._retry_loop, name="kvstate-index-evict", daemon=True)
@@ -114,6 +156,10 @@ class DecodeIndex:
 
     def close(self) -> None:
         self._stopping.set()
+        if self._handoff is not None:
+            self._handoff.join(2.0)
+            self._handoff = None
+        self.mirror.stop()  # before the server: the listening socket is the server's to close
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -145,16 +191,50 @@ class DecodeIndex:
         """Bank blocks for a finished request's prefix blocks (none while not ready)."""
         if not self.ready():
             return []
+        self.table.touch(self.mirror.touched())
         out = self.table.reserve(hashes)
         self._evict(self.table.choose_evictions())
         return out
 
+    def _publish(self) -> None:
+        """Tell the mirror whether, and with what, to answer (called with ``_lock`` held)."""
+        if not self._ready():
+            self.mirror.unready()
+            return
+        ranks = [self._ranks[r] for r in range(self.tp)]
+        self.mirror.ready(wire.encode("descriptor_set", descriptors=[r.descriptor for r in ranks]),
+                          [r.epoch for r in ranks], ranks[0].generation)
+
     # -- serving --------------------------------------------------------------------------------
 
-    def _serve(self, ch: chan.Channel) -> None:
+    def _take_handoffs(self) -> None:
+        """Serve, each in a thread, the connections the native thread hands over."""
+        fd = self.mirror.handoff_fd()
+        poll = select.poll()
+        poll.register(fd, select.POLLIN)
+        while not self._stopping.is_set():
+            if poll.poll(250):
+                try:
+                    os.read(fd, 8)
+                except BlockingIOError:
+                    pass
+            for ch, payload in self.mirror.handoffs(wire.LIMITS):
+                if ch is None:
+                    continue
+                if self._stopping.is_set() or not self._python_slots.acquire(blocking=False):
+                    ch.close()
+                    continue
+                try:
+                    threading.Thread(target=self._serve, args=(ch, payload), name=f"kvstate-index-{ch.peer.pid}",
+                                     daemon=True).start()
+                except RuntimeError:  # the interpreter cannot start another thread
+                    self._python_slots.release()
+                    ch.close()
+
+    def _serve(self, ch: chan.Channel, first: bytes) -> None:
+        """A connection the native thread handed over, with the request it read."""
         try:
-            with ch.recv(timeout=self.request_timeout_s) as first:
-                msg = wire.decode(first.payload, "hello", "lookup", "descriptors")
+            msg = wire.decode(first, "hello", "lookup", "descriptors")
             if msg["kind"] == "hello":
                 self._serve_rank(ch, msg)
             else:
@@ -162,8 +242,11 @@ class DecodeIndex:
         except ChannelError as exc:
             if not self._stopping.is_set():
                 log.info("kvstate index: a connection ended: %s", exc)
+        except Exception:
+            log.exception("kvstate index: serving %r failed", ch)
         finally:
             ch.close()
+            self._python_slots.release()
 
     def _serve_remote(self, ch: chan.Channel) -> None:
         """A peer of another node (it proved the deployment key): questions only; a decode
@@ -202,6 +285,7 @@ class DecodeIndex:
                 problem = ("duplicate_rank", f"rank {rank} is connected (pid {self._ranks[rank].pid})")
             if problem is None:
                 self._ranks[rank] = link
+                self._publish()
         if problem is not None:
             log.error("kvstate index: refusing decode rank %d: %s (%s)", rank, *problem)
             self._refuse(ch, *problem)
@@ -224,12 +308,14 @@ class DecodeIndex:
             with self._lock:
                 if self._ranks.get(rank) is link:
                     del self._ranks[rank]
+                    self._publish()
 
     def _on_report(self, link: _Rank, report: dict[str, Any]) -> None:
         kind = report["kind"]
         if kind == "advertised":
             with self._lock:
                 link.descriptor, link.generation = report["descriptor"], report["generation"]
+                self._publish()
         elif kind == "stored":
             again = self.table.stored(link.rank, report["keys"]) + self.table.store_failed(link.rank, report["failed"])
             if again:
@@ -238,11 +324,11 @@ class DecodeIndex:
             self.table.removed(link.rank, report["keys"])
 
     def _serve_client(self, ch: chan.Channel, msg: dict[str, Any]) -> None:
-        """Answer a prefill scheduler until it closes, or stays silent CLIENT_IDLE_S (its
+        """Answer a prefill scheduler until it closes, or stays silent ``client_idle_s`` (its
         client reconnects on its next question): an idle connection holds a handler slot."""
         while True:
             ch.send(self._answer(msg), timeout=self.request_timeout_s)
-            quiet_until = time.monotonic() + CLIENT_IDLE_S
+            quiet_until = time.monotonic() + self._client_idle_s
             while True:
                 if self._stopping.is_set() or time.monotonic() > quiet_until:
                     return
@@ -267,11 +353,10 @@ class DecodeIndex:
             ready = self._ready()
             ranks = [self._ranks[r] for r in range(self.tp)] if ready else []
         if not ready:
-            return wire.encode("refused", reason="decode_not_ready",
-                               detail="not every decode rank is connected with descriptors of one generation")
+            return wire.encode("refused", reason="decode_not_ready", detail=NOT_READY)
         if msg["kind"] == "descriptors":
             return wire.encode("descriptor_set", descriptors=[r.descriptor for r in ranks])
-        self.lookups += 1
+        self._py_lookups += 1
         held = self.table.lookup(wire.split_hashes(msg["hashes"], HASH_BYTES))
         return wire.encode("found", blocks=len(held), slots=[h.slot for h in held], keys=[h.key for h in held],
                            epochs=[r.epoch for r in ranks], generation=ranks[0].generation)
@@ -299,6 +384,7 @@ class DecodeIndex:
 
     def _retry_loop(self) -> None:
         while not self._stopping.wait(RETRY_EVICT_S):
+            self.table.touch(self.mirror.touched())
             self._evict(self.table.evicting())
 
 

@@ -16,6 +16,11 @@ while a lease pins the key). That is what keeps lookups and leases TP-consistent
   on some rank.
 - free: no key.
 
+A mirror (:class:`~.index_mirror.IndexMirror`, attached by the index) hears of every
+block that becomes ``stored`` and of every one that stops being advertised, under the
+table's lock, so it answers lookups as :meth:`lookup` would; its finds come back through
+:meth:`touch`, for the LRU order.
+
 Bounded: at most ``capacity`` blocks (the bank's size, from ``retain_bytes``). A reserve
 that finds no free block stops: a later block of a prefix is useless without the earlier
 ones.
@@ -27,6 +32,7 @@ import enum
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 import attrs
 
@@ -63,6 +69,14 @@ class Held:
     key: int
 
 
+class Mirror(Protocol):
+    """What hears of advertised blocks (the index's native mirror)."""
+
+    def advertise(self, block_hash: bytes, slot: int, key: int) -> None: ...
+
+    def withdraw(self, block_hash: bytes) -> None: ...
+
+
 class SlotTable:
     """See the module docstring. ``key_of(hash, slot)`` names a block in the inventories."""
 
@@ -80,6 +94,16 @@ class SlotTable:
         self.low_water = max(1, capacity // 16)
         self.high_water = max(1, capacity // 8)
         self.evicted = 0
+        self._mirror: Mirror | None = None
+
+    def attach(self, mirror: Mirror) -> None:
+        """From now on, tell ``mirror`` of every block advertised and withdrawn (those
+        advertised already first)."""
+        with self._lock:
+            for slot in self._lru:
+                entry = self._slots[slot]
+                mirror.advertise(entry.block_hash, slot, entry.key)
+            self._mirror = mirror
 
     # -- the scheduler: finished requests ------------------------------------------------
 
@@ -117,6 +141,8 @@ class SlotTable:
                 entry = self._slots[slot]
                 entry.state = SlotState.EVICTING
                 del self._by_hash[entry.block_hash]
+                if self._mirror is not None:  # before any rank is asked to remove it
+                    self._mirror.withdraw(entry.block_hash)
                 keys.append(entry.key)
                 pending += 1
                 self.evicted += 1
@@ -146,6 +172,8 @@ class SlotTable:
                 if not entry.failed:
                     entry.state = SlotState.STORED
                     self._lru[slot] = None
+                    if self._mirror is not None:
+                        self._mirror.advertise(entry.block_hash, slot, key)
                     continue
                 entry.state = SlotState.EVICTING
                 del self._by_hash[entry.block_hash]
@@ -190,6 +218,13 @@ class SlotTable:
                 self._lru.move_to_end(slot)
                 out.append(Held(slot, self._slots[slot].key))
         return out
+
+    def touch(self, slots: Iterable[int]) -> None:
+        """These bank blocks were found by lookups elsewhere (the mirror): used, in order."""
+        with self._lock:
+            for slot in slots:
+                if slot in self._lru:
+                    self._lru.move_to_end(slot)
 
     def evicting(self) -> list[int]:
         """Keys still waiting for some rank's removal (to ask again: a lease held them)."""

@@ -1,0 +1,101 @@
+"""What kvstate's connector costs a decode engine (issue 28, "engine cost"), for
+``kvstate bench --suite vllm``: decode throughput with the connector storing every
+finished request's full blocks, against the same engine without a connector, in one run.
+
+Both engines run side by side; samples alternate between them, each timed only after
+both stopped burning CPU (:mod:`support.engines.quiet`). One sample is one ``generate``
+of ``BATCH`` prompts the engine never saw, ``MAX_TOKENS`` new tokens each, timed in the
+engine process; its figure is seconds per generated token (the tokens actually
+generated: a request may stop early at its end-of-sequence token). The kvstate engine
+stores every full block of every finished request (``kv_producer``: its stores run on
+the op engine, their reports natively); its ``stores_ok`` counter must grow by the
+batch size, or the row says the stores did not happen.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from support.engines import kvstate_kit, quiet, tiny_llama
+from support.engines.memory import MemorySampler
+from support.engines.runner import Engine, EngineSpec, start_all
+from support.engines.suite import Engines
+
+BATCH, PROMPT, MAX_TOKENS = 8, 256, 64
+
+
+@dataclass
+class Cost:
+    kvstate_s: list[float] = field(default_factory=list)  # seconds per generated token, connector storing
+    plain_s: list[float] = field(default_factory=list)    # the same, no connector
+    stored: int = 0                                        # requests whose stores the kvstate engine counted
+    requests: int = 0                                      # requests it finished
+
+    def ratio(self) -> float | None:
+        """The kvstate engine's tokens/s as a fraction of the plain engine's (medians)."""
+        if not self.kvstate_s or not self.plain_s:
+            return None
+        return statistics.median(self.plain_s) / statistics.median(self.kvstate_s)
+
+
+def _batch(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, tiny_llama.CONFIG["vocab_size"]) for _ in range(PROMPT)] for _ in range(BATCH)]
+
+
+def _sample(engine: Engine, batch: list[list[int]], settle: tuple[Engine, ...]) -> tuple[float, Any]:
+    if not quiet.settle(lambda: [p for e in settle for p in e.pids()]):
+        print(f"warning: engines still busy after {quiet.LIMIT_S} s; timing anyway")
+    g = engine.generate(batch, MAX_TOKENS)
+    return g.seconds / max(1, sum(len(t) for t in g.tokens)), g
+
+
+def measure(workdir: Path, repeats: int = 3, progress: Any = print, model: str | None = None) -> Cost:
+    model = model or str(tiny_llama.write_model(workdir / "model", seed=0))
+    cost = Cost()
+    sockets = kvstate_kit.socket_dir(workdir)
+    box = Engines(workdir / "cost", MemorySampler())
+    try:
+        progress("starting 2 engines: kvstate decode (storing every finished block), plain (no connector)")
+        decode, plain = start_all([box.make("decode", kvstate_kit.spec(model, "kv_producer", sockets)),
+                                   box.make("plain", EngineSpec(model))])
+        for e in (decode, plain):  # warm-up, untimed (the decode engine stores its blocks too)
+            e.generate(_batch(7), 4)
+        cost.requests = BATCH
+        both = (decode, plain)
+        for r in range(repeats):
+            # Alternate which engine goes first, so neither always follows the other's spin.
+            order = (decode, plain) if r % 2 == 0 else (plain, decode)
+            for engine in order:
+                per_token, g = _sample(engine, _batch(100 + 2 * r + (engine is plain)), both)
+                if engine is decode:
+                    cost.kvstate_s.append(per_token)
+                    cost.requests += BATCH
+                else:
+                    cost.plain_s.append(per_token)
+        cost.stored = _stored(decode, cost.requests)
+        ratio = cost.ratio()
+        progress(f"  decode: kvstate {statistics.median(cost.kvstate_s) * 1e3:.2f} ms/token, plain "
+                 f"{statistics.median(cost.plain_s) * 1e3:.2f} ms/token"
+                 + (f", kvstate at {ratio:.1%} of plain tokens/s" if ratio is not None else ""))
+    finally:
+        box.close_all()
+    return cost
+
+
+def _stored(engine: Engine, want: int, timeout_s: float = 30.0) -> int:
+    """The engine's stores counted, once ``want`` are or after ``timeout_s`` (the front end
+    takes in later steps' stats with its next request: one-token requests, too short to
+    store anything)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = int(engine.generate([[5, 6, 7]], 1).metrics.get(kvstate_kit.PREFIX + "stores_ok", 0.0))
+        if got >= want or time.monotonic() > deadline:
+            return got
+        time.sleep(0.2)
