@@ -206,8 +206,8 @@ def _adopt(parts: Sequence[AnyPart], link: peers.PeerLink, arr: libkvs.ImportPar
     for i, part in enumerate(parts):
         c = arr[i]
         importer.peers.hold(link)  # each lease holds the link until it is returned
-        part.took_natively(link, c.lease, c.expires_ns / 1e9, keys[i] if keys is not None else None, renewed_at,
-                           *attach._objects(c.attach, part.descriptor.size))
+        part._took_natively(link, c.lease, c.expires_ns / 1e9, keys[i] if keys is not None else None, renewed_at,
+                            *attach._objects(c.attach, part.descriptor.size))
     try:
         Part.adopt_all(parts, (("lease", "leased"), ("open", "imported")))
     except KvStateError as exc:  # diverged (nothing committed): undo here, as no row of theirs will

@@ -216,7 +216,7 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         self.lease_expires_at = self.renewed_at + grant.expires_in_s
         return self._return_lease
 
-    def took_natively(self, link: peers.PeerLink, lease_id: int, term_s: float, key: int | None, renewed_at: float,
+    def _took_natively(self, link: peers.PeerLink, lease_id: int, term_s: float, key: int | None, renewed_at: float,
                       allocation: A | None, reservation: R | None, mapping: M | None) -> None:
         """What the native import (:mod:`kvstate.share.native_import`) made for this part,
         recorded as :meth:`_lease` and :meth:`_import` record theirs: the lease on ``link``
