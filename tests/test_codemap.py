@@ -15,7 +15,7 @@ import pytest
 
 from kvstate.core.spec import load_spec
 from kvstate.derive import code_c, code_py, codemap
-from kvstate.share.exporter import Bank
+from kvstate.share.bank import Bank
 from kvstate.share.importer import Group, Part
 from support.variants import ROOT, replace, source_tree
 
@@ -38,7 +38,7 @@ def test_fire_sites_name_the_function_that_fires() -> None:
     spec = load_spec()
     code = codemap.scan(ROOT, spec)
     labels = {m: {e: [s.label for s in code.fired_by(m, e)] for e in spec[m].event_names} for m in spec.machines}
-    assert "kvstate.share.exporter:Bank.register" in labels["bank"]["register_failed"]
+    assert "kvstate.share.bank:Bank.register" in labels["bank"]["register_failed"]
     assert "kvstate.share.importer:Importer._note_restarts" in labels["group"]["incarnation_changed"]
     assert "kvstate.share.importer:Importer._each_part" in labels["part"]["open"]
     assert "kvstate.share.importer:Importer._fire_lease" in labels["part"]["lease"]
@@ -56,10 +56,10 @@ EXTERNAL = 'external = "the engine registers banks"'
 
 @pytest.mark.parametrize(("file", "old", "new", "spec_patch", "expected"), [
     # code fires an event its table does not have (and the real one is then fired nowhere)
-    ("kvstate/share/exporter.py", 'self.fire("stored", handle=handle)', 'self.fire("stored_now", handle=handle)', None,
+    ("kvstate/share/bank.py", 'self.fire("stored", handle=handle)', 'self.fire("stored_now", handle=handle)', None,
      ["fires 'stored_now' on bank, which", "event 'stored' is fired nowhere"]),
     # a table event fired nowhere
-    ("kvstate/share/exporter.py", '                self.fire("register_failed")\n', "", None,
+    ("kvstate/share/bank.py", '                self.fire("register_failed")\n', "", None,
      ["event 'register_failed' is fired nowhere"]),
     # attribution is by the receiver's class, not by the event name: validate is a part event
     ("kvstate/share/importer.py", 'self.fire("load", plan=plan)', 'self.fire("validate", plan=plan)', None,
@@ -74,7 +74,7 @@ EXTERNAL = 'external = "the engine registers banks"'
      ["`self.fire` fires an event that is neither a string literal nor a name annotated Literal"]),
     # marked external although kvstate fires it: the marker would mislead
     (None, "", "", ("bank.toml", 'register = { doc', f'register = {{ {EXTERNAL}, doc'),
-     ["event 'register' is marked external but kvstate.share.exporter:Bank.register fires it"]),
+     ["event 'register' is marked external but kvstate.share.bank:Bank.register fires it"]),
     # C: the engine stops firing an op event
     ("ffi/kvs_ops.c", "kvs_op_step(op, KVS_OP_EV_REAP)", "kvs_op_step(op, 6)", None,
      ["spec/op.toml: event 'reap' is fired nowhere"]),
@@ -113,7 +113,7 @@ def _unlined(problem: str) -> str:
 
 def test_an_external_event_needs_no_fire_site(tmp_path: Path) -> None:
     tree = source_tree(tmp_path)
-    replace(tree, [("kvstate/share/exporter.py", '                self.fire("register_failed")\n', "")])
+    replace(tree, [("kvstate/share/bank.py", '                self.fire("register_failed")\n', "")])
     replace(tree / "spec", [("bank.toml", "register_failed = { doc",
                              'register_failed = { external = "the engine reports it", doc')])
     spec = load_spec(tree / "spec")

@@ -40,7 +40,7 @@ def test_pages_carry_mermaid_and_every_transition_linked_to_code(name: str) -> N
 
 def test_release_row_links_straight_to_its_effect_and_fire_site() -> None:
     rows = [r for r in _rows(_page("bank")) if r[0] == "`release`"]
-    assert rows and all("[`kvstate.share.exporter:Bank._release`](../../kvstate/share/exporter.py)" in r[5]
+    assert rows and all("[`kvstate.share.bank:Bank._release`](../../kvstate/share/bank.py)" in r[5]
                         for r in rows)
     assert all("kvstate.share.exporter:Exporter.drain" in r[6] for r in rows)
 

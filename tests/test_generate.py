@@ -76,7 +76,7 @@ def _edit(path: Path) -> None:
     (lambda t: (t / "docs" / "spec" / "part.md").unlink(), "docs/spec/part.md"),
     (lambda t: (t / "docs" / "spec" / "retired.md").write_text("old page\n"), "docs/spec/retired.md"),
     # the code moved: the bank page links its rows to the function that implements them
-    (lambda t: replace(t / "kvstate" / "share", [("exporter.py", "def _release(", "def _free_all(")]),
+    (lambda t: replace(t / "kvstate" / "share", [("bank.py", "def _release(", "def _free_all(")]),
      "docs/spec/bank.md"),
 ], ids=["header", "machine-header", "model", "missing-page", "leftover-page", "renamed-effect"])
 def test_check_command_names_each_stale_file_and_generate_fixes_it(

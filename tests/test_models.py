@@ -131,7 +131,8 @@ def test_counterexample_replays_against_the_real_exporter_and_importer(tmp_path:
     to be mapped, refuses it: defence in depth that the model abstracts away (the Python
     harness test above reproduces the violation itself). With the real tables the same
     trail is refused by `all_parts_imported` (INV-GROUP-COMPLETE)."""
-    from kvstate.share.exporter import Bank, Exporter
+    from kvstate.share.bank import Bank
+    from kvstate.share.exporter import Exporter
     from kvstate.share.export_config import ExportConfig
     from kvstate.share.importer import Group, ImportConfig, Importer, Part
     from kvstate.transport.host import HostTransport

@@ -8,7 +8,7 @@ accepts on the exporter's TCP socket, runs the deployment key's handshake of
 lease rules have one home, ``kvs_lease_handle``: the thread calls it for every frame, and
 :meth:`LeaseServer.handle` exposes it to tests.
 Each bank's state has one home too, the native instance of the bank table inside the
-server; :class:`kvstate.share.exporter.Bank` reads it and fires its own (non-lease)
+server; :class:`kvstate.share.bank.Bank` reads it and fires its own (non-lease)
 events through :meth:`LeaseServer.fire`, with its Python effects called back, so they are
 serialised with the thread.
 
@@ -63,7 +63,8 @@ from kvstate.transport import native
 from kvstate.transport.machines import native_table
 
 if TYPE_CHECKING:
-    from kvstate.share.exporter import Bank, Exporter
+    from kvstate.share.bank import Bank
+    from kvstate.share.exporter import Exporter
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,8 @@ from kvstate.core.reasons import ChannelReason
 
 if TYPE_CHECKING:
     from kvstate.share.coordinator import Coordinator
-    from kvstate.share.exporter import Bank, Exporter
+    from kvstate.share.bank import Bank
+    from kvstate.share.exporter import Exporter
 
 #: The request every kvstate server answers with its snapshot.
 REQUEST = {"op": "status"}

@@ -28,9 +28,9 @@ from kvstate.share import tensors
 from kvstate.share.plan import Copy, Plan, block_ids, triples, unique
 
 if TYPE_CHECKING:
-    from kvstate.share import exporter
+    from kvstate.share import bank
 
-    Bank = exporter.Bank[Any, Any, Any, Any, Any]
+    Bank = bank.Bank[Any, Any, Any, Any, Any]
 
 _TORCH = {DType.BF16: "bfloat16", DType.FP16: "float16", DType.FP32: "float32", DType.FP8_E4M3: "float8_e4m3fn",
           DType.FP8_E5M2: "float8_e5m2"}

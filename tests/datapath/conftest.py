@@ -14,7 +14,8 @@ import pytest
 
 from kvstate.core.geometry import Geometry
 from kvstate.core.identity import Deployment
-from kvstate.share.exporter import Bank, Exporter
+from kvstate.share.bank import Bank
+from kvstate.share.exporter import Exporter
 from kvstate.share.export_config import ExportConfig
 from kvstate.share.importer import Group, ImportConfig, Importer
 from kvstate.transport.host import HostTransport

@@ -16,7 +16,7 @@ from kvstate.core.errors import Busy
 from kvstate.core.reasons import BusyReason
 from kvstate.core import layouts
 from kvstate.core.geometry import DType, Geometry, Region
-from kvstate.share.exporter import Bank
+from kvstate.share.bank import Bank
 from datapath.conftest import World
 
 BANK_BLOCKS = 8

@@ -51,7 +51,8 @@ from kvstate.integrations.vllm.layout import INVENTORY_GROUP, bank_blocks, bank_
 from kvstate.integrations.vllm.orders import StoreOrder
 from kvstate.integrations.vllm.stats import Tally
 from kvstate.reuse.inventory import Inventory
-from kvstate.share.exporter import Bank, Exporter
+from kvstate.share.bank import Bank
+from kvstate.share.exporter import Exporter
 from kvstate.share.export_config import ExportConfig
 from kvstate.share.transfer import TransferHandle
 from kvstate.transport.host import HostTransport
