@@ -356,7 +356,19 @@ int kvs_link_recv(kvs_link *l, kvs_frame *f, int64_t timeout_ns) {
 int kvs_link_request(kvs_link *l, const uint8_t *payload, uint32_t len, kvs_frame *f, int64_t timeout_ns) {
     kvs_link_lock(l);
     int rc = kvs_link_send(l, payload, len, NULL, 0, timeout_ns, &f->err);
-    if (rc == KVS_OK) rc = kvs_link_recv(l, f, timeout_ns);
+    if (rc == KVS_OK) {
+        rc = kvs_link_recv(l, f, timeout_ns);
+    } else if (rc == KVS_E_LINK_CLOSED && !atomic_load(&l->closed)) {
+        /* The peer closed first, maybe after saying why (a server over its connection
+         * limit refuses at accept, then closes): a frame it left is its answer. */
+        if (kvs_link_recv(l, f, 0) == KVS_OK) {
+            shut(l);
+            kvs_link_unlock(l);
+            return KVS_OK;
+        }
+        f->err = 0;
+        rc = KVS_E_LINK_CLOSED;
+    }
     if (rc != KVS_OK) shut(l);
     kvs_link_unlock(l);
     return rc;

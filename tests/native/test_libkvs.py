@@ -55,6 +55,8 @@ _C_TO_PY: dict[str, Any] = {
     "struct kvs_import_part *": libkvs.ImportPartArray,
     "struct kvs_vfacts *": libkvs.VFactsArray,
     "struct kvs_vexpect *": libkvs.VExpectArray,
+    "struct kvs_index *": libkvs.IndexPtr,
+    "struct kvs_index * *": libkvs.IndexOut,
 }
 _STRUCTS = {"kvs_region_info": libkvs.RegionInfoPtr, "kvs_global_info": libkvs.GlobalInfoPtr,
             "kvs_op_info": libkvs.OpInfoPtr, "kvs_cuda_driver_info": libkvs.CudaDriverInfoPtr,

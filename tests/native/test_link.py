@@ -166,6 +166,21 @@ def test_a_peer_hang_up_is_closed(pair: tuple[Channel, NativeLink, socket.socket
         link.request(chan.encode({"op": "renew"}), 5.0)
 
 
+def test_a_peer_that_said_why_and_hung_up_is_answered_by_what_it_said(
+        pair: tuple[Channel, NativeLink, socket.socket]) -> None:
+    """A server over its connection limit refuses at accept, then closes: the request's
+    send then fails (EPIPE), but the refusal waits in the socket and is the answer, so the
+    importer reports ConnectionLimit, not a bare hang-up (test_bounds saw the hang-up)."""
+    ch, link, b = pair
+    refusal = chan.encode({"ok": False, "code": "ConnectionLimit", "detail": "2 connections"})
+    b.send(HEADER.pack(MAGIC, len(refusal), 0) + refusal)
+    b.close()
+    with link.request(chan.encode({"op": "lease"}), 5.0) as msg:
+        assert chan.decode(msg.payload)["code"] == "ConnectionLimit"
+    with raises(ChannelError, ChannelReason.CLOSED):  # and the link is closed after it
+        link.request(chan.encode({"op": "lease"}), 5.0)
+
+
 def test_a_timeout_of_any_finite_length_is_taken(pair: tuple[Channel, NativeLink, socket.socket]) -> None:
     """A long timeout is waited in poll's int milliseconds, a longer one in int64 ns: no
     overflow (the answer is there at once, so nothing actually waits)."""
