@@ -247,7 +247,9 @@ def exchange(requests: Sequence[tuple[PeerLink, bytes]], timeout: float) -> list
                 link.native.send(payload, timeout=timeout)
                 sent.append(i)
             except ChannelError as exc:
-                out[i] = exc
+                out[i] = _last_word(link) if exc.closed else None
+                if out[i] is None:
+                    out[i] = exc
                 link.close()
         for i in sent:
             link = requests[i][0]
@@ -257,6 +259,15 @@ def exchange(requests: Sequence[tuple[PeerLink, bytes]], timeout: float) -> list
                 out[i] = exc
                 link.close()
     return [x for x in out if x is not None]
+
+
+def _last_word(link: PeerLink) -> chan.Message | None:
+    """What a peer that hung up said first, if anything: an exporter over its connection
+    limit refuses at accept, then closes, and that refusal is its answer."""
+    try:
+        return link.native.recv(timeout=0.0)
+    except ChannelError:
+        return None
 
 
 class Peers:

@@ -161,3 +161,21 @@ def test_a_link_is_held_by_its_grants_and_closes_idle_once_they_go(transport: Ho
 def memfds() -> set[int]:
     """This process's open memfds (the links' sockets stay open by design)."""
     return {fd for fd, target in leaks.snapshot().fds.items() if target.startswith("/memfd:")}
+
+
+def test_a_pipelined_request_to_a_peer_that_said_why_and_hung_up_gets_what_it_said() -> None:
+    """exchange() sends every request before reading: an exporter over its connection
+    limit refused at accept and closed, so the send fails (EPIPE), and the refusal waiting
+    in the socket is the answer (the importer then says ConnectionLimit, not a hang-up)."""
+    import socket
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    link = peers.PeerLink("refusing", chan.Channel(a))
+    refusal = chan.encode({"ok": False, "code": "ConnectionLimit", "detail": "2 connections"})
+    b.send(chan.HEADER.pack(chan.MAGIC, len(refusal), 0) + refusal)
+    b.close()
+    [answer] = peers.exchange([(link, chan.encode({"op": "leases"}))], 5.0)
+    assert isinstance(answer, chan.Message), answer
+    with answer:
+        assert chan.decode(answer.payload)["code"] == "ConnectionLimit"
+    assert link.closed
