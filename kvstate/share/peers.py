@@ -377,12 +377,16 @@ class Peers:
         link.close()
 
     def forget(self, channel: chan.Channel) -> None:
-        """The peer of ``channel`` hung up: drop its link and close our end."""
+        """The peer of ``channel`` hung up: drop its link and close our end. A link a
+        request holds is closed by its last holder (let_go) instead: the peer may have said
+        why before it hung up (a refusal at accept), and that request reads it."""
         with self._lock:
             dead = [k for k, v in self._links.items() if v.channel is channel]
+            held = any(self._links[k].users > 0 for k in dead)
             for k in dead:
                 del self._links[k]
-        channel.close()  # its link too (Channel.on_close)
+        if not held:
+            channel.close()  # its link too (Channel.on_close)
 
     def close_idle(self, now: float | None = None, *, everything: bool = False) -> None:
         """Close links nobody has held for ``idle_s`` (every idle one while closing, or

@@ -179,3 +179,27 @@ def test_a_pipelined_request_to_a_peer_that_said_why_and_hung_up_gets_what_it_sa
     with answer:
         assert chan.decode(answer.payload)["code"] == "ConnectionLimit"
     assert link.closed
+
+
+def test_a_link_the_watcher_saw_hang_up_stays_open_for_the_request_holding_it() -> None:
+    """The importer's watcher sees the exporter's hang-up (after its refusal at accept)
+    and forgets the link while a lease request holds it: the request still reads the
+    refusal, and the link closes when the request lets go (the full suite saw a bare
+    hang-up instead of ConnectionLimit)."""
+    import socket
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    refusal = chan.encode({"ok": False, "code": "ConnectionLimit", "detail": "2 connections"})
+    b.send(chan.HEADER.pack(chan.MAGIC, len(refusal), 0) + refusal)
+    b.close()
+    table = peers.Peers(lambda address, timeout: chan.Channel(a), idle_s=60.0)
+    link, reused = table._take("refusing", 5.0, fresh=False)
+    assert not reused
+    table.forget(link.channel)                       # the watcher's _peer_closed
+    assert not link.closed
+    [answer] = peers.exchange([(link, chan.encode({"op": "leases"}))], 5.0)
+    assert isinstance(answer, chan.Message), answer
+    with answer:
+        assert chan.decode(answer.payload)["code"] == "ConnectionLimit"
+    table.let_go(link)
+    assert link.closed and len(table) == 0
