@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import random
 import socket
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
@@ -37,16 +38,23 @@ def _nixl() -> None:
         pytest.skip(f"NIXL TESTS SKIPPED: {exc}")
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(span: int) -> int:
-    """A port with ``span`` free ports from it on (the index, then one per rank)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + span > 65535:
-            continue
+    """A port with ``span`` free ports from it on (the index, then one per rank), below
+    the kernel's ephemeral range: the decode child binds them seconds later, and a port
+    the kernel hands out as any connection's source port could be taken by then (CI saw
+    the child's listen fail so)."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(10000, _ephemeral_low() - span)
+        held: list[socket.socket] = []
         try:
-            held = []
             for p in range(base, base + span):
                 t = socket.socket()
                 held.append(t)
