@@ -22,7 +22,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from kvstate.core.errors import BackendUnavailable
+from support.need import need_nixl
 from support.peers import PeerError, peers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,22 +32,12 @@ BLOCKS = 64
 SIZE = BLOCK * BLOCKS
 
 
-def _nixl_or_skip() -> None:
-    try:
-        from kvstate.transport.nixl import load_nixl
-        load_nixl()
-    except BackendUnavailable as exc:
-        if os.environ.get("KVSTATE_REQUIRE_NIXL") == "1":
-            pytest.fail(f"KVSTATE_REQUIRE_NIXL=1 but {exc}")
-        pytest.skip(f"NIXL TESTS SKIPPED: {exc}")
-
-
 needs_nixl = pytest.mark.usefixtures("_nixl")
 
 
 @pytest.fixture
 def _nixl() -> None:
-    _nixl_or_skip()
+    need_nixl()
 
 
 @needs_nixl
