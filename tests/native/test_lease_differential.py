@@ -1,5 +1,5 @@
-"""The native lease handler (ffi/kvs_lease_answer.c, on ffi/kvs_lease.c) against the Python reference it replaced
-(tests/support/lease_reference.py): the same random sequences of frames (grants, batches,
+"""The native lease handler (ffi/kvs_lease_answer.c, on ffi/kvs_lease.c) against the
+Python reference it replaced (tests/support/lease_reference.py): the same random sequences of frames (grants, batches,
 renewals, releases, mapped notes single and batched, hang-ups, expiry ticks, max_leases
 pressure, drains, re-advertisements, malformed frames) go to both, and after every step
 the answers (ok, code, lease ids, fd counts, batch shapes), the banks' states and the
