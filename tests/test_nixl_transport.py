@@ -374,16 +374,16 @@ def test_the_agent_locks_its_calls_and_its_progress_thread_waits(monkeypatch: py
     import importlib
 
     from kvstate.transport.nixl import load_nixl
-    from kvstate.transport.nixl import transport as nt
+    from kvstate.transport.nixl import agent
 
     nixl = load_nixl()
     bind = importlib.import_module(nixl.__name__ + "._api").nixlBind
     seen: list[Any] = []
     real = bind.nixlAgent
     monkeypatch.setattr(bind, "nixlAgent", lambda name, config: seen.append(config) or real(name, config))
-    nt._make_agent(nixl, f"cfg-check-{os.getpid()}", 0)
+    agent.make_agent(nixl, f"cfg-check-{os.getpid()}", 0)
     (config,) = seen
-    assert config.pthrDelay == nt.PROGRESS_DELAY_US > 0
+    assert config.pthrDelay == agent.PROGRESS_DELAY_US > 0
     assert config.useProgThread  # an exporter's worker must progress for a peer's READ to finish
     assert config.syncMode == nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT.value
     assert bind.nixlAgentConfig is not type(config)  # the module's own class is put back
