@@ -39,7 +39,7 @@ from kvstate.core.errors import KvStateError, ArgumentInvalid, ImportFailed
 from kvstate.core.args import need, need_bytes, need_int, need_items
 from kvstate.core.handles import HandleKind
 from kvstate.transport.native import Native, Op, RawBuffer, default
-from kvstate.transport.protocol import MAX_SIZE, Block, RegionStats
+from kvstate.transport.protocol import MAX_SIZE, OWNER_MAX, Block, RegionStats
 
 if TYPE_CHECKING:
     from typing import Union
@@ -300,6 +300,22 @@ class HostTransport:
         rc = self._lib.kvs_region_unpin(mapping.region)
         if rc:
             raise self._native.error(rc, "kvs_region_unpin", f"region {mapping.region} (explicit pins only)")
+
+    def own(self, mapping: HostMapping, owner: int) -> None:
+        """Claim ``mapping`` for ``owner`` (a part's or a bank's nonzero token): unmap and
+        set_access refuse (Busy, OWNED) until the owner disowns it."""
+        need("mapping", mapping, HostMapping)
+        need_int("owner", owner, 1, OWNER_MAX)
+        rc = self._lib.kvs_region_own(mapping.region, owner)
+        if rc:
+            raise self._native.error(rc, "kvs_region_own", f"region {mapping.region}")
+
+    def disown(self, mapping: HostMapping, owner: int) -> None:
+        need("mapping", mapping, HostMapping)
+        need_int("owner", owner, 1, OWNER_MAX)
+        rc = self._lib.kvs_region_disown(mapping.region, owner)
+        if rc:
+            raise self._native.error(rc, "kvs_region_disown", f"region {mapping.region}")
 
     def stats(self, mapping: HostMapping) -> RegionStats:
         """Pins, ops in flight, completed and failed ops and bytes of one mapping."""
