@@ -15,6 +15,8 @@ set_access      mprotect to read or read-write (lowering is refused while pinned
 unmap, release  refuse with Busy (PINNED) while native ops (or leases) pin the region;
                 release also refuses while the allocation is still mapped
 pin, unpin      a lease's explicit pin on a mapping; stats(m) reports every pin
+own, disown     an owner's claim on its mapping (a part's, a bank's token): unmap and
+                set_access refuse with Busy (OWNED) until the owner gives it up
 view(m)         the mapping's bytes (HostView); submit_gather: a gather on the C op
                 engine between mappings and caller buffers
 ==============  =====================================================================
