@@ -46,7 +46,7 @@ from kvstate.integrations.vllm.tp import source_view
 log = logging.getLogger(__name__)
 
 #: how long a worker step gives kvstate's threads the GIL while they have work (see get_finished)
-YIELD_S = 0.001
+YIELD_S = 0.0
 
 T = TypeVar("T")
 
@@ -246,7 +246,7 @@ class KvStateConnector(KVConnectorBase_V1):
 
     @_guarded(lambda: (None, None))
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if any(part is not None and part.busy() for part in (self._decode, self._prefill)):
+        if YIELD_S and any(part is not None and part.busy() for part in (self._decode, self._prefill)):
             # vLLM's worker busy-polls its message queue with os.sched_yield, which releases
             # the GIL and takes it straight back: kvstate's threads here (leases, imports,
             # store completions) can starve for seconds on busy cores. A real sleep, only
