@@ -72,8 +72,7 @@ KEYS: Mapping[str, tuple[object, str]] = {
     "layer_loads": (False, "prefill side: load layer by layer in the forward pass (each layer's attention waits "
                            "for that layer only) instead of before the request runs"),
     "gil_switch_interval_s": (None, "every engine process with the connector: Python's thread switch interval, "
-                                    "lowered to this (null: leave it); no longer needed, kept so that configs "
-                                    "setting it still parse"),
+                                      "lowered to this (null: leave it)"),
 }
 
 #: The most ranks a decode engine's ``listen`` leaves ports for (PORT+1 .. PORT+MAX_TP).

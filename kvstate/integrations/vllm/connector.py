@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
@@ -44,6 +45,9 @@ from kvstate.integrations.vllm.stats import Tally
 from kvstate.integrations.vllm.tp import source_view
 
 log = logging.getLogger(__name__)
+
+#: how long a worker step gives kvstate's threads the GIL while they have work (see get_finished)
+YIELD_S = 0.0
 
 T = TypeVar("T")
 
@@ -251,6 +255,12 @@ class KvStateConnector(KVConnectorBase_V1):
     @_guarded(lambda: (None, None))
     @starts_unpinned
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if YIELD_S and any(part is not None and part.busy() for part in (self._decode, self._prefill)):
+            # vLLM's worker busy-polls its message queue with os.sched_yield, which releases
+            # the GIL and takes it straight back: kvstate's threads here (leases, imports,
+            # store completions) can starve for seconds on busy cores. A real sleep, only
+            # while they have work, hands them the GIL once per step.
+            time.sleep(YIELD_S)
         sending = self._decode.finished(set(finished_req_ids)) if self._decode is not None else set()
         recving: set[str] = set()
         if self._prefill is not None:
