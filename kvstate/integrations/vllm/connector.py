@@ -260,9 +260,10 @@ class KvStateConnector(KVConnectorBase_V1):
             # What that starves, measured (issue 28 item 6), is CPU, not the GIL: threads of
             # another engine bound to the same core did not run for seconds. kvstate's own
             # threads no longer live on the worker's core (.affinity), but without this
-            # sleep the vLLM suite still failed (a SIGKILLed decode worker sharing the core
-            # outlived 5 s of kills, 2 runs of 3). A real sleep, only while kvstate has
-            # work, gives the core away once per step.
+            # sleep the vLLM suite still failed, 3 runs of 5: a SIGKILLed decode worker bound
+            # to the same core stayed runnable 7 s, past the harness's 5 s, while this
+            # worker ran 6.0 s of 6.2 s there. A real sleep, only while kvstate has work,
+            # gives the core away once per step.
             time.sleep(YIELD_S)
         sending = self._decode.finished(set(finished_req_ids)) if self._decode is not None else set()
         recving: set[str] = set()

@@ -7,8 +7,8 @@ CPU, not for the GIL: kvstate's threads inherited the core vLLM binds the worker
 another engine's worker spinning on ``os.sched_yield`` on that core kept them from running
 for 10 s (:mod:`.affinity` frees them). With them free, Python's 5 ms interval and no
 sleep per step, the failing files passed (leases 0.2-7 ms); the whole suite without both
-workarounds failed once, in a SIGKILL of an engine sharing the core (see connector's
-``YIELD_S``). The interval alone was not tried without the sleep, so its default stays.
+workarounds failed in a SIGKILL of an engine sharing the core (its dying worker starved
+there; see connector's ``YIELD_S``). The interval alone was not tried without the sleep, so its default stays.
 """
 
 from __future__ import annotations
