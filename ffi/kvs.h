@@ -74,6 +74,7 @@
 #define KVS_E_GUARD (-20)     /* a machine's event is declared, but no row's guards admit it */
 #define KVS_E_EFFECT (-21)    /* an effect of the row failed; earlier ones were undone */
 #define KVS_E_REENTRANT (-22) /* an effect fired an event on its own machine */
+#define KVS_E_OWNED (-24)     /* the region has an owner (kvs_region_own): only it may unmap it or change its access */
 
 /* Access rights, ordered: each includes the previous. */
 #define KVS_ACCESS_NONE 0
@@ -155,6 +156,12 @@ int kvs_unmap(uint64_t region);
 
 int kvs_region_pin(uint64_t region);
 int kvs_region_unpin(uint64_t region);
+/* An owner (a part or a bank: a nonzero token of its own) claims its mapping: from then on
+ * unmap and set_access refuse (KVS_E_OWNED) until the owner disowns it, so nobody else
+ * ends or changes an idle mapping that the owner still counts on. KVS_E_OWNED: another
+ * owner holds it. Disowning a region nobody owns is a no-op. */
+int kvs_region_own(uint64_t region, uint64_t owner);
+int kvs_region_disown(uint64_t region, uint64_t owner);
 int kvs_region_info_get(uint64_t region, kvs_region_info *out);
 void kvs_global_info_get(kvs_global_info *out);
 

@@ -440,6 +440,7 @@ int kvs_cuda_set_access(uint64_t region, int32_t access) {
     struct kcu_alloc *a = g ? kvs_slots_get(&kvs_g.cu_allocs, g->alloc) : NULL;
     struct kcu_dev *d = a ? kcu_dev_find(a->device) : NULL;
     if (!g || !a || !d) rc = KVS_E_NOENT;
+    else if (g->owner) rc = KVS_E_OWNED;
     else if (access < g->access && g->pins) rc = KVS_E_PINNED; /* revoking under an op would fault it */
     else if (vmm_type(a->type) && access == KVS_ACCESS_NONE) rc = KVS_E_INVAL; /* CUDA cannot revoke: unmap */
     if (rc == KVS_OK && vmm_type(a->type)) {
@@ -463,6 +464,7 @@ int kvs_cuda_unmap(uint64_t region) {
     struct kcu_resv *rv = g ? kvs_slots_get(&kvs_g.cu_resvs, g->resv) : NULL;
     struct kcu_dev *d = a ? kcu_dev_find(a->device) : NULL;
     if (!g || !a || !rv || !d) rc = KVS_E_NOENT;
+    else if (g->owner) rc = KVS_E_OWNED;
     else if (g->pins) rc = KVS_E_PINNED; /* an op's pins drop only when its event completed */
     else if (vmm_type(a->type) && (rc = kcu_enter(d)) == KVS_OK) rc = KCU(cuMemUnmap, g->addr, g->size);
     if (rc == KVS_OK) {

@@ -29,4 +29,14 @@ KVS_HIDDEN int kvs_op_step(struct kvs_op *op, int event);
  * accounting and a wakeup of kvs_wait. */
 KVS_HIDDEN void kvs_op_stepped(struct kvs_op *op, int event, int32_t error, int32_t result);
 
+/* Completion reports (kvs_reports.c) and the ops they count (kvs_ops.c), under the lock. */
+struct kvs_report;
+/* One of the report's ops became collectable (failed: it did not finish); the last sends. */
+KVS_HIDDEN void kvs_report_count_down(struct kvs_report *r, int failed);
+/* Op `id` counts down in `r`: KVS_E_NOENT (no such op), KVS_E_INVAL (it has a report). */
+KVS_HIDDEN int kvs_op_claim_report(int64_t id, struct kvs_report *r);
+KVS_HIDDEN void kvs_op_unclaim_report(int64_t id, struct kvs_report *r);
+/* Counts op `id` down at once if it is collectable already. */
+KVS_HIDDEN void kvs_op_settle_report(int64_t id);
+
 #endif /* KVS_ENGINE_H */

@@ -295,6 +295,8 @@ int kvs_set_access(uint64_t region, int32_t access) {
     struct kvs_region *g = host_region(region);
     if (!g) {
         rc = KVS_E_NOENT;
+    } else if (g->owner) {
+        rc = KVS_E_OWNED;
     } else if (access < g->access && g->pins) {
         rc = KVS_E_PINNED; /* revoking access under an in-flight op would fault it */
     } else if (mprotect((void *)(uintptr_t)g->addr, g->size, prot) != 0) {
@@ -312,6 +314,8 @@ int kvs_unmap(uint64_t region) {
     struct kvs_region *g = host_region(region);
     if (!g) {
         rc = KVS_E_NOENT;
+    } else if (g->owner) {
+        rc = KVS_E_OWNED;
     } else if (KVS_CHECK_PINS && g->pins) {
         rc = KVS_E_PINNED;
     } else if ((rc = rereserve(g->addr, g->size)) == KVS_OK) {
@@ -357,6 +361,7 @@ const char *kvs_strerror(int32_t code) {
     case KVS_E_EFFECT: return "an effect failed; the transition was rolled back";
     case KVS_E_REENTRANT: return "event fired from inside a transition of the same machine";
     case KVS_E_IDENTITY: return "fd is not the file its descriptor names";
+    case KVS_E_OWNED: return "the mapping belongs to an owner (a part or a bank): close that instead";
     default: return "unknown error";
     }
 }

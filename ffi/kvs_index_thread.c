@@ -21,9 +21,9 @@
 
 #include "kvs.h"
 #include "kvs_index_state.h"
+#include "kvs_serve.h"
 
-#define HEADER 12
-#define MAGIC "KVS\x01"
+#define HEADER KVS_FRAME_HEADER
 #define TAG_LISTEN 1ull
 #define TAG_CMD 2ull
 #define TAG_CONN 16ull /* + the connection's index */
@@ -37,9 +37,7 @@ static int64_t now_ns(void) {
 
 static int send_frame(int fd, const char *payload, uint32_t len) {
     char header[HEADER];
-    memcpy(header, MAGIC, 4);
-    memcpy(header + 4, &len, 4); /* little endian, as struct "<4sIH2x" (x86_64, aarch64) */
-    memset(header + 8, 0, 4);
+    kvs_frame_header(header, len, 0);
     struct iovec iov[2] = {{header, HEADER}, {(void *)payload, len}};
     struct msghdr msg = {.msg_iov = iov, .msg_iovlen = 2};
     ssize_t w;
@@ -56,21 +54,14 @@ static void drop(struct kvs_index *x, int k, int close_fd) {
 }
 
 static void accept_one(struct kvs_index *x) {
-    int fd = accept4(x->listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
-    if (fd < 0) return;
     struct ucred cred;
-    socklen_t clen = sizeof cred;
-    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &clen) < 0 || cred.uid != x->uid) {
-        close(fd); /* another uid: refused, as kvstate.channel.conn refuses it */
-        return;
-    }
+    int fd = kvs_accept_same_uid(x->listen_fd, x->uid, &cred);
+    if (fd < 0) return;
     int k = 0;
     while (k < x->max_connections && x->conns[k].fd >= 0) k++;
     if (k == x->max_connections) { /* the refusal kvstate.channel.Server sends; IndexClient reads "busy" */
         char busy[160];
-        int n = snprintf(busy, sizeof busy, "{\"code\":\"ConnectionLimit\",\"detail\":\"connection refused: %d "
-                         "connection handler(s) already running\",\"ok\":false}", x->max_connections);
-        send_frame(fd, busy, (uint32_t)n);
+        send_frame(fd, busy, (uint32_t)kvs_connection_limit(busy, sizeof busy, x->max_connections));
         shutdown(fd, SHUT_WR);
         close(fd);
         return;
@@ -104,7 +95,7 @@ static void serve_packet(struct kvs_index *x, int k, char *buf, uint32_t cap, ch
         }
     uint32_t len = 0;
     if (got <= 0 || nfds || (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) || got < HEADER ||
-        memcmp(buf, MAGIC, 4) != 0 || (memcpy(&len, buf + 4, 4), len != (uint32_t)(got - HEADER)) ||
+        memcmp(buf, KVS_FRAME_MAGIC, 4) != 0 || (memcpy(&len, buf + 4, 4), len != (uint32_t)(got - HEADER)) ||
         buf[8] || buf[9]) {
         drop(x, k, 1); /* closed by the peer, or a frame Python's recv refuses (FRAME): the handler ended */
         return;

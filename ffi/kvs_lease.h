@@ -124,6 +124,28 @@ void kvs_lease_conn_end(struct kvs_lease_server *s, uint64_t conn, int importer_
 int64_t kvs_lease_next_expiry(struct kvs_lease_server *s);
 int64_t kvs_lease_now(void);
 
+/* kvs_lease.c, for the answers (kvs_lease_answer.c): */
+struct kvs_bank *kvs_lease_bank_of(struct kvs_lease_server *s, int64_t rank); /* NULL: no such bank */
+struct kvs_lease *kvs_lease_find(struct kvs_bank *b, int64_t id);
+int kvs_lease_find_hold(struct kvs_bank *b, int64_t id); /* its index, or -1 */
+void kvs_lease_drop_hold(struct kvs_bank *b, int k);
+/* One fire of the bank table's lease event on `c->lease`, with the guards as they are now. */
+struct fx_ctx { /* a lease fire: what its effects (kvs_lease.c) act on */
+    struct kvs_lease_server *s;
+    struct kvs_bank *b;
+    int64_t lease;
+    uint64_t conn;
+    int pid, still_open;
+    struct kvs_inv_want want; /* the blocks a grant pins (group -1: none) */
+    int ended;                /* END_LEASE ran: `saved` holds the ended lease */
+    struct kvs_lease saved; /* for an undo */
+    int64_t saved_expires;
+    kvs_effect_fn py; /* Python's effects (kvs_lease_fire) */
+    void *py_ctx;
+};
+int kvs_lease_fire_one(struct kvs_lease_server *s, int32_t rank, int32_t event, struct fx_ctx *c, int32_t why,
+                       kvs_fire_result *out);
+
 /* kvs_lease_thread.c, for kvs_lease_tcp.c: */
 int kvs_lease_watch(struct kvs_lease_server *s, int fd, uint64_t tag, uint32_t events);
 void kvs_lease_end_conn(struct kvs_lease_server *s, struct kvs_conn *cn, int importer_closed, int why);

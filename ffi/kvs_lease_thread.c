@@ -25,9 +25,9 @@
 #include <unistd.h>
 
 #include "kvs_lease.h"
+#include "kvs_serve.h"
 
-#define HEADER 12
-#define MAGIC "KVS\x01"
+#define HEADER KVS_FRAME_HEADER
 #define TAG_LISTEN 1ull
 #define TAG_TIMER 2ull
 #define TAG_CMD 3ull
@@ -41,12 +41,7 @@ int kvs_lease_send(struct kvs_lease_server *s, struct kvs_conn *cn, const char *
                    const int32_t *fds, int32_t nfds) {
     if ((int64_t)len > s->max_payload || nfds > s->max_fds || nfds > 253 || (cn->tcp && nfds)) return KVS_E_RANGE;
     char header[HEADER];
-    memcpy(header, MAGIC, 4);
-    uint32_t l = len;
-    uint16_t n = (uint16_t)nfds;
-    memcpy(header + 4, &l, 4); /* little endian, as struct "<4sIH2x" (x86_64, aarch64) */
-    memcpy(header + 8, &n, 2);
-    header[10] = header[11] = 0;
+    kvs_frame_header(header, len, (uint16_t)nfds);
     if (cn->tcp) return kvs_tcp_send(s, cn, header, payload, len);
     struct iovec iov[2] = {{header, HEADER}, {(void *)payload, len}};
     union {
@@ -104,22 +99,16 @@ void kvs_lease_end_conn(struct kvs_lease_server *s, struct kvs_conn *cn, int imp
 }
 
 static void accept_one(struct kvs_lease_server *s) {
-    int fd = accept4(s->listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
-    if (fd < 0) return;
     struct ucred cred;
-    socklen_t clen = sizeof cred;
-    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &clen) < 0 || cred.uid != s->uid) {
-        close(fd); /* another uid: refused, as kvstate.channel.conn refuses it */
-        return;
-    }
+    int fd = kvs_accept_same_uid(s->listen_fd, s->uid, &cred);
+    if (fd < 0) return;
     int pidfd = (int)syscall(SYS_pidfd_open, cred.pid, 0);
     pthread_mutex_lock(&s->mu);
     uint64_t id = kvs_lease_conn_add(s, fd, pidfd, cred.pid);
     pthread_mutex_unlock(&s->mu);
     if (!id) { /* past max_connections: closed (the Python server sent a refusal frame first) */
-        char busy[160]; /* the words of kvstate.core.errors.Busy.connections */
-        int n = snprintf(busy, sizeof busy, "{\"code\":\"ConnectionLimit\",\"detail\":\"connection refused: %d "
-                         "connection handler(s) already running\",\"ok\":false}", s->max_connections);
+        char busy[160];
+        int n = kvs_connection_limit(busy, sizeof busy, s->max_connections);
         struct kvs_conn tmp = {.fd = fd, .pidfd = -1};
         if (pidfd >= 0) close(pidfd);
         if (kvs_lease_send(s, &tmp, busy, (uint32_t)n, NULL, 0) != KVS_OK || shutdown(fd, SHUT_WR) < 0) {
@@ -185,7 +174,7 @@ static void serve_packet(struct kvs_lease_server *s, uint64_t id, char *buf, uin
     else {
         memcpy(&len, buf + 4, 4);
         memcpy(&hfds, buf + 8, 2);
-        if (memcmp(buf, MAGIC, 4) != 0) why = "bad magic";
+        if (memcmp(buf, KVS_FRAME_MAGIC, 4) != 0) why = "bad magic";
         else if (len != (uint32_t)(got - HEADER)) why = "header length disagrees with the frame";
         else if (hfds != nfds || nfds > s->max_fds) why = "header fd count disagrees with the fds that arrived";
     }

@@ -13,9 +13,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
-#include <fcntl.h>
 #include <stdlib.h>
-#include <sys/socket.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
@@ -25,8 +23,6 @@
 #define KVS_DEFAULT_WORKERS 2
 #define KVS_MAX_WORKERS 64
 #define KVS_PART_MIN (UINT64_C(1) << 20) /* split ops of at least 1 MiB across workers */
-
-struct kvs_report;
 
 struct kvs_op {
     uint64_t id; /* first: slot-table id; the public op id is this value as int64_t */
@@ -60,25 +56,6 @@ static struct {
     uint64_t queued, running, submitted, completed, failed, cancelled, bytes;
 } E = {.once = PTHREAD_ONCE_INIT, .want = KVS_DEFAULT_WORKERS};
 
-/* A completion report (kvs_report_open): one message sent on a socket once its last op is
- * collectable, by the thread that made it so. Reports live in a list until closed. */
-struct kvs_report {
-    uint64_t id;
-    int32_t sock;             /* our own dup of the caller's socket; -1 once sent or given up */
-    int32_t status;           /* KVS_REPORT_* */
-    uint32_t left;            /* ops not yet collectable */
-    int32_t failed;           /* an op failed or was cancelled */
-    int32_t closed;           /* the caller closed it while ops were left: free it when done */
-    uint64_t ok_len, failed_len;
-    char *ok, *bad;
-    struct kvs_report *next;
-};
-
-static struct {
-    struct kvs_report *head;
-    uint64_t next_id;
-} R = {NULL, 1};
-
 static void init_once(void) {
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
@@ -95,32 +72,6 @@ static void lock(void) {
 
 static void unlock(void) { pthread_mutex_unlock(&kvs_g.mu); }
 
-static void report_free(struct kvs_report *r) {
-    struct kvs_report **p = &R.head;
-    while (*p && *p != r) p = &(*p)->next;
-    if (*p) *p = r->next;
-    if (r->sock >= 0) close(r->sock);
-    free(r->ok);
-    free(r->bad);
-    free(r);
-}
-
-/* Under the lock: the report's last op is collectable; send its message (non-blocking: a
- * full socket leaves it to the caller, who learns so from kvs_report_close). */
-static void report_send(struct kvs_report *r) {
-    if (r->closed) { /* nobody wants it any more */
-        report_free(r);
-        return;
-    }
-    const char *msg = r->failed ? r->bad : r->ok;
-    uint64_t len = r->failed ? r->failed_len : r->ok_len;
-    ssize_t n = send(r->sock, msg, len, MSG_DONTWAIT | MSG_NOSIGNAL);
-    r->status = n == (ssize_t)len ? (r->failed ? KVS_REPORT_SENT_FAILED : KVS_REPORT_SENT_OK) : KVS_REPORT_UNSENT;
-    close(r->sock);
-    r->sock = -1;
-    if (r->closed) report_free(r);
-}
-
 /* Under the lock, at the step that makes the op collectable (or later: both parts are
  * idempotent). Tell its notify fd (an eventfd the caller keeps open until it has reaped
  * the op, so the number cannot be reused under us); an eventfd write of 1 cannot block; a
@@ -136,8 +87,7 @@ static void notify(struct kvs_op *op) {
     struct kvs_report *r = op->report;
     if (r && kvs_op_collectable(op->state)) {
         op->report = NULL;
-        if (op->state != KVS_OP_DONE) r->failed = 1;
-        if (--r->left == 0) report_send(r);
+        kvs_report_count_down(r, op->state != KVS_OP_DONE);
     }
 }
 
@@ -570,84 +520,24 @@ int kvs_op_notify(int64_t id, int32_t fd) {
     return rc;
 }
 
-int kvs_report_open(int32_t sock, const char *ok, uint64_t ok_len, const char *failed, uint64_t failed_len,
-                    const int64_t *ops, uint32_t nops, int64_t *out) {
-    if (sock < 0 || !ok || !failed || !ops || !out || ok_len == 0 || failed_len == 0 ||
-        ok_len > KVS_REPORT_MAX_BYTES || failed_len > KVS_REPORT_MAX_BYTES || nops == 0 ||
-        nops > KVS_REPORT_MAX_OPS)
-        return KVS_E_INVAL;
-    struct kvs_report *r = calloc(1, sizeof *r);
-    if (!r) return KVS_E_NOMEM;
-    r->sock = -1;
-    r->ok = malloc(ok_len);
-    r->bad = malloc(failed_len);
-    if (!r->ok || !r->bad) {
-        report_free(r);
-        return KVS_E_NOMEM;
-    }
-    memcpy(r->ok, ok, ok_len);
-    memcpy(r->bad, failed, failed_len);
-    r->ok_len = ok_len;
-    r->failed_len = failed_len;
-    /* Our own descriptor: the caller may close or reuse its number before the ops end. */
-    r->sock = fcntl(sock, F_DUPFD_CLOEXEC, 3);
-    if (r->sock < 0) {
-        int e = errno;
-        free(r->ok);
-        free(r->bad);
-        free(r);
-        errno = e;
-        return e == EBADF ? KVS_E_INVAL : KVS_E_SYS;
-    }
-    lock();
-    int rc = KVS_OK;
-    for (uint32_t i = 0; rc == KVS_OK && i < nops; i++) {
-        struct kvs_op *op = find(ops[i]);
-        if (!op) rc = KVS_E_NOENT; /* reaped, or never ours */
-        else if (op->report) rc = KVS_E_INVAL; /* one report per op (also: an op named twice) */
-        else op->report = r; /* claimed; undone below if a later op refuses */
-    }
-    if (rc != KVS_OK) {
-        for (uint32_t i = 0; i < nops; i++) {
-            struct kvs_op *op = find(ops[i]);
-            if (op && op->report == r) op->report = NULL;
-        }
-        unlock();
-        report_free(r);
-        return rc;
-    }
-    r->id = R.next_id++;
-    r->status = KVS_REPORT_PENDING;
-    r->left = nops;
-    r->next = R.head;
-    R.head = r;
-    for (uint32_t i = 0; i < nops; i++) {
-        struct kvs_op *op = find(ops[i]);
-        if (kvs_op_collectable(op->state)) notify(op); /* it finished before we were asked */
-    }
-    *out = (int64_t)r->id;
-    unlock();
+/* -- the ops' side of completion reports (kvs_reports.c) ------------------------------- */
+
+int kvs_op_claim_report(int64_t id, struct kvs_report *r) {
+    struct kvs_op *op = find(id);
+    if (!op) return KVS_E_NOENT;     /* reaped, or never ours */
+    if (op->report) return KVS_E_INVAL; /* one report per op (also: an op named twice) */
+    op->report = r;
     return KVS_OK;
 }
 
-int kvs_report_close(int64_t id, int32_t *status) {
-    lock();
-    struct kvs_report *r = R.head;
-    while (r && (int64_t)r->id != id) r = r->next;
-    if (!r || r->closed) {
-        unlock();
-        return KVS_E_NOENT;
-    }
-    if (status) *status = r->status;
-    if (r->status == KVS_REPORT_PENDING) {
-        r->closed = 1; /* its ops still count it down; the last one frees it, unsent */
-        if (r->sock >= 0) close(r->sock);
-        r->sock = -1;
-    } else {
-        report_free(r);
-    }
-    unlock();
-    return KVS_OK;
+void kvs_op_unclaim_report(int64_t id, struct kvs_report *r) {
+    struct kvs_op *op = find(id);
+    if (op && op->report == r) op->report = NULL;
+}
+
+void kvs_op_settle_report(int64_t id) {
+    struct kvs_op *op = find(id);
+    if (op && kvs_op_collectable(op->state)) notify(op); /* it finished before the report was made */
 }
 
 static void info(const struct kvs_op *op, kvs_op_info *out) {

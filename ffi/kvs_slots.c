@@ -84,6 +84,21 @@ int kvs_region_unpin(uint64_t region) {
     return rc;
 }
 
+static int own(uint64_t region, uint64_t from, uint64_t to) {
+    pthread_mutex_lock(&kvs_g.mu);
+    int rc = KVS_OK;
+    struct kvs_region *g = kvs_region_find(region);
+    if (!g) rc = KVS_E_NOENT;
+    else if (g->owner != from && g->owner != to) rc = KVS_E_OWNED;
+    else g->owner = to;
+    pthread_mutex_unlock(&kvs_g.mu);
+    return rc;
+}
+
+int kvs_region_own(uint64_t region, uint64_t owner) { return owner ? own(region, 0, owner) : KVS_E_INVAL; }
+
+int kvs_region_disown(uint64_t region, uint64_t owner) { return owner ? own(region, owner, 0) : KVS_E_INVAL; }
+
 int kvs_region_info_get(uint64_t region, kvs_region_info *out) {
     pthread_mutex_lock(&kvs_g.mu);
     struct kvs_region *g = kvs_region_find(region);

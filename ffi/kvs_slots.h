@@ -51,6 +51,7 @@ struct kvs_region {
     uint64_t alloc;
     uint64_t resv;
     int32_t access;
+    uint64_t owner; /* kvs_region_own's token; 0: none */
     uint64_t pins;
     uint64_t explicit_pins;
     uint64_t inflight;

@@ -82,7 +82,7 @@ EXTERNAL = 'external = "the engine registers banks"'
     ("ffi/kvs_ops.c", "case KVS_OP_FX_UNPIN_REGIONS:", "case 99:", None,
      ["effect 'unpin_regions' is implemented by no function"]),
     # C lease server: a bank event its table does not have, and a lease effect nobody implements
-    ("ffi/kvs_lease.c", "KVS_BANK_EV_LEASE_MAPPED, &c", "KVS_BANK_EV_LEASE_MAPPED_NOW, &c", None,
+    ("ffi/kvs_lease_answer.c", "KVS_BANK_EV_LEASE_MAPPED, &c", "KVS_BANK_EV_LEASE_MAPPED_NOW, &c", None,
      ["fires 'lease_mapped_now' on bank, which"]),
     ("ffi/kvs_lease.c", "case KVS_BANK_FX_EXPIRE_LEASE:", "case 99:", None,
      ["effect 'expire_lease' is implemented by no function"]),

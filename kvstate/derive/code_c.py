@@ -2,17 +2,17 @@
 
 Two machines run natively with C guards and effects. The op table, by the op engine
 (``kvs_op_step``); the bank table's lease rows, by the exporter's lease server
-(``ffi/kvs_lease.c``, through ``kvs_machine_fire``). The generated headers
-(:mod:`kvstate.derive.header`) name every guard, effect and event as a C constant
-(``KVS_OP_GUARD_*``, ``KVS_OP_FX_*``, ``KVS_OP_EV_*``; ``KVS_BANK_G_*``,
-``KVS_BANK_FX_*``, ``KVS_BANK_EV_*``). The scan reads the C sources (comments and string
+(``ffi/kvs_lease.c`` and its answers, ``ffi/kvs_lease_answer.c``, through
+``kvs_machine_fire``). The generated headers (:mod:`kvstate.derive.header`) name every
+guard, effect and event as a C constant (``KVS_OP_GUARD_*``, ``KVS_OP_FX_*``,
+``KVS_OP_EV_*``; ``KVS_BANK_G_*``, ``KVS_BANK_FX_*``, ``KVS_BANK_EV_*``). The scan reads the C sources (comments and string
 literals blanked out) function by function:
 
 * a function with ``case KVS_OP_GUARD_X:`` or ``case KVS_OP_FX_X:`` implements op guard
   or effect ``x`` (``guard_holds`` and ``effect`` dispatch on them); one with
   ``case KVS_BANK_FX_X:`` implements bank effect ``x`` (``lease_fx``), and one that
   sets ``holds |= 1ull << KVS_BANK_G_X`` in the guard bits evaluates bank guard ``x`` (``guards``);
-* a function that calls the machine's firing call (``kvs_op_step``; ``fire_lease`` or
+* a function that calls the machine's firing call (``kvs_op_step``; ``kvs_lease_fire_one`` or
   ``kvs_machine_fire`` for the bank) fires every ``..._EV_X`` it names; a function that
   only reads the table fires nothing;
 * the same holds for the part table's rows that the importer's native attach fires
@@ -48,7 +48,7 @@ _CALLS_STEP = re.compile(rf"\b{RUNNER}\s*\(")
 _GEN_CASE = {m: re.compile(rf"\bcase\s+{p}FX_(\w+)\s*:") for m, p in GENERIC.items()}
 _GEN_GUARD = {m: re.compile(rf"\|=\s*1ull\s*<<\s*{p}G_(\w+)\b") for m, p in GENERIC.items()}
 _GEN_EVENT = {m: re.compile(rf"\b{p}EV_(\w+)\b") for m, p in GENERIC.items()}
-_BANK_FIRES = re.compile(r"\b(fire_lease|kvs_machine_fire)\s*\(")
+_BANK_FIRES = re.compile(r"\b(kvs_lease_fire_one|kvs_machine_fire)\s*\(")
 
 
 def _blank(text: str) -> str:
@@ -134,6 +134,6 @@ def _scan_generic(spec: Spec, machine: str, fn: str, line: int, body: str, site:
         bindings.append(Binding(machine, "effect", effects.get(name, name.lower()), site))
     for name in sorted(set(_GEN_GUARD[machine].findall(body))):
         bindings.append(Binding(machine, "guard", guards.get(name, name.lower()), site))
-    if _BANK_FIRES.search(body) and fn not in ("kvs_machine_fire", "fire_lease"):
+    if _BANK_FIRES.search(body) and fn not in ("kvs_machine_fire", "kvs_lease_fire_one"):
         for name in sorted(set(_GEN_EVENT[machine].findall(body))):
             fires.append(Fire(machine, events.get(name, name.lower()), site, line))

@@ -218,6 +218,7 @@ def _objects(c: libkvs.AttachPart, size: int) -> tuple[HostAllocation | None, Ho
 
 def _keep(part: Part[Any, Any, Any, Any, Any], c: libkvs.AttachPart) -> None:
     part.allocation, part.reservation, part.mapping = _objects(c, part.descriptor.size)
+    part._own()
 
 
 def _adopt(batch: Sequence[Part[Any, Any, Any, Any, Any]], arr: libkvs.AttachPartArray) -> dict[int, Exception]:

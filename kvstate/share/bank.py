@@ -25,6 +25,7 @@ from kvstate.core.capabilities import Access
 from kvstate.transport.protocol import A, E, H, HostView, M, R
 from kvstate.share import store
 from kvstate.share.lease_server import HoldView, NativeLease
+from kvstate.share.owned import new_owner, unmap_owned
 from kvstate.transport.nixl import handle as nixl_handle
 from kvstate.share.plan import Plan
 from kvstate.share.transfer import TransferHandle
@@ -67,6 +68,7 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         self.owner = "engine"
         self.reservation: R | None = None
         self.mapping: M | None = None
+        self._owner = new_owner()  # the token the bank owns its mapping with (kvstate.share.owned)
         self.handle: H | None = None
         self._generation = 0
         self.descriptor: bytes | None = None
@@ -262,6 +264,8 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
             self.mapping = t.map(self.reservation, 0, self.allocation)
             step = "set_access"
             t.set_access(self.mapping, Access.READ_WRITE)
+            step = "own"
+            t.own(self.mapping, self._owner)
             step = "export"
             handle = t.export(self.allocation, self.exporter.config.handle_kind)
         except Exception as exc:  # typed or not, every step so far is undone, as far as it can be
@@ -278,7 +282,7 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         """Undo registration: unmap, free the reservation; the engine owns the memory again.
         Each object is forgotten only once it is gone, so a failure here can be retried."""
         if self.mapping is not None:
-            self.transport.unmap(self.mapping)
+            unmap_owned(self.transport, self.mapping, self._owner)
             self.mapping = None
         if self.reservation is not None:
             self.transport.free(self.reservation)

@@ -29,6 +29,7 @@ from kvstate.core.spec import load_machine
 from kvstate.core.capabilities import Access
 from kvstate.transport.protocol import A, E, H, M, R
 from kvstate.share import peers
+from kvstate.share.owned import new_owner, unmap_owned
 
 if TYPE_CHECKING:
     from kvstate.share.importer import Importer
@@ -133,6 +134,7 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         self.allocation: A | None = None
         self.reservation: R | None = None
         self.mapping: M | None = None
+        self._owner = new_owner()         # the token the part owns its mapping with
 
     def pins(self) -> int:
         return 0 if self.mapping is None else self.transport.stats(self.mapping).pins
@@ -228,6 +230,12 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         self.renewed_at = renewed_at
         self.lease_expires_at = renewed_at + term_s
         self.allocation, self.reservation, self.mapping = allocation, reservation, mapping
+        self._own()
+
+    def _own(self) -> None:
+        """Claim the part's mapping (kvstate.share.owned): only the part unmaps it."""
+        if self.mapping is not None:
+            self.transport.own(self.mapping, self._owner)
 
     @effect("native_import")
     def _import(self, **kw: Any) -> None:
@@ -245,6 +253,7 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
             self.reservation = t.reserve(d.size)
             self.mapping = t.map(self.reservation, 0, self.allocation)
             t.set_access(self.mapping, Access.READ)
+            self._own()
             # A notification (no answer awaited): the bank moves from importing to ready.
             # A group's opens report every rank of a link in one message instead.
             if grant.report_mapped:
@@ -310,7 +319,7 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         """Unmap, free, release: each object forgotten only once it is gone (retryable)."""
         t = self.transport
         if self.mapping is not None:
-            t.unmap(self.mapping)
+            unmap_owned(t, self.mapping, self._owner)
             self.mapping = None
         if self.reservation is not None:
             t.free(self.reservation)

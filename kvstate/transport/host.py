@@ -15,6 +15,8 @@ set_access      mprotect to read or read-write (lowering is refused while pinned
 unmap, release  refuse with Busy (PINNED) while native ops (or leases) pin the region;
                 release also refuses while the allocation is still mapped
 pin, unpin      a lease's explicit pin on a mapping; stats(m) reports every pin
+own, disown     an owner's claim on its mapping (a part's, a bank's token): unmap and
+                set_access refuse with Busy (OWNED) until the owner gives it up
 view(m)         the mapping's bytes (HostView); submit_gather: a gather on the C op
                 engine between mappings and caller buffers
 ==============  =====================================================================
@@ -39,7 +41,7 @@ from kvstate.core.errors import KvStateError, ArgumentInvalid, ImportFailed
 from kvstate.core.args import need, need_bytes, need_int, need_items
 from kvstate.core.handles import HandleKind
 from kvstate.transport.native import Native, Op, RawBuffer, default
-from kvstate.transport.protocol import MAX_SIZE, Block, RegionStats
+from kvstate.transport.protocol import MAX_SIZE, OWNER_MAX, Block, RegionStats
 
 if TYPE_CHECKING:
     from typing import Union
@@ -300,6 +302,22 @@ class HostTransport:
         rc = self._lib.kvs_region_unpin(mapping.region)
         if rc:
             raise self._native.error(rc, "kvs_region_unpin", f"region {mapping.region} (explicit pins only)")
+
+    def own(self, mapping: HostMapping, owner: int) -> None:
+        """Claim ``mapping`` for ``owner`` (a part's or a bank's nonzero token): unmap and
+        set_access refuse (Busy, OWNED) until the owner disowns it."""
+        need("mapping", mapping, HostMapping)
+        need_int("owner", owner, 1, OWNER_MAX)
+        rc = self._lib.kvs_region_own(mapping.region, owner)
+        if rc:
+            raise self._native.error(rc, "kvs_region_own", f"region {mapping.region}")
+
+    def disown(self, mapping: HostMapping, owner: int) -> None:
+        need("mapping", mapping, HostMapping)
+        need_int("owner", owner, 1, OWNER_MAX)
+        rc = self._lib.kvs_region_disown(mapping.region, owner)
+        if rc:
+            raise self._native.error(rc, "kvs_region_disown", f"region {mapping.region}")
 
     def stats(self, mapping: HostMapping) -> RegionStats:
         """Pins, ops in flight, completed and failed ops and bytes of one mapping."""

@@ -3,7 +3,7 @@
 cffi generates ``lib`` and ``ffi`` at build time and ships no types for them, so this
 module declares them as Protocols: :class:`Lib` is ``ffi/kvs.h`` written in Python types
 (integers of any C width are ``int``; each pointer the C functions take is a small
-Protocol of what Python reads from it), and :class:`Ffi` is the part of cffi's ``FFI``
+Protocol of what Python reads from it, in :mod:`kvstate.transport.libkvs_types`), and :class:`Ffi` is the part of cffi's ``FFI``
 that kvstate uses, with the C declarations it passes spelled as literals so each call's
 result has a precise type. Everything above this module is then checked by mypy strict.
 
@@ -22,335 +22,12 @@ import importlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Literal, Protocol, SupportsInt, overload
 
+# The pointer types have their own module; they are re-exported here, so callers name
+# them ``libkvs.FramePtr`` as they name the functions.
+from kvstate.transport.libkvs_types import *  # noqa: F403
+
 if TYPE_CHECKING:
     from typing_extensions import Buffer
-
-
-# -- what Python reads from the C objects it allocates or receives ----------------------
-
-
-class UInt64Ptr(Protocol):
-    """``uint64_t *`` from ``ffi.new``: one out parameter."""
-
-    def __getitem__(self, index: int) -> int: ...
-
-
-class Int32Ptr(Protocol):
-    """``int32_t *`` from ``ffi.new``: one out parameter (or an array of them)."""
-
-    def __getitem__(self, index: int) -> int: ...
-    def __setitem__(self, index: int, value: int) -> None: ...
-
-
-class Int64Ptr(Protocol):
-    """``int64_t *`` from ``ffi.new``: one out parameter."""
-
-    def __getitem__(self, index: int) -> int: ...
-
-
-class CharPtr(Protocol):
-    """``char *``: a C string (read with ``ffi.string``) or an address (``ffi.buffer``)."""
-
-
-class CBuffer(Protocol):
-    """``ffi.from_buffer(obj)``: a caller buffer, kept alive while this object lives."""
-
-    def __len__(self) -> int: ...
-
-
-class BlockArray(Protocol):
-    """``kvs_block[]`` (``kvs_block *`` in a signature): gather blocks."""
-
-    def __len__(self) -> int: ...
-
-
-class EndpointPtr(Protocol):
-    """``kvs_endpoint *``: one end of a gather."""
-
-
-class RegionInfoPtr(Protocol):
-    """``kvs_region_info *``."""
-
-    addr: int
-    size: int
-    allocation: int
-    reservation: int
-    access: int
-    pins: int
-    explicit_pins: int
-    inflight: int
-    completed: int
-    failed: int
-    bytes: int
-
-
-class GlobalInfoPtr(Protocol):
-    """``kvs_global_info *``."""
-
-    allocations: int
-    reservations: int
-    regions: int
-    pins: int
-    ops_live: int
-    ops_queued: int
-    ops_running: int
-    submitted: int
-    completed: int
-    failed: int
-    cancelled: int
-    bytes: int
-    workers: int
-    paused: int
-
-
-class OpInfoPtr(Protocol):
-    """``kvs_op_info *``."""
-
-    state: int
-    error: int
-    result: int
-    bytes: int
-    nblocks: int
-
-
-class CudaDriverInfoPtr(Protocol):
-    """``kvs_cuda_driver_info *``."""
-
-    version: int
-    devices: int
-    batch: int
-
-
-class CudaDeviceInfoPtr(Protocol):
-    """``kvs_cuda_device_info *``: ``uuid`` (16 bytes) and ``name`` are char arrays."""
-
-    uuid: CharPtr
-    name: CharPtr
-    vmm: int
-    posix_fd: int
-    fabric: int
-    max_pitch: int
-
-
-class LinkPtr(Protocol):
-    """``kvs_link *``: one request link (opaque; ``kvs_link_unref`` frees it)."""
-
-
-class FramePtr(Protocol):
-    """``kvs_frame *``: one received frame, or what a refused one claimed."""
-
-    buf: CharPtr
-    cap: int
-    len: int
-    nfds: int
-    said_len: int
-    said_fds: int
-    magic: CharPtr
-    err: int
-    fds: Int32Ptr
-
-
-class RenewerPtr(Protocol):
-    """``kvs_renewer *``: one renewal thread (opaque; ``kvs_renewer_stop`` frees it)."""
-
-
-class RenewOutcomePtr(Protocol):
-    """``kvs_renew_outcome *`` (also an array of them): a lease renewal that failed."""
-
-    key: int
-    code: int
-    err: int
-    len: int
-    reply: CharPtr
-
-    def __getitem__(self, index: int) -> RenewOutcomePtr: ...
-
-
-class RenewStatePtr(Protocol):
-    """``kvs_renew_state *``."""
-
-    renewed_at_ns: int
-    expires_at_ns: int
-    renewals: int
-    failed: int
-
-
-class MachineInstPtr(Protocol):
-    """``kvs_machine_inst *``: one instance of a natively executed lifecycle machine."""
-
-    machine: int
-    state: int
-    owner: int
-    reserved: int
-
-
-class Int32Array(Protocol):
-    """``int32_t[]`` (a field of a struct, or ``int32_t *`` from ``ffi.new("int32_t[]")``)."""
-
-    def __getitem__(self, index: int) -> int: ...
-
-
-class FireResultPtr(Protocol):
-    """``kvs_fire_result *``: what one ``kvs_machine_fire`` did or why it refused."""
-
-    source: int
-    dest: int
-    row: int
-    effect: int
-    error: int
-    undone: int
-    undo_failed: int
-    nrefused: int
-    refused: Int32Array
-
-
-class AttachPartArray(Protocol):
-    """``kvs_attach_part[]``: one exporter batch of the native attach (``kvs_attach``)."""
-
-    def __getitem__(self, index: int) -> AttachPart: ...
-
-
-class AttachPart(Protocol):
-    """One ``kvs_attach_part``: a part's fd, state and guards in; what was made, or why
-    it failed, out."""
-
-    fd: int
-    state: int
-    holds: int
-    dev: int
-    ino: int
-    size: int
-    allocation: int
-    reservation: int
-    region: int
-    addr: int
-    step: int
-    code: int
-    err: int
-    nrefused: int
-    refused: Int32Array
-    left: int
-
-
-class ImportPart(Protocol):
-    """One ``kvs_import_part``: the descriptor's fields the exporter's report must match,
-    the lease's guard bits and renewal key in; the grant and the attach half out."""
-
-    attach: AttachPart
-    lease_holds: int
-    rank: int
-    generation: int
-    num_blocks: int
-    incarnation: CharPtr
-    geometry: CharPtr
-    device_uuid: CharPtr
-    renew_key: int
-    lease: int
-    expires_ns: int
-    why: int
-    registered: int
-
-
-class ImportPartArray(Protocol):
-    """``kvs_import_part[]``: one exporter batch of the native import (``kvs_import``)."""
-
-    def __getitem__(self, index: int) -> ImportPart: ...
-
-
-class EffectFn(Protocol):
-    """``kvs_effect_fn``: a C function pointer (Python passes ``ffi.NULL`` or a C callback)."""
-
-
-class VoidPtr(Protocol):
-    """``void *``: a callback's context, opaque here."""
-
-
-# -- the exporter's lease server (kvstate.share.lease_server) ------------------------------
-
-
-class LeaseServerPtr(Protocol):
-    """``kvs_lease_server *``: opaque; made by ``kvs_lease_server_new``."""
-
-
-class LeaseServerOut(Protocol):
-    """``kvs_lease_server **`` from ``ffi.new``: where ``kvs_lease_server_new`` puts it."""
-
-    def __getitem__(self, index: int) -> LeaseServerPtr: ...
-
-
-class UInt32Ptr(Protocol):
-    """``uint32_t *`` from ``ffi.new``: one out parameter."""
-
-    def __getitem__(self, index: int) -> int: ...
-
-
-class LeaseInfo(Protocol):
-    """One ``kvs_lease_info``: a lease of the native table."""
-
-    id: int
-    conn: int
-    expires_in_ns: int
-    expired: int
-    pid: int
-    nblocks: int
-
-
-class LeaseInfoArray(Protocol):
-    """``kvs_lease_info[]`` from ``ffi.new``."""
-
-    def __getitem__(self, index: int) -> LeaseInfo: ...
-
-
-class HoldInfo(Protocol):
-    """One ``kvs_hold_info``: a hold of the native table."""
-
-    id: int
-    conn: int
-    conn_open: int
-    has_pidfd: int
-
-
-class HoldInfoArray(Protocol):
-    """``kvs_hold_info[]`` from ``ffi.new``."""
-
-    def __getitem__(self, index: int) -> HoldInfo: ...
-
-
-class LeaseEventPtr(Protocol):
-    """``kvs_lease_event *``: one committed transition of the lease server."""
-
-    rank: int
-    event: int
-    source: int
-    dest: int
-    lease: int
-    t_ns: int
-    why: int
-    dropped: int
-
-
-# -- the decode index's lookups (ffi/kvs_index.h; kvstate.integrations.vllm.index_mirror) --
-
-
-class IndexPtr(Protocol):
-    """``kvs_index *``: opaque; made by ``kvs_index_new``."""
-
-
-class IndexOut(Protocol):
-    """``kvs_index **`` from ``ffi.new``: where ``kvs_index_new`` puts it."""
-
-    def __getitem__(self, index: int) -> IndexPtr: ...
-
-
-# -- the descriptor rules (ffi/kvs_validate.h, generated from spec/rules.toml) -------------
-
-
-class VFactsArray(Protocol):
-    """``kvs_vfacts[]``: descriptors as the declared rules read them."""
-
-
-class VExpectArray(Protocol):
-    """``kvs_vexpect[]``: what the importer accepts, one per descriptor."""
 
 
 # -- the module ----------------------------------------------------------------------------
@@ -382,6 +59,7 @@ class Lib(Protocol):
     KVS_E_GUARD: int
     KVS_E_EFFECT: int
     KVS_E_REENTRANT: int
+    KVS_E_OWNED: int
     KVS_ACCESS_NONE: int
     KVS_ACCESS_READ: int
     KVS_ACCESS_READ_WRITE: int
@@ -459,6 +137,8 @@ class Lib(Protocol):
     # pins and observation
     def kvs_region_pin(self, region: int) -> int: ...
     def kvs_region_unpin(self, region: int) -> int: ...
+    def kvs_region_own(self, region: int, owner: int) -> int: ...
+    def kvs_region_disown(self, region: int, owner: int) -> int: ...
     def kvs_region_info_get(self, region: int, out: RegionInfoPtr) -> int: ...
     def kvs_global_info_get(self, out: GlobalInfoPtr) -> None: ...
 

@@ -203,6 +203,7 @@ class Native:
             lib.KVS_E_INVAL: arg(ArgumentReason.NATIVE),
             lib.KVS_E_NOENT: arg(ArgumentReason.UNKNOWN_OBJECT),
             lib.KVS_E_PINNED: busy(BusyReason.PINNED),
+            lib.KVS_E_OWNED: busy(BusyReason.OWNED),
             lib.KVS_E_MAPPED: busy(BusyReason.MAPPED),
             lib.KVS_E_RANGE: arg(ArgumentReason.OUT_OF_RANGE),
             lib.KVS_E_OVERLAP: arg(ArgumentReason.OVERLAP),

@@ -18,6 +18,8 @@ map(r, off, a)      map object ``a`` at ``off`` inside reservation ``r``, still 
 set_access(m, x)    grant read or read-write access to a mapping
 unmap(m)            unmap; refuses with Busy (PINNED) while ops or leases pin it
 pin(m), unpin(m)    an explicit pin (a lease's): unmap and release refuse until unpinned
+own(m, o)           claim a mapping for owner token ``o`` (a part's, a bank's): unmap and
+disown(m, o)        set_access refuse with Busy (OWNED) until the owner disowns it
 stats(m)            :class:`RegionStats`: pins, ops in flight, completed and failed ops
 submit_gather       copy (src_off, dst_off, len) blocks between mappings and the caller
                     memory the backend takes (``E``); returns a :class:`PendingOp` that
@@ -59,6 +61,8 @@ Block = tuple[int, int, int]
 #: The largest size or offset one backend call takes (256 TiB): every backend refuses more
 #: with ArgumentInvalid before its C layer sees it.
 MAX_SIZE = 1 << 48
+#: The largest owner token (:meth:`MappedTransport.own`): a C ``uint64_t``; 0 names no owner.
+OWNER_MAX = (1 << 64) - 1
 
 
 @attrs.frozen
@@ -193,6 +197,10 @@ class MappedTransport(ExportingTransport[H, A], Protocol[H, A, R, M, _E_contra])
     def pin(self, mapping: M) -> None: ...
 
     def unpin(self, mapping: M) -> None: ...
+
+    def own(self, mapping: M, owner: int) -> None: ...
+
+    def disown(self, mapping: M, owner: int) -> None: ...
 
     def stats(self, mapping: M) -> RegionStats: ...
 

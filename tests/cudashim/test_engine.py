@@ -131,6 +131,22 @@ def test_no_unmap_release_or_lower_access_before_the_streams_event(cuda: CudaTra
     cuda.free_buffer(buf)
 
 
+def test_an_owned_device_mapping_is_unmapped_and_its_access_changed_only_by_its_owner(cuda: CudaTransport,
+                                                                                      shim: Shim) -> None:
+    """The host backend's owner rule on the device: unmap and set_access refuse without
+    the owner's token, and the driver is never asked (no cuMemUnmap, no cuMemSetAccess)."""
+    m = mapped(cuda)
+    cuda.own(m, 11)
+    unmaps, accesses = shim.calls("cuMemUnmap"), shim.calls("cuMemSetAccess")
+    for refused in (lambda: cuda.unmap(m), lambda: cuda.set_access(m, Access.READ), lambda: cuda.own(m, 12),
+                    lambda: cuda.disown(m, 12)):
+        with raises(Busy, BusyReason.OWNED):
+            refused()
+    assert (shim.calls("cuMemUnmap"), shim.calls("cuMemSetAccess")) == (unmaps, accesses)
+    cuda.disown(m, 11)
+    unmapped(cuda, m)
+
+
 def test_a_device_fault_fails_the_op_with_its_curesult_and_drops_its_pins(cuda: CudaTransport, shim: Shim) -> None:
     m = mapped(cuda)
     buf = cuda.alloc_buffer(4096)

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,9 @@ def test_an_index_holding_its_gil_still_answers_lookups_and_descriptors() -> Non
             with ch.recv(timeout=10.0) as msg:
                 described = wire.decode(msg.payload)
         word = "done"
+        # The answers can come in well under a millisecond; a hold that let Python run
+        # must have the time to show it (one tick per 0.5 ms), so it lasts 50 ms more.
+        time.sleep(0.05)
     finally:
         os.write(w, word.encode())
         os.close(w)

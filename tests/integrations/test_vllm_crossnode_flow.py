@@ -8,7 +8,6 @@ namespaces run in tests/vllm/test_vllm_crossnode.py (``make test-crossnode``).""
 from __future__ import annotations
 
 import multiprocessing
-import os
 import random
 import socket
 from collections.abc import Iterator
@@ -20,22 +19,17 @@ import pytest
 import torch
 
 from integrations.test_vllm_flow import BS, LAYERS, POLICY, Engine, finish, load, wait_for
-from kvstate.core.errors import BackendUnavailable, ConfigInvalid
+from kvstate.core.errors import ConfigInvalid
 from kvstate.integrations.vllm import config as cfgmod
 from kvstate.integrations.vllm.index import IndexClient, Refusal
+from support.need import need_nixl
 
 RETAIN = 16 * 2 * 2 * BS * 2 * 8 * 2
 
 
 @pytest.fixture(autouse=True)
 def _nixl() -> None:
-    try:
-        from kvstate.transport.nixl import load_nixl
-        load_nixl()
-    except BackendUnavailable as exc:
-        if os.environ.get("KVSTATE_REQUIRE_NIXL") == "1":
-            pytest.fail(f"KVSTATE_REQUIRE_NIXL=1 but {exc}")
-        pytest.skip(f"NIXL TESTS SKIPPED: {exc}")
+    need_nixl()
 
 
 def _ephemeral_low() -> int:

@@ -14,6 +14,7 @@ from conftest import DEPLOYMENT, GEOMETRY, expected_blocks, make_exporter
 from kvstate.core.errors import Busy
 from kvstate.core.reasons import BusyReason
 from kvstate.transport.nixl.handle import HandleDefect
+from kvstate.core.capabilities import Access
 from kvstate.core.descriptor import decode, encode
 from kvstate.core.errors import (
     ArgumentInvalid, GroupRejected, ImportFailed, KvStateError, ChannelError, NativeError, TransitionError,
@@ -59,6 +60,40 @@ def test_import_load_drain_release(tp: int, transport: HostTransport, importer: 
         assert group.state == "closed" and all(p.mapping is None for p in group.parts)
         ex.drain(5.0)
         assert all(b.state == "released" for b in ex.banks.values())
+    finally:
+        ex.stop()
+
+
+def test_nobody_but_its_part_or_bank_unmaps_an_idle_mapping(transport: HostTransport, importer: Importer) -> None:
+    """``transport.unmap(part.mapped())`` and the like are refused (Busy, OWNED) and change
+    nothing: the group still loads, and the part and the bank still close and release
+    all they hold. (Accepted, the owner's own unmap later failed and leaked the rest.)"""
+    ex = make_exporter(1, transport)
+    try:
+        group = importer.import_group([ex.descriptor(0)])
+        part, bank = group.parts[0], ex.banks[0]
+        for mapping in (part.mapped(), bank.mapped()):
+            with raises(Busy, BusyReason.OWNED):
+                transport.unmap(mapping)
+            with raises(Busy, BusyReason.OWNED):
+                transport.set_access(mapping, Access.NONE)
+            with raises(Busy, BusyReason.MAPPED):
+                transport.release(mapping.allocation)
+            with raises(Busy, BusyReason.MAPPED):
+                transport.free(mapping.reservation)
+        dst = buffers(1, 2)
+        group.load_prefix([3, 9], dst)
+        assert bytes(dst[0]) == expected_blocks(0, [3, 9])
+        mappings = (part.mapped(), bank.mapped())
+        group.drain()
+        assert group.state == "closed" and part.mapping is None and part.allocation is None
+        ex.drain(5.0)
+        assert bank.state == "released" and bank.mapping is None
+        for mapping in mappings:  # each unmapped by its owner, its reservation freed
+            with raises(ArgumentInvalid, ArgumentReason.UNKNOWN_OBJECT):
+                transport.stats(mapping)
+            with raises(ArgumentInvalid, ArgumentReason.UNKNOWN_OBJECT):
+                transport.free(mapping.reservation)
     finally:
         ex.stop()
 

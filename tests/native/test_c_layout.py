@@ -1,5 +1,5 @@
-"""The C sources' structure: the memory side (kvs_host.c) and the op engine (kvs_ops.c)
-each build on the shared slot-and-pin table (kvs_slots.c) and on nothing of each other;
+"""The C sources' structure: the memory side (kvs_host.c) and the op engine (kvs_ops.c,
+with its completion reports in kvs_reports.c) each build on the shared slot-and-pin table (kvs_slots.c) and on nothing of each other;
 the CUDA backend (kvs_cuda_*.c) builds on the slot table and on the engine's face for
 other backends (kvs_engine.h) only, and neither host side takes anything from it; the
 lifecycle executor (kvs_machine.c) and its table registry (kvs_machines.c) build on the
@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 
 FFI = Path(__file__).resolve().parents[2] / "ffi"
-SOURCES = ("kvs_slots.c", "kvs_host.c", "kvs_ops.c", "kvs_machine.c", "kvs_machines.c", "kvs_cuda_load.c",
+SOURCES = ("kvs_slots.c", "kvs_host.c", "kvs_ops.c", "kvs_reports.c", "kvs_machine.c", "kvs_machines.c", "kvs_cuda_load.c",
            "kvs_cuda_mem.c", "kvs_cuda_ops.c")
 MACHINES = ("kvs_machine.c", "kvs_machines.c")
+ENGINE = ("kvs_ops.c", "kvs_reports.c")
 CUDA = ("kvs_cuda_load.c", "kvs_cuda_mem.c", "kvs_cuda_ops.c")
 #: What the CUDA backend may take from the op engine: kvs_engine.h, and the public reap.
 ENGINE_FACE = {"kvs_engine_lock", "kvs_engine_unlock", "kvs_op_external", "kvs_op_drop", "kvs_op_step",
@@ -37,7 +38,8 @@ def includes(path: Path) -> list[str]:
 def test_local_includes_form_no_cycle_and_the_two_sides_share_only_the_slot_table() -> None:
     graph = {p.name: includes(p) for p in FFI.glob("kvs*.[ch]")}
     assert includes(FFI / "kvs_host.c") == ["kvs_slots.h"]
-    assert includes(FFI / "kvs_ops.c") == ["kvs_engine.h"] and includes(FFI / "kvs_engine.h") == ["kvs_slots.h"]
+    assert [includes(FFI / c) for c in ENGINE] == [["kvs_engine.h"]] * 2
+    assert includes(FFI / "kvs_engine.h") == ["kvs_slots.h"]
     assert includes(FFI / "kvs_cuda.h") == ["kvs_cuda_driver.h", "kvs_slots.h"]
     assert [includes(FFI / c) for c in CUDA] == [["kvs_cuda.h"], ["kvs_cuda.h"], ["kvs_cuda.h", "kvs_engine.h"]]
     assert includes(FFI / "kvs_machine.c") == ["kvs.h", "kvs_machines.h"]
@@ -80,14 +82,14 @@ def cross_uses(symbols: dict[str, tuple[set[str], set[str]]]) -> list[str]:
     """Symbols one of kvs_host.c and kvs_ops.c takes from the other, either takes from the
     CUDA backend, or the CUDA backend takes from them beyond the engine's face."""
     found = []
-    pairs = [("kvs_host.c", "kvs_ops.c"), ("kvs_ops.c", "kvs_host.c")]
-    pairs += [(host, cuda) for host in ("kvs_host.c", "kvs_ops.c") for cuda in CUDA]
+    pairs = [(side, "kvs_host.c") for side in ENGINE] + [("kvs_host.c", side) for side in ENGINE]
+    pairs += [(host, cuda) for host in ("kvs_host.c", *ENGINE) for cuda in CUDA]
     pairs += [(cuda, "kvs_host.c") for cuda in CUDA]
     for user, provider in pairs:
         found += [f"{user} uses {s} of {provider}" for s in sorted(symbols[user][1] & symbols[provider][0])]
     for cuda in CUDA:
-        found += [f"{cuda} uses {s} of kvs_ops.c" for s in
-                  sorted((symbols[cuda][1] & symbols["kvs_ops.c"][0]) - ENGINE_FACE)]
+        for side in ENGINE:
+            found += [f"{cuda} uses {s} of {side}" for s in sorted((symbols[cuda][1] & symbols[side][0]) - ENGINE_FACE)]
     return found
 
 
@@ -95,8 +97,11 @@ def test_memory_side_and_op_engine_take_nothing_from_each_other(tmp_path: Path) 
     symbols = _objects(FFI, tmp_path)
     assert cross_uses(symbols) == []
     slots_defined = symbols["kvs_slots.c"][0]
-    for src in ("kvs_host.c", "kvs_ops.c"):
-        assert symbols[src][1] <= slots_defined, f"{src} uses {symbols[src][1] - slots_defined}"
+    engine_defined = set().union(*(symbols[c][0] for c in ENGINE))
+    assert symbols["kvs_host.c"][1] <= slots_defined, f"kvs_host.c uses {symbols['kvs_host.c'][1] - slots_defined}"
+    for src in ENGINE:  # the engine's two halves use each other and the slot table only
+        extra = symbols[src][1] - slots_defined - engine_defined
+        assert not extra, f"{src} uses {extra}"
     machine_defined = set().union(*(symbols[c][0] for c in MACHINES))
     for src in MACHINES:
         extra = symbols[src][1] - machine_defined

@@ -216,6 +216,39 @@ def test_explicit_pins_block_unmap_release_and_access_revocation(t: HostTranspor
     t.free(r)
 
 
+def test_an_owned_mapping_is_unmapped_and_its_access_changed_only_by_its_owner(t: HostTransport) -> None:
+    """A part's or a bank's mapping (kvstate.share.owned): nobody without the owner's
+    token ends it or changes its access, and what it maps cannot go while it is mapped."""
+    a = t.create(BANK)
+    r = t.reserve(BANK)
+    m = t.map(r, 0, a)
+    t.set_access(m, Access.READ_WRITE)
+    t.own(m, 7)
+    with raises(Busy, BusyReason.OWNED):
+        t.unmap(m)
+    with raises(Busy, BusyReason.OWNED):
+        t.set_access(m, Access.NONE)
+    with raises(Busy, BusyReason.MAPPED):
+        t.release(a)
+    with raises(Busy, BusyReason.MAPPED):
+        t.free(r)
+    with raises(Busy, BusyReason.OWNED):
+        t.own(m, 8)        # another owner
+    with raises(Busy, BusyReason.OWNED):
+        t.disown(m, 8)     # only the owner gives it up
+    for bad in (0, -1, 1 << 64):
+        with raises(ArgumentInvalid, ArgumentReason.RANGE):
+            t.own(m, bad)
+    t.view(m)[0] = 1       # nothing of it changed
+    t.own(m, 7)            # its owner again: no change
+    t.disown(m, 7)
+    t.disown(m, 7)         # owned by nobody: nothing to give up
+    t.set_access(m, Access.NONE)
+    t.unmap(m)
+    t.release(a)
+    t.free(r)
+
+
 def test_bad_arguments_are_typed_errors(t: HostTransport) -> None:
     before = t.native.stats().allocations
     # The C layer's own argument checks, beneath the transport's (which never passes these).

@@ -1,10 +1,10 @@
-"""The native lease handler (ffi/kvs_lease.c) against the Python reference it replaced
-(tests/support/lease_reference.py): the same random sequences of frames (grants, batches,
-renewals, releases, mapped notes single and batched, hang-ups, expiry ticks, max_leases
-pressure, drains, re-advertisements, malformed frames) go to both, and after every step
-the answers (ok, code, lease ids, fd counts, batch shapes), the banks' states and the
-lease tables must agree. Details (free text) and remaining terms (clocks) are not
-compared; a term must be within the lease timeout.
+"""The native lease handler (ffi/kvs_lease_answer.c, on ffi/kvs_lease.c) against the Python
+reference it replaced (tests/support/lease_reference.py): the same random sequences of
+frames (grants, batches, renewals, releases, mapped notes single and batched, hang-ups,
+expiry ticks, max_leases pressure, drains, re-advertisements, malformed frames) go to
+both, and after every step the answers (ok, code, lease ids, fd counts, batch shapes),
+the banks' states and the lease tables must agree. Details (free text) and remaining
+terms (clocks) are not compared; a term must be within the lease timeout.
 
 Leases naming inventory blocks too: the native server re-validates and pins them in its
 mirror of the exporter's inventory; the reference pinned them in a Python inventory. Both

@@ -1,11 +1,8 @@
 """The two processes of the GIL-hostile lease test (tests/lifecycle/test_gil_hostile.py).
 
 ``exporter``: a tp=2 exporter over host memory, each bank filled with its rank's pattern.
-It prints its descriptors, then holds its GIL in one C call, ``read()`` on the pipe the
-importer writes when it is done, made through ``ctypes.PyDLL`` (which keeps the GIL for
-the whole call). A Python ticker thread counts while the GIL is free, so the count
-before and after the hold says whether any Python ran during it. The hold ends only when
-the importer's word arrives, so the test needs no clock: if leases needed this process's
+It prints its descriptors, then holds its GIL (:func:`support.gil_hold.hold_gil`) until
+the importer writes its word, so the test needs no clock: if leases needed this process's
 Python, the importer could not lease and would write ``failed`` instead.
 
 ``importer``: leases, maps and loads the group from the descriptors, verifies the bytes,
@@ -24,12 +21,9 @@ native lease thread (``ffi/kvs_lease_tcp.c``) while its Python is frozen.
 
 from __future__ import annotations
 
-import ctypes
-import json
 import os
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 from kvstate.core.descriptor import decode
@@ -40,6 +34,7 @@ from kvstate.share.exporter import Exporter
 from kvstate.share.export_config import ExportConfig
 from kvstate.share.importer import BlockRequest, ImportConfig, Importer
 from kvstate.transport.host import HostTransport
+from support.gil_hold import hold_gil, say
 from support.reuse import REUSE_ON
 
 DEPLOYMENT = Deployment("gil-hostile", bytes(range(32)))
@@ -58,10 +53,6 @@ def pattern(rank: int, nbytes: int) -> bytes:
 def expected(rank: int) -> bytes:
     data = pattern(rank, GEOMETRY.nbytes)
     return b"".join(data[o:o + n] for b in BLOCKS for o, n in GEOMETRY.block_extents(b))
-
-
-def say(**what: object) -> None:
-    print(json.dumps(what), flush=True)
 
 
 def exporter(pipe_r: int, mode: str) -> None:
@@ -87,32 +78,8 @@ def exporter(pipe_r: int, mode: str) -> None:
         bank.view()[:GEOMETRY.nbytes] = pattern(r, GEOMETRY.nbytes)
         bank.fire("advertise")
     ex.start()
-    ticks = [0]
-    stop = threading.Event()
-
-    def ticker() -> None:  # runs only while this process's GIL is free
-        while not stop.wait(0.0005):
-            ticks[0] += 1
-
-    threading.Thread(target=ticker, daemon=True).start()
-    while ticks[0] < 3:  # the ticker runs before the hold
-        stop.wait(0.001)
-    libc = ctypes.PyDLL(None)  # PyDLL: the GIL stays held for the whole call
-    libc.read.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
-    libc.read.restype = ctypes.c_ssize_t
-    buf = ctypes.create_string_buffer(256)
-    say(descriptors=[ex.descriptor(r).hex() for r in range(TP)], event="holding",
-        epoch=None if inventory is None else inventory.epoch(GROUP))
-    # A long switch interval keeps the edges of the call nearly free of GIL switches; a
-    # switch the ticker had already asked for can still land there (one tick each side).
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1000.0)
-    before = ticks[0]
-    n = libc.read(pipe_r, buf, 255)  # returns once the importer wrote its word
-    during = ticks[0] - before
-    sys.setswitchinterval(interval)
-    stop.set()
-    word = buf.raw[:max(n, 0)].decode(errors="replace")
+    word, during = hold_gil(pipe_r, descriptors=[ex.descriptor(r).hex() for r in range(TP)],
+                            epoch=None if inventory is None else inventory.epoch(GROUP))
     states_after = [b.state for b in ex.banks.values()]
     say(event="hold returned", word=word, ticks_during_hold=during, bank_states=states_after)
     if inventory is not None:  # the importer drained: its leases ended natively, and their pins

@@ -1,4 +1,4 @@
-"""The exporter's lease serving as Python did it before it moved to C (ffi/kvs_lease.c),
+"""The exporter's lease serving as Python did it before it moved to C (ffi/kvs_lease_answer.c),
 kept as the reference the differential test holds the native handler to
 (tests/native/test_lease_differential.py).
 

@@ -57,7 +57,7 @@ from kvstate.transport.cuda.driver import DeviceInfo, find_device, load_driver
 from kvstate.transport.cuda.objects import CudaAllocation, CudaHandle, CudaMapping, CudaReservation, DeviceBuffer
 from kvstate.transport.host import fd_identity_of
 from kvstate.transport.native import Native, Op, RawBuffer
-from kvstate.transport.protocol import MAX_SIZE, Block, RegionStats
+from kvstate.transport.protocol import MAX_SIZE, OWNER_MAX, Block, RegionStats
 
 #: Ids, addresses and sizes cross the C boundary as uint64_t.
 _U64 = (1 << 64) - 1
@@ -369,6 +369,18 @@ class CudaTransport:
         _object("mapping", mapping, CudaMapping, "region")
         self._call(self._lib.kvs_region_unpin(mapping.region), "kvs_region_unpin",
                    f"region {mapping.region} (explicit pins only)")
+
+    def own(self, mapping: CudaMapping, owner: int) -> None:
+        """Claim ``mapping`` for ``owner`` (a part's or a bank's nonzero token): unmap and
+        set_access refuse (Busy, OWNED) until the owner disowns it."""
+        _object("mapping", mapping, CudaMapping, "region")
+        need_int("owner", owner, 1, OWNER_MAX)
+        self._call(self._lib.kvs_region_own(mapping.region, owner), "kvs_region_own", f"region {mapping.region}")
+
+    def disown(self, mapping: CudaMapping, owner: int) -> None:
+        _object("mapping", mapping, CudaMapping, "region")
+        need_int("owner", owner, 1, OWNER_MAX)
+        self._call(self._lib.kvs_region_disown(mapping.region, owner), "kvs_region_disown", f"region {mapping.region}")
 
     def stats(self, mapping: CudaMapping) -> RegionStats:
         """Pins, ops in flight, completed and failed ops and bytes of one mapping, as the C

@@ -4,6 +4,7 @@ Importing this package loads no NIXL module; constructing a :class:`NixlTranspor
 (``BackendUnavailable`` where NIXL is not installed).
 """
 
-from kvstate.transport.nixl.transport import LeaseGate, NixlTransport, load_nixl
+from kvstate.transport.nixl.agent import load_nixl
+from kvstate.transport.nixl.transport import LeaseGate, NixlTransport
 
 __all__ = ["LeaseGate", "NixlTransport", "load_nixl"]

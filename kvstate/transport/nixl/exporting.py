@@ -131,6 +131,12 @@ class NixlExportingHost:
     def unpin(self, mapping: HostMapping) -> None:
         self.host.unpin(mapping)
 
+    def own(self, mapping: HostMapping, owner: int) -> None:
+        self.host.own(mapping, owner)
+
+    def disown(self, mapping: HostMapping, owner: int) -> None:
+        self.host.disown(mapping, owner)
+
     def stats(self, mapping: HostMapping) -> RegionStats:
         return self.host.stats(mapping)
 

@@ -39,15 +39,12 @@ prepared descriptor lists, then invalidate the remote metadata, then deregister.
 
 from __future__ import annotations
 
-import importlib
 import mmap
 import os
 import secrets
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -57,8 +54,8 @@ from kvstate.core.errors import (
 )
 from kvstate.core.reasons import ArgumentReason, BackendReason, BusyReason, NativeReason
 from kvstate.core.handles import HandleKind
-from kvstate.core.optional import is_missing, require
 from kvstate.core.capabilities import Capabilities, MemoryKind, Scope
+from kvstate.transport.nixl.agent import BACKEND, host_uuid, load_nixl, make_agent, nixl_call, numpy_api
 from kvstate.transport.nixl.handle import NixlHandle, HandleDefect, RemoteRegion, decode
 
 if TYPE_CHECKING:
@@ -67,60 +64,11 @@ if TYPE_CHECKING:
 
     from kvstate.transport.protocol import Backend, ExportingTransport
 
-#: Python modules that provide NIXL's API, in order of preference: the ``nixl`` meta
-#: package picks the CUDA variant itself; ``nixl_cu12`` is what ``pip install --no-deps
-#: nixl-cu12`` provides (see the README); ``nixl_cu13`` its CUDA 13 twin.
-NIXL_MODULES = ("nixl", "nixl_cu12", "nixl_cu13")
-#: Missing modules that mean "the nixl extra is not installed" (numpy is NIXL's own
-#: hard dependency). Any other import error propagates.
-_OPTIONAL = frozenset(NIXL_MODULES) | {"numpy"}
-INSTALL_HINT = "pip install --no-deps 'nixl-cu12==1.5.1' numpy   (see README: NIXL transport)"
-BACKEND = "UCX"
 DEFAULT_TIMEOUT_S = 30.0
 #: The longest wait between two asks whether a transfer completed.
 MAX_POLL_NAP_S = 0.001
 
 _MEM_TYPE = {MemoryKind.HOST: "DRAM", MemoryKind.DEVICE: "VRAM"}
-
-
-def load_nixl() -> ModuleType:
-    """The module that provides ``nixl_agent``; :class:`BackendUnavailable` if none is installed."""
-    missing: list[str] = []
-    for name in NIXL_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if not any(is_missing(exc, dependency) for dependency in _OPTIONAL):
-                raise
-            missing.append(f"{name} (missing {exc.name})")
-            continue
-        if hasattr(module, "nixl_agent"):
-            return module
-        missing.append(f"{name} (has no nixl_agent)")
-    raise BackendUnavailable.missing("nixl", "no NIXL Python API found: tried " + ", ".join(missing)
-                                     + f"; install with: {INSTALL_HINT}")
-
-
-def _numpy() -> ModuleType:
-    return require("numpy", "nixl", hint=f"install with: {INSTALL_HINT}")
-
-
-def _host_uuid() -> bytes:
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            return uuid.UUID(f.read().strip()).bytes
-    except (OSError, ValueError):
-        return uuid.uuid5(uuid.NAMESPACE_DNS, os.uname().nodename).bytes
-
-
-def _call(op: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Call into NIXL, turning its exceptions into a :class:`NativeError` (reason NIXL)."""
-    try:
-        return fn(*args, **kwargs)
-    except KvStateError:
-        raise
-    except Exception as exc:  # NIXL raises its own binding exceptions (nixlBind.*Error)
-        raise NativeError.nixl(op, f"{type(exc).__name__}: {exc}") from exc
 
 
 # -- leases --------------------------------------------------------------------------
@@ -219,45 +167,6 @@ class NixlRemote:
 
 # -- the agent --------------------------------------------------------------------------
 
-#: How long NIXL's UCX progress thread waits for events when it has nothing to do, in
-#: microseconds. NIXL's Python API hard-codes 0, a busy spin: measured here, an idle
-#: agent burnt a whole core (2.97 s of CPU in 3 s), in every engine worker with an agent,
-#: and starved the engines on a small machine. The thread is needed (an exporter's UCX
-#: worker must progress for a peer's READ over TCP to complete: without it, the READ
-#: timed out); with a wait it costs 0.05 s of CPU in 3 s idle.
-PROGRESS_DELAY_US = int(os.environ.get("KVSTATE_NIXL_PROGRESS_DELAY_US", "100"))
-_config_lock = threading.Lock()
-
-
-def _make_agent(nixl: ModuleType, agent_name: str, num_threads: int) -> Any:
-    """A NIXL agent that several threads may call (sync mode STRICT: kvstate's ranks,
-    importer threads and remote loads share the process's one agent, and NIXL's default
-    without a listener thread is no locking at all: concurrent calls crashed the process),
-    and whose progress thread waits ``PROGRESS_DELAY_US`` instead of spinning."""
-    api = importlib.import_module(nixl.__name__ + "._api")
-    base = api.nixlBind.nixlAgentConfig
-
-    class _Config(base):  # type: ignore[misc, valid-type]
-        """NIXL's config, but the wrapper's ``pthrDelay = 0`` sets ours."""
-
-        @property
-        def pthrDelay(self) -> int:  # noqa: N802 - NIXL's name
-            return int(base.pthrDelay.__get__(self))
-
-        @pthrDelay.setter
-        def pthrDelay(self, _value: int) -> None:  # noqa: N802
-            base.pthrDelay.__set__(self, PROGRESS_DELAY_US)
-
-    config = nixl.nixl_agent_config(backends=[BACKEND], num_threads=num_threads,
-                                    sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
-    with _config_lock:  # the wrapper builds its config from the module attribute
-        api.nixlBind.nixlAgentConfig = _Config
-        try:
-            return nixl.nixl_agent(agent_name, config)
-        finally:
-            api.nixlBind.nixlAgentConfig = base
-
-
 # -- the transport -------------------------------------------------------------------
 
 _process_agent_lock = threading.Lock()
@@ -274,13 +183,13 @@ class NixlTransport:
                  num_threads: int = 0) -> None:
         global _process_agent
         nixl = load_nixl()
-        self._np = _numpy()
+        self._np = numpy_api()
         agent_name = agent_name or f"kvstate-{os.getpid()}-{secrets.token_hex(4)}"
         with _process_agent_lock:
             if _process_agent is not None and _process_agent[0] == os.getpid():
                 raise NativeError(NativeReason.NIXL, f"this process already has a NIXL agent ({_process_agent[1]!r}); "
                                   "kvstate uses one agent per process")
-            self._agent = _call("create agent", _make_agent, nixl, agent_name, num_threads)
+            self._agent = nixl_call("create agent", make_agent, nixl, agent_name, num_threads)
             _process_agent = (os.getpid(), agent_name)
         if BACKEND not in self._agent.backends:
             raise BackendUnavailable.missing("nixl",
@@ -312,7 +221,7 @@ class NixlTransport:
         return mmap.PAGESIZE
 
     def device_uuid(self) -> bytes:
-        return _host_uuid()
+        return host_uuid()
 
     def create(self, size: int) -> NixlAllocation:
         """Allocate ``size`` bytes of host memory and register it for DRAM."""
@@ -339,7 +248,7 @@ class NixlTransport:
     def _register(self, addr: int, size: int, memory: MemoryKind, device_id: int,
                   owned: mmap.mmap | None) -> NixlAllocation:
         self._check_open()
-        reg = _call("register_memory", self._agent.register_memory,
+        reg = nixl_call("register_memory", self._agent.register_memory,
                     [(addr, size, device_id, "")], _MEM_TYPE[memory], backends=[BACKEND])
         allocation = NixlAllocation(addr, size, memory, device_id, reg, owned)
         self._allocations.append(allocation)
@@ -352,7 +261,7 @@ class NixlTransport:
             raise ArgumentInvalid.of("kind", ArgumentReason.RANGE, f"the nixl transport exports only "
                                      f"{HandleKind.NIXL.value!r} handles, not {kind.value!r}")
         self._check_live(allocation)
-        metadata = _call("get_partial_agent_metadata", self._agent.get_partial_agent_metadata,
+        metadata = nixl_call("get_partial_agent_metadata", self._agent.get_partial_agent_metadata,
                          allocation.reg, inc_conn_info=True, backends=[BACKEND])
         handle = NixlHandle(agent_name=self.agent_name, metadata=bytes(metadata),
                             regions=(RemoteRegion(allocation.addr, allocation.size, allocation.device_id),),
@@ -393,11 +302,11 @@ class NixlTransport:
                 return previous
             self._retire(previous, why=f"superseded by generation {h.generation}")
         # Loading partial metadata again for a known agent adds this bank's registration.
-        loaded = _call("add_remote_agent", self._agent.add_remote_agent, h.metadata)
+        loaded = nixl_call("add_remote_agent", self._agent.add_remote_agent, h.metadata)
         loaded_name = loaded.decode("ascii", "replace") if isinstance(loaded, bytes) else str(loaded)
         if loaded_name != h.agent_name:
             if self._agent_views(loaded_name) == 0:  # never drop another view's metadata
-                _call("remove_remote_agent", self._agent.remove_remote_agent, loaded_name)
+                nixl_call("remove_remote_agent", self._agent.remove_remote_agent, loaded_name)
             raise ImportFailed.nixl_handle(HandleDefect.AGENT_NAME,
                                            f"metadata is for agent {loaded_name!r}, the handle names {h.agent_name!r}")
         remote = NixlRemote(handle=h, agent_name=loaded_name)
@@ -421,9 +330,9 @@ class NixlTransport:
             allocation.released = True  # no load starts on it from here
         try:
             for size in list(allocation.local_dlists):  # each forgotten once it is gone: a retry resumes
-                _call("release_dlist_handle", self._agent.release_dlist_handle, allocation.local_dlists[size])
+                nixl_call("release_dlist_handle", self._agent.release_dlist_handle, allocation.local_dlists[size])
                 del allocation.local_dlists[size]
-            _call("deregister_memory", self._agent.deregister_memory, allocation.reg, backends=[BACKEND])
+            nixl_call("deregister_memory", self._agent.deregister_memory, allocation.reg, backends=[BACKEND])
         except BaseException:
             with self._pins:
                 allocation.released = False  # still registered: release may be tried again
@@ -471,7 +380,7 @@ class NixlTransport:
         try:
             local_list = self._local_dlist(dst, block_bytes)
             remote_list = self._remote_dlist(remote, block_bytes)
-            xfer = _call("make_prepped_xfer", self._agent.make_prepped_xfer, "READ",
+            xfer = nixl_call("make_prepped_xfer", self._agent.make_prepped_xfer, "READ",
                          local_list, dst_idx.astype(np.int32), remote_list, src.astype(np.int32))
             try:
                 self._wait(xfer, timeout)
@@ -484,12 +393,12 @@ class NixlTransport:
                     unpin = False
                     exc.add_note("the READ may still land: its target stays pinned")
                 try:  # releasing an unfinished transfer asks NIXL to cancel it
-                    _call("release_xfer_handle", self._agent.release_xfer_handle, xfer)
-                except NativeError as release_exc:  # _call raises only the NIXL reason
+                    nixl_call("release_xfer_handle", self._agent.release_xfer_handle, xfer)
+                except NativeError as release_exc:  # nixl_call raises only the NIXL reason
                     unpin = False  # NIXL may still write into dst: it stays pinned for good
                     exc.add_note(f"releasing the transfer also failed: {release_exc}; its target stays pinned")
                 raise
-            _call("release_xfer_handle", self._agent.release_xfer_handle, xfer)
+            nixl_call("release_xfer_handle", self._agent.release_xfer_handle, xfer)
         finally:
             if unpin:
                 self._unpin(dst)
@@ -499,7 +408,7 @@ class NixlTransport:
             allocation.pins -= 1
 
     def _wait(self, xfer: Any, timeout: float) -> None:
-        state = _call("transfer", self._agent.transfer, xfer)
+        state = nixl_call("transfer", self._agent.transfer, xfer)
         deadline = time.monotonic() + timeout
         nap = 0.0
         while state == "PROC":
@@ -510,7 +419,7 @@ class NixlTransport:
             # backs off to at most MAX_POLL_NAP_S between asks.
             time.sleep(nap)
             nap = min(MAX_POLL_NAP_S, nap * 2 or 0.00005)
-            state = _call("check_xfer_state", self._agent.check_xfer_state, xfer)
+            state = nixl_call("check_xfer_state", self._agent.check_xfer_state, xfer)
         if state != "DONE":
             raise NativeError.nixl("transfer", f"state {state}")
 
@@ -527,7 +436,7 @@ class NixlTransport:
     def _local_dlist(self, dst: NixlAllocation, block_bytes: int) -> Any:
         if block_bytes not in dst.local_dlists:
             descs = self._blocks(dst.addr, dst.size, block_bytes, dst.device_id)
-            dst.local_dlists[block_bytes] = _call("prep_xfer_dlist", self._agent.prep_xfer_dlist,
+            dst.local_dlists[block_bytes] = nixl_call("prep_xfer_dlist", self._agent.prep_xfer_dlist,
                                                   "NIXL_INIT_AGENT", descs, _MEM_TYPE[dst.memory], backends=[BACKEND])
         return dst.local_dlists[block_bytes]
 
@@ -536,7 +445,7 @@ class NixlTransport:
             np = self._np
             parts = [self._blocks(r.addr, r.length, block_bytes, r.device_id) for r in remote.handle.regions]
             descs = np.concatenate(parts) if len(parts) > 1 else parts[0]
-            remote.remote_dlists[block_bytes] = _call(
+            remote.remote_dlists[block_bytes] = nixl_call(
                 "prep_xfer_dlist", self._agent.prep_xfer_dlist, remote.agent_name, descs,
                 _MEM_TYPE[remote.handle.memory], backends=[BACKEND])
         return remote.remote_dlists[block_bytes]
@@ -559,13 +468,13 @@ class NixlTransport:
         if remote.closed is not None:
             return
         for dlist in remote.remote_dlists.values():
-            _call("release_dlist_handle", self._agent.release_dlist_handle, dlist)
+            nixl_call("release_dlist_handle", self._agent.release_dlist_handle, dlist)
         remote.remote_dlists.clear()
         remote.closed = why
         if self._remotes.get(remote.handle.bank) is remote:
             del self._remotes[remote.handle.bank]
         if self._agent_views(remote.agent_name) == 0:  # the agent's metadata serves no other view
-            _call("remove_remote_agent", self._agent.remove_remote_agent, remote.agent_name)
+            nixl_call("remove_remote_agent", self._agent.remove_remote_agent, remote.agent_name)
 
     def close(self) -> None:
         """Tear everything down in NIXL's order. Transfers are already released after
@@ -574,7 +483,7 @@ class NixlTransport:
             return
         for allocation in self._allocations:
             for dlist in allocation.local_dlists.values():
-                _call("release_dlist_handle", self._agent.release_dlist_handle, dlist)
+                nixl_call("release_dlist_handle", self._agent.release_dlist_handle, dlist)
             allocation.local_dlists.clear()
         for remote in list(self._remotes.values()):
             self._retire(remote, "closed")

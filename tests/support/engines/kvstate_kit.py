@@ -84,16 +84,20 @@ def reused(got: Generation, reference: Generation, lengths: tuple[int, ...]) -> 
 
 
 def worker_pids(engine: Engine) -> list[int]:
-    """The engine's processes whose name says vLLM worker."""
-    out = []
+    """The engine's worker processes: named as vLLM names them, and not forked by another
+    (a process a worker forks keeps its name; stopping or killing one of those instead of
+    the worker would leave the worker's exporter serving)."""
+    named = {}
     for pid in engine.pids():
         try:
             comm = Path(f"/proc/{pid}/comm").read_text().strip()
-        except OSError:
+            # the parent's pid is the second field after the name, which ends the last ")"
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
         if comm.startswith("VLLM::Worker"):
-            out.append(pid)
-    return out
+            named[pid] = ppid
+    return [pid for pid, ppid in named.items() if ppid not in named]
 
 
 def bank_fds(pid: int) -> list[Path]:
