@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
 class RankShare(Lifecycle, Generic[H, A, R, M, E]):
     """One worker's share of one coordinated group: its own rank's part. Driven by
     spec/rank.toml; it is also the :class:`~kvstate.share.importer.PartOwner` of that part.

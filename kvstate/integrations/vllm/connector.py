@@ -240,9 +240,10 @@ class KvStateConnector(KVConnectorBase_V1):
                 self._prefill.progress()
 
     @_guarded(lambda: None)
-    @starts_unpinned
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Asynchronous loads finished before the request ran; per-layer ones wait here.
+        # Asynchronous loads finished before the request ran; per-layer ones wait here. It
+        # starts no thread, so it keeps the worker's binding (it runs for every layer of
+        # every step: two affinity calls each would cost more than the wait).
         if self._prefill is not None and self._cfg.layer_loads:
             self._prefill.wait_layer(layer_name)
 
