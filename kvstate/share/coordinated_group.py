@@ -201,6 +201,7 @@ class CoordinatedGroup(Lifecycle):
                     extra["blocks"] = {"group": self.blocks.group, "epochs": list(self.blocks.epochs),
                                        "hashes": list(self.blocks.hashes)}
             self.coordinator._send_to(r, msgs.Command(cmd, self.gid, why=why, **extra))
+            log.debug("t=%.6f %s: %s sent to rank %d", time.monotonic(), self.gid, cmd, r)
 
     def _start_phase(self) -> None:
         """The row's command starts a timed phase (checking, importing, aborting): its

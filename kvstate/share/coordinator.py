@@ -385,6 +385,7 @@ class Coordinator:
         return None
 
     def _on_report(self, link: WorkerLink, report: msgs.Report) -> None:
+        log.debug("t=%.6f %s: report %s from rank %d", time.monotonic(), report.group, report.state, link.rank)
         group = self.groups.get(report.group)
         if group is None:
             return  # a report about a group this coordinator no longer keeps

@@ -4,6 +4,7 @@ it and says how (its theory of operation)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -27,6 +28,9 @@ from kvstate.transport.protocol import A, E, H, M, R
 
 if TYPE_CHECKING:
     from kvstate.share.rank_worker import RankWorker
+
+log = logging.getLogger(__name__)
+
 
 class RankShare(Lifecycle, Generic[H, A, R, M, E]):
     """One worker's share of one coordinated group: its own rank's part. Driven by
@@ -129,6 +133,7 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
                 part.fire("import_failed")  # returns the lease
             raise
         self.import_s = self.lease_took_s + time.monotonic() - start  # both phases
+        log.debug("t=%.6f %s: open took %.6f s", time.monotonic(), self.label, self.import_s - self.lease_took_s)
         return self._close_part
 
     @effect("rollback_part")

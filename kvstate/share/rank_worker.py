@@ -274,6 +274,7 @@ class RankWorker(Generic[H, A, R, M, E]):
         try:
             with self._send_lock:
                 ch.send(msgs.encode(report), timeout=self.config.request_timeout_s)
+            log.debug("t=%.6f %s: report %s sent by rank %d", time.monotonic(), share.gid, state, self.config.rank)
         except ChannelError as exc:
             log.info("rank %d: report %s not delivered (%s)", self.config.rank, state, exc)
 
@@ -308,6 +309,8 @@ class RankWorker(Generic[H, A, R, M, E]):
                 with msg:
                     message = msgs.decode(msg.payload)
                 if isinstance(message, msgs.Command):
+                    log.debug("t=%.6f %s: %s received at rank %d", time.monotonic(), message.group, message.cmd,
+                              self.config.rank)
                     self._command(message)
                 elif not isinstance(message, msgs.Tick):
                     raise ChannelError(ChannelReason.PROTOCOL,
@@ -385,6 +388,7 @@ class RankWorker(Generic[H, A, R, M, E]):
     def _lease(self, share: RankShare[H, A, R, M, E]) -> None:
         """Validate the share: lease its bank and check the report (the rank's validate
         row); a refused or mismatched lease fails the share, having opened nothing."""
+        log.debug("t=%.6f %s: lease thread started at rank %d", time.monotonic(), share.gid, self.config.rank)
         with share.locked():
             if not share.may("validate"):
                 share._close_part()  # aborted (or orphaned) before the lease started
@@ -398,6 +402,8 @@ class RankWorker(Generic[H, A, R, M, E]):
                         part.fire("import_failed")
                     if share.may("import_failed"):
                         share.fire("import_failed")
+        log.debug("t=%.6f %s: lease thread done at rank %d (%s, lease %.6f s)", time.monotonic(), share.gid,
+                  self.config.rank, share.state, share.lease_took_s)
         self._forget_ended()
 
     def _problems(self, d: Descriptor) -> list[DescriptorRejected]:
@@ -421,6 +427,7 @@ class RankWorker(Generic[H, A, R, M, E]):
         return problems
 
     def _open(self, share: RankShare[H, A, R, M, E]) -> None:
+        log.debug("t=%.6f %s: open thread started at rank %d", time.monotonic(), share.gid, self.config.rank)
         with share.locked():
             if not share.may("mapped"):
                 return  # aborted (or orphaned) before the open started
@@ -430,6 +437,8 @@ class RankWorker(Generic[H, A, R, M, E]):
                 share.cause = f"{type(exc).__name__}: {exc}"
                 if share.may("import_failed"):
                     share.fire("import_failed")
+        log.debug("t=%.6f %s: open thread done at rank %d (%s)", time.monotonic(), share.gid, self.config.rank,
+                  share.state)
         self._forget_ended()
 
     def _spawn(self, target: Callable[[RankShare[H, A, R, M, E]], None], share: RankShare[H, A, R, M, E]) -> None:

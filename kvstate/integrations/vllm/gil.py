@@ -1,12 +1,14 @@
 """The thread switch interval of an engine process that runs kvstate's threads.
 
-Why: vLLM's EngineCore and workers busy-poll their message queues with
-``os.sched_yield``, which drops the GIL and takes it straight back. A kvstate thread in
-the same process (the coordinator in the EngineCore; leases, imports and store
-completions in a worker) then gets the GIL only when its wait outlasts the switch
-interval (Python's default 5 ms) and it forces a hand-over, once for every blocking call
-it makes. Measured with tests/vllm/test_vllm_kvstate_tp2.py (two tp=2 float32 engines on
-2 cores): its 6 loads took 64.9 s in all (``load_ms``) at 5 ms, and 52 ms at 0.5 ms.
+Why it was set: loads timed out in the vLLM suite, and the guess was that kvstate's
+threads waited for the GIL of vLLM's busy-polling worker (up to the interval for every
+blocking call). Measured since (issue 28, item 6), the loads that timed out waited for
+CPU, not for the GIL: kvstate's threads inherited the core vLLM binds the worker to, and
+another engine's worker spinning on ``os.sched_yield`` on that core kept them from running
+for 10 s (:mod:`.affinity` frees them). With them free, Python's 5 ms interval and no
+sleep per step, the failing files passed (leases 0.2-7 ms); the whole suite without both
+workarounds failed in a SIGKILL of an engine sharing the core (its dying worker starved
+there; see connector's ``YIELD_S``). The interval alone was not tried without the sleep, so its default stays.
 """
 
 from __future__ import annotations
