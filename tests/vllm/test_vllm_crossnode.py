@@ -174,7 +174,9 @@ def _quiet_exporter(pair: Hosts, timeout: float) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
         snap = pair.exporter()
-        if snap["banks"][0]["lease_count"] == 0 or time.monotonic() > deadline:
+        banks = snap["banks"]  # none for a moment while the decode rank replaces a drained bank
+        if (banks and banks[0]["lease_count"] == 0) or time.monotonic() > deadline:
+            assert banks, f"the decode exporter has no bank: {snap}"
             return snap
         time.sleep(0.5)
 
@@ -281,9 +283,9 @@ def test_the_link_cut_mid_load_fails_the_load_and_the_exporter_reclaims(pair: Ho
     assert bank["state"] in ("draining", "quiescent", "released", "advertised") and bank["stores"] == 0, bank
     # Nothing holds the drained bank: the decode rank replaces it with a new one, advertised.
     deadline = time.monotonic() + 60
-    while (now := pair.exporter()["banks"][0])["state"] != "advertised":
-        assert time.monotonic() < deadline, f"the drained bank was not replaced: {now}"
-        time.sleep(0.5)
+    while not (banks := pair.exporter()["banks"]) or (now := banks[0])["state"] != "advertised":
+        assert time.monotonic() < deadline, f"the drained bank was not replaced: {banks}"
+        time.sleep(0.5)  # no bank at all for a moment: the old one is released, the new one not yet added
     assert (now["generation"] > bank["generation"] or bank["state"] == "advertised") and now["lease_count"] == 0, \
         (bank, now)
     # The prefill engine keeps serving over the restored link (a load there may fail and be
