@@ -37,7 +37,7 @@ import attrs
 from kvstate.core import handles, identity
 from kvstate.core.reasons import ImportDefect, ArgumentReason
 from kvstate.core.capabilities import Access, Capabilities, MemoryKind, Scope
-from kvstate.core.errors import KvStateError, ArgumentInvalid, ImportFailed
+from kvstate.core.errors import ArgumentInvalid, ImportFailed
 from kvstate.core.args import need, need_bytes, need_int, need_items
 from kvstate.core.handles import HandleKind
 from kvstate.transport.native import Native, Op, RawBuffer, default

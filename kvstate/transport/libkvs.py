@@ -22,12 +22,30 @@ import importlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Literal, Protocol, SupportsInt, overload
 
-# The pointer types have their own module; they are re-exported here, so callers name
-# them ``libkvs.FramePtr`` as they name the functions.
-from kvstate.transport.libkvs_types import *  # noqa: F403
+# The pointer types have their own module; they are re-exported here (``__all__``), so
+# callers name them ``libkvs.FramePtr`` as they name the functions.
+from kvstate.transport.libkvs_types import (
+    AttachPart, AttachPartArray, BlockArray, CBuffer, CharPtr, CudaDeviceInfoPtr,
+    CudaDriverInfoPtr, EffectFn, EndpointPtr, FireResultPtr, FramePtr, GlobalInfoPtr, HoldInfo,
+    HoldInfoArray, ImportPart, ImportPartArray, IndexOut, IndexPtr, Int32Array, Int32Ptr, Int64Ptr,
+    LeaseEventPtr, LeaseInfo, LeaseInfoArray, LeaseServerOut, LeaseServerPtr, LinkPtr,
+    MachineInstPtr, OpInfoPtr, RegionInfoPtr, RenewOutcomePtr, RenewStatePtr, RenewerPtr,
+    UInt32Ptr, UInt64Ptr, VExpectArray, VFactsArray, VoidPtr,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
+
+
+__all__ = [
+    "AttachPart", "AttachPartArray", "BlockArray", "CBuffer", "CharPtr", "CudaDeviceInfoPtr",
+    "CudaDriverInfoPtr", "EffectFn", "EndpointPtr", "FireResultPtr", "FramePtr", "GlobalInfoPtr",
+    "HoldInfo", "HoldInfoArray", "ImportPart", "ImportPartArray", "IndexOut", "IndexPtr",
+    "Int32Array", "Int32Ptr", "Int64Ptr", "LeaseEventPtr", "LeaseInfo", "LeaseInfoArray",
+    "LeaseServerOut", "LeaseServerPtr", "LinkPtr", "MachineInstPtr", "OpInfoPtr", "RegionInfoPtr",
+    "RenewOutcomePtr", "RenewStatePtr", "RenewerPtr", "UInt32Ptr", "UInt64Ptr", "VExpectArray",
+    "VFactsArray", "VoidPtr", "Ffi", "Lib", "MODULE", "load",
+]
 
 
 # -- the module ----------------------------------------------------------------------------
