@@ -18,6 +18,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "kvs_copy.h"
 #include "kvs_engine.h"
 
 #define KVS_DEFAULT_WORKERS 2
@@ -178,60 +179,16 @@ static int table_usable(void) {
 
 /* -- workers -------------------------------------------------------------------------- */
 
-#if defined(__x86_64__) && defined(__SSE2__)
-#include <emmintrin.h>
-#include <xmmintrin.h>
-#define KVS_NT_MIN (UINT64_C(16) << 10)
-
-/* Blocks of KV cache are copied once and not read again by this thread, so large ones are
- * written with streaming (non-temporal) stores: no read-for-ownership of the destination
- * and no cache pollution. glibc's memcpy does the same only above a threshold of several
- * MiB, so a gather of 64 KiB blocks would otherwise pay for the extra destination reads. */
-static void copy_block(char *dst, const char *src, uint64_t len) {
-    if (len < KVS_NT_MIN) {
-        memcpy(dst, src, len);
-        return;
-    }
-    uint64_t head = (uint64_t)(-(uintptr_t)dst & 15);
-    memcpy(dst, src, head);
-    dst += head, src += head, len -= head;
-    uint64_t n = len / 64;
-    for (uint64_t i = 0; i < n; i++, dst += 64, src += 64) {
-        _mm_prefetch(src + 1024, _MM_HINT_NTA);
-        __m128i a = _mm_loadu_si128((const __m128i *)src);
-        __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
-        __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
-        _mm_stream_si128((__m128i *)dst, a);
-        _mm_stream_si128((__m128i *)(dst + 16), b);
-        _mm_stream_si128((__m128i *)(dst + 32), c);
-        _mm_stream_si128((__m128i *)(dst + 48), d);
-    }
-    memcpy(dst, src, len % 64);
-}
-
-static void copy_fence(void) { _mm_sfence(); }
-
-/* The next block starts elsewhere (gathers jump around): start fetching its head early. */
-static void copy_prefetch(const char *src) {
-    for (int i = 0; i < 1024; i += 64) _mm_prefetch(src + i, _MM_HINT_NTA);
-}
-#else
-static void copy_prefetch(const char *src) { (void)src; }
-static void copy_block(char *dst, const char *src, uint64_t len) { memcpy(dst, src, len); }
-static void copy_fence(void) {}
-#endif
-
 static int run_part(const struct kvs_op *op, uint32_t part) {
     if (op->flags & KVS_OPF_FAIL) return KVS_E_INJECTED;
     uint64_t lo = op->nblocks * part / op->nparts, hi = op->nblocks * (part + 1) / op->nparts;
     for (uint64_t i = lo; i < hi; i++) {
         const kvs_block *b = &op->blocks[i];
-        if (i + 1 < hi) copy_prefetch((const char *)(uintptr_t)(op->src_base + op->blocks[i + 1].src_off));
-        copy_block((char *)(uintptr_t)(op->dst_base + b->dst_off),
+        if (i + 1 < hi) kvs_copy_prefetch((const char *)(uintptr_t)(op->src_base + op->blocks[i + 1].src_off));
+        kvs_copy_block((char *)(uintptr_t)(op->dst_base + b->dst_off),
                    (const char *)(uintptr_t)(op->src_base + b->src_off), b->len);
     }
-    copy_fence(); /* streaming stores are visible before the op is reported finished */
+    kvs_copy_fence(); /* streaming stores are visible before the op is reported finished */
     return KVS_OK;
 }
 
