@@ -48,7 +48,7 @@ from kvstate.integrations.vllm.slots import SlotTable
 from kvstate.integrations.vllm.stats import Tally
 from kvstate.integrations.vllm.tp import SourceView, same_tp
 from kvstate.integrations.vllm import wire
-from kvstate.reuse.policy import Candidate, DecisionReason, choose_transfer_source
+from kvstate.reuse.policy import Candidate, choose_transfer_source
 from kvstate.share.coordinated_group import CoordinatedGroup
 from kvstate.share.coordinator import Coordinator, CoordinatorConfig
 from kvstate.share.importer import BlockRequest

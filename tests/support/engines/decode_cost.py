@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,15 @@ class Cost:
         return statistics.median(self.plain_s) / statistics.median(self.kvstate_s)
 
 
+def same_cores(spec: EngineSpec) -> EngineSpec:
+    """``spec`` with the CPU reservation vLLM gives an engine without a connector. vLLM
+    reserves one more core per rank for the engine's other processes when any
+    ``kv_transfer_config`` is set (for NIXL's threads, vllm/utils/ompmultiprocessing.py);
+    on 2 cores that leaves nothing to reserve, so the connector's engine would compute on
+    both cores, against its own scheduler, and the two rows would time two layouts."""
+    return replace(spec, env={**spec.env, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"})
+
+
 def _batch(seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, tiny_llama.CONFIG["vocab_size"]) for _ in range(PROMPT)] for _ in range(BATCH)]
@@ -61,8 +70,8 @@ def measure(workdir: Path, repeats: int = 3, progress: Any = print, model: str |
     box = Engines(workdir / "cost", MemorySampler())
     try:
         progress("starting 2 engines: kvstate decode (storing every finished block), plain (no connector)")
-        decode, plain = start_all([box.make("decode", kvstate_kit.spec(model, "kv_producer", sockets)),
-                                   box.make("plain", EngineSpec(model))])
+        decode, plain = start_all([box.make("decode", same_cores(kvstate_kit.spec(model, "kv_producer", sockets))),
+                                   box.make("plain", same_cores(EngineSpec(model)))])
         for e in (decode, plain):  # warm-up, untimed (the decode engine stores its blocks too)
             e.generate(_batch(7), 4)
         cost.requests = BATCH
