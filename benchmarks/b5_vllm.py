@@ -33,9 +33,9 @@ from benchmarks.framework import Comparison, Figure, Row, Suite, SuiteResult
 
 COMMAND = "kvstate bench --suite vllm"
 GOAL = "kvstate reuse no slower than recompute and than vLLM's ExampleConnector, at every prompt length"
-#: the rows of one prompt length, by kind: kvstate's and the two it is compared with
+#: the rows of one prompt length, by kind: kvstate's and those it is compared with
 KINDS = {"reuse": "kvstate reuse", "recompute": "recompute", "example": "ExampleConnector (disk)",
-         "crossnode": "kvstate NIXL across namespaces"}
+         "crossnode": "kvstate NIXL across namespaces", "nixlconnector": "vLLM's NixlConnector across namespaces"}
 _LENGTH = re.compile(r", (\d+) tokens$")
 #: the engine-cost rows (seconds per generated token) and their goal: kvstate's decode
 #: tokens/s at least 97% of a plain engine's, so its time per token at most 1/0.97 of it
@@ -71,7 +71,7 @@ def result(rows: Iterable[Any], repeats: int, cost: Any = None) -> SuiteResult:
     comparisons: list[Comparison] = []
     for r in rows:
         samples = {"reuse": r.reuse_s, "recompute": r.recompute_s, "example": r.example_s,
-                   "crossnode": getattr(r, "crossnode_s", [])}
+                   "crossnode": getattr(r, "crossnode_s", []), "nixlconnector": getattr(r, "nixlconn_s", [])}
         recompute = row_name("recompute", r.length)
         for kind, xs in samples.items():
             figure = Figure(tuple(xs), note=f"median of {len(xs)} generate(max_tokens=1)") if xs else None
@@ -80,7 +80,9 @@ def result(rows: Iterable[Any], repeats: int, cost: Any = None) -> SuiteResult:
         comparisons += [Comparison(row_name("reuse", r.length), recompute, 1.0, "reuse pays off"),
                         Comparison(row_name("reuse", r.length), row_name("example", r.length), 1.0,
                                    "ahead of the peer"),
-                        Comparison(row_name("crossnode", r.length), recompute, 1.0, "reuse across nodes pays off")]
+                        Comparison(row_name("crossnode", r.length), recompute, 1.0, "reuse across nodes pays off"),
+                        Comparison(row_name("crossnode", r.length), row_name("nixlconnector", r.length), 1.0,
+                                   "across nodes, ahead of vLLM's NixlConnector")]
     for name, xs, kv in ((COST_KVSTATE, getattr(cost, "kvstate_s", []), True),
                          (COST_PLAIN, getattr(cost, "plain_s", []), False)):
         figure = Figure(tuple(xs), note=f"median of {len(xs)} batches, seconds per generated token") if xs else None

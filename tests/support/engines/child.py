@@ -10,9 +10,11 @@ Protocol (pickled dicts over a ``multiprocessing.connection.Connection``): the r
 sends the engine's settings; the child answers ``{"ok": True, ...}`` once the engine is
 up, or ``{"ok": False, "error": traceback}``. Then, per command, one answer:
 
-- ``{"op": "generate", "prompts": [[ids]], "max_tokens": n}`` -> ``tokens``,
-  ``num_cached_tokens``, ``finish_reasons``, ``metrics`` (cumulative, after the call),
-  ``seconds``;
+- ``{"op": "generate", "prompts": [[ids]], "max_tokens": n, "transfer": [params]}`` ->
+  ``tokens``, ``num_cached_tokens``, ``finish_reasons``, ``transfer`` (each output's
+  ``kv_transfer_params``), ``metrics`` (cumulative, after the call), ``seconds``;
+  ``transfer`` (optional, one dict or None per prompt) is each request's
+  ``kv_transfer_params``;
 - ``{"op": "reset_prefix_cache"}`` -> ``reset`` (vLLM's bool);
 - ``{"op": "metrics"}`` -> ``metrics``;
 - ``{"op": "shutdown"}`` -> answered, then the engine is shut down and the process exits.
@@ -59,19 +61,26 @@ def metrics_snapshot(llm: Any) -> dict[str, float]:
     return out
 
 
-def _generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+def _generate(llm: Any, prompts: list[list[int]], max_tokens: int,
+              transfer: list[dict[str, Any] | None] | None = None) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    # Greedy, fixed length (no tokenizer: no EOS to stop at), no detokenization.
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    # Greedy, fixed length (no tokenizer: no EOS to stop at), no detokenization; a
+    # request's kv_transfer_params ride in its extra_args, as vLLM's OpenAI server puts them.
+    def params(i: int) -> Any:
+        extra = None if transfer is None or transfer[i] is None else {"kv_transfer_params": transfer[i]}
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
+                              extra_args=extra)
     t0 = time.monotonic()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], [params(i) for i in range(len(prompts))],
+                        use_tqdm=False)
     seconds = time.monotonic() - t0
     return {
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
         "num_cached_tokens": [int(o.num_cached_tokens or 0) for o in outs],
         "finish_reasons": [o.outputs[0].finish_reason for o in outs],
+        "transfer": [o.kv_transfer_params for o in outs],
         "seconds": seconds,
         "metrics": metrics_snapshot(llm),
     }
@@ -131,7 +140,7 @@ def main(argv: list[str]) -> int:
         op = msg.get("op")
         try:
             if op == "generate":
-                reply = _generate(llm, msg["prompts"], msg["max_tokens"])
+                reply = _generate(llm, msg["prompts"], msg["max_tokens"], msg.get("transfer"))
             elif op == "submit_and_abort":
                 reply = _submit_and_abort(llm, msg["prompt"], msg["max_tokens"], msg["delay_s"])
             elif op == "reset_prefix_cache":

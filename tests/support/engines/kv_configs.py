@@ -54,6 +54,13 @@ def example(storage: Path, role: str = "kv_both") -> dict[str, Any]:
     return _base("ExampleConnector", role, {"shared_storage_path": str(storage)}, None)
 
 
+def nixl(role: str = "kv_both") -> dict[str, Any]:
+    """vLLM's NixlConnector with its KV in host memory (the CPU platform's only buffer).
+    The engine whose KV is read also needs ``VLLM_NIXL_SIDE_CHANNEL_HOST`` and ``_PORT``:
+    where the reading engine asks for its NIXL metadata."""
+    return {**_base("NixlConnector", role, {}, None), "kv_buffer_device": "cpu"}
+
+
 def probe_example(storage: Path, probe_dir: Path, role: str = "kv_both") -> dict[str, Any]:
     """ExampleConnector plus the probe: records the registered KV tensors in ``probe_dir``
     and fails the next load when ``probe_dir/fail-next-load`` exists."""

@@ -117,6 +117,7 @@ class Generation:
     metrics: dict[str, float]
     metrics_before: dict[str, float]
     log: str
+    transfer: list[dict[str, Any] | None] = field(default_factory=list)  # each output's kv_transfer_params
 
 
 def _stat(pid: str) -> tuple[str, int, int] | None:
@@ -272,13 +273,18 @@ class Engine:
 
     # -- commands -------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], max_tokens: int = 16, timeout: float = COMMAND_TIMEOUT) -> Generation:
+    def generate(self, prompts: list[list[int]], max_tokens: int = 16, timeout: float = COMMAND_TIMEOUT, *,
+                 transfer: list[dict[str, Any] | None] | None = None) -> Generation:
+        """``transfer``: each request's ``kv_transfer_params``, as a router passes them."""
         before, mark = dict(self.metrics), self.log_size()
-        reply = self._request({"op": "generate", "prompts": prompts, "max_tokens": max_tokens}, timeout)
+        msg: dict[str, Any] = {"op": "generate", "prompts": prompts, "max_tokens": max_tokens}
+        if transfer is not None:
+            msg["transfer"] = transfer
+        reply = self._request(msg, timeout)
         self.metrics = reply["metrics"]
         self._note_shm()
         return Generation(reply["tokens"], reply["num_cached_tokens"], reply["finish_reasons"], reply["seconds"],
-                          reply["metrics"], before, self.log_since(mark))
+                          reply["metrics"], before, self.log_since(mark), reply.get("transfer", []))
 
     def submit_and_abort(self, prompt: list[int], delay_s: float, max_tokens: int = 16,
                          timeout: float = COMMAND_TIMEOUT) -> str:

