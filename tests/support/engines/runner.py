@@ -35,6 +35,8 @@ from support.engines import leftovers
 SOURCE_ROOT = Path(__file__).resolve().parents[3]
 KIT_ROOT = SOURCE_ROOT / "tests"
 TAG_VAR = "KVSTATE_ENGINE_TAG"
+#: NIXL named as vLLM's NixlConnector imports it (see the package's docstring)
+NIXL_NAME = Path(__file__).resolve().parent / "nixl_name"
 
 START_TIMEOUT = float(os.environ.get("KVSTATE_VLLM_START_TIMEOUT", "420"))
 COMMAND_TIMEOUT = float(os.environ.get("KVSTATE_VLLM_COMMAND_TIMEOUT", "180"))
@@ -94,7 +96,10 @@ class EngineSpec:
         env[TAG_VAR] = tag
         env["TMPDIR"] = str(tmpdir)
         # tests/vllm for its sitecustomize: kvstate's INFO records in the engine's log.
-        env["PYTHONPATH"] = os.pathsep.join([str(SOURCE_ROOT), str(KIT_ROOT), str(KIT_ROOT / "vllm")]
+        paths = [SOURCE_ROOT, KIT_ROOT, KIT_ROOT / "vllm"]
+        if (self.kv_transfer or {}).get("kv_connector") == "NixlConnector":
+            paths.append(NIXL_NAME)
+        env["PYTHONPATH"] = os.pathsep.join([str(p) for p in paths]
                                             + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
         env["PYTHONUNBUFFERED"] = "1"
         if self.tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
