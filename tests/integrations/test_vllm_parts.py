@@ -69,12 +69,29 @@ def test_defaults_keep_reuse_off_and_need_a_key() -> None:
     ({"policy": {"enable_decode_to_prefill_reuse": "maybe"}}, "policy"),
     ({"policy": {"unknown_setting": 1}}, "policy"),
     ({"deployment": ""}, "deployment"),
-    ({"gil_switch_interval_s": 0.0005}, "gil_switch_interval_s"),   # a retired workaround is unknown now
+    ({"gil_switch_interval_s": 0}, "gil_switch_interval_s"),
+    ({"gil_switch_interval_s": -0.001}, "gil_switch_interval_s"),
+    ({"gil_switch_interval_s": 0.01}, "gil_switch_interval_s"),
+    ({"gil_switch_interval_s": True}, "gil_switch_interval_s"),
+    ({"gil_switch_interval_s": "0.001"}, "gil_switch_interval_s"),
 ])
 def test_every_bad_key_is_refused_by_name(extra: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigInvalid) as e:
         cfgmod.parse(extra, "kv_both", ENV)
     assert e.value.field == field
+
+
+def test_the_switch_interval_is_lowered_never_raised() -> None:
+    import subprocess
+    import sys
+
+    assert cfgmod.parse({}, "kv_both", ENV).gil_switch_interval_s == 0.0005
+    assert cfgmod.parse({"gil_switch_interval_s": None}, "kv_both", ENV).gil_switch_interval_s is None
+    probe = ("import sys; from kvstate.integrations.vllm.gil import share_the_gil as s; d = sys.getswitchinterval(); "
+             "print(s(None), sys.getswitchinterval() == d, s(0.01), sys.getswitchinterval() == d, "
+             "s(0.0005), sys.getswitchinterval(), s(0.001), sys.getswitchinterval())")
+    out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["False", "True", "False", "True", "True", "0.0005", "False", "0.0005"]
 
 
 def test_role_must_be_vllms() -> None:

@@ -71,10 +71,16 @@ KEYS: Mapping[str, tuple[object, str]] = {
                         "opts into heterogeneous TP: each rank loads its KV heads from the decode ranks holding them"),
     "layer_loads": (False, "prefill side: load layer by layer in the forward pass (each layer's attention waits "
                            "for that layer only) instead of before the request runs"),
+    "gil_switch_interval_s": (0.0005, "every engine process with the connector: Python's thread switch interval, "
+                                      "lowered to this (null: leave it)"),
 }
 
 #: The most ranks a decode engine's ``listen`` leaves ports for (PORT+1 .. PORT+MAX_TP).
 MAX_TP = 64
+
+#: The most ``gil_switch_interval_s`` may be: Python's own default (the setting only lowers it).
+MAX_SWITCH_INTERVAL_S = 0.005
+
 
 def _name(field: str, value: object) -> str:
     if not isinstance(value, str) or not _NAME.fullmatch(value):
@@ -167,6 +173,7 @@ class ConnectorConfig:
     lease_timeout_s: float
     descriptor_ttl_s: float
     model_id: str | None
+    gil_switch_interval_s: float | None
     source_tp: int | None = None
     layer_loads: bool = False
     transport: str = "auto"
@@ -282,6 +289,11 @@ def parse(extra: Mapping[str, Any] | None, role: str, environ: Mapping[str, str]
     model_id = v["model_id"]
     if model_id is not None and (not isinstance(model_id, str) or not model_id):
         raise ConfigInvalid.of("model_id", "must be a non-empty string")
+    switch = v["gil_switch_interval_s"]
+    if switch is not None and (isinstance(switch, bool) or not isinstance(switch, (int, float))
+                               or not 0 < switch <= MAX_SWITCH_INTERVAL_S):
+        raise ConfigInvalid.of("gil_switch_interval_s", f"must be null or seconds in (0, {MAX_SWITCH_INTERVAL_S}], "
+                               f"not {switch!r:.40}")
 
     source_tp = v["source_tp"]
     if source_tp is not None and (isinstance(source_tp, bool) or not isinstance(source_tp, int)
@@ -311,6 +323,6 @@ def parse(extra: Mapping[str, Any] | None, role: str, environ: Mapping[str, str]
         lookup_timeout_s=_seconds("lookup_timeout_s", v["lookup_timeout_s"]),
         lease_timeout_s=_seconds("lease_timeout_s", v["lease_timeout_s"]),
         descriptor_ttl_s=_seconds("descriptor_ttl_s", v["descriptor_ttl_s"]),
-        model_id=model_id, source_tp=source_tp,
+        model_id=model_id, gil_switch_interval_s=None if switch is None else float(switch), source_tp=source_tp,
         layer_loads=layer_loads,
     )

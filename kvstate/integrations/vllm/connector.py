@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
@@ -35,6 +36,7 @@ from kvstate.core.errors import ConfigInvalid
 from kvstate.integrations.vllm.affinity import starts_unpinned, unpinned
 from kvstate.integrations.vllm.amx import request_amx_tiles
 from kvstate.integrations.vllm.config import ROUTE_KEY, ConnectorConfig, parse
+from kvstate.integrations.vllm.gil import share_the_gil
 from kvstate.integrations.vllm.hashing import Compat
 from kvstate.integrations.vllm.layout import (FP8_CACHE_DTYPES, MLA_ISA, TORCH_DTYPES, is_mla, scales_problem,
                                               tensor_problem)
@@ -43,6 +45,9 @@ from kvstate.integrations.vllm.stats import Tally
 from kvstate.integrations.vllm.tp import source_view
 
 log = logging.getLogger(__name__)
+
+#: how long a worker step sleeps while kvstate has work (see get_finished)
+YIELD_S = 0.001
 
 T = TypeVar("T")
 
@@ -162,6 +167,7 @@ class KvStateConnector(KVConnectorBase_V1):
         total_heads = 1 if is_mla(self._compat) else int(vllm_config.model_config.get_total_num_kv_heads())
         self._view = source_view(self._compat, total_heads, self._cfg.source_tp)
         self._cfg.check_remote(self._view.mixed)
+        share_the_gil(self._cfg.gil_switch_interval_s)
         self._engine_id = str(transfer.engine_id)
         self._tally = Tally()
         self._sched: Any = None
@@ -250,6 +256,16 @@ class KvStateConnector(KVConnectorBase_V1):
     @_guarded(lambda: (None, None))
     @starts_unpinned
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if any(part is not None and part.busy() for part in (self._decode, self._prefill)):
+            # vLLM's worker busy-polls its message queue with os.sched_yield between steps.
+            # What that starves, measured (issue 28 item 6), is CPU, not the GIL: threads of
+            # another engine bound to the same core did not run for seconds. kvstate's own
+            # threads no longer live on the worker's core (.affinity), but without this
+            # sleep (and the switch interval, .gil) the vLLM suite failed 2 runs of 3 in its
+            # tp=2 file: a decode rank left a lease request unanswered until its phase timed
+            # out (3.5 s, then 10 s; cause not found). A real sleep, only while kvstate has work, gives the core away once
+            # per step.
+            time.sleep(YIELD_S)
         sending = self._decode.finished(set(finished_req_ids)) if self._decode is not None else set()
         recving: set[str] = set()
         if self._prefill is not None:

@@ -193,6 +193,12 @@ class DecodeRank:
         out["leases"], out["holds"] = len(self.bank.leases), len(self.bank.holds)
         return out
 
+    def busy(self) -> bool:
+        """Stores in flight, or importers connected (lease requests are served by threads)."""
+        with self._lock:
+            pending = bool(self._pending or self._handles)
+        return pending or self.exporter.connections() > 0
+
     # -- the link to the index ----------------------------------------------------------------
 
     def _link(self) -> None:

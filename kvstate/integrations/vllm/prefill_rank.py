@@ -319,7 +319,7 @@ class PrefillRank:
                 "reasons": len(self._reasons), "live_shares": live}
 
     def busy(self) -> bool:
-        """Loads in flight (the in-process flow tests step until none is left)."""
+        """Loads in flight: this rank's threads (imports, leases) have work to do."""
         return bool(self._loads)
 
     def finished(self) -> tuple[set[str], set[int]]:
