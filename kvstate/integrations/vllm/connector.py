@@ -263,8 +263,8 @@ class KvStateConnector(KVConnectorBase_V1):
             # threads no longer live on the worker's core (.affinity), but without this
             # sleep (and the switch interval, .gil) the vLLM suite failed 2 runs of 3 in its
             # tp=2 file: a decode rank left a lease request unanswered until its phase timed
-            # out (3.5 s, then 10 s; cause not found). A real sleep, only while kvstate has work, gives the core away once
-            # per step.
+            # out (3.5 s, then 10 s; cause not found). A real sleep, only while kvstate has
+            # work, gives the core away once per step.
             time.sleep(YIELD_S)
         sending = self._decode.finished(set(finished_req_ids)) if self._decode is not None else set()
         recving: set[str] = set()

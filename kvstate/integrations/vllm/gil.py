@@ -8,8 +8,8 @@ another engine's worker spinning on ``os.sched_yield`` on that core kept them fr
 for 10 s (:mod:`.affinity` frees them). With them free, Python's 5 ms interval and no
 sleep per step, the failing files passed (leases 0.2-7 ms); the whole suite without both
 workarounds passed once and failed twice in 3 runs, each time in its tp=2 file (a decode
-rank left a lease request unanswered until its phase timed out; connector's ``YIELD_S``). The interval
-alone was not tried without the sleep, so both stay.
+rank left a lease request unanswered until its phase timed out; connector's
+``YIELD_S``). The interval alone was not tried without the sleep, so both stay.
 """
 
 from __future__ import annotations
