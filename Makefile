@@ -140,7 +140,7 @@ fuzz: $(STAMP)
 # The mutation score: each planted mutant of tests/mutants/ (a snippet of the real sources
 # and its replacement) applied to a scratch copy of the tree, never to the working tree,
 # against the narrow test selection that must kill it; prints the kill table and the score
-# and fails below 90% killed, or at once when a mutant is stale. About 3.5 minutes on 2 cores.
+# and fails below 90% killed, or at once when a mutant is stale. About 18 minutes on 2 cores (106 of 129 mutants in 15 min, 2026-12-05).
 # MUTANTS_ARGS="--only ID ..." runs some; "--check" only checks that none is stale.
 MUTANTS_ARGS ?=
 mutants: $(STAMP) spin
