@@ -211,8 +211,7 @@ def _nixl_connector(net: Any, on: Any, box: Engines, model: str, rows: list[Row]
                 g = _fresh(consumer, p, 1, settle=(producer, consumer), transfer=answer)
                 if r >= 0:
                     row.nixlconn_s.append(g.seconds)
-                    hits = evidence.EXTERNAL_HITS
-                    row.nixlconn_reused = int(g.metrics.get(hits, 0) - g.metrics_before.get(hits, 0))
+                    row.nixlconn_reused = int(evidence.delta(g, evidence.EXTERNAL_HITS))
             progress(f"  {row.length} tokens: NixlConnector across namespaces "
                      f"{statistics.median(row.nixlconn_s) * 1e3:.1f} ms, {row.nixlconn_reused} tokens loaded")
     finally:
