@@ -126,6 +126,7 @@ kcu_result kcu_wait(kcu_context ctx, kcu_stream stream, kcu_event event) {
 }
 
 static void *completer(void *arg) {
+    pthread_setname_np(pthread_self(), "kvs-cuda-done"); /* seen in top -H, py-spy, /proc/<pid>/task */
     (void)arg;
     kvs_engine_lock();
     for (;;) {

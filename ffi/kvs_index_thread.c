@@ -112,6 +112,7 @@ static void serve_packet(struct kvs_index *x, int k, char *buf, uint32_t cap, ch
 }
 
 static void *run(void *arg) {
+    pthread_setname_np(pthread_self(), "kvs-index"); /* seen in top -H, py-spy, /proc/<pid>/task */
     struct kvs_index *x = arg;
     uint32_t cap = (uint32_t)x->max_payload + HEADER + 1, rcap = (uint32_t)x->max_payload;
     char *buf = malloc(cap), *reply = malloc(rcap);

@@ -216,6 +216,7 @@ static void arm_timer(struct kvs_lease_server *s) {
 }
 
 static void *run(void *arg) {
+    pthread_setname_np(pthread_self(), "kvs-lease"); /* seen in top -H, py-spy, /proc/<pid>/task */
     struct kvs_lease_server *s = arg;
     uint32_t cap = (uint32_t)s->max_payload + HEADER + 1, rcap = (uint32_t)s->max_payload;
     char *buf = malloc(cap), *reply = malloc(rcap < 4096 ? 4096 : rcap);

@@ -222,6 +222,7 @@ static int may_take(void) {
 }
 
 static void *worker(void *arg) {
+    pthread_setname_np(pthread_self(), "kvs-ops"); /* seen in top -H, py-spy, /proc/<pid>/task */
     (void)arg;
     lock();
     for (;;) {

@@ -241,6 +241,7 @@ static void renew_one(kvs_renewer *r, const struct entry *e, kvs_frame *f) {
 }
 
 static void *run(void *arg) {
+    pthread_setname_np(pthread_self(), "kvs-renew"); /* seen in top -H, py-spy, /proc/<pid>/task */
     kvs_renewer *r = arg;
     kvs_frame *f = calloc(1, sizeof *f);
     uint8_t *buf = malloc(1u << 20);  /* the largest payload cap a link may have */
