@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 
@@ -263,6 +264,15 @@ def test_the_index_answers_what_it_knows_and_lets_idle_clients_go(pair: tuple[En
         time.sleep(0.6)
         assert client._ch is not None and client._ch.hung_up()      # the index let it go
         assert isinstance(client.lookup(decode.compat, [bytes(32)]), Found)   # and it came back
+        # A question the native thread leaves to Python (another compatibility key, which
+        # Python names): the connection is handed over, and Python lets it go too.
+        client.close()
+        other = attrs.evolve(decode.compat, block_size=decode.compat.block_size * 2)
+        refused = client.lookup(other, [bytes(32)])
+        assert isinstance(refused, Refusal) and refused.reason != "protocol", refused
+        assert client._ch is not None and not client._ch.hung_up()
+        time.sleep(0.8)
+        assert client._ch.hung_up()
     finally:
         client.close()
         index.client_idle_s = index_mod.CLIENT_IDLE_S
