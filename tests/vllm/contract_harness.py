@@ -216,7 +216,7 @@ class Engine:
                 order = StoreOrder(order.req_id, tuple(self.num_blocks + i for i in range(len(order.src_blocks))),
                                    order.slots, order.keys)
             stores.append(order)
-        return KvStateMetadata(StepOrders(tuple(stores), tuple(loads)))
+        return KvStateMetadata(StepOrders(tuple(stores), tuple(loads), meta.orders.idle))
 
     def step(self) -> Any:
         so = self.scheduler.schedule()

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import contract_harness as h
+from kvstate.integrations.vllm import connector as connector_mod
 from contract_harness import BS, Engine
 
 PROMPT = list(range(100, 100 + 3 * BS + 5))          # 3 full blocks and 5 tokens
@@ -164,6 +165,54 @@ def test_an_abort_after_it_finished_with_stores_in_flight(box: Box) -> None:
     engine.abort("a")                                   # vLLM ignores it: the request finished
     box.settle_and_check()
     assert (engine.sending["a"], engine.stores_ordered["a"]) == (1, 1)
+
+
+# -- idle steps (issue 28) -------------------------------------------------------------------------
+
+
+THIRD = list(range(600, 600 + 2 * BS + 7))
+
+
+def test_an_idle_step_waits_for_transfers_off_the_cpu_and_a_step_with_tokens_never(
+        box: Box, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a step with no tokens vLLM steps again at once, its workers spinning between
+    steps; kvstate's worker side waits instead, off the CPU, while its transfers run: in
+    naps of IDLE_POLL_S until one ends, never past IDLE_WAIT_S. A step that computes
+    never waits, however busy kvstate is (it was: 1 ms per step while kvstate had work)."""
+    naps: list[float] = []
+    real = connector_mod._nap
+    monkeypatch.setattr(connector_mod, "_nap", lambda s: (naps.append(s), real(s))[1])
+    most = int(connector_mod.IDLE_WAIT_S / connector_mod.IDLE_POLL_S) + 1
+    box.source(PROMPT, THIRD)
+    engine = box.make("eng", "kv_consumer", sources=("src",))
+
+    def steps(until: Callable[[], bool]) -> list[tuple[bool, int, bool]]:
+        """(idle, naps, reported a load) of each step until ``until()``."""
+        out = []
+        for _ in range(2000):
+            if until():
+                return out
+            before, got = len(naps), sum(engine.recving.values())
+            so = engine.step()
+            out.append((so.total_num_scheduled_tokens == 0, len(naps) - before, sum(engine.recving.values()) > got))
+        raise AssertionError(engine.violations())
+
+    # a request computing every step while another one's load is in flight
+    engine.add("b", OTHER, max_tokens=64)
+    engine.add("a", PROMPT + [3])
+    busy = steps(lambda: engine.recving["a"] == 1)
+    assert engine.loads_ordered["a"] == 1 and any(not idle for idle, _, _ in busy), busy
+    assert all(n == 0 for idle, n, _ in busy if not idle), busy
+    box.settle_and_check()
+    # nothing to compute, a load in flight: every step waits until the load reports
+    engine.add("c", THIRD + [5])
+    waiting = steps(lambda: engine.recving["c"] == 1)
+    assert engine.loads_ordered["c"] == 1, waiting
+    idle_steps = [(n, reported) for idle, n, reported in waiting if idle]   # often one: it sees the load end
+    assert idle_steps and all(n >= 1 or reported for n, reported in idle_steps), waiting
+    assert sum(n for n, _ in idle_steps) >= 1, waiting
+    assert all(n <= most for _, n, _ in waiting), (most, waiting)
+    box.settle_and_check()
 
 
 # -- preemption ------------------------------------------------------------------------------------

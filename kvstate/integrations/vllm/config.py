@@ -71,8 +71,8 @@ KEYS: Mapping[str, tuple[object, str]] = {
                         "opts into heterogeneous TP: each rank loads its KV heads from the decode ranks holding them"),
     "layer_loads": (False, "prefill side: load layer by layer in the forward pass (each layer's attention waits "
                            "for that layer only) instead of before the request runs"),
-    "gil_switch_interval_s": (0.0005, "every engine process with the connector: Python's thread switch interval, "
-                                      "lowered to this (null: leave it)"),
+    "gil_switch_interval_s": (None, "every engine process with the connector: Python's thread switch interval, "
+                                    "lowered to this (null: leave it)"),
 }
 
 #: The most ranks a decode engine's ``listen`` leaves ports for (PORT+1 .. PORT+MAX_TP).

@@ -46,8 +46,11 @@ from kvstate.integrations.vllm.tp import source_view
 
 log = logging.getLogger(__name__)
 
-#: how long a worker step sleeps while kvstate has work (see get_finished)
-YIELD_S = 0.001
+#: The longest an idle step waits for kvstate's transfers, and how often it looks (see
+#: get_finished): the bound is what a request that arrives meanwhile may wait for its step.
+IDLE_WAIT_S = 0.002
+IDLE_POLL_S = 0.00025
+_nap = time.sleep  # one home for the idle wait's sleeps (a test counts them)
 
 T = TypeVar("T")
 
@@ -174,6 +177,7 @@ class KvStateConnector(KVConnectorBase_V1):
         self._decode: Any = None
         self._prefill: Any = None
         self._load_errors: set[int] = set()
+        self._idle = False  # the bound step schedules no tokens
         if role == KVConnectorRole.SCHEDULER:
             from kvstate.integrations.vllm.scheduler_side import SchedulerSide
 
@@ -222,7 +226,9 @@ class KvStateConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)
         if not isinstance(connector_metadata, KvStateMetadata):
+            self._idle = False
             return
+        self._idle = connector_metadata.orders.idle
         for store in connector_metadata.orders.stores:
             if self._decode is not None:
                 self._decode.store(store)
@@ -256,22 +262,29 @@ class KvStateConnector(KVConnectorBase_V1):
     @_guarded(lambda: (None, None))
     @starts_unpinned
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if any(part is not None and part.busy() for part in (self._decode, self._prefill)):
-            # vLLM's worker busy-polls its message queue with os.sched_yield between steps.
-            # What that starves, measured (issue 28 item 6), is CPU, not the GIL: threads of
-            # another engine bound to the same core did not run for seconds. kvstate's own
-            # threads no longer live on the worker's core (.affinity), but without this
-            # sleep (and the switch interval, .gil) the vLLM suite failed 2 runs of 3 in its
-            # tp=2 file: a decode rank left a lease request unanswered until its phase timed
-            # out (3.5 s, then 10 s; cause not found). A real sleep, only while kvstate has
-            # work, gives the core away once per step.
-            time.sleep(YIELD_S)
-        sending = self._decode.finished(set(finished_req_ids)) if self._decode is not None else set()
+        sending, recving = self._finished(set(finished_req_ids))
+        if self._idle and not (sending or recving) and self._busy():
+            # A step with no tokens only polls for finished transfers: vLLM steps again at
+            # once, and its workers spin on os.sched_yield in between. On this kernel such
+            # spinning kept another engine's threads (the lease server of the decode rank
+            # these loads wait for) off both cores for up to 22 s (issue 28, measured). So
+            # an idle step waits here, off the CPU, until a transfer ends or IDLE_WAIT_S.
+            deadline = time.monotonic() + IDLE_WAIT_S
+            while not (sending or recving) and time.monotonic() < deadline and self._busy():
+                _nap(IDLE_POLL_S)
+                sending, recving = self._finished(set())
+        return sending or None, recving or None
+
+    def _busy(self) -> bool:
+        return any(part is not None and part.busy() for part in (self._decode, self._prefill))
+
+    def _finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        sending = self._decode.finished(finished_req_ids) if self._decode is not None else set()
         recving: set[str] = set()
         if self._prefill is not None:
             recving, failed = self._prefill.finished()
             self._load_errors |= failed
-        return sending or None, recving or None
+        return sending, recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
@@ -318,7 +331,7 @@ class KvStateConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         try:
-            orders = self._sched.step_orders()
+            orders = self._sched.step_orders(idle=getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0)
             if self._cfg.layer_loads and orders.loads and hasattr(scheduler_output, "has_sync_kv_loads"):
                 # vLLM starts loads after the forward pass unless the step has a sync load;
                 # it sets this for the requests it schedules so, and it must hold for ours.

@@ -44,6 +44,8 @@ class LoadOrder:
 class StepOrders:
     stores: tuple[StoreOrder, ...] = ()
     loads: tuple[LoadOrder, ...] = ()
+    #: the step schedules no tokens: the workers run no forward pass, only report transfers
+    idle: bool = False
 
     def __bool__(self) -> bool:
         return bool(self.stores or self.loads)

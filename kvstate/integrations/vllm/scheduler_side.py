@@ -407,8 +407,8 @@ class SchedulerSide:
 
     # -- every step -----------------------------------------------------------------------------
 
-    def step_orders(self) -> StepOrders:
-        orders = StepOrders(tuple(self._stores), tuple(self._loads))
+    def step_orders(self, idle: bool = False) -> StepOrders:
+        orders = StepOrders(tuple(self._stores), tuple(self._loads), idle)
         self._stores, self._loads = [], []
         self._layer_running += self._layer_ordered
         self._layer_ordered = []

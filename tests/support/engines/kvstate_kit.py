@@ -42,13 +42,7 @@ def spec(model: str, role: str, sockets: Path, *, policy: dict[str, Any] | None 
          **extra: Any) -> EngineSpec:
     """With ``probe_dir``, the engine runs kvstate's connector as the probe subclass that
     holds a worker's GIL after stores while ``probe_dir/hold-gil-after-store`` exists."""
-    # Longer than the connector's defaults (10 s, 0.5 s). With the defaults, and without the
-    # connector's sleep per step and switch interval, the suite failed (issue 28): the first
-    # tp=2 load of a kv_both decode engine, 4 workers on 2 cores, got no lease answer within
-    # 3.5 s, while that engine's own prefill rank heard nothing from its coordinator for 5 s.
-    # Not traced further yet.
-    cfg: dict[str, Any] = {"socket_dir": str(sockets), "retain_bytes": 64 << 20, "load_timeout_s": 20.0,
-                           "lookup_timeout_s": 2.0, **extra}
+    cfg: dict[str, Any] = {"socket_dir": str(sockets), "retain_bytes": 64 << 20, **extra}  # default timeouts
     if policy is not None:
         cfg["policy"] = policy
     env = {"KVSTATE_DEPLOYMENT_KEY": KEY_HEX}
