@@ -6,8 +6,8 @@ So every thread kvstate started from a worker's hooks (the native lease server, 
 engine's copy threads, lease renewal, a rank worker's reader, lease and open threads)
 was confined to that one core, beside the worker's main thread, which computes during a
 step and spins on ``os.sched_yield`` between steps. Measured (issue 28, item 6; two tp=1
-FP8 engines on 2 cores, both bound to core 0, without the connector's 1 ms sleep per
-step): while the prefill worker's main thread
+FP8 engines on 2 cores, both bound to core 0, without the sleep per step the connector
+had then): while the prefill worker's main thread
 spun on core 0 waiting for its next step, the decode worker's kvstate threads stayed
 runnable on core 0 and ran not once for 10 s, with core 1 idle; the prefill's lease got
 no answer within its 10 s timeout, and the first loads were recomputed.

@@ -264,11 +264,12 @@ class KvStateConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, recving = self._finished(set(finished_req_ids))
         if self._idle and not (sending or recving) and self._busy():
-            # A step with no tokens only polls for finished transfers: vLLM steps again at
-            # once, and its workers spin on os.sched_yield in between. On this kernel such
-            # spinning kept another engine's threads (the lease server of the decode rank
-            # these loads wait for) off both cores for up to 22 s (issue 28, measured). So
-            # an idle step waits here, off the CPU, until a transfer ends or IDLE_WAIT_S.
+            # A step with no tokens only polls for finished transfers, and vLLM steps again
+            # at once, its workers spinning on os.sched_yield in between. Measured (issue
+            # 28, tp=2 prefill whose loads waited, 2 cores): its two workers took 37 of 44
+            # CPU-seconds for 22 s, and the engine its loads waited for barely ran: the
+            # feedback that left lease requests unanswered. So an idle step waits here,
+            # off the CPU, until a transfer ends or IDLE_WAIT_S; a step that computes never.
             deadline = time.monotonic() + IDLE_WAIT_S
             while not (sending or recving) and time.monotonic() < deadline and self._busy():
                 _nap(IDLE_POLL_S)

@@ -1,15 +1,15 @@
-"""The thread switch interval of an engine process that runs kvstate's threads.
+"""The thread switch interval of an engine process that runs kvstate's threads
+(``gil_switch_interval_s``; unset by default, Python's 5 ms stays).
 
-Why it was set: loads timed out in the vLLM suite, and the guess was that kvstate's
-threads waited for the GIL of vLLM's busy-polling worker (up to the interval for every
-blocking call). Measured since (issue 28, item 6), the loads that timed out waited for
-CPU, not for the GIL: kvstate's threads inherited the core vLLM binds the worker to, and
-another engine's worker spinning on ``os.sched_yield`` on that core kept them from running
-for 10 s (:mod:`.affinity` frees them). With them free, Python's 5 ms interval and no
-sleep per step, the failing files passed (leases 0.2-7 ms); the whole suite without both
-workarounds passed once and failed twice in 3 runs, each time in its tp=2 file (a decode
-rank left a lease request unanswered until its phase timed out; connector's
-``YIELD_S``). The interval alone was not tried without the sleep, so both stay.
+Why it exists (issue 28): loads timed out in the vLLM suite, and the guess was that
+kvstate's threads waited for the GIL of vLLM's busy-polling worker. The default was 0.5 ms,
+beside a 1 ms sleep per worker step while kvstate had work. Measured since, the loads
+waited for CPU, not for the GIL: first kvstate's threads, confined to the worker's core
+(:mod:`.affinity` frees them); then the workers of an engine whose loads waited, spinning
+through idle steps (the connector's ``get_finished`` now waits off the CPU on those). With
+both fixed, the vLLM suite passes with Python's interval, no sleep and the default
+timeouts. The setting stays for an engine whose own threads hold the GIL long; it only
+lowers the interval.
 """
 
 from __future__ import annotations
