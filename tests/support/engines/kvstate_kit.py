@@ -42,7 +42,11 @@ def spec(model: str, role: str, sockets: Path, *, policy: dict[str, Any] | None 
          **extra: Any) -> EngineSpec:
     """With ``probe_dir``, the engine runs kvstate's connector as the probe subclass that
     holds a worker's GIL after stores while ``probe_dir/hold-gil-after-store`` exists."""
-    cfg: dict[str, Any] = {"socket_dir": str(sockets), "retain_bytes": 64 << 20, **extra}  # default timeouts
+    # lookup_timeout_s 2 (default 0.5): vLLM's workers spin on os.sched_yield for 1 s after
+    # every step, and a tp=2 decode engine that just ran the prompt leaves its index, on 2
+    # cores, unanswered for longer than 0.5 s: measured, 1 of 3 vLLM suite runs (issue 28;
+    # a miss, so the reuse tests fail). load_timeout_s is the connector's default (10 s).
+    cfg: dict[str, Any] = {"socket_dir": str(sockets), "retain_bytes": 64 << 20, "lookup_timeout_s": 2.0, **extra}
     if policy is not None:
         cfg["policy"] = policy
     env = {"KVSTATE_DEPLOYMENT_KEY": KEY_HEX}
