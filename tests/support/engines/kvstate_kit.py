@@ -42,10 +42,10 @@ def spec(model: str, role: str, sockets: Path, *, policy: dict[str, Any] | None 
          **extra: Any) -> EngineSpec:
     """With ``probe_dir``, the engine runs kvstate's connector as the probe subclass that
     holds a worker's GIL after stores while ``probe_dir/hold-gil-after-store`` exists."""
-    # lookup_timeout_s 2 (default 0.5): vLLM's workers spin on os.sched_yield for 1 s after
-    # every step, and a tp=2 decode engine that just ran the prompt leaves its index, on 2
-    # cores, unanswered for longer than 0.5 s: measured, 1 of 3 vLLM suite runs (issue 28;
-    # a miss, so the reuse tests fail). load_timeout_s is the connector's default (10 s).
+    # lookup_timeout_s 2 (default 0.5): in 1 of 3 vLLM suite runs a lookup made right after
+    # a tp=2 decode engine ran the prompt got no answer within 0.5 s on 2 cores (a miss,
+    # and the reuse test failed; issue 28). That engine's workers spin on os.sched_yield
+    # for 1 s after each step (README, "Where the second went"). load_timeout_s: the default.
     cfg: dict[str, Any] = {"socket_dir": str(sockets), "retain_bytes": 64 << 20, "lookup_timeout_s": 2.0, **extra}
     if policy is not None:
         cfg["policy"] = policy
