@@ -267,9 +267,9 @@ class KvStateConnector(KVConnectorBase_V1):
             # A step with no tokens only polls for finished transfers, and vLLM steps again
             # at once, its workers spinning on os.sched_yield in between. Measured (issue
             # 28, tp=2 prefill whose loads waited, 2 cores): its two workers took 37 of 44
-            # CPU-seconds for 22 s, and the engine its loads waited for barely ran: the
-            # feedback that left lease requests unanswered. So an idle step waits here,
-            # off the CPU, until a transfer ends or IDLE_WAIT_S; a step that computes never.
+            # CPU-seconds for 22 s, and the engine its loads waited for barely ran. So an
+            # idle step waits here, off the CPU, until a transfer ends or IDLE_WAIT_S; a
+            # step that computes never waits.
             deadline = time.monotonic() + IDLE_WAIT_S
             while not (sending or recving) and time.monotonic() < deadline and self._busy():
                 _nap(IDLE_POLL_S)
