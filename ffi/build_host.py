@@ -20,7 +20,7 @@ from pathlib import Path
 from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("kvs_slots.c", "kvs_host.c", "kvs_ops.c", "kvs_reports.c", "kvs_copy.c", "kvs_machine.c", "kvs_machines.c", "kvs_cuda_load.c",
+SOURCES = ("kvs_slots.c", "kvs_host.c", "kvs_ops.c", "kvs_op_table.c", "kvs_reports.c", "kvs_copy.c", "kvs_machine.c", "kvs_machines.c", "kvs_cuda_load.c",
            "kvs_cuda_mem.c", "kvs_cuda_ops.c")
 SOURCES += ("kvs_link.c", "kvs_renew.c")  # the importer's request links and renewal thread
 SOURCES += ("kvs_attach.c",)  # the importer's native attach (phase 2 on the host backend)

@@ -45,8 +45,8 @@ def test_fire_sites_name_the_function_that_fires() -> None:
     # host ops start in a worker, CUDA ops as their copies go on a stream: one table
     assert labels["op"]["start"] == ["ffi/kvs_cuda_ops.c:kvs_cuda_submit", "ffi/kvs_ops.c:worker"]
     assert labels["op"]["finish"] == ["ffi/kvs_cuda_ops.c:settle", "ffi/kvs_ops.c:worker"]
-    assert [s.label for s in code.implemented_by("op", "effect", "pin_regions")] == ["ffi/kvs_ops.c:effect"]
-    assert code.runner("op") == codemap.Site("ffi/kvs_ops.c:kvs_op_step", "ffi/kvs_ops.c")
+    assert [s.label for s in code.implemented_by("op", "effect", "pin_regions")] == ["ffi/kvs_op_table.c:effect"]
+    assert code.runner("op") == codemap.Site("ffi/kvs_op_table.c:kvs_op_step", "ffi/kvs_op_table.c")
 
 
 # -- planted bugs: each must be reported ----------------------------------------------------
@@ -79,7 +79,7 @@ EXTERNAL = 'external = "the engine registers banks"'
     ("ffi/kvs_ops.c", "kvs_op_step(op, KVS_OP_EV_REAP)", "kvs_op_step(op, 6)", None,
      ["spec/op.toml: event 'reap' is fired nowhere"]),
     # C: an effect no function implements
-    ("ffi/kvs_ops.c", "case KVS_OP_FX_UNPIN_REGIONS:", "case 99:", None,
+    ("ffi/kvs_op_table.c", "case KVS_OP_FX_UNPIN_REGIONS:", "case 99:", None,
      ["effect 'unpin_regions' is implemented by no function"]),
     # C lease server: a bank event its table does not have, and a lease effect nobody implements
     ("ffi/kvs_lease_answer.c", "KVS_BANK_EV_LEASE_MAPPED, &c", "KVS_BANK_EV_LEASE_MAPPED_NOW, &c", None,

@@ -55,7 +55,7 @@ def test_bank_and_part_pages_say_their_rows_run_natively_too() -> None:
 
 def test_op_rows_link_to_the_c_engine() -> None:
     page = _page("op")
-    assert "Every row is run by [`ffi/kvs_ops.c:kvs_op_step`](../../ffi/kvs_ops.c)." in page
+    assert "Every row is run by [`ffi/kvs_op_table.c:kvs_op_step`](../../ffi/kvs_op_table.c)." in page
     submit = next(r for r in _rows(page) if r[0] == "`submit`")
-    assert "ffi/kvs_ops.c:guard_holds" in submit[5] and "ffi/kvs_ops.c:effect" in submit[5]
+    assert "ffi/kvs_op_table.c:guard_holds" in submit[5] and "ffi/kvs_op_table.c:effect" in submit[5]
     assert "ffi/kvs_ops.c:kvs_submit" in submit[6]

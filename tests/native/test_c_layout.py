@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 FFI = Path(__file__).resolve().parents[2] / "ffi"
-SOURCES = ("kvs_slots.c", "kvs_host.c", "kvs_ops.c", "kvs_reports.c", "kvs_copy.c", "kvs_machine.c", "kvs_machines.c", "kvs_cuda_load.c",
+SOURCES = ("kvs_slots.c", "kvs_host.c", "kvs_ops.c", "kvs_op_table.c", "kvs_reports.c", "kvs_copy.c", "kvs_machine.c", "kvs_machines.c", "kvs_cuda_load.c",
            "kvs_cuda_mem.c", "kvs_cuda_ops.c")
 MACHINES = ("kvs_machine.c", "kvs_machines.c")
-ENGINE = ("kvs_ops.c", "kvs_reports.c", "kvs_copy.c")
+ENGINE = ("kvs_ops.c", "kvs_op_table.c", "kvs_reports.c", "kvs_copy.c")
 CUDA = ("kvs_cuda_load.c", "kvs_cuda_mem.c", "kvs_cuda_ops.c")
 #: What the CUDA backend may take from the op engine: kvs_engine.h, and the public reap.
 ENGINE_FACE = {"kvs_engine_lock", "kvs_engine_unlock", "kvs_op_external", "kvs_op_drop", "kvs_op_step",
@@ -38,7 +38,9 @@ def includes(path: Path) -> list[str]:
 def test_local_includes_form_no_cycle_and_the_two_sides_share_only_the_slot_table() -> None:
     graph = {p.name: includes(p) for p in FFI.glob("kvs*.[ch]")}
     assert includes(FFI / "kvs_host.c") == ["kvs_slots.h"]
-    assert [includes(FFI / c) for c in ENGINE] == [["kvs_copy.h", "kvs_engine.h"], ["kvs_engine.h"], ["kvs_copy.h"]]
+    assert [includes(FFI / c) for c in ENGINE] == [["kvs_copy.h", "kvs_op.h"], ["kvs_op.h"], ["kvs_engine.h"],
+                                                   ["kvs_copy.h"]]
+    assert includes(FFI / "kvs_op.h") == ["kvs_engine.h"]
     assert includes(FFI / "kvs_engine.h") == ["kvs_slots.h"]
     assert includes(FFI / "kvs_cuda.h") == ["kvs_cuda_driver.h", "kvs_slots.h"]
     assert [includes(FFI / c) for c in CUDA] == [["kvs_cuda.h"], ["kvs_cuda.h"], ["kvs_cuda.h", "kvs_engine.h"]]
