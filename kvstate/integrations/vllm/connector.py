@@ -177,7 +177,6 @@ class KvStateConnector(KVConnectorBase_V1):
         self._decode: Any = None
         self._prefill: Any = None
         self._load_errors: set[int] = set()
-        self._idle = False  # the bound step schedules no tokens
         if role == KVConnectorRole.SCHEDULER:
             from kvstate.integrations.vllm.scheduler_side import SchedulerSide
 
@@ -226,9 +225,7 @@ class KvStateConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)
         if not isinstance(connector_metadata, KvStateMetadata):
-            self._idle = False
             return
-        self._idle = connector_metadata.orders.idle
         for store in connector_metadata.orders.stores:
             if self._decode is not None:
                 self._decode.store(store)
@@ -263,7 +260,7 @@ class KvStateConnector(KVConnectorBase_V1):
     @starts_unpinned
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, recving = self._finished(set(finished_req_ids))
-        if self._idle and not (sending or recving) and self._busy():
+        if self._idle_step() and not (sending or recving) and self._busy():
             # A step with no tokens only polls for finished transfers, and vLLM steps again
             # at once, its workers spinning on os.sched_yield in between. Measured (issue
             # 28, tp=2 prefill whose loads waited, 2 cores): its two workers took 37 of 44
@@ -275,6 +272,11 @@ class KvStateConnector(KVConnectorBase_V1):
                 _nap(IDLE_POLL_S)
                 sending, recving = self._finished(set())
         return sending or None, recving or None
+
+    def _idle_step(self) -> bool:
+        """The bound step schedules no tokens (vLLM asks get_finished before it unbinds)."""
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        return isinstance(meta, KvStateMetadata) and meta.orders.idle
 
     def _busy(self) -> bool:
         return any(part is not None and part.busy() for part in (self._decode, self._prefill))
