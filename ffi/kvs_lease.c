@@ -192,7 +192,12 @@ static void committed(struct kvs_lease_server *s, int32_t rank, int32_t event, c
     kvs_lease_event *e = &s->ring[s->tail++ % KVS_LEASE_RING];
     *e = (kvs_lease_event){rank, event, out->source, out->dest, lease, kvs_lease_now(), why, s->dropped};
     s->dropped = 0;
-    signal_fd(s->events_fd);
+    kvs_lease_events_signal(s);
+}
+
+void kvs_lease_events_signal(struct kvs_lease_server *s) {
+    if (s->hold_events) s->events_due = 1;
+    else signal_fd(s->events_fd);
 }
 
 int32_t kvs_lease_events_fd(kvs_lease_server *s) { return s ? s->events_fd : KVS_E_INVAL; }

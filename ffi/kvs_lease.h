@@ -88,6 +88,9 @@ struct kvs_lease_server {
     uint32_t head, tail;
     int32_t dropped;
     int events_fd;
+    /* While a request is answered, its transitions are signalled once, after the answer
+     * went out (kvs_lease_answer_frame): Python's wake-up is never on the importer's path. */
+    int hold_events, events_due;
     /* requests Python serves: a bounded FIFO of copies */
     struct pyreq { uint64_t conn; char *buf; uint32_t len; } pyq[64];
     int pyq_head, pyq_n;
@@ -150,6 +153,8 @@ int kvs_lease_fire_one(struct kvs_lease_server *s, int32_t rank, int32_t event, 
 int kvs_lease_watch(struct kvs_lease_server *s, int fd, uint64_t tag, uint32_t events);
 void kvs_lease_end_conn(struct kvs_lease_server *s, struct kvs_conn *cn, int importer_closed, int why);
 /* Answer one request of `cn` (its frame checked): natively, or queued for Python. */
+/* Signal events_fd now, unless a request's answer is being made (then once it is sent). */
+void kvs_lease_events_signal(struct kvs_lease_server *s);
 void kvs_lease_answer_frame(struct kvs_lease_server *s, struct kvs_conn *cn, const char *payload, uint32_t len,
                             char *reply, uint32_t rcap);
 int kvs_lease_send(struct kvs_lease_server *s, struct kvs_conn *cn, const char *payload, uint32_t len,

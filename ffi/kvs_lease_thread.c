@@ -192,6 +192,7 @@ void kvs_lease_answer_frame(struct kvs_lease_server *s, struct kvs_conn *cn, con
     uint64_t id = cn->id;
     uint32_t rlen = 0;
     int32_t fds[253], nout = 0, answer = 0;
+    s->hold_events = 1; /* the answer first, then Python's wake-up (kvs_lease_events_signal) */
     int rc = kvs_lease_handle(s, id, payload, len, reply, rcap, &rlen, fds, 253, &nout, &answer);
     if (rc == KVS_LEASE_PYTHON) {
         if (kvs_lease_queue_python(s, id, payload, len) < 0) {
@@ -200,6 +201,11 @@ void kvs_lease_answer_frame(struct kvs_lease_server *s, struct kvs_conn *cn, con
         }
     } else if (rc == KVS_OK && answer && kvs_lease_send(s, cn, reply, rlen, fds, nout) != KVS_OK) {
         end_conn(s, cn, 0, KVS_LWHY_STOPPED); /* a failed send: its holds wait for its process */
+    }
+    s->hold_events = 0;
+    if (s->events_due) {
+        s->events_due = 0;
+        kvs_lease_events_signal(s);
     }
 }
 

@@ -10,7 +10,9 @@
  *
  * The thread sleeps on a timerfd armed at the earliest due time (a lease is due once
  * min(term/2, interval) has passed since its grant or last renewal) and on a command
- * eventfd that add, remove and stop write, so that a new lease re-arms the timer. The
+ * eventfd that stop writes. The timer is armed under the mutex, by the thread and by an
+ * add whose lease is due sooner than the armed time, so an import never wakes the
+ * thread (measured: the wake-up, on the importer's CPU, sat on every import's path). The
  * table is guarded by one mutex that is never held across a request: a request runs on
  * a copy of its entry (with a reference on the link), and its result is applied only if
  * the same key is still registered.
@@ -48,6 +50,7 @@ struct kvs_renewer {
     pthread_mutex_t mu;
     pthread_t thread;
     int cmd_fd, out_fd, timer_fd;
+    int64_t armed_ns; /* what timer_fd rings at; 0: disarmed */
     int64_t interval_ns, timeout_ns;
     struct entry *entries;
     size_t n, cap;
@@ -83,6 +86,13 @@ static struct entry *find(kvs_renewer *r, uint64_t key) {
 static int64_t due_at(const kvs_renewer *r, const struct entry *e) {
     int64_t every = e->term_ns / 2 < r->interval_ns ? e->term_ns / 2 : r->interval_ns;
     return e->renewed_at_ns + every;
+}
+
+/* Ring at `at` (0: disarm). The caller holds the mutex. */
+static void arm(kvs_renewer *r, int64_t at) {
+    struct itimerspec when = {{0, 0}, {at / 1000000000, at % 1000000000}};
+    timerfd_settime(r->timer_fd, TFD_TIMER_ABSTIME, &when, NULL);
+    r->armed_ns = at;
 }
 
 /* -- the answer: {"ok":true,"expires_in_s":x} ----------------------------------------
@@ -272,14 +282,13 @@ static void *run(void *arg) {
                 next = at;
             }
         }
+        if (!ndue) arm(r, next);
         pthread_mutex_unlock(&r->mu);
         for (size_t i = 0; i < ndue; i++) {
             renew_one(r, &due[i], f);
             kvs_link_unref(due[i].link);
         }
         if (!ndue) {
-            struct itimerspec when = {{0, 0}, {next / 1000000000, next % 1000000000}};
-            timerfd_settime(r->timer_fd, TFD_TIMER_ABSTIME, &when, NULL);  /* 0: disarmed */
             struct pollfd p[2] = {{r->cmd_fd, POLLIN, 0}, {r->timer_fd, POLLIN, 0}};
             if (poll(p, 2, -1) > 0) {
                 if (p[0].revents & POLLIN) drain_fd(r->cmd_fd);
@@ -361,10 +370,12 @@ int kvs_renewer_add(kvs_renewer *r, kvs_link *l, uint64_t key, uint32_t rank, in
     }
     if (rc == KVS_OK) {
         kvs_link_ref(l);
-        r->entries[r->n++] = (struct entry){key, l, rank, lease, term_ns, renewed_at_ns, renewed_at_ns + term_ns, 0, 0};
+        struct entry *e = &r->entries[r->n++];
+        *e = (struct entry){key, l, rank, lease, term_ns, renewed_at_ns, renewed_at_ns + term_ns, 0, 0};
+        int64_t due = due_at(r, e);
+        if (!r->armed_ns || due < r->armed_ns) arm(r, due > 0 ? due : 1); /* 0 would disarm */
     }
     pthread_mutex_unlock(&r->mu);
-    if (rc == KVS_OK) poke(r->cmd_fd);  /* the timer may need to ring sooner */
     return rc;
 }
 

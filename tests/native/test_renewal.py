@@ -157,3 +157,26 @@ def test_a_stopped_renewal_takes_no_lease(renewal: Renewal[str]) -> None:
     finally:
         ch.close()
         peer.stop()
+
+
+def test_a_lease_due_before_the_armed_time_is_renewed_on_its_own_time() -> None:
+    """An add never wakes the thread (kvs_renew.c arms the timer itself): a short lease
+    added while the timer waits for a long one must still be renewed on its own time."""
+    r: Renewal[str] = Renewal(interval_s=60.0, timeout_s=5.0)
+    ch, link, peer = connect([chan.encode({"ok": True, "expires_in_s": 0.2})])
+    try:
+        now = time.monotonic()
+        assert r.add("long", link, rank=0, lease_id=1, term_s=100.0, renewed_at=now) is not None  # due in 50 s
+        time.sleep(0.05)  # the thread has armed its timer for the long lease
+        short = r.add("short", link, rank=1, lease_id=2, term_s=0.2, renewed_at=time.monotonic())  # due in 0.1 s
+        assert short is not None
+        deadline = time.monotonic() + 10
+        while len(peer.requests) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert peer.requests[:2] == [chan.encode({"lease": 2, "op": "renew", "rank": 1})] * 2
+        state = r.state(short)
+        assert state is not None and state.renewals >= 2 and not state.failed
+    finally:
+        r.close()
+        ch.close()
+        peer.stop()
