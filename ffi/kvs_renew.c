@@ -12,7 +12,7 @@
  * min(term/2, interval) has passed since its grant or last renewal) and on a command
  * eventfd that stop writes. The timer is armed under the mutex, by the thread and by an
  * add whose lease is due sooner than the armed time, so an import never wakes the
- * thread (measured: the wake-up, on the importer's CPU, sat on every import's path). The
+ * thread (strace: it used to be woken once per part, in the middle of each import). The
  * table is guarded by one mutex that is never held across a request: a request runs on
  * a copy of its entry (with a reference on the link), and its result is applied only if
  * the same key is still registered.
