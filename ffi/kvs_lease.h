@@ -148,13 +148,14 @@ struct fx_ctx { /* a lease fire: what its effects (kvs_lease.c) act on */
 };
 int kvs_lease_fire_one(struct kvs_lease_server *s, int32_t rank, int32_t event, struct fx_ctx *c, int32_t why,
                        kvs_fire_result *out);
+/* kvs_lease.c, for kvs_lease_answer_frame: */
+/* Signal events_fd now, unless a request's answer is being made (then once it is sent). */
+void kvs_lease_events_signal(struct kvs_lease_server *s);
 
 /* kvs_lease_thread.c, for kvs_lease_tcp.c: */
 int kvs_lease_watch(struct kvs_lease_server *s, int fd, uint64_t tag, uint32_t events);
 void kvs_lease_end_conn(struct kvs_lease_server *s, struct kvs_conn *cn, int importer_closed, int why);
 /* Answer one request of `cn` (its frame checked): natively, or queued for Python. */
-/* Signal events_fd now, unless a request's answer is being made (then once it is sent). */
-void kvs_lease_events_signal(struct kvs_lease_server *s);
 void kvs_lease_answer_frame(struct kvs_lease_server *s, struct kvs_conn *cn, const char *payload, uint32_t len,
                             char *reply, uint32_t rcap);
 int kvs_lease_send(struct kvs_lease_server *s, struct kvs_conn *cn, const char *payload, uint32_t len,

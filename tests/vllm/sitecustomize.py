@@ -35,3 +35,56 @@ if _trace:
     os.makedirs(_trace, exist_ok=True)
     _stacks = open(os.path.join(_trace, f"stacks-{os.getpid()}.txt"), "w")  # open for the process's life
     faulthandler.register(signal.SIGRTMIN + 3, file=_stacks, all_threads=True)
+
+    def _sched_states(what: str) -> str:
+        """Every thread named ``what`` on this host: its state (R runnable, S sleeping),
+        where it sleeps (wchan), the CPU it last ran on, and its run and run-queue times
+        (/proc/<pid>/task/<tid>/schedstat, ns)."""
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                continue
+            for tid in tids:
+                base = f"/proc/{pid}/task/{tid}"
+                try:
+                    with open(f"{base}/comm") as f:
+                        if f.read().strip() != what:
+                            continue
+                    with open(f"{base}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                    with open(f"{base}/wchan") as f:
+                        wchan = f.read().strip()
+                    with open(f"{base}/schedstat") as f:
+                        run_ns, wait_ns, slices = f.read().split()
+                except OSError:
+                    continue
+                found.append(f"pid {pid} tid {tid} state {fields[0]} wchan {wchan} cpu {fields[36]} "
+                             f"ran {int(run_ns) / 1e6:.1f} ms waited {int(wait_ns) / 1e6:.1f} ms in {slices} slices")
+        return "; ".join(found) or f"no thread named {what}"
+
+    def _watch_lookups() -> None:
+        """A lookup that timed out logs where every decode index thread stood then (issue 28:
+        1 of 4 suite runs had a lookup unanswered for 0.5 s after a tp=2 decode engine ran)."""
+        from kvstate.integrations.vllm import index
+
+        ask = index.IndexClient._ask
+
+        def traced(self, payload):  # type: ignore[no-untyped-def]
+            start = time.monotonic()
+            reply = ask(self, payload)
+            took = time.monotonic() - start
+            if (isinstance(reply, index.Refusal) and reply.reason == "timeout") or took > 0.1:
+                with open("/proc/loadavg") as f:
+                    load = f.read().strip()
+                _log.warning("slow index question (%.3f s, %s): load %s; kvs-index threads: %s", took,
+                             getattr(reply, "reason", "answered"), load, _sched_states("kvs-index"))
+            return reply
+        index.IndexClient._ask = traced  # type: ignore[method-assign]
+
+    import time
+    try:
+        _watch_lookups()
+    except ImportError:  # an engine without kvstate on its path
+        pass
