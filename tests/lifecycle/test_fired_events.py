@@ -7,7 +7,10 @@ Each test has its negative control: the event is not fired where it does not bel
 from __future__ import annotations
 
 import os
+import statistics
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import attrs
@@ -16,7 +19,7 @@ import pytest
 from support.errors import raises
 
 from conftest import DEPLOYMENT, GEOMETRY, make_exporter
-from kvstate.core.descriptor import decode, encode
+from kvstate.core.descriptor import decode, decode_cached, encode
 from kvstate.core.errors import GroupRejected, ImportFailed, NativeError
 from kvstate.core.reasons import ImportReason, NativeReason
 from kvstate.core.identity import Incarnation
@@ -168,12 +171,6 @@ def test_the_exporters_observers_hear_of_a_natively_served_lease_at_once(transpo
     about 50 ms late, from the exporter's sweep); with it, well under 1 ms.
     Each lease is taken alone (a rank's phase 1: no mapped note, nothing else for the
     exporter's Python to do) and given back once heard of."""
-    import statistics
-    import threading
-    import time
-
-    from kvstate.core.descriptor import decode_cached
-
     heard = threading.Condition()
     leases: list[float] = []
 

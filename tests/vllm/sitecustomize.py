@@ -22,6 +22,7 @@ if _trace:
     import faulthandler
     import signal
     import threading
+    import time
 
     class _Tid(logging.Filter):
         def filter(self, record: logging.LogRecord) -> bool:
@@ -65,8 +66,9 @@ if _trace:
         return "; ".join(found) or f"no thread named {what}"
 
     def _watch_lookups() -> None:
-        """A lookup that timed out logs where every decode index thread stood then (issue 28:
-        1 of 4 suite runs had a lookup unanswered for 0.5 s after a tp=2 decode engine ran)."""
+        """A question to a decode index that timed out or took over 0.1 s logs where every
+        decode index thread stood then (issue 28: 1 of 4 suite runs had a lookup unanswered
+        for 0.5 s after a tp=2 decode engine ran)."""
         from kvstate.integrations.vllm import index
 
         ask = index.IndexClient._ask
@@ -83,8 +85,24 @@ if _trace:
             return reply
         index.IndexClient._ask = traced  # type: ignore[method-assign]
 
-    import time
     try:
         _watch_lookups()
     except ImportError:  # an engine without kvstate on its path
         pass
+
+    class _TimedOut(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return record.getMessage() == "Poller timed out"
+
+    # vLLM's shared-memory queue between the engine core and its workers: a reader idle
+    # for over 1 s polls for its writer's notice, rechecking every 5 s. Issue 28's runs
+    # saw a tp=2 prefill engine log nothing for 10.4 s (its workers were then late for
+    # a load): a notice lost twice would read so. This logs every recheck that ran out
+    # (an idle engine logs one per reader every 5 s: what tells is one inside such a gap).
+    _shm = logging.getLogger("vllm.distributed.device_communicators.shm_broadcast")
+    _shm.setLevel(logging.DEBUG)  # vLLM's own handler keeps its level and drops these
+    _shm_handler = logging.StreamHandler(sys.stderr)
+    _shm_handler.addFilter(_Tid())
+    _shm_handler.addFilter(_TimedOut())
+    _shm_handler.setFormatter(_handler.formatter)
+    _shm.addHandler(_shm_handler)
