@@ -90,19 +90,48 @@ if _trace:
     except ImportError:  # an engine without kvstate on its path
         pass
 
-    class _TimedOut(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            return record.getMessage() == "Poller timed out"
-
     # vLLM's shared-memory queue between the engine core and its workers: a reader idle
     # for over 1 s polls for its writer's notice, rechecking every 5 s. Issue 28's runs
     # saw a tp=2 prefill engine log nothing for 10.4 s (its workers were then late for
-    # a load): a notice lost twice would read so. This logs every recheck that ran out
+    # a load): a notice lost twice would read so. Every such wait of over 1 s is logged
     # (an idle engine logs one per reader every 5 s: what tells is one inside such a gap).
-    _shm = logging.getLogger("vllm.distributed.device_communicators.shm_broadcast")
-    _shm.setLevel(logging.DEBUG)  # vLLM's own handler keeps its level and drops these
-    _shm_handler = logging.StreamHandler(sys.stderr)
-    _shm_handler.addFilter(_Tid())
-    _shm_handler.addFilter(_TimedOut())
-    _shm_handler.setFormatter(_handler.formatter)
-    _shm.addHandler(_shm_handler)
+    # Patched once the module is imported: vLLM's logging set-up resets its own loggers,
+    # so a handler on its logger would not last.
+    _SHM = "vllm.distributed.device_communicators.shm_broadcast"
+
+    def _patch_shm(module: object) -> None:
+        cls = getattr(module, "SpinCondition", None)
+        if cls is None:
+            return
+        wait = cls.wait
+
+        def timed(self, timeout_ms=None):  # type: ignore[no-untyped-def]
+            start = time.monotonic()
+            wait(self, timeout_ms)
+            took = time.monotonic() - start
+            if took > 1.0:
+                _log.warning("vLLM shm queue: a reader waited %.3f s for its writer's notice (timeout %s ms)",
+                             took, timeout_ms)
+        cls.wait = timed
+
+    class _AfterShmImport:
+        """A finder that runs nothing itself: once vLLM's queue module is imported, it
+        patches it (importlib's machinery with the real loader; this only wraps exec)."""
+
+        def find_spec(self, name, path, target=None):  # type: ignore[no-untyped-def]
+            if name != _SHM:
+                return None
+            import importlib.machinery
+
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            if spec is None or spec.loader is None:
+                return None
+            run = spec.loader.exec_module
+
+            def exec_module(module):  # type: ignore[no-untyped-def]
+                run(module)
+                _patch_shm(module)
+            spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+            return spec
+
+    sys.meta_path.insert(0, _AfterShmImport())  # type: ignore[arg-type]
