@@ -110,7 +110,7 @@ if _trace:
             wait(self, timeout_ms)
             took = time.monotonic() - start
             if took > 1.0:
-                _log.warning("vLLM shm queue: a reader waited %.3f s for its writer's notice (timeout %s ms)",
+                _log.info("vLLM shm queue: a reader waited %.3f s for its writer's notice (timeout %s ms)",
                              took, timeout_ms)
         cls.wait = timed
 
