@@ -111,7 +111,7 @@ if _trace:
             took = time.monotonic() - start
             if took > 1.0:
                 _log.info("vLLM shm queue: a reader waited %.3f s for its writer's notice (timeout %s ms)",
-                             took, timeout_ms)
+                          took, timeout_ms)
         cls.wait = timed
 
     class _AfterShmImport:
