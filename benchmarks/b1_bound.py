@@ -26,6 +26,7 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import shutil
 import socket
 import tempfile
 from functools import partial
@@ -92,6 +93,7 @@ def _bound_exporter(conn: Connection, p: dict[str, Any]) -> None:
             os.close(fd)
         ex.drain(5.0)
         ex.stop()
+        shutil.rmtree(d, ignore_errors=True)
         conn.send("bye")
 
 

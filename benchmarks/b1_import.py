@@ -67,6 +67,7 @@ class Pipe(Protocol):
 
 def _kvstate_exporter(conn: Pipe, p: dict[str, Any]) -> None:
     import os
+    import shutil
     import tempfile
     from pathlib import Path
 
@@ -89,6 +90,7 @@ def _kvstate_exporter(conn: Pipe, p: dict[str, Any]) -> None:
     conn.recv()
     ex.drain(30.0)
     ex.stop()
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def _kvstate_group_importer(conn: Connection, p: dict[str, Any]) -> tuple[float, ...]:

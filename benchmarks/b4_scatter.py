@@ -23,6 +23,7 @@ Rows, each moving the same bytes:
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 from multiprocessing.connection import Connection
@@ -82,7 +83,7 @@ class _Pair:
         _, heads, bs, per_token = _shape(p, p["bank_blocks"])
         self.geometry = layouts.vllm_cpu(p["regions"], num_blocks=p["bank_blocks"], num_kv_heads=heads,
                                          block_size=bs, head_dim=per_token // 2)
-        d = Path(tempfile.mkdtemp(prefix="kvs-bench-"))
+        self._dir = d = Path(tempfile.mkdtemp(prefix="kvs-bench-"))
         d.chmod(0o700)
         deployment = Deployment("bench", bytes(range(32)))
         self.exporter = Exporter(ExportConfig(deployment, d / "s", os.urandom(16), 1), HostTransport())
@@ -101,6 +102,7 @@ class _Pair:
         self.importer.close()
         self.exporter.stop()
         self.exporter.drain(30.0)
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def _pages(p: dict[str, Any], names: tuple[str, ...]) -> tuple[dict[str, Any], str]:

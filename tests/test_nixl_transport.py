@@ -24,6 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from support.need import need_nixl
 from support.peers import PeerError, peers
+from support.waiting import stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 CMDS = "support.nixl_commands"
@@ -203,15 +204,6 @@ def test_one_agent_per_process_and_no_mapping() -> None:
                                             "export_memfd:ArgumentInvalid"]
 
 
-def _stop(pid: int) -> None:
-    """SIGSTOP ``pid`` and wait until it is really stopped (kill returns before that)."""
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
-        assert time.monotonic() < deadline, f"process {pid} did not stop"
-        time.sleep(0.01)
-
-
 @needs_nixl
 def test_hung_exporter_load_times_out_and_recovers() -> None:
     """Every wait has a timeout: a READ from a stopped exporter raises TimedOut (NIXL), the
@@ -222,7 +214,7 @@ def test_hung_exporter_load_times_out_and_recovers() -> None:
         handle = exporter.call("export_bank", blocks=BLOCKS, block_bytes=BLOCK, seed=5, generation=1)
         importer.call("import_bank", handle=handle, size=SIZE, generation=1)
         assert importer.call("load", blocks=[1], block_bytes=BLOCK, seed=5, generation=1)["matches"] is True
-        _stop(exporter.process.pid)
+        stop_process(exporter.process.pid)
         try:
             t0 = time.monotonic()
             with pytest.raises(PeerError) as hung:
@@ -246,7 +238,7 @@ def test_a_timed_out_read_keeps_its_target_pinned() -> None:
         importer.call("start")
         handle = exporter.call("export_bank", blocks=BLOCKS, block_bytes=BLOCK, seed=5, generation=1)
         importer.call("import_bank", handle=handle, size=SIZE, generation=1)
-        _stop(exporter.process.pid)
+        stop_process(exporter.process.pid)
         try:
             with pytest.raises(PeerError) as hung:
                 importer.call("load", blocks=list(range(BLOCKS)), block_bytes=BLOCK, seed=None, generation=1,
@@ -270,7 +262,7 @@ def test_a_load_target_is_not_deregistered_under_a_read() -> None:
         importer.call("start")
         handle = exporter.call("export_bank", blocks=BLOCKS, block_bytes=BLOCK, seed=5, generation=1)
         importer.call("import_bank", handle=handle, size=SIZE, generation=1)
-        _stop(exporter.process.pid)  # the READ stays in flight
+        stop_process(exporter.process.pid)  # the READ stays in flight
         try:
             importer.call("load_in_background", blocks=list(range(BLOCKS)), block_bytes=BLOCK, generation=1)
             assert importer.call("release_target") == "Busy: pinned"
@@ -305,7 +297,7 @@ class _NixlTargets(RuleBasedStateMachine):
     @rule(stall=st.booleans(), blocks=st.lists(st.integers(0, BLOCKS - 1), min_size=1, max_size=8))
     def load(self, stall: bool, blocks: list[int]) -> None:
         if stall:
-            _stop(self.exporter.process.pid)
+            stop_process(self.exporter.process.pid)
             self.stopped = True
         self.importer.call("load_in_background", blocks=blocks, block_bytes=BLOCK, generation=1)
         self.inflight = True

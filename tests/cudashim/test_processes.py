@@ -36,7 +36,7 @@ from kvstate.core.identity import Deployment
 from kvstate.share.exporter import Exporter
 from kvstate.share.export_config import ExportConfig
 from kvstate.transport.cuda import CudaTransport
-from support.waiting import wait_until
+from support.waiting import stop_process, wait_until
 
 HERE = Path(__file__).resolve().parent
 DEPLOYMENT = Deployment("cudashim-processes", bytes(32))
@@ -109,7 +109,7 @@ def test_the_exporter_never_frees_legacy_ipc_memory_an_importer_has_open(legacy:
     peer = Peer(HandleKind.CUDA_IPC, ex.descriptor(0))
     try:
         assert peer.expect("mapped").split()[1] == expected_digest()
-        peer.proc.send_signal(signal.SIGSTOP)  # a stuck importer: no renewal
+        stop_process(peer.proc.pid)  # a stuck importer: no renewal
         try:
             assert wait_until(lambda: bank.state == "draining"), "the lease did not expire"
             assert all(lease.expired for lease in bank.leases.values())  # kept until returned

@@ -335,6 +335,147 @@ def test_a_failed_loads_reason_is_counted_in_the_step_that_reports_it(pair: tupl
     assert prefill.sched.tally.take() == {"misses": {"after_failed_load": 1}}
 
 
+def _order_without_a_step(prefill: Engine, req: str, prompt: list[int], pages: list[int]) -> int:
+    """Match and allocate ``req``, and hand its load orders to the ranks as a step would,
+    without the rest of the step (no rank looks at its loads yet); returns the tokens
+    matched."""
+    n = prefill.sched.match(req, prompt, len(prompt), 0, None)
+    assert n > 0
+    prefill.sched.allocated(req, pages, n)
+    orders = prefill.sched.step_orders()
+    for p in prefill.prefill:
+        for order in orders.loads:
+            p.load(order)
+    return n
+
+
+def _shares_ready(prefill: Engine) -> bool:
+    return all(p.worker is not None and p.worker.shares and all(s.state == "ready" for s in p.worker.shares.values())
+               for p in prefill.prefill)
+
+
+@pytest.fixture
+def slow_pair(sockets: Path) -> Iterator[tuple[Engine, Engine]]:
+    """tp=2 engines whose prefill side gives a load 0.5 s (load_timeout_s)."""
+    common = {"socket_dir": str(sockets), "retain_bytes": 16 * 2 * HEADS * BS * 2 * HD * 2}
+    decode = Engine("kv_producer", common, 2, "decode-engine")
+    prefill = Engine("kv_consumer", {**common, "policy": POLICY, "load_timeout_s": 0.5}, 2, "prefill-engine")
+    yield decode, prefill
+    prefill.close()
+    decode.close()
+
+
+def test_a_load_whose_shares_got_ready_while_the_engine_took_no_step_still_loads(
+        slow_pair: tuple[Engine, Engine], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine takes no step for longer than load_timeout_s after ordering a load (issue
+    28: a tp=2 prefill engine stood still for 10.4 s), and the shares got ready meanwhile:
+    the ranks load when they next look, rather than recompute what is mapped there. (The
+    late load was started, then cancelled at once unless its copy had already ended, and
+    counted as ``load_failed``.)"""
+    decode, prefill = slow_pair
+    transfers = _slow_loads(monkeypatch, looks=1)  # still copying when the rank first looks
+    tokens = list(range(6000, 6000 + 4 * BS + 1))
+    finish(decode, "d-late", tokens, [1, 2, 3, 4, 5])
+    prefill.tally.take()
+    dst = [20, 21, 22, 23, 24]
+    assert _order_without_a_step(prefill, "p-late", tokens, dst) == 4 * BS
+    ordered = time.monotonic()
+    wait_for(lambda: _shares_ready(prefill), "every rank's share ready")
+    time.sleep(max(0.0, ordered + 0.6 - time.monotonic()))   # the order's time ran out
+    failed: set[int] = set()
+
+    def loaded() -> bool:
+        _, done, f = prefill.step()
+        failed.update(f)
+        return "p-late" in done
+    wait_for(loaded, "the late load")
+    assert failed == set() and len(transfers) == 2 and not any(t.cancelled for t in transfers)
+    for rank in range(2):
+        for s, d in zip([1, 2, 3, 4], dst):
+            assert torch.equal(prefill.caches[rank][LAYERS[0]][d], decode.caches[rank][LAYERS[0]][s])
+    counted = prefill.tally.take()
+    assert counted["loads_ok"] == 2 and "loads_failed" not in counted, counted
+
+
+@attrs.define
+class _SlowTransfer:
+    """A rank's transfer as a slow op engine shows it: not done for its first ``looks``
+    looks (None: until cancelled), then it ends as the real transfer did, and one cancelled
+    before then fails (a real local copy of these blocks ends in microseconds, before the
+    rank first looks)."""
+
+    real: Any
+    looks: int | None
+    cancelled: bool = False
+    closed: bool = False
+
+    def done(self) -> bool:
+        if self.cancelled:
+            return True
+        if self.looks is None or self.looks > 0:
+            self.looks = None if self.looks is None else self.looks - 1
+            return False
+        return bool(self.real.done())
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.real.cancel()
+
+    def result(self) -> Any:
+        from kvstate.share.transfer import TransferResult
+
+        r = self.real.result()
+        if self.cancelled:
+            return TransferResult(r.blocks, 0, r.seconds, frozenset(range(r.blocks)), ("cancelled",))
+        return r
+
+    def close(self) -> None:
+        self.closed = True
+        self.real.close()
+
+
+def _slow_loads(monkeypatch: pytest.MonkeyPatch, looks: int | None) -> list[_SlowTransfer]:
+    """Every rank's loads from now on are :class:`_SlowTransfer` around the real ones."""
+    from kvstate.share.rank_share import RankShare
+
+    made: list[_SlowTransfer] = []
+    load = RankShare.load
+
+    def slow(self: Any, *args: Any, **kwargs: Any) -> _SlowTransfer:
+        made.append(_SlowTransfer(load(self, *args, **kwargs), looks))
+        return made[-1]
+    monkeypatch.setattr(RankShare, "load", slow)
+    return made
+
+
+def test_a_transfer_that_outlasts_load_timeout_s_is_cancelled_and_counted_as_a_timeout(
+        slow_pair: tuple[Engine, Engine], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A started transfer gets load_timeout_s from its start: then what has not started is
+    cancelled, the load fails as ``timeout`` (it was counted as ``load_failed``, a reason
+    that says the data was bad), and its pages are named for recompute."""
+    decode, prefill = slow_pair
+    tokens = list(range(7000, 7000 + 4 * BS + 1))
+    finish(decode, "d-slow", tokens, [1, 2, 3, 4, 5])
+    transfers = _slow_loads(monkeypatch, looks=None)
+    dst = [30, 31, 32, 33, 34]
+    _order_without_a_step(prefill, "p-slow", tokens, dst)
+    wait_for(lambda: _shares_ready(prefill), "every rank's share ready")
+    prefill.step()
+    assert len(transfers) == 2 and not any(t.cancelled for t in transfers)   # started, in time
+    started = time.monotonic()
+    failed: set[int] = set()
+
+    def ended() -> bool:
+        _, done, f = prefill.step()
+        failed.update(f)
+        return "p-slow" in done
+    wait_for(ended, "the timed-out load")
+    assert time.monotonic() - started >= 0.5
+    assert all(t.cancelled and t.closed for t in transfers)
+    assert failed == set(dst[:4])
+    assert {why for _, _, why in prefill.said.reasons} == {"timeout"}
+
+
 def test_policy_off_asks_nobody(sockets: Path) -> None:
     decode = Engine("kv_producer", {"socket_dir": str(sockets)}, 1, "d")
     prefill = Engine("kv_consumer", {"socket_dir": str(sockets)}, 1, "p")

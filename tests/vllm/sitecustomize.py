@@ -85,6 +85,48 @@ if _trace:
             return reply
         index.IndexClient._ask = traced  # type: ignore[method-assign]
 
+    def _watch_steps(module: object) -> None:
+        """While a load waits, a step that does not come within 3 s dumps every thread's stack
+        to stacks-<pid>.txt (faulthandler's own thread: it needs no GIL), and the next step logs
+        the gap. Issue 28: a fresh tp=2 prefill engine went silent for 10.4 s with loads
+        ordered, in runs J and CI's stop-40 run; these stacks say where it stood."""
+        armed = [0.0, 0]  # when the watch was armed, and the stacks file's size then
+
+        def watch(pending: bool) -> None:
+            now = time.monotonic()
+            if armed[0]:
+                faulthandler.cancel_dump_traceback_later()
+                size = os.fstat(_stacks.fileno()).st_size
+                if size > armed[1]:
+                    _log.warning("step watch: no step for %.3f s while a load waited; stacks in %s",
+                                 now - armed[0], _stacks.name)
+                armed[0] = 0.0
+            if pending:
+                armed[:] = [now, os.fstat(_stacks.fileno()).st_size]
+                faulthandler.dump_traceback_later(3.0, file=_stacks)
+
+        cls = module.KvStateConnector  # type: ignore[attr-defined]
+        load, meta = cls.start_load_kv, cls.build_connector_meta
+
+        def start_load_kv(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            watch(False)
+            try:
+                return load(self, *args, **kwargs)
+            finally:
+                prefill = getattr(self, "_prefill", None)
+                watch(bool(prefill is not None and prefill._loads))
+
+        def build_connector_meta(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            watch(False)
+            try:
+                return meta(self, *args, **kwargs)
+            finally:
+                sched = getattr(self, "_sched", None)
+                watch(bool(sched is not None and sched._active))
+
+        cls.start_load_kv = start_load_kv
+        cls.build_connector_meta = build_connector_meta
+
     try:
         _watch_lookups()
     except ImportError:  # an engine without kvstate on its path
@@ -114,12 +156,16 @@ if _trace:
                           took, timeout_ms)
         cls.wait = timed
 
-    class _AfterShmImport:
-        """A finder that runs nothing itself: once vLLM's queue module is imported, it
-        patches it (importlib's machinery with the real loader; this only wraps exec)."""
+    _PATCHES = {_SHM: _patch_shm, "kvstate.integrations.vllm.connector": _watch_steps}
+
+    class _AfterImport:
+        """A finder that runs nothing itself: once a module of _PATCHES is imported, it
+        patches it (importlib's machinery with the real loader; this only wraps exec).
+        Importing them here instead would import vLLM into every process at start-up."""
 
         def find_spec(self, name, path, target=None):  # type: ignore[no-untyped-def]
-            if name != _SHM:
+            patch = _PATCHES.get(name)
+            if patch is None:
                 return None
             import importlib.machinery
 
@@ -130,8 +176,8 @@ if _trace:
 
             def exec_module(module):  # type: ignore[no-untyped-def]
                 run(module)
-                _patch_shm(module)
+                patch(module)
             spec.loader.exec_module = exec_module  # type: ignore[method-assign]
             return spec
 
-    sys.meta_path.insert(0, _AfterShmImport())  # type: ignore[arg-type]
+    sys.meta_path.insert(0, _AfterImport())  # type: ignore[arg-type]

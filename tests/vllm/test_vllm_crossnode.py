@@ -17,7 +17,6 @@ import dataclasses
 import os
 import random
 import shutil
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -32,6 +31,7 @@ from support.engines.memory import MemorySampler
 from support.engines.netns import NetnsUnavailable, TwoHosts, leftover
 from support.engines.runner import Engine, EngineSpec, Generation, start_all
 from support.engines.suite import MAX_TOKENS, PROMPT_LENGTHS, Engines, prompts
+from support.waiting import stop_process
 
 REQUIRE = os.environ.get("KVSTATE_REQUIRE_NETNS") == "1"
 #: The decode engine's index port (its ranks' lease ports follow it).
@@ -205,7 +205,7 @@ def test_decode_killed_during_the_load_then_restarted_twice(pair: Hosts) -> None
     workers = kit.worker_pids(pair.decode)
     assert workers
     for pid in workers:                                # its index still answers; its exporter does not
-        os.kill(pid, signal.SIGSTOP)
+        stop_process(pid)
     t, out = _generate_in_thread(pair.prefill, batch)
     time.sleep(3.0)
     pair.decode.kill()

@@ -11,9 +11,7 @@ from an empty local prefix cache, so that any reuse is kvstate's."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +25,7 @@ from support.engines import kvstate_kit as kit
 from support.engines.memory import MemorySampler
 from support.engines.runner import Engine, Generation, start_all
 from support.engines.suite import MAX_TOKENS, PROMPT_LENGTHS, Engines, Run, prompts
+from support.waiting import stop_process
 
 BS = kit.BLOCK_TOKENS
 #: How long the decode worker holds its GIL after its stores, in the test of issue 28's 50 ms.
@@ -249,7 +248,7 @@ def test_decode_killed_during_the_load(pair: Pair) -> None:
     workers = kit.worker_pids(pair.decode)
     assert workers
     for pid in workers:                                # its index still answers; its exporter does not
-        os.kill(pid, signal.SIGSTOP)
+        stop_process(pid)
     out: dict[str, Generation] = {}
     t = threading.Thread(target=lambda: out.setdefault("g", pair.prefill.generate(batch, MAX_TOKENS)))
     t.start()

@@ -20,6 +20,7 @@ from support.engines import kvstate_kit as kit
 from support.engines.memory import MemorySampler
 from support.engines.runner import Engine, start_all
 from support.engines.suite import MAX_TOKENS, Engines, prompts
+from support.waiting import stop_process
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,7 @@ def test_kv_both_survives_an_abort_mid_load_and_serves_the_next_20(engines_pair:
     workers = kit.worker_pids(decode)
     assert workers
     for pid in workers:                  # its index answers, its exporter does not: the load hangs
-        os.kill(pid, signal.SIGSTOP)
+        stop_process(pid)
     try:
         both.submit_and_abort(aborted, delay_s=2.0)
     finally:

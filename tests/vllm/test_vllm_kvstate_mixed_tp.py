@@ -27,6 +27,7 @@ from support.engines import kvstate_kit as kit
 from support.engines.memory import MemorySampler
 from support.engines.runner import Engine, Generation, start_all
 from support.engines.suite import MAX_TOKENS, Engines, prompts
+from support.waiting import stop_process
 
 LENGTHS = (100, 140, 600)
 
@@ -101,7 +102,7 @@ def test_a_decode_worker_killed_during_the_load_means_recompute(pair: Pair) -> N
     batch = prompts((600,), seed=53)
     reference = kit.produce(pair.decode, batch, MAX_TOKENS)
     victim = sorted(kit.worker_pids(pair.decode))[-1]
-    os.kill(victim, signal.SIGSTOP)              # the index answers; this rank's exporter does not
+    stop_process(victim)                         # the index answers; this rank's exporter does not
     out: dict[str, Generation] = {}
     t = threading.Thread(target=lambda: out.setdefault("g", pair.fresh(batch)))
     t.start()

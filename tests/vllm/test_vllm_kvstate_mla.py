@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import shutil
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from support.engines import evidence, kv_configs, tiny_deepseek

@@ -21,6 +21,7 @@ from support.engines import kvstate_kit as kit
 from support.engines.memory import MemorySampler
 from support.engines.runner import Engine, Generation, start_all
 from support.engines.suite import MAX_TOKENS, Engines, prompts
+from support.waiting import stop_process
 
 TP = 2
 LENGTHS = (100, 140, 600)
@@ -83,7 +84,7 @@ def test_a_stopped_decode_worker_means_no_rank_loads(tp2: Pair) -> None:
     batch = prompts(LENGTHS, seed=40)
     reference = kit.produce(tp2.decode, batch, MAX_TOKENS)
     stopped = sorted(kit.worker_pids(tp2.decode))[1]
-    os.kill(stopped, signal.SIGSTOP)                  # its exporter cannot answer a lease
+    stop_process(stopped)                             # its exporter cannot answer a lease
     try:
         got = tp2.fresh(batch)
     finally:

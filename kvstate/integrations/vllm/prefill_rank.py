@@ -6,9 +6,13 @@
 - Each :class:`~.orders.LoadOrder` waits for this rank's share of its group to be
   ``ready`` (the coordinator says so only once every rank imported its part), then
   scatters the bank blocks into the engine's pages with ``RankShare.load``.
-- Every order finishes, one way or the other, within ``load_timeout_s``: a load that
-  completed, or a failure (the group failed or was rejected, the share ended, the load
-  failed, the time ran out, this rank never connected). A failure names every page of the
+- Every order finishes, one way or the other: a load that completed, or a failure (the
+  group failed or was rejected, the share ended, the load failed, the time ran out, this
+  rank never connected). Two bounds, both ``load_timeout_s``: the shares must be ready
+  that long after the order, and a started transfer must end that long after its start.
+  A load whose shares are ready when the rank next looks starts even if the order's time
+  ran out meanwhile (the engine stepped late: issue 28 saw a tp=2 prefill engine take no
+  step for 10.4 s): its bank is mapped here, and loading beats recomputing. A failure names every page of the
   order, which vLLM (``kv_load_failure_policy="recompute"``) then recomputes, and its
   reason goes to the scheduler side in the same step (:meth:`PrefillRank.failures`); the
   request is reported finished either way (:meth:`PrefillRank.finished`).
@@ -66,8 +70,10 @@ _ENDED = ("draining", "quiescent", "closed", "rejected", "failed")
 @attrs.define(eq=False)
 class _Load:
     order: LoadOrder
-    started: float
+    started: float                                             # when ordered
     handles: list[TransferHandle | RemoteLoad] | None = None   # one per part of this rank, once all started
+    loading_since: float = 0.0                                 # when the handles started
+    cancelled: bool = False                                    # its transfer outlasted load_timeout_s
 
 
 class PrefillRank:
@@ -195,13 +201,16 @@ class PrefillRank:
             if why is not None or load.handles is None:
                 return why
         if not all(h.done() for h in load.handles):
-            if late:
+            if now - load.loading_since > self.cfg.load_timeout_s and not load.cancelled:
+                load.cancelled = True
                 for h in load.handles:
                     h.cancel()  # what has not started is cancelled; the rest completes
             return None
         results = [h.result() for h in load.handles]
         for r in results:
             if r is None or not r.ok:
+                if load.cancelled:
+                    return "timeout"
                 why = getattr(r, "why", "")  # a remote load says why (a READ's timeout, a lost peer)
                 return f"load_failed:{why}" if why else "load_failed"
         self.tally.add("bytes_loaded", sum(r.bytes for r in results if r is not None))
@@ -223,7 +232,9 @@ class PrefillRank:
         if not all(share is not None and share.state == "ready" for share in shares):
             return "timeout" if late else None
         load.handles = []
-        log.debug("t=%.6f %s: shares ready, loading", time.monotonic(), order.req_id)
+        load.loading_since = time.monotonic()
+        log.debug("t=%.6f %s: shares ready, loading%s", load.loading_since, order.req_id,
+                  f" ({load.loading_since - load.started:.3f} s after the order)" if late else "")
         for share, (part, _) in zip(shares, self.slices):
             assert share is not None
             dst, cut = self._targets[part]
@@ -231,9 +242,8 @@ class PrefillRank:
                 if isinstance(share.part, RemotePart):  # another node's bank: READ, then scatter
                     if cut is not None or self.nixl is None:
                         return "remote_not_supported"  # head slices are same-node only (config refuses them)
-                    left = max(self.cfg.load_timeout_s - (time.monotonic() - load.started), 0.1)
                     load.handles.append(RemoteLoad(share, self.nixl, order.slots, dst, order.dst_blocks,
-                                                   timeout=left))
+                                                   timeout=self.cfg.load_timeout_s))
                 else:
                     load.handles.append(share.load(list(order.slots), dst, list(order.dst_blocks), cut))
             except KvStateError as exc:
@@ -280,7 +290,7 @@ class PrefillRank:
         for req_id, load in list(self._loads.items()):
             if load.handles is None:
                 continue
-            left = load.started + self.cfg.load_timeout_s - time.monotonic()
+            left = load.loading_since + self.cfg.load_timeout_s - time.monotonic()
             handles = [h for h in load.handles if isinstance(h, TransferHandle)]  # no remote ones (config)
             ok = len(handles) == len(load.handles) and all(
                 h.wait_region(name, max(0.0, left)) and h.region_ok(name) is not False for h in handles)

@@ -205,7 +205,8 @@ class Engine:
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> Engine:
         reply = self._receive(timeout, "start")
-        self.startup = {k: v for k, v in reply.items() if k != "ok"}
+        self.metrics = reply.get("metrics", {})  # what the first generate's counters grow from
+        self.startup = {k: v for k, v in reply.items() if k not in ("ok", "metrics")}
         self.startup["wall_s"] = time.monotonic() - self._t_start
         self._note_shm()
         return self
