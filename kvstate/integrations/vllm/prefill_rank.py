@@ -11,11 +11,12 @@
   rank never connected). Two bounds, both ``load_timeout_s``: the shares must be ready
   that long after the order, and a started transfer must end that long after its start.
   A load whose shares are ready when the rank next looks starts even if the order's time
-  ran out meanwhile (the engine stepped late: issue 28 saw a tp=2 prefill engine take no
-  step for 10.4 s): its bank is mapped here, and loading beats recomputing. A failure names every page of the
-  order, which vLLM (``kv_load_failure_policy="recompute"``) then recomputes, and its
-  reason goes to the scheduler side in the same step (:meth:`PrefillRank.failures`); the
-  request is reported finished either way (:meth:`PrefillRank.finished`).
+  ran out meanwhile (the engine stepped late: a fresh tp=2 prefill engine took no step for
+  10 to 22 s while vLLM compiled, issue 28): its bank is mapped here, and loading beats
+  recomputing. A failure names every page of the order, which vLLM
+  (``kv_load_failure_policy="recompute"``) then recomputes, and its reason goes to the
+  scheduler side in the same step (:meth:`PrefillRank.failures`); the request is reported
+  finished either way (:meth:`PrefillRank.finished`).
 
 Loads are asynchronous in vLLM's sense by default: the request waits
 (``WAITING_FOR_REMOTE_KVS``) until every rank reported its load finished, so no forward

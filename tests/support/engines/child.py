@@ -120,7 +120,8 @@ def _warm_up(llm: Any, settings: dict[str, Any]) -> float:
     (issue 28: the unexplained 10 s silence of a tp=2 prefill engine), so the first test
     to load into such an engine timed out. A real deployment warms up before it serves; an
     engine test measures kvstate, not that compile. The prompt is shorter than a block:
-    nothing is stored, looked up or cached."""
+    nothing is stored, looked up or cached (a consumer counts a miss, before the baseline
+    of the counters)."""
     if settings["llm"].get("tensor_parallel_size", 1) <= 1:
         return 0.0
     t0 = time.monotonic()
@@ -153,7 +154,8 @@ def main(argv: list[str]) -> int:
     except BaseException:
         conn.send({"ok": False, "error": traceback.format_exc()})
         return 1
-    conn.send({"ok": True, "import_s": t_import, "init_s": t_init, "warm_s": t_warm, "metrics": metrics_snapshot(llm)})
+    conn.send({"ok": True, "import_s": t_import, "init_s": t_init, "warm_s": t_warm,
+               "metrics": metrics_snapshot(llm)})
     while True:
         try:
             msg = conn.recv()
