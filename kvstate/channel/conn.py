@@ -18,7 +18,6 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 
 import attrs
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import attrs
 
-from kvstate.core.errors import KvStateError, ConfigInvalid, ArgumentInvalid
+from kvstate.core.errors import ConfigInvalid, ArgumentInvalid
 from kvstate.core.reasons import ArgumentReason
 from kvstate.core.spec import MACHINE_NAMES, Spec, load_spec
 from kvstate.core.rules import RuleSet, parse_rules

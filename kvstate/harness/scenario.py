@@ -106,7 +106,6 @@ class _Scenario:
         elif phase == "importing" and not c.coordinator.killed:
             c.workers[-1].ask(spec.timeout_s, cmd="hold", points=["open"])
             notify = ("importing", spec.tp - 1)
-        t = time.monotonic()
         group: dict[str, Any] = {"state": None}
         if c.coordinator.killed:
             group["error"] = "no coordinator"
@@ -146,7 +145,6 @@ class _Scenario:
         c, spec = self.c, self.spec
         phase = self.kill[1] if self.kill else None
         stall = phase in ("loading", "draining")
-        t = time.monotonic()
         live = c.live(c.workers)
         for w in live:
             send(w.conn, cmd="load", gid=gid, blocks=spec.prefix(), stall=stall)
@@ -194,7 +192,6 @@ class _Scenario:
 
     def finish(self, gid: str | None) -> None:
         c, spec, report = self.c, self.spec, self.report
-        t = time.monotonic()
         coord = c.coordinator
         assert coord is not None
         final: dict[str, Any] = {}

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import attrs
 
 from kvstate import channel as chan
-from kvstate.core.reasons import RejectReason, ChannelReason
+from kvstate.core.reasons import ChannelReason
 from kvstate.core.errors import ChannelError
 from kvstate.core.spec import load_machine
 

@@ -51,7 +51,7 @@ from typing import Protocol, TypeVar, runtime_checkable
 import attrs
 
 from kvstate.core.capabilities import Access, Capabilities
-from kvstate.core.errors import BackendUnavailable, KvStateError, ArgumentInvalid
+from kvstate.core.errors import BackendUnavailable, ArgumentInvalid
 from kvstate.core.reasons import ArgumentReason
 from kvstate.core.handles import HandleKind
 

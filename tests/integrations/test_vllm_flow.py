@@ -394,7 +394,7 @@ def test_a_load_whose_shares_got_ready_while_the_engine_took_no_step_still_loads
         for s, d in zip([1, 2, 3, 4], dst):
             assert torch.equal(prefill.caches[rank][LAYERS[0]][d], decode.caches[rank][LAYERS[0]][s])
     counted = prefill.tally.take()
-    assert counted["loads_ok"] == 2 and "loads_failed" not in counted, counted
+    assert counted["loads_ok"] == 2 and counted["loads_late"] == 2 and "loads_failed" not in counted, counted
 
 
 @attrs.define

@@ -234,6 +234,8 @@ class PrefillRank:
             return "timeout" if late else None
         load.handles = []
         load.loading_since = time.monotonic()
+        if late:
+            self.tally.add("loads_late")
         log.debug("t=%.6f %s: shares ready, loading%s", load.loading_since, order.req_id,
                   f" ({load.loading_since - load.started:.3f} s after the order)" if late else "")
         for share, (part, _) in zip(shares, self.slices):

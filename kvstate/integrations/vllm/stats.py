@@ -31,6 +31,8 @@ COUNTERS: Mapping[str, str] = {
     "layer_waits": "prefill, layer_loads: layer waits in the forward pass (vLLM's wait_for_layer_load) over a load",
     "layer_waits_ahead": "prefill, layer_loads: layer waits that returned while a later layer was still loading",
     "reconnects": "prefill: rank workers that reconnected to their coordinator after losing it",
+    "loads_late": "prefill: loads a rank started past load_timeout_s from their order, the engine having taken "
+                  "no step meanwhile (shares ready: loaded, not recomputed)",
     "blocks_retained": "decode: prefix blocks assigned a bank block",
     "stores_ok": "decode: stores that completed on a rank",
     "stores_failed": "decode: stores that failed on a rank",
