@@ -368,10 +368,10 @@ def slow_pair(sockets: Path) -> Iterator[tuple[Engine, Engine]]:
 def test_a_load_whose_shares_got_ready_while_the_engine_took_no_step_still_loads(
         slow_pair: tuple[Engine, Engine], monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine takes no step for longer than load_timeout_s after ordering a load (issue
-    28: a tp=2 prefill engine stood still for 10.4 s), and the shares got ready meanwhile:
-    the ranks load when they next look, rather than recompute what is mapped there. (The
-    late load was started, then cancelled at once unless its copy had already ended, and
-    counted as ``load_failed``.)"""
+    28: a fresh tp=2 prefill engine stood still 10 to 22 s, compiling), and the shares got
+    ready meanwhile: the ranks load when they next look, rather than recompute what is
+    mapped there. (The late load was started, then cancelled at once unless its copy had
+    already ended, and counted as ``load_failed``.)"""
     decode, prefill = slow_pair
     transfers = _slow_loads(monkeypatch, looks=1)  # still copying when the rank first looks
     tokens = list(range(6000, 6000 + 4 * BS + 1))

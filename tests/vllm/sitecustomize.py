@@ -89,7 +89,7 @@ if _trace:
         """While a load waits, a step that does not come within 3 s dumps every thread's stack
         to stacks-<pid>.txt (faulthandler's own thread: it needs no GIL), and the next step logs
         the gap. Issue 28: a fresh tp=2 prefill engine went silent for 10.4 s with loads
-        ordered, in runs J and CI's stop-40 run; these stacks say where it stood."""
+        ordered, in runs J and CI's stop-40 run; these stacks showed it compiling."""
         armed = [0.0, 0]  # when the watch was armed, and the stacks file's size then
 
         def watch(pending: bool) -> None:

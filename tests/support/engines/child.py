@@ -118,8 +118,10 @@ def _warm_up(llm: Any, settings: dict[str, Any]) -> float:
     Why: its first forward pass compiles vLLM's masked lookup of the vocabulary-parallel
     embedding (``torch.compile``, used only at tp > 1), and that took 10.4 to 22.5 s here
     (issue 28: the unexplained 10 s silence of a tp=2 prefill engine), so the first test
-    to load into such an engine timed out. A real deployment warms up before it serves; an
-    engine test measures kvstate, not that compile. The prompt is shorter than a block:
+    to load into such an engine timed out. vLLM's own warm-up pass does not run for these
+    engines: its CPU worker skips it for an eager engine with ``kv_cache_memory_bytes``
+    set (``cpu_worker._should_warm_up_model``, vLLM 0.32). An engine test measures
+    kvstate, not that compile. The prompt is shorter than a block:
     nothing is stored, looked up or cached (a consumer counts a miss, before the baseline
     of the counters)."""
     if settings["llm"].get("tensor_parallel_size", 1) <= 1:
