@@ -157,6 +157,12 @@ def load(prefill: Engine, req: str, prompt: list[int], pages: list[int]) -> tupl
         print("miss", prefill.sched.tally.take())
         return 0, set()
     prefill.sched.allocated(req, pages, n)
+    return n, step_until_loaded(prefill, req)
+
+
+def step_until_loaded(prefill: Engine, req: str) -> set[int]:
+    """Step ``prefill`` until every rank reported ``req``'s load finished; the pages named
+    failed meanwhile."""
     failed: set[int] = set()
 
     def done() -> bool:
@@ -170,7 +176,7 @@ def load(prefill: Engine, req: str, prompt: list[int], pages: list[int]) -> tupl
         shares = [(p.worker is not None, p._loads, p.worker and [(s.gid, s.state) for s in p.worker.shares.values()])
                   for p in prefill.prefill]
         raise AssertionError(f"{groups} {shares}") from None
-    return n, failed
+    return failed
 
 
 @pytest.fixture(params=[1, 2], ids=["tp1", "tp2"])
@@ -388,13 +394,7 @@ def test_a_load_whose_shares_got_ready_while_the_engine_took_no_step_still_loads
     ordered = time.monotonic()
     wait_for(lambda: _shares_ready(prefill), "every rank's share ready")
     time.sleep(max(0.0, ordered + SLOW_TIMEOUT_S + 0.1 - time.monotonic()))   # the order's time ran out
-    failed: set[int] = set()
-
-    def loaded() -> bool:
-        _, done, f = prefill.step()
-        failed.update(f)
-        return "p-late" in done
-    wait_for(loaded, "the late load")
+    failed = step_until_loaded(prefill, "p-late")
     assert failed == set() and len(transfers) == 2 and not any(t.cancelled for t in transfers)
     for rank in range(2):
         for s, d in zip([1, 2, 3, 4], dst):
@@ -469,13 +469,7 @@ def test_a_transfer_that_outlasts_load_timeout_s_is_cancelled_and_counted_as_a_t
     started = time.monotonic()  # before the transfers start
     prefill.step()
     assert len(transfers) == 2 and not any(t.cancelled for t in transfers)
-    failed: set[int] = set()
-
-    def ended() -> bool:
-        _, done, f = prefill.step()
-        failed.update(f)
-        return "p-slow" in done
-    wait_for(ended, "the timed-out load")
+    failed = step_until_loaded(prefill, "p-slow")
     assert time.monotonic() - started >= SLOW_TIMEOUT_S
     assert all(t.cancelled and t.closed for t in transfers)
     assert failed == set(dst[:4])

@@ -18,6 +18,7 @@ from kvstate.channel import Channel, Limits
 from kvstate.core.errors import ChannelError, ImportFailed
 from kvstate.share.link import NativeLink
 from kvstate.share.renewal import Renewal
+from support.waiting import wait_until
 
 LIMITS = Limits()
 
@@ -62,14 +63,6 @@ def connect(answers: list[bytes]) -> tuple[Channel, NativeLink, Peer]:
     return ch, NativeLink(ch, LIMITS), Peer(b, answers)
 
 
-def wait_for_requests(peer: Peer, n: int, timeout: float) -> None:
-    """Until the peer has been asked ``n`` times (or ``timeout`` passed: the caller's
-    assertions then say what came)."""
-    deadline = time.monotonic() + timeout
-    while len(peer.requests) < n and time.monotonic() < deadline:
-        time.sleep(0.01)
-
-
 def wait_for_outcome(renewal: Renewal[str]) -> list[tuple[str, object]]:
     p = select.poll()
     p.register(renewal.fileno(), select.POLLIN)
@@ -82,7 +75,7 @@ def test_renewals_send_pythons_frame_and_move_the_expiry_on(renewal: Renewal[str
     try:
         key = renewal.add("part", link, rank=1, lease_id=7, term_s=0.2, renewed_at=time.monotonic())
         assert key is not None
-        wait_for_requests(peer, 3, 30.0)
+        wait_until(lambda: len(peer.requests) >= 3, 30.0)  # else the assertions say what came
         assert peer.requests[:3] == [chan.encode({"lease": 7, "op": "renew", "rank": 1})] * 3
         state = renewal.state(key)
         assert state is not None and state.renewals >= 2 and not state.failed
@@ -176,7 +169,7 @@ def test_a_lease_due_before_the_armed_time_is_renewed_on_its_own_time() -> None:
         time.sleep(0.05)  # the thread has armed its timer for the long lease
         short = r.add("short", link, rank=1, lease_id=2, term_s=0.2, renewed_at=time.monotonic())  # due in 0.1 s
         assert short is not None
-        wait_for_requests(peer, 2, 10.0)
+        wait_until(lambda: len(peer.requests) >= 2, 10.0)
         assert peer.requests[:2] == [chan.encode({"lease": 2, "op": "renew", "rank": 1})] * 2
         state = r.state(short)
         assert state is not None and state.renewals >= 2 and not state.failed

@@ -105,27 +105,21 @@ if _trace:
                 armed[:] = [now, os.fstat(_stacks.fileno()).st_size]
                 faulthandler.dump_traceback_later(3.0, file=_stacks)
 
+        def watched(step, side: str, waiting: str):  # type: ignore[no-untyped-def]
+            """``step`` (called once per engine step), watched while ``side``'s ``waiting``
+            holds a load."""
+            def run(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+                watch(False)
+                try:
+                    return step(self, *args, **kwargs)
+                finally:
+                    part = getattr(self, side, None)
+                    watch(bool(part is not None and getattr(part, waiting)))
+            return run
+
         cls = module.KvStateConnector  # type: ignore[attr-defined]
-        load, meta = cls.start_load_kv, cls.build_connector_meta
-
-        def start_load_kv(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-            watch(False)
-            try:
-                return load(self, *args, **kwargs)
-            finally:
-                prefill = getattr(self, "_prefill", None)
-                watch(bool(prefill is not None and prefill._loads))
-
-        def build_connector_meta(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-            watch(False)
-            try:
-                return meta(self, *args, **kwargs)
-            finally:
-                sched = getattr(self, "_sched", None)
-                watch(bool(sched is not None and sched._active))
-
-        cls.start_load_kv = start_load_kv
-        cls.build_connector_meta = build_connector_meta
+        cls.start_load_kv = watched(cls.start_load_kv, "_prefill", "_loads")  # a worker
+        cls.build_connector_meta = watched(cls.build_connector_meta, "_sched", "_active")  # the scheduler
 
     try:
         _watch_lookups()
