@@ -152,7 +152,7 @@ def import_rank(importer: Importer[Any, Any, Any, Any, Any], wire: bytes, rank: 
     from kvstate.core.descriptor import decode_cached
     from kvstate.core.errors import GroupRejected
     from kvstate.core.validate import descriptor_problems
-    from kvstate.share import attach
+    from kvstate.share import attach, native_import
 
     importer.check_gates()  # reuse enabled, as a worker's check requires
     d = decode_cached(wire, importer.config.deployment)
@@ -164,8 +164,8 @@ def import_rank(importer: Importer[Any, Any, Any, Any, Any], wire: bytes, rank: 
     part: Part[Any, Any, Any, Any, Any] = Part(owner, d)
     owner.parts.append(part)
     part.fire("validate")
-    part.fire("lease")
-    attach.open_part(part)  # as RankWorker opens its part
+    native_import.lease_part(part)  # as RankShare leases its part
+    attach.open_part(part)  # as RankShare opens it
     return part
 
 

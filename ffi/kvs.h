@@ -647,5 +647,10 @@ typedef struct kvs_import_part {
  * KVS_IMPORT_DEFER; KVS_IMPORT_ATTACH; KVS_E_INVAL for a malformed call (nothing sent). */
 int kvs_import(kvs_link *l, const uint8_t *req, uint32_t len, kvs_frame *f, int64_t timeout_ns,
                kvs_import_part *parts, int32_t n, kvs_renewer *r, int64_t renewed_at_ns, uint64_t align, int32_t access, int32_t *failed);
+/* Phase 1 only, for a batch that is not the whole group (a rank worker's own part, whose
+ * open waits for its coordinator): as kvs_import, but KVS_OK leaves every part `leased`
+ * with its received fd in parts[i].attach.fd, the caller's now (f->nfds 0). */
+int kvs_import_lease(kvs_link *l, const uint8_t *req, uint32_t len, kvs_frame *f, int64_t timeout_ns,
+                     kvs_import_part *parts, int32_t n, kvs_renewer *r, int64_t renewed_at_ns, int32_t *failed);
 
 #endif /* KVS_H */

@@ -214,11 +214,13 @@ static void roll_back(kvs_import_part *parts, int32_t k, const int32_t *start, k
     }
 }
 
-int kvs_import(kvs_link *l, const uint8_t *req, uint32_t len, kvs_frame *f, int64_t timeout_ns,
-               kvs_import_part *parts, int32_t n, kvs_renewer *r, int64_t renewed_at_ns,
-               uint64_t align, int32_t access, int32_t *failed) {
+/* Phase 1 of a batch: the request sent, the answer read, every part's `lease` fired.
+ * KVS_OK: every part `leased`, its received fd in parts[i].attach.fd (still the frame's);
+ * else what kvs_import returns for phase 1, everything undone. */
+static int lease_batch(kvs_link *l, const uint8_t *req, uint32_t len, kvs_frame *f, int64_t timeout_ns,
+                       kvs_import_part *parts, int32_t n, kvs_renewer *r, int64_t renewed_at_ns,
+                       int32_t *failed, int32_t *start) {
     if (!l || !req || !f || !parts || !failed || n <= 0 || n > KVS_ATTACH_MAX_PARTS) return KVS_E_INVAL;
-    int32_t start[KVS_ATTACH_MAX_PARTS];
     *failed = -1;
     for (int32_t i = 0; i < n; i++) { /* nothing is sent before every part is well formed */
         kvs_import_part *p = &parts[i];
@@ -249,7 +251,7 @@ int kvs_import(kvs_link *l, const uint8_t *req, uint32_t len, kvs_frame *f, int6
         p->lease = lease->i;
         p->attach.fd = f->fds[i];
     }
-    /* Phase 1: every part fires `lease`; the first refusal undoes the batch and defers. */
+    /* Every part fires `lease`; the first refusal undoes the batch and defers. */
     int32_t leased = 0;
     for (int32_t i = 0; i < n; i++) {
         kvs_import_part *p = &parts[i];
@@ -265,11 +267,27 @@ int kvs_import(kvs_link *l, const uint8_t *req, uint32_t len, kvs_frame *f, int6
         leased++;
     }
     free(grants);
-    int32_t all_passed = leased == n;
-    if (!all_passed) {
+    if (leased != n) {
         roll_back(parts, leased, start, r);
         return KVS_IMPORT_DEFER;
     }
+    return KVS_OK;
+}
+
+int kvs_import_lease(kvs_link *l, const uint8_t *req, uint32_t len, kvs_frame *f, int64_t timeout_ns,
+                     kvs_import_part *parts, int32_t n, kvs_renewer *r, int64_t renewed_at_ns, int32_t *failed) {
+    int32_t start[KVS_ATTACH_MAX_PARTS];
+    int rc = lease_batch(l, req, len, f, timeout_ns, parts, n, r, renewed_at_ns, failed, start);
+    if (rc == KVS_OK) f->nfds = 0; /* each received fd is its part's now (parts[i].attach.fd) */
+    return rc;
+}
+
+int kvs_import(kvs_link *l, const uint8_t *req, uint32_t len, kvs_frame *f, int64_t timeout_ns,
+               kvs_import_part *parts, int32_t n, kvs_renewer *r, int64_t renewed_at_ns,
+               uint64_t align, int32_t access, int32_t *failed) {
+    int32_t start[KVS_ATTACH_MAX_PARTS];
+    int rc = lease_batch(l, req, len, f, timeout_ns, parts, n, r, renewed_at_ns, failed, start);
+    if (rc != KVS_OK) return rc;
     /* Phase 2, only now that every part of the group holds a checked lease (the caller
      * passes a batch only when it is the whole group). */
     kvs_attach_part *at = malloc((size_t)n * sizeof *at);

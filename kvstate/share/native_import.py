@@ -38,13 +38,13 @@ from contextlib import ExitStack
 from typing import Any
 
 from kvstate import channel as chan
-from kvstate.core.errors import ChannelError, KvStateError
+from kvstate.core.errors import ChannelError, KvStateError, TransitionError
 from kvstate.core.handles import FD_IDENTITY_BYTES, HandleKind
 from kvstate.share import attach, peers
 from kvstate.share.link import _ns, link_error
 from kvstate.share.part import Part, lease_fields
 from kvstate.transport import libkvs
-from kvstate.transport.host import HostTransport
+from kvstate.transport.host import HostHandle, HostTransport
 from kvstate.transport.machines import native_table
 
 AnyPart = Part[Any, Any, Any, Any, Any]
@@ -53,13 +53,14 @@ AnyPart = Part[Any, Any, Any, Any, Any]
 FireLease = Callable[[AnyPart, "peers.Grant | None", dict[int, Exception]], None]
 
 
-def eligible(parts: Sequence[AnyPart], transport: object) -> bool:
-    """The native import serves a group whose parts are all plain memfd parts on the host
-    backend, reached over one exporter's unix socket."""
+def eligible(parts: Sequence[AnyPart], transport: object, *, whole: bool = True) -> bool:
+    """The native import serves parts that are all plain memfd parts on the host backend,
+    reached over one exporter's unix socket; both phases at once only when they are the
+    whole group (``whole``)."""
     if not parts or not isinstance(transport, HostTransport) or not attach.usable(transport):
         return False
     address = parts[0].descriptor.socket_path
-    return "://" not in address and len(parts) == len(parts[0].group.parts) and all(
+    return "://" not in address and (not whole or len(parts) == len(parts[0].group.parts)) and all(
         type(p) is Part and p.descriptor.socket_path == address and p.descriptor.handle_kind is HandleKind.MEMFD
         and len(p.descriptor.handle) == FD_IDENTITY_BYTES for p in parts)
 
@@ -91,6 +92,32 @@ def lease_and_open(parts: Sequence[AnyPart], fire_lease: FireLease) -> dict[int,
     call. Returns the failures by rank (the caller fails the group, whose rollback returns
     every lease), or None when the reference path must run instead (a part a fault moved
     on, or a reused link the exporter had closed: the reference reconnects)."""
+    return _native(parts, fire_lease, opening=True)
+
+
+def lease(parts: Sequence[AnyPart], fire_lease: FireLease) -> dict[int, Exception] | None:
+    """Phase 1 only of ``parts`` (:func:`eligible` with ``whole=False``) in one native call
+    (``kvs_import_lease``): each part ends ``leased``, holding its received fd for its open.
+    Returns as :func:`lease_and_open`."""
+    return _native(parts, fire_lease, opening=False)
+
+
+def lease_part(part: Part[Any, Any, Any, Any, Any]) -> None:
+    """Phase 1 of one part on its own (a rank worker's share, whose open waits for its
+    coordinator): natively where :func:`eligible`, else ``part.fire("lease")``. Raises what
+    that fire raises for the same failure."""
+    if eligible([part], part.transport, whole=False):
+        failures = lease([part], part.group.importer._fire_lease)
+        if failures is not None:
+            if part.rank in failures:
+                raise failures[part.rank]
+            if part.state != "leased":  # a fault moved the part on first: as fire would say
+                raise TransitionError.illegal(part.table.name, part.state, "lease")
+            return
+    part.fire("lease")
+
+
+def _native(parts: Sequence[AnyPart], fire_lease: FireLease, *, opening: bool) -> dict[int, Exception] | None:
     importer = parts[0].group.importer
     transport = importer.transport
     assert isinstance(transport, HostTransport)
@@ -126,13 +153,18 @@ def lease_and_open(parts: Sequence[AnyPart], fire_lease: FireLease) -> dict[int,
         frame.buf, frame.cap = buf, link.native.limits.max_payload
         failed = nat.ffi.new("int32_t *")
         renewed_at = time.monotonic()
-        rc = _call(nat.lib, link.native.ptr, payload, frame, _ns(timeout), arr, len(parts),
-                   reserved[0] if reserved is not None else nat.ffi.NULL, int(renewed_at * 1e9),
-                   transport.granularity(), nat.lib.KVS_ACCESS_READ, failed)
+        renewer = reserved[0] if reserved is not None else nat.ffi.NULL
+        if opening:
+            rc = _call(nat.lib, link.native.ptr, payload, frame, _ns(timeout), arr, len(parts), renewer,
+                       int(renewed_at * 1e9), transport.granularity(), nat.lib.KVS_ACCESS_READ, failed)
+        else:
+            rc = _call_lease(nat.lib, link.native.ptr, payload, frame, _ns(timeout), arr, len(parts), renewer,
+                             int(renewed_at * 1e9), failed)
         if renewal is not None and reserved is not None:
             renewal.settle(keys, registered=rc == nat.lib.KVS_OK)
         if rc == nat.lib.KVS_OK:
-            return _adopt(parts, link, arr, keys if reserved is not None else None, renewed_at, timeout)
+            adopt = _adopt if opening else _adopt_leases
+            return adopt(parts, link, arr, keys if reserved is not None else None, renewed_at, timeout)
         for part in parts:  # the reference path watches each part it leases itself
             importer._unwatch_part(part, link)
         if rc < 0 and rc != nat.lib.KVS_E_INVAL:  # the request failed; kvs_link_request closed the link
@@ -169,6 +201,13 @@ def _call(lib: libkvs.Lib, link: libkvs.LinkPtr, payload: bytes, frame: libkvs.F
     """The one native call (its own function so profiles can name it)."""
     return lib.kvs_import(link, payload, len(payload), frame, timeout_ns, arr, n, renewer, renewed_at_ns, align,
                           access, failed)
+
+
+def _call_lease(lib: libkvs.Lib, link: libkvs.LinkPtr, payload: bytes, frame: libkvs.FramePtr, timeout_ns: int,
+                arr: libkvs.ImportPartArray, n: int, renewer: libkvs.RenewerPtr, renewed_at_ns: int,
+                failed: libkvs.Int32Ptr) -> int:
+    """The one native call of phase 1 alone."""
+    return lib.kvs_import_lease(link, payload, len(payload), frame, timeout_ns, arr, n, renewer, renewed_at_ns, failed)
 
 
 def _reference(parts: Sequence[AnyPart], link: peers.PeerLink, msg: chan.Message,
@@ -218,5 +257,25 @@ def _adopt(parts: Sequence[AnyPart], link: peers.PeerLink, arr: libkvs.ImportPar
     try:
         link.notify(peers.mapped_payload([(p.rank, int(arr[i].lease)) for i, p in enumerate(parts)]), timeout)
     except ChannelError as exc:
+        return {p.rank: exc for p in parts}
+    return {}
+
+
+def _adopt_leases(parts: Sequence[AnyPart], link: peers.PeerLink, arr: libkvs.ImportPartArray,
+                  keys: list[int] | None, renewed_at: float, timeout: float) -> dict[int, Exception]:
+    """Every part leased natively: each takes a grant holding its received fd (as
+    :meth:`Part._lease` takes the reference's), and the reference machines are fed."""
+    importer = parts[0].group.importer
+    for i, part in enumerate(parts):
+        c = arr[i]
+        importer.peers.hold(link)  # each lease holds the link until it is returned
+        grant = peers.Grant(link, part.rank, int(c.lease), c.expires_ns / 1e9, {}, (int(c.attach.fd),), taken=True)
+        part._leased_natively(grant, HostHandle(grant.fds[0], part.descriptor.handle),
+                              keys[i] if keys is not None else None, renewed_at)
+    try:
+        Part.adopt_all(parts, (("lease", "leased"),))
+    except KvStateError as exc:  # diverged (nothing committed): undo here, as no row of theirs will
+        for part in parts:
+            part._return_lease()
         return {p.rank: exc for p in parts}
     return {}

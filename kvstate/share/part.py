@@ -232,6 +232,17 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         self.allocation, self.reservation, self.mapping = allocation, reservation, mapping
         self._own()
 
+    def _leased_natively(self, grant: peers.Grant, handle: H, key: int | None, renewed_at: float) -> None:
+        """What the native phase 1 (:func:`kvstate.share.native_import.lease`) made for
+        this part, recorded as :meth:`_lease` records it: the grant with its received fd,
+        the checked handle, the lease (renewed natively under ``key``)."""
+        self.renewal_key = key
+        self.link, self.channel, self.lease_id = grant.link, grant.link.channel, grant.lease_id
+        self.received, self.handle = grant, handle
+        self.lease_s = grant.expires_in_s
+        self.renewed_at = renewed_at
+        self.lease_expires_at = renewed_at + grant.expires_in_s
+
     def _own(self) -> None:
         """Claim the part's mapping (kvstate.share.owned): only the part unmaps it."""
         if self.mapping is not None:

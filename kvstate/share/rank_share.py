@@ -16,7 +16,7 @@ from kvstate.core.errors import DescriptorRejected, KvStateError, TransitionErro
 from kvstate.core.machine import Lifecycle, Observer, StateChange, effect, guard
 from kvstate.core.reasons import ArgumentReason, TransferFailReason
 from kvstate.core.spec import load_machine
-from kvstate.share import attach
+from kvstate.share import attach, native_import
 from kvstate.share import load as loads
 from kvstate.share.importer import Importer, LoadResult
 from kvstate.share.part import BlockRequest, Part
@@ -116,7 +116,7 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
         assert part is not None  # _check made it
         self.importer.check_gates()  # reuse enabled (and, for GPU memory, an admitted profile)
         start = time.monotonic()
-        part.fire("lease")
+        native_import.lease_part(part)  # one native call on the host backend
         self.lease_took_s = time.monotonic() - start
         return self._close_part
 

@@ -253,6 +253,9 @@ class Lib(Protocol):
     def kvs_import(self, l: LinkPtr, req: bytes, len: int, f: FramePtr, timeout_ns: int, parts: ImportPartArray,
                    n: int, r: RenewerPtr, renewed_at_ns: int, align: int, access: int,
                    failed: Int32Ptr) -> int: ...
+    def kvs_import_lease(self, l: LinkPtr, req: bytes, len: int, f: FramePtr, timeout_ns: int,
+                         parts: ImportPartArray, n: int, r: RenewerPtr, renewed_at_ns: int,
+                         failed: Int32Ptr) -> int: ...
 
     def kvs_lease_server_new(self, lease_timeout_ns: int, max_leases: int, allowed_uid: int, max_payload: int,
                              max_fds: int, max_connections: int, out: LeaseServerOut) -> int: ...

@@ -303,3 +303,108 @@ def test_adopt_all_checks_every_path_before_it_commits_any() -> None:
         Part.adopt_all(parts, [("close",)])
     with pytest.raises(ArgumentInvalid):
         Part.adopt_all([object()], steps)
+
+
+# -- phase 1 alone: a rank worker's own part (kvs_import_lease) ----------------------------
+
+
+class Share:
+    """The owner of one rank's part, as a rank worker's share is (the PartOwner protocol):
+    its group passed the coordinator's validation and is importing."""
+
+    def __init__(self, importer: Importer[Any, Any, Any, Any, Any], descriptor: Any) -> None:
+        self.label, self.observers = "share", ()
+        self.importer, self.blocks, self.validated = importer, None, descriptor
+        self.state, self.leasing, self.releasing = "checking", True, False
+        self.parts: list[Any] = []
+
+
+def run_rank(reply: Reply, native: bool, monkeypatch: pytest.MonkeyPatch, size: int = SIZE) -> dict[str, Any]:
+    """One rank's part leased on its own, then opened (RankShare's two steps), against a
+    fake exporter answering with ``reply``; the part is closed at the end, as the share's
+    rollback or unmap closes it."""
+    from kvstate.share import attach
+    from kvstate.share.part import Part
+
+    exporting = HostTransport(granularity=GRANULARITY)
+    allocation = exporting.create(size)
+    handle = exporting.export(allocation, HandleKind.MEMFD)
+    fake = FakeExporter(reply, [handle.fd])
+    calls: list[int] = []
+    real = native_import._call_lease
+    with monkeypatch.context() as m:
+        if native:
+            m.setattr(native_import, "_call_lease", lambda *a: calls.append(1) or real(*a))
+        else:
+            m.setattr(native_import, "eligible", lambda *a, **k: False)
+        t = HostTransport(granularity=GRANULARITY)
+        im = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON, request_timeout_s=2.0, renew_interval_s=0.05), t)
+        before = held(t)
+        out: dict[str, Any] = {"calls": calls}
+        try:
+            d = descriptor(rank=0, tp=1, socket_path=fake.path, handle=handle.identity)
+            share = Share(im, d)
+            part: Part[Any, Any, Any, Any, Any] = Part(share, d)
+            share.parts.append(part)
+            part.fire("validate")
+            try:
+                native_import.lease_part(part)
+                out["leased"] = part.state
+                out["renewed"] = [im.renewal.state(part.renewal_key)] if im.renewal and part.renewal_key else []
+                share.state, share.leasing = "importing", False  # the coordinator said open
+                attach.open_part(part)
+            except KvStateError as exc:
+                out["error"] = exc
+                if part.may("import_failed"):  # as RankShare._import_part undoes a failed open
+                    part.fire("import_failed")
+            out["state"] = part.state
+            if part.state == "imported":
+                assert t.view(part.mapped())[0] == 0
+                for _ in range(500):  # a notification: wait for the exporter's side to read it
+                    if any(r["op"] == "mapped" for r in fake.requests):
+                        break
+                    time.sleep(0.01)
+                out["mapped"] = [r for r in fake.requests if r["op"] == "mapped"]
+            share.releasing = True
+            if part.may("close"):
+                part.fire("close")
+            out["unmapped"] = part.mapping is None and part.allocation is None and part.received is None
+            out["held"] = held(t) == before
+            renewal = im.renewal
+            assert renewal is not None
+            out["renewed_after"] = [renewal.state(k) for k in range(1, renewal._next + 1)]
+        finally:
+            im.close()
+            fake.close()
+            exporting.release(allocation)
+        out["granted"], out["released"] = sorted(fake.granted), fake.released()
+        return out
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_ranks_own_lease_natively_and_by_the_reference_agree(case: str, extra_fds: list[int],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Phase 1 alone in C (a rank worker's part, whose open waits for its coordinator) and
+    by the Python reference give the same verdict on every answer, keep nothing after, and
+    a good lease holds its fd, registered for renewal, until the open."""
+    reply = cases(extra_fds)[case]
+    size = SIZE + GRANULARITY if case == "fd_wrong_size" else SIZE
+    native = run_rank(reply, True, monkeypatch, size)
+    reference = run_rank(reply, False, monkeypatch, size)
+    assert native["calls"] == [1], "the native path leased the part"
+    assert verdict(native.get("error")) == verdict(reference.get("error")), (native.get("error"),
+                                                                             reference.get("error"))
+    assert native["state"] == reference["state"]
+    assert native.get("leased") == reference.get("leased")
+    for out in (native, reference):
+        assert out["unmapped"] and out["held"], "a failed or closed part keeps nothing"
+        assert all(s is None for s in out["renewed_after"]), "no lease is left with the renewal thread"
+        assert out["released"] == out["granted"], "every lease granted went back"
+    if case.startswith("good"):
+        assert native["state"] == "imported" and native["leased"] == "leased"
+        assert len(native["mapped"]) == 1 and native["mapped"] == reference["mapped"], "one mapped note"
+        assert native["renewed"] and native["renewed"][0] is not None, "the lease was registered for renewal"
+    elif case == "fd_wrong_size":
+        assert native["leased"] == "leased" and native["state"] == "failed", "phase 1 passed, the open failed"
+    else:
+        assert native["state"] == "failed" and "leased" not in native, "phase 1 failed"
