@@ -13,6 +13,11 @@ fires every part's ``lease`` row of the generated part table (the report and fd 
 the renewal registration) and, only when every part passed, the ``open`` rows
 (:mod:`kvstate.share.attach`'s ``kvs_attach``). The GIL is released throughout.
 
+A rank worker's own part (:class:`~kvstate.share.rank_share.RankShare`) must wait for its
+coordinator's ``open`` after its lease, so it takes phase 1 alone (``kvs_import_lease``,
+:func:`lease_part`): the part ends ``leased``, holding its received fd as a grant, as the
+reference's ``lease`` leaves it, and the native attach opens it later.
+
 What stays the same
 -------------------
 
