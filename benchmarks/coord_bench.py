@@ -16,7 +16,14 @@ coordinator process and tp worker processes, forked before the clock starts.
   or pidfd, drains the group, every survivor quiesces and the coordinator closes it.
 
 ``python -m benchmarks.coord_bench --tp 2 4 8 --repeats 5`` prints one row per tp
-(median and worst over the repeats).
+(median and worst over the repeats). Each repeat's group is its cluster's first, so its
+time to ready includes each worker's first connection to its exporter.
+
+``--warm N`` measures instead what a request pays in steady state: N groups, one after
+another, in one cluster (each drained before the next), after three that warm the
+connections up; it prints the median and best time to ready, the median of each
+worker's own import (both phases, lease to mapped: ``RankShare.import_s``), and the
+rest, which is the coordinator's and workers' messages and steps.
 """
 
 from __future__ import annotations
@@ -59,6 +66,33 @@ def measure(tp: int, repeats: int) -> dict[str, Any]:
             "death_to_unmapped_ms": (statistics.median(unmapped) * 1e3, max(unmapped) * 1e3) if unmapped else None}
 
 
+def measure_warm(tp: int, groups: int, warm_up: int = 3) -> dict[str, Any]:
+    """Time to ready of ``groups`` groups in one cluster, after ``warm_up`` others."""
+    from kvstate.harness.cluster import Cluster, recv, send
+
+    ready: list[float] = []
+    imports: list[float] = []
+    with Cluster(ClusterSpec(tp=tp, **SPEC)) as c:  # type: ignore[arg-type]
+        wire = c.start_decode()
+        c.start_prefill()
+        assert c.coordinator is not None
+        for i in range(warm_up + groups):
+            send(c.coordinator.conn, **c.import_command(wire))
+            group = recv(c.coordinator.conn, SPEC["timeout_s"] + 4 * SPEC["phase_timeout_s"])
+            if group.get("state") != "ready":
+                raise RuntimeError(f"tp={tp}: group {i} did not get ready: {json.dumps(group)[:2000]}")
+            if i >= warm_up:
+                ready.append(float(group["time_to_ready_s"]))
+                imports.append(statistics.median(float(r["import_s"]) for r in group["ranks"]))
+            send(c.coordinator.conn, cmd="drain", gid=group["gid"])
+            drained = recv(c.coordinator.conn, SPEC["timeout_s"])
+            if drained.get("state") not in ("quiescent", "closed"):
+                raise RuntimeError(f"tp={tp}: group {i} did not drain: {json.dumps(drained)[:2000]}")
+    ready_ms, import_ms = statistics.median(ready) * 1e3, statistics.median(imports) * 1e3
+    return {"tp": tp, "groups": groups, "ready_ms": ready_ms, "best_ms": min(ready) * 1e3,
+            "rank_import_ms": import_ms, "messages_ms": ready_ms - import_ms}
+
+
 def _values(tuples: list[tuple[int, ...]]) -> str:
     """Every per-rank value seen over the runs (one value means every rank, every run)."""
     return ",".join(sorted({str(x) for t in tuples for x in t}))
@@ -68,8 +102,20 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.coord_bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--warm", type=int, default=0, metavar="N",
+                    help="measure N groups in one warm cluster per tp instead")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.warm:
+        warm = [measure_warm(tp, args.warm) for tp in args.tp]
+        if args.json:
+            print(json.dumps(warm, indent=2))
+            return 0
+        print(f"{'tp':>3} {'groups':>7} {'ready ms (median/best)':>24} {'rank import ms':>15} {'the rest ms':>12}")
+        for w in warm:
+            print(f"{w['tp']:>3} {w['groups']:>7} {w['ready_ms']:>12.2f} / {w['best_ms']:<9.2f} "
+                  f"{w['rank_import_ms']:>15.2f} {w['messages_ms']:>12.2f}")
+        return 0
     rows = [measure(tp, args.repeats) for tp in args.tp]
     if args.json:
         print(json.dumps(rows, indent=2))
