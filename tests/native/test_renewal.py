@@ -169,7 +169,8 @@ def test_a_lease_due_before_the_armed_time_is_renewed_on_its_own_time() -> None:
         time.sleep(0.05)  # the thread has armed its timer for the long lease
         short = r.add("short", link, rank=1, lease_id=2, term_s=0.2, renewed_at=time.monotonic())  # due in 0.1 s
         assert short is not None
-        wait_until(lambda: len(peer.requests) >= 2, 10.0)
+        # The peer records a request before the renewer reads its answer: wait for both.
+        wait_until(lambda: len(peer.requests) >= 2 and getattr(r.state(short), "renewals", 0) >= 2, 10.0)
         assert peer.requests[:2] == [chan.encode({"lease": 2, "op": "renew", "rank": 1})] * 2
         state = r.state(short)
         assert state is not None and state.renewals >= 2 and not state.failed
