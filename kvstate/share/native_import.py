@@ -123,6 +123,7 @@ def lease_part(part: Part[Any, Any, Any, Any, Any]) -> None:
 
 
 def _native(parts: Sequence[AnyPart], fire_lease: FireLease, *, opening: bool) -> dict[int, Exception] | None:
+    """:func:`lease_and_open` (``opening``) or :func:`lease`: one path, two C entries."""
     importer = parts[0].group.importer
     transport = importer.transport
     assert isinstance(transport, HostTransport)
