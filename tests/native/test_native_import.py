@@ -21,8 +21,8 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from kvstate.transport.host import HostTransport
 
 from support.descriptors import DEPLOYMENT, DEVICE, GEOMETRY, GRANULARITY, INCARNATION, descriptor
 from support.reuse import REUSE_ON
+from support.waiting import wait_until
 
 pytestmark = pytest.mark.native
 
@@ -196,6 +197,31 @@ def held(t: HostTransport) -> tuple[int, int, int]:
     return s.allocations, s.reservations, s.regions
 
 
+@contextmanager
+def importer_under_test(monkeypatch: pytest.MonkeyPatch, native: bool,
+                        entry: str) -> Iterator[tuple[Importer[Any, Any, Any, Any, Any], HostTransport, list[int]]]:
+    """An importer, its transport, and the calls of the native ``entry`` (``_call`` or
+    ``_call_lease``), counted; or, unless ``native``, with the native path refused so that
+    the Python reference serves every part."""
+    calls: list[int] = []
+    real = getattr(native_import, entry)
+    with monkeypatch.context() as m:
+        if native:
+            m.setattr(native_import, entry, lambda *a: calls.append(1) or real(*a))
+        else:
+            m.setattr(native_import, "eligible", lambda *a, **k: False)
+        t = HostTransport(granularity=GRANULARITY)
+        yield Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON, request_timeout_s=2.0, renew_interval_s=0.05), t), \
+            t, calls
+
+
+def mapped_notes(fake: FakeExporter) -> list[dict[str, Any]]:
+    """The ``mapped`` notes the fake exporter read, once it read one (a notification has no
+    answer to wait for)."""
+    wait_until(lambda: any(r["op"] == "mapped" for r in fake.requests), 5.0)
+    return [r for r in fake.requests if r["op"] == "mapped"]
+
+
 def run(reply: Reply, tp: int, native: bool, monkeypatch: pytest.MonkeyPatch, last_size: int = SIZE) -> dict[str, Any]:
     """One import of a tp-part group against a fake exporter answering with ``reply``
     (the last rank's memfd ``last_size`` bytes)."""
@@ -203,15 +229,7 @@ def run(reply: Reply, tp: int, native: bool, monkeypatch: pytest.MonkeyPatch, la
     allocations = [exporting.create(SIZE if r < tp - 1 else last_size) for r in range(tp)]
     handles = [exporting.export(a, HandleKind.MEMFD) for a in allocations]
     fake = FakeExporter(reply, [h.fd for h in handles])
-    calls: list[int] = []
-    real = native_import._call
-    with monkeypatch.context() as m:
-        if native:
-            m.setattr(native_import, "_call", lambda *a: calls.append(1) or real(*a))
-        else:
-            m.setattr(native_import, "eligible", lambda *a: False)
-        t = HostTransport(granularity=GRANULARITY)
-        im = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON, request_timeout_s=2.0, renew_interval_s=0.05), t)
+    with importer_under_test(monkeypatch, native, "_call") as (im, t, calls):
         before = held(t)
         out: dict[str, Any] = {"calls": calls}
         try:
@@ -227,11 +245,7 @@ def run(reply: Reply, tp: int, native: bool, monkeypatch: pytest.MonkeyPatch, la
             assert renewal is not None
             out["renewed"] = [renewal.state(k) for k in range(1, renewal._next + 1)]
             if group.state == "ready":
-                for _ in range(500):  # a notification: wait for the exporter's side to read it (no answer)
-                    if any(r["op"] == "mapped" for r in fake.requests):
-                        break
-                    time.sleep(0.01)
-                out["mapped"] = [r for r in fake.requests if r["op"] == "mapped"]
+                out["mapped"] = mapped_notes(fake)
                 group.drain(5.0)
             out["unmapped"] = all(p.mapping is None and p.allocation is None and p.reservation is None
                                   and p.received is None for p in group.parts)
@@ -330,15 +344,7 @@ def run_rank(reply: Reply, native: bool, monkeypatch: pytest.MonkeyPatch, size: 
     allocation = exporting.create(size)
     handle = exporting.export(allocation, HandleKind.MEMFD)
     fake = FakeExporter(reply, [handle.fd])
-    calls: list[int] = []
-    real = native_import._call_lease
-    with monkeypatch.context() as m:
-        if native:
-            m.setattr(native_import, "_call_lease", lambda *a: calls.append(1) or real(*a))
-        else:
-            m.setattr(native_import, "eligible", lambda *a, **k: False)
-        t = HostTransport(granularity=GRANULARITY)
-        im = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON, request_timeout_s=2.0, renew_interval_s=0.05), t)
+    with importer_under_test(monkeypatch, native, "_call_lease") as (im, t, calls):
         before = held(t)
         out: dict[str, Any] = {"calls": calls}
         try:
@@ -360,11 +366,7 @@ def run_rank(reply: Reply, native: bool, monkeypatch: pytest.MonkeyPatch, size: 
             out["state"] = part.state
             if part.state == "imported":
                 assert t.view(part.mapped())[0] == 0
-                for _ in range(500):  # a notification: wait for the exporter's side to read it
-                    if any(r["op"] == "mapped" for r in fake.requests):
-                        break
-                    time.sleep(0.01)
-                out["mapped"] = [r for r in fake.requests if r["op"] == "mapped"]
+                out["mapped"] = mapped_notes(fake)
             share.releasing = True
             if part.may("close"):
                 part.fire("close")
