@@ -242,3 +242,34 @@ def test_close_all_closes_every_engine_then_raises(tmp_path: Path) -> None:
     assert any("c would not close" in note for note in err.value.__notes__)
     box.started = [Stub("d", False)]  # type: ignore[list-item]
     assert box.close_all() == ["d: d-file"]
+
+
+def test_the_timed_probe_counts_every_call_and_the_hooks_table_sums_its_files(tmp_path: Path) -> None:
+    """The engine-cost diagnosis (``decode_cost --hooks``): each timed hook call is counted
+    with its time, a raising one too; the files of two processes add up, per step."""
+    import json
+
+    from support.engines import decode_cost, probe
+
+    totals = {name: [0, 0] for name in probe.STEP_HOOKS}
+    flushed: list[int] = []
+    step = probe._timed("build_connector_meta", lambda x: x * 2, totals, lambda: flushed.append(1))
+    assert [step(i) for i in range(128)][-1] == 254
+    assert totals["build_connector_meta"][0] == 128 and totals["build_connector_meta"][1] > 0
+    assert len(flushed) == 2  # every 64 steps
+
+    def boom() -> None:
+        raise ValueError("hook failed")
+    failing = probe._timed("get_finished", boom, totals, lambda: None)
+    with pytest.raises(ValueError):
+        failing()
+    assert totals["get_finished"][0] == 1
+
+    (tmp_path / f"{kv_configs.HOOK_TIMES}-1.json").write_text(json.dumps(
+        {"build_connector_meta": [10, 20_000], "get_finished": [10, 50_000]}))
+    (tmp_path / f"{kv_configs.HOOK_TIMES}-2.json").write_text(json.dumps({"get_finished": [10, 30_000]}))
+    cost = decode_cost.Cost(hooks=decode_cost.hook_times(tmp_path), tokens=100)
+    assert cost.hooks == {"build_connector_meta": (10, 20_000), "get_finished": (20, 80_000)}
+    table = decode_cost.hooks_table(cost)
+    assert "| get_finished | 2.00 | 4.0 | 8.0 |" in table
+    assert "| all (10 steps) | | | 10.0 |" in table and "1.0 µs" in table

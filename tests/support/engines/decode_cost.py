@@ -10,6 +10,13 @@ generated: a request may stop early at its end-of-sequence token). The kvstate e
 stores every full block of every finished request (``kv_producer``: its stores run on
 the op engine, their reports natively); its ``stores_ok`` counter must grow by the
 batch size, or the row says the stores did not happen.
+
+``python -m support.engines.decode_cost`` (with ``PYTHONPATH=tests``, vLLM's interpreter)
+runs the same measure on its own: ``--hooks`` runs kvstate's connector as
+:class:`~support.engines.probe.ProbeTimedKvStateConnector` and prints what each step hook
+cost per engine step, and ``--model small`` uses :data:`SMALL`, a model whose decode
+step computes for tens of milliseconds here (the tiny one's step, about 2 ms for a batch,
+is nearly all vLLM's Python).
 """
 
 from __future__ import annotations
@@ -20,12 +27,18 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from support.engines import kvstate_kit, quiet, tiny_llama
+from support.engines import kv_configs, kvstate_kit, quiet, tiny_llama
 from support.engines.memory import MemorySampler
 from support.engines.runner import Engine, EngineSpec, start_all
 from support.engines.suite import Engines
 
 BATCH, PROMPT, MAX_TOKENS = 8, 256, 64
+
+#: A Llama of about 60M parameters (tiny_llama's shapes grown): its decode step is tens
+#: of milliseconds on 2 cores, closer to a real engine's step than the tiny model's.
+SMALL: dict[str, Any] = {**tiny_llama.CONFIG, "hidden_size": 1024, "intermediate_size": 2816,
+                         "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 8,
+                         "vocab_size": 8192}
 
 
 @dataclass
@@ -34,6 +47,9 @@ class Cost:
     plain_s: list[float] = field(default_factory=list)    # the same, no connector
     stored: int = 0                                        # requests whose stores the kvstate engine counted
     requests: int = 0                                      # requests it finished
+    #: With hooks timed: per step hook, (calls, nanoseconds) over the whole run, and tokens generated
+    hooks: dict[str, tuple[int, int]] = field(default_factory=dict)
+    tokens: int = 0
 
     def ratio(self) -> float | None:
         """The kvstate engine's tokens/s as a fraction of the plain engine's (medians)."""
@@ -63,15 +79,21 @@ def _sample(engine: Engine, batch: list[list[int]], settle: tuple[Engine, ...]) 
     return g.seconds / max(1, sum(len(t) for t in g.tokens)), g
 
 
-def measure(workdir: Path, repeats: int = 3, progress: Any = print, model: str | None = None) -> Cost:
+def measure(workdir: Path, repeats: int = 3, progress: Any = print, model: str | None = None,
+            hooks: bool = False) -> Cost:
+    """``hooks``: kvstate's engine runs the timed probe connector, and ``Cost.hooks`` has
+    what its step hooks took."""
     model = model or str(tiny_llama.write_model(workdir / "model", seed=0))
     cost = Cost()
     sockets = kvstate_kit.socket_dir(workdir)
+    probes = workdir / "hooks" if hooks else None
+    if probes is not None:
+        probes.mkdir(parents=True, exist_ok=True)
     box = Engines(workdir / "cost", MemorySampler())
     try:
         progress("starting 2 engines: kvstate decode (storing every finished block), plain (no connector)")
-        decode, plain = start_all([box.make("decode", same_cores(kvstate_kit.spec(model, "kv_producer", sockets))),
-                                   box.make("plain", same_cores(EngineSpec(model)))])
+        kv = kvstate_kit.spec(model, "kv_producer", sockets, probe_dir=probes, probe="ProbeTimedKvStateConnector")
+        decode, plain = start_all([box.make("decode", same_cores(kv)), box.make("plain", same_cores(EngineSpec(model)))])
         for e in (decode, plain):  # warm-up, untimed (the decode engine stores its blocks too)
             e.generate(_batch(7), 4)
         cost.requests = BATCH
@@ -84,9 +106,12 @@ def measure(workdir: Path, repeats: int = 3, progress: Any = print, model: str |
                 if engine is decode:
                     cost.kvstate_s.append(per_token)
                     cost.requests += BATCH
+                    cost.tokens += sum(len(t) for t in g.tokens)
                 else:
                     cost.plain_s.append(per_token)
         cost.stored = _stored(decode, cost.requests)
+        if probes is not None:
+            cost.hooks = hook_times(probes)
         ratio = cost.ratio()
         progress(f"  decode: kvstate {statistics.median(cost.kvstate_s) * 1e3:.2f} ms/token, plain "
                  f"{statistics.median(cost.plain_s) * 1e3:.2f} ms/token"
@@ -94,6 +119,36 @@ def measure(workdir: Path, repeats: int = 3, progress: Any = print, model: str |
     finally:
         box.close_all()
     return cost
+
+
+def hook_times(probes: Path) -> dict[str, tuple[int, int]]:
+    """Per step hook, (calls, nanoseconds), summed over the files the timed probe wrote
+    (one per engine process; the last flush, every 64 steps)."""
+    import json
+
+    out: dict[str, tuple[int, int]] = {}
+    for f in sorted(probes.glob(kv_configs.HOOK_TIMES + "-*.json")):
+        for name, (calls, ns) in json.loads(f.read_text()).items():
+            c, t = out.get(name, (0, 0))
+            out[name] = (c + calls, t + ns)
+    return out
+
+
+def hooks_table(cost: Cost) -> str:
+    """Each hook's calls per step and microseconds per step (steps: build_connector_meta's
+    calls, one per engine step), and the total per step and per generated token."""
+    steps = cost.hooks.get("build_connector_meta", (0, 0))[0]
+    if not steps:
+        return "no step timed (no hook-times file)"
+    rows = ["| hook | calls per step | µs per call | µs per step |", "|---|---|---|---|"]
+    total = 0
+    for name, (calls, ns) in sorted(cost.hooks.items(), key=lambda kv: -kv[1][1]):
+        if calls:
+            total += ns
+            rows.append(f"| {name} | {calls / steps:.2f} | {ns / calls / 1e3:.1f} | {ns / steps / 1e3:.1f} |")
+    rows.append(f"| all ({steps} steps) | | | {total / steps / 1e3:.1f} |")
+    per_token = total / max(1, cost.tokens) / 1e3 if cost.tokens else float("nan")
+    return "\n".join(rows) + f"\n\nall hooks per generated token (timed batches' tokens): {per_token:.1f} µs"
 
 
 def _stored(engine: Engine, want: int, timeout_s: float = 30.0) -> int:
@@ -108,3 +163,31 @@ def _stored(engine: Engine, want: int, timeout_s: float = 30.0) -> int:
         if got >= want or time.monotonic() > deadline:
             return got
         time.sleep(0.2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import tempfile
+
+    ap = argparse.ArgumentParser(prog="python -m support.engines.decode_cost", description=__doc__)
+    ap.add_argument("--repeats", type=int, default=11)
+    ap.add_argument("--hooks", action="store_true", help="time kvstate's step hooks (the timed probe)")
+    ap.add_argument("--model", choices=("tiny", "small"), default="tiny")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="kvstate-decode-cost-") as d:
+        model = None
+        if args.model == "small":
+            model = str(tiny_llama.write_model(Path(d) / "model", seed=0, config=SMALL))
+        cost = measure(Path(d), repeats=args.repeats, model=model, hooks=args.hooks)
+    ratio = cost.ratio()
+    print(f"model {args.model}: kvstate {statistics.median(cost.kvstate_s) * 1e3:.3f} ms/token, plain "
+          f"{statistics.median(cost.plain_s) * 1e3:.3f} ms/token (medians of {len(cost.kvstate_s)}), "
+          f"ratio {ratio:.1%}, stores counted {cost.stored} of {cost.requests}")
+    print("kvstate samples ms/token:", " ".join(f"{x * 1e3:.3f}" for x in cost.kvstate_s))
+    print("plain samples ms/token:  ", " ".join(f"{x * 1e3:.3f}" for x in cost.plain_s))
+    if args.hooks:
+        print(hooks_table(cost))
+
+
+if __name__ == "__main__":
+    main()

@@ -28,6 +28,8 @@ FAIL_NEXT_LOAD = "fail-next-load"
 HOLD_GIL_AFTER_STORE = "hold-gil-after-store"
 PROBE_DIR_ENV = "KVSTATE_PROBE_DIR"
 HOLD_ENDED = "hold-ended"  # written by the probe when the hold ended: its time.monotonic()
+#: ProbeTimedKvStateConnector's files in $KVSTATE_PROBE_DIR: <name>-<pid>.json
+HOOK_TIMES = "hook-times"
 
 
 def _base(connector: str, role: str, extra: Mapping[str, Any], module: str | None) -> dict[str, Any]:
@@ -40,11 +42,12 @@ def _base(connector: str, role: str, extra: Mapping[str, Any], module: str | Non
     return cfg
 
 
-def kvstate(role: str, extra: Mapping[str, Any] | None = None, *, probe: bool = False) -> dict[str, Any]:
+def kvstate(role: str, extra: Mapping[str, Any] | None = None, *, probe: bool | str = False) -> dict[str, Any]:
     """kvstate's connector, loaded by module path like any out-of-tree connector; with
-    ``probe``, its subclass that holds a worker's GIL after stores on request (:mod:`.probe`)."""
+    ``probe``, a subclass of it in :mod:`.probe`: by default the one that holds a worker's
+    GIL after stores on request, else the class ``probe`` names."""
     if probe:
-        return _base("ProbeKvStateConnector", role, extra or {}, PROBE_MODULE)
+        return _base(probe if isinstance(probe, str) else "ProbeKvStateConnector", role, extra or {}, PROBE_MODULE)
     return _base(KVSTATE_CONNECTOR, role, extra or {}, KVSTATE_MODULE)
 
 

@@ -39,9 +39,10 @@ def socket_dir(base: Path) -> Path:
 
 def spec(model: str, role: str, sockets: Path, *, policy: dict[str, Any] | None = None, tp: int = 1,
          dtype: str = "bfloat16", kv_cache_dtype: str = "auto", probe_dir: Path | None = None,
-         **extra: Any) -> EngineSpec:
-    """With ``probe_dir``, the engine runs kvstate's connector as the probe subclass that
-    holds a worker's GIL after stores while ``probe_dir/hold-gil-after-store`` exists."""
+         probe: str = "ProbeKvStateConnector", **extra: Any) -> EngineSpec:
+    """With ``probe_dir``, the engine runs kvstate's connector as the probe subclass
+    ``probe`` (:mod:`.probe`); by default the one that holds a worker's GIL after stores
+    while ``probe_dir/hold-gil-after-store`` exists."""
     # lookup_timeout_s 2 (default 0.5): in 1 of 3 vLLM suite runs a lookup made right after
     # a tp=2 decode engine ran the prompt got no answer within 0.5 s on 2 cores (a miss,
     # and the reuse test failed; issue 28). That engine's workers spin on os.sched_yield
@@ -57,7 +58,7 @@ def spec(model: str, role: str, sockets: Path, *, policy: dict[str, Any] | None 
     if probe_dir is not None:
         env[kv_configs.PROBE_DIR_ENV] = str(probe_dir)
     return EngineSpec(model, tp=tp, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-                      kv_transfer=kv_configs.kvstate(role, cfg, probe=probe_dir is not None), env=env)
+                      kv_transfer=kv_configs.kvstate(role, cfg, probe=probe_dir is not None and probe), env=env)
 
 
 #: The engines' block size (vLLM's CPU attention needs a multiple of 32).
@@ -161,11 +162,17 @@ def produce(engine: Engine, batch: list[list[int]], max_tokens: int, timeout: fl
     takes in the stats of later steps only with its next request, hence the one-token
     requests (too short to retain anything). A rank counts a store only after the op
     engine sent its report to the index (``TransferHandle.report``), so the index knows
-    of every store counted here; no wait for the ranks' Python follows."""
+    of every store counted here; no wait for the ranks' Python follows.
+
+    Each rank counts its own store of a request (vLLM sums the ranks' counters), and the
+    index advertises a block only once every rank stored it: so a tp-rank engine's
+    batch is stored once the count grew by tp per request. Waiting for one per request
+    returned too early at tp=2 (run AA of issue 28: a prompt missed, one rank's store
+    still running)."""
     import time
 
     g = engine.generate(batch, max_tokens)
-    want = g.metrics_before.get(PREFIX + "stores_ok", 0.0) + len(batch)
+    want = g.metrics_before.get(PREFIX + "stores_ok", 0.0) + len(batch) * engine.spec.tp
     deadline = time.monotonic() + timeout
     while engine.generate([[5, 6, 7]], 1).metrics.get(PREFIX + "stores_ok", 0.0) < want:
         if time.monotonic() > deadline:

@@ -187,3 +187,50 @@ class ProbeKvStateConnector(KvStateConnector):
             trigger.unlink()
             ctypes.PyDLL(None).usleep(int(seconds * 1e6))  # a C call through PyDLL keeps the GIL
             (trigger.parent / HOLD_ENDED).write_text(repr(time.monotonic()))  # CLOCK_MONOTONIC: one per machine
+
+
+#: The connector methods vLLM calls on the step path (scheduler and worker side): what
+#: :class:`ProbeTimedKvStateConnector` times.
+STEP_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+              "update_connector_output", "request_finished", "bind_connector_metadata", "start_load_kv",
+              "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished",
+              "get_block_ids_with_load_errors", "build_connector_worker_meta", "clear_connector_metadata",
+              "get_kv_connector_stats")
+HOOK_TIMES = "hook-times"  # same name as kv_configs.HOOK_TIMES
+
+
+def _timed(name: str, fn: Any, totals: dict[str, list[int]], flush: Any) -> Any:
+    clock = time.perf_counter_ns
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        t0 = clock()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            cell = totals[name]
+            cell[0] += 1
+            cell[1] += clock() - t0
+            if name == "build_connector_meta" and cell[0] % 64 == 0:
+                flush()
+    return run
+
+
+class ProbeTimedKvStateConnector(KvStateConnector):
+    """kvstate's connector with every step hook timed in its own process (wall time, the
+    hook's whole call: kvstate's wrappers included). Every 64 steps the scheduler side
+    writes ``$KVSTATE_PROBE_DIR/hook-times-<pid>.json``: per hook, calls and nanoseconds.
+    With tp=1 both sides run in the EngineCore process, so one file has both."""
+
+    _totals: dict[str, list[int]] = {name: [0, 0] for name in STEP_HOOKS}  # one per process
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        totals = ProbeTimedKvStateConnector._totals
+        out = Path(os.environ.get(PROBE_DIR_ENV, "/nonexistent")) / f"{HOOK_TIMES}-{os.getpid()}.json"
+
+        def flush() -> None:
+            tmp = out.with_suffix(".tmp")
+            tmp.write_text(json.dumps(totals))
+            tmp.replace(out)
+        for name in STEP_HOOKS:  # instance attributes: vLLM calls them through the instance
+            setattr(self, name, _timed(name, getattr(self, name), totals, flush))
