@@ -320,6 +320,38 @@ def test_reserve_stops_at_the_first_block_without_room() -> None:
     assert [r.index for r in t.reserve([H(1), H(2), H(3)])] == [0, 1]
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_the_counts_kept_as_blocks_move_are_the_counts_of_the_blocks(seed: int) -> None:
+    """counts() and evicting() are kept as blocks change state (the scheduler asks for
+    every finished request; counting every block made that cost the bank's size): after
+    every operation of a random run they equal a count of the blocks themselves."""
+    import random
+
+    from kvstate.integrations.vllm.slots import SlotState
+
+    rng = random.Random(seed)
+    tp = rng.choice((1, 2, 3))
+    t = table(capacity=rng.choice((4, 16, 64)), tp=tp)
+    keys: list[int] = []
+    for _ in range(400):
+        op = rng.randrange(6)
+        if op == 0:
+            keys += [r.key for r in t.reserve([H(rng.randrange(200)) for _ in range(rng.randrange(1, 6))])]
+        elif op in (1, 2) and keys:
+            picked = rng.sample(keys, min(len(keys), rng.randrange(1, 4)))
+            keys += (t.stored if op == 1 or rng.random() < 0.8 else t.store_failed)(rng.randrange(tp), picked)
+        elif op == 3:
+            keys += t.choose_evictions()
+        elif op == 4 and keys:
+            t.removed(rng.randrange(tp), rng.sample(keys, min(len(keys), rng.randrange(1, 4))))
+        else:
+            t.lookup([H(rng.randrange(200)) for _ in range(3)])
+        entries = list(t._slots.values())
+        assert t.counts() == {"capacity": t.capacity, "free": t.capacity - len(entries),
+                              **{s.value: sum(e.state is s for e in entries) for s in SlotState}}
+        assert sorted(t.evicting()) == sorted(e.key for e in entries if e.state is SlotState.EVICTING)
+
+
 # -- the protocol and the counters --------------------------------------------------------------
 
 

@@ -251,11 +251,12 @@ def test_the_timed_probe_counts_every_call_and_the_hooks_table_sums_its_files(tm
 
     from support.engines import decode_cost, probe
 
-    totals = {name: [0, 0] for name in probe.STEP_HOOKS}
+    totals = {name: [0, 0, 0] for name in probe.STEP_HOOKS}
     flushed: list[int] = []
     step = probe._timed("build_connector_meta", lambda x: x * 2, totals, lambda: flushed.append(1))
     assert [step(i) for i in range(128)][-1] == 254
     assert totals["build_connector_meta"][0] == 128 and totals["build_connector_meta"][1] > 0
+    assert 0 < totals["build_connector_meta"][2] <= totals["build_connector_meta"][1] * 1.5
     assert len(flushed) == 2  # every 64 steps
 
     def boom() -> None:
@@ -266,10 +267,77 @@ def test_the_timed_probe_counts_every_call_and_the_hooks_table_sums_its_files(tm
     assert totals["get_finished"][0] == 1
 
     (tmp_path / f"{kv_configs.HOOK_TIMES}-1.json").write_text(json.dumps(
-        {"build_connector_meta": [10, 20_000], "get_finished": [10, 50_000]}))
-    (tmp_path / f"{kv_configs.HOOK_TIMES}-2.json").write_text(json.dumps({"get_finished": [10, 30_000]}))
+        {"build_connector_meta": [10, 20_000, 10_000], "get_finished": [10, 50_000, 20_000]}))
+    (tmp_path / f"{kv_configs.HOOK_TIMES}-2.json").write_text(json.dumps({"get_finished": [10, 30_000, 20_000]}))
     cost = decode_cost.Cost(hooks=decode_cost.hook_times(tmp_path), tokens=100)
-    assert cost.hooks == {"build_connector_meta": (10, 20_000), "get_finished": (20, 80_000)}
+    assert cost.hooks == {"build_connector_meta": (10, 20_000, 10_000), "get_finished": (20, 80_000, 40_000)}
     table = decode_cost.hooks_table(cost)
-    assert "| get_finished | 2.00 | 4.0 | 8.0 |" in table
-    assert "| all (10 steps) | | | 10.0 |" in table and "1.0 µs" in table
+    assert "| get_finished | 2.00 | 4.0 | 2.0 | 8.0 | 4.0 |" in table
+    assert "| all (10 steps) | | | | 10.0 | 5.0 |" in table and "1.0 µs" in table
+
+
+def test_the_step_hooks_unpin_only_to_hand_kvstate_work(cpus_to_bind: list[int],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's step hooks widen its CPU mask (for the threads kvstate may start) only
+    while they hand kvstate a store or a load: on the other steps the mask is left alone,
+    no syscall (unpinning cost a tenth of a decode step; affinity, "Cost"). The connector's
+    own hooks, on a connector object whose ranks record what they are handed."""
+    from kvstate.integrations.vllm import connector as conn
+    from kvstate.integrations.vllm.orders import StepOrders, StoreOrder
+
+    seen: list[tuple[str, list[int]]] = []
+
+    class Rank:  # the ranks' side of the hooks: each records the mask it ran under
+        def __init__(self) -> None:
+            self.loads: list[object] = []
+
+        def store(self, order: object) -> None:
+            seen.append(("store", sorted(os.sched_getaffinity(0))))
+
+        def load(self, order: object) -> None:
+            self.loads.append(order)
+            seen.append(("load", sorted(os.sched_getaffinity(0))))
+
+        def busy(self) -> bool:
+            return bool(self.loads)
+
+        def progress(self) -> None:
+            seen.append(("progress", sorted(os.sched_getaffinity(0))))
+
+        def finished(self, *ids: object) -> object:
+            seen.append(("finished", sorted(os.sched_getaffinity(0))))
+            return set() if ids else (set(), set())
+
+    c = object.__new__(conn.KvStateConnector)
+    c._decode, c._prefill, c._load_errors = Rank(), Rank(), set()
+    c._cfg = type("Cfg", (), {"layer_loads": False})()
+    calls: list[object] = []
+    real_set = os.sched_setaffinity
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, mask: (calls.append(mask), real_set(pid, mask)))
+    own = os.sched_getaffinity(0)
+    real_set(0, {cpus_to_bind[0]})  # as vLLM binds a CPU worker's thread
+    try:
+        c.bind_connector_metadata(conn.KvStateMetadata(StepOrders()))
+        c.start_load_kv(None)
+        c.get_finished(set())
+        bound = [cpus_to_bind[0]]
+        assert calls == [] and seen == [("finished", bound), ("finished", bound)], (calls, seen)
+        seen.clear()
+        store = StoreOrder("r", (1,), (2,), (3,))
+        c.bind_connector_metadata(conn.KvStateMetadata(StepOrders(stores=(store,), loads=("order",))))  # type: ignore[arg-type]
+        c.start_load_kv(None)
+        c.get_finished(set())
+        wide = sorted(cpus_to_bind)
+        assert seen == [("store", wide), ("load", wide), ("progress", wide), ("finished", wide),
+                        ("finished", wide)], seen
+        assert os.sched_getaffinity(0) == {cpus_to_bind[0]}  # the worker's binding, back after each hook
+    finally:
+        real_set(0, own)
+
+
+@pytest.fixture
+def cpus_to_bind() -> list[int]:
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip(f"needs 2 CPUs to tell a bound thread from a free one; this process may use {allowed}")
+    return allowed

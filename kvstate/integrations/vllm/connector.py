@@ -17,6 +17,7 @@ vLLM recomputes (with ``kv_load_failure_policy="recompute"``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -194,7 +195,9 @@ class KvStateConnector(KVConnectorBase_V1):
     # -- worker side --------------------------------------------------------------------------------
 
     # Worker hooks that may start kvstate threads run unpinned: those threads may use every
-    # CPU, not only the cores vLLM binds this worker to (.affinity says why).
+    # CPU, not only the cores vLLM binds this worker to (.affinity says why). The step hooks
+    # unpin only when they hand kvstate work (a store, a load), which may start a thread:
+    # unpinning costs more than the rest of the hooks together (.affinity, "Cost").
     @starts_unpinned
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         problem = tensor_problem(self._compat, kv_caches)
@@ -221,22 +224,26 @@ class KvStateConnector(KVConnectorBase_V1):
             self._prefill = PrefillRank(self._cfg, self._compat, self._rank, caches, self._tally, path, self._view)
 
     @_guarded(lambda: None)
-    @starts_unpinned
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)
         if not isinstance(connector_metadata, KvStateMetadata):
             return
-        for store in connector_metadata.orders.stores:
-            if self._decode is not None:
+        orders = connector_metadata.orders
+        stores = orders.stores if self._decode is not None else ()
+        loads = orders.loads if self._prefill is not None else ()
+        if not (stores or loads):
+            return
+        with unpinned():
+            for store in stores:
                 self._decode.store(store)
-        for load in connector_metadata.orders.loads:
-            if self._prefill is not None:
+            for load in loads:
                 self._prefill.load(load)
 
     @_guarded(lambda: None)
-    @starts_unpinned
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        if self._prefill is not None:
+        if self._prefill is None or not self._prefill.busy():
+            return
+        with unpinned():
             if self._cfg.layer_loads:
                 self._prefill.start_layers()  # started, not ended: the layers wait for them
             else:
@@ -257,8 +264,12 @@ class KvStateConnector(KVConnectorBase_V1):
         return None
 
     @_guarded(lambda: (None, None))
-    @starts_unpinned
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # Only loads start threads from here (a load starts once its shares are ready).
+        with unpinned() if self._prefill is not None and self._prefill.busy() else contextlib.nullcontext():
+            return self._get_finished(finished_req_ids)
+
+    def _get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, recving = self._finished(set(finished_req_ids))
         if self._idle_step() and not (sending or recving) and self._busy():
             # A step with no tokens only polls for finished transfers, and vLLM steps again

@@ -24,6 +24,15 @@ table's lock, so it answers lookups as :meth:`lookup` would; its finds come back
 Bounded: at most ``capacity`` blocks (the bank's size, from ``retain_bytes``). A reserve
 that finds no free block stops: a later block of a prefix is useless without the earlier
 ones.
+
+Every operation costs what it touches, never the table's size: the scheduler calls
+:meth:`reserve`, :meth:`choose_evictions` and :meth:`counts` for each finished request,
+inside an engine step. (They counted every block once: 183 µs per finished request with
+the vLLM suite's 2,048-block bank, 1.2 ms with 4,096 blocks, measured with
+``support.engines.decode_cost --hooks`` and a profile of ``request_finished``; a bank of
+real size would have cost milliseconds per request.) So the blocks of each state are
+counted as they move: ``storing`` by a counter, ``stored`` by the LRU order, ``evicting``
+by its own ordered set.
 """
 
 from __future__ import annotations
@@ -91,6 +100,8 @@ class SlotTable:
         self._by_hash: dict[bytes, int] = {}            # storing or stored
         self._by_key: dict[int, int] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # stored slots, oldest first
+        self._storing = 0                                  # slots storing
+        self._evicting: dict[int, None] = {}               # evicting slots, in the order they began
         self.low_water = max(1, capacity // 16)
         self.high_water = max(1, capacity // 8)
         self.evicted = 0
@@ -123,6 +134,7 @@ class SlotTable:
                 slot = self._free.pop()
                 key = self._key_of(h, slot)
                 self._slots[slot] = _Entry(h, key, SlotState.STORING)
+                self._storing += 1
                 self._by_hash[h] = slot
                 self._by_key[key] = slot
                 out.append(Reservation(i, h, slot, key))
@@ -135,11 +147,12 @@ class SlotTable:
         with self._lock:
             if len(self._free) >= self.low_water:
                 return keys
-            pending = sum(1 for e in self._slots.values() if e.state is SlotState.EVICTING)
+            pending = len(self._evicting)
             while self._lru and len(self._free) + pending < self.high_water:
                 slot, _ = self._lru.popitem(last=False)
                 entry = self._slots[slot]
                 entry.state = SlotState.EVICTING
+                self._evicting[slot] = None
                 del self._by_hash[entry.block_hash]
                 if self._mirror is not None:  # before any rank is asked to remove it
                     self._mirror.withdraw(entry.block_hash)
@@ -169,6 +182,7 @@ class SlotTable:
                 if len(entry.stored) + len(entry.failed) < self.tp:
                     continue
                 slot = self._by_key[key]
+                self._storing -= 1
                 if not entry.failed:
                     entry.state = SlotState.STORED
                     self._lru[slot] = None
@@ -176,6 +190,7 @@ class SlotTable:
                         self._mirror.advertise(entry.block_hash, slot, key)
                     continue
                 entry.state = SlotState.EVICTING
+                self._evicting[slot] = None
                 del self._by_hash[entry.block_hash]
                 entry.removed = set(range(self.tp)) - entry.stored  # nothing to remove where it failed
                 if self._maybe_free(slot, entry):
@@ -198,6 +213,7 @@ class SlotTable:
             return False
         del self._slots[slot]
         del self._by_key[entry.key]
+        del self._evicting[slot]
         self._free.append(slot)
         return True
 
@@ -229,11 +245,9 @@ class SlotTable:
     def evicting(self) -> list[int]:
         """Keys still waiting for some rank's removal (to ask again: a lease held them)."""
         with self._lock:
-            return [e.key for e in self._slots.values() if e.state is SlotState.EVICTING]
+            return [self._slots[slot].key for slot in self._evicting]
 
     def counts(self) -> dict[str, int]:
         with self._lock:
-            by_state = {s.value: 0 for s in SlotState}
-            for e in self._slots.values():
-                by_state[e.state.value] += 1
-            return {"capacity": self.capacity, "free": len(self._free), **by_state}
+            return {"capacity": self.capacity, "free": len(self._free), SlotState.STORING.value: self._storing,
+                    SlotState.STORED.value: len(self._lru), SlotState.EVICTING.value: len(self._evicting)}

@@ -47,8 +47,9 @@ class Cost:
     plain_s: list[float] = field(default_factory=list)    # the same, no connector
     stored: int = 0                                        # requests whose stores the kvstate engine counted
     requests: int = 0                                      # requests it finished
-    #: With hooks timed: per step hook, (calls, nanoseconds) over the whole run, and tokens generated
-    hooks: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: With hooks timed: per step hook, (calls, nanoseconds, CPU nanoseconds) over the whole
+    #: run, and the tokens generated
+    hooks: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     tokens: int = 0
 
     def ratio(self) -> float | None:
@@ -80,9 +81,9 @@ def _sample(engine: Engine, batch: list[list[int]], settle: tuple[Engine, ...]) 
 
 
 def measure(workdir: Path, repeats: int = 3, progress: Any = print, model: str | None = None,
-            hooks: bool = False) -> Cost:
+            hooks: bool = False, retain_bytes: int | None = None) -> Cost:
     """``hooks``: kvstate's engine runs the timed probe connector, and ``Cost.hooks`` has
-    what its step hooks took."""
+    what its step hooks took. ``retain_bytes``: the decode bank's size (else the kit's)."""
     model = model or str(tiny_llama.write_model(workdir / "model", seed=0))
     cost = Cost()
     sockets = kvstate_kit.socket_dir(workdir)
@@ -92,7 +93,9 @@ def measure(workdir: Path, repeats: int = 3, progress: Any = print, model: str |
     box = Engines(workdir / "cost", MemorySampler())
     try:
         progress("starting 2 engines: kvstate decode (storing every finished block), plain (no connector)")
-        kv = kvstate_kit.spec(model, "kv_producer", sockets, probe_dir=probes, probe="ProbeTimedKvStateConnector")
+        extra = {} if retain_bytes is None else {"retain_bytes": retain_bytes}
+        kv = kvstate_kit.spec(model, "kv_producer", sockets, probe_dir=probes, probe="ProbeTimedKvStateConnector",
+                              **extra)
         decode, plain = start_all([box.make("decode", same_cores(kv)), box.make("plain", same_cores(EngineSpec(model)))])
         for e in (decode, plain):  # warm-up, untimed (the decode engine stores its blocks too)
             e.generate(_batch(7), 4)
@@ -121,32 +124,36 @@ def measure(workdir: Path, repeats: int = 3, progress: Any = print, model: str |
     return cost
 
 
-def hook_times(probes: Path) -> dict[str, tuple[int, int]]:
-    """Per step hook, (calls, nanoseconds), summed over the files the timed probe wrote
-    (one per engine process; the last flush, every 64 steps)."""
+def hook_times(probes: Path) -> dict[str, tuple[int, int, int]]:
+    """Per step hook, (calls, nanoseconds, CPU nanoseconds), summed over the files the
+    timed probe wrote (one per engine process; the last flush, every 64 steps)."""
     import json
 
-    out: dict[str, tuple[int, int]] = {}
+    out: dict[str, tuple[int, int, int]] = {}
     for f in sorted(probes.glob(kv_configs.HOOK_TIMES + "-*.json")):
-        for name, (calls, ns) in json.loads(f.read_text()).items():
-            c, t = out.get(name, (0, 0))
-            out[name] = (c + calls, t + ns)
+        for name, (calls, ns, cpu_ns) in json.loads(f.read_text()).items():
+            c, t, u = out.get(name, (0, 0, 0))
+            out[name] = (c + calls, t + ns, u + cpu_ns)
     return out
 
 
 def hooks_table(cost: Cost) -> str:
-    """Each hook's calls per step and microseconds per step (steps: build_connector_meta's
-    calls, one per engine step), and the total per step and per generated token."""
-    steps = cost.hooks.get("build_connector_meta", (0, 0))[0]
+    """Each hook's calls per step, microseconds per call (wall and the thread's CPU) and per
+    step (steps: build_connector_meta's calls, one per engine step), and the totals per step
+    and per generated token."""
+    steps = cost.hooks.get("build_connector_meta", (0, 0, 0))[0]
     if not steps:
         return "no step timed (no hook-times file)"
-    rows = ["| hook | calls per step | µs per call | µs per step |", "|---|---|---|---|"]
-    total = 0
-    for name, (calls, ns) in sorted(cost.hooks.items(), key=lambda kv: -kv[1][1]):
+    rows = ["| hook | calls per step | µs per call | CPU µs per call | µs per step | CPU µs per step |",
+            "|---|---|---|---|---|---|"]
+    total = total_cpu = 0
+    for name, (calls, ns, cpu_ns) in sorted(cost.hooks.items(), key=lambda kv: -kv[1][1]):
         if calls:
             total += ns
-            rows.append(f"| {name} | {calls / steps:.2f} | {ns / calls / 1e3:.1f} | {ns / steps / 1e3:.1f} |")
-    rows.append(f"| all ({steps} steps) | | | {total / steps / 1e3:.1f} |")
+            total_cpu += cpu_ns
+            rows.append(f"| {name} | {calls / steps:.2f} | {ns / calls / 1e3:.1f} | {cpu_ns / calls / 1e3:.1f} | "
+                        f"{ns / steps / 1e3:.1f} | {cpu_ns / steps / 1e3:.1f} |")
+    rows.append(f"| all ({steps} steps) | | | | {total / steps / 1e3:.1f} | {total_cpu / steps / 1e3:.1f} |")
     per_token = total / max(1, cost.tokens) / 1e3 if cost.tokens else float("nan")
     return "\n".join(rows) + f"\n\nall hooks per generated token (timed batches' tokens): {per_token:.1f} µs"
 
@@ -175,10 +182,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", choices=("tiny", "small"), default="tiny")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvstate-decode-cost-") as d:
-        model = None
-        if args.model == "small":
-            model = str(tiny_llama.write_model(Path(d) / "model", seed=0, config=SMALL))
-        cost = measure(Path(d), repeats=args.repeats, model=model, hooks=args.hooks)
+        model, retain = None, None
+        if args.model == "small":  # its blocks are 8x the tiny model's: a bank that holds every batch
+            model, retain = str(tiny_llama.write_model(Path(d) / "model", seed=0, config=SMALL)), 512 << 20
+        cost = measure(Path(d), repeats=args.repeats, model=model, hooks=args.hooks, retain_bytes=retain)
     ratio = cost.ratio()
     print(f"model {args.model}: kvstate {statistics.median(cost.kvstate_s) * 1e3:.3f} ms/token, plain "
           f"{statistics.median(cost.plain_s) * 1e3:.3f} ms/token (medians of {len(cost.kvstate_s)}), "

@@ -197,31 +197,35 @@ STEP_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_c
               "get_block_ids_with_load_errors", "build_connector_worker_meta", "clear_connector_metadata",
               "get_kv_connector_stats")
 HOOK_TIMES = "hook-times"  # same name as kv_configs.HOOK_TIMES
+FLUSH_ON = ("build_connector_meta", "get_finished")  # the scheduler's and each worker's once per step
 
 
 def _timed(name: str, fn: Any, totals: dict[str, list[int]], flush: Any) -> Any:
-    clock = time.perf_counter_ns
+    clock, cpu = time.perf_counter_ns, time.thread_time_ns
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        t0 = clock()
+        t0, c0 = clock(), cpu()
         try:
             return fn(*args, **kwargs)
         finally:
             cell = totals[name]
             cell[0] += 1
             cell[1] += clock() - t0
-            if name == "build_connector_meta" and cell[0] % 64 == 0:
+            cell[2] += cpu() - c0
+            if name in FLUSH_ON and cell[0] % 64 == 0:  # one hook per step on each side
                 flush()
     return run
 
 
 class ProbeTimedKvStateConnector(KvStateConnector):
     """kvstate's connector with every step hook timed in its own process (wall time, the
-    hook's whole call: kvstate's wrappers included). Every 64 steps the scheduler side
-    writes ``$KVSTATE_PROBE_DIR/hook-times-<pid>.json``: per hook, calls and nanoseconds.
-    With tp=1 both sides run in the EngineCore process, so one file has both."""
+    hook's whole call: kvstate's wrappers included). Every 64 steps each process (the
+    EngineCore's scheduler side, each worker) writes
+    ``$KVSTATE_PROBE_DIR/hook-times-<pid>.json``: per hook, calls, nanoseconds and the
+    calling thread's CPU nanoseconds (wall time the thread did not compute: it waited for
+    the GIL or for a CPU)."""
 
-    _totals: dict[str, list[int]] = {name: [0, 0] for name in STEP_HOOKS}  # one per process
+    _totals: dict[str, list[int]] = {name: [0, 0, 0] for name in STEP_HOOKS}  # one per process
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
