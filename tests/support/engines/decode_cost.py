@@ -93,7 +93,7 @@ def measure(workdir: Path, repeats: int = 3, progress: Any = print, model: str |
     box = Engines(workdir / "cost", MemorySampler())
     try:
         progress("starting 2 engines: kvstate decode (storing every finished block), plain (no connector)")
-        extra = {} if retain_bytes is None else {"retain_bytes": retain_bytes}
+        extra: dict[str, Any] = {} if retain_bytes is None else {"retain_bytes": retain_bytes}
         kv = kvstate_kit.spec(model, "kv_producer", sockets, probe_dir=probes, probe="ProbeTimedKvStateConnector",
                               **extra)
         decode, plain = start_all([box.make("decode", same_cores(kv)), box.make("plain", same_cores(EngineSpec(model)))])
