@@ -49,6 +49,10 @@ def run(args: argparse.Namespace) -> int:
         show()
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # Python raises KeyboardInterrupt on SIGINT only where its parent did not ignore it, and
+    # a shell ignores SIGINT in what it starts in the background: a watch started so
+    # (`make test &` ran the test that does this) went on after SIGINT. It stops on SIGINT.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         while True:
             show()

@@ -155,11 +155,15 @@ def test_status_refuses_an_unsafe_directory_without_a_traceback(tmp_path: Path) 
     assert out.stderr.startswith("kvstate status: error:") and "Traceback" not in out.stderr
 
 
-def test_watch_prints_snapshots_until_stopped(transport: HostTransport) -> None:
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_watch_prints_snapshots_until_stopped(transport: HostTransport, sigint: str) -> None:
+    """SIGINT stops the watch, also where it was started with SIGINT ignored, as a shell
+    starts what it runs in the background (``make test &`` once made this test hang)."""
     ex = make_exporter(1, transport, name="decode")
-    proc = subprocess.Popen([*STATUS, "--socket-dir", str(ex.config.socket_dir), "--json", "--watch", "0.1",
-                             "--timeout", "30"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    command = [*STATUS, "--socket-dir", str(ex.config.socket_dir), "--json", "--watch", "0.1", "--timeout", "30"]
+    if sigint == "ignored":  # an ignored signal stays ignored across exec
+        command = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *command]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         lines = [proc.stdout.readline() for _ in range(2)]
