@@ -15,8 +15,8 @@ batch size, or the row says the stores did not happen.
 runs the same measure on its own: ``--hooks`` runs kvstate's connector as
 :class:`~support.engines.probe.ProbeTimedKvStateConnector` and prints what each step hook
 cost per engine step, and ``--model small`` uses :data:`SMALL`, a model whose decode
-step computes for tens of milliseconds here (the tiny one's step, about 2 ms for a batch,
-is nearly all vLLM's Python).
+step computes for tens of milliseconds here (the tiny one's step, a few milliseconds for a
+batch, is nearly all vLLM's Python).
 """
 
 from __future__ import annotations

@@ -221,9 +221,9 @@ class ProbeTimedKvStateConnector(KvStateConnector):
     """kvstate's connector with every step hook timed in its own process (wall time, the
     hook's whole call: kvstate's wrappers included). Every 64 steps each process (the
     EngineCore's scheduler side, each worker) writes
-    ``$KVSTATE_PROBE_DIR/hook-times-<pid>.json``: per hook, calls, nanoseconds and the
-    calling thread's CPU nanoseconds (wall time the thread did not compute: it waited for
-    the GIL or for a CPU)."""
+    ``$KVSTATE_PROBE_DIR/hook-times-<pid>.json``: per hook, calls, nanoseconds, and the
+    calling thread's CPU nanoseconds (the difference is time the thread waited, for the
+    GIL or for a CPU)."""
 
     _totals: dict[str, list[int]] = {name: [0, 0, 0] for name in STEP_HOOKS}  # one per process
 
