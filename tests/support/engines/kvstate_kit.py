@@ -166,8 +166,8 @@ def produce(engine: Engine, batch: list[list[int]], max_tokens: int, timeout: fl
     Each rank counts its own store of a request (vLLM sums the ranks' counters), and the
     index advertises a block only once every rank stored it: so a tp-rank engine's
     batch is stored once the count grew by tp per request. Waiting for one per request
-    returned too early at tp=2 (run AA of issue 28: a prompt missed, one rank's store
-    still running)."""
+    could return at tp=2 with one rank's stores still running (found while looking into
+    run AA of issue 28, whose miss it does not fully explain)."""
     import time
 
     g = engine.generate(batch, max_tokens)
