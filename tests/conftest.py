@@ -61,6 +61,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # KVSTATE_LEAK_GRACE_S bounds the wait for asynchronous teardown (the self-test shortens it).
 
 
+@pytest.fixture
+def cpus() -> list[int]:
+    """The CPUs this process may use, when there are two or more (else the test is
+    skipped): a test that binds a thread to one of them tells it from a free one."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip(f"needs 2 CPUs to tell a bound thread from a free one; this process may use {allowed}")
+    return allowed
+
+
 @pytest.fixture(autouse=True)
 def leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
     node = request.node

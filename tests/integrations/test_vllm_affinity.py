@@ -70,14 +70,6 @@ def run_child(bound: int, mode: str) -> dict[str, list[list[int]] | list[int]]:
     return result
 
 
-@pytest.fixture
-def cpus() -> list[int]:
-    allowed = sorted(os.sched_getaffinity(0))
-    if len(allowed) < 2:
-        pytest.skip(f"needs 2 CPUs to tell a bound thread from a free one; this process may use {allowed}")
-    return allowed
-
-
 def test_threads_an_engine_hook_starts_may_use_every_cpu_and_the_engines_binding_stays(cpus: list[int]) -> None:
     got = run_child(cpus[0], "unpinned")
     assert got["started"], "the exporter started no thread"

@@ -276,8 +276,7 @@ def test_the_timed_probe_counts_every_call_and_the_hooks_table_sums_its_files(tm
     assert "| all (10 steps) | | | | 10.0 | 5.0 |" in table and "1.0 µs" in table
 
 
-def test_the_step_hooks_unpin_only_to_hand_kvstate_work(cpus_to_bind: list[int],
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_step_hooks_unpin_only_to_hand_kvstate_work(cpus: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
     """A worker's step hooks widen its CPU mask (for the threads kvstate may start) only
     while they hand kvstate a store or a load: on the other steps the mask is left alone,
     no syscall (unpinning cost a tenth of a decode step; affinity, "Cost"). The connector's
@@ -315,29 +314,23 @@ def test_the_step_hooks_unpin_only_to_hand_kvstate_work(cpus_to_bind: list[int],
     real_set = os.sched_setaffinity
     monkeypatch.setattr(os, "sched_setaffinity", lambda pid, mask: (calls.append(mask), real_set(pid, mask)))
     own = os.sched_getaffinity(0)
-    real_set(0, {cpus_to_bind[0]})  # as vLLM binds a CPU worker's thread
+    real_set(0, {cpus[0]})  # as vLLM binds a CPU worker's thread
     try:
         c.bind_connector_metadata(conn.KvStateMetadata(StepOrders()))
         c.start_load_kv(None)
         c.get_finished(set())
-        bound = [cpus_to_bind[0]]
+        bound = [cpus[0]]
         assert calls == [] and seen == [("finished", bound), ("finished", bound)], (calls, seen)
         seen.clear()
         store = StoreOrder("r", (1,), (2,), (3,))
-        c.bind_connector_metadata(conn.KvStateMetadata(StepOrders(stores=(store,), loads=("order",))))  # type: ignore[arg-type]
+        orders = StepOrders(stores=(store,), loads=("order",))  # type: ignore[arg-type]  # the rank records it
+        c.bind_connector_metadata(conn.KvStateMetadata(orders))
         c.start_load_kv(None)
         c.get_finished(set())
-        wide = sorted(cpus_to_bind)
+        wide = sorted(cpus)
         assert seen == [("store", wide), ("load", wide), ("progress", wide), ("finished", wide),
                         ("finished", wide)], seen
-        assert os.sched_getaffinity(0) == {cpus_to_bind[0]}  # the worker's binding, back after each hook
+        assert os.sched_getaffinity(0) == {cpus[0]}  # the worker's binding, back after each hook
     finally:
         real_set(0, own)
 
-
-@pytest.fixture
-def cpus_to_bind() -> list[int]:
-    allowed = sorted(os.sched_getaffinity(0))
-    if len(allowed) < 2:
-        pytest.skip(f"needs 2 CPUs to tell a bound thread from a free one; this process may use {allowed}")
-    return allowed

@@ -154,7 +154,7 @@ def hooks_table(cost: Cost) -> str:
             rows.append(f"| {name} | {calls / steps:.2f} | {ns / calls / 1e3:.1f} | {cpu_ns / calls / 1e3:.1f} | "
                         f"{ns / steps / 1e3:.1f} | {cpu_ns / steps / 1e3:.1f} |")
     rows.append(f"| all ({steps} steps) | | | | {total / steps / 1e3:.1f} | {total_cpu / steps / 1e3:.1f} |")
-    per_token = total / max(1, cost.tokens) / 1e3 if cost.tokens else float("nan")
+    per_token = total / cost.tokens / 1e3 if cost.tokens else float("nan")
     return "\n".join(rows) + f"\n\nall hooks per generated token (timed batches' tokens): {per_token:.1f} µs"
 
 
