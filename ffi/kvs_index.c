@@ -44,9 +44,12 @@ int kvs_index_new(const char *compat, uint32_t compat_len, const char *not_ready
     x->live = calloc(capacity, 1);
     x->keys = calloc(capacity, sizeof *x->keys);
     x->index = calloc(size, sizeof *x->index);
+    x->by_key = calloc(size, sizeof *x->by_key);
+    x->ranks = calloc(capacity, sizeof *x->ranks);
     x->touched = calloc(KVS_INDEX_TOUCHED, sizeof *x->touched);
     x->conns = calloc((size_t)max_connections, sizeof *x->conns);
-    if (!x->compat || !x->not_ready || !x->hashes || !x->live || !x->keys || !x->index || !x->touched || !x->conns) {
+    if (!x->compat || !x->not_ready || !x->hashes || !x->live || !x->keys || !x->index || !x->touched || !x->conns ||
+        !x->by_key || !x->ranks) {
         kvs_index_free(x);
         return KVS_E_NOMEM;
     }
@@ -84,6 +87,9 @@ void kvs_index_free(kvs_index *x) {
     free(x->live);
     free(x->keys);
     free(x->index);
+    free(x->by_key);
+    free(x->ranks);
+    for (int k = 0; k < x->report_n; k++) free(x->report[(x->report_head + k) % KVS_INDEX_REPORTS].buf);
     free(x->touched);
     free(x->conns);
     free(x->descriptor_set);
@@ -99,18 +105,48 @@ int kvs_index_deadlines(kvs_index *x, int64_t first_ns, int64_t idle_ns) {
     return KVS_OK;
 }
 
-/* Remove the entry at `i`, moving later entries of its run back (no tombstones). */
-static void unlink_at(struct kvs_index *x, uint32_t i) {
-    x->index[i] = 0;
-    for (uint32_t j = (i + 1) & x->mask; x->index[j]; j = (j + 1) & x->mask) {
-        uint32_t k = home(x, x->hashes + (size_t)(x->index[j] - 1) * x->hash_bytes);
+/* The position in `by_key` of `key`, or of the empty entry where it would go. */
+static uint32_t home_key(const struct kvs_index *x, uint64_t v) {
+    v ^= v >> 33; /* keys are digests too, but mix anyway: a test may use small numbers */
+    v *= UINT64_C(0xc4ceb9fe1a85ec53);
+    v ^= v >> 33;
+    return (uint32_t)v & x->mask;
+}
+
+static uint32_t probe_key(const struct kvs_index *x, uint64_t key) {
+    uint32_t i = home_key(x, key);
+    while (x->by_key[i] && x->keys[x->by_key[i] - 1] != key) i = (i + 1) & x->mask;
+    return i;
+}
+
+/* Remove the entry at `i` of `index` (or of `by_key`), moving later entries of its run back
+ * (no tombstones). */
+static void unlink_at(struct kvs_index *x, uint32_t *table, uint32_t i) {
+    table[i] = 0;
+    for (uint32_t j = (i + 1) & x->mask; table[j]; j = (j + 1) & x->mask) {
+        uint32_t slot = table[j] - 1;
+        uint32_t k = table == x->by_key ? home_key(x, x->keys[slot])
+                                        : home(x, x->hashes + (size_t)slot * x->hash_bytes);
         /* the entry at j stays when its home lies cyclically in (i, j] */
         int stays = i <= j ? (i < k && k <= j) : (i < k || k <= j);
         if (stays) continue;
-        x->index[i] = x->index[j];
-        x->index[j] = 0;
+        table[i] = table[j];
+        table[j] = 0;
         i = j;
     }
+}
+
+/* Under `mu`: bank block `slot` (its hash and key set) becomes advertised at `index[i]`. */
+static void publish(struct kvs_index *x, uint32_t slot, uint32_t i) {
+    x->live[slot] = KVS_SLOT_ADVERTISED;
+    x->index[i] = slot + 1;
+    x->nlive++;
+}
+
+/* Under `mu`: an expected block leaves `by_key` (its slot is then free, or published). */
+static void unexpect(struct kvs_index *x, uint32_t slot) {
+    unlink_at(x, x->by_key, probe_key(x, x->keys[slot]));
+    x->live[slot] = KVS_SLOT_FREE;
 }
 
 int kvs_index_advertise(kvs_index *x, const uint8_t *hash, uint32_t slot, uint64_t key) {
@@ -119,17 +155,71 @@ int kvs_index_advertise(kvs_index *x, const uint8_t *hash, uint32_t slot, uint64
     pthread_mutex_lock(&x->mu);
     int rc = KVS_OK;
     uint32_t i = probe(x, hash);
-    if (x->index[i] || x->live[slot]) {
-        rc = KVS_E_BUSY; /* the hash, or the bank block, is advertised already */
+    const uint8_t *held = x->hashes + (size_t)slot * x->hash_bytes;
+    int same = x->keys[slot] == key && memcmp(held, hash, x->hash_bytes) == 0;
+    if (x->live[slot] == KVS_SLOT_ADVERTISED && x->index[i] == slot + 1 && same) {
+        /* the thread advertised it from the ranks' reports before Python's table heard of them */
+    } else if (x->live[slot] == KVS_SLOT_EXPECTED && same && !x->index[i]) {
+        unexpect(x, slot); /* Python's table heard of every rank's store first (a rank's own report) */
+        publish(x, slot, i);
+    } else if (x->index[i] || x->live[slot]) {
+        rc = KVS_E_BUSY; /* the hash, or the bank block, is advertised (or expected) already */
     } else {
         memcpy(x->hashes + (size_t)slot * x->hash_bytes, hash, x->hash_bytes);
         x->keys[slot] = key;
-        x->live[slot] = 1;
-        x->index[i] = slot + 1;
-        x->nlive++;
+        publish(x, slot, i);
     }
     pthread_mutex_unlock(&x->mu);
     return rc;
+}
+
+int kvs_index_expect(kvs_index *x, const uint8_t *hash, uint32_t slot, uint64_t key, uint32_t tp) {
+    if (!x || !hash || !tp || tp > KVS_INDEX_MAX_TP) return KVS_E_INVAL;
+    if (slot >= x->capacity) return KVS_E_RANGE;
+    pthread_mutex_lock(&x->mu);
+    int rc = KVS_OK;
+    uint32_t j = probe_key(x, key);
+    if (x->live[slot] || x->by_key[j]) {
+        rc = KVS_E_BUSY;
+    } else {
+        memcpy(x->hashes + (size_t)slot * x->hash_bytes, hash, x->hash_bytes);
+        x->keys[slot] = key;
+        x->ranks[slot] = 0;
+        x->live[slot] = KVS_SLOT_EXPECTED;
+        x->by_key[j] = slot + 1;
+        x->store_tp = tp;
+    }
+    pthread_mutex_unlock(&x->mu);
+    return rc;
+}
+
+int kvs_index_settle(kvs_index *x, uint32_t slot, uint64_t key) {
+    if (!x) return KVS_E_INVAL;
+    if (slot >= x->capacity) return KVS_E_RANGE;
+    pthread_mutex_lock(&x->mu);
+    int rc = KVS_E_NOENT;
+    if (x->live[slot] == KVS_SLOT_EXPECTED && x->keys[slot] == key) {
+        unexpect(x, slot);
+        rc = KVS_OK;
+    }
+    pthread_mutex_unlock(&x->mu);
+    return rc;
+}
+
+int kvs_index_rank(kvs_index *x, uint32_t rank, int32_t pid) {
+    if (!x || rank >= KVS_INDEX_MAX_TP || pid < 0) return KVS_E_INVAL;
+    pthread_mutex_lock(&x->mu);
+    x->rank_pid[rank] = pid;
+    pthread_mutex_unlock(&x->mu);
+    return KVS_OK;
+}
+
+int64_t kvs_index_advertised_here(kvs_index *x) {
+    if (!x) return KVS_E_INVAL;
+    pthread_mutex_lock(&x->mu);
+    int64_t n = x->advertised_here;
+    pthread_mutex_unlock(&x->mu);
+    return n;
 }
 
 int kvs_index_withdraw(kvs_index *x, const uint8_t *hash) {
@@ -138,9 +228,9 @@ int kvs_index_withdraw(kvs_index *x, const uint8_t *hash) {
     uint32_t i = probe(x, hash);
     int rc = KVS_E_NOENT;
     if (x->index[i]) {
-        x->live[x->index[i] - 1] = 0;
+        x->live[x->index[i] - 1] = KVS_SLOT_FREE;
         x->nlive--;
-        unlink_at(x, i);
+        unlink_at(x, x->index, i);
         rc = KVS_OK;
     }
     pthread_mutex_unlock(&x->mu);
@@ -388,6 +478,107 @@ int32_t kvs_index_next_handoff(kvs_index *x, int32_t *fd, char *buf, uint32_t ca
             free(x->handoff[at].buf);
             x->handoff_head = (at + 1) % KVS_INDEX_HANDOFFS;
             x->handoff_n--;
+            rc = 1;
+        }
+    }
+    pthread_mutex_unlock(&x->mu);
+    return rc;
+}
+
+/* -- the ranks' report links ---------------------------------------------------------------- */
+
+int kvs_index_link(struct kvs_index *x, const char *req, uint32_t len, int32_t pid, char *out, uint32_t cap,
+                   uint32_t *outlen) {
+    pthread_mutex_lock(&x->mu);
+    int rc = -2;
+    struct kj_req *q = &x->req;
+    if (kj_parse(req, len, q) == 0 && q->nitems < 0 && field_is(kj_get(&q->top, "kind"), "report_link")) {
+        const struct kj_field *r = kj_get(&q->top, "rank");
+        rc = -1; /* a report link, refused unless from the process Python named for that rank */
+        if (q->top.n == 2 && r && r->type == KJ_INT && !r->big && r->i >= 0 && r->i < KVS_INDEX_MAX_TP &&
+            pid > 0 && x->rank_pid[r->i] == pid) {
+            struct out o = {out, 0, cap, 0};
+            puts_(&o, "{\"kind\":\"linked\",\"rank\":");
+            putu(&o, (uint64_t)r->i);
+            puts_(&o, "}");
+            if (!o.full) {
+                *outlen = o.n;
+                rc = (int)r->i;
+            }
+        }
+    }
+    pthread_mutex_unlock(&x->mu);
+    return rc;
+}
+
+/* Under `mu`: `rank` stored the block of `key`; advertise it once every rank has. */
+static void count_store(struct kvs_index *x, int32_t rank, uint64_t key) {
+    uint32_t j = probe_key(x, key);
+    if (!x->by_key[j] || (uint32_t)rank >= x->store_tp) return; /* not expected (Python settled it), or no such rank */
+    uint32_t slot = x->by_key[j] - 1;
+    x->ranks[slot] |= UINT64_C(1) << rank;
+    if ((uint32_t)__builtin_popcountll(x->ranks[slot]) < x->store_tp) return;
+    uint32_t i = probe(x, x->hashes + (size_t)slot * x->hash_bytes);
+    if (x->index[i]) return; /* its hash is advertised in another block: Python's table decides */
+    unlink_at(x, x->by_key, j);
+    publish(x, slot, i);
+    x->advertised_here++;
+}
+
+int kvs_index_take_report(struct kvs_index *x, int32_t rank, int32_t pid, const char *msg, uint32_t len) {
+    char *copy = malloc(len ? len : 1);
+    uint64_t *keys = malloc((size_t)x->max_blocks * sizeof *keys);
+    pthread_mutex_lock(&x->mu);
+    int rc = -1;
+    struct kj_req *q = &x->req;
+    const struct kj_field *r, *k, *f;
+    uint32_t n = 0, nf = 0;
+    /* as wire.decode(msg, "stored") takes it, from the rank this link is, still in its process */
+    if (!copy || !keys || x->rank_pid[rank] != pid || x->report_n == KVS_INDEX_REPORTS || x->handoff_fd < 0 ||
+        kj_parse(msg, len, q) != 0 || q->nitems >= 0 || q->top.n != 4 ||
+        !field_is(kj_get(&q->top, "kind"), "stored") || !(r = kj_get(&q->top, "rank")) || r->type != KJ_INT ||
+        r->big || r->i != rank || !(k = kj_get(&q->top, "keys")) || k->type != KJ_LIST ||
+        !(f = kj_get(&q->top, "failed")) || f->type != KJ_LIST ||
+        kj_u64s(k->s, k->slen, keys, x->max_blocks, &n) != 0 || n > x->max_blocks ||
+        kj_u64s(f->s, f->slen, NULL, 0, &nf) != 0 || nf > x->max_blocks)
+        goto done;
+    for (uint32_t i = 0; i < n; i++) count_store(x, rank, keys[i]);
+    memcpy(copy, msg, len);
+    int at = (x->report_head + x->report_n++) % KVS_INDEX_REPORTS;
+    x->report[at].buf = copy;
+    x->report[at].len = len;
+    copy = NULL;
+    uint64_t one = 1;
+    if (write(x->handoff_fd, &one, sizeof one) < 0) { /* Python also looks without the wake-up */ }
+    rc = 0;
+done:
+    pthread_mutex_unlock(&x->mu);
+    free(copy);
+    free(keys);
+    return rc;
+}
+
+int kvs_index_report_room(struct kvs_index *x) {
+    pthread_mutex_lock(&x->mu);
+    int room = x->report_n < KVS_INDEX_REPORTS;
+    pthread_mutex_unlock(&x->mu);
+    return room;
+}
+
+int32_t kvs_index_next_report(kvs_index *x, char *buf, uint32_t cap, uint32_t *len) {
+    if (!x || !buf || !len) return KVS_E_INVAL;
+    pthread_mutex_lock(&x->mu);
+    int32_t rc = 0;
+    if (x->report_n) {
+        int at = x->report_head;
+        if (x->report[at].len > cap) {
+            rc = KVS_E_RANGE;
+        } else {
+            memcpy(buf, x->report[at].buf, x->report[at].len);
+            *len = x->report[at].len;
+            free(x->report[at].buf);
+            x->report_head = (at + 1) % KVS_INDEX_REPORTS;
+            x->report_n--;
             rc = 1;
         }
     }

@@ -9,7 +9,15 @@
  * epochs and generation are set whenever every rank is connected at one generation.
  * Anything else on the socket (a decode rank's `hello`, a question under another
  * compatibility key, a malformed message) is handed to Python with its connection, and
- * Python's DecodeIndex, the reference, serves that connection from then on. */
+ * Python's DecodeIndex, the reference, serves that connection from then on.
+ *
+ * Stores, too, are taken in here: Python names each block it assigns (kvs_index_expect)
+ * and each rank's process (kvs_index_rank); a rank opens a second connection, its report
+ * link (`report_link`, answered `linked`), on which its op engine sends each `stored`
+ * report. The thread counts the ranks that stored each expected block and advertises it
+ * once all have, then queues the report for Python's table (kvs_index_next_report), which
+ * keeps its own account: so the index's Python is off the path from a store's end to the
+ * lookups that find it. */
 #ifndef KVS_INDEX_H
 #define KVS_INDEX_H
 
@@ -29,8 +37,19 @@ int kvs_index_new(const char *compat, uint32_t compat_len, const char *not_ready
 void kvs_index_free(kvs_index *x); /* after kvs_index_stop */
 /* New deadlines (as kvs_index_new's), for the connections' next requests. */
 int kvs_index_deadlines(kvs_index *x, int64_t first_ns, int64_t idle_ns);
-/* Bank block `slot` holds the block `hash` (hash_bytes) under inventory key `key`, on every rank. */
+/* Bank block `slot` holds the block `hash` (hash_bytes) under inventory key `key`, on every
+ * rank. The same again is KVS_OK; an expected block of that hash, slot and key becomes advertised. */
 int kvs_index_advertise(kvs_index *x, const uint8_t *hash, uint32_t slot, uint64_t key);
+/* Bank block `slot` will hold `hash` under `key` once each of `tp` ranks (at most 64)
+ * reported it stored: KVS_E_BUSY when the block is advertised or expected already. */
+int kvs_index_expect(kvs_index *x, const uint8_t *hash, uint32_t slot, uint64_t key, uint32_t tp);
+/* No longer expected (a store failed, or Python's table completed it): KVS_E_NOENT when it was not. */
+int kvs_index_settle(kvs_index *x, uint32_t slot, uint64_t key);
+/* Rank `rank` runs in process `pid` (0: no process; its report link closes at its next report). */
+int kvs_index_rank(kvs_index *x, uint32_t rank, int32_t pid);
+/* The next `stored` report the thread took (1, `len` bytes in `buf`), or 0. */
+int32_t kvs_index_next_report(kvs_index *x, char *buf, uint32_t cap, uint32_t *len);
+int64_t kvs_index_advertised_here(kvs_index *x); /* blocks the thread advertised from reports */
 /* No longer advertised (KVS_E_NOENT: it was not). */
 int kvs_index_withdraw(kvs_index *x, const uint8_t *hash);
 int32_t kvs_index_advertised(kvs_index *x); /* how many blocks are */

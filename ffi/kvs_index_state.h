@@ -12,10 +12,20 @@
 
 #define KVS_INDEX_TOUCHED 65536 /* lookups' finds kept for the LRU order (more: the oldest go) */
 #define KVS_INDEX_HANDOFFS 64   /* connections waiting for Python (more: closed) */
+#define KVS_INDEX_REPORTS 4096  /* stored reports waiting for Python (more: the link closes) */
+#define KVS_INDEX_MAX_TP 64     /* ranks whose stores the thread counts (a bit each) */
+
+/* What a bank block is in the mirror (`live`). */
+#define KVS_SLOT_FREE 0
+#define KVS_SLOT_ADVERTISED 1 /* in `index`: lookups find it */
+#define KVS_SLOT_EXPECTED 2   /* in `by_key`: advertised once every rank reported it stored */
 
 struct kvs_index_conn {
     int fd;          /* -1: free */
     int64_t until_ns; /* CLOCK_MONOTONIC: closed when silent past it */
+    int32_t pid;     /* the peer's, from SO_PEERCRED */
+    int32_t rank;    /* >= 0: a rank's report link (kvs_index_link) */
+    int paused;      /* a report link not read while Python's queue of reports is full */
 };
 
 struct kvs_index {
@@ -30,6 +40,16 @@ struct kvs_index {
     uint8_t *hashes, *live;
     uint64_t *keys;
     uint32_t *index, mask, nlive;
+    /* expected blocks (a store in flight on some rank): `by_key` maps a key to its block + 1,
+     * `ranks` holds a bit per rank that reported it stored; `store_tp` ranks make it whole */
+    uint32_t *by_key;
+    uint64_t *ranks;
+    uint32_t store_tp;
+    int32_t rank_pid[KVS_INDEX_MAX_TP]; /* each rank's process (0: none), set by Python */
+    int64_t advertised_here;            /* blocks the thread advertised from the ranks' reports */
+    /* stored reports for Python's table, in the order they came */
+    struct { char *buf; uint32_t len; } report[KVS_INDEX_REPORTS];
+    int report_head, report_n;
     /* the ranks, while ready */
     int ready;
     char *descriptor_set;
@@ -50,5 +70,16 @@ struct kvs_index {
 
 /* kvs_index.c, for the thread: queue `fd` (now Python's) with the request it sent; -1 when full. */
 int kvs_index_hand_over(struct kvs_index *x, int fd, const char *req, uint32_t len);
+/* kvs_index.c, for the thread: the rank whose report link `req` (a `report_link`) opens from
+ * process `pid` (>= 0, its `linked` reply in `out`), -1 when refused (not that rank's
+ * process), -2 when `req` is no `report_link` (the usual answers take it). */
+int kvs_index_link(struct kvs_index *x, const char *req, uint32_t len, int32_t pid, char *out, uint32_t cap,
+                   uint32_t *outlen);
+/* kvs_index.c, for the thread: apply one `stored` report of `rank` from process `pid` and
+ * queue it for Python; -1 when the link must close (not that rank's any more, malformed, or
+ * Python's queue is full: the rank reports on its main link instead). */
+int kvs_index_take_report(struct kvs_index *x, int32_t rank, int32_t pid, const char *msg, uint32_t len);
+/* kvs_index.c, for the thread: whether Python's report queue has room (else a link waits). */
+int kvs_index_report_room(struct kvs_index *x);
 
 #endif /* KVS_INDEX_STATE_H */

@@ -7,7 +7,11 @@
  * as kvstate.channel.framing.unpack checks it; a bad frame, or silence past the deadline
  * (the first request's, then the idle one's, as DecodeIndex._serve_client), closes the
  * connection. A request kvs_index_answer leaves to Python hands the whole connection
- * over (kvs_index_next_handoff): a decode rank's hello and everything after it. */
+ * over (kvs_index_next_handoff): a decode rank's hello and everything after it. A rank's
+ * report link (kvs_index_link) stays here, with no deadline: its `stored` reports are
+ * taken in as they come (kvs_index_take_report); while Python's queue of them is full, the
+ * link is not read (its rank's op engine then finds the socket full and the rank reports
+ * on its main link). */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <stdio.h>
@@ -27,7 +31,8 @@
 #define TAG_LISTEN 1ull
 #define TAG_CMD 2ull
 #define TAG_CONN 16ull /* + the connection's index */
-#define TICK_MS 250    /* deadlines and stop are looked at this often */
+#define TICK_MS 250    /* deadlines, stop and paused report links are looked at this often */
+#define NO_DEADLINE INT64_MAX
 
 static int64_t now_ns(void) {
     struct timespec ts;
@@ -53,6 +58,12 @@ static void drop(struct kvs_index *x, int k, int close_fd) {
     x->nconns--;
 }
 
+/* Read connection `k` again (a report link paused while Python's queue was full). */
+static void resume(struct kvs_index *x, int k) {
+    struct epoll_event ev = {.events = EPOLLIN, .data.u64 = TAG_CONN + (uint64_t)k};
+    if (epoll_ctl(x->epoll_fd, EPOLL_CTL_MOD, x->conns[k].fd, &ev) == 0) x->conns[k].paused = 0;
+}
+
 static void accept_one(struct kvs_index *x) {
     struct ucred cred;
     int fd = kvs_accept_same_uid(x->listen_fd, x->uid, &cred);
@@ -73,11 +84,19 @@ static void accept_one(struct kvs_index *x) {
     }
     x->conns[k].fd = fd;
     x->conns[k].until_ns = now_ns() + __atomic_load_n(&x->first_ns, __ATOMIC_RELAXED);
+    x->conns[k].pid = cred.pid;
+    x->conns[k].rank = -1;
+    x->conns[k].paused = 0;
     x->nconns++;
 }
 
 static void serve_packet(struct kvs_index *x, int k, char *buf, uint32_t cap, char *reply, uint32_t rcap) {
     int fd = x->conns[k].fd;
+    if (x->conns[k].rank >= 0 && !kvs_index_report_room(x)) { /* read it once Python caught up */
+        struct epoll_event none = {.events = 0, .data.u64 = TAG_CONN + (uint64_t)k};
+        if (epoll_ctl(x->epoll_fd, EPOLL_CTL_MOD, fd, &none) == 0) x->conns[k].paused = 1;
+        return;
+    }
     union {
         char b[CMSG_SPACE(16 * sizeof(int))];
         struct cmsghdr align;
@@ -101,6 +120,20 @@ static void serve_packet(struct kvs_index *x, int k, char *buf, uint32_t cap, ch
         return;
     }
     uint32_t rlen = 0;
+    if (x->conns[k].rank >= 0) {
+        if (kvs_index_take_report(x, x->conns[k].rank, x->conns[k].pid, buf + HEADER, len) < 0) drop(x, k, 1);
+        return;
+    }
+    int32_t rank = kvs_index_link(x, buf + HEADER, len, x->conns[k].pid, reply, rcap, &rlen);
+    if (rank == -1 || (rank >= 0 && send_frame(fd, reply, rlen) < 0)) {
+        drop(x, k, 1);
+        return;
+    }
+    if (rank >= 0) {
+        x->conns[k].rank = rank;
+        x->conns[k].until_ns = NO_DEADLINE;
+        return;
+    }
     int rc = kvs_index_answer(x, buf + HEADER, len, reply, rcap, &rlen);
     if (rc == KVS_OK) {
         if (send_frame(fd, reply, rlen) < 0) drop(x, k, 1);
@@ -127,8 +160,11 @@ static void *run(void *arg) {
                 serve_packet(x, (int)(tag - TAG_CONN), buf, cap, reply, rcap);
         }
         int64_t now = now_ns();
-        for (int k = 0; k < x->max_connections; k++)
+        int room = kvs_index_report_room(x);
+        for (int k = 0; k < x->max_connections; k++) {
             if (x->conns[k].fd >= 0 && x->conns[k].until_ns < now) drop(x, k, 1);
+            else if (x->conns[k].fd >= 0 && x->conns[k].paused && room) resume(x, k);
+        }
     }
     free(buf);
     free(reply);

@@ -1,12 +1,14 @@
-"""The decode index's process of the GIL-hostile lookup test
+"""The decode index's process of the GIL-hostile index tests
 (tests/integrations/test_index_gil_hostile.py).
 
-It serves a tp=1 decode index and is its own decode rank (``hello``, ``advertised``, then
-``stored`` for a three-block prefix, over the index's socket, as a decode worker would).
-Once the native mirror advertises the blocks, it prints what a lookup must find, then
-holds its GIL (:func:`support.gil_hold.hold_gil`) until the test writes its word, once
-its questions are answered: if the answers needed this process's Python, the test's
-questions would time out instead.
+It serves a tp=1 decode index. In :func:`main` it is its own decode rank (``hello``,
+``advertised``, then ``stored`` for a three-block prefix, over the index's socket, as a
+decode worker would); once the native mirror advertises the blocks, it prints what a
+lookup must find. In :func:`main_stores` the test's process is the rank: this process
+waits for its ``hello`` and descriptor, reserves the prefix, and prints the keys the
+rank must report stored. Either way it then holds its GIL
+(:func:`support.gil_hold.hold_gil`) until the test writes its word: if what the test
+asks for needed this process's Python, its questions would time out instead.
 """
 
 from __future__ import annotations
@@ -57,6 +59,30 @@ def main(pipe_r: int) -> None:
                             keys=[r.key for r in held])
     say(event="hold returned", word=word, ticks_during_hold=during)
     rank.close()
+    index.close()
+    for p in d.iterdir():
+        p.unlink()
+    d.rmdir()
+
+
+def main_stores(pipe_r: int) -> None:
+    d = Path(tempfile.mkdtemp(prefix="kvs-idx-"))
+    os.chmod(d, 0o700)
+    table = SlotTable(16, 1, lambda h, s: block_key(DEPLOYMENT, h, s))
+    index = DecodeIndex(d / "index.sock", COMPAT, table)
+    index.start()
+    say(event="serving", path=str(d / "index.sock"))
+    deadline = time.monotonic() + 30
+    while not index.ready():
+        assert time.monotonic() < deadline, "the test's rank never said hello and advertised"
+        time.sleep(0.005)
+    held = index.reserve(PREFIX)
+    word, during = hold_gil(pipe_r, slots=[r.slot for r in held], keys=[r.key for r in held])
+    # the table's own account followed once the hold ended
+    while table.counts()["stored"] < len(PREFIX):
+        assert time.monotonic() < deadline, "the reports never reached the table"
+        time.sleep(0.005)
+    say(event="hold returned", word=word, ticks_during_hold=during, advertised_here=index.mirror.advertised_here)
     index.close()
     for p in d.iterdir():
         p.unlink()

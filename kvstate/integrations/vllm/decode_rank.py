@@ -7,12 +7,12 @@ its inventory, and its link to the index.
   that retries until the scheduler side is up: vLLM builds workers first).
 - Each step's :class:`~.orders.StoreOrder`\\ s are submitted with ``Bank.store`` at once.
   Their blocks enter the inventory (what leases pin) at submit, and the op engine itself
-  sends the ``stored`` report to the index as the store's last op ends
-  (``Bank.store(report=...)``, armed inside the submit, before any op can end), from its
-  own thread: the index advertises the blocks
-  without waiting for this process's Python, whose GIL vLLM's worker holds while it
-  busy-polls (up to 1 s after each step). The index advertises nothing before that
-  report, so no lease names a block still being written. When a store finishes, its
+  sends the ``stored`` report as the store's last op ends (``Bank.store(report=...)``,
+  armed inside the submit, before any op can end), from its own thread, on the rank's
+  *report link*, a connection the index's native thread serves: the index advertises the
+  blocks without waiting for this process's Python, whose GIL vLLM's worker holds while it
+  busy-polls (up to 1 s after each step), nor for the scheduler process's. The index
+  advertises nothing before that report, so no lease names a block still being written. When a store finishes, its
   request is reported finished so that vLLM frees its pages only then
   (:meth:`DecodeRank.finished`); a report the engine could not send (no link to the
   index yet, a full socket) goes from here instead, and failed blocks leave the inventory.
@@ -93,6 +93,7 @@ class DecodeRank:
         self._handles: list[TransferHandle] = []
         self._outbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self._ch: chan.Channel | None = None      # the link to the index, once welcomed (under _lock)
+        self._reports: chan.Channel | None = None  # the report link, while the index takes one (under _lock)
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._link, name=f"kvstate-decode-r{rank}", daemon=True)
         self._thread.start()
@@ -111,7 +112,8 @@ class DecodeRank:
         # cannot happen while the index assigns at most num_blocks blocks: reported failed
         ok = [k for k in keys if k not in refused]
         with self._lock:  # our own dup, taken under the lock: the link may close (and its number be reused)
-            sock = os.dup(self._ch.fileno()) if self._ch is not None else None
+            link = self._reports or self._ch
+            sock = os.dup(link.fileno()) if link is not None else None
         try:
             # The report is armed inside the submit, before any op can end: a store that
             # ends at once is still reported by the op engine, not by this process's Python.
@@ -133,6 +135,8 @@ class DecodeRank:
     def _stored(self, order: StoreOrder, handle: TransferHandle) -> None:
         result = handle.result()
         failed = frozenset(order.slots) if result is None else result.failed_blocks
+        if handle.report_status == "unsent":  # the link is gone or full: later stores report on the main link
+            self._drop_report_link()
         self._finish(order, failed, 0 if result is None else result.bytes,
                      reported=handle.report_status in ("sent_ok", "sent_failed"))
 
@@ -218,6 +222,7 @@ class DecodeRank:
             finally:
                 with self._lock:
                     self._ch = None
+                self._drop_report_link()
                 ch.close()
             self._stopping.wait(RETRY_S)
 
@@ -231,8 +236,10 @@ class DecodeRank:
             log.error("kvstate: the index refused rank %d: %s (%s)", self.rank, answer["reason"], answer["detail"])
             return False
         self._advertise(ch, again=False)
+        reports = self._open_report_link()
         with self._lock:
-            self._ch = ch  # stores from now on are reported by the op engine on this link
+            self._ch = ch  # stores from now on are reported by the op engine, on the report link if any
+            self._reports = reports
         while not self._stopping.is_set():
             while True:
                 try:
@@ -253,6 +260,32 @@ class DecodeRank:
                 cmd = wire.decode(msg.payload, "evict")
             self._evict(ch, cmd["keys"])
         return True
+
+    def _open_report_link(self) -> chan.Channel | None:
+        """The report link (see the module docstring), or None: the index refused it (not
+        this rank's process any more, or tp above what its thread counts) or is gone."""
+        try:
+            ch = chan.connect(self.cfg.index_path(self.cfg.source), timeout=2.0, limits=wire.LIMITS)
+        except (ChannelError, OSError) as exc:
+            log.info("kvstate: rank %d has no report link (%s): it reports on its main link", self.rank, exc)
+            return None
+        try:
+            ch.send(wire.encode("report_link", rank=self.rank), timeout=2.0)
+            with ch.recv(timeout=2.0) as msg:
+                answer = wire.decode(msg.payload, "linked")
+            if answer["rank"] != self.rank:
+                raise ChannelError(ChannelReason.PROTOCOL, f"linked as rank {answer['rank']}")
+        except ChannelError as exc:
+            ch.close()
+            log.info("kvstate: rank %d has no report link (%s): it reports on its main link", self.rank, exc)
+            return None
+        return ch
+
+    def _drop_report_link(self) -> None:
+        with self._lock:
+            reports, self._reports = self._reports, None
+        if reports is not None:
+            reports.close()
 
     def _advertise(self, ch: chan.Channel, again: bool) -> None:
         if again:
@@ -306,6 +339,7 @@ class DecodeRank:
     def close(self, timeout: float = 5.0) -> None:
         self._stopping.set()
         self._thread.join(2.0)
+        self._drop_report_link()
         with self._lock:
             handles, self._handles = self._handles, []
         for h in handles:

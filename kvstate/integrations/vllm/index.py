@@ -29,6 +29,16 @@ another compatibility key, a malformed message) is handed to Python with its con
 and :meth:`_answer` stays the reference (a differential test holds the two equal). The
 TCP listener for other nodes' prefill schedulers is still served here, in Python.
 
+**Stores without the GIL.** A block becomes findable once every rank stored it. Each
+rank's op engine sends its ``stored`` report, as the store ends, on the rank's *report
+link*: a second connection to the index's socket, opened (``report_link``, answered
+``linked``) only by the process that said the rank's ``hello``, and served by the native
+thread, which counts each reserved block's ranks and advertises it once all have. The
+report then reaches the table here, which keeps its own account (the LRU, failures,
+evictions). So a prefill scheduler finds a store that ended while this process's Python
+was busy; the report that waits for Python is only the table's. A rank that has no report
+link (a refused or lost one, tp above 64) reports on its main link, as before.
+
 **Evictions.** When free bank blocks run low, the least recently used blocks stop being
 advertised and every rank is asked to drop their keys; a rank refuses a key a lease pins,
 and the index asks again every second until every rank dropped it.
@@ -65,7 +75,7 @@ from kvstate.core.identity import Deployment
 from kvstate.integrations.vllm import wire
 from kvstate.integrations.vllm.hashing import COMPAT_FIELDS, HASH_BYTES, Compat
 from kvstate.integrations.vllm.index_mirror import IndexMirror
-from kvstate.integrations.vllm.slots import Reservation, SlotTable
+from kvstate.integrations.vllm.slots import MIRROR_MAX_TP, Reservation, SlotTable
 
 log = logging.getLogger(__name__)
 
@@ -218,6 +228,8 @@ class DecodeIndex:
                     os.read(fd, 8)
                 except BlockingIOError:
                     pass
+            for payload in self.mirror.reports():
+                self._take_report(payload)
             for ch, payload in self.mirror.handoffs(wire.LIMITS):
                 if ch is None:
                     continue
@@ -230,6 +242,14 @@ class DecodeIndex:
                 except RuntimeError:  # the interpreter cannot start another thread
                     self._python_slots.release()
                     ch.close()
+
+    def _take_report(self, payload: bytes) -> None:
+        """A ``stored`` report the native thread took from a rank's report link (and
+        already counted for its lookups): the table's account of it."""
+        try:
+            self._on_stored(wire.decode(payload, "stored"))
+        except ChannelError as exc:  # the thread took only what wire.decode takes: a bug
+            log.error("kvstate index: a report from a rank's link is unreadable: %s", exc)
 
     def _serve(self, ch: chan.Channel, first: bytes) -> None:
         """A connection the native thread handed over, with the request it read."""
@@ -286,6 +306,8 @@ class DecodeIndex:
             if problem is None:
                 self._ranks[rank] = link
                 self._publish()
+                if rank < MIRROR_MAX_TP:  # only this process may open the rank's report link
+                    self.mirror.rank(rank, link.pid)
         if problem is not None:
             log.error("kvstate index: refusing decode rank %d: %s (%s)", rank, *problem)
             self._refuse(ch, *problem)
@@ -309,6 +331,8 @@ class DecodeIndex:
                 if self._ranks.get(rank) is link:
                     del self._ranks[rank]
                     self._publish()
+                    if rank < MIRROR_MAX_TP:
+                        self.mirror.rank(rank, 0)
 
     def _on_report(self, link: _Rank, report: dict[str, Any]) -> None:
         kind = report["kind"]
@@ -317,11 +341,20 @@ class DecodeIndex:
                 link.descriptor, link.generation = report["descriptor"], report["generation"]
                 self._publish()
         elif kind == "stored":
-            again = self.table.stored(link.rank, report["keys"]) + self.table.store_failed(link.rank, report["failed"])
-            if again:
-                self._broadcast(wire.encode("evict", keys=again))
+            self._on_stored(report)
         else:
             self.table.removed(link.rank, report["keys"])
+
+    def _on_stored(self, report: dict[str, Any]) -> None:
+        """A rank's ``stored`` report, from its main link or (taken natively) its report link."""
+        rank = report["rank"]
+        log.debug("t=%.6f rank %d stored %d block(s), %d failed", time.monotonic(), rank, len(report["keys"]),
+                  len(report["failed"]))
+        if not rank < self.tp:
+            return  # the thread takes reports only from ranks this index welcomed
+        again = self.table.stored(rank, report["keys"]) + self.table.store_failed(rank, report["failed"])
+        if again:
+            self._broadcast(wire.encode("evict", keys=again))
 
     def _serve_client(self, ch: chan.Channel, msg: dict[str, Any]) -> None:
         """Answer a prefill scheduler until it closes, or stays silent ``client_idle_s`` (its

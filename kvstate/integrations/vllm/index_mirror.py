@@ -15,6 +15,13 @@ compatibility key, anything malformed) comes back with its connection
 (:meth:`IndexMirror.handoffs`), and Python's DecodeIndex, the reference, serves that
 connection from then on. Lookups found blocks are reported back (:meth:`touched`) so the
 table's least-recently-used order still counts them.
+
+Stores reach the lookups the same way, without the scheduler's Python: the table names
+each block it assigns (:meth:`expect`), the index names each rank's process
+(:meth:`rank`), and each rank opens a report link to the thread, on which its op engine
+sends the ``stored`` report as the store ends. The thread advertises a block once every
+rank reported it, then queues the report for the table (:meth:`reports`), whose own
+account follows (its advertise of a block the thread advertised is a no-op).
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ class IndexMirror:
 
         self._x = ffi.gc(out[0], free)
         self._out = ffi.new("char[]", limits.max_payload)
+        self._report = ffi.new("char[]", limits.max_payload)  # reports' own: any thread may take them
         self._len = ffi.new("uint32_t *")
         self._fd = ffi.new("int32_t *")
 
@@ -69,6 +77,35 @@ class IndexMirror:
 
     def advertise(self, block_hash: bytes, slot: int, key: int) -> None:
         self._check(self.lib.kvs_index_advertise(self._x, self._hash(block_hash), slot, key), "kvs_index_advertise")
+
+    def expect(self, block_hash: bytes, slot: int, key: int, tp: int) -> None:
+        """Bank block ``slot`` is being stored with ``block_hash`` under ``key`` on each of
+        ``tp`` ranks: the thread advertises it once every rank's report came on its link."""
+        self._check(self.lib.kvs_index_expect(self._x, self._hash(block_hash), slot, key, tp), "kvs_index_expect")
+
+    def settle(self, slot: int, key: int) -> None:
+        """No longer expected (the table decided the block's outcome itself)."""
+        rc = self.lib.kvs_index_settle(self._x, slot, key)
+        if rc != self.lib.KVS_E_NOENT:
+            self._check(rc, "kvs_index_settle")
+
+    def rank(self, rank: int, pid: int) -> None:
+        """Rank ``rank`` runs in process ``pid`` (0: in none): only it may open its report link."""
+        self._check(self.lib.kvs_index_rank(self._x, rank, pid), "kvs_index_rank")
+
+    def reports(self) -> list[bytes]:
+        """The ``stored`` reports the thread took from the ranks' report links since the
+        last call, in the order they came (the table's account of them is Python's)."""
+        out: list[bytes] = []
+        n = self.ffi.new("uint32_t *")
+        while self.lib.kvs_index_next_report(self._x, self._report, self._max_payload, n) == 1:
+            out.append(bytes(self.ffi.buffer(self._report, n[0])))
+        return out
+
+    @property
+    def advertised_here(self) -> int:
+        """Blocks the thread advertised from the ranks' reports."""
+        return int(self.lib.kvs_index_advertised_here(self._x))
 
     def withdraw(self, block_hash: bytes) -> None:
         rc = self.lib.kvs_index_withdraw(self._x, self._hash(block_hash))

@@ -210,6 +210,7 @@ class SchedulerSide:
     # -- prefill --------------------------------------------------------------------------------
 
     def _miss(self, req_id: str, reason: str) -> int:
+        log.debug("t=%.6f %s: miss (%s)", time.monotonic(), req_id, reason)
         if req_id not in self._counted:
             self._counted.add(req_id)
             self.tally.reason("misses", reason)
@@ -245,8 +246,11 @@ class SchedulerSide:
                 answer = client.lookup(source, hashes)
                 self.tally.add("lookups")
                 if isinstance(answer, Refusal):
+                    log.debug("t=%.6f %s: %r refused (%s)", time.monotonic(), req_id, name, answer.reason)
                     refused.append(answer)
                     continue
+                log.debug("t=%.6f %s: %r has %d of %d block(s)", time.monotonic(), req_id, name, answer.blocks,
+                          len(hashes))
                 found[name] = answer
                 yield Candidate(name, answer.blocks, MemoryKind.HOST)
 

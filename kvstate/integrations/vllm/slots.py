@@ -19,7 +19,9 @@ while a lease pins the key). That is what keeps lookups and leases TP-consistent
 A mirror (:class:`~.index_mirror.IndexMirror`, attached by the index) hears of every
 block that becomes ``stored`` and of every one that stops being advertised, under the
 table's lock, so it answers lookups as :meth:`lookup` would; its finds come back through
-:meth:`touch`, for the LRU order.
+:meth:`touch`, for the LRU order. It also hears of every block reserved (``expect``): it
+advertises such a block itself as soon as every rank's ``stored`` report reached it,
+before this table hears of them, and forgets it (``settle``) when a store failed.
 
 Bounded: at most ``capacity`` blocks (the bank's size, from ``retain_bytes``). A reserve
 that finds no free block stops: a later block of a prefix is useless without the earlier
@@ -83,6 +85,14 @@ class Mirror(Protocol):
 
     def withdraw(self, block_hash: bytes) -> None: ...
 
+    def expect(self, block_hash: bytes, slot: int, key: int, tp: int) -> None: ...
+
+    def settle(self, slot: int, key: int) -> None: ...
+
+
+#: The most ranks whose stores a mirror counts itself (ffi/kvs_index.h); above, only the table does.
+MIRROR_MAX_TP = 64
+
 
 class SlotTable:
     """See the module docstring. ``key_of(hash, slot)`` names a block in the inventories."""
@@ -109,9 +119,11 @@ class SlotTable:
         """From now on, tell ``mirror`` of every block advertised and withdrawn (those
         advertised already first)."""
         with self._lock:
-            for slot in self._lru:
-                entry = self._slots[slot]
-                mirror.advertise(entry.block_hash, slot, entry.key)
+            for slot, entry in self._slots.items():
+                if entry.state is SlotState.STORED:
+                    mirror.advertise(entry.block_hash, slot, entry.key)
+                elif entry.state is SlotState.STORING and self.tp <= MIRROR_MAX_TP:
+                    mirror.expect(entry.block_hash, slot, entry.key, self.tp)
             self._mirror = mirror
 
     # -- the scheduler: finished requests ------------------------------------------------
@@ -135,6 +147,8 @@ class SlotTable:
                 self._storing += 1
                 self._by_hash[h] = slot
                 self._by_key[key] = slot
+                if self._mirror is not None and self.tp <= MIRROR_MAX_TP:
+                    self._mirror.expect(h, slot, key, self.tp)
                 out.append(Reservation(i, h, slot, key))
         return out
 
@@ -190,6 +204,8 @@ class SlotTable:
                 entry.state = SlotState.EVICTING
                 self._evicting[slot] = None
                 del self._by_hash[entry.block_hash]
+                if self._mirror is not None:  # it never had every rank's store: not advertised
+                    self._mirror.settle(slot, key)
                 entry.removed = set(range(self.tp)) - entry.stored  # nothing to remove where it failed
                 if self._maybe_free(slot, entry):
                     continue

@@ -5,7 +5,9 @@ connect to it:
 
 - each **decode rank** (its worker process) says ``hello`` (rank, tp, pid, its
   inventory's epoch, its compatibility key), then reports ``advertised`` descriptors,
-  ``stored`` blocks and ``removed`` keys; the index sends it ``evict``;
+  ``stored`` blocks and ``removed`` keys; the index sends it ``evict``. Each rank also
+  opens a *report link* (``report_link``, answered ``linked``), on which its op engine
+  sends ``stored`` reports to the index's native thread;
 - each **prefill scheduler** sends ``lookup`` (its compatibility key and the prefix hashes
   of a prompt), answered ``found`` (bank blocks, inventory keys, every rank's epoch) or
   ``refused`` (a reason); and ``descriptors``, answered ``descriptor_set``.
@@ -68,6 +70,8 @@ SCHEMA: Mapping[str, Mapping[str, _Check]] = {
     "stored": {"rank": _int, "keys": _ints, "failed": _ints},
     "removed": {"rank": _int, "keys": _ints, "busy": _ints},
     "welcome": {"tp": _int},
+    "report_link": {"rank": _int},
+    "linked": {"rank": _int},
     "evict": {"keys": _ints},
     "lookup": {"compat": _dict, "hashes": _bytes},
     "descriptors": {"compat": _dict},
