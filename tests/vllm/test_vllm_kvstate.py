@@ -97,16 +97,20 @@ def test_a_prefill_request_50_ms_after_a_store_completed_loads_it(pair: Pair) ->
     """Issue 28: the decode engine's index must know of a store without waiting for the
     decode engine's Python. The decode worker holds its GIL for HOLD_S right after it
     submitted the stores (the probe connector; an engine step's Python, or vLLM's
-    busy-polling worker on a loaded machine). The store's completion is seen from outside
-    the engine, in its banks (their bytes changed, then stayed as they were); 50 ms later,
-    still within the hold, the prefill engine asks, and loads it (its lease waits for the
-    worker's Python, which the native lease server removes). Before, the report waited for
-    the worker's Python: a miss, and the prefix was computed."""
+    busy-polling worker on a loaded machine), and so does its scheduler process (the
+    EngineCore, where the index lives) meanwhile. The store's completion is seen
+    from outside the engine, in its banks (their bytes changed, then stayed as they were);
+    50 ms later, still within both holds, the prefill engine asks, and loads it: the
+    worker's op engine reports the store on its report link, the index's native thread
+    advertises it and answers the lookup, and the worker's native lease server grants the
+    lease. Before, the report waited for the worker's Python, and then for the
+    EngineCore's: a miss, and the prefix was computed."""
     import numpy as np
 
     batch = prompts((100,), seed=21)
     assert pair.prefill.reset_prefix_cache()
     (pair.probes / kv_configs.HOLD_GIL_AFTER_STORE).write_text(str(HOLD_S))
+    (pair.probes / kv_configs.HOLD_SCHEDULER_GIL).write_text(str(HOLD_S))
     banks = _banks(pair.decode)
     assert banks
     before = [b.copy() for b in banks]
@@ -128,6 +132,9 @@ def test_a_prefill_request_50_ms_after_a_store_completed_loads_it(pair: Pair) ->
     time.sleep(0.05)
     assert time.monotonic() - completed >= 0.05
     assert not (pair.probes / kv_configs.HOLD_GIL_AFTER_STORE).exists()  # the hold began with the stores
+    while (pair.probes / kv_configs.HOLD_SCHEDULER_GIL).exists():  # the scheduler's hold begins just after
+        assert time.monotonic() < deadline, "the decode scheduler never held its GIL"
+        time.sleep(0.001)
     asked = time.monotonic()
     got = pair.prefill.generate(batch, MAX_TOKENS)
     t.join(300)
@@ -137,6 +144,11 @@ def test_a_prefill_request_50_ms_after_a_store_completed_loads_it(pair: Pair) ->
         assert time.monotonic() < deadline + HOLD_S, "the decode worker's hold never ended"
         time.sleep(0.05)
     assert asked < float(ended.read_text()), "the decode worker's Python ran before the prefill engine asked"
+    scheduler_ended = pair.probes / kv_configs.SCHEDULER_HOLD_ENDED
+    while not scheduler_ended.exists():
+        assert time.monotonic() < deadline + HOLD_S, "the decode scheduler's hold never ended"
+        time.sleep(0.05)
+    assert asked < float(scheduler_ended.read_text()), "the decode scheduler's Python ran before the prefill asked"
     assert evidence.reuse(got).external_problems(kit.loadable((100,))) == []
     c = kit.counters(got)
     assert c.get("loads_ok") == 1 and c.get("tokens_loaded") == kit.loadable((100,))[0], c

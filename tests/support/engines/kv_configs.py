@@ -28,6 +28,10 @@ FAIL_NEXT_LOAD = "fail-next-load"
 HOLD_GIL_AFTER_STORE = "hold-gil-after-store"
 PROBE_DIR_ENV = "KVSTATE_PROBE_DIR"
 HOLD_ENDED = "hold-ended"  # written by the probe when the hold ended: its time.monotonic()
+#: The same for the scheduler side (the EngineCore, the decode index's process): once it
+#: handed stores and the worker's hold began, it holds its GIL, while this file exists.
+HOLD_SCHEDULER_GIL = "hold-scheduler-gil-after-store"
+SCHEDULER_HOLD_ENDED = "scheduler-hold-ended"
 #: ProbeTimedKvStateConnector's files in $KVSTATE_PROBE_DIR: <name>-<pid>.json
 HOOK_TIMES = "hook-times"
 

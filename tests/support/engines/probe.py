@@ -20,7 +20,14 @@ side in each ``VLLM::Worker``), so this module imports vLLM and torch.
   ``$KVSTATE_PROBE_DIR/hold-gil-after-store`` exists (the file says for how many seconds;
   it is removed when the hold starts, and ``hold-ended`` then says when it ended, in
   ``time.monotonic()``): an engine step whose Python keeps the GIL while the
-  stores complete, as vLLM's busy-polling worker nearly does on a loaded machine.
+  stores complete, as vLLM's busy-polling worker nearly does on a loaded machine. Its
+  scheduler side (the EngineCore, where the decode index lives) does the same with
+  ``hold-scheduler-gil-after-store`` (and ``scheduler-hold-ended``), from a thread of its
+  own, while its main thread waits for the step that hands the stores. The two sides meet
+  through files so that the scheduler's hold surely covers the stores' end: the worker,
+  given the stores, writes ``worker-bound`` and waits; the scheduler's thread, seeing it,
+  writes ``scheduler-holding`` and holds; only then does the worker submit the stores
+  (and hold its own GIL, when asked to).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import dataclasses
 import enum
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -45,6 +53,24 @@ FAIL_NEXT_LOAD = "fail-next-load"  # same name as kv_configs.FAIL_NEXT_LOAD
 HOLD_GIL_AFTER_STORE = "hold-gil-after-store"  # same name as kv_configs.HOLD_GIL_AFTER_STORE
 PROBE_DIR_ENV = "KVSTATE_PROBE_DIR"  # same name as kv_configs.PROBE_DIR_ENV
 HOLD_ENDED = "hold-ended"  # same name as kv_configs.HOLD_ENDED
+HOLD_SCHEDULER_GIL = "hold-scheduler-gil-after-store"  # same name as kv_configs.HOLD_SCHEDULER_GIL
+SCHEDULER_HOLD_ENDED = "scheduler-hold-ended"  # same name as kv_configs.SCHEDULER_HOLD_ENDED
+WORKER_BOUND, SCHEDULER_HOLDING = "worker-bound", "scheduler-holding"  # the two sides' meeting
+
+
+def _wait_for(path: Path, present: bool) -> None:
+    deadline = time.monotonic() + 60
+    while path.exists() != present and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+def _hold(trigger: Path, ended: str) -> None:
+    """Hold this process's GIL for the seconds ``trigger`` says (removed first), then write
+    when the hold ended to ``ended`` beside it."""
+    seconds = float(trigger.read_text())
+    trigger.unlink()
+    ctypes.PyDLL(None).usleep(int(seconds * 1e6))  # a C call through PyDLL keeps the GIL
+    (trigger.parent / ended).write_text(repr(time.monotonic()))  # CLOCK_MONOTONIC: one per machine
 
 
 def jsonable(value: Any) -> Any:
@@ -176,17 +202,35 @@ class ProbeNullConnector(_GeometryRecorder, KVConnectorBase_V1):
 
 
 class ProbeKvStateConnector(KvStateConnector):
-    """kvstate's connector, holding the worker's GIL after a step's stores on request."""
+    """kvstate's connector, holding the worker's or the scheduler's GIL after a step's
+    stores on request."""
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
-        super().bind_connector_metadata(connector_metadata)
         orders = getattr(connector_metadata, "orders", None)
-        trigger = Path(os.environ.get(PROBE_DIR_ENV, "/nonexistent")) / HOLD_GIL_AFTER_STORE
+        probes = Path(os.environ.get(PROBE_DIR_ENV, "/nonexistent"))
+        if orders is not None and orders.stores and (probes / HOLD_SCHEDULER_GIL).exists():
+            (probes / WORKER_BOUND).write_text("")
+            _wait_for(probes / SCHEDULER_HOLDING, True)
+            time.sleep(0.02)  # from its file to its C call: the scheduler's thread needs a moment
+        super().bind_connector_metadata(connector_metadata)
+        trigger = probes / HOLD_GIL_AFTER_STORE
         if orders is not None and orders.stores and trigger.exists():
-            seconds = float(trigger.read_text())
-            trigger.unlink()
-            ctypes.PyDLL(None).usleep(int(seconds * 1e6))  # a C call through PyDLL keeps the GIL
-            (trigger.parent / HOLD_ENDED).write_text(repr(time.monotonic()))  # CLOCK_MONOTONIC: one per machine
+            _hold(trigger, HOLD_ENDED)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        meta = super().build_connector_meta(scheduler_output)
+        orders = getattr(meta, "orders", None)
+        probes = Path(os.environ.get(PROBE_DIR_ENV, "/nonexistent"))
+        if orders is not None and orders.stores and (probes / HOLD_SCHEDULER_GIL).exists():
+            def hold_once_the_step_is_out() -> None:
+                _wait_for(probes / WORKER_BOUND, True)  # the worker has the step: it was sent
+                (probes / SCHEDULER_HOLDING).write_text("")
+                _hold(probes / HOLD_SCHEDULER_GIL, SCHEDULER_HOLD_ENDED)
+                for done in (WORKER_BOUND, SCHEDULER_HOLDING):
+                    (probes / done).unlink(missing_ok=True)
+
+            threading.Thread(target=hold_once_the_step_is_out, name="probe-scheduler-hold", daemon=True).start()
+        return meta
 
 
 #: The connector methods vLLM calls on the step path (scheduler and worker side): what
