@@ -71,6 +71,20 @@ def cpus() -> list[int]:
     return allowed
 
 
+@pytest.fixture
+def short_sockets() -> Iterator[Path]:
+    """A private (0700) directory with a short path for control sockets (AF_UNIX paths
+    hold 107 bytes; pytest's temp paths are long), removed with what it holds."""
+    d = Path(tempfile.mkdtemp(prefix="kvs-", dir="/tmp"))
+    os.chmod(d, 0o700)
+    try:
+        yield d
+    finally:
+        for p in d.iterdir():
+            p.unlink()
+        d.rmdir()
+
+
 @pytest.fixture(autouse=True)
 def leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
     node = request.node

@@ -87,17 +87,12 @@ class Decode:
 
 
 @pytest.fixture
-def decode() -> Iterator[Decode]:
-    sockets = Path(f"/tmp/kvs-rl-{os.getpid()}")
-    sockets.mkdir(mode=0o700, exist_ok=True)
-    d = Decode(sockets)
+def decode(short_sockets: Path) -> Iterator[Decode]:
+    d = Decode(short_sockets)
     try:
         yield d
     finally:
         d.close()
-        for p in sockets.iterdir():
-            p.unlink()
-        sockets.rmdir()
 
 
 def _closed(ch: chan.Channel) -> bool:

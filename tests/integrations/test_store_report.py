@@ -73,9 +73,8 @@ CHILD = textwrap.dedent("""
 
 
 @pytest.mark.multiproc
-def test_a_lookup_50_ms_after_a_store_completed_finds_it_while_the_ranks_gil_is_held(tmp_path: Path) -> None:
-    sockets = Path(f"/tmp/kvs-rep-{os.getpid()}")
-    sockets.mkdir(mode=0o700, exist_ok=True)
+def test_a_lookup_50_ms_after_a_store_completed_finds_it_while_the_ranks_gil_is_held(short_sockets: Path) -> None:
+    sockets = short_sockets
     cfg = cfgmod.parse({"socket_dir": str(sockets)}, "kv_producer", ENV)
     compat = Compat(model="tiny", dtype="bf16", block_size=BS, head_dim=HD, kv_heads=HEADS, layers=LAYERS, tp=1,
                     isa="vec", engine="test")
@@ -125,9 +124,6 @@ def test_a_lookup_50_ms_after_a_store_completed_finds_it_while_the_ranks_gil_is_
             child.kill()
             child.wait()
         index.close()
-        for p in sockets.iterdir():
-            p.unlink()
-        sockets.rmdir()
 
 
 class _Decode:
@@ -158,17 +154,12 @@ class _Decode:
 
 
 @pytest.fixture
-def decode() -> Iterator[_Decode]:
-    sockets = Path(f"/tmp/kvs-rep-{os.getpid()}")
-    sockets.mkdir(mode=0o700, exist_ok=True)
-    d = _Decode(sockets)
+def decode(short_sockets: Path) -> Iterator[_Decode]:
+    d = _Decode(short_sockets)
     try:
         yield d
     finally:
         d.close()
-        for p in sockets.iterdir():
-            p.unlink()
-        sockets.rmdir()
 
 
 @pytest.mark.native

@@ -235,8 +235,8 @@ class DecodeRank:
         if answer["kind"] == "refused":
             log.error("kvstate: the index refused rank %d: %s (%s)", self.rank, answer["reason"], answer["detail"])
             return False
+        reports = self._open_report_link()  # before the index can be ready: stores then use it
         self._advertise(ch, again=False)
-        reports = self._open_report_link()
         with self._lock:
             self._ch = ch  # stores from now on are reported by the op engine, on the report link if any
             self._reports = reports
