@@ -12,7 +12,7 @@
 
 #define KVS_INDEX_TOUCHED 65536 /* lookups' finds kept for the LRU order (more: the oldest go) */
 #define KVS_INDEX_HANDOFFS 64   /* connections waiting for Python (more: closed) */
-#define KVS_INDEX_REPORTS 4096  /* stored reports waiting for Python (more: the link closes) */
+#define KVS_INDEX_REPORTS 4096  /* stored reports waiting for Python (more: the links wait) */
 #define KVS_INDEX_MAX_TP 64     /* ranks whose stores the thread counts (a bit each) */
 
 /* What a bank block is in the mirror (`live`). */
@@ -76,8 +76,8 @@ int kvs_index_hand_over(struct kvs_index *x, int fd, const char *req, uint32_t l
 int kvs_index_link(struct kvs_index *x, const char *req, uint32_t len, int32_t pid, char *out, uint32_t cap,
                    uint32_t *outlen);
 /* kvs_index.c, for the thread: apply one `stored` report of `rank` from process `pid` and
- * queue it for Python; -1 when the link must close (not that rank's any more, malformed, or
- * Python's queue is full: the rank reports on its main link instead). */
+ * queue it for Python; -1 when the link must close (not that rank's any more, or malformed;
+ * a full queue too, which the thread never meets: it looks for room before it reads). */
 int kvs_index_take_report(struct kvs_index *x, int32_t rank, int32_t pid, const char *msg, uint32_t len);
 /* kvs_index.c, for the thread: whether Python's report queue has room (else a link waits). */
 int kvs_index_report_room(struct kvs_index *x);

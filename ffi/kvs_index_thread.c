@@ -58,10 +58,16 @@ static void drop(struct kvs_index *x, int k, int close_fd) {
     x->nconns--;
 }
 
-/* Read connection `k` again (a report link paused while Python's queue was full). */
+/* A report link is paused (out of the epoll set, where a hang-up would still wake us each
+ * time round) while Python's queue of reports is full, and read again once it has room:
+ * what its peer sent, even before it hung up, is all taken in. */
+static void pause_link(struct kvs_index *x, int k) {
+    if (epoll_ctl(x->epoll_fd, EPOLL_CTL_DEL, x->conns[k].fd, NULL) == 0) x->conns[k].paused = 1;
+}
+
 static void resume(struct kvs_index *x, int k) {
     struct epoll_event ev = {.events = EPOLLIN, .data.u64 = TAG_CONN + (uint64_t)k};
-    if (epoll_ctl(x->epoll_fd, EPOLL_CTL_MOD, x->conns[k].fd, &ev) == 0) x->conns[k].paused = 0;
+    if (epoll_ctl(x->epoll_fd, EPOLL_CTL_ADD, x->conns[k].fd, &ev) == 0) x->conns[k].paused = 0;
 }
 
 static void accept_one(struct kvs_index *x) {
@@ -93,8 +99,7 @@ static void accept_one(struct kvs_index *x) {
 static void serve_packet(struct kvs_index *x, int k, char *buf, uint32_t cap, char *reply, uint32_t rcap) {
     int fd = x->conns[k].fd;
     if (x->conns[k].rank >= 0 && !kvs_index_report_room(x)) { /* read it once Python caught up */
-        struct epoll_event none = {.events = 0, .data.u64 = TAG_CONN + (uint64_t)k};
-        if (epoll_ctl(x->epoll_fd, EPOLL_CTL_MOD, fd, &none) == 0) x->conns[k].paused = 1;
+        pause_link(x, k);
         return;
     }
     union {

@@ -12,10 +12,11 @@ its inventory, and its link to the index.
   *report link*, a connection the index's native thread serves: the index advertises the
   blocks without waiting for this process's Python, whose GIL vLLM's worker holds while it
   busy-polls (up to 1 s after each step), nor for the scheduler process's. The index
-  advertises nothing before that report, so no lease names a block still being written. When a store finishes, its
-  request is reported finished so that vLLM frees its pages only then
-  (:meth:`DecodeRank.finished`); a report the engine could not send (no link to the
-  index yet, a full socket) goes from here instead, and failed blocks leave the inventory.
+  advertises nothing before that report, so no lease names a block still being written.
+  When a store finishes, its request is reported finished so that vLLM frees its pages
+  only then (:meth:`DecodeRank.finished`); a report the engine could not send (no link to
+  the index yet, a full or lost report link) goes from here instead, on the main link,
+  and failed blocks leave the inventory.
 - The index's ``evict`` is answered with the keys the inventory dropped and those a lease
   still pins (it asks again later).
 - Descriptors are re-advertised at half their time to live.

@@ -250,6 +250,8 @@ class DecodeIndex:
             self._on_stored(wire.decode(payload, "stored"))
         except ChannelError as exc:  # the thread took only what wire.decode takes: a bug
             log.error("kvstate index: a report from a rank's link is unreadable: %s", exc)
+        except Exception:  # this thread serves every handoff: it must outlive a bug here
+            log.exception("kvstate index: taking a rank's report failed")
 
     def _serve(self, ch: chan.Channel, first: bytes) -> None:
         """A connection the native thread handed over, with the request it read."""

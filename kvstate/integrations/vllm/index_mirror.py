@@ -60,7 +60,7 @@ class IndexMirror:
 
         self._x = ffi.gc(out[0], free)
         self._out = ffi.new("char[]", limits.max_payload)
-        self._report = ffi.new("char[]", limits.max_payload)  # reports' own: any thread may take them
+        self._report = ffi.new("char[]", limits.max_payload)  # reports()'s own (handoffs() uses _out)
         self._len = ffi.new("uint32_t *")
         self._fd = ffi.new("int32_t *")
 
