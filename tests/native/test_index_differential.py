@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import random
 import socket
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from kvstate.core.identity import Deployment
 from kvstate.integrations.vllm import wire
 from kvstate.integrations.vllm.hashing import Compat, block_key
 from kvstate.integrations.vllm.index import DecodeIndex, _Rank
+from kvstate.integrations.vllm.index_mirror import IndexMirror
 from kvstate.integrations.vllm.slots import SlotState, SlotTable
 
 pytestmark = [pytest.mark.native]
@@ -172,3 +175,117 @@ def test_blocks_native_lookups_found_are_evicted_last(tmp_path: Path) -> None:
         assert d.index.mirror.advertised() == 14
     finally:
         d.close()
+
+
+# -- the ranks' reports: the thread's count against the table's account --------------------
+
+
+class Served:
+    """A mirror served on a real socket (no DecodeIndex: this test takes the thread's
+    reports itself and gives them to the table, as DecodeIndex._on_stored does), its table
+    attached, and tp report links from this process."""
+
+    def __init__(self, sockets: Path, tp: int, capacity: int) -> None:
+        self.tp = tp
+        self.table = SlotTable(capacity, tp, lambda h, s: block_key(DEPLOYMENT, h, s))
+        index = DecodeIndex(sockets / "index.sock", compat(tp), self.table)  # builds the mirror as the engine does
+        self.mirror = index.mirror
+        self.server = chan.Server(sockets / "index.sock", limits=wire.LIMITS)
+        self.mirror.serve(self.server.fileno())
+        self.mirror.ready(wire.encode("descriptor_set", descriptors=[b"d"] * tp), [1] * tp, 1)
+        self.links = []
+        for r in range(tp):
+            self.mirror.rank(r, os.getpid())
+            ch = chan.connect(self.server.path, timeout=5.0, limits=wire.LIMITS)
+            ch.send(wire.encode("report_link", rank=r))
+            with ch.recv(timeout=5.0) as m:
+                assert wire.decode(m.payload, "linked")["rank"] == r
+            self.links.append(ch)
+        self.sent = 0     # reports sent on the links
+        self.taken: list[bytes] = []
+
+    def drain(self) -> list[bytes]:
+        """Every report sent so far, once the thread took it (in the order sent)."""
+        deadline = time.monotonic() + 10
+        while len(self.taken) < self.sent:
+            assert time.monotonic() < deadline, f"the thread took {len(self.taken)} of {self.sent} reports"
+            self.taken += self.mirror.reports()
+        new, self.taken = self.taken, []
+        self.sent = 0
+        return new
+
+    def close(self) -> None:
+        for ch in self.links:
+            ch.close()
+        self.mirror.stop()
+        self.server.close()
+
+
+def found(mirror: IndexMirror, tp: int, h: bytes) -> bool:
+    reply = mirror.answer(wire.encode("lookup", compat=compat(tp).as_dict(), hashes=h))
+    assert reply is not None
+    return bool(wire.decode(reply)["blocks"])
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3])
+def test_the_thread_advertises_a_block_exactly_when_every_rank_reported_it_stored(tp: int) -> None:
+    """Random reservations, each rank's one report per block (stored, or now and then
+    failed; on its report link, or on its main link: straight to the table), evictions and
+    removals. After each step, before the table takes the thread's reports, the mirror
+    must find exactly the table's stored blocks and the reserved ones every rank reported
+    stored on its link; once the table took them, exactly the table's stored blocks."""
+    natively = 0
+    for seq in range(12):
+        rng = random.Random(seq * 11 + tp)
+        d = Path(tempfile.mkdtemp(prefix="kvs-", dir="/tmp"))
+        os.chmod(d, 0o700)
+        s = Served(d, tp, capacity=rng.choice([4, 16]))
+        pool = [rng.randbytes(16) for _ in range(20)]
+        reported: dict[int, set[int]] = {}  # key -> ranks that reported it (either way, either link)
+        on_link: dict[int, set[int]] = {}   # key -> ranks that reported it stored on their link
+        try:
+            for _ in range(60):
+                t = s.table
+                roll = rng.random()
+                if roll < 0.3:
+                    for r in t.reserve(rng.sample(pool, rng.randrange(1, 4))):
+                        reported[r.key], on_link[r.key] = set(), set()
+                    t.choose_evictions()
+                elif roll < 0.85:
+                    due = [(e.key, rank) for e in t._slots.values() if e.state is SlotState.STORING
+                           for rank in range(tp) if rank not in reported[e.key]]
+                    for key, rank in rng.sample(due, min(len(due), rng.randrange(1, 5))):
+                        reported[key].add(rank)
+                        stored = rng.random() < 0.9
+                        if rng.random() < 0.8:
+                            s.links[rank].send(wire.encode("stored", rank=rank, keys=[key] if stored else [],
+                                                           failed=[] if stored else [key]))
+                            s.sent += 1
+                            if stored:
+                                on_link[key].add(rank)
+                        else:  # the main link: the table takes it, the thread never sees it
+                            (t.stored if stored else t.store_failed)(rank, [key])
+                else:
+                    for key in t.evicting()[:rng.randrange(1, 4)]:
+                        t.removed(rng.randrange(tp), [key])
+                taken = s.drain()
+                stored = {e.block_hash for e in t._slots.values() if e.state is SlotState.STORED}
+                whole = {e.block_hash for e in t._slots.values()
+                         if e.state is SlotState.STORING and len(on_link[e.key]) == tp}
+                for h in pool:  # before the table takes the thread's reports
+                    assert found(s.mirror, tp, h) == (h in stored or h in whole), (seq, h in stored, h in whole)
+                for payload in taken:  # as DecodeIndex._on_stored
+                    m = wire.decode(payload, "stored")
+                    t.stored(m["rank"], m["keys"])
+                    t.store_failed(m["rank"], m["failed"])
+                stored = {e.block_hash for e in t._slots.values() if e.state is SlotState.STORED}
+                for h in pool:
+                    assert found(s.mirror, tp, h) == (h in stored), seq
+                assert s.mirror.advertised() == len(stored)
+            natively += s.mirror.advertised_here
+        finally:
+            s.close()
+            for p in d.iterdir():
+                p.unlink()
+            d.rmdir()
+    assert natively > 0  # the thread, not only the table, advertised blocks
