@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -206,24 +207,32 @@ def test_anything_but_the_rank_s_own_stored_report_closes_the_link(decode: Decod
 
 
 def test_while_python_s_queue_is_full_a_link_waits_and_loses_nothing(decode: Decode) -> None:
-    """Python's queue of reports holds 4,096. While the table cannot take them (its lock
-    held here), the thread fills the queue, then stops reading the link: the reports sent
-    after stay in the socket, uncounted, even once the link's peer hung up. Once Python
-    drains the queue, the thread reads the link again and takes every one in."""
+    """Python's queue of reports holds 4,096. While Python takes none (its handoff thread
+    held at the queue here), the thread fills the queue, then stops reading the link: the
+    report sent after stays in the socket, uncounted, even once the link's peer hung up.
+    Once Python drains the queue, the thread reads the link again and takes it in."""
     held = decode.index.reserve(PREFIX)
     links = [decode.link(0), decode.link(1)]
     links[1].send(_stored(1, KEYS))
     decode.settled("rank 1's report never reached the table", lambda: decode.index.mirror.advertised_here == 0
                    and decode.table._entry(KEYS[0]) is not None and decode.table._entry(KEYS[0]).stored == {1})
-    with decode.table._lock:
-        # Python takes the first few (then waits for the lock), 4,096 fill the queue, the
-        # rest wait in the socket (about 270 such messages fit in its buffer).
-        for i in range(4096 + 100):
+    mirror, go = decode.index.mirror, threading.Event()
+    take = mirror.reports
+
+    def held_back() -> list[bytes]:
+        go.wait()
+        return take()
+
+    mirror.reports = held_back  # type: ignore[method-assign]
+    try:
+        for i in range(4096):  # exactly fills the queue
             links[0].send(_stored(0, [1_000_000 + i]), timeout=10.0)
-        links[0].send(_stored(0, [r.key for r in held]), timeout=10.0)
+        links[0].send(_stored(0, [r.key for r in held]), timeout=10.0)  # waits in the socket
         links[0].close()  # hung up with a report unread
         time.sleep(0.5)  # two of the thread's ticks: a paused link stays paused
         assert decode.found() == 0 and decode.index.mirror.advertised_here == 0
+    finally:
+        go.set()
     decode.settled("the paused link was never read again", lambda: decode.found() == 3)
     decode.settled("the table never took every report", lambda: decode.table.counts()["stored"] == 3)
     assert decode.index.mirror.advertised_here == 3
