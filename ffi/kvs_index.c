@@ -46,10 +46,11 @@ int kvs_index_new(const char *compat, uint32_t compat_len, const char *not_ready
     x->index = calloc(size, sizeof *x->index);
     x->by_key = calloc(size, sizeof *x->by_key);
     x->ranks = calloc(capacity, sizeof *x->ranks);
+    x->report_keys = calloc(max_blocks, sizeof *x->report_keys);
     x->touched = calloc(KVS_INDEX_TOUCHED, sizeof *x->touched);
     x->conns = calloc((size_t)max_connections, sizeof *x->conns);
     if (!x->compat || !x->not_ready || !x->hashes || !x->live || !x->keys || !x->index || !x->touched || !x->conns ||
-        !x->by_key || !x->ranks) {
+        !x->by_key || !x->ranks || !x->report_keys) {
         kvs_index_free(x);
         return KVS_E_NOMEM;
     }
@@ -68,6 +69,8 @@ int kvs_index_new(const char *compat, uint32_t compat_len, const char *not_ready
     x->idle_ns = idle_ns;
     x->mask = size - 1;
     for (int k = 0; k < max_connections; k++) x->conns[k].fd = -1;
+    x->handoffs = (struct kvs_index_queue){.at = x->handoff_at, .size = KVS_INDEX_HANDOFFS};
+    x->reports = (struct kvs_index_queue){.at = x->report_at, .size = KVS_INDEX_REPORTS};
     x->listen_fd = x->epoll_fd = x->cmd_fd = x->handoff_fd = -1;
     *out = x;
     return KVS_OK;
@@ -75,11 +78,8 @@ int kvs_index_new(const char *compat, uint32_t compat_len, const char *not_ready
 
 void kvs_index_free(kvs_index *x) {
     if (!x) return;
-    for (int k = 0; k < x->handoff_n; k++) {
-        int at = (x->handoff_head + k) % KVS_INDEX_HANDOFFS;
-        close(x->handoff[at].fd);
-        free(x->handoff[at].buf);
-    }
+    kvs_index_queue_clear(&x->handoffs);
+    kvs_index_queue_clear(&x->reports);
     if (x->handoff_fd >= 0) close(x->handoff_fd);
     free(x->compat);
     free(x->not_ready);
@@ -89,7 +89,7 @@ void kvs_index_free(kvs_index *x) {
     free(x->index);
     free(x->by_key);
     free(x->ranks);
-    for (int k = 0; k < x->report_n; k++) free(x->report[(x->report_head + k) % KVS_INDEX_REPORTS].buf);
+    free(x->report_keys);
     free(x->touched);
     free(x->conns);
     free(x->descriptor_set);
@@ -442,20 +442,50 @@ int64_t kvs_index_lookups(kvs_index *x) {
     return n;
 }
 
+/* -- what waits for Python ----------------------------------------------------------------- */
+
+/* Under `mu`: append (0), or -1 when `q` is full. */
+static int queue_push(struct kvs_index_queue *q, int fd, char *buf, uint32_t len) {
+    if (q->n == q->size) return -1;
+    q->at[(q->head + q->n++) % q->size] = (struct kvs_index_msg){fd, buf, len};
+    return 0;
+}
+
+/* Under `mu`: the oldest into `buf` (1, with its fd), 0 when `q` is empty, KVS_E_RANGE when
+ * it does not fit `cap`. */
+static int32_t queue_pop(struct kvs_index_queue *q, int32_t *fd, char *buf, uint32_t cap, uint32_t *len) {
+    if (!q->n) return 0;
+    struct kvs_index_msg *m = &q->at[q->head];
+    if (m->len > cap) return KVS_E_RANGE;
+    *fd = m->fd;
+    memcpy(buf, m->buf, m->len);
+    *len = m->len;
+    free(m->buf);
+    q->head = (q->head + 1) % q->size;
+    q->n--;
+    return 1;
+}
+
+void kvs_index_queue_clear(struct kvs_index_queue *q) {
+    for (; q->n; q->n--, q->head = (q->head + 1) % q->size) {
+        if (q->at[q->head].fd >= 0) close(q->at[q->head].fd);
+        free(q->at[q->head].buf);
+    }
+}
+
+/* Under `mu`: Python has something to take (it also looks without the wake-up). */
+static void wake_python(struct kvs_index *x) {
+    uint64_t one = 1;
+    if (write(x->handoff_fd, &one, sizeof one) < 0) { /* it looks each time round anyway */ }
+}
+
 int kvs_index_hand_over(struct kvs_index *x, int fd, const char *req, uint32_t len) {
     char *copy = malloc(len ? len : 1);
     if (!copy) return -1;
     memcpy(copy, req, len);
     pthread_mutex_lock(&x->mu);
-    int ok = x->handoff_n < KVS_INDEX_HANDOFFS && x->handoff_fd >= 0;
-    if (ok) {
-        int at = (x->handoff_head + x->handoff_n++) % KVS_INDEX_HANDOFFS;
-        x->handoff[at].fd = fd;
-        x->handoff[at].buf = copy;
-        x->handoff[at].len = len;
-        uint64_t one = 1;
-        if (write(x->handoff_fd, &one, sizeof one) < 0) { /* Python also looks without the wake-up */ }
-    }
+    int ok = x->handoff_fd >= 0 && queue_push(&x->handoffs, fd, copy, len) == 0;
+    if (ok) wake_python(x);
     pthread_mutex_unlock(&x->mu);
     if (!ok) free(copy);
     return ok ? 0 : -1;
@@ -466,21 +496,7 @@ int32_t kvs_index_handoff_fd(kvs_index *x) { return x ? x->handoff_fd : KVS_E_IN
 int32_t kvs_index_next_handoff(kvs_index *x, int32_t *fd, char *buf, uint32_t cap, uint32_t *len) {
     if (!x || !fd || !buf || !len) return KVS_E_INVAL;
     pthread_mutex_lock(&x->mu);
-    int32_t rc = 0;
-    if (x->handoff_n) {
-        int at = x->handoff_head;
-        if (x->handoff[at].len > cap) {
-            rc = KVS_E_RANGE;
-        } else {
-            *fd = x->handoff[at].fd;
-            memcpy(buf, x->handoff[at].buf, x->handoff[at].len);
-            *len = x->handoff[at].len;
-            free(x->handoff[at].buf);
-            x->handoff_head = (at + 1) % KVS_INDEX_HANDOFFS;
-            x->handoff_n--;
-            rc = 1;
-        }
-    }
+    int32_t rc = queue_pop(&x->handoffs, fd, buf, cap, len);
     pthread_mutex_unlock(&x->mu);
     return rc;
 }
@@ -527,14 +543,14 @@ static void count_store(struct kvs_index *x, int32_t rank, uint64_t key) {
 
 int kvs_index_take_report(struct kvs_index *x, int32_t rank, int32_t pid, const char *msg, uint32_t len) {
     char *copy = malloc(len ? len : 1);
-    uint64_t *keys = malloc((size_t)x->max_blocks * sizeof *keys);
     pthread_mutex_lock(&x->mu);
+    uint64_t *keys = x->report_keys;
     int rc = -1;
     struct kj_req *q = &x->req;
     const struct kj_field *r, *k, *f;
     uint32_t n = 0, nf = 0;
     /* as wire.decode(msg, "stored") takes it, from the rank this link is, still in its process */
-    if (!copy || !keys || x->rank_pid[rank] != pid || x->report_n == KVS_INDEX_REPORTS || x->handoff_fd < 0 ||
+    if (!copy || x->rank_pid[rank] != pid || x->reports.n == x->reports.size || x->handoff_fd < 0 ||
         kj_parse(msg, len, q) != 0 || q->nitems >= 0 || q->top.n != 4 ||
         !field_is(kj_get(&q->top, "kind"), "stored") || !(r = kj_get(&q->top, "rank")) || r->type != KJ_INT ||
         r->big || r->i != rank || !(k = kj_get(&q->top, "keys")) || k->type != KJ_LIST ||
@@ -544,44 +560,28 @@ int kvs_index_take_report(struct kvs_index *x, int32_t rank, int32_t pid, const 
         goto done;
     for (uint32_t i = 0; i < n; i++) count_store(x, rank, keys[i]);
     memcpy(copy, msg, len);
-    int at = (x->report_head + x->report_n++) % KVS_INDEX_REPORTS;
-    x->report[at].buf = copy;
-    x->report[at].len = len;
+    queue_push(&x->reports, -1, copy, len); /* room was checked above */
     copy = NULL;
-    uint64_t one = 1;
-    if (write(x->handoff_fd, &one, sizeof one) < 0) { /* Python also looks without the wake-up */ }
+    wake_python(x);
     rc = 0;
 done:
     pthread_mutex_unlock(&x->mu);
     free(copy);
-    free(keys);
     return rc;
 }
 
 int kvs_index_report_room(struct kvs_index *x) {
     pthread_mutex_lock(&x->mu);
-    int room = x->report_n < KVS_INDEX_REPORTS;
+    int room = x->reports.n < x->reports.size;
     pthread_mutex_unlock(&x->mu);
     return room;
 }
 
 int32_t kvs_index_next_report(kvs_index *x, char *buf, uint32_t cap, uint32_t *len) {
     if (!x || !buf || !len) return KVS_E_INVAL;
+    int32_t fd;
     pthread_mutex_lock(&x->mu);
-    int32_t rc = 0;
-    if (x->report_n) {
-        int at = x->report_head;
-        if (x->report[at].len > cap) {
-            rc = KVS_E_RANGE;
-        } else {
-            memcpy(buf, x->report[at].buf, x->report[at].len);
-            *len = x->report[at].len;
-            free(x->report[at].buf);
-            x->report_head = (at + 1) % KVS_INDEX_REPORTS;
-            x->report_n--;
-            rc = 1;
-        }
-    }
+    int32_t rc = queue_pop(&x->reports, &fd, buf, cap, len);
     pthread_mutex_unlock(&x->mu);
     return rc;
 }

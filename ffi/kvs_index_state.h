@@ -20,6 +20,20 @@
 #define KVS_SLOT_ADVERTISED 1 /* in `index`: lookups find it */
 #define KVS_SLOT_EXPECTED 2   /* in `by_key`: advertised once every rank reported it stored */
 
+/* A message waiting for Python: a connection handed over (its fd, the request it sent),
+ * or a rank's `stored` report (fd -1). */
+struct kvs_index_msg {
+    int fd;
+    char *buf;
+    uint32_t len;
+};
+
+/* A first-in first-out ring of them, over storage of `size` entries. */
+struct kvs_index_queue {
+    struct kvs_index_msg *at;
+    int size, head, n;
+};
+
 struct kvs_index_conn {
     int fd;          /* -1: free */
     int64_t until_ns; /* CLOCK_MONOTONIC: closed when silent past it */
@@ -48,8 +62,9 @@ struct kvs_index {
     int32_t rank_pid[KVS_INDEX_MAX_TP]; /* each rank's process (0: none), set by Python */
     int64_t advertised_here;            /* blocks the thread advertised from the ranks' reports */
     /* stored reports for Python's table, in the order they came */
-    struct { char *buf; uint32_t len; } report[KVS_INDEX_REPORTS];
-    int report_head, report_n;
+    struct kvs_index_msg report_at[KVS_INDEX_REPORTS];
+    struct kvs_index_queue reports;
+    uint64_t *report_keys; /* scratch of kvs_index_take_report: one report's keys (max_blocks) */
     /* the ranks, while ready */
     int ready;
     char *descriptor_set;
@@ -59,8 +74,9 @@ struct kvs_index {
     uint32_t *touched, touched_head, touched_n;
     struct kj_req req; /* scratch of kvs_index_answer */
     /* connections for Python */
-    struct { int fd; char *buf; uint32_t len; } handoff[KVS_INDEX_HANDOFFS];
-    int handoff_head, handoff_n, handoff_fd;
+    struct kvs_index_msg handoff_at[KVS_INDEX_HANDOFFS];
+    struct kvs_index_queue handoffs;
+    int handoff_fd; /* an eventfd Python waits on, for both queues */
     /* the thread */
     struct kvs_index_conn *conns;
     int nconns;
@@ -68,6 +84,8 @@ struct kvs_index {
     pthread_t thread;
 };
 
+/* kvs_index.c: close and free what `q` still holds (under `mu`). */
+void kvs_index_queue_clear(struct kvs_index_queue *q);
 /* kvs_index.c, for the thread: queue `fd` (now Python's) with the request it sent; -1 when full. */
 int kvs_index_hand_over(struct kvs_index *x, int fd, const char *req, uint32_t len);
 /* kvs_index.c, for the thread: the rank whose report link `req` (a `report_link`) opens from

@@ -216,10 +216,7 @@ int kvs_index_stop(kvs_index *x) {
     close(x->cmd_fd);
     x->epoll_fd = x->cmd_fd = -1;
     pthread_mutex_lock(&x->mu); /* connections still waiting for Python close with it */
-    for (; x->handoff_n; x->handoff_n--, x->handoff_head = (x->handoff_head + 1) % KVS_INDEX_HANDOFFS) {
-        close(x->handoff[x->handoff_head].fd);
-        free(x->handoff[x->handoff_head].buf);
-    }
+    kvs_index_queue_clear(&x->handoffs);
     close(x->handoff_fd);
     x->handoff_fd = -1;
     pthread_mutex_unlock(&x->mu);

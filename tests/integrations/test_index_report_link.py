@@ -17,10 +17,11 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from support.waiting import wait_until
 
 from kvstate import channel as chan
 from kvstate.core.errors import ChannelError
@@ -48,10 +49,7 @@ class Decode:
         self.index = DecodeIndex(self.path, COMPAT, self.table)
         self.index.start()
         self.ranks = [self._hello(r) for r in range(2)]
-        deadline = time.monotonic() + 10
-        while not self.index.ready():
-            assert time.monotonic() < deadline, "the ranks never reached the index"
-            time.sleep(0.002)
+        assert wait_until(self.index.ready, 10), "the ranks never reached the index"
         self.client = IndexClient(self.path, DEPLOYMENT, 5.0)
 
     def _hello(self, rank: int) -> chan.Channel:
@@ -74,11 +72,8 @@ class Decode:
         assert isinstance(got, Found), got
         return got.blocks
 
-    def settled(self, what: str, cond: object) -> None:
-        deadline = time.monotonic() + 10
-        while not cond():  # type: ignore[operator]
-            assert time.monotonic() < deadline, what
-            time.sleep(0.002)
+    def settled(self, what: str, cond: Callable[[], object]) -> None:
+        assert wait_until(cond, 10), what
 
     def close(self) -> None:
         self.client.close()

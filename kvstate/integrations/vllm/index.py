@@ -352,8 +352,6 @@ class DecodeIndex:
         rank = report["rank"]
         log.debug("t=%.6f rank %d stored %d block(s), %d failed", time.monotonic(), rank, len(report["keys"]),
                   len(report["failed"]))
-        if not rank < self.tp:
-            return  # the thread takes reports only from ranks this index welcomed
         again = self.table.stored(rank, report["keys"]) + self.table.store_failed(rank, report["failed"])
         if again:
             self._broadcast(wire.encode("evict", keys=again))

@@ -61,6 +61,7 @@ class IndexMirror:
         self._x = ffi.gc(out[0], free)
         self._out = ffi.new("char[]", limits.max_payload)
         self._report = ffi.new("char[]", limits.max_payload)  # reports()'s own (handoffs() uses _out)
+        self._report_len = ffi.new("uint32_t *")
         self._len = ffi.new("uint32_t *")
         self._fd = ffi.new("int32_t *")
 
@@ -97,7 +98,7 @@ class IndexMirror:
         """The ``stored`` reports the thread took from the ranks' report links since the
         last call, in the order they came (the table's account of them is Python's)."""
         out: list[bytes] = []
-        n = self.ffi.new("uint32_t *")
+        n = self._report_len
         while self.lib.kvs_index_next_report(self._x, self._report, self._max_payload, n) == 1:
             out.append(bytes(self.ffi.buffer(self._report, n[0])))
         return out

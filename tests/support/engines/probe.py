@@ -48,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import Examp
 
 from kvstate.integrations.vllm.amx import request_amx_tiles
 from kvstate.integrations.vllm.connector import KvStateConnector
+from support.waiting import wait_until
 
 FAIL_NEXT_LOAD = "fail-next-load"  # same name as kv_configs.FAIL_NEXT_LOAD
 HOLD_GIL_AFTER_STORE = "hold-gil-after-store"  # same name as kv_configs.HOLD_GIL_AFTER_STORE
@@ -56,12 +57,6 @@ HOLD_ENDED = "hold-ended"  # same name as kv_configs.HOLD_ENDED
 HOLD_SCHEDULER_GIL = "hold-scheduler-gil-after-store"  # same name as kv_configs.HOLD_SCHEDULER_GIL
 SCHEDULER_HOLD_ENDED = "scheduler-hold-ended"  # same name as kv_configs.SCHEDULER_HOLD_ENDED
 WORKER_BOUND, SCHEDULER_HOLDING = "worker-bound", "scheduler-holding"  # the two sides' meeting
-
-
-def _wait_for(path: Path, present: bool) -> None:
-    deadline = time.monotonic() + 60
-    while path.exists() != present and time.monotonic() < deadline:
-        time.sleep(0.001)
 
 
 def _hold(trigger: Path, ended: str) -> None:
@@ -210,7 +205,7 @@ class ProbeKvStateConnector(KvStateConnector):
         probes = Path(os.environ.get(PROBE_DIR_ENV, "/nonexistent"))
         if orders is not None and orders.stores and (probes / HOLD_SCHEDULER_GIL).exists():
             (probes / WORKER_BOUND).write_text("")
-            _wait_for(probes / SCHEDULER_HOLDING, True)
+            wait_until((probes / SCHEDULER_HOLDING).exists, 60)
             time.sleep(0.02)  # from its file to its C call: the scheduler's thread needs a moment
         super().bind_connector_metadata(connector_metadata)
         trigger = probes / HOLD_GIL_AFTER_STORE
@@ -223,7 +218,7 @@ class ProbeKvStateConnector(KvStateConnector):
         probes = Path(os.environ.get(PROBE_DIR_ENV, "/nonexistent"))
         if orders is not None and orders.stores and (probes / HOLD_SCHEDULER_GIL).exists():
             def hold_once_the_step_is_out() -> None:
-                _wait_for(probes / WORKER_BOUND, True)  # the worker has the step: it was sent
+                wait_until((probes / WORKER_BOUND).exists, 60)  # the worker has the step: it was sent
                 (probes / SCHEDULER_HOLDING).write_text("")
                 _hold(probes / HOLD_SCHEDULER_GIL, SCHEDULER_HOLD_ENDED)
                 for done in (WORKER_BOUND, SCHEDULER_HOLDING):
