@@ -286,12 +286,12 @@ def test_reason_of_an_event_is_observed() -> None:
 # -- observers run outside the machine's lock -------------------------------------------------
 
 
-def _lock_free_from_another_thread(obj: Lifecycle) -> bool:
-    """True when another thread can take the object's lock right now."""
+def _lock_free_from_another_thread(obj: Lifecycle, wait: float = 2.0) -> bool:
+    """True when another thread can take the object's lock (within ``wait`` seconds)."""
     got: list[bool] = []
 
     def probe() -> None:
-        ok = obj._kv_lock.acquire(timeout=2.0)
+        ok = obj._kv_lock.acquire(timeout=wait)
         if ok:
             obj._kv_lock.release()
         got.append(ok)
@@ -317,6 +317,33 @@ def test_observers_are_called_after_the_lock_is_released() -> None:
         op.fire("start")
         assert free == [True]
     assert free == [True, True]
+
+
+def test_locked_all_holds_every_object_and_delivers_after_the_last_lock_is_released() -> None:
+    """``Lifecycle.locked_all``: the native import's one context for a batch. Every
+    object is held until the block ends (also when it raises), and the changes made inside
+    reach the observers after every lock is released."""
+
+    class Op(harness_class(OP)):  # type: ignore[misc]
+        pass
+
+    ops = [Op(), Op(), Op()]
+    free: list[tuple[bool, ...]] = []
+    for op in ops:
+        op.observe(lambda c: free.append(tuple(_lock_free_from_another_thread(o) for o in ops)))
+    with Lifecycle.locked_all(ops):
+        assert not any(_lock_free_from_another_thread(o, wait=0.0) for o in ops)
+        for op in ops:
+            op.fire("submit")
+        assert free == []
+    assert free == [(True, True, True)] * 3
+    with pytest.raises(RuntimeError):
+        with Lifecycle.locked_all(ops):
+            raise RuntimeError("in the block")
+    assert all(_lock_free_from_another_thread(o) for o in ops)
+    with Lifecycle.locked_all([ops[0], ops[0]]):  # re-entrant, as locked() is
+        ops[0].fire("start")
+    assert _lock_free_from_another_thread(ops[0]) and len(free) == 4
 
 
 def test_changes_of_an_effect_on_another_object_wait_for_the_outer_lock() -> None:

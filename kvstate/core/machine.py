@@ -67,7 +67,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from functools import partial
 from typing import Any, ClassVar, TypeVar
 
@@ -373,6 +373,29 @@ class Lifecycle:
             if p.depth == 0 and p.dirty:
                 _flush(p)
 
+    @staticmethod
+    @contextmanager
+    def locked_all(objects: Sequence[Lifecycle]) -> Iterator[None]:
+        """:meth:`locked` of every one of ``objects`` at once, taken in their order (a
+        native call that decides a whole batch holds its machines across the call and
+        :meth:`adopt_all`); one context instead of one per object."""
+        p = _held
+        taken: list[threading.RLock] = []
+        try:
+            for obj in objects:
+                obj._kv_lock.acquire()
+                taken.append(obj._kv_lock)
+            p.depth += 1
+            try:
+                yield
+            finally:
+                p.depth -= 1
+        finally:
+            for lock in reversed(taken):
+                lock.release()
+            if p.depth == 0 and p.dirty:
+                _flush(p)
+
     def may(self, event: str) -> bool:
         """Whether ``event`` is declared in the current state (guards not evaluated)."""
         return isinstance(event, str) and (event, self._kv_state) in type(self)._kv_compiled.declared
@@ -461,9 +484,7 @@ class Lifecycle:
                 raise ArgumentInvalid.of(f"steps[{i}]", ArgumentReason.LENGTH, "must be one (event, dest) pair")
             pairs.append((need_text(f"steps[{i}] event", step[0]), need_text(f"steps[{i}] dest", step[1])))
         steps = pairs
-        with ExitStack() as held:
-            for obj in objects:
-                held.enter_context(obj._kv_lock)
+        with Lifecycle.locked_all(objects):
             for obj in objects:
                 state = obj._kv_state
                 for event, dest in steps:

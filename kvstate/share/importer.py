@@ -428,6 +428,8 @@ class Importer(LeaseKeeping[H, A, R, M, E]):
             part.fire("validate")
         # Phase 1 leases and checks every rank; phase 2 opens only when all passed.
         for phase in ("lease", "open"):
+            if phase == "open" and all(p.state == "imported" for p in group.parts):
+                break  # the native import opened them with their leases
             failures = self._each_part(group.parts, phase)
             if failures:
                 self._fail(group, failures)

@@ -43,6 +43,7 @@ from contextlib import ExitStack
 from typing import Any
 
 from kvstate import channel as chan
+from kvstate.core.descriptor import Descriptor
 from kvstate.core.errors import ChannelError, KvStateError, TransitionError
 from kvstate.core.handles import FD_IDENTITY_BYTES, HandleKind
 from kvstate.share import attach, peers
@@ -51,6 +52,7 @@ from kvstate.share.part import Part, lease_fields
 from kvstate.transport import libkvs
 from kvstate.transport.host import HostHandle, HostTransport
 from kvstate.transport.machines import native_table
+from kvstate.transport.native import Native
 
 AnyPart = Part[Any, Any, Any, Any, Any]
 
@@ -78,18 +80,70 @@ def _lease_guards() -> tuple[tuple[int, Callable[..., bool]], ...]:
     return tuple((table.mask((g,), "guard"), bound[("guard", g)]) for g in names)
 
 
-def _fill(c: libkvs.ImportPart, part: AnyPart, state: int, key: int) -> None:
-    d = part.descriptor
-    a = c.attach
-    a.state, a.size = state, d.size
-    a.dev = int.from_bytes(d.handle[:8], "little")
-    a.ino = int.from_bytes(d.handle[8:], "little")
-    c.lease_holds = sum(bit for bit, fn in _lease_guards() if fn(part))
-    c.rank, c.generation, c.num_blocks = d.rank, d.generation, d.geometry.num_blocks
-    c.incarnation = d.incarnation.hex().encode()
-    c.geometry = d.geometry.fingerprint().hex().encode()
-    c.device_uuid = d.device_uuid.hex().encode()
-    c.renew_key = key
+class _ByIdentity:
+    """What was made from some descriptors, kept by their ids: an importer sees the same
+    few decoded descriptors again and again (``decode_cached`` returns the same object for
+    the same bytes). Each entry holds its descriptors, so that no id is reused while it
+    lives; bounded (cleared when full)."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._made: dict[tuple[int, ...], tuple[tuple[Descriptor, ...], bytes]] = {}
+
+    def get(self, descriptors: tuple[Descriptor, ...], make: Callable[[], bytes]) -> bytes:
+        key = tuple(map(id, descriptors))
+        held = self._made.get(key)
+        if held is not None and all(a is b for a, b in zip(held[0], descriptors)):
+            return held[1]
+        made = make()
+        if len(self._made) >= self._limit:
+            self._made.clear()
+        self._made[key] = (descriptors, made)
+        return made
+
+
+#: Each descriptor's ``kvs_import_part``: the report's fields and the fd's identity.
+_templates = _ByIdentity(1024)
+#: Each group's lease request, when it pins no blocks.
+_requests = _ByIdentity(256)
+
+
+def _template(nat: Native, d: Descriptor) -> bytes:
+    def make() -> bytes:
+        one = nat.ffi.new("kvs_import_part[]", 1)
+        c = one[0]
+        c.attach.size = d.size
+        c.attach.dev = int.from_bytes(d.handle[:8], "little")
+        c.attach.ino = int.from_bytes(d.handle[8:], "little")
+        c.rank, c.generation, c.num_blocks = d.rank, d.generation, d.geometry.num_blocks
+        c.incarnation = d.incarnation.hex().encode()
+        c.geometry = d.geometry.fingerprint().hex().encode()
+        c.device_uuid = d.device_uuid.hex().encode()
+        return bytes(nat.ffi.buffer(one, nat.ffi.sizeof("kvs_import_part")))
+    return _templates.get((d,), make)
+
+
+def _request(parts: Sequence[AnyPart]) -> bytes:
+    """The lease request of ``parts`` (one exporter's batch)."""
+    def make() -> bytes:
+        return peers.lease_payload([lease_fields(p.descriptor, p.group.blocks) for p in parts])
+    if any(p.group.blocks is not None for p in parts):  # pinned blocks: a request of its own
+        return make()
+    return _requests.get(tuple(p.descriptor for p in parts), make)
+
+
+def _array(nat: Native, parts: Sequence[AnyPart], state: int, keys: Sequence[int]) -> libkvs.ImportPartArray:
+    """The native call's ``kvs_import_part[]``: each part's template, then what this import
+    adds (the part's state, the guard bits of its ``lease`` rows, its renewal key)."""
+    arr = nat.ffi.from_buffer("kvs_import_part[]", bytearray(b"".join(_template(nat, p.descriptor) for p in parts)),
+                              require_writable=True)
+    guards = _lease_guards()
+    for i, part in enumerate(parts):
+        c = arr[i]
+        c.attach.state = state
+        c.lease_holds = sum(bit for bit, fn in guards if fn(part))
+        c.renew_key = keys[i]
+    return arr
 
 
 def lease_and_open(parts: Sequence[AnyPart], fire_lease: FireLease) -> dict[int, Exception] | None:
@@ -129,9 +183,7 @@ def _native(parts: Sequence[AnyPart], fire_lease: FireLease, *, opening: bool) -
     assert isinstance(transport, HostTransport)
     nat, table = transport.native, native_table("part")
     timeout = importer.config.request_timeout_s
-    with ExitStack() as held:
-        for part in parts:  # a fault waits until the outcome is adopted
-            held.enter_context(part.locked())
+    with Part.locked_all(parts), ExitStack() as held:  # a fault waits until the outcome is adopted
         if not all(p.state == "validated" and p.may("lease") for p in parts):
             return None
         try:
@@ -149,11 +201,8 @@ def _native(parts: Sequence[AnyPart], fire_lease: FireLease, *, opening: bool) -
         renewal = importer.renewal
         reserved = renewal.reserve(parts, link.native) if renewal is not None else None
         keys = reserved[1] if reserved is not None else [0] * len(parts)
-        arr = nat.ffi.new("kvs_import_part[]", len(parts))
-        validated = table.states.index("validated")
-        for i, part in enumerate(parts):
-            _fill(arr[i], part, validated, keys[i])
-        payload = peers.lease_payload([lease_fields(p.descriptor, p.group.blocks) for p in parts])
+        arr = _array(nat, parts, table.states.index("validated"), keys)
+        payload = _request(parts)
         frame = nat.ffi.new("kvs_frame *")
         buf = nat.ffi.new("uint8_t[]", link.native.limits.max_payload)
         frame.buf, frame.cap = buf, link.native.limits.max_payload

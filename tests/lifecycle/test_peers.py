@@ -203,3 +203,26 @@ def test_a_link_the_watcher_saw_hang_up_stays_open_for_the_request_holding_it() 
         assert chan.decode(answer.payload)["code"] == "ConnectionLimit"
     table.let_go(link)
     assert link.closed and len(table) == 0
+
+
+def test_the_mapped_note_is_what_the_channel_s_encoder_writes() -> None:
+    """``peers.mapped_payload`` writes its ints directly, without the general encoder: the
+    bytes must be what ``chan.encode`` writes (keys sorted), in both forms; a value that is
+    not an int is refused, not written."""
+    import random
+
+    from kvstate.core.errors import ChannelError
+
+    rng = random.Random(7)
+    for n in (1, 2, 8, 64):
+        for _ in range(20):
+            leases = [(rng.randrange(1024), rng.randrange(-2 ** 63, 2 ** 63)) for _ in range(n)]
+            if n == 1:
+                encoded = chan.encode({"op": "mapped", "rank": leases[0][0], "lease": leases[0][1]})
+            else:
+                encoded = chan.encode({"op": "mapped", "items": [{"rank": r, "lease": x} for r, x in leases]})
+            assert peers.mapped_payload(leases) == encoded
+            assert chan.decode(encoded)["op"] == "mapped"
+    for bad in ([(0, 1.5)], [(True, 3)], [(0, 1), ("1", 2)]):
+        with pytest.raises(ChannelError):
+            peers.mapped_payload(bad)  # type: ignore[arg-type]

@@ -319,6 +319,43 @@ def test_adopt_all_checks_every_path_before_it_commits_any() -> None:
         Part.adopt_all([object()], steps)
 
 
+def test_a_group_s_lease_request_is_remembered_only_while_it_pins_no_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native import remembers a group's encoded lease request by its descriptors, and
+    each part's C fields by its descriptor. A request naming pinned blocks is made afresh
+    (the epochs and hashes are the caller's), and the one without them comes back after it.
+    Each import's parts report their own ranks' leases."""
+    from kvstate.share.importer import BlockRequest
+
+    tp = 2
+    exporting = HostTransport(granularity=GRANULARITY)
+    allocations = [exporting.create(SIZE) for _ in range(tp)]
+    handles = [exporting.export(a, HandleKind.MEMFD) for a in allocations]
+    fake = FakeExporter(batched, [h.fd for h in handles])
+    try:
+        with importer_under_test(monkeypatch, True, "_call") as (im, t, calls):
+            try:
+                wire = [encode(descriptor(rank=r, tp=tp, socket_path=fake.path, handle=handles[r].identity),
+                               DEPLOYMENT) for r in range(tp)]
+                pins = [None, BlockRequest("prefix", (4, 5), (11, 13)), None, BlockRequest("prefix", (6, 6), (12,))]
+                for blocks in pins:
+                    group = im.import_group(wire, incarnations=None, blocks=blocks)
+                    assert group.state == "ready"
+                    assert [p.lease_id for p in group.parts] == [100, 101]
+                    group.drain(5.0)
+            finally:
+                im.close()
+            assert calls == [1] * len(pins), "the native path served every import"
+    finally:
+        fake.close()
+        for a in allocations:
+            exporting.release(a)
+    asked = [r for r in fake.requests if r["op"] == "leases"]
+    assert [[item["blocks"] for item in r["items"]] for r in asked] == [
+        [None if b is None else {"group": b.group, "epoch": b.epoch(rank), "hashes": list(b.hashes)}
+         for rank in range(tp)] for b in pins]
+    assert [[item["rank"] for item in r["items"]] for r in asked] == [[0, 1]] * len(pins)
+
+
 # -- phase 1 alone: a rank worker's own part (kvs_import_lease) ----------------------------
 
 
