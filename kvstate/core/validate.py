@@ -233,15 +233,18 @@ def _details(d: Descriptor, expect: Expectation) -> dict[str, Callable[[], str]]
 
 def descriptor_problems(d: Descriptor, expect: Expectation,
                         socket_reasons: dict[str, RejectReason | None] | None = None,
-                        expected: dict[str, object] | None = None) -> list[DescriptorRejected]:
+                        expected: dict[str, object] | None = None, *,
+                        rules_checked: bool = False) -> list[DescriptorRejected]:
     """Every rule one descriptor breaks on its own, in the declaration's order, then the
     socket path rule. Empty means it passes.
 
     ``socket_reasons`` caches the socket path rule per path, and ``expected`` (from
-    :func:`expected_of`) the expectation, across one group's parts.
+    :func:`expected_of`) the expectation, across one group's parts. ``rules_checked``: the
+    declared rules' other executor (the generated C, :mod:`kvstate.transport.native_rules`)
+    found none broken under ``expect``, so only the socket path rule runs here.
     """
     found: list[DescriptorRejected] = []
-    broken = rules.broken(facts_of(d, expect), expected_for(d.rank, expect, expected))
+    broken = [] if rules_checked else rules.broken(facts_of(d, expect), expected_for(d.rank, expect, expected))
     if broken:
         details = _details(d, expect)
         found += [DescriptorRejected(reason, details.get(rule.id, lambda: rule.doc)(), d.rank)
@@ -272,8 +275,10 @@ class ValidatedGroup:
         return self.parts[0].source_id
 
 
-def validate_group(descriptors: Iterable[Descriptor], expect: Expectation) -> ValidatedGroup:
-    """Accept the group whole or raise GroupRejected listing every problem."""
+def validate_group(descriptors: Iterable[Descriptor], expect: Expectation, *,
+                   rules_checked: bool = False) -> ValidatedGroup:
+    """Accept the group whole or raise GroupRejected listing every problem.
+    ``rules_checked``: as :func:`descriptor_problems` says, for every descriptor."""
     parts = list(descriptors)
     if not parts:
         raise GroupRejected([DescriptorRejected(RejectReason.MISSING_RANK, "empty group")])
@@ -281,7 +286,8 @@ def validate_group(descriptors: Iterable[Descriptor], expect: Expectation) -> Va
         raise GroupRejected([DescriptorRejected(RejectReason.TP_SIZE, f"{len(parts)} descriptors > max tp {expect.max_tp}")])
     socket_reasons: dict[str, RejectReason | None] = {}
     expected = expected_of(expect)
-    problems = [p for d in parts for p in descriptor_problems(d, expect, socket_reasons, expected)]
+    problems = [p for d in parts for p in descriptor_problems(d, expect, socket_reasons, expected,
+                                                             rules_checked=rules_checked)]
     first = parts[0]
     for d in parts[1:]:
         if d.tp != first.tp:

@@ -70,7 +70,8 @@ from kvstate.core.handles import HandleKind
 from kvstate.core.identity import Deployment, host_boot_id
 from kvstate.core.machine import Observer
 from kvstate.core.reasons import ArgumentReason, RejectReason, ChannelReason, TransitionReason
-from kvstate.core.validate import MAX_TP, Expectation, ValidatedGroup, validate_group
+from kvstate.core.validate import MAX_TP, Expectation, ValidatedGroup
+from kvstate.transport.native_rules import validate_group
 from kvstate.share import protocol_msgs as msgs, status
 from kvstate.share.importer import BlockRequest
 from kvstate.share.coordinated_group import (

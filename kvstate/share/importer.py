@@ -66,7 +66,8 @@ from kvstate.core.machine import Lifecycle, Observer, effect, guard
 from kvstate.core.spec import load_machine
 from kvstate.core.capabilities import MemoryKind
 from kvstate.transport.protocol import A, E, H, M, MappedTransport, R, require_mapped
-from kvstate.core.validate import Expectation, ValidatedGroup, group_complete, validate_group
+from kvstate.core.validate import Expectation, ValidatedGroup, group_complete
+from kvstate.transport.native_rules import validate_group
 from kvstate.share import attach
 from kvstate.share import load as loads
 from kvstate.share import native_import, peers

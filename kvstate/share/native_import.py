@@ -45,6 +45,7 @@ from typing import Any
 from kvstate import channel as chan
 from kvstate.core.descriptor import Descriptor
 from kvstate.core.errors import ChannelError, KvStateError, TransitionError
+from kvstate.core.remembered import ByIdentity
 from kvstate.core.handles import FD_IDENTITY_BYTES, HandleKind
 from kvstate.share import attach, peers
 from kvstate.share.link import _ns, link_error
@@ -80,36 +81,14 @@ def _lease_guards() -> tuple[tuple[int, Callable[..., bool]], ...]:
     return tuple((table.mask((g,), "guard"), bound[("guard", g)]) for g in names)
 
 
-class _ByIdentity:
-    """What was made from some descriptors, kept by their ids: an importer sees the same
-    few decoded descriptors again and again (``decode_cached`` returns the same object for
-    the same bytes). Each entry holds its descriptors, so that no id is reused while it
-    lives; bounded (cleared when full)."""
-
-    def __init__(self, limit: int) -> None:
-        self._limit = limit
-        self._made: dict[tuple[int, ...], tuple[tuple[Descriptor, ...], bytes]] = {}
-
-    def get(self, descriptors: tuple[Descriptor, ...], make: Callable[[], bytes]) -> bytes:
-        key = tuple(map(id, descriptors))
-        held = self._made.get(key)
-        if held is not None and all(a is b for a, b in zip(held[0], descriptors)):
-            return held[1]
-        made = make()
-        if len(self._made) >= self._limit:
-            self._made.clear()
-        self._made[key] = (descriptors, made)
-        return made
-
-
 #: Each descriptor's ``kvs_import_part``: the report's fields and the fd's identity.
-_templates = _ByIdentity(1024)
+_templates: ByIdentity[bytes] = ByIdentity(1024)
 #: Each group's lease request, when it pins no blocks.
-_requests = _ByIdentity(256)
+_requests: ByIdentity[bytes] = ByIdentity(256)
 
 
 def _template(nat: Native, d: Descriptor) -> bytes:
-    def make() -> bytes:
+    def make(d: Descriptor) -> bytes:
         one = nat.ffi.new("kvs_import_part[]", 1)
         c = one[0]
         c.attach.size = d.size
@@ -120,16 +99,15 @@ def _template(nat: Native, d: Descriptor) -> bytes:
         c.geometry = d.geometry.fingerprint().hex().encode()
         c.device_uuid = d.device_uuid.hex().encode()
         return bytes(nat.ffi.buffer(one, nat.ffi.sizeof("kvs_import_part")))
-    return _templates.get((d,), make)
+    return _templates.one(d, make)
 
 
 def _request(parts: Sequence[AnyPart]) -> bytes:
     """The lease request of ``parts`` (one exporter's batch)."""
-    def make() -> bytes:
-        return peers.lease_payload([lease_fields(p.descriptor, p.group.blocks) for p in parts])
     if any(p.group.blocks is not None for p in parts):  # pinned blocks: a request of its own
-        return make()
-    return _requests.get(tuple(p.descriptor for p in parts), make)
+        return peers.lease_payload([lease_fields(p.descriptor, p.group.blocks) for p in parts])
+    return _requests.get([p.descriptor for p in parts],
+                         lambda descriptors: peers.lease_payload([lease_fields(d, None) for d in descriptors]))
 
 
 def _array(nat: Native, parts: Sequence[AnyPart], state: int, keys: Sequence[int]) -> libkvs.ImportPartArray:

@@ -20,17 +20,15 @@ import random
 import time
 from pathlib import Path
 
-import attrs
 
 from kvstate import _native
 from kvstate.core import rules
 from kvstate.core.handles import HandleKind
-from kvstate.core.identity import FabricDomain, FabricKind
 from kvstate.core.reasons import RejectReason
 from kvstate.core.validate import descriptor_problems, expected_for, facts_of
 from kvstate.derive import rules_c
 from support import descriptors as kit
-from support.rules_cases import cases, run_c
+from support.rules_cases import cases, changed, run_c
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES, BATCH = 100_000, 10_000
@@ -92,37 +90,8 @@ def test_100k_descriptors_same_verdict_and_reason() -> None:
 
 def _descriptor_case(rng: random.Random) -> tuple[object, object]:
     tp = rng.choice([1, 2, 4, 8])
-    d = kit.descriptor(rank=rng.randrange(tp), tp=tp)
     e = kit.expectation(check_socket=False, handle_kinds=frozenset({HandleKind.MEMFD, HandleKind.NIXL}))
-    for _ in range(rng.randint(0, 2)):
-        change = rng.randrange(12)
-        if change == 0:
-            d = attrs.evolve(d, rank=rng.choice([tp, tp + 1, 2**32 - 1]))
-        elif change == 1:
-            d = attrs.evolve(d, tp=rng.choice([0, 65, 1025, 2**32 - 1]))
-        elif change == 2:
-            d = attrs.evolve(d, size=d.size + rng.choice([-1, 1, kit.GRANULARITY]))
-        elif change == 3:
-            d = attrs.evolve(d, granularity=rng.choice([0, 3, 2048, 8192]))
-        elif change == 4:
-            e = attrs.evolve(e, min_generation=d.generation + rng.choice([0, 1]))
-        elif change == 5:
-            e = attrs.evolve(e, now_ns=d.expires_at_ns + rng.choice([-1, 0, 1]))
-        elif change == 6:
-            d = attrs.evolve(d, handle_kind=rng.choice(list(HandleKind)), handle=bytes(rng.choice([0, 1, 16, 64])))
-        elif change == 7:
-            e = attrs.evolve(e, device_uuids=frozenset(rng.sample([kit.DEVICE, b"X" * 16, b"Y" * 16], 2)))
-        elif change == 8:
-            e = attrs.evolve(e, incarnations=rng.choice([{}, {d.rank: kit.INCARNATION}, {d.rank: b"J" * 16}]))
-        elif change == 9:
-            d = attrs.evolve(d, host_boot_id=b"H" * 16, fabric=FabricDomain(
-                rng.choice([FabricKind.NODE, FabricKind.NVLINK]), "x"))
-        elif change == 10:
-            e = attrs.evolve(e, geometry_fingerprint=rng.choice([d.geometry.fingerprint(), b"G" * 16]),
-                             block_format=rng.choice([None, d.geometry.format_fingerprint(), b"F" * 16]))
-        else:
-            e = attrs.evolve(e, deployment=rng.choice([e.deployment, kit.Deployment("other", bytes(32))]))
-    return d, e
+    return changed(rng, kit.descriptor(rank=rng.randrange(tp), tp=tp), e)
 
 
 def test_descriptor_problems_agree_with_c() -> None:

@@ -4,18 +4,23 @@
 pair, then 0 to 3 fields set to values near the rules' edges (0, 1, the top of u64, a
 power of two and its neighbours, another field's value and its neighbours, another id),
 so every check of every rule is broken often, alone and together. :func:`run_c` packs a
-batch into the generated C structs (offsets read from the compiled module) and runs
+batch into the generated C structs (``kvstate.transport.native_rules.Packer``) and runs
 ``kvs_validate_batch`` once.
 """
 
 from __future__ import annotations
 
 import random
-import struct
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
+
 from kvstate.core import rules as declared
+from kvstate.core.handles import HandleKind
+from kvstate.core.identity import FabricDomain, FabricKind
+from kvstate.transport.native_rules import Packer
+from support import descriptors as kit
 
 U64_MAX = declared.U64_MAX
 Case = tuple[dict[str, Any], dict[str, Any]]
@@ -105,63 +110,13 @@ def cases(seed: int, n: int, rs: declared.RuleSet, valid_share: float = 0.2) -> 
 # -- the C side ---------------------------------------------------------------------------
 
 
-class Packer:
-    """Packs facts or expectations into the compiled struct's bytes, field by field at the
-    offsets the C compiler chose (an idset is a pointer into one shared buffer, and a count)."""
-
-    def __init__(self, ffi: Any, struct_name: str, types: dict[str, str]) -> None:
-        self.ffi, self.struct_name, self.types = ffi, struct_name, types
-        self.size = ffi.sizeof(struct_name)
-        layout: list[tuple[int, str, str]] = []
-        for field, kind in types.items():
-            if kind == "u64":
-                layout.append((ffi.offsetof(struct_name, field), "Q", field))
-            elif kind == "id":
-                layout.append((ffi.offsetof(struct_name, field), f"{declared.ID_BYTES}s", field))
-            else:
-                layout.append((ffi.offsetof(struct_name, field), "Q", field + "@ptr"))
-                layout.append((ffi.offsetof(struct_name, "n_" + field), "Q", field + "@n"))
-        layout.sort()
-        fmt, pos = "<", 0
-        for offset, code, _ in layout:
-            fmt += f"{offset - pos}x" if offset > pos else ""
-            fmt += code
-            pos = offset + struct.calcsize("<" + code)
-        fmt += f"{self.size - pos}x" if self.size > pos else ""
-        self.struct = struct.Struct(fmt)
-        assert self.struct.size == self.size, (self.struct.size, self.size)
-        self.order = [name for _, _, name in layout]
-
-    def pack(self, rows: Sequence[dict[str, Any]]) -> tuple[Any, Any]:
-        """The cdata array of ``rows`` and the buffer of their id sets (keep both alive)."""
-        sets = [f for f, kind in self.types.items() if kind == "idset"]
-        total = sum(len(row[f]) for row in rows for f in sets) * declared.ID_BYTES
-        idbuf = self.ffi.new("uint8_t[]", max(total, 1))
-        base = int(self.ffi.cast("uintptr_t", idbuf))
-        blob = bytearray(self.size * len(rows))
-        at = 0
-        for i, row in enumerate(rows):
-            values = []
-            for name in self.order:
-                field, _, part = name.partition("@")
-                if part == "ptr":
-                    ids = sorted(row[field])
-                    self.ffi.memmove(idbuf + at, b"".join(ids), len(ids) * declared.ID_BYTES)
-                    values.append(base + at)
-                    at += len(ids) * declared.ID_BYTES
-                elif part == "n":
-                    values.append(len(row[field]))
-                else:
-                    values.append(row[field])
-            self.struct.pack_into(blob, i * self.size, *values)
-        return self.ffi.from_buffer(f"struct {self.struct_name.split()[-1]}[]", blob), (blob, idbuf)
-
-
 def run_c(native: Any, batch: Sequence[Case], rs: declared.RuleSet) -> list[tuple[int, list[int]]]:
     """(first reason code, per-rule reason codes) of each case, from one C batch call."""
     ffi, lib = native.ffi, native.lib
-    facts, keep_f = Packer(ffi, "struct kvs_vfacts", rs.facts).pack([d for d, _ in batch])
-    expect, keep_e = Packer(ffi, "struct kvs_vexpect", rs.expect).pack([e for _, e in batch])
+    packed_f, keep_f = Packer(native, "struct kvs_vfacts", rs.facts).pack([d for d, _ in batch])
+    packed_e, keep_e = Packer(native, "struct kvs_vexpect", rs.expect).pack([e for _, e in batch])
+    facts = ffi.from_buffer("struct kvs_vfacts[]", packed_f)
+    expect = ffi.from_buffer("struct kvs_vexpect[]", packed_e)
     n = len(batch)
     first = ffi.new("uint32_t[]", n)
     width = len(rs.rules)
@@ -170,3 +125,39 @@ def run_c(native: Any, batch: Sequence[Case], rs: declared.RuleSet) -> list[tupl
     flat = bytes(ffi.buffer(per_rule))
     del keep_f, keep_e
     return [(first[i], list(flat[i * width:(i + 1) * width])) for i in range(n)]
+
+
+def changed(rng: random.Random, d: Any, e: Any) -> tuple[Any, Any]:
+    """A real descriptor and expectation with 0 to 2 changes, each of a class some rule
+    refuses (or at its edge): rank, tp, size, granularity, generation, expiry, handle,
+    device, incarnation, host, geometry and format, deployment."""
+    tp = d.tp
+    for _ in range(rng.randint(0, 2)):
+        change = rng.randrange(12)
+        if change == 0:
+            d = attrs.evolve(d, rank=rng.choice([tp, tp + 1, 2**32 - 1]))
+        elif change == 1:
+            d = attrs.evolve(d, tp=rng.choice([0, 65, 1025, 2**32 - 1]))
+        elif change == 2:
+            d = attrs.evolve(d, size=d.size + rng.choice([-1, 1, kit.GRANULARITY]))
+        elif change == 3:
+            d = attrs.evolve(d, granularity=rng.choice([0, 3, 2048, 8192]))
+        elif change == 4:
+            e = attrs.evolve(e, min_generation=d.generation + rng.choice([0, 1]))
+        elif change == 5:
+            e = attrs.evolve(e, now_ns=d.expires_at_ns + rng.choice([-1, 0, 1]))
+        elif change == 6:
+            d = attrs.evolve(d, handle_kind=rng.choice(list(HandleKind)), handle=bytes(rng.choice([0, 1, 16, 64])))
+        elif change == 7:
+            e = attrs.evolve(e, device_uuids=frozenset(rng.sample([kit.DEVICE, b"X" * 16, b"Y" * 16], 2)))
+        elif change == 8:
+            e = attrs.evolve(e, incarnations=rng.choice([{}, {d.rank: kit.INCARNATION}, {d.rank: b"J" * 16}]))
+        elif change == 9:
+            d = attrs.evolve(d, host_boot_id=b"H" * 16, fabric=FabricDomain(
+                rng.choice([FabricKind.NODE, FabricKind.NVLINK]), "x"))
+        elif change == 10:
+            e = attrs.evolve(e, geometry_fingerprint=rng.choice([d.geometry.fingerprint(), b"G" * 16]),
+                             block_format=rng.choice([None, d.geometry.format_fingerprint(), b"F" * 16]))
+        else:
+            e = attrs.evolve(e, deployment=rng.choice([e.deployment, kit.Deployment("other", bytes(32))]))
+    return d, e

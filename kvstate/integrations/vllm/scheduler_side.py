@@ -38,7 +38,7 @@ from kvstate.core.capabilities import MemoryKind
 from kvstate.core.descriptor import decode as decode_descriptor
 from kvstate.core.errors import ConfigInvalid, DescriptorRejected, GroupRejected, KvStateError
 from kvstate.core.reasons import DecisionReason
-from kvstate.core.validate import validate_group
+from kvstate.transport.native_rules import validate_group
 from kvstate.integrations.vllm.config import ROUTE_KEY, ConnectorConfig, is_address, source_ref
 from kvstate.integrations.vllm.hashing import Compat, block_key, prefix_hashes, root
 from kvstate.integrations.vllm.index import DecodeIndex, Found, IndexClient, Refusal
