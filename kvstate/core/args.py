@@ -89,8 +89,11 @@ def need_items(name: str, value: object, kind: type[T] | tuple[type[T], ...], ma
         raise ArgumentInvalid.of(name, ArgumentReason.TYPE, f"must be a list or tuple, not {type(value).__name__}")
     if max_len is not None and len(value) > max_len:
         raise ArgumentInvalid.of(name, ArgumentReason.LENGTH, f"has {len(value)} items, more than {max_len}")
-    for i, item in enumerate(value):
-        need(f"{name}[{i}]", item, kind)
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    strict = int in kinds and bool not in kinds
+    for i, item in enumerate(value):  # the item's name is written only for a refusal
+        if not isinstance(item, kinds) or (strict and isinstance(item, bool)):
+            need(f"{name}[{i}]", item, kind)
     return list(value)
 
 

@@ -6,7 +6,9 @@ Only the owner, which knows its token, gives one up, just before it unmaps it.""
 
 from __future__ import annotations
 
+import os
 import secrets
+import threading
 from typing import Any
 
 from kvstate.transport.protocol import MappedTransport
@@ -14,9 +16,29 @@ from kvstate.transport.protocol import MappedTransport
 AnyTransport = MappedTransport[Any, Any, Any, Any, Any]
 
 
+#: Tokens drawn ahead, 64 per read of the system's random source: a group import makes
+#: one owner per part, and a read per token was a system call each.
+_pool: list[int] = []
+_pool_lock = threading.Lock()
+
+
+def _forked() -> None:
+    """A child draws its own tokens, under a lock no parent's thread holds."""
+    global _pool_lock
+    _pool_lock = threading.Lock()
+    _pool.clear()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def new_owner() -> int:
     """A token of one owner: nonzero, and not one another owner can guess."""
-    return secrets.randbits(63) + 1
+    with _pool_lock:
+        if not _pool:
+            drawn = secrets.token_bytes(8 * 64)
+            _pool.extend((int.from_bytes(drawn[i:i + 8], "little") >> 1) + 1 for i in range(0, len(drawn), 8))
+        return _pool.pop()
 
 
 def unmap_owned(transport: AnyTransport, mapping: Any, owner: int) -> None:

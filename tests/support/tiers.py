@@ -54,6 +54,8 @@ DEFAULTS: Mapping[str, tuple[str, ...]] = {
     "trust/test_threat_model_doc.py": ("unit",),
     # files at the top of tests/
     "test_bench_smoke.py": ("multiproc", "slow"),
+    "test_args.py": ("unit",),
+    "test_owned_tokens.py": ("unit",),
     "test_bench_summary.py": ("unit",),
     "test_children.py": ("multiproc",),
     "test_codemap.py": ("unit",),
