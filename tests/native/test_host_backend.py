@@ -168,10 +168,14 @@ def test_import_refuses_unsealed_memfd(t: HostTransport) -> None:
 
 
 def test_import_refuses_what_is_not_a_memfd(t: HostTransport) -> None:
-    with tempfile.TemporaryFile() as f:
-        f.truncate(BANK)
-        with raises(ImportFailed, ImportReason.HANDLE, defect=ImportDefect.FD_NOT_MEMFD):
-            t.import_(HostHandle(f.fileno(), fd_identity_of(f.fileno())), BANK)
+    # A file on disk, and a tmpfs file: shared memory too, but not on the memfds' mount.
+    for where in (None, "/dev/shm"):
+        if where is not None and not os.path.isdir(where):
+            continue
+        with tempfile.TemporaryFile(dir=where) as f:
+            f.truncate(BANK)
+            with raises(ImportFailed, ImportReason.HANDLE, defect=ImportDefect.FD_NOT_MEMFD):
+                t.import_(HostHandle(f.fileno(), fd_identity_of(f.fileno())), BANK)
     r, w = os.pipe()
     try:
         with raises(ImportFailed, ImportReason.HANDLE, defect=ImportDefect.FD_NOT_MEMFD):
