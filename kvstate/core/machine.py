@@ -67,7 +67,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from typing import Any, ClassVar, TypeVar
 
@@ -352,8 +352,7 @@ class Lifecycle:
     def is_terminal(self) -> bool:
         return self._kv_state in type(self)._kv_compiled.spec.terminal
 
-    @contextmanager
-    def locked(self) -> Iterator[None]:
+    def locked(self) -> AbstractContextManager[None]:
         """Hold the object's lock, to make a check and a fire one atomic step::
 
             with obj.locked():
@@ -361,17 +360,7 @@ class Lifecycle:
                     obj.fire("drain")
 
         Observers of changes fired inside are called when the block exits."""
-        p = _held
-        try:
-            with self._kv_lock:
-                p.depth += 1
-                try:
-                    yield
-                finally:
-                    p.depth -= 1
-        finally:
-            if p.depth == 0 and p.dirty:
-                _flush(p)
+        return Lifecycle.locked_all((self,))
 
     @staticmethod
     @contextmanager
