@@ -71,7 +71,19 @@ class Packer:
 
     def pack(self, rows: Sequence[Mapping[str, Any]]) -> tuple[bytearray, Any]:
         """The bytes of ``rows`` and the buffer of their id sets (keep it alive while C
-        reads the bytes). struct.error for a value the field cannot hold."""
+        reads the bytes). struct.error for a value the field cannot hold exactly: an int
+        outside u64 or not an int (a bool), an id that is not bytes of ``ID_BYTES`` (struct
+        would pad or cut it, and C would compare another value than Python)."""
+        for row in rows:
+            for field, part in self.plan:
+                value = row[field]
+                if part == "ptr":
+                    exact = all(type(v) is bytes and len(v) == rules.ID_BYTES for v in value)
+                else:
+                    exact = part == "n" or (type(value) is int if self.types[field] == "u64"
+                                            else type(value) is bytes and len(value) == rules.ID_BYTES)
+                if not exact:
+                    raise struct.error(f"{field}: {type(value).__name__} C cannot hold exactly")
         ids = bytearray(b"".join(b"".join(sorted(row[f])) for row in rows for f in self.sets) or bytes(1))
         idbuf = self.ffi.from_buffer(ids)
         base = int(self.ffi.cast("uintptr_t", idbuf))

@@ -90,3 +90,23 @@ def test_a_value_c_cannot_hold_leaves_the_verdict_to_python() -> None:
     row = validate.expected_for(0, kit.expectation())
     with pytest.raises(Exception):
         packer.pack([{**row, "now_ns": -1}])
+
+
+@pytest.mark.parametrize("field", ["host_boot_id", "device_uuid"])
+def test_an_id_c_would_pad_is_left_to_python(field: str) -> None:
+    """struct pads a short id with zeros: C would find ``b"H" * 15`` equal to a
+    descriptor's ``b"H" * 15 + b"\\0"``, which Python refuses. Such a value is not packed
+    (``rules_pass`` cannot say), and the Python rules give the verdict."""
+    group = [kit.descriptor(rank=r, tp=4) for r in range(4)]
+    e = kit.expectation(check_socket=False)
+    short = b"H" * 15
+    if field == "host_boot_id":
+        group = [attrs.evolve(d, host_boot_id=short + b"\0") for d in group]
+        e = attrs.evolve(e, host_boot_id=short)
+    else:
+        group = [attrs.evolve(d, device_uuid=short + b"\0") for d in group]
+        e = attrs.evolve(e, device_uuids=frozenset({short}))
+    assert native_rules.rules_pass(group, e) is None
+    want = _problems(group, e, validate.validate_group)
+    assert not isinstance(want, tuple), "the Python rules refuse the group"
+    assert _problems(group, e, native_rules.validate_group) == want
