@@ -8,7 +8,7 @@ waited for CPU, not for the GIL: first kvstate's threads, confined to the worker
 (:mod:`.affinity` frees them); then the workers of an engine whose loads waited, spinning
 through idle steps (the connector's ``get_finished`` now waits off the CPU on those). With
 both fixed, the vLLM suite passes with Python's interval, no sleep and the default load
-timeout (README, "the suite without the sleep per step"). The setting stays for an engine
+timeout (docs/benchmarks.md, "the suite without the sleep per step"). The setting stays for an engine
 whose own threads hold the GIL long; it only lowers the interval.
 """
 

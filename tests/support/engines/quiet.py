@@ -6,7 +6,7 @@ busy-polls its shared-memory queue for one more second (``busy_loop_s`` of
 ``sched_yield`` loop). On this 2-core machine the decode engine that has just produced a
 prompt spins that second on the cores the prefill engine needs: the prefill worker (its
 ZMQ thread too) sat runnable and unscheduled ~0.95 s before it read the load order
-(issue 30; README, "vLLM: across network namespaces"). On two real hosts that spin
+(issue 30; docs/benchmarks.md, "vLLM: across network namespaces"). On two real hosts that spin
 would be on the other host; on one machine the bench waits it out, for every row alike.
 
 Quiet means: the engines' processes together used less than ``share`` of one core over a
