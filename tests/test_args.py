@@ -32,6 +32,15 @@ def test_need_items_refuses_exactly_what_need_refuses_item_by_item(kind: object)
                 assert want is None and got == list(items), (items, kind)
 
 
+def test_a_bool_is_not_an_int_unless_bool_is_named() -> None:
+    for kind in (int, (int, float)):
+        with pytest.raises(ArgumentInvalid, match=r"xs\[1\].*not bool"):
+            need_items("xs", [1, True], kind)  # type: ignore[arg-type]
+        with pytest.raises(ArgumentInvalid, match="not bool"):
+            need("x", False, kind)  # type: ignore[arg-type]
+    assert need_items("xs", [1, True], (int, bool)) == [1, True]
+
+
 def test_need_items_refuses_what_is_not_a_list_or_too_long() -> None:
     with pytest.raises(ArgumentInvalid, match="list or tuple"):
         need_items("xs", iter([1]), int)

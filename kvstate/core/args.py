@@ -13,7 +13,7 @@ import math
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeGuard, TypeVar
 
 from kvstate.core.errors import ArgumentInvalid
 from kvstate.core.reasons import ArgumentReason
@@ -24,10 +24,15 @@ T = TypeVar("T")
 MAX_TEXT = 4096
 
 
+def _is(value: object, kinds: tuple[type[T], ...]) -> TypeGuard[T]:
+    """``value`` is an instance of one of ``kinds``; a bool is not an int here."""
+    return isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds and int in kinds)
+
+
 def need(name: str, value: object, kind: type[T] | tuple[type[T], ...]) -> T:
     """``value`` is an instance of ``kind`` (bool is not an int here)."""
     kinds = kind if isinstance(kind, tuple) else (kind,)
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds and int in kinds):
+    if not _is(value, kinds):
         names = " or ".join(k.__name__ for k in kinds)
         raise ArgumentInvalid.of(name, ArgumentReason.TYPE, f"must be {names}, not {type(value).__name__}")
     return value
@@ -90,9 +95,8 @@ def need_items(name: str, value: object, kind: type[T] | tuple[type[T], ...], ma
     if max_len is not None and len(value) > max_len:
         raise ArgumentInvalid.of(name, ArgumentReason.LENGTH, f"has {len(value)} items, more than {max_len}")
     kinds = kind if isinstance(kind, tuple) else (kind,)
-    strict = int in kinds and bool not in kinds
     for i, item in enumerate(value):  # the item's name is written only for a refusal
-        if not isinstance(item, kinds) or (strict and isinstance(item, bool)):
+        if not _is(item, kinds):
             need(f"{name}[{i}]", item, kind)
     return list(value)
 

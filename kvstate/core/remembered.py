@@ -43,6 +43,3 @@ class ByIdentity(Generic[T]):
             self._made.clear()
         self._made[key] = (objects, made)
         return made
-
-    def __len__(self) -> int:
-        return len(self._made)

@@ -107,7 +107,7 @@ class NativeRules:
     """The C rules of one native module, with the packers of its structs."""
 
     def __init__(self, nat: Native, rs: rules.RuleSet) -> None:
-        self.nat, self.rs = nat, rs
+        self.nat = nat
         self.facts = Packer(nat, "struct kvs_vfacts", rs.facts)
         self.expect = Packer(nat, "struct kvs_vexpect", rs.expect)
 

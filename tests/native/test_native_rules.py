@@ -13,6 +13,7 @@ words), whichever executor saw them first.
 from __future__ import annotations
 
 import random
+import struct
 from typing import Any
 
 import attrs
@@ -88,7 +89,7 @@ def test_a_value_c_cannot_hold_leaves_the_verdict_to_python() -> None:
     rs = rules.rules()
     packer = native_rules.Packer(default(), "struct kvs_vexpect", rs.expect)
     row = validate.expected_for(0, kit.expectation())
-    with pytest.raises(Exception):
+    with pytest.raises(struct.error):
         packer.pack([{**row, "now_ns": -1}])
 
 
