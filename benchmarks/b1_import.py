@@ -15,7 +15,9 @@ importer process that times, per repeat, what it must do before the group is usa
 - torch.multiprocessing fd sharing: receive the shared tensors (fds over a unix socket,
   rebuilt and mapped), when torch is installed;
 - NIXL: register the importer's destination memory, load the exporter's agent metadata
-  and prepare the remote and local descriptor lists.
+  and prepare the remote and local descriptor lists;
+- NIXL that asks its peer: the same, then one notification to the exporter and its
+  answer. kvstate's import asks its exporter for a lease; the row above asks nobody.
 
 Untimed work (creating banks, tearing down after each repeat) stays outside the clock.
 """
@@ -298,10 +300,18 @@ def _nixl() -> Any:
         raise Skipped(str(exc)) from None
 
 
+def _nixl_config(nixl: Any, p: dict[str, Any]) -> Any:
+    # The asking rows run without NIXL's progress thread: its default is a busy spin
+    # (kvstate.transport.nixl.agent, PROGRESS_DELAY_US) that shares each side's one CPU with
+    # the polling main thread, and a round trip then took 8 to 16 ms here. Without it, both
+    # sides progress UCX in their own polls, NIXL's fastest way to answer.
+    return nixl.nixl_agent_config(enable_prog_thread=not p.get("nixl_ask", False), backends=["UCX"])
+
+
 def _nixl_exporter(conn: Connection, p: dict[str, Any]) -> None:
     import numpy as np
     nixl = _nixl()
-    agent = nixl.nixl_agent("b1-exporter", nixl.nixl_agent_config(backends=["UCX"]))
+    agent = nixl.nixl_agent("b1-exporter", _nixl_config(nixl, p))
     banks = [mmap.mmap(-1, p["bank_bytes"]) for _ in range(p["tp"])]
     regions = []
     for b in banks:
@@ -310,17 +320,36 @@ def _nixl_exporter(conn: Connection, p: dict[str, Any]) -> None:
         regions.append((int(arr.ctypes.data), p["bank_bytes"], 0))
     reg = agent.register_memory([(*r, "") for r in regions], "DRAM")
     conn.send((agent.get_agent_metadata(), regions))
+    importer = agent.add_remote_agent(conn.recv()) if p.get("nixl_ask") else None
+    if importer is not None:
+        while not conn.poll(0):  # answer each notification with itself, polling as NIXL's users do
+            for peer, messages in agent.get_new_notifs().items():
+                for message in messages:
+                    agent.send_notif(peer, message)
     conn.recv()
+    if importer is not None:  # before the importer's agent goes: no reconnects towards it
+        agent.remove_remote_agent(importer.decode() if isinstance(importer, bytes) else importer)
     agent.deregister_memory(reg)
     conn.send("bye")
     conn.recv()  # the importer is gone: no reconnects towards a closed peer
 
 
+def _ask(agent: Any, peer: str, message: bytes) -> None:
+    """One notification to ``peer`` and its answer, polled for (at most 10 s)."""
+    agent.send_notif(peer, message)
+    deadline = time.monotonic() + 10.0
+    while message not in agent.get_new_notifs().get(peer, ()):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"NIXL peer {peer} did not answer within 10 s")
+
+
 def _nixl_importer(conn: Connection, p: dict[str, Any]) -> tuple[float, ...]:
     import numpy as np
     nixl = _nixl()
-    agent = nixl.nixl_agent("b1-importer", nixl.nixl_agent_config(backends=["UCX"]))
+    agent = nixl.nixl_agent("b1-importer", _nixl_config(nixl, p))
     metadata, regions = conn.recv()
+    if p.get("nixl_ask"):
+        conn.send(agent.get_agent_metadata())  # the exporter answers through it
     local = [mmap.mmap(-1, p["bank_bytes"]) for _ in range(p["tp"])]
     local_regions = [(int(np.frombuffer(b, dtype=np.uint8).ctypes.data), p["bank_bytes"], 0) for b in local]
     samples = []
@@ -328,13 +357,16 @@ def _nixl_importer(conn: Connection, p: dict[str, Any]) -> tuple[float, ...]:
         t0 = time.perf_counter()
         reg = agent.register_memory([(*r, "") for r in local_regions], "DRAM")
         name = agent.add_remote_agent(metadata)
-        remote = agent.prep_xfer_dlist(name.decode() if isinstance(name, bytes) else name, regions, "DRAM")
+        name = name.decode() if isinstance(name, bytes) else name
+        remote = agent.prep_xfer_dlist(name, regions, "DRAM")
         mine = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local_regions, "DRAM")
+        if p.get("nixl_ask"):
+            _ask(agent, name, b"import %d" % i)  # the first message to a loaded agent connects
         t1 = time.perf_counter()
         # teardown in NIXL's order, off the clock
         agent.release_dlist_handle(mine)
         agent.release_dlist_handle(remote)
-        agent.remove_remote_agent(name.decode() if isinstance(name, bytes) else name)
+        agent.remove_remote_agent(name)
         agent.deregister_memory(reg)
         if i:
             samples.append(t1 - t0)
@@ -349,3 +381,11 @@ def nixl_register_and_load(params: dict[str, Any]) -> Figure:
     _nixl()
     samples = run_pair(_nixl_exporter, _nixl_importer, params, env=LOOPBACK)
     return Figure(tuple(samples), note="register destinations + add_remote_agent + prep lists (UCX, lo)")
+
+
+def nixl_register_load_and_ask(params: dict[str, Any]) -> Figure:
+    """The NIXL row with one round trip to the exporter, as kvstate's lease is one: a
+    notification and its answer, over the connection the loaded metadata opens."""
+    _nixl()
+    samples = run_pair(_nixl_exporter, _nixl_importer, {**params, "nixl_ask": True}, env=LOOPBACK)
+    return Figure(tuple(samples), note="the NIXL row + send_notif and its answer (UCX, lo; no progress thread)")

@@ -34,6 +34,7 @@ def b1_rows(tp: int) -> dict[str, str]:
             "floor_group": f"floor: SCM_RIGHTS + mmap, whole group tp={tp}",
             "floor_rank": f"floor: SCM_RIGHTS + mmap, per rank tp={tp}",
             "shm": f"shared_memory attach tp={tp}", "nixl": f"NIXL register + metadata load tp={tp}",
+            "nixl_ask": f"NIXL register + metadata load + a round trip tp={tp}",
             "bound_group": f"bound: floor + rules + machines, whole group tp={tp}",
             "bound_rank": f"bound: floor + rules + machines, per rank tp={tp}"}
 
@@ -52,6 +53,7 @@ def b1_suite(quick: bool, repeats: int) -> Suite:
             Case(n["floor_rank"], _at(b1_floor.floor_rank, tp, mib), reference=n["floor_rank"]),
             Case(n["shm"], _at(b1_import.shm_attach, tp, mib), reference=n["floor_group"]),
             Case(n["nixl"], _at(b1_import.nixl_register_and_load, tp, mib), reference=n["floor_group"]),
+            Case(n["nixl_ask"], _at(b1_import.nixl_register_load_and_ask, tp, mib), reference=n["floor_group"]),
             Case(n["bound_group"], _at(b1_bound.bound_group, tp, mib), reference=n["floor_group"]),
             Case(n["bound_rank"], _at(b1_bound.bound_rank, tp, mib), reference=n["floor_rank"]),
         ]
@@ -61,6 +63,8 @@ def b1_suite(quick: bool, repeats: int) -> Suite:
         comparisons += [
             Comparison(n["group"], n["nixl"], 1.0 if tp == 8 else None),
             Comparison(n["group"], n["shm"], 3.0 if tp == 8 else None),
+            # kvstate asks its exporter for a lease; the goal's NIXL row asks nobody.
+            Comparison(n["group"], n["nixl_ask"], None, "against a NIXL import that asks its peer once"),
             Comparison(n["group"], n["floor_group"]),
             Comparison(n["rank"], n["floor_rank"], 2.0),
             # What kvstate's design alone costs (b1_bound), against the same goals, and how

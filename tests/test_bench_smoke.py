@@ -31,6 +31,9 @@ def test_quick_bench_writes_table_and_plot(tmp_path: Path) -> None:
                 "kvstate first layer usable", "kvstate Bank.store (same pages)"):  # measured, not skipped
         assert f"| {row} |" in table and f"| {row} | skipped |" not in table
     assert "| contiguous memcpy |" in table and "| numpy gather |" in table
+    # NIXL's rows run where NIXL is installed, and say skipped where it is not.
+    assert "| NIXL register + metadata load tp=8 |" in table
+    assert "| NIXL register + metadata load + a round trip tp=8 |" in table
     assert "| readiness check tp=4 |" in table
     assert "FAILED" not in table
     # B1's comparisons: each kvstate row as a multiple of the floor and of each peer, with the goals.
