@@ -6,7 +6,7 @@ VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-vllm test-crossnode demo-vllm bench-vllm spec docs generate check clean bench bench-summary spin bench-models fuzz soak soak-contract churn cudashim gpucheck mutants
+.PHONY: demo test test-fast test-vllm test-vllm-streak test-crossnode demo-vllm bench-vllm spec docs generate check clean bench bench-summary spin bench-models fuzz soak soak-contract churn cudashim gpucheck mutants
 
 # Spin for the model tests: installed from Debian when we can (root or sudo); otherwise the
 # model tests skip loudly (and fail when CI is set).
@@ -64,6 +64,13 @@ test-vllm:
 	PYTHON=$(PYTHON) bash tools/vllm-venv.sh $(VLLM_VENV)
 	KVSTATE_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest tests/vllm --durations=0 -p no:cacheprovider \
 	    --ignore=tests/vllm/test_vllm_crossnode.py
+
+# Issue 28's streak: the suite RUNS times in a row on one tree (a worktree of HEAD), stopping at
+# the first failure; about 13 minutes a run on 2 cores (tools/vllm-streak.sh).
+RUNS ?= 10
+test-vllm-streak:
+	PYTHON=$(PYTHON) bash tools/vllm-venv.sh $(VLLM_VENV)
+	VLLM_VENV=$(VLLM_VENV) bash tools/vllm-streak.sh $(RUNS)
 
 # The connector across nodes: a decode and a prefill engine, each in a network namespace of
 # its own joined by a veth pair (needs root: ip netns), the KV read over NIXL (UCX on TCP).
