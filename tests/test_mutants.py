@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from support import mutants, tiers
-from support.mutants import KILLED, KILLED_TIMEOUT, SURVIVED, TIMEOUT, ERROR, Mutant, MutantError, Replace
+from support.mutants import (KILLED, KILLED_TIMEOUT, NOT_RUN, SURVIVED, TIMEOUT, ERROR, Mutant, MutantError,
+                             Replace)
 
 CALC = "def add(a, b):\n    return a + b\n\n\ndef untested(a):\n    return a * 2\n"
 TEST = "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
@@ -34,9 +35,8 @@ def tiny(tmp_path: Path) -> Path:
 
 
 def mutant(old: str, new: str, *, file: str = "calc.py", timeout_s: float = 60, timeout_kills: bool = False,
-           name: str = "m") -> Mutant:
-    return Mutant(name, "validate", "a test mutant", ("tests/test_calc.py",), (Replace(file, old, new),),
-                  timeout_s, timeout_kills)
+           name: str = "m", tests: tuple[str, ...] = ("tests/test_calc.py",)) -> Mutant:
+    return Mutant(name, "validate", "a test mutant", tests, (Replace(file, old, new),), timeout_s, timeout_kills)
 
 
 def outcome(tiny: Path, m: Mutant, baseline: bool = False) -> mutants.Result:
@@ -69,6 +69,33 @@ def test_a_hang_is_a_timeout_unless_the_mutant_says_a_hang_is_its_symptom(tiny: 
     assert outcome(tiny, mutant(*hang, timeout_s=1, timeout_kills=True)).outcome == KILLED_TIMEOUT
 
 
+@pytest.mark.multiproc
+def test_a_vllm_suite_mutant_runs_with_the_vllm_interpreter_or_is_not_run(
+        tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A selection in tests/vllm runs with the vLLM suite's interpreter, and is killed there.
+    Without that interpreter it is NOT RUN: listed, out of the score, never a kill or a
+    survivor; and an error when the run requires it."""
+    import sys
+    (tiny / "tests" / "vllm").mkdir()
+    (tiny / "tests" / "vllm" / "test_engine.py").write_text(TEST)
+    used = tmp_path / "used"
+    wrapper = tmp_path / "vllm-python"
+    wrapper.write_text(f"#!/bin/sh\ntouch {used}\nexec {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    engine = mutant("return a + b", "return a - b", tests=("tests/vllm/test_engine.py",))
+    monkeypatch.setenv("KVSTATE_VLLM_PYTHON", str(wrapper))
+    killed = outcome(tiny, engine, baseline=True)
+    assert killed.outcome == KILLED and killed.killer.endswith("test_add") and used.exists()
+    monkeypatch.setenv("KVSTATE_VLLM_PYTHON", str(tmp_path / "absent"))
+    plain = mutant("return a + b", "return a - b", name="plain")
+    results = mutants.run([plain, engine], root=tiny, check_baseline=False, echo=False)
+    assert [(r.mutant.id, r.outcome) for r in results] == [("plain", KILLED), ("m", NOT_RUN)]
+    assert "no vLLM interpreter" in results[1].killer
+    assert mutants.score(results) == (1, 1)
+    with pytest.raises(MutantError, match="no vLLM interpreter"):
+        mutants.run([plain, engine], root=tiny, check_baseline=False, echo=False, require_vllm=True)
+
+
 @pytest.mark.unit
 def test_a_stale_mutant_stops_the_run_loudly(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A snippet that no longer occurs exactly once is STALE: the run refuses to start,
@@ -94,6 +121,8 @@ def test_mutant_files_are_checked_for_shape(tmp_path: Path) -> None:
         ('family = "policy"\nwhy = "w"\ntests = ["tests/t.py"]\n', "no \\[\\[replace\\]\\]"),
         ('family = "policy"\nwhy = "w"\ntests = ["tests/t.py"]\n[[replace]]\nfile = "a"\nold = "x"\nnew = "x"\n',
          "must change"),
+        ('family = "policy"\nwhy = "w"\ntests = ["tests/t.py", "tests/vllm/t.py"]\n[[replace]]\nfile = "a"\n'
+         'old = "x"\nnew = "y"\n', "all in tests/vllm/"),
     ]:
         bad = tmp_path / "bad.toml"
         bad.write_text(text)

@@ -20,6 +20,11 @@ never written), checks every selection passes there unmutated (the baseline), th
 mutant writes the mutated files, rebuilds the C extension when ``ffi/`` changed, runs the
 selection with a timeout, and restores the files.
 
+A selection in ``tests/vllm`` runs with the vLLM suite's interpreter (``.venv-vllm``, which
+``make test-vllm`` builds; ``KVSTATE_VLLM_PYTHON`` names another): such a mutant plants a bug
+that only real engines can show. Without that interpreter those mutants are NOT RUN: listed,
+and left out of the score (``--require-vllm`` makes that an error instead).
+
 A mutant is *killed* only when a test fails (a failed test, or a failed check in a test's
 teardown such as the leak check). A collection or import error, a setup error, a build
 error or a selection that ran nothing is an ERROR, and a timeout is TIMEOUT; neither
@@ -49,11 +54,13 @@ import attrs
 ROOT = Path(__file__).resolve().parents[2]
 MUTANTS = ROOT / "tests" / "mutants"
 DEFAULT_TIMEOUT_S = 240
+#: Selections here run with the vLLM suite's interpreter (vllm_python), never with this one.
+VLLM_TESTS = "tests/vllm/"
 FAMILIES = ("spec", "machine", "validate", "descriptor", "identity", "native", "exporter", "importer",
             "policy", "framing", "connector", "coordinator")
 
-KILLED, KILLED_TIMEOUT, SURVIVED, TIMEOUT, ERROR, STALE = (
-    "killed", "killed-timeout", "SURVIVED", "TIMEOUT", "ERROR", "STALE")
+KILLED, KILLED_TIMEOUT, SURVIVED, TIMEOUT, ERROR, STALE, NOT_RUN = (
+    "killed", "killed-timeout", "SURVIVED", "TIMEOUT", "ERROR", "STALE", "NOT RUN")
 KILLS = (KILLED, KILLED_TIMEOUT)
 
 
@@ -82,6 +89,21 @@ class Mutant:
     def native(self) -> bool:
         return any(r.file.startswith("ffi/") for r in self.replaces)
 
+    @property
+    def vllm(self) -> bool:
+        """Its selection is in the vLLM suite (load() refuses a mixed one)."""
+        return self.tests[0].startswith(VLLM_TESTS)
+
+
+def vllm_python() -> Path:
+    """The vLLM suite's interpreter: KVSTATE_VLLM_PYTHON, or this checkout's .venv-vllm."""
+    return Path(os.environ.get("KVSTATE_VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python")
+
+
+def python_for(selection: Sequence[str]) -> str:
+    """The interpreter a selection runs with: the vLLM suite's for tests/vllm, else this one."""
+    return str(vllm_python()) if selection[0].startswith(VLLM_TESTS) else sys.executable
+
 
 @attrs.frozen
 class Result:
@@ -108,6 +130,9 @@ def load(path: Path) -> Mutant:
     if not isinstance(tests, list) or not tests or not all(isinstance(t, str) and t.startswith("tests/")
                                                            for t in tests):
         raise MutantError(f"{path.name}: `tests` must list pytest node ids under tests/")
+    if len({t.startswith(VLLM_TESTS) for t in tests}) != 1:
+        raise MutantError(f"{path.name}: `tests` is either all in {VLLM_TESTS} (the vLLM suite's "
+                          "interpreter) or none of it")
     rules = data.get("replace")
     if not isinstance(rules, list) or not rules:
         raise MutantError(f"{path.name}: no [[replace]]")
@@ -190,14 +215,14 @@ def build_native(tree: Path, timeout_s: float = 300) -> str | None:
     return None if proc.returncode == 0 else (proc.stderr or proc.stdout)[-2000:]
 
 
-def imports_the_copy(tree: Path) -> None:
+def imports_the_copy(tree: Path, python: str = sys.executable) -> None:
     """The copy's tests must import the copy's kvstate (and its tables), never the
     installed working tree: otherwise every mutant would silently survive."""
     if not (tree / "kvstate").is_dir():
         return
     probe = ("import kvstate, kvstate.tables, sys; "
              "print(kvstate.__file__); print(list(kvstate.tables.__path__)[0])")
-    out = subprocess.run([sys.executable, "-c", probe], cwd=tree, env=_env(tree), capture_output=True,
+    out = subprocess.run([python, "-c", probe], cwd=tree, env=_env(tree), capture_output=True,
                          text=True, timeout=60)
     paths = [Path(p).resolve() for p in out.stdout.split()]
     if out.returncode != 0 or len(paths) != 2 or not all(p.is_relative_to(tree.resolve()) for p in paths):
@@ -229,7 +254,7 @@ def pytest_run(tree: Path, selection: Sequence[str], timeout_s: float, *, stop_f
     fd, name = tempfile.mkstemp(prefix="kvstate-mutant-", suffix=".xml")
     os.close(fd)
     report = Path(name)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    cmd = [python_for(selection), "-m", "pytest", "-q", "-p", "no:cacheprovider",
            f"--junitxml={report}", *(["-x"] if stop_first else []), *selection]
     proc = subprocess.Popen(cmd, cwd=tree, env=_env(tree), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -307,15 +332,23 @@ def run_one(mutant: Mutant, tree: Path) -> Result:
 
 
 def baseline(mutants: Sequence[Mutant], tree: Path) -> list[str]:
-    """Every selection must pass on the unmutated copy, or a kill would mean nothing."""
-    selection = list(dict.fromkeys(t for m in mutants for t in m.tests))
-    run = pytest_run(tree, selection, timeout_s=max(900.0, sum(m.timeout_s for m in mutants) / 4),
-                     stop_first=False)
-    if run.rc == 0 and run.ran > 0:
-        return []
-    if run.rc is None:
-        return ["the unmutated baseline timed out"]
-    return [*run.failed, *run.errors] or [f"pytest rc {run.rc}: {_last_line(run.output)}"]
+    """Every selection must pass on the unmutated copy, or a kill would mean nothing: one
+    run per interpreter."""
+    red: list[str] = []
+    for vllm in (False, True):
+        group = [m for m in mutants if m.vllm == vllm]
+        if not group:
+            continue
+        selection = list(dict.fromkeys(t for m in group for t in m.tests))
+        run = pytest_run(tree, selection, timeout_s=max(900.0, sum(m.timeout_s for m in group) / 4),
+                         stop_first=False)
+        if run.rc == 0 and run.ran > 0:
+            continue
+        if run.rc is None:
+            red.append(f"the unmutated baseline timed out ({python_for(selection)})")
+        else:
+            red += [*run.failed, *run.errors] or [f"pytest rc {run.rc}: {_last_line(run.output)}"]
+    return red
 
 
 def table(results: Sequence[Result]) -> str:
@@ -326,19 +359,30 @@ def table(results: Sequence[Result]) -> str:
 
 
 def score(results: Sequence[Result]) -> tuple[int, int]:
-    return sum(r.outcome in KILLS for r in results), len(results)
+    """(killed, run): a mutant NOT RUN is in neither."""
+    ran = [r for r in results if r.outcome != NOT_RUN]
+    return sum(r.outcome in KILLS for r in ran), len(ran)
 
 
 def run(mutants: Sequence[Mutant], *, root: Path = ROOT, check_baseline: bool = True,
-        echo: bool = True) -> list[Result]:
-    """Every mutant against a scratch copy of ``root``. MutantError if any is stale."""
+        echo: bool = True, require_vllm: bool = False) -> list[Result]:
+    """Every mutant against a scratch copy of ``root``. MutantError if any is stale, or if
+    ``require_vllm`` and a vLLM-suite mutant has no interpreter to run with."""
     problems = stale(mutants, root)
     if problems:
         raise MutantError("\n".join(problems))
+    not_run: list[Result] = []
+    if any(m.vllm for m in mutants) and not vllm_python().is_file():
+        why = f"no vLLM interpreter at {vllm_python()} (make test-vllm builds it)"
+        if require_vllm:
+            raise MutantError(why)
+        not_run = [Result(m, NOT_RUN, why, 0.0) for m in mutants if m.vllm]
+        mutants = [m for m in mutants if not m.vllm]
     with tempfile.TemporaryDirectory(prefix="kvstate-mutants-") as scratch:
         tree = scratch_copy(Path(scratch) / "tree", root)
-        imports_the_copy(tree)
-        if check_baseline:
+        for python in dict.fromkeys(python_for(m.tests) for m in mutants):
+            imports_the_copy(tree, python)
+        if check_baseline and mutants:
             started = time.monotonic()
             red = baseline(mutants, tree)
             if red:
@@ -351,7 +395,10 @@ def run(mutants: Sequence[Mutant], *, root: Path = ROOT, check_baseline: bool = 
             if echo:
                 print(f"[{i}/{len(mutants)}] {m.id}: {r.outcome} ({r.seconds:.0f} s) {r.killer}", flush=True)
             results.append(r)
-        return results
+        for r in not_run:
+            if echo:
+                print(f"{r.mutant.id}: {NOT_RUN}: {r.killer}", flush=True)
+        return results + not_run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -361,6 +408,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--root", type=Path, default=ROOT, help="the tree to mutate (default: this one)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the selections")
     ap.add_argument("--min-score", type=float, default=0.9, help="fail below this fraction killed")
+    ap.add_argument("--require-vllm", action="store_true",
+                    help="fail when the vLLM suite's mutants cannot run (no vLLM interpreter)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args(argv)
     started = time.monotonic()
@@ -370,16 +419,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             problems = stale(mutants, args.root)
             print("\n".join(problems) or f"{len(mutants)} mutants, none stale")
             return 2 if problems else 0
-        results = run(mutants, root=args.root, check_baseline=not args.no_baseline)
+        results = run(mutants, root=args.root, check_baseline=not args.no_baseline,
+                      require_vllm=args.require_vllm)
     except MutantError as exc:
         print(f"mutants: {exc}", file=sys.stderr)
         return 2
     killed, total = score(results)
     print()
     print(table(results))
-    survivors = [r.mutant.id for r in results if r.outcome not in KILLS]
-    print(f"\nscore: {killed}/{total} killed ({100 * killed / total:.1f}%); "
-          f"not killed: {', '.join(survivors) or 'none'}; wall {time.monotonic() - started:.0f} s")
+    survivors = [r.mutant.id for r in results if r.outcome not in (*KILLS, NOT_RUN)]
+    not_run = [r.mutant.id for r in results if r.outcome == NOT_RUN]
+    print(f"\nscore: {killed}/{total} killed ({100 * killed / max(total, 1):.1f}%); "
+          f"not killed: {', '.join(survivors) or 'none'}; "
+          + (f"NOT RUN (no vLLM interpreter): {', '.join(not_run)}; " if not_run else "")
+          + f"wall {time.monotonic() - started:.0f} s")
     if args.json:
         args.json.write_text(json.dumps([{"id": r.mutant.id, "family": r.mutant.family, "outcome": r.outcome,
                                           "killer": r.killer, "seconds": round(r.seconds, 1)}
