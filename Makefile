@@ -148,7 +148,9 @@ fuzz: $(STAMP)
 # and its replacement) applied to a scratch copy of the tree, never to the working tree,
 # against the narrow test selection that must kill it; prints the kill table and the score
 # and fails below 90% killed, or at once when a mutant is stale. About 18 minutes on 2 cores (106 of 129 mutants in 15 min, 2026-12-05).
-# MUTANTS_ARGS="--only ID ..." runs some; "--check" only checks that none is stale.
+# MUTANTS_ARGS="--only ID ..." runs some; "--check" only checks that none is stale. The mutants
+# whose selection is in tests/vllm run with .venv-vllm's interpreter (make test-vllm builds it);
+# without it they are listed as NOT RUN and left out of the score ("--require-vllm" fails instead).
 MUTANTS_ARGS ?=
 mutants: $(STAMP) spin
 	PYTHONPATH=tests $(VPY) -m support.mutants $(MUTANTS_ARGS)
