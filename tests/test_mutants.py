@@ -48,7 +48,7 @@ def outcome(tiny: Path, m: Mutant, baseline: bool = False) -> mutants.Result:
 @pytest.mark.multiproc
 def test_an_obvious_mutant_is_killed_and_an_untested_one_survives(tiny: Path) -> None:
     killed = outcome(tiny, mutant("return a + b", "return a - b"), baseline=True)
-    assert killed.outcome == KILLED and killed.killer.endswith("test_add")
+    assert killed.outcome == KILLED and "test_add (assert" in killed.killer
     survived = outcome(tiny, mutant("return a * 2", "return a * 3"))
     assert survived.outcome == SURVIVED
     assert mutants.score([killed, survived]) == (1, 2)
@@ -85,7 +85,7 @@ def test_a_vllm_suite_mutant_runs_with_the_vllm_interpreter_or_is_not_run(
     engine = mutant("return a + b", "return a - b", tests=("tests/vllm/test_engine.py",))
     monkeypatch.setenv("KVSTATE_VLLM_PYTHON", str(wrapper))
     killed = outcome(tiny, engine, baseline=True)
-    assert killed.outcome == KILLED and killed.killer.endswith("test_add") and used.exists()
+    assert killed.outcome == KILLED and "test_add (assert" in killed.killer and used.exists()
     monkeypatch.setenv("KVSTATE_VLLM_PYTHON", str(tmp_path / "absent"))
     plain = mutant("return a + b", "return a - b", name="plain")
     results = mutants.run([plain, engine], root=tiny, check_baseline=False, echo=False)

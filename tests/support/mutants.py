@@ -282,8 +282,10 @@ def _junit(report: Path) -> tuple[tuple[str, ...], tuple[str, ...], int]:
         name = f"{case.get('classname', '')}::{case.get('name', '')}"
         if case.find("skipped") is None:
             ran += 1
-        if case.find("failure") is not None:
-            failed.append(name)
+        failure = case.find("failure")
+        if failure is not None:  # with its message's first line: the kill's reason, not only its place
+            message = (failure.get("message") or "").strip().splitlines()
+            failed.append(f"{name} ({message[0][:160]})" if message else name)
         for err in case.findall("error"):
             message = err.get("message") or ""
             # a check in teardown (the leak check) failing is the test failing; an error
