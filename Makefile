@@ -66,7 +66,7 @@ test-vllm:
 	    --ignore=tests/vllm/test_vllm_crossnode.py
 
 # Issue 28's streak: the suite RUNS times in a row on one tree (a worktree of HEAD), stopping at
-# the first failure; about 13 minutes a run on 2 cores (tools/vllm-streak.sh).
+# the first failure; 13 to 17 minutes a run on 2 cores (tools/vllm-streak.sh).
 RUNS ?= 10
 test-vllm-streak:
 	PYTHON=$(PYTHON) bash tools/vllm-venv.sh $(VLLM_VENV)

@@ -303,7 +303,7 @@ def _nixl() -> Any:
 def _nixl_config(nixl: Any, p: dict[str, Any]) -> Any:
     # The asking rows run without NIXL's progress thread: its default is a busy spin
     # (kvstate.transport.nixl.agent, PROGRESS_DELAY_US) that shares each side's one CPU with
-    # the polling main thread, and a round trip then took 8 to 16 ms here. Without it, both
+    # the polling main thread, and a round trip then took 8 to 21 ms here. Without it, both
     # sides progress UCX in their own polls, NIXL's fastest way to answer.
     return nixl.nixl_agent_config(enable_prog_thread=not p.get("nixl_ask", False), backends=["UCX"])
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The vLLM suite N times in a row on one tree: `bash tools/vllm-streak.sh [RUNS] [REV]`
 # (default 10 runs of HEAD; `make test-vllm-streak RUNS=N`). Issue 28 asks for 10 passing
-# runs in a row with the default timeouts; one run takes about 13 minutes on 2 cores.
+# runs in a row with the default timeouts; one run takes 13 to 17 minutes on 2 cores.
 #
 # The runs use a git worktree of REV (under $STREAK_DIR, default /tmp/kvstate-streak), with
 # its own native library built in place and put first on PYTHONPATH. The engines the tests
