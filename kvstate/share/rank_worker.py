@@ -212,6 +212,8 @@ class RankWorker(Generic[H, A, R, M, E]):
         ch = self._channel
         if ch is not None:
             ch.close()
+        else:  # never connected (a retry while the scheduler starts): nothing to announce
+            self.coordinator_gone = True
         self._orphaned("the worker is closing")
         deadline = time.monotonic() + timeout
         while any(not s.is_terminal for s in list(self.shares.values())) and time.monotonic() < deadline:

@@ -4,10 +4,11 @@ serves it, and is the plain reference for prompts the session's plain engines di
 (it never loads); a prefill engine (``kv_consumer``, reuse on) loads it.
 
 The tests run in file order on one set of engines (module fixture): a first forward over
-loaded KV, reuse, policy off,
-partial prefix, the corrupted-bank control, the decode engine killed before a load and
-restarted (stale descriptors), and killed during a load. Every prefill generation starts
-from an empty local prefix cache, so that any reuse is kvstate's."""
+loaded KV, a load 50 ms after a store, reuse, policy off, partial prefix, block order, the
+corrupted-bank control, the decode engine killed before a load and restarted (stale
+descriptors), and killed during a load. Every prefill generation starts from an empty
+local prefix cache, so that any reuse is kvstate's; only the block-order test's second
+prompt is served from it, on purpose."""
 
 from __future__ import annotations
 
@@ -191,6 +192,25 @@ def test_a_partly_shared_prefix_loads_only_the_shared_blocks(pair: Pair) -> None
     assert evidence.reuse(got).external_problems([2 * BS]) == []
     c = kit.counters(got)
     assert c.get("tokens_loaded") == 2 * BS and c.get("loads_ok") == 1, c
+
+
+def test_each_loaded_page_holds_its_own_block_for_the_local_prefix_cache(pair: Pair) -> None:
+    """Block order. Attention over a prefix the new tokens see whole does not depend on
+    the order of its blocks, so a load that put each block into another block's page
+    would pass every test above (measured: a reversed load did). vLLM keeps the loaded
+    pages in its own prefix cache, and a later prompt that shares only the first blocks
+    is served from them and sees just those pages: each must hold its own block."""
+    long = prompts((600,), seed=50)
+    kit.produce(pair.decode, long, MAX_TOKENS)
+    loaded = pair.fresh(pair.prefill, long)
+    assert evidence.reuse(loaded).external_problems(kit.loadable((600,))) == []
+    shared = 3
+    branch = [long[0][:shared * BS] + prompts((40,), seed=51)[0]]  # parts at a block's start
+    got = pair.prefill.generate(branch, MAX_TOKENS)    # no reset: the loaded pages serve its prefix
+    assert evidence.reuse(got).by_source["local_cache_hit"] == shared * BS
+    assert evidence.reuse(got).by_source["external_kv_transfer"] == 0
+    reference = pair.fresh(pair.decode, branch)       # computed whole (the decode engine never loads)
+    assert got.tokens == reference.tokens
 
 
 def test_a_corrupted_bank_changes_the_tokens(pair: Pair) -> None:

@@ -84,10 +84,11 @@ def counters(g: Generation) -> dict[str, float]:
 def reused(got: Generation, reference: Generation, lengths: tuple[int, ...]) -> dict[str, float]:
     """Check that a prefill engine's ``got`` has the decode engine's tokens (``reference``)
     and loaded every loadable block of each prompt from outside; returns its counters."""
-    assert got.tokens == reference.tokens
+    c = counters(got)  # in each message: a miss's or a failed load's reason is among them
+    assert got.tokens == reference.tokens, c
     problems = evidence.reuse(got).external_problems(loadable(lengths))
-    assert problems == [], problems
-    return counters(got)
+    assert problems == [], (problems, c)
+    return c
 
 
 def worker_pids(engine: Engine) -> list[int]:
