@@ -28,7 +28,8 @@ from kvstate import channel as chan
 from kvstate.core.identity import Deployment
 from kvstate.integrations.vllm import wire
 from kvstate.integrations.vllm.hashing import Compat, block_key
-from kvstate.integrations.vllm.index import DecodeIndex, Found, IndexClient
+from kvstate.integrations.vllm.index import DecodeIndex
+from kvstate.integrations.vllm.index_client import Found, IndexClient
 from kvstate.integrations.vllm.slots import SlotTable
 
 DEPLOYMENT = Deployment("report-latency", bytes(range(32)))

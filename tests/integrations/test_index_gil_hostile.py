@@ -20,7 +20,7 @@ import pytest
 
 from kvstate import channel as chan
 from kvstate.integrations.vllm import wire
-from kvstate.integrations.vllm.index import Found, IndexClient
+from kvstate.integrations.vllm.index_client import Found, IndexClient
 
 pytestmark = [pytest.mark.native, pytest.mark.multiproc]
 

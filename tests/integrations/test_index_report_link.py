@@ -28,7 +28,8 @@ from kvstate.core.errors import ChannelError
 from kvstate.core.identity import Deployment
 from kvstate.integrations.vllm import wire
 from kvstate.integrations.vllm.hashing import Compat, block_key
-from kvstate.integrations.vllm.index import DecodeIndex, Found, IndexClient
+from kvstate.integrations.vllm.index import DecodeIndex
+from kvstate.integrations.vllm.index_client import Found, IndexClient
 from kvstate.integrations.vllm.slots import SlotTable
 
 pytestmark = [pytest.mark.native]

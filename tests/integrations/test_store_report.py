@@ -29,7 +29,8 @@ from kvstate.integrations.vllm.orders import StoreOrder
 from kvstate.integrations.vllm.stats import Tally
 from kvstate.transport.host import HostTransport
 from kvstate.integrations.vllm.hashing import Compat, block_key
-from kvstate.integrations.vllm.index import DecodeIndex, Found, IndexClient
+from kvstate.integrations.vllm.index import DecodeIndex
+from kvstate.integrations.vllm.index_client import Found, IndexClient
 from kvstate.integrations.vllm.slots import SlotTable
 
 BS, HD, HEADS, PAGES = 4, 8, 2, 16

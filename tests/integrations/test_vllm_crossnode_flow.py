@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import torch
 
-from integrations.test_vllm_flow import BS, LAYERS, POLICY, Engine, finish, load, wait_for
+from integrations.test_vllm_flow import BS, LAYERS, POLICY, Engine, finish, load, matched, wait_for
 from kvstate.core.errors import ConfigInvalid
 from kvstate.integrations.vllm import config as cfgmod
-from kvstate.integrations.vllm.index import IndexClient, Refusal
+from kvstate.integrations.vllm.index_client import IndexClient, Refusal
 from support.need import need_nixl
 
 RETAIN = 16 * 2 * 2 * BS * 2 * 8 * 2
@@ -178,7 +178,7 @@ def test_two_groups_read_one_remote_bank_at_once(pair: tuple[Decode, Engine, int
     a, b = list(range(3000, 3019)), list(range(4000, 4019))
     retained = [decode.finish("da", a, [1, 2, 3, 4, 5]), decode.finish("db", b, [6, 7, 8, 9, 10])]
     for req, tokens, pages in (("pa", a, [10, 11, 12, 13, 14]), ("pb", b, [20, 21, 22, 23, 24])):
-        n = prefill.sched.match(req, tokens, len(tokens), 0, None)
+        n = matched(prefill.sched, req, tokens, len(tokens), 0, None)
         assert n == 4 * BS
         prefill.sched.allocated(req, pages, n)
     assert len({id(g.group) for g in prefill.sched._groups}) == 2
@@ -212,10 +212,10 @@ def test_a_routed_source_is_asked_first(pair: tuple[Decode, Engine, int], tmp_pa
     routed = Engine("kv_consumer", {"socket_dir": str(tmp_path / "c"), "retain_bytes": RETAIN, "transport": "nixl",
                                     "sources": ["nowhere"], "policy": POLICY}, decode.tp, "routed-engine")
     try:
-        assert routed.sched.match("r0", tokens, len(tokens), 0, None) == 0      # no route: nobody has it
-        assert routed.sched.match("r1", tokens, len(tokens), 0, None, decode.index_address) == 4 * BS
+        assert matched(routed.sched, "r0", tokens, len(tokens), 0, None) == 0      # no route: nobody has it
+        assert matched(routed.sched, "r1", tokens, len(tokens), 0, None, decode.index_address) == 4 * BS
         assert list(routed.sched.clients) == ["nowhere", decode.index_address]
-        routed.sched.match("r2", tokens, len(tokens), 0, None, "tcp://nowhere")  # no port: not followed
+        matched(routed.sched, "r2", tokens, len(tokens), 0, None, "tcp://nowhere")  # no port: not followed
         assert routed.sched.tally.take()["routes_ignored"] == {"malformed": 1}
     finally:
         routed.close()

@@ -25,7 +25,7 @@ from kvstate import channel as chan
 from kvstate.core.errors import KvStateError
 from kvstate.integrations.vllm import index as index_mod
 from kvstate.integrations.vllm import wire
-from kvstate.integrations.vllm.index import Found, IndexClient, Refusal
+from kvstate.integrations.vllm.index_client import Found, IndexClient, Refusal
 from kvstate.integrations.vllm.decode_rank import DecodeRank
 from kvstate.integrations.vllm.hashing import Compat
 from kvstate.integrations.vllm.orders import LoadFailures, StepOrders
@@ -52,6 +52,16 @@ def wait_for(cond: Callable[[], Any], what: str, timeout: float = 10.0) -> Any:
             return got
         time.sleep(0.005)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def matched(sched: SchedulerSide, *args: Any) -> int:
+    """``sched.match(*args)``, asked again while a decode index's reply is on its way (None),
+    as vLLM asks again at its next step."""
+    deadline = time.monotonic() + 10.0
+    while (n := sched.match(*args)) is None:
+        assert time.monotonic() < deadline, "no reply from the decode index in 10 s"
+        time.sleep(0.001)
+    return n
 
 
 def caches(seed: int | None, heads: int = HEADS) -> dict[str, torch.Tensor]:
@@ -152,7 +162,7 @@ def finish(decode: Engine, req: str, tokens: list[int], pages: list[int]) -> Non
 
 
 def load(prefill: Engine, req: str, prompt: list[int], pages: list[int]) -> tuple[int, set[int]]:
-    n = prefill.sched.match(req, prompt, len(prompt), 0, None)
+    n = matched(prefill.sched, req, prompt, len(prompt), 0, None)
     if n == 0:
         print("miss", prefill.sched.tally.take())
         return 0, set()
@@ -317,9 +327,9 @@ def test_only_the_shared_blocks_load_and_the_local_cache_is_respected(pair: tupl
     tokens = list(range(2000, 2017))
     finish(decode, "d1", tokens, [1, 2, 3, 4, 5])
     prompt = tokens[:8] + [1] * 9                          # two blocks shared
-    assert prefill.sched.match("p1", prompt, len(prompt), 0, None) == 2 * BS
-    assert prefill.sched.match("p2", prompt, len(prompt), BS, None) == BS   # block 0 is in the local cache
-    assert prefill.sched.match("p3", prompt, len(prompt), 2 * BS, None) == 0
+    assert matched(prefill.sched, "p1", prompt, len(prompt), 0, None) == 2 * BS
+    assert matched(prefill.sched, "p2", prompt, len(prompt), BS, None) == BS   # block 0 is in the local cache
+    assert matched(prefill.sched, "p3", prompt, len(prompt), 2 * BS, None) == 0
     assert prefill.sched.tally.take()["misses"] == {"no_eligible_source": 1}   # the source holds no more
 
 
@@ -331,13 +341,13 @@ def test_a_failed_loads_reason_is_counted_in_the_step_that_reports_it(pair: tupl
     tokens = list(range(3000, 3017))
     finish(decode, "d1", tokens, [1, 2, 3, 4, 5])
     pages = [10, 11, 12, 13, 14]
-    n = prefill.sched.match("p1", tokens, len(tokens), 0, None)
+    n = matched(prefill.sched, "p1", tokens, len(tokens), 0, None)
     prefill.sched.allocated("p1", pages, n)
     prefill.sched.tally.take()
     last = prefill.tp - 1
     prefill.sched.worker_output(["p1"], {pages[0]}, LoadFailures((("p1", 0, "share_failed"), ("p1", last, "timeout"))))
     assert prefill.sched.tally.take() == {"rejections": {"timeout": 1}}
-    assert prefill.sched.match("p1", tokens, len(tokens), 0, None) == 0       # computed from now on
+    assert matched(prefill.sched, "p1", tokens, len(tokens), 0, None) == 0       # computed from now on
     assert prefill.sched.tally.take() == {"misses": {"after_failed_load": 1}}
 
 
@@ -345,7 +355,7 @@ def _order_without_a_step(prefill: Engine, req: str, prompt: list[int], pages: l
     """Match and allocate ``req``, and hand its load orders to the ranks as a step would,
     without the rest of the step (no rank looks at its loads yet); returns the tokens
     matched."""
-    n = prefill.sched.match(req, prompt, len(prompt), 0, None)
+    n = matched(prefill.sched, req, prompt, len(prompt), 0, None)
     assert n > 0
     prefill.sched.allocated(req, pages, n)
     orders = prefill.sched.step_orders()
@@ -482,7 +492,7 @@ def test_policy_off_asks_nobody(sockets: Path) -> None:
     try:
         tokens = list(range(100, 117))
         finish(decode, "d1", tokens, [1, 2, 3, 4, 5])
-        assert prefill.sched.match("p1", tokens, len(tokens), 0, None) == 0
+        assert matched(prefill.sched, "p1", tokens, len(tokens), 0, None) == 0
         counted = prefill.sched.tally.take()
         assert counted == {"misses": {"reuse_disabled": 1}}
         assert decode.sched.index is not None and decode.sched.index.lookups == 0
@@ -497,7 +507,7 @@ def test_heterogeneous_tp_is_refused_by_name(sockets: Path) -> None:
     try:
         tokens = list(range(100, 117))
         finish(decode, "d1", tokens, [1, 2, 3, 4, 5])
-        assert prefill.sched.match("p1", tokens, len(tokens), 0, None) == 0
+        assert matched(prefill.sched, "p1", tokens, len(tokens), 0, None) == 0
         assert prefill.sched.tally.take()["misses"] == {"tp_mismatch": 1}
     finally:
         prefill.close()
@@ -513,7 +523,7 @@ def test_a_dead_decode_is_a_miss_and_a_restarted_one_refuses_old_descriptors(soc
         finish(decode, "d1", tokens, [1, 2, 3, 4, 5])
         assert load(prefill, "p1", tokens, [10, 11, 12, 13, 14]) == (4 * BS, set())
         decode.close()
-        assert prefill.sched.match("p2", tokens, len(tokens), 0, None) == 0
+        assert matched(prefill.sched, "p2", tokens, len(tokens), 0, None) == 0
         # in one process the index outlives its ranks by a moment; a killed engine is "unreachable"
         assert prefill.sched.tally.take()["misses"] in ({"unreachable": 1}, {"decode_not_ready": 1})
         decode = Engine("kv_producer", common, 1, "d")     # a new incarnation at the same paths
@@ -630,7 +640,7 @@ def test_a_request_whose_load_is_in_flight_is_never_a_producer(both: tuple[Engin
     tokens = list(range(4000, 4017))
     finish(decode, "d1", tokens, [1, 2, 3, 4, 5])
     pages = [10, 11, 12, 13, 14]
-    n = engine.sched.match("p1", tokens, len(tokens), 0, None)
+    n = matched(engine.sched, "p1", tokens, len(tokens), 0, None)
     assert n == 4 * BS
     engine.sched.allocated("p1", pages, n)
     engine.sched.request_done("p1")                                     # the abort, load in flight
@@ -640,7 +650,7 @@ def test_a_request_whose_load_is_in_flight_is_never_a_producer(both: tuple[Engin
     assert (sent, loaded) == (set(), {"p1"})
     assert traces(engine) == {}
 
-    n = engine.sched.match("p2", tokens, len(tokens), 0, None)
+    n = matched(engine.sched, "p2", tokens, len(tokens), 0, None)
     engine.sched.allocated("p2", pages, n - BS)                         # not what was matched: refused
     engine.sched.request_done("p2")
     assert engine.sched.request_finished("p2", tokens, n, pages, None) is False
@@ -660,7 +670,7 @@ def test_a_failed_load_leaves_no_trace_whatever_the_order(pair: tuple[Engine, En
     tokens = list(range(5000, 5017))
     finish(decode, "d1", tokens, [1, 2, 3, 4, 5])
     pages = [10, 11, 12, 13, 14]
-    n = prefill.sched.match("p1", tokens, len(tokens), 0, None)
+    n = matched(prefill.sched, "p1", tokens, len(tokens), 0, None)
     prefill.sched.allocated("p1", pages, n)
     failure = LoadFailures(tuple(("p1", r, "timeout") for r in range(prefill.tp)))
     if order == "abort_then_failure":
@@ -736,7 +746,7 @@ def test_a_per_layer_load_runs_in_its_step_and_each_layer_waits_for_its_own_regi
         tokens = list(range(4000, 4000 + 4 * BS + 1))
         src = [3, 9, 1, 12]
         finish(decode, "d-layers", tokens, src)
-        n = prefill.sched.match("p-layers", tokens, len(tokens), 0, None)
+        n = matched(prefill.sched, "p-layers", tokens, len(tokens), 0, None)
         assert n == 4 * BS
         dst = [50, 51, 52, 53]
         prefill.sched.allocated("p-layers", dst, n)
@@ -788,7 +798,7 @@ def test_a_per_layer_load_ordered_before_its_rank_connected_waits_for_it(sockets
     try:
         tokens = list(range(6000, 6000 + 2 * BS + 1))
         finish(decode, "d-early", tokens, [5, 7])
-        n = prefill.sched.match("p-early", tokens, len(tokens), 0, None)
+        n = matched(prefill.sched, "p-early", tokens, len(tokens), 0, None)
         assert n == 2 * BS
         prefill.sched.allocated("p-early", [30, 31], n)
         rank = prefill.prefill[0]
@@ -823,7 +833,7 @@ def test_a_per_layer_load_that_cannot_start_names_its_pages(sockets: Path) -> No
     try:
         tokens = list(range(5000, 5000 + 2 * BS + 1))
         finish(decode, "d-gone", tokens, [4, 6])
-        n = prefill.sched.match("p-gone", tokens, len(tokens), 0, None)
+        n = matched(prefill.sched, "p-gone", tokens, len(tokens), 0, None)
         assert n == 2 * BS
         decode.close()
         prefill.sched.allocated("p-gone", [20, 21], n)

@@ -66,24 +66,28 @@ if _trace:
         return "; ".join(found) or f"no thread named {what}"
 
     def _watch_lookups() -> None:
-        """A question to a decode index that timed out or took over 0.1 s logs where every
-        decode index thread stood then (issue 28: 1 of 4 suite runs had a lookup unanswered
-        for 0.5 s after a tp=2 decode engine ran)."""
-        from kvstate.integrations.vllm import index
+        """A question to a decode index that timed out or took over 0.1 s from its send to
+        its reply logs where every decode index thread stood then (issue 28: 1 of 4 suite
+        runs had a lookup unanswered for 0.5 s after a tp=2 decode engine ran; the threads
+        were runnable and waited for a CPU)."""
+        from kvstate.integrations.vllm import index_client
 
-        ask = index.IndexClient._ask
+        read = index_client.IndexClient._read_one
 
-        def traced(self, payload):  # type: ignore[no-untyped-def]
-            start = time.monotonic()
-            reply = ask(self, payload)
-            took = time.monotonic() - start
-            if (isinstance(reply, index.Refusal) and reply.reason == "timeout") or took > 0.1:
-                with open("/proc/loadavg") as f:
-                    load = f.read().strip()
-                _log.warning("slow index question (%.3f s, %s): load %s; kvs-index threads: %s", took,
-                             getattr(reply, "reason", "answered"), load, _sched_states("kvs-index"))
-            return reply
-        index.IndexClient._ask = traced  # type: ignore[method-assign]
+        def traced(self, until):  # type: ignore[no-untyped-def]
+            head = self._asked[0]
+            out = read(self, until)
+            if out and (not self._asked or self._asked[0] is not head):  # the oldest question ended
+                took = time.monotonic() - (head.deadline - self.timeout_s)
+                reply = self._replies.get(head.token)
+                timed_out = isinstance(reply, index_client.Refusal) and reply.reason == "timeout"
+                if timed_out or took > 0.1:
+                    with open("/proc/loadavg") as f:
+                        load = f.read().strip()
+                    _log.warning("slow index question (%.3f s, %s): load %s; kvs-index threads: %s", took,
+                                 "timeout" if timed_out else "answered", load, _sched_states("kvs-index"))
+            return out
+        index_client.IndexClient._read_one = traced  # type: ignore[method-assign]
 
     def _watch_steps(module: object) -> None:
         """While a load waits, a step that does not come within 3 s dumps every thread's stack

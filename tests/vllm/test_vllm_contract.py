@@ -7,6 +7,7 @@ the model reads holds its own tokens' KV) and kvstate's (no per-request entry le
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -114,12 +115,32 @@ def test_an_abort_while_waiting_for_its_lookup_or_its_pages(box: Box) -> None:
     engine.add("hog", list(range(900, 900 + 4 * BS)), max_tokens=200)
     step_until(engine, lambda: engine.status("hog") == h.RequestStatus.RUNNING, "hog running")
     engine.add("late", PROMPT + [3])
-    engine.step()
-    assert engine.status("late") == h.RequestStatus.WAITING
-    assert engine.kvstate_sizes()["scheduler.matches"] == 1        # the lookup was answered, nothing allocated
+    step_until(engine, lambda: engine.kvstate_sizes()["scheduler.matches"] == 1, "the lookup answered")
+    assert engine.status("late") == h.RequestStatus.WAITING       # nothing allocated: the pool is held
     engine.abort("late", "hog")
     box.settle_and_check()
     assert engine.loads_ordered["late"] == 0 and engine.finished == {}   # aborts are not outputs
+
+
+def test_an_abort_while_its_lookup_is_in_flight_and_the_engine_steps_meanwhile(box: Box) -> None:
+    """A source whose index takes the question and never answers (a socket that is never
+    accepted): the request waits, asked again at every step, while the engine runs
+    others; aborted then, nothing of its question is left."""
+    mute = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    mute.bind(str(box.sockets / "mute.index.sock"))
+    mute.listen(4)
+    try:
+        engine = box.make("eng", "kv_both", sources=("mute",), extra={"lookup_timeout_s": 60.0})
+        engine.add("asking", PROMPT)
+        engine.add("short", list(range(700, 700 + BS)), max_tokens=3)   # nothing beyond its last token to load
+        step_until(engine, lambda: engine.finished.get("short") is not None, "the other request finished")
+        assert engine.status("asking") == h.RequestStatus.WAITING
+        assert engine.kvstate_sizes()["scheduler.asking"] == 1 and engine.kvstate_sizes()["scheduler.questions"] == 1
+        engine.abort("asking")
+        box.settle_and_check()
+        assert engine.loads_ordered["asking"] == 0 and engine.finished == {"short": "length"}
+    finally:
+        mute.close()
 
 
 @pytest.mark.parametrize("then", ["load_completes", "load_fails"])

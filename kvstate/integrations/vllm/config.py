@@ -64,7 +64,8 @@ KEYS: Mapping[str, tuple[object, str]] = {
     "policy": ({}, "prefill side: reuse settings (kvstate.reuse.policy); reuse is off unless enabled here"),
     "load_timeout_s": (10.0, "prefill side: how long a load may wait for its shares after it was ordered, and how "
                              "long its transfer may run; past either it fails (and is recomputed)"),
-    "lookup_timeout_s": (0.5, "prefill side: the most one inventory lookup may wait for its answer"),
+    "lookup_timeout_s": (0.5, "prefill side: the most one inventory lookup may wait for its answer (the "
+                              "request waits; the engine's step does not)"),
     "lease_timeout_s": (30.0, "decode side: a lease not renewed or returned this long ends"),
     "descriptor_ttl_s": (3600.0, "decode side: descriptors expire after this; re-advertised at half"),
     "model_id": (None, "the model's identity in the compatibility key (default: vLLM's model name)"),

@@ -336,6 +336,8 @@ class KvStateConnector(KVConnectorBase_V1):
         route = params.get(ROUTE_KEY) if isinstance(params, dict) else None
         n = self._sched.match(request.request_id, request.all_token_ids, request.num_tokens, num_computed_tokens,
                               request.cache_salt, route)
+        if n is None:
+            return None, False  # a decode index's reply is on its way: vLLM asks again at its next step
         return n, n > 0 and not self._cfg.layer_loads  # per-layer: the request runs now, its layers wait
 
     @_guarded(lambda: None)

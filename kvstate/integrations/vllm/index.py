@@ -43,14 +43,7 @@ link (a refused or lost one, tp above 64) reports on its main link, as before.
 advertised and every rank is asked to drop their keys; a rank refuses a key a lease pins,
 and the index asks again every second until every rank dropped it.
 
-**The client.** :class:`IndexClient` keeps one connection per source (reconnecting after a
-failure) and caches the source's descriptors. A ``found`` reply names the generation of
-the descriptors it was computed under; the client fetches them again when that changes or
-when they near expiry. It does not carry the exporter's incarnation: a reply is never
-atomic with the exporters anyway (a decode engine may restart right after it), so the
-lease is the one authority on staleness. After a decode restart the first load with the
-old descriptors is refused (``stale_incarnation``), the connector drops the cache, and
-vLLM recomputes those blocks.
+**The client** of a prefill scheduler is :mod:`.index_client`.
 """
 
 from __future__ import annotations
@@ -67,13 +60,12 @@ from typing import Any
 import attrs
 
 from kvstate import channel as chan
-from kvstate.channel.tcp import SCHEME, TcpServer, connect_tcp
+from kvstate.channel.tcp import TcpServer
 from kvstate.core.reasons import ChannelReason
-from kvstate.core.descriptor import decode as decode_descriptor
-from kvstate.core.errors import ChannelError, DescriptorRejected
+from kvstate.core.errors import ChannelError
 from kvstate.core.identity import Deployment
 from kvstate.integrations.vllm import wire
-from kvstate.integrations.vllm.hashing import COMPAT_FIELDS, HASH_BYTES, Compat
+from kvstate.integrations.vllm.hashing import HASH_BYTES, Compat
 from kvstate.integrations.vllm.index_mirror import IndexMirror
 from kvstate.integrations.vllm.slots import MIRROR_MAX_TP, Reservation, SlotTable
 
@@ -419,140 +411,3 @@ class DecodeIndex:
         while not self._stopping.wait(RETRY_EVICT_S):
             self.table.touch(self.mirror.touched())
             self._evict(self.table.evicting())
-
-
-# -- the prefill side ----------------------------------------------------------------------------
-
-
-@attrs.frozen
-class Found:
-    """A lookup's answer: the first ``blocks`` prefix blocks are retained, in these bank
-    blocks under these inventory keys; ``epochs[r]`` is rank r's inventory epoch, all under
-    descriptors of ``generation``."""
-
-    blocks: int
-    slots: tuple[int, ...]
-    keys: tuple[int, ...]
-    epochs: tuple[int, ...]
-    generation: int
-
-
-#: The reasons an index refuses a question with: the compatibility key's (hashing) and its own.
-INDEX_REFUSALS = frozenset({reason for _, reason in COMPAT_FIELDS} | {"malformed", "decode_not_ready"})
-
-
-def _connection_limit(payload: bytes) -> bool:
-    """Whether ``payload`` is a channel server's refusal of a connection over its cap."""
-    try:
-        return chan.decode(payload).get("code") == "ConnectionLimit"
-    except ChannelError:
-        return False
-
-
-@attrs.frozen
-class Refusal:
-    """No answer to use: ``reason`` is a short code (``unreachable``, ``timeout``,
-    ``protocol``, ``busy``, ``decode_not_ready``, ``tp_mismatch`` and the other
-    compatibility reasons)."""
-
-    reason: str
-    detail: str
-
-
-class IndexClient:
-    """One prefill scheduler's connection to one decode source's index (see the module
-    docstring). Not thread-safe: the scheduler calls it from its one thread."""
-
-    def __init__(self, path: Path | str, deployment: Deployment, timeout_s: float, *,
-                 refresh_before_s: float = 60.0) -> None:
-        #: a socket path (this node) or ``tcp://HOST:PORT`` (another node's index)
-        self.address = str(path) if str(path).startswith(SCHEME) else None
-        self.path = Path(path)
-        self.deployment = deployment
-        self.timeout_s = timeout_s
-        self.refresh_before_s = refresh_before_s
-        self._ch: chan.Channel | None = None
-        self._descriptors: tuple[bytes, ...] | None = None
-        self._generation = -1
-        self._expires_ns = 0
-
-    def close(self) -> None:
-        if self._ch is not None:
-            self._ch.close()
-            self._ch = None
-
-    def _ask(self, payload: bytes) -> dict[str, Any] | Refusal:
-        for attempt in (0, 1):  # one reconnect: the index may have restarted since
-            if self._ch is None:
-                try:
-                    if self.address is not None:
-                        self._ch = connect_tcp(self.address, self.deployment, timeout=self.timeout_s,
-                                               limits=wire.LIMITS)
-                    else:
-                        self._ch = chan.connect(self.path, timeout=self.timeout_s, limits=wire.LIMITS)
-                except (ChannelError, OSError) as exc:
-                    return Refusal("unreachable", str(exc))
-            ch = self._ch
-            try:
-                ch.send(payload, timeout=self.timeout_s)
-                with ch.recv(timeout=self.timeout_s) as msg:
-                    try:
-                        return wire.decode(msg.payload, "found", "descriptor_set", "refused")
-                    except ChannelError as exc:
-                        # the server's own refusal of a connection over its cap, not the index's
-                        if exc.reason is ChannelReason.PROTOCOL and _connection_limit(msg.payload):
-                            self.close()
-                            return Refusal("busy", "the decode index serves its most connections now")
-                        raise
-            except ChannelError as exc:
-                self.close()  # after a timeout, a late answer must never be read as the next one's
-                if exc.reason is ChannelReason.TIMEOUT:
-                    return Refusal("timeout", str(exc))
-                if exc.reason is ChannelReason.PROTOCOL:
-                    return Refusal("protocol", str(exc))
-                if attempt:
-                    return Refusal("unreachable", str(exc))
-        return Refusal("unreachable", "no answer")  # not reached
-
-    def lookup(self, compat: Compat, hashes: Sequence[bytes]) -> Found | Refusal:
-        reply = self._ask(wire.encode("lookup", compat=compat.as_dict(), hashes=b"".join(hashes[:wire.MAX_BLOCKS])))
-        if isinstance(reply, Refusal):
-            return reply
-        if reply["kind"] == "refused":  # a peer's word: only a known reason becomes a metric label
-            reason = reply["reason"] if reply["reason"] in INDEX_REFUSALS else "refused"
-            return Refusal(reason, reply["detail"])
-        if reply["kind"] != "found" or not reply["epochs"] or \
-                not len(reply["slots"]) == len(reply["keys"]) == reply["blocks"] <= len(hashes):
-            self.close()
-            return Refusal("protocol", f"malformed answer to a lookup: {reply!r:.100}")
-        return Found(reply["blocks"], tuple(reply["slots"]), tuple(reply["keys"]), tuple(reply["epochs"]),
-                     reply["generation"])
-
-    def descriptors(self, compat: Compat, generation: int) -> tuple[bytes, ...] | Refusal:
-        """The source's descriptors: the cached ones unless ``generation`` differs from
-        theirs or they expire within ``refresh_before_s``."""
-        if self._descriptors is not None and generation == self._generation \
-                and time.time_ns() + self.refresh_before_s * 1e9 < self._expires_ns:
-            return self._descriptors
-        reply = self._ask(wire.encode("descriptors", compat=compat.as_dict()))
-        if isinstance(reply, Refusal):
-            return reply
-        if reply["kind"] == "refused":  # a peer's word: only a known reason becomes a metric label
-            reason = reply["reason"] if reply["reason"] in INDEX_REFUSALS else "refused"
-            return Refusal(reason, reply["detail"])
-        if reply["kind"] != "descriptor_set" or not reply["descriptors"]:
-            self.close()
-            return Refusal("protocol", "malformed answer to a descriptor request")
-        try:
-            decoded = [decode_descriptor(d, self.deployment) for d in reply["descriptors"]]
-        except DescriptorRejected as exc:
-            return Refusal(exc.reason.value, str(exc))
-        self._descriptors = tuple(reply["descriptors"])
-        self._generation = decoded[0].generation
-        self._expires_ns = min(d.expires_at_ns for d in decoded)
-        return self._descriptors
-
-    def drop_descriptors(self) -> None:
-        """Forget the cached descriptors (a lease or the validation refused them)."""
-        self._descriptors = None
-        self._generation = -1

@@ -12,7 +12,10 @@ Prefill (``kv_consumer``/``kv_both``), per request:
    again for the same request, so it only remembers its answer): the reuse policy decides
    (off unless enabled), asking each decode source's index lazily within the lookup
    budget; the chosen source's descriptors (cached) are validated as a group here, before
-   any load is promised. The answer is the tokens to load asynchronously.
+   any load is promised. The answer is the tokens to load asynchronously, or None while
+   a source's reply is on its way: every request running in the engine waits for the
+   scheduling loop, so the questions of one step wait at most ``STEP_WAIT_S`` in all, and
+   vLLM asks again at its next step (:mod:`.index_client`, "Questions in flight").
 2. :meth:`SchedulerSide.allocated` (``update_state_after_alloc``): with vLLM's pages for
    those tokens, the group import starts through the :class:`Coordinator` this process
    hosts (it returns at once; every worker imports its own rank's part), or a live group
@@ -41,7 +44,8 @@ from kvstate.core.reasons import DecisionReason
 from kvstate.transport.native_rules import validate_group
 from kvstate.integrations.vllm.config import ROUTE_KEY, ConnectorConfig, is_address, source_ref
 from kvstate.integrations.vllm.hashing import Compat, block_key, prefix_hashes, root
-from kvstate.integrations.vllm.index import DecodeIndex, Found, IndexClient, Refusal
+from kvstate.integrations.vllm.index import DecodeIndex
+from kvstate.integrations.vllm.index_client import Found, IndexClient, Refusal
 from kvstate.integrations.vllm.layout import INVENTORY_GROUP, bank_blocks
 from kvstate.integrations.vllm.orders import LoadFailures, LoadOrder, StepOrders, StoreOrder, failure_code
 from kvstate.integrations.vllm.slots import SlotTable
@@ -57,6 +61,22 @@ log = logging.getLogger(__name__)
 
 #: Sources named by routers (``kv_transfer_params``) with a client kept at once.
 MAX_ROUTED = 16
+#: The longest the questions to decode indexes wait in one engine step, every request's
+#: together (a native index answers in well under a millisecond). A reply not in by then
+#: is read at a later step, until ``lookup_timeout_s`` after its question.
+STEP_WAIT_S = 0.005
+
+
+class _Pending(Exception):
+    """A source's reply is on its way: vLLM asks again for the request at its next step."""
+
+
+@attrs.define(eq=False)
+class _Asking:
+    """A request's questions so far: each source's lookup answer, once in."""
+
+    answers: dict[str, Found | Refusal] = attrs.Factory(dict)
+    sources: set[str] = attrs.Factory(set)  # every source asked: their tokens are forgotten at the end
 
 
 @attrs.frozen
@@ -118,6 +138,8 @@ class SchedulerSide:
         self._stores: list[StoreOrder] = []
         self._loads: list[LoadOrder] = []
         self._matches: dict[str, _Match] = {}
+        self._asking: dict[str, _Asking] = {}   # requests with a question in flight or answered
+        self._wait_left = STEP_WAIT_S             # this step's
         # Every per-request entry below ends with the request: request_done, or the report of
         # its load when vLLM finished it while the load was in flight (sizes() shows them).
         self._active: dict[str, _Active] = {}     # req id -> its load, ordered and not yet reported finished
@@ -218,9 +240,10 @@ class SchedulerSide:
         return 0
 
     def match(self, req_id: str, tokens: Sequence[int], num_tokens: int, local_tokens: int,
-              salt: str | None, route: object = None) -> int:
-        """Tokens beyond ``local_tokens`` to load for this prompt (0: compute them).
-        ``route``: the ``kv_transfer_params`` entry a router named a source with (asked first)."""
+              salt: str | None, route: object = None) -> int | None:
+        """Tokens beyond ``local_tokens`` to load for this prompt (0: compute them; None: a
+        reply is on its way, ask again at the next step). ``route``: the
+        ``kv_transfer_params`` entry a router named a source with (asked first)."""
         if self.coordinator is None:
             return 0
         settings, bs = self.cfg.policy, self.compat.block_size
@@ -233,6 +256,29 @@ class SchedulerSide:
             return self._miss(req_id, "nothing_beyond_local")
         source = self.view.compat  # the decode engines' key: they named the blocks with it
         hashes = prefix_hashes(self.cfg.deployment, root(self.cfg.deployment, source, salt), tokens[:most * bs], bs)
+        try:
+            n = self._ask(req_id, self._asking.setdefault(req_id, _Asking()), hashes, local, route)
+        except _Pending:
+            return None
+        self._end_asking(req_id)
+        return n
+
+    def _spent(self, asking: _Asking, name: str, started: float) -> None:
+        """A question to ``name`` waited since ``started``: out of this step's wait."""
+        asking.sources.add(name)
+        self._wait_left = max(0.0, self._wait_left - (time.monotonic() - started))
+
+    def _end_asking(self, req_id: str) -> None:
+        asking = self._asking.pop(req_id, None)
+        for name in asking.sources if asking is not None else ():
+            client = self.clients.get(name)
+            if client is not None:
+                client.forget((req_id, "lookup"))
+                client.forget((req_id, "descriptors"))
+
+    def _ask(self, req_id: str, asking: _Asking, hashes: list[bytes], local: int, route: object) -> int:
+        """match, from the sources' replies (those in before are not asked again)."""
+        settings, bs, source = self.cfg.policy, self.compat.block_size, self.view.compat
         found: dict[str, Found] = {}
         refused: list[Refusal] = []
 
@@ -241,16 +287,25 @@ class SchedulerSide:
 
         def candidates() -> Iterator[Candidate]:
             for name in order:
-                client = self.clients[name]
-                log.debug("t=%.6f %s: asking %r", time.monotonic(), req_id, name)
-                answer = client.lookup(source, hashes)
-                self.tally.add("lookups")
+                if name not in asking.answers:
+                    if name not in asking.sources:
+                        log.debug("t=%.6f %s: asking %r", time.monotonic(), req_id, name)
+                    started = time.monotonic()
+                    reply = self.clients[name].lookup(source, hashes, token=(req_id, "lookup"), wait_s=self._wait_left)
+                    self._spent(asking, name, started)
+                    if reply is None:
+                        raise _Pending
+                    asking.answers[name] = answer = reply
+                    self.tally.add("lookups")
+                    if isinstance(answer, Refusal):
+                        log.debug("t=%.6f %s: %r refused (%s)", time.monotonic(), req_id, name, answer.reason)
+                    else:
+                        log.debug("t=%.6f %s: %r has %d of %d block(s)", time.monotonic(), req_id, name,
+                                  answer.blocks, len(hashes))
+                answer = asking.answers[name]
                 if isinstance(answer, Refusal):
-                    log.debug("t=%.6f %s: %r refused (%s)", time.monotonic(), req_id, name, answer.reason)
                     refused.append(answer)
                     continue
-                log.debug("t=%.6f %s: %r has %d of %d block(s)", time.monotonic(), req_id, name, answer.blocks,
-                          len(hashes))
                 found[name] = answer
                 yield Candidate(name, answer.blocks, MemoryKind.HOST)
 
@@ -263,13 +318,18 @@ class SchedulerSide:
         name = decision.source.source_id
         hit = found[name]
         log.debug("t=%.6f %s: found %d block(s) at %r", time.monotonic(), req_id, hit.blocks, name)
-        descriptors = self.clients[name].descriptors(source, hit.generation)
+        client = self.clients[name]
+        started = time.monotonic()
+        descriptors = client.descriptors(source, hit.generation, token=(req_id, "descriptors"), wait_s=self._wait_left)
+        self._spent(asking, name, started)
+        if descriptors is None:
+            raise _Pending
         log.debug("t=%.6f %s: descriptors of %r", time.monotonic(), req_id, name)
         if isinstance(descriptors, Refusal):
             return self._miss(req_id, descriptors.reason)
         problem = self._precheck(descriptors)
         if problem is not None:
-            self.clients[name].drop_descriptors()
+            client.drop_descriptors()
             self.tally.reason("rejections", problem)
             return self._miss(req_id, "rejected")
         self._matches[req_id] = _Match(name, local, hit.slots[local:hit.blocks], hit.keys[local:hit.blocks],
@@ -402,6 +462,7 @@ class SchedulerSide:
         which then forgets it: vLLM finishes a request before it hands over the connector
         output that fails its load, under ``kv_load_failure_policy="fail"`` or an abort)."""
         self._matches.pop(req_id, None)
+        self._end_asking(req_id)
         self._failed.discard(req_id)
         loading = self._active.get(req_id)
         if loading is None:
@@ -414,6 +475,7 @@ class SchedulerSide:
     def step_orders(self, idle: bool = False) -> StepOrders:
         orders = StepOrders(tuple(self._stores), tuple(self._loads), idle)
         self._stores, self._loads = [], []
+        self._wait_left = STEP_WAIT_S
         self._layer_running += self._layer_ordered
         self._layer_ordered = []
         return orders
@@ -424,7 +486,9 @@ class SchedulerSide:
     def sizes(self) -> dict[str, int]:
         """Entries of every per-request (and per-group) structure of this side: all zero
         once no request is in the engine and every load and store reported."""
-        out = {"matches": len(self._matches), "active": len(self._active), "groups": len(self._groups),
+        out = {"matches": len(self._matches), "asking": len(self._asking),
+               "questions": sum(c.in_flight() for c in self.clients.values()),
+               "active": len(self._active), "groups": len(self._groups),
                "counted": len(self._counted), "failed": len(self._failed),
                "store_orders": len(self._stores), "load_orders": len(self._loads),
                "layer_loads": len(self._layer_ordered) + len(self._layer_running)}

@@ -1,0 +1,189 @@
+"""A prefill scheduler's questions to a decode index while the index is slow or silent:
+every request running in the engine waits for vLLM's scheduling loop, so a question is
+sent, its reply read at a later step, and matched to its question by order
+(kvstate.integrations.vllm.index_client, "Questions in flight").
+
+The index here is a script on a real socket at the decode source's path: it takes
+questions and answers them only when told, in order, as a decode index does."""
+
+from __future__ import annotations
+
+import queue
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from integrations.test_vllm_flow import BS, POLICY, Engine
+from kvstate import channel as chan
+from kvstate.core.errors import ChannelError
+from kvstate.core.identity import Deployment
+from kvstate.core.reasons import ChannelReason
+from kvstate.integrations.vllm import wire
+from kvstate.integrations.vllm.hashing import Compat
+from kvstate.integrations.vllm.index_client import Found, IndexClient, Refusal
+from kvstate.integrations.vllm.scheduler_side import STEP_WAIT_S
+
+COMPAT = Compat(model="tiny", dtype="bf16", block_size=BS, head_dim=8, kv_heads=2, layers=("l0",), tp=1, isa="vec",
+                engine="test")
+DEPLOYMENT = Deployment("questions", bytes(range(32)))
+
+
+class ScriptedIndex:
+    """A decode index's socket whose questions wait until :meth:`answer` is called."""
+
+    def __init__(self, path: Path) -> None:
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(str(path))
+        self.listener.listen(8)
+        self.questions: queue.Queue[tuple[chan.Channel, dict[str, Any]]] = queue.Queue()
+        self.connections: list[chan.Channel] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            ch = chan.Channel(sock, limits=wire.LIMITS)
+            self.connections.append(ch)
+            self._threads.append(threading.Thread(target=self._read, args=(ch,), daemon=True))
+            self._threads[-1].start()
+
+    def _read(self, ch: chan.Channel) -> None:
+        while not self._stop.is_set():
+            try:
+                with ch.recv(timeout=0.05) as msg:
+                    self.questions.put((ch, wire.decode(msg.payload, "lookup", "descriptors")))
+            except ChannelError as exc:
+                if exc.reason is not ChannelReason.TIMEOUT:
+                    return
+
+    def answer(self, blocks: list[int]) -> int:
+        """Answer the next ``len(blocks)`` questions, in the order they came: ``found``
+        with that many blocks. Returns how many replies a connection took (the others'
+        client had closed it)."""
+        sent = 0
+        for n in blocks:
+            ch, _ = self.questions.get(timeout=5.0)
+            try:
+                ch.send(wire.encode("found", blocks=n, slots=list(range(n)), keys=list(range(100, 100 + n)),
+                                    epochs=[1], generation=1))
+                sent += 1
+            except ChannelError:
+                pass
+        return sent
+
+    def close(self) -> None:
+        self._stop.set()
+        self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
+        self.listener.close()
+        for t in self._threads:
+            t.join(5.0)
+        for ch in self.connections:
+            ch.close()
+
+
+@pytest.fixture
+def sockets(tmp_path: Path) -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="kvs-q-"))  # AF_UNIX paths are short; pytest's are long
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def index(sockets: Path) -> Iterator[ScriptedIndex]:
+    scripted = ScriptedIndex(sockets / "decode.index.sock")
+    yield scripted
+    scripted.close()
+
+
+HASHES = [bytes([i]) * 32 for i in range(4)]
+
+
+def test_replies_are_read_in_order_and_each_reaches_its_own_question(index: ScriptedIndex, sockets: Path) -> None:
+    client = IndexClient(sockets / "decode.index.sock", DEPLOYMENT, timeout_s=5.0)
+    try:
+        assert client.lookup(COMPAT, HASHES, token="a", wait_s=0) is None   # sent; the index holds it
+        assert client.lookup(COMPAT, HASHES, token="b", wait_s=0) is None
+        assert client.lookup(COMPAT, HASHES, token="a", wait_s=0) is None   # asked once, not again
+        index.answer([2, 3])
+        b = client.lookup(COMPAT, HASHES, token="b", wait_s=5.0)           # reads a's reply on the way
+        a = client.lookup(COMPAT, HASHES, token="a", wait_s=0)
+        assert isinstance(a, Found) and isinstance(b, Found) and (a.blocks, b.blocks) == (2, 3)
+        assert index.questions.empty() and client.in_flight() == 0
+    finally:
+        client.close()
+
+
+def test_a_forgotten_questions_reply_is_read_and_dropped(index: ScriptedIndex, sockets: Path) -> None:
+    client = IndexClient(sockets / "decode.index.sock", DEPLOYMENT, timeout_s=5.0)
+    try:
+        assert client.lookup(COMPAT, HASHES, token="gone", wait_s=0) is None
+        client.forget("gone")                                                # its request ended
+        assert client.in_flight() == 0
+        assert client.lookup(COMPAT, HASHES, token="next", wait_s=0) is None
+        index.answer([1, 4])
+        got = client.lookup(COMPAT, HASHES, token="next", wait_s=5.0)
+        assert isinstance(got, Found) and got.blocks == 4                    # not the forgotten one's 1
+        assert client.in_flight() == 0
+    finally:
+        client.close()
+
+
+def test_a_question_past_its_timeout_ends_every_question_on_its_connection(index: ScriptedIndex,
+                                                                             sockets: Path) -> None:
+    client = IndexClient(sockets / "decode.index.sock", DEPLOYMENT, timeout_s=0.3)
+    try:
+        assert client.lookup(COMPAT, HASHES, token="a", wait_s=0) is None
+        assert client.lookup(COMPAT, HASHES, token="b", wait_s=0) is None
+        polls = 0
+        while (a := client.lookup(COMPAT, HASHES, token="a", wait_s=0.01)) is None:
+            polls += 1
+        assert polls >= 2                                                    # asked again, never held
+        b = client.lookup(COMPAT, HASHES, token="b", wait_s=0)
+        assert a == Refusal("timeout", a.detail) and b == Refusal("timeout", b.detail)
+        assert index.answer([2, 2]) == 0    # late replies, to the connection the client closed
+        assert client.lookup(COMPAT, HASHES, token="c", wait_s=0) is None   # a new connection
+        index.answer([3])
+        c = client.lookup(COMPAT, HASHES, token="c", wait_s=5.0)
+        assert isinstance(c, Found) and c.blocks == 3
+        assert len(index.connections) == 2 and client.in_flight() == 0
+    finally:
+        client.close()
+
+
+def test_a_silent_decode_index_holds_no_step_and_ends_in_a_timeout_miss(index: ScriptedIndex,
+                                                                         sockets: Path) -> None:
+    """The scheduler's match returns None (vLLM asks again at its next step) while the
+    index is silent, each call within what a step may wait, until the question's timeout:
+    then a miss, counted once, and nothing of the request is left."""
+    timeout = 0.5
+    prefill = Engine("kv_consumer", {"socket_dir": str(sockets), "policy": POLICY, "lookup_timeout_s": timeout},
+                     1, "p")
+    try:
+        tokens = list(range(100, 117))
+        steps, longest = 0, 0.0
+        while True:
+            started = time.monotonic()
+            n = prefill.sched.match("p1", tokens, len(tokens), 0, None)
+            longest = max(longest, time.monotonic() - started)
+            if n is not None:
+                break
+            steps += 1
+            prefill.sched.step_orders()                                       # the engine's next step
+        assert n == 0 and steps >= 3
+        assert longest < timeout / 2, (longest, STEP_WAIT_S)               # never the whole timeout
+        assert prefill.sched.tally.take()["misses"] == {"timeout": 1}
+        assert prefill.sched.sizes()["asking"] == 0 and prefill.sched.sizes()["questions"] == 0
+    finally:
+        prefill.close()
