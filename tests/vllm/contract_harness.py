@@ -108,7 +108,11 @@ class Engine:
 
     def __init__(self, name: str, role: str, model_dir: Path, sockets: Path, *, sources: tuple[str, ...] = (),
                  failure_policy: str = "recompute", num_blocks: int = 64, max_seqs: int = 32,
-                 extra: dict[str, Any] | None = None) -> None:
+                 extra: dict[str, Any] | None = None, step_wait_s: float = 30.0) -> None:
+        """``step_wait_s``: what the scheduler's lookups may wait in one step. The cases
+        here stage each phase of a request in a given step, so by default a lookup is
+        answered in the step that asks it (the connector's own is 5 ms: a reply not in by
+        then is read at a later step); a case of a lookup in flight sets less."""
         os.environ.setdefault("KVSTATE_DEPLOYMENT_KEY", KEY_HEX)
         self.name, self.role, self.num_blocks = name, role, num_blocks
         kv_extra: dict[str, Any] = {"socket_dir": str(sockets), "source": name,
@@ -139,6 +143,7 @@ class Engine:
         self.scheduler = Scheduler(self.config, kv_cache_config, StructuredOutputManager(self.config),
                                    block_size=BS, log_stats=True)
         self.connector: Any = self.scheduler.connector
+        self.connector._sched.step_wait_s = self.connector._sched._wait_left = step_wait_s
         self._wait_ready()
         self.free_at_start = self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
         self.faults = Faults()

@@ -16,6 +16,7 @@ import pytest
 
 import contract_harness as h
 from kvstate.integrations.vllm import connector as connector_mod
+from kvstate.integrations.vllm import scheduler_side
 from contract_harness import BS, Engine
 
 #: How long what an idle engine left may take to go (see Box.settle_and_check).
@@ -130,7 +131,8 @@ def test_an_abort_while_its_lookup_is_in_flight_and_the_engine_steps_meanwhile(b
     mute.bind(str(box.sockets / "mute.index.sock"))
     mute.listen(4)
     try:
-        engine = box.make("eng", "kv_both", sources=("mute",), extra={"lookup_timeout_s": 60.0})
+        engine = box.make("eng", "kv_both", sources=("mute",), extra={"lookup_timeout_s": 60.0},
+                          step_wait_s=scheduler_side.STEP_WAIT_S)
         engine.add("asking", PROMPT)
         engine.add("short", list(range(700, 700 + BS)), max_tokens=3)   # nothing beyond its last token to load
         step_until(engine, lambda: engine.finished.get("short") is not None, "the other request finished")

@@ -168,7 +168,7 @@ class IndexClient:
     def _read_one(self, until: float) -> bool:
         """Read the oldest question's reply, waiting until ``until`` at most; past that
         question's deadline, every question on the connection is refused. False when
-        nothing came in time."""
+        nothing came."""
         q, ch = self._asked[0], self._ch
         assert ch is not None
         if not ch.pending():
@@ -214,7 +214,7 @@ class IndexClient:
             self._send(token, payload)
         until = time.monotonic() + (self.timeout_s if wait_s is None else wait_s)
         while token not in self._replies:
-            if not self._read_one(until):
+            if not self._read_one(until) and time.monotonic() >= until:  # else it woke early: wait on
                 return None
         return self._replies.pop(token)
 

@@ -139,6 +139,9 @@ class SchedulerSide:
         self._loads: list[LoadOrder] = []
         self._matches: dict[str, _Match] = {}
         self._asking: dict[str, _Asking] = {}   # requests with a question in flight or answered
+        #: what a step's questions may wait, all together (tests that need a reply in the
+        #: step that asks for it set more)
+        self.step_wait_s = STEP_WAIT_S
         self._wait_left = STEP_WAIT_S             # this step's
         # Every per-request entry below ends with the request: request_done, or the report of
         # its load when vLLM finished it while the load was in flight (sizes() shows them).
@@ -475,7 +478,7 @@ class SchedulerSide:
     def step_orders(self, idle: bool = False) -> StepOrders:
         orders = StepOrders(tuple(self._stores), tuple(self._loads), idle)
         self._stores, self._loads = [], []
-        self._wait_left = STEP_WAIT_S
+        self._wait_left = self.step_wait_s
         self._layer_running += self._layer_ordered
         self._layer_ordered = []
         return orders
