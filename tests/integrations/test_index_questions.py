@@ -166,7 +166,8 @@ def test_a_silent_decode_index_holds_no_step_and_ends_in_a_timeout_miss(index: S
                                                                          sockets: Path) -> None:
     """The scheduler's match returns None (vLLM asks again at its next step) while the
     index is silent, each call within what a step may wait, until the question's timeout:
-    then a miss, counted once, and nothing of the request is left."""
+    then a miss, counted once, and nothing of the request is left. The router's route
+    (malformed here) is looked at once, not at every step."""
     timeout = 0.5
     prefill = Engine("kv_consumer", {"socket_dir": str(sockets), "policy": POLICY, "lookup_timeout_s": timeout},
                      1, "p")
@@ -175,7 +176,7 @@ def test_a_silent_decode_index_holds_no_step_and_ends_in_a_timeout_miss(index: S
         steps, longest = 0, 0.0
         while True:
             started = time.monotonic()
-            n = prefill.sched.match("p1", tokens, len(tokens), 0, None)
+            n = prefill.sched.match("p1", tokens, len(tokens), 0, None, "not a source!")
             longest = max(longest, time.monotonic() - started)
             if n is not None:
                 break
@@ -183,7 +184,8 @@ def test_a_silent_decode_index_holds_no_step_and_ends_in_a_timeout_miss(index: S
             prefill.sched.step_orders()                                       # the engine's next step
         assert n == 0 and steps >= 3
         assert longest < timeout / 2, (longest, STEP_WAIT_S)               # never the whole timeout
-        assert prefill.sched.tally.take()["misses"] == {"timeout": 1}
+        counted = prefill.sched.tally.take()
+        assert counted["misses"] == {"timeout": 1} and counted["routes_ignored"] == {"malformed": 1}, counted
         assert prefill.sched.sizes()["asking"] == 0 and prefill.sched.sizes()["questions"] == 0
     finally:
         prefill.close()

@@ -77,6 +77,8 @@ class _Asking:
 
     answers: dict[str, Found | Refusal] = attrs.Factory(dict)
     sources: set[str] = attrs.Factory(set)  # every source asked: their tokens are forgotten at the end
+    routed: bool = False                    # the router's source, if any, was looked at (and counted)
+    first: str | None = None                # ...and is asked first
 
 
 @attrs.frozen
@@ -285,7 +287,9 @@ class SchedulerSide:
         found: dict[str, Found] = {}
         refused: list[Refusal] = []
 
-        first = self._routed(route)
+        if not asking.routed:
+            asking.routed, asking.first = True, self._routed(route)
+        first = asking.first if asking.first in self.clients else None
         order = ([first] if first is not None else []) + [s for s in self.clients if s != first]
 
         def candidates() -> Iterator[Candidate]:
