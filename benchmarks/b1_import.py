@@ -328,10 +328,15 @@ def _nixl_exporter(conn: Connection, p: dict[str, Any]) -> None:
                     agent.send_notif(peer, message)
     conn.recv()
     if importer is not None:  # before the importer's agent goes: no reconnects towards it
-        agent.remove_remote_agent(importer.decode() if isinstance(importer, bytes) else importer)
+        agent.remove_remote_agent(_text(importer))
     agent.deregister_memory(reg)
     conn.send("bye")
     conn.recv()  # the importer is gone: no reconnects towards a closed peer
+
+
+def _text(name: str | bytes) -> str:
+    """An agent's name as NIXL's calls take it (add_remote_agent returns bytes in some versions)."""
+    return name.decode() if isinstance(name, bytes) else name
 
 
 def _ask(agent: Any, peer: str, message: bytes) -> None:
@@ -356,8 +361,7 @@ def _nixl_importer(conn: Connection, p: dict[str, Any]) -> tuple[float, ...]:
     for i in range(p["repeats"] + 1):
         t0 = time.perf_counter()
         reg = agent.register_memory([(*r, "") for r in local_regions], "DRAM")
-        name = agent.add_remote_agent(metadata)
-        name = name.decode() if isinstance(name, bytes) else name
+        name = _text(agent.add_remote_agent(metadata))
         remote = agent.prep_xfer_dlist(name, regions, "DRAM")
         mine = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local_regions, "DRAM")
         if p.get("nixl_ask"):

@@ -92,7 +92,12 @@ class Mutant:
     @property
     def vllm(self) -> bool:
         """Its selection is in the vLLM suite (load() refuses a mixed one)."""
-        return self.tests[0].startswith(VLLM_TESTS)
+        return in_vllm_suite(self.tests)
+
+
+def in_vllm_suite(selection: Sequence[str]) -> bool:
+    """Whether a selection is the vLLM suite's (all of it: load() refuses a mixed one)."""
+    return selection[0].startswith(VLLM_TESTS)
 
 
 def vllm_python() -> Path:
@@ -102,7 +107,7 @@ def vllm_python() -> Path:
 
 def python_for(selection: Sequence[str]) -> str:
     """The interpreter a selection runs with: the vLLM suite's for tests/vllm, else this one."""
-    return str(vllm_python()) if selection[0].startswith(VLLM_TESTS) else sys.executable
+    return str(vllm_python()) if in_vllm_suite(selection) else sys.executable
 
 
 @attrs.frozen
