@@ -30,7 +30,7 @@ PROMPTS = [list(range(1000 + 100 * i, 1000 + 100 * i + BS + 8)) for i in range(8
 #: Structures whose idle size follows how the last batch's requests interleaved, under a
 #: fixed bound instead of the warm-up's maximum. The coordinator forgets ended groups when
 #: it starts one: idle, it holds those that ended since, at most one per request of a batch
-#: (8 or 9 of them, by the timing of the batch's lookups; never pruned, it would hold 1,800).
+#: (8 or 9 in these runs, by how the batch's requests interleaved; never pruned: 824).
 BOUNDED = {"eng.coordinator.groups": BATCH}
 
 
