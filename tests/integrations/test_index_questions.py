@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from integrations.test_vllm_flow import BS, POLICY, Engine
+from integrations.test_vllm_flow import BS, POLICY, Engine, wait_for
 from kvstate import channel as chan
 from kvstate.core.errors import ChannelError
 from kvstate.core.identity import Deployment
@@ -189,3 +189,35 @@ def test_a_silent_decode_index_holds_no_step_and_ends_in_a_timeout_miss(index: S
         assert prefill.sched.sizes()["asking"] == 0 and prefill.sched.sizes()["questions"] == 0
     finally:
         prefill.close()
+
+
+def test_every_source_is_asked_in_the_first_step_and_the_decision_waits_for_both(sockets: Path) -> None:
+    """With two sources, both questions leave in the step that first asks: a slow first
+    source does not hold back the question to the second (the decision then waits for the
+    slowest answer, not their sum). Neither answer alone decides: the policy reads both."""
+    first, second = ScriptedIndex(sockets / "first.index.sock"), ScriptedIndex(sockets / "second.index.sock")
+    prefill = Engine("kv_consumer", {"socket_dir": str(sockets), "policy": POLICY, "lookup_timeout_s": 5.0,
+                                     "sources": ["first", "second"]}, 1, "p")
+    try:
+        tokens = list(range(100, 117))
+
+        def step() -> int | None:
+            n = prefill.sched.match("p1", tokens, len(tokens), 0, None)
+            prefill.sched.step_orders()
+            return n
+
+        assert step() is None
+        wait_for(lambda: first.questions.qsize() == 1 and second.questions.qsize() == 1, "both questions asked")
+        assert second.answer([0]) == 1            # the second answers first: still waiting for the first
+        assert step() is None and step() is None
+        assert first.answer([0]) == 1
+        decided = wait_for(lambda: [n] if (n := step()) is not None else None, "the decision")
+        assert decided == [0]                     # no blocks at either: a miss
+        counted = prefill.sched.tally.take()
+        assert counted["lookups"] == 2 and sum(counted["misses"].values()) == 1, counted
+        assert first.questions.empty() and second.questions.empty()
+        assert prefill.sched.sizes()["asking"] == 0 and prefill.sched.sizes()["questions"] == 0
+    finally:
+        prefill.close()
+        first.close()
+        second.close()

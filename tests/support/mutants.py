@@ -46,7 +46,7 @@ import tempfile
 import time
 import tomllib
 import xml.etree.ElementTree as ET
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import attrs
@@ -253,6 +253,26 @@ class Run:
     output: str
 
 
+AUTOGROUP = Path("/proc/self/autogroup")
+
+
+def _autogroup_nice() -> int:
+    """This process's scheduling group's nice value (Linux autogroups; 0 without them)."""
+    try:
+        return int(AUTOGROUP.read_text().split()[-1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _join_nice(nice: int) -> Callable[[], None]:
+    def set_nice() -> None:  # in the child, after setsid made its new group
+        try:
+            AUTOGROUP.write_text(str(nice))
+        except OSError:
+            pass
+    return set_nice
+
+
 def pytest_run(tree: Path, selection: Sequence[str], timeout_s: float, *, stop_first: bool = True) -> Run:
     """The selection, run by pytest in ``tree``, in its own process group (killed whole on
     timeout)."""
@@ -261,8 +281,11 @@ def pytest_run(tree: Path, selection: Sequence[str], timeout_s: float, *, stop_f
     report = Path(name)
     cmd = [python_for(selection), "-m", "pytest", "-q", "-p", "no:cacheprovider",
            f"--junitxml={report}", *(["-x"] if stop_first else []), *selection]
+    # A new session is a new scheduling group at nice 0: a run started at a low weight
+    # (beside a vLLM suite, say) hands that weight on to its selections.
+    nice = _autogroup_nice()
     proc = subprocess.Popen(cmd, cwd=tree, env=_env(tree), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, preexec_fn=_join_nice(nice) if nice else None)
     try:
         out, _ = proc.communicate(timeout=timeout_s)
         rc: int | None = proc.returncode

@@ -54,8 +54,8 @@ KEYS: Mapping[str, tuple[object, str]] = {
     "deployment_key_file": (None, "file holding the deployment's 32-byte key (else $KVSTATE_DEPLOYMENT_KEY)"),
     "socket_dir": (None, "private directory (0700) for the control sockets of every engine of the deployment"),
     "source": ("decode", "decode side: the name this engine's retained KV is looked up by"),
-    "sources": (["decode"], "prefill side: the decode sources asked, in order: names (this node) or "
-                            "tcp://HOST:PORT (a decode engine's listen address, on any node)"),
+    "sources": (["decode"], "prefill side: the decode sources asked (all at once; their answers read in this "
+                            "order): names (this node) or tcp://HOST:PORT (a decode engine's listen address, on any node)"),
     "transport": ("auto", "how bank bytes move: auto (decode: NIXL when listen is set, else memfd; prefill: "
                           "NIXL for sources given by address), host (memfd, this node only) or nixl (NIXL over UCX)"),
     "listen": (None, "decode side: HOST:PORT other nodes reach this engine at: its index at PORT, rank r's "

@@ -292,23 +292,33 @@ class SchedulerSide:
         first = asking.first if asking.first in self.clients else None
         order = ([first] if first is not None else []) + [s for s in self.clients if s != first]
 
+        def lookup(name: str, wait_s: float) -> bool:
+            """Ask ``name`` (once) and take its answer if it came within ``wait_s``."""
+            if name not in asking.sources:
+                log.debug("t=%.6f %s: asking %r", time.monotonic(), req_id, name)
+            started = time.monotonic()
+            reply = self.clients[name].lookup(source, hashes, token=(req_id, "lookup"), wait_s=wait_s)
+            self._spent(asking, name, started)
+            if reply is None:
+                return False
+            asking.answers[name] = reply
+            self.tally.add("lookups")
+            if isinstance(reply, Refusal):
+                log.debug("t=%.6f %s: %r refused (%s)", time.monotonic(), req_id, name, reply.reason)
+            else:
+                log.debug("t=%.6f %s: %r has %d of %d block(s)", time.monotonic(), req_id, name, reply.blocks,
+                          len(hashes))
+            return True
+
         def candidates() -> Iterator[Candidate]:
+            # Every source's question goes out at once: the decision waits for the slowest
+            # answer, not for their sum. The policy then reads them in order.
             for name in order:
-                if name not in asking.answers:
-                    if name not in asking.sources:
-                        log.debug("t=%.6f %s: asking %r", time.monotonic(), req_id, name)
-                    started = time.monotonic()
-                    reply = self.clients[name].lookup(source, hashes, token=(req_id, "lookup"), wait_s=self._wait_left)
-                    self._spent(asking, name, started)
-                    if reply is None:
-                        raise _Pending
-                    asking.answers[name] = answer = reply
-                    self.tally.add("lookups")
-                    if isinstance(answer, Refusal):
-                        log.debug("t=%.6f %s: %r refused (%s)", time.monotonic(), req_id, name, answer.reason)
-                    else:
-                        log.debug("t=%.6f %s: %r has %d of %d block(s)", time.monotonic(), req_id, name,
-                                  answer.blocks, len(hashes))
+                if name not in asking.sources:
+                    lookup(name, 0.0)
+            for name in order:
+                if name not in asking.answers and not lookup(name, self._wait_left):
+                    raise _Pending
                 answer = asking.answers[name]
                 if isinstance(answer, Refusal):
                     refused.append(answer)
