@@ -143,7 +143,7 @@ class Engine:
         self.scheduler = Scheduler(self.config, kv_cache_config, StructuredOutputManager(self.config),
                                    block_size=BS, log_stats=True)
         self.connector: Any = self.scheduler.connector
-        self.connector._sched.step_wait_s = self.connector._sched._wait_left = step_wait_s
+        self.connector._sched.step_wait_s = step_wait_s
         self._wait_ready()
         self.free_at_start = self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
         self.faults = Faults()

@@ -79,6 +79,11 @@ class Refusal:
 Reply = dict[str, Any]
 
 
+def _refusal(reply: Reply) -> Refusal:
+    """The index's ``refused`` reply: a peer's word, so only a known reason becomes a metric label."""
+    return Refusal(reply["reason"] if reply["reason"] in INDEX_REFUSALS else "refused", reply["detail"])
+
+
 @attrs.define(eq=False)
 class _Question:
     token: Hashable
@@ -228,9 +233,8 @@ class IndexClient:
                                              hashes=b"".join(hashes[:wire.MAX_BLOCKS])), wait_s)
         if reply is None or isinstance(reply, Refusal):
             return reply
-        if reply["kind"] == "refused":  # a peer's word: only a known reason becomes a metric label
-            reason = reply["reason"] if reply["reason"] in INDEX_REFUSALS else "refused"
-            return Refusal(reason, reply["detail"])
+        if reply["kind"] == "refused":
+            return _refusal(reply)
         if reply["kind"] != "found" or not reply["epochs"] or \
                 not len(reply["slots"]) == len(reply["keys"]) == reply["blocks"] <= len(hashes):
             self._fail_all(Refusal("protocol", "a malformed reply came before"))
@@ -251,9 +255,8 @@ class IndexClient:
         reply = self._ask(token, wire.encode("descriptors", compat=compat.as_dict()), wait_s)
         if reply is None or isinstance(reply, Refusal):
             return reply
-        if reply["kind"] == "refused":  # a peer's word: only a known reason becomes a metric label
-            reason = reply["reason"] if reply["reason"] in INDEX_REFUSALS else "refused"
-            return Refusal(reason, reply["detail"])
+        if reply["kind"] == "refused":
+            return _refusal(reply)
         if reply["kind"] != "descriptor_set" or not reply["descriptors"]:
             self._fail_all(Refusal("protocol", "a malformed reply came before"))
             return Refusal("protocol", "malformed answer to a descriptor request")

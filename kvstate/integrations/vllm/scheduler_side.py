@@ -141,10 +141,7 @@ class SchedulerSide:
         self._loads: list[LoadOrder] = []
         self._matches: dict[str, _Match] = {}
         self._asking: dict[str, _Asking] = {}   # requests with a question in flight or answered
-        #: what a step's questions may wait, all together (tests that need a reply in the
-        #: step that asks for it set more)
-        self.step_wait_s = STEP_WAIT_S
-        self._wait_left = STEP_WAIT_S             # this step's
+        self.step_wait_s = STEP_WAIT_S            # and this step's wait left (_wait_left)
         # Every per-request entry below ends with the request: request_done, or the report of
         # its load when vLLM finished it while the load was in flight (sizes() shows them).
         self._active: dict[str, _Active] = {}     # req id -> its load, ordered and not yet reported finished
@@ -197,6 +194,16 @@ class SchedulerSide:
                 self.clients.pop(routed[0]).close()
             self.clients[source] = self._client(source)
         return source
+
+    @property
+    def step_wait_s(self) -> float:
+        """What a step's questions may wait, all together (tests that need a reply in the
+        step that asks for it set more; from now on)."""
+        return self._step_wait_s
+
+    @step_wait_s.setter
+    def step_wait_s(self, seconds: float) -> None:
+        self._step_wait_s = self._wait_left = seconds
 
     @property
     def coordinator_path(self) -> str:
@@ -492,7 +499,7 @@ class SchedulerSide:
     def step_orders(self, idle: bool = False) -> StepOrders:
         orders = StepOrders(tuple(self._stores), tuple(self._loads), idle)
         self._stores, self._loads = [], []
-        self._wait_left = self.step_wait_s
+        self._wait_left = self._step_wait_s
         self._layer_running += self._layer_ordered
         self._layer_ordered = []
         return orders
