@@ -14,7 +14,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from kvstate.core.errors import ChannelError
 from kvstate.core.identity import Deployment
 from kvstate.core.reasons import ChannelReason
 from kvstate.integrations.vllm import wire
-from kvstate.integrations.vllm.hashing import Compat
+from kvstate.integrations.vllm.hashing import HASH_BYTES, Compat, block_key
 from kvstate.integrations.vllm.index_client import Found, IndexClient, Refusal
 from kvstate.integrations.vllm.scheduler_side import STEP_WAIT_S
 
@@ -68,16 +68,19 @@ class ScriptedIndex:
                 if exc.reason is not ChannelReason.TIMEOUT:
                     return
 
-    def answer(self, blocks: list[int]) -> int:
+    def answer(self, blocks: list[int], keys: Callable[[list[bytes], list[int]], list[int]] | None = None) -> int:
         """Answer the next ``len(blocks)`` questions, in the order they came: ``found``
-        with that many blocks. Returns how many replies a connection took (the others'
-        client had closed it)."""
+        with that many blocks, in bank blocks 0, 1, ..., under ``keys(hashes, slots)``
+        of the question's hashes (default: keys of no prompt). Returns how many replies a
+        connection took (the others' client had closed it)."""
         sent = 0
         for n in blocks:
-            ch, _ = self.questions.get(timeout=5.0)
+            ch, question = self.questions.get(timeout=5.0)
+            slots = list(range(n))
+            named = list(range(100, 100 + n)) if keys is None else \
+                keys(wire.split_hashes(question["hashes"], HASH_BYTES)[:n], slots)
             try:
-                ch.send(wire.encode("found", blocks=n, slots=list(range(n)), keys=list(range(100, 100 + n)),
-                                    epochs=[1], generation=1))
+                ch.send(wire.encode("found", blocks=n, slots=slots, keys=named, epochs=[1], generation=1))
                 sent += 1
             except ChannelError:
                 pass
@@ -221,3 +224,57 @@ def test_every_source_is_asked_in_the_first_step_and_the_decision_waits_for_both
         prefill.close()
         first.close()
         second.close()
+
+
+def test_an_answer_naming_another_prompts_blocks_is_never_leased(index: ScriptedIndex, sockets: Path) -> None:
+    """A found reply's keys must be those of this prompt's own hashes in the bank blocks it
+    names (what the lease pins): one about another prompt (an index's bug, or a reply
+    read for another question) is a miss, and the connection it came on closes. The same
+    reply with this prompt's keys goes on to the descriptors (the control)."""
+    prefill = Engine("kv_consumer", {"socket_dir": str(sockets), "policy": POLICY, "lookup_timeout_s": 5.0}, 1, "p")
+    dep = prefill.cfg.deployment
+
+    def own(hashes: list[bytes], slots: list[int]) -> list[int]:
+        return [block_key(dep, h, s) for h, s in zip(hashes, slots)]
+
+    def other(hashes: list[bytes], slots: list[int]) -> list[int]:
+        return own([bytes(b ^ 1 for b in h) for h in hashes], slots)
+
+    try:
+        tokens = list(range(100, 117))                                     # 4 blocks beyond nothing local
+        assert prefill.sched.match("p1", tokens, len(tokens), 0, None) is None
+        assert index.answer([3], other) == 1
+        decided = wait_for(lambda: [n] if (n := prefill.sched.match("p1", tokens, len(tokens), 0, None)) is not None
+                           else None, "p1's decision")
+        assert decided == [0]
+        assert prefill.sched.tally.take()["misses"] == {"protocol": 1}
+        assert prefill.sched.match("p2", tokens, len(tokens), 0, None) is None   # on a new connection
+        wait_for(lambda: len(index.connections) == 2, "a second connection")
+        assert index.answer([3], own) == 1
+        wait_for(lambda: prefill.sched.match("p2", tokens, len(tokens), 0, None) is None
+                 and not index.questions.empty(), "p2's next question")
+        _, question = index.questions.get()
+        assert question["kind"] == "descriptors"                          # this prompt's blocks: on to the lease
+        prefill.sched.request_done("p2")
+        assert prefill.sched.sizes()["asking"] == 0
+    finally:
+        prefill.close()
+
+
+def test_a_prompt_that_grew_while_asked_is_asked_again(index: ScriptedIndex, sockets: Path) -> None:
+    """The answer to a shorter prompt's question is not used for the longer one (its
+    blocks were counted against fewer hashes): the first question is forgotten."""
+    prefill = Engine("kv_consumer", {"socket_dir": str(sockets), "policy": POLICY, "lookup_timeout_s": 5.0}, 1, "p")
+    dep = prefill.cfg.deployment
+    try:
+        short, longer = list(range(100, 109)), list(range(100, 117))       # 2 and 4 blocks to ask for
+        assert prefill.sched.match("p1", short, len(short), 0, None) is None
+        assert prefill.sched.match("p1", longer, len(longer), 0, None) is None
+        wait_for(lambda: index.questions.qsize() == 2, "both questions")
+        assert index.answer([2, 0], lambda hs, ss: [block_key(dep, h, s) for h, s in zip(hs, ss)]) == 2
+        decided = wait_for(lambda: [n] if (n := prefill.sched.match("p1", longer, len(longer), 0, None)) is not None
+                           else None, "the decision")
+        assert decided == [0]                                              # the longer prompt's answer: none
+        assert prefill.sched.sizes()["questions"] == 0
+    finally:
+        prefill.close()

@@ -38,7 +38,7 @@ from kvstate.core.errors import ChannelError, DescriptorRejected
 from kvstate.core.identity import Deployment
 from kvstate.core.reasons import ChannelReason
 from kvstate.integrations.vllm import wire
-from kvstate.integrations.vllm.hashing import COMPAT_FIELDS, Compat
+from kvstate.integrations.vllm.hashing import COMPAT_FIELDS, Compat, block_key
 
 
 @attrs.frozen
@@ -52,6 +52,14 @@ class Found:
     keys: tuple[int, ...]
     epochs: tuple[int, ...]
     generation: int
+
+    def names(self, deployment: Deployment, hashes: Sequence[bytes], first: int = 0) -> bool:
+        """Whether blocks ``first`` to ``blocks`` are those of the prompt with these
+        ``hashes``: each key must be the decode side's key of the prompt's own hash in that
+        bank block (:func:`~.hashing.block_key`). The lease pins a block by its key, so a
+        reply that passes names this prompt's KV and no other."""
+        return self.blocks <= len(hashes) and all(
+            self.keys[i] == block_key(deployment, hashes[i], self.slots[i]) for i in range(first, self.blocks))
 
 
 #: The reasons an index refuses a question with: the compatibility key's (hashing) and its own.
@@ -117,6 +125,11 @@ class IndexClient:
         """Questions someone still waits for, answered or not (sizes); a forgotten one is
         read and dropped with the next reply on its connection."""
         return sum(q.wanted for q in self._asked) + len(self._replies)
+
+    def distrust(self, detail: str) -> None:
+        """A reply broke the protocol in a way only its asker can see: the connection closes,
+        and every question on it is refused (``protocol``)."""
+        self._fail_all(Refusal("protocol", detail))
 
     def forget(self, token: Hashable) -> None:
         """The asker no longer wants ``token``'s reply (its request ended or was decided)."""

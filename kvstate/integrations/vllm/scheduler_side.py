@@ -75,6 +75,7 @@ class _Pending(Exception):
 class _Asking:
     """A request's questions so far: each source's lookup answer, once in."""
 
+    hashes: list[bytes]                     # the prompt's prefix blocks', computed once
     answers: dict[str, Found | Refusal] = attrs.Factory(dict)
     sources: set[str] = attrs.Factory(set)  # every source asked: their tokens are forgotten at the end
     routed: bool = False                    # the router's source, if any, was looked at (and counted)
@@ -266,10 +267,15 @@ class SchedulerSide:
         local, most = local_tokens // bs, (num_tokens - 1) // bs  # vLLM computes the last token itself
         if most <= local:
             return self._miss(req_id, "nothing_beyond_local")
-        source = self.view.compat  # the decode engines' key: they named the blocks with it
-        hashes = prefix_hashes(self.cfg.deployment, root(self.cfg.deployment, source, salt), tokens[:most * bs], bs)
+        asking = self._asking.get(req_id)
+        if asking is None or len(asking.hashes) != most:  # else asked before: a reply was on its way
+            if asking is not None:  # the prompt grew since (preempted): its answers were for less
+                self._end_asking(req_id)
+            source = self.view.compat  # the decode engines' key: they named the blocks with it
+            asking = self._asking[req_id] = _Asking(prefix_hashes(
+                self.cfg.deployment, root(self.cfg.deployment, source, salt), tokens[:most * bs], bs))
         try:
-            n = self._ask(req_id, self._asking.setdefault(req_id, _Asking()), hashes, local, route)
+            n = self._ask(req_id, asking, local, route)
         except _Pending:
             return None
         self._end_asking(req_id)
@@ -288,9 +294,9 @@ class SchedulerSide:
                 client.forget((req_id, "lookup"))
                 client.forget((req_id, "descriptors"))
 
-    def _ask(self, req_id: str, asking: _Asking, hashes: list[bytes], local: int, route: object) -> int:
+    def _ask(self, req_id: str, asking: _Asking, local: int, route: object) -> int:
         """match, from the sources' replies (those in before are not asked again)."""
-        settings, bs, source = self.cfg.policy, self.compat.block_size, self.view.compat
+        settings, bs, source, hashes = self.cfg.policy, self.compat.block_size, self.view.compat, asking.hashes
         found: dict[str, Found] = {}
         refused: list[Refusal] = []
 
@@ -340,9 +346,13 @@ class SchedulerSide:
                 reason = refused[0].reason  # why the lookups failed: unreachable, tp_mismatch, ...
             return self._miss(req_id, reason)
         name = decision.source.source_id
-        hit = found[name]
+        hit, client = found[name], self.clients[name]
+        if not hit.names(self.cfg.deployment, hashes, local):
+            # Another prompt's blocks (an index's bug, or a reply read for another question):
+            # never leased. The replies after it on that connection are not trusted either.
+            client.distrust("a lookup's answer named blocks of another prompt")
+            return self._miss(req_id, "protocol")
         log.debug("t=%.6f %s: found %d block(s) at %r", time.monotonic(), req_id, hit.blocks, name)
-        client = self.clients[name]
         started = time.monotonic()
         descriptors = client.descriptors(source, hit.generation, token=(req_id, "descriptors"), wait_s=self._wait_left)
         self._spent(asking, name, started)
