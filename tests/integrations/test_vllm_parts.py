@@ -20,7 +20,7 @@ from kvstate.core.errors import ChannelError, ConfigInvalid
 from kvstate.core.identity import Deployment
 from kvstate.integrations.vllm import config as cfgmod
 from kvstate.integrations.vllm import stats, wire
-from kvstate.integrations.vllm.hashing import Compat, block_key, prefix_hashes, root, source_id
+from kvstate.integrations.vllm.hashing import Compat, block_key, block_keys, prefix_hashes, root, source_id
 from kvstate.integrations.vllm.layout import (MLA_ISA, bank_blocks, bank_geometry, block_bytes, scales_problem,
                                               tensor_problem)
 from kvstate.integrations.vllm.tp import same_tp, source_view
@@ -139,6 +139,35 @@ def test_prefix_hashes_chain_like_a_prefix_cache() -> None:
     hc = prefix_hashes(dep, r, changed, 4)
     assert hc[:2] == hs[:2] and not set(hc[2:]) & set(hs)
     assert prefix_hashes(dep, r, toks[:9], 4) == hs[:2]   # a shorter prompt shares the prefix
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_hashes_are_their_definition(seed: int) -> None:
+    """Each prefix hash and inventory key is the keyed, personalised BLAKE2b its docstring
+    names, computed here from hashlib directly: decode and prefill engines of different
+    kvstate versions must name a block alike (the fast paths copy one keyed hasher)."""
+    import hashlib
+    import random
+    import struct
+    rng = random.Random(seed)
+    dep = Deployment("d", rng.randbytes(32))
+    bs = rng.choice([1, 4, 16, 32])
+    toks = [rng.randrange(-2**63, 2**63) for _ in range(rng.randrange(0, 6 * bs))]
+    start = rng.randbytes(16)
+
+    def h(data: bytes, size: int) -> bytes:
+        return hashlib.blake2b(data, digest_size=size, key=dep.key, person=b"kvstate/inventry").digest()
+
+    want, parent = [], start
+    for i in range(len(toks) // bs):
+        parent = h(b"B" + parent + struct.pack(f"<{bs}q", *toks[i * bs:(i + 1) * bs]), 16)
+        want.append(parent)
+    got = prefix_hashes(dep, start, toks, bs)
+    assert got == want
+    slots = [rng.randrange(2**40) for _ in got]
+    assert block_keys(dep, got, slots) == [int.from_bytes(h(b"K" + x + s.to_bytes(8, "little"), 8), "little")
+                                           for x, s in zip(got, slots)]
+    assert [block_key(dep, x, s) for x, s in zip(got, slots)] == block_keys(dep, got, slots)
 
 
 def test_hashes_are_keyed_salted_and_compat_bound() -> None:

@@ -32,7 +32,7 @@ from typing import Any
 
 import attrs
 
-from kvstate.core.identity import Deployment, Purpose, digest
+from kvstate.core.identity import Deployment, Purpose, digest, hasher
 
 HASH_BYTES = 16
 
@@ -110,19 +110,39 @@ def root(deployment: Deployment, compat: Compat, salt: str | None = None) -> byt
 
 
 def prefix_hashes(deployment: Deployment, start: bytes, tokens: Sequence[int], block_size: int) -> list[bytes]:
-    """The chained hash of every *full* block of ``tokens`` (a partial last block has none)."""
+    """The chained hash of every *full* block of ``tokens`` (a partial last block has none):
+    ``_h(deployment, b"B", parent + the block's tokens)``, from one keyed hasher."""
+    started = hasher(Purpose.INVENTORY, key=deployment.key, size=HASH_BYTES)
+    pack = struct.Struct(f"<{block_size}q").pack
     out: list[bytes] = []
     parent = start
     for i in range(len(tokens) // block_size):
-        block = tokens[i * block_size:(i + 1) * block_size]
-        parent = _h(deployment, b"B", parent + struct.pack(f"<{block_size}q", *block))
+        h = started.copy()
+        h.update(b"B" + parent + pack(*tokens[i * block_size:(i + 1) * block_size]))
+        parent = h.digest()
         out.append(parent)
     return out
 
 
+def _key_text(block_hash: bytes, bank_block: int) -> bytes:
+    return b"K" + block_hash + bank_block.to_bytes(8, "little")
+
+
 def block_key(deployment: Deployment, block_hash: bytes, bank_block: int) -> int:
     """The inventory key (unsigned 64-bit) of ``block_hash`` held in ``bank_block``."""
-    return int.from_bytes(_h(deployment, b"K", block_hash + bank_block.to_bytes(8, "little"), size=8), "little")
+    return int.from_bytes(digest(Purpose.INVENTORY, _key_text(block_hash, bank_block), key=deployment.key, size=8),
+                          "little")
+
+
+def block_keys(deployment: Deployment, block_hashes: Sequence[bytes], bank_blocks: Sequence[int]) -> list[int]:
+    """:func:`block_key` of each block hash in its bank block, from one keyed hasher."""
+    started = hasher(Purpose.INVENTORY, key=deployment.key, size=8)
+    out: list[int] = []
+    for block_hash, bank_block in zip(block_hashes, bank_blocks, strict=True):
+        h = started.copy()
+        h.update(_key_text(block_hash, bank_block))
+        out.append(int.from_bytes(h.digest(), "little"))
+    return out
 
 
 def source_id(deployment: Deployment, source: str) -> bytes:

@@ -38,7 +38,7 @@ from kvstate.core.errors import ChannelError, DescriptorRejected
 from kvstate.core.identity import Deployment
 from kvstate.core.reasons import ChannelReason
 from kvstate.integrations.vllm import wire
-from kvstate.integrations.vllm.hashing import COMPAT_FIELDS, Compat, block_key
+from kvstate.integrations.vllm.hashing import COMPAT_FIELDS, Compat, block_keys
 
 
 @attrs.frozen
@@ -56,10 +56,11 @@ class Found:
     def names(self, deployment: Deployment, hashes: Sequence[bytes], first: int = 0) -> bool:
         """Whether blocks ``first`` to ``blocks`` are those of the prompt with these
         ``hashes``: each key must be the decode side's key of the prompt's own hash in that
-        bank block (:func:`~.hashing.block_key`). The lease pins a block by its key, so a
+        bank block (:func:`~.hashing.block_keys`). The lease pins a block by its key, so a
         reply that passes names this prompt's KV and no other."""
-        return self.blocks <= len(hashes) and all(
-            self.keys[i] == block_key(deployment, hashes[i], self.slots[i]) for i in range(first, self.blocks))
+        return self.blocks <= len(hashes) and \
+            block_keys(deployment, hashes[first:self.blocks], self.slots[first:self.blocks]) == \
+            list(self.keys[first:self.blocks])
 
 
 #: The reasons an index refuses a question with: the compatibility key's (hashing) and its own.
