@@ -269,7 +269,7 @@ class SchedulerSide:
             return self._miss(req_id, "nothing_beyond_local")
         asking = self._asking.get(req_id)
         if asking is None or len(asking.hashes) != most:  # else asked before: a reply was on its way
-            if asking is not None:  # the prompt grew since (preempted): its answers were for less
+            if asking is not None:  # asked again with another length: those answers counted other hashes
                 self._end_asking(req_id)
             source = self.view.compat  # the decode engines' key: they named the blocks with it
             asking = self._asking[req_id] = _Asking(prefix_hashes(
