@@ -1,7 +1,9 @@
 """A prefill scheduler's questions to a decode index while the index is slow or silent:
 every request running in the engine waits for vLLM's scheduling loop, so a question is
 sent, its reply read at a later step, and matched to its question by order
-(kvstate.integrations.vllm.index_client, "Questions in flight").
+(kvstate.integrations.vllm.index_client, "Questions in flight"); and what the scheduler
+does with the answers: every source asked at once, and an answer used only when its keys
+are the prompt's own.
 
 The index here is a script on a real socket at the decode source's path: it takes
 questions and answers them only when told, in order, as a decode index does."""
