@@ -88,6 +88,7 @@ DEFAULTS: Mapping[str, tuple[str, ...]] = {
     "test_policy.py": ("unit",),
     "test_policy_cli.py": ("unit",),
     "test_policy_contracts.py": ("unit", "slow"),  # crosshair
+    "test_proposals.py": ("models",),
     "test_profile.py": ("unit",),
     "test_pure_core.py": ("unit",),
     "test_rules.py": ("unit",),
