@@ -42,6 +42,7 @@ def test_a_drained_bank_is_freed_under_weak_fairness() -> None:
 @pytest.mark.parametrize(("plant", "violated"), [
     ("EPOCH_AFTER_THE_BYTES", "c1==(want/2)"),        # the exporter marks a store only once it is done
     ("NO_SECOND_EPOCH_READ", "c1==(want/2)"),         # the importer trusts the epoch it read first
+    ("ODD_EPOCH_TRUSTED", "c1==(want/2)"),            # an index's answer naming a block mid-store
     ("EXPIRY_DROPS_THE_LEASE", "!(mapped[0])"),       # an expired lease ends before its unmap
     ("RETURN_BEFORE_UNMAP", "!(mapped[0])"),          # the importer returns its lease, then unmaps
 ])

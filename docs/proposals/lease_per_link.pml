@@ -121,7 +121,11 @@ proctype Importer(byte i) {
         fi;
         want = epoch[b];
         if
+#ifndef PLANT_ODD_EPOCH_TRUSTED
         :: want % 2 == 0 ->
+#else
+        :: true ->
+#endif
             e1 = epoch[b];
             if
             :: e1 == want ->
@@ -139,7 +143,7 @@ proctype Importer(byte i) {
                 fi
             :: else -> skip      /* rewritten since the index answered: a miss */
             fi
-        :: else -> skip          /* being written: the index names no such block */
+        :: else -> skip          /* odd: a store is writing it; refused, whoever named it */
         fi;
         d_step { n++; b = 0; want = 0; e1 = 0; e2 = 0; c1 = 0; c2 = 0 }  /* merge states */
     :: lease[i] == EXPIRED || bank != LIVE -> break  /* a renewal was refused */
