@@ -179,10 +179,13 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
         handle = plan.submit(self.importer.transport)  # all or nothing; raises TransferFailed (LOAD)
         self.loads.add(handle)
         try:
-            handle._activate(self._load_finished)
+            handle._activate(self._load_finished, held=self._lease_intact)
         except BaseException:  # not watched: nothing of it is in flight (_activate)
             self.loads.discard(handle)
             raise
+
+    def _lease_intact(self, rank: int) -> bool:
+        return any(p.rank == rank and p.lease_intact() for p in self.parts)
 
     def _load_finished(self, handle: TransferHandle) -> None:
         try:

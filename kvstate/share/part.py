@@ -139,6 +139,15 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
     def pins(self) -> int:
         return 0 if self.mapping is None else self.transport.stats(self.mapping).pins
 
+    def lease_intact(self) -> bool:
+        """Whether the lease still holds for the exporter: the channel it is on is open at
+        both ends. A hang-up ends the lease there (``peer_died``), and the blocks it pinned
+        may be written again. Asked after a load's copies ended: the exporter saw the
+        hang-up only after this side shut the channel or after its own side closed, both of
+        which this poll sees, so a load that read rewritten blocks is never called intact."""
+        ch = self.channel
+        return ch is not None and not ch.hung_up()
+
     def _renewed(self) -> tuple[float, float] | None:
         renewal, key = self.group.importer.renewal, self.renewal_key
         state = renewal.state(key) if renewal is not None and key is not None else None

@@ -167,7 +167,7 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
         handle = plan.submit(self.importer.transport)  # all or nothing; raises TransferFailed (LOAD)
         self.loads.add(handle)
         try:
-            handle._activate(self._load_finished)
+            handle._activate(self._load_finished, held=lambda rank: part.lease_intact())
         except BaseException:  # not watched: nothing of it is in flight (_activate)
             self.loads.discard(handle)
             raise

@@ -52,6 +52,8 @@ DISPATCHER_LINGER_S = 0.25
 CLOSE_WAIT_S = 60.0
 
 PENDING, DONE, FAILED, CANCELLED = "pending", "done", "failed", "cancelled"
+#: A load's op that completed after its rank's lease may have ended (see ``_activate``).
+LOST = "lost"
 
 
 def check_timeout(timeout: object, where: str = "timeout") -> float:
@@ -106,6 +108,7 @@ class TransferHandle:
         self._user_fd: int | None = None
         self._callbacks: list[Callable[[TransferHandle], None]] = []
         self._on_finish: Callable[[TransferHandle], None] | None = None
+        self._held: Callable[[int], bool] | None = None
         self._result: TransferResult | None = None
         self._report: tuple[Any, int] | None = None  # (native, id) of a report the op engine sends
         self._report_status: str | None = None
@@ -127,12 +130,18 @@ class TransferHandle:
     def _keep(self, refs: Sequence[Any]) -> None:
         self._refs.extend(refs)
 
-    def _activate(self, on_finish: Callable[[TransferHandle], None] | None) -> None:
+    def _activate(self, on_finish: Callable[[TransferHandle], None] | None, *,
+                  held: Callable[[int], bool] | None = None) -> None:
         """All ops are submitted and the owner tracks the handle: let it finish. If it
         cannot be watched (epoll or eventfd refused: ENOMEM, ENOSPC; no thread; a native
         refusal), nothing stays in flight: its ops are cancelled or awaited, and the error
-        (TransferFailed, load or store, for an OS one) says so; the owner forgets the handle."""
+        (TransferFailed, load or store, for an OS one) says so; the owner forgets the handle.
+
+        ``held(rank)`` (a load's): whether the lease its copies of ``rank`` read under still
+        holds, asked once they completed. Without it the exporter may have written the
+        blocks before they were copied, so that rank's ops count as failed (:data:`LOST`)."""
         self._on_finish = on_finish
+        self._held = held
         fd = self._notify_fd
         if fd is None:
             return
@@ -230,12 +239,28 @@ class TransferHandle:
             if any(s in ("queued", "running", "created") for s in states):
                 return None
             if "reaped" not in states:
-                return all(s == DONE for s in states)
+                return all(s == DONE for s in states) and not self._lost({e.rank for e in mine})
             # Another thread is finishing the handle: it reaped these ops and records how
             # they ended (a reaped op is not a failed one). That takes no longer than the reaps.
             if not self._finished.wait(CLOSE_WAIT_S):
                 return None
         return all(e.state == DONE for e in mine)
+
+    def _lost(self, ranks: set[int]) -> set[int]:
+        """Those of ``ranks`` whose lease may have ended (see :meth:`_activate`); a check
+        that cannot answer vouches for nothing."""
+        held = self._held
+        if held is None:
+            return set()
+        lost = set()
+        for rank in ranks:
+            try:
+                if not held(rank):
+                    lost.add(rank)
+            except Exception:  # a rank nobody can vouch for is lost, never trusted
+                log.exception("%s: cannot tell whether rank %d's lease holds", self.label, rank)
+                lost.add(rank)
+        return lost
 
     def cancel(self) -> None:
         """Cancel every op not yet taken by a worker; ops already copying complete. The
@@ -378,6 +403,13 @@ class TransferHandle:
             self._report_status = _close_report(*report)
         for e in self._entries:
             e.state = _reap(e.op)
+        lost = self._lost({e.rank for e in self._entries if e.state == DONE})
+        for e in self._entries:
+            if e.state == DONE and e.rank in lost:
+                e.state = LOST
+        if lost:
+            log.warning("%s: the lease of rank(s) %s may have ended before the copies did; their blocks "
+                        "are failed", self.label, sorted(lost))
         if fd is not None:
             os.close(fd)  # after the reaps: no op can still write to that number
         for r in self._refs:

@@ -8,6 +8,7 @@ thread, fd and mapping the coordinator, the workers and the exporters took.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +33,7 @@ from kvstate.share.exporter import Exporter
 from kvstate.share.rank_share import RankShare
 from kvstate.share.rank_worker import RankWorker, WorkerConfig
 from kvstate.transport.host import HostTransport
+from kvstate.transport.native import default
 from support.coordinated import CountingTransport, Prefill, socket_path
 from support.reuse import REUSE_ON
 from support.waiting import wait_until
@@ -282,6 +284,35 @@ def test_workers_renew_their_leases_and_give_a_draining_bank_back(transport: Hos
     assert group.wait(("closed",), 5.0) and group.state == "closed"
     assert all(w.share(group.gid).state == "closed" for w in p.workers)  # type: ignore[union-attr]
     assert all(w.leases() == 0 for w in p.workers)
+
+
+def test_a_load_whose_link_hung_up_before_its_copies_ended_fails(transport: HostTransport,
+                                                                 prefill_factory: Any) -> None:
+    """INV-LOAD-BYTES under a lease's end (tests/datapath/test_lease_end.py for the
+    in-process group): the worker's link shuts while its load is queued (as on a
+    timed-out request), the exporter ends the lease on the hang-up and writes the blocks
+    again, and the load, which then copies the new bytes, reports every block failed."""
+    ex = make_exporter(1, transport)
+    p = prefill_factory(1)
+    group = p.coordinator.import_group([ex.descriptor(0)])
+    share = p.workers[0].wait(group.gid, ("ready",), 5.0)
+    assert share is not None and share.state == "ready" and share.part is not None and share.part.link is not None
+    ended = threading.Event()
+    ex.banks[0].observe(lambda change: ended.set() if change.event == "peer_died" else None)
+    pages = {r.name: np.zeros((4, *r.block_shape), dtype=np.uint16) for r in GEOMETRY.regions}
+    native = default()
+    native.pause(True)
+    try:
+        handle = share.load([2, 9], pages, [0, 1])
+        share.part.link.native.close()  # type: ignore[union-attr]
+        assert ended.wait(5.0)
+        ex.banks[0].view()[:GEOMETRY.nbytes] = b"\xee" * GEOMETRY.nbytes  # a store into unpinned blocks
+    finally:
+        native.pause(False)
+    with handle:
+        assert handle.wait(5.0)
+        assert all(pages[r.name][:2].tobytes() == b"\xee" * (2 * r.block_bytes) for r in GEOMETRY.regions)
+        assert handle.failed_blocks() == frozenset({0, 1}), "a load across the lease's end was trusted"
 
 
 def test_a_worker_that_dies_before_import_fails_the_group_at_once(transport: HostTransport,
