@@ -428,6 +428,12 @@ int64_t kvs_lease_lease_requests(kvs_lease_server *s) {
 }
 
 void kvs_lease_conn_end(struct kvs_lease_server *s, uint64_t conn, int importer_closed, int why) {
+    /* The importer must see the hang-up before any lease of it ends here: once one ends,
+     * the blocks it pinned may be stored into, and a load of the importer trusts its copies
+     * only while its socket is not hung up (Part.lease_intact). close() alone would not hang
+     * up a socket that a child of this process still holds. */
+    struct kvs_conn *open = kvs_lease_conn(s, conn);
+    if (open && open->fd >= 0) shutdown(open->fd, SHUT_RDWR);
     for (int r = 0; r < KVS_LEASE_MAX_RANKS; r++) {
         struct kvs_bank *b = &s->banks[r];
         if (!b->live) continue;

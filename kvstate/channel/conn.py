@@ -128,14 +128,17 @@ class Channel:
         return self._poll_now(select.POLLIN)
 
     def _poll_now(self, events: int) -> bool:
-        if self._closed:
-            return True
-        p = select.poll()
-        try:
-            p.register(self._sock.fileno(), events)
-            return bool(p.poll(0))
-        except (ValueError, OSError):  # closed, or a refused poll: say yes, the next recv tells
-            return True
+        # Under the close lock: a close between the check and the poll would free the fd's
+        # number for another file, whose poll would answer for this channel.
+        with self._close_lock:
+            if self._closed:
+                return True
+            p = select.poll()
+            try:
+                p.register(self._sock.fileno(), events)
+                return bool(p.poll(0))
+            except (ValueError, OSError):  # a refused poll: say yes, the next recv tells
+                return True
 
     def close(self) -> None:
         with self._close_lock:
