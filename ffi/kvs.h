@@ -442,6 +442,9 @@ int kvs_lease_bank_add(kvs_lease_server *s, int32_t rank, int32_t uncounted);
 /* At advertise: what a lease answer needs (the fd stays the caller's). */
 int kvs_lease_bank_publish(kvs_lease_server *s, int32_t rank, int64_t generation, const char *incarnation,
                            int64_t descriptor_expires_ns, int32_t fd, uint64_t region, const char *report);
+/* The bank's epoch page (kvstate.share.epochs), sent on `block_epochs` to a connection holding a
+ * lease on it (the fd stays the caller's); -1: none. */
+int kvs_lease_bank_epochs(kvs_lease_server *s, int32_t rank, int32_t fd, int64_t num_blocks);
 int kvs_lease_bank_descriptor(kvs_lease_server *s, int32_t rank, int64_t descriptor_expires_ns); /* 0: withdrawn */
 int kvs_lease_bank_uncounted(kvs_lease_server *s, int32_t rank, int32_t uncounted); /* holds from the next grant */
 int32_t kvs_lease_bank_state(kvs_lease_server *s, int32_t rank); /* a state id, or KVS_E_NOENT */

@@ -124,6 +124,7 @@ int kvs_lease_bank_add(kvs_lease_server *s, int32_t rank, int32_t uncounted) {
         kvs_machine_init(&b->m, KVS_MACHINE_BANK);
         b->uncounted = uncounted != 0;
         b->fd = -1;
+        b->epoch_fd = -1;
         b->live = 1;
         s->nbanks++;
     }
@@ -152,6 +153,18 @@ int kvs_lease_bank_publish(kvs_lease_server *s, int32_t rank, int64_t generation
     b->report = copy;
     pthread_mutex_unlock(&s->mu);
     return KVS_OK;
+}
+
+int kvs_lease_bank_epochs(kvs_lease_server *s, int32_t rank, int32_t fd, int64_t num_blocks) {
+    if (!s || fd < -1 || num_blocks < 0) return KVS_E_INVAL;
+    pthread_mutex_lock(&s->mu);
+    struct kvs_bank *b = kvs_lease_bank_of(s, rank);
+    if (b) {
+        b->epoch_fd = fd;
+        b->epoch_blocks = num_blocks;
+    }
+    pthread_mutex_unlock(&s->mu);
+    return b ? KVS_OK : KVS_E_NOENT;
 }
 
 int kvs_lease_bank_descriptor(kvs_lease_server *s, int32_t rank, int64_t descriptor_expires_ns) {

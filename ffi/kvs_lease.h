@@ -38,6 +38,8 @@ struct kvs_bank {
     char incarnation[65];
     int64_t descriptor_expires_ns; /* CLOCK_REALTIME; 0: no descriptor */
     int fd;                        /* the exported fd sent with each grant, or -1 */
+    int epoch_fd;                  /* the bank's epoch page, sent on `block_epochs`, or -1 (kvstate.share.epochs) */
+    int64_t epoch_blocks;          /* its entries */
     uint64_t region;               /* pinned by holds */
     char *report;                  /* the `bank` object of a grant, rendered by Python */
     struct kvs_lease *leases;      /* max_leases slots */

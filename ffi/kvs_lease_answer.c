@@ -188,6 +188,16 @@ static int handle_one(struct kvs_lease_server *s, uint64_t conn, int pid, const 
         refuse(o, "unknown_lease", 0, 0, "no live lease %s on this connection", shown(flease, buf, sizeof buf));
         return 0;
     }
+    if (strcmp(op, "block_epochs") == 0) { /* the page a lease holder's loads check (kvstate.share.epochs) */
+        const struct kvs_conn *cn = kvs_lease_conn(s, conn);
+        if (b->epoch_fd < 0 || o->fdcap < 1 || !cn || cn->tcp) { /* no fds across nodes */
+            refuse(o, "no_epochs", 0, 0, "no epoch page for rank %lld on this connection", (long long)rank);
+            return 0;
+        }
+        put(o, "{\"blocks\":%lld,\"entry_bytes\":8,\"ok\":true}", (long long)b->epoch_blocks);
+        o->fds[o->nfds++] = b->epoch_fd;
+        return 0;
+    }
     struct fx_ctx c = {.s = s, .b = b, .lease = id, .conn = conn};
     if (strcmp(op, "mapped") == 0) {
         int rc = kvs_lease_fire_one(s, (int32_t)rank, KVS_BANK_EV_LEASE_MAPPED, &c, KVS_LWHY_NONE, &out);
@@ -431,7 +441,7 @@ int kvs_lease_handle(kvs_lease_server *s, uint64_t conn, const char *payload, ui
                     char q[96];
                     snprintf(q, sizeof q, "'%s'", opname);
                     if (strcmp(opname, "lease") && strcmp(opname, "renew") && strcmp(opname, "release") &&
-                        strcmp(opname, "mapped")) {
+                        strcmp(opname, "mapped") && strcmp(opname, "block_epochs")) {
                         /* handle_one refuses it after the rank and lease checks, as Python did */
                         handle_one(s, conn, pid, q, &r->top, &o, &id, NULL);
                     } else {

@@ -161,6 +161,7 @@ class BusyReason(_Reason):
     MAPPED = "mapped"            # mappings of the allocation or reservation remain
     BLOCKS = "blocks"            # retained blocks are pinned or under lease (``hashes``)
     VIEWS = "views"              # engine views of a bank's memory are still alive
+    STORING = "storing"          # a store is still writing the bank block (one at a time)
     ENGINE = "engine"            # the op engine has ops queued or running
     CONNECTIONS = "connections"  # a server runs its cap of connection handlers (``limit``)
 

@@ -24,6 +24,7 @@ from kvstate.core.spec import load_machine
 from kvstate.core.capabilities import Access
 from kvstate.transport.protocol import A, E, H, HostView, M, R
 from kvstate.share import store
+from kvstate.share.epochs import new_page
 from kvstate.share.lease_server import HoldView, NativeLease
 from kvstate.share.owned import new_owner, unmap_owned
 from kvstate.transport.nixl import handle as nixl_handle
@@ -64,7 +65,13 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         self.rank = rank
         self.geometry = geometry
         self.size = geometry.bank_size(self.transport.granularity())
-        self.allocation: A = self.transport.create(self.size)
+        #: Each block's store count, for importers' loads to check (kvstate.share.epochs).
+        self.block_epochs = new_page(geometry.num_blocks, self.label)
+        try:
+            self.allocation: A = self.transport.create(self.size)
+        except BaseException:
+            self.block_epochs.close()
+            raise
         self.owner = "engine"
         self.reservation: R | None = None
         self.mapping: M | None = None
@@ -78,6 +85,7 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         self._native = exporter.lease_server
         self._uncounted = exporter.config.handle_kind in UNCOUNTED_KINDS
         self._native.add_bank(rank, self._uncounted)
+        self._native.block_epochs(rank, self.block_epochs.fd, geometry.num_blocks)
         self.stores: set[TransferHandle] = set()
         self._views: list[weakref.ref[Any]] = []  # buffers under the engine's tensors (Bank.tensors)
         self._report: dict[str, Any] | None = None  # lease_report() of this generation and incarnation
@@ -331,12 +339,18 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
     def _submit_store(self, *, plan: object = None, **kw: Any) -> None:
         if not isinstance(plan, Plan) or plan.kind != "store":
             raise ArgumentInvalid.transfer(ArgumentReason.PLAN, "fire('store')", "needs the plan Bank.store builds")
-        handle = plan.submit(self.transport)
+        self.block_epochs.begin(plan.blocks, self.label)  # odd before the first op can write (Busy: one store per block)
+        try:
+            handle = plan.submit(self.transport)
+        except BaseException:
+            self.block_epochs.end(plan.blocks)
+            raise
         self.stores.add(handle)
         try:
             handle._activate(self._store_finished)
         except BaseException:  # not watched: nothing of it is in flight (_activate)
             self.stores.discard(handle)
+            self.block_epochs.end(plan.blocks)
             raise
 
     def _store_finished(self, handle: TransferHandle) -> None:
@@ -344,10 +358,15 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
             self.fire("stored", handle=handle)
         except TransitionError as exc:  # cannot happen while the table keeps `stored` where stores run
             log.error("%s: a finished store was not collected: %s", self.label, exc)
+            if handle in self.stores:
+                self.block_epochs.end(handle.blocks)
             self.stores.discard(handle)
 
     @effect("collect_store")
     def _collect_store(self, *, handle: object = None, **kw: Any) -> None:
+        if handle in self.stores:  # every op reaped: even again, done or failed
+            assert isinstance(handle, TransferHandle)
+            self.block_epochs.end(handle.blocks)
         self.stores.discard(handle)
 
     @effect("native_release")
@@ -359,4 +378,6 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         t = self.transport
         self._unregister()  # step by step: a failed step leaves the rest for a retry
         t.release(self.allocation)
+        self._native.block_epochs(self.rank, None, 0)  # before its fd closes
+        self.block_epochs.close()
         self.owner = "released"

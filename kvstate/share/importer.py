@@ -176,16 +176,15 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
     def _submit(self, *, plan: object = None, **kw: Any) -> None:
         if not isinstance(plan, Plan) or plan.kind != "load":
             raise ArgumentInvalid.transfer(ArgumentReason.PLAN, "fire('load')", "needs the plan Group.load builds")
+        ranks = {c.rank for c in plan.copies}
+        vouchers = {p.rank: p.voucher(plan.sources) for p in self.parts if p.rank in ranks}  # before any copy
         handle = plan.submit(self.importer.transport)  # all or nothing; raises TransferFailed (LOAD)
         self.loads.add(handle)
         try:
-            handle._activate(self._load_finished, held=self._lease_intact)
+            handle._activate(self._load_finished, held=lambda rank: rank in vouchers and vouchers[rank]())
         except BaseException:  # not watched: nothing of it is in flight (_activate)
             self.loads.discard(handle)
             raise
-
-    def _lease_intact(self, rank: int) -> bool:
-        return any(p.rank == rank and p.lease_intact() for p in self.parts)
 
     def _load_finished(self, handle: TransferHandle) -> None:
         try:

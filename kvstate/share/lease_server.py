@@ -154,6 +154,11 @@ class LeaseServer:
     def add_bank(self, rank: int, uncounted: bool) -> None:
         self._check(self.lib.kvs_lease_bank_add(self._s, rank, int(uncounted)), "kvs_lease_bank_add", f"rank {rank}")
 
+    def block_epochs(self, rank: int, fd: int | None, num_blocks: int) -> None:
+        """The epoch page a ``block_epochs`` request of a lease holder on ``rank`` receives."""
+        self._check(self.lib.kvs_lease_bank_epochs(self._s, rank, -1 if fd is None else fd, num_blocks),
+                    "kvs_lease_bank_epochs", f"rank {rank}")
+
     def publish(self, bank: Bank[Any, Any, Any, Any, Any], report: dict[str, Any], fd: int | None) -> None:
         """What a grant of ``bank``'s current generation says and sends (at advertise)."""
         text = json.dumps(report, sort_keys=True, separators=(",", ":")).encode()

@@ -120,7 +120,7 @@ def paged_parts(label: str, g: Geometry, parts: Mapping[int, Part], targets: Map
         raise ArgumentInvalid.transfer(ArgumentReason.BLOCK_IDS, "dst_block_ids", f"{len(dst_ids)} ids for "
                                        f"{len(src_ids)} bank blocks")
     unique(dst_ids, "dst_block_ids")
-    plan = Plan("load", f"{label} load", dst_ids)
+    plan = Plan("load", f"{label} load", dst_ids, sources=src_ids)
     try:
         for r, named in targets.items():
             if not isinstance(named, Mapping):
@@ -191,7 +191,7 @@ def dense_parts(label: str, g: Geometry, parts: Mapping[int, Part], targets: Map
         for off, length in g.block_extents(b):
             extents.append((off, pos, length))
             pos += length
-    plan = Plan("load", f"{label} prefix load", ids)
+    plan = Plan("load", f"{label} prefix load", ids, sources=ids)
     try:
         for r, dst in sorted(targets.items()):
             part = parts[r]

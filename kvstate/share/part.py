@@ -29,6 +29,7 @@ from kvstate.core.spec import load_machine
 from kvstate.core.capabilities import Access
 from kvstate.transport.protocol import A, E, H, M, R
 from kvstate.share import peers
+from kvstate.share.epochs import EpochView
 from kvstate.share.owned import new_owner, unmap_owned
 
 if TYPE_CHECKING:
@@ -147,6 +148,28 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         which this poll sees, so a load that read rewritten blocks is never called intact."""
         ch = self.channel
         return ch is not None and not ch.hung_up()
+
+    def voucher(self, sources: Sequence[int]) -> Callable[[], bool]:
+        """For a load of bank blocks ``sources`` about to be submitted: what it asks once its
+        copies completed, whether it may use them. The lease must still hold
+        (:meth:`lease_intact`), and where the exporter keeps block epochs, no store may
+        have written those blocks since now (:class:`kvstate.share.epochs.EpochView`)."""
+        page = self._epoch_page()
+        if page is None or not sources:
+            return self.lease_intact
+        before = page.read(sources)
+        return lambda: self.lease_intact() and page.vouches(sources, before)
+
+    def _epoch_page(self) -> EpochView | None:
+        """The block epoch page of this part's bank, asked once per link and bank."""
+        link, lease_id, d = self.link, self.lease_id, self.descriptor
+        if link is None or lease_id is None:
+            return None  # a part on a channel of its own (NIXL's) reads across nodes
+        key = (d.rank, d.incarnation, d.handle)
+        if key not in link.block_epochs:
+            link.block_epochs[key] = link.epoch_page(d.rank, lease_id, d.geometry.num_blocks,
+                                                     self.group.importer.config.request_timeout_s)
+        return link.block_epochs[key]
 
     def _renewed(self) -> tuple[float, float] | None:
         renewal, key = self.group.importer.renewal, self.renewal_key

@@ -33,6 +33,7 @@ sent, then every answer read.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -43,11 +44,14 @@ import attrs
 
 from kvstate import channel as chan
 from kvstate.channel.framing import close_quietly
+from kvstate.share.epochs import ENTRY_BYTES, EpochView
 from kvstate.share.link import NativeLink
 from kvstate.core.errors import ChannelError, ImportFailed, KvStateError
 from kvstate.core.reasons import ImportReason, ChannelReason
 
 #: How many fds one message may carry on a link: every rank of the largest group.
+log = logging.getLogger(__name__)
+
 LINK_LIMITS = chan.Limits(max_fds=chan.HARD_MAX_FDS)
 
 
@@ -65,6 +69,9 @@ class PeerLink:
             channel.close()
             raise
         self.users = 0                 # holders: requests in flight, grants and parts leasing on it (Peers)
+        #: The exporter's block epoch pages, once asked: (rank, incarnation, handle bytes) ->
+        #: the page, or None where it has none (:func:`block_epochs`).
+        self.block_epochs: dict[tuple[int, bytes, bytes], EpochView | None] = {}
         self.idle_since = time.monotonic()
 
     def __repr__(self) -> str:
@@ -90,6 +97,25 @@ class PeerLink:
             self.close()
             raise
 
+    def epoch_page(self, rank: int, lease_id: int, num_blocks: int, timeout: float) -> EpochView | None:
+        """Ask for the block epoch page of the bank ``lease_id`` is on (this link holds the
+        lease, so the page is that bank's). None where the exporter has none or sent one
+        that does not check (logged): loads from it then go unchecked by epochs."""
+        try:
+            with self.request(chan.encode({"op": "block_epochs", "rank": rank, "lease": lease_id}), timeout) as msg:
+                reply = chan.decode(msg.payload)
+                if not reply.get("ok"):
+                    return None
+                if reply.get("blocks") != num_blocks or reply.get("entry_bytes") != ENTRY_BYTES \
+                        or len(msg.fds) != 1:
+                    log.warning("%s: a block epoch page that does not fit rank %d's bank: %.200r",
+                                self.address, rank, reply)
+                    return None
+                return EpochView.open(msg.fds[0], num_blocks)
+        except (ChannelError, OSError, ValueError) as exc:
+            log.warning("%s: no block epoch page for rank %d (%s)", self.address, rank, exc)
+            return None
+
     def notify(self, payload: bytes, timeout: float) -> None:
         """Send a message that has no answer."""
         self.native.lock()
@@ -111,6 +137,10 @@ class PeerLink:
     def close(self) -> None:
         self.native.close()
         self.channel.close()
+        pages, self.block_epochs = self.block_epochs, {}
+        for page in pages.values():
+            if page is not None:
+                page.close()
 
 
 @attrs.define(eq=False)

@@ -110,6 +110,9 @@ class Plan:
     #: (:meth:`TransferHandle.report`). Armed here, before the handle can finish, so a fast
     #: op cannot end first and leave the message to Python (whose GIL an engine may hold).
     report: tuple[int, bytes, bytes] | None = None
+    #: A load's bank block ids: their block epochs are read before it is submitted and
+    #: again once its copies completed (:meth:`kvstate.share.part.Part.voucher`).
+    sources: tuple[int, ...] = ()
 
     def release(self) -> None:
         """Give back the tensors of a plan that was never submitted (idempotent)."""

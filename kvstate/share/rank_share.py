@@ -164,10 +164,11 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
             return part.pin()
         if not isinstance(plan, Plan) or plan.kind != "load":
             raise ArgumentInvalid.transfer(ArgumentReason.PLAN, "fire('load')", "needs the plan RankShare.load builds")
+        voucher = part.voucher(plan.sources)  # before any copy
         handle = plan.submit(self.importer.transport)  # all or nothing; raises TransferFailed (LOAD)
         self.loads.add(handle)
         try:
-            handle._activate(self._load_finished, held=lambda rank: part.lease_intact())
+            handle._activate(self._load_finished, held=lambda rank: voucher())
         except BaseException:  # not watched: nothing of it is in flight (_activate)
             self.loads.discard(handle)
             raise

@@ -118,6 +118,11 @@ class TransferHandle:
     def __repr__(self) -> str:
         return f"<{self.kind} {self.label}: {len(self._entries)} op(s), {'finished' if self._finished.is_set() else 'in flight'}>"
 
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        """Destination block ids (load) or bank block ids (store), as the plan named them."""
+        return self._blocks
+
     # -- built by the load and store paths --------------------------------------------------
 
     @property

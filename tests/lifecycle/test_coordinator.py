@@ -315,6 +315,30 @@ def test_a_load_whose_link_hung_up_before_its_copies_ended_fails(transport: Host
         assert handle.failed_blocks() == frozenset({0, 1}), "a load across the lease's end was trusted"
 
 
+def test_a_load_beside_a_store_into_its_blocks_fails(transport: HostTransport, prefill_factory: Any) -> None:
+    """The same for a store (tests/datapath/test_block_epochs.py): the exporter stores into
+    a block the worker's queued load reads; the load's block epochs moved, so it fails."""
+    ex = make_exporter(1, transport)
+    p = prefill_factory(1)
+    group = p.coordinator.import_group([ex.descriptor(0)])
+    share = p.workers[0].wait(group.gid, ("ready",), 5.0)
+    assert share is not None and share.state == "ready" and share.part is not None
+    pages = {r.name: np.zeros((4, *r.block_shape), dtype=np.uint16) for r in GEOMETRY.regions}
+    with share.load([2, 9], pages, [0, 1]) as first:  # the epoch page is asked here, once
+        assert first.wait(5.0) and first.failed_blocks() == frozenset()
+    src = {r.name: np.full((1, *r.block_shape), 0xEEEE, dtype=np.uint16) for r in GEOMETRY.regions}
+    native = default()
+    native.pause(True)
+    try:
+        handle = share.load([2, 9], pages, [0, 1])
+        store = ex.banks[0].store(src, [0], [9])
+    finally:
+        native.pause(False)
+    with handle:
+        assert handle.wait(5.0) and store.wait(5.0)
+        assert handle.failed_blocks() == frozenset({0, 1}), "a load whose block a store rewrote was trusted"
+
+
 def test_a_worker_that_dies_before_import_fails_the_group_at_once(transport: HostTransport,
                                                                     prefill_factory: Any) -> None:
     ex = make_exporter(2, transport)

@@ -58,7 +58,8 @@ class Pair:
             self.advertise(r)
         self.ref = RefServer(self.ref_banks, self.ex.incarnation.value.hex(),
                              lambda b: self.ex.banks[b.rank].lease_report(),
-                             lambda b: self.ex.banks[b.rank].exported().fd, self.inventories[1])
+                             lambda b: self.ex.banks[b.rank].exported().fd, self.inventories[1],
+                             lambda b: (self.ex.banks[b.rank].block_epochs.fd, GEOMETRY.num_blocks))
         self.conns: list[int] = []
         self.granted: list[int] = [0]
 
@@ -138,7 +139,7 @@ def request(rng: random.Random, p: Pair) -> bytes:
     elif kind < 8:
         obj = {"op": "release", "rank": rank, "lease": lease}
     elif kind == 8:
-        obj = {"op": "mapped", "rank": rank, "lease": lease}
+        obj = {"op": rng.choice(["mapped", "block_epochs"]), "rank": rank, "lease": lease}
     elif kind == 9:
         obj = {"op": "mapped", "items": [{"rank": r, "lease": rng.choice(p.granted[-4:])} for r in range(TP)][
             :rng.randint(0, TP)]}

@@ -119,8 +119,10 @@ class RefServer:
     """The former request handling of one exporter, over :class:`RefBank` s."""
 
     def __init__(self, banks: dict[int, RefBank], incarnation: str, report: Callable[[RefBank], dict[str, Any]],
-                 fd: Callable[[RefBank], int | None], inventory: Inventory | None = None) -> None:
+                 fd: Callable[[RefBank], int | None], inventory: Inventory | None = None,
+                 epochs: Callable[[RefBank], tuple[int, int]] | None = None) -> None:
         self.banks, self.incarnation, self.report, self.fd = banks, incarnation, report, fd
+        self.epochs = epochs  # a bank's block epoch page: (fd, blocks)
         self.inventory = inventory
         self._next = 1
         self._blocks: dict[int, LeaseGrant] = {}  # lease id -> the inventory blocks it pins
@@ -240,6 +242,11 @@ class RefServer:
         held = bank.leases.get(req.get("lease", -1))
         if held is None or held.conn != conn:
             return self._refuse("unknown_lease", f"no live lease {req.get('lease')!r} on this connection")
+        if op == "block_epochs":
+            if self.epochs is None:
+                return self._refuse("no_epochs", f"no epoch page for rank {req['rank']} on this connection")
+            page_fd, blocks = self.epochs(bank)
+            return {"ok": True, "blocks": blocks, "entry_bytes": 8}, (page_fd,)
         if op == "mapped":
             bank.fire("lease_mapped")
             return {"ok": True}, ()
