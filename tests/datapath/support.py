@@ -20,20 +20,12 @@ def InjectedSubmitFault() -> NativeError:
     return NativeError.native("kvs_submit", -5, "injected submit fault", NativeReason.OS, errno=5)
 
 
-class FailingOps:
-    """A host transport whose k-th submit of a transfer raises (``raise_at``) or whose
-    chosen ops fail on the worker (``fail_at``, the op engine's fault injection).
-    Call indices count from the last :meth:`arm`."""
+class Wrapped:
+    """A transport that is ``inner`` except where a subclass says otherwise."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
         self.name = inner.name
-        self.calls = 0
-        self.raise_at: int | None = None
-        self.fail_at: frozenset[int] = frozenset()
-
-    def arm(self, *, raise_at: int | None = None, fail_at: frozenset[int] = frozenset()) -> None:
-        self.calls, self.raise_at, self.fail_at = 0, raise_at, fail_at
 
     @property
     def capabilities(self) -> Any:
@@ -41,6 +33,21 @@ class FailingOps:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+
+class FailingOps(Wrapped):
+    """A host transport whose k-th submit of a transfer raises (``raise_at``) or whose
+    chosen ops fail on the worker (``fail_at``, the op engine's fault injection).
+    Call indices count from the last :meth:`arm`."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.calls = 0
+        self.raise_at: int | None = None
+        self.fail_at: frozenset[int] = frozenset()
+
+    def arm(self, *, raise_at: int | None = None, fail_at: frozenset[int] = frozenset()) -> None:
+        self.calls, self.raise_at, self.fail_at = 0, raise_at, fail_at
 
     def submit_blocks(self, src: Any, dst: Any, blocks: Any, **kw: Any) -> Any:
         i = self.calls

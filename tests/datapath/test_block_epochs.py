@@ -23,7 +23,9 @@ from kvstate import channel as chan
 from kvstate.core.errors import Busy
 from kvstate.core.reasons import BusyReason
 from kvstate.share.epochs import SEALS, EpochPage, EpochView, page_size
-from datapath.support import GEOMETRY, bank_pattern, collected, engine, zeros
+from datapath.conftest import GRANULARITY
+from datapath.support import GEOMETRY, FailingOps, Wrapped, bank_pattern, collected, engine, zeros
+from kvstate.transport.host import HostTransport
 
 BANK_IDS, DST_IDS = [1, 6, 2], [3, 11, 5]
 
@@ -98,22 +100,12 @@ def test_a_load_of_a_block_whose_store_has_not_ended_fails(make_world: Any) -> N
         bank.block_epochs.end([6])
 
 
-class _StoreWhileSubmitting:
+class _StoreWhileSubmitting(Wrapped):
     """The importer's host transport, where the exporter stores into the load's blocks, and
     the store ends, while the load is being submitted: between the load's first epoch read
     and its copies."""
 
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-        self.name = inner.name
-        self.bank: Any = None
-
-    @property
-    def capabilities(self) -> Any:
-        return self._inner.capabilities
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+    bank: Any = None
 
     def submit_blocks(self, src: Any, dst: Any, blocks: Any, **kw: Any) -> Any:
         bank, self.bank = self.bank, None
@@ -125,8 +117,6 @@ class _StoreWhileSubmitting:
 def test_a_store_that_ended_before_the_copies_began_fails_the_load(make_world: Any) -> None:
     """The load was ordered for the blocks as they were; it copied what a later store
     wrote (whole: the store had ended). Another version than the one asked for."""
-    from kvstate.transport.host import HostTransport
-    from datapath.conftest import GRANULARITY
     transport = _StoreWhileSubmitting(HostTransport(granularity=GRANULARITY))
     world = make_world(GEOMETRY, fill=bank_pattern, transport=transport)
     group = world.group()
@@ -187,9 +177,6 @@ def test_the_page_goes_only_to_a_lease_holder(make_world: Any) -> None:
 
 def test_a_failed_store_moves_the_epochs_on_too(make_world: Any) -> None:
     """A store that failed may have written part of a block: its epoch moves on as well."""
-    from datapath.support import FailingOps
-    from kvstate.transport.host import HostTransport
-    from datapath.conftest import GRANULARITY
     failing = FailingOps(HostTransport(granularity=GRANULARITY))
     world = make_world(GEOMETRY, fill=bank_pattern)
     bank = world.banks[0]

@@ -20,7 +20,7 @@ import torch
 from kvstate.core.machine import StateChange
 from kvstate.transport.host import HostTransport
 from datapath.conftest import GRANULARITY
-from datapath.support import GEOMETRY, bank_pattern, engine, zeros
+from datapath.support import GEOMETRY, Wrapped, bank_pattern, engine, zeros
 
 BANK_IDS, DST_IDS = [1, 6, 2], [3, 11, 5]
 
@@ -36,23 +36,15 @@ def _rewrite(bank: Any, blocks: list[int]) -> None:
     del view
 
 
-class _GatherOnly:
+class _GatherOnly(Wrapped):
     """The host transport without completion fds (as a backend without them): nothing
     finishes a load's handle until a caller asks, so its regions are judged before it
     finished, as an engine's per-layer waits judge them."""
 
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-        self.name = inner.name
-
-    @property
-    def capabilities(self) -> Any:
-        return self._inner.capabilities
-
     def __getattr__(self, name: str) -> Any:
         if name == "submit_blocks":
             raise AttributeError(name)
-        return getattr(self._inner, name)
+        return super().__getattr__(name)
 
 
 def _load_across(make_world: Any, cut: bool, *, wait: bool = True, **world_kw: Any) -> tuple[Any, dict[str, Any]]:
