@@ -31,6 +31,7 @@ def _at(fn: Callable[[dict[str, Any]], Figure], tp: int, bank_mib: int) -> Calla
 def b1_rows(tp: int) -> dict[str, str]:
     """The names of B1's rows at ``tp``."""
     return {"group": f"kvstate whole-group import tp={tp}", "rank": f"kvstate per-rank import tp={tp}",
+            "parked": f"kvstate whole-group import, leases parked tp={tp}",
             "floor_group": f"floor: SCM_RIGHTS + mmap, whole group tp={tp}",
             "floor_rank": f"floor: SCM_RIGHTS + mmap, per rank tp={tp}",
             "shm": f"shared_memory attach tp={tp}", "nixl": f"NIXL register + metadata load tp={tp}",
@@ -48,6 +49,8 @@ def b1_suite(quick: bool, repeats: int) -> Suite:
         n = b1_rows(tp)
         cases += [
             Case(n["group"], _at(b1_import.kvstate_group_import, tp, mib), kvstate=True, reference=n["floor_group"]),
+            Case(n["parked"], _at(b1_import.kvstate_group_import_parked, tp, mib), kvstate=True,
+                 reference=n["floor_group"]),
             Case(n["rank"], _at(b1_import.kvstate_rank_import, tp, mib), kvstate=True, reference=n["floor_rank"]),
             Case(n["floor_group"], _at(b1_floor.floor_group, tp, mib), reference=n["floor_group"]),
             Case(n["floor_rank"], _at(b1_floor.floor_rank, tp, mib), reference=n["floor_rank"]),
@@ -66,6 +69,10 @@ def b1_suite(quick: bool, repeats: int) -> Suite:
             # kvstate asks its exporter for a lease; the goal's NIXL row asks nobody.
             Comparison(n["group"], n["nixl_ask"], None, "against a NIXL import that asks its peer once"),
             Comparison(n["group"], n["floor_group"]),
+            # The next import of the same banks, its leases parked (kvstate.share.parked):
+            # no round trip, no fd, no mapping. Not the goal's row: the goal's peers map anew.
+            Comparison(n["parked"], n["nixl"], None, "leases parked: the next import of the same banks"),
+            Comparison(n["parked"], n["shm"], None, "leases parked: the next import of the same banks"),
             Comparison(n["rank"], n["floor_rank"], 2.0),
             # What kvstate's design alone costs (b1_bound), against the same goals, and how
             # much of kvstate's time is its own code beyond it.

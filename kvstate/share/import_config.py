@@ -21,6 +21,12 @@ def _seconds(_: object, attribute: attrs.Attribute[float], value: object) -> Non
                                f"not {value!r:.40}")
 
 
+def _seconds_or_off(_: object, attribute: attrs.Attribute[float], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1e9 or value != value:
+        raise ConfigInvalid.of(f"ImportConfig.{attribute.name}", f"must be a finite number of seconds >= 0 "
+                               f"(0: off), not {value!r:.40}")
+
+
 def _count(most: int) -> Callable[[object, attrs.Attribute[int], object], None]:
     def check(_: object, attribute: attrs.Attribute[int], value: object) -> None:
         if type(value) is not int or not 1 <= value <= most:
@@ -54,6 +60,10 @@ class ImportConfig:
     #: GIL (kvstate.share.renewal); off, Python's expiry thread renews them (and a process
     #: holding its GIL past a lease's term loses the lease).
     native_renewal: bool = attrs.field(default=True, validator=typed(bool))
+    #: A closed part whose import pinned no blocks leaves its lease and mapping on its link
+    #: for this long, for the next import of the same bank to adopt without a round trip
+    #: (kvstate.share.parked); 0: off. Needs native_renewal.
+    park_s: float = attrs.field(default=0.0, validator=_seconds_or_off)
     #: The reuse switches, enforced by import_group (kvstate.reuse.gates): off by default.
     reuse: ReuseSettings = attrs.field(default=ReuseSettings(), validator=typed(ReuseSettings))
     #: The deployment profile admission (kvstate.reuse.profile.admit); GPU imports need one.

@@ -71,6 +71,7 @@ from kvstate.transport.native_rules import validate_group
 from kvstate.share import attach
 from kvstate.share import load as loads
 from kvstate.share import native_import, peers
+from kvstate.share.parked import Parked, key_of
 from kvstate.share.import_config import ImportConfig as ImportConfig
 from kvstate.share.part import BlockRequest as BlockRequest, Part as Part, PartOwner as PartOwner
 from kvstate.share.part import lease_fields, lease_request as lease_request
@@ -104,6 +105,9 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
         self.validated: ValidatedGroup | None = None
         self.blocks: BlockRequest | None = None
         self.parts: list[Part[H, A, R, M, E]] = []
+        #: Set only while the group closes its parts after use (``unmap_parts``, not a
+        #: rollback): then they may park their leases (kvstate.share.parked).
+        self.parking = False
         #: Set only while the group's own rows close its parts (see Part's group_releasing).
         self.releasing = False
         #: When a lease of the group was lost (``expired``): it is then closed as soon as
@@ -151,7 +155,11 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
 
     @effect("unmap_parts")
     def _unmap(self, **kw: Any) -> None:
-        self._close_parts()
+        self.parking = self.importer.config.park_s > 0
+        try:
+            self._close_parts()
+        finally:
+            self.parking = False
 
     def _close_parts(self) -> None:
         """Close every part that is open, trying each even when one refuses, so one
@@ -362,9 +370,11 @@ class Importer(LeaseKeeping[H, A, R, M, E]):
             return
         self._stopping.set()
         self._expiry.join(2.0)
+        self.peers.close()  # idle channels now, busy ones when their last lease returns; nothing parks now
+        for parked in self.peers.take_parked_where(lambda p: True):
+            self._drop_parked(parked)
         if self.renewal is not None:
             self.renewal.close()
-        self.peers.close()  # idle channels now, busy ones when their last lease returns
         self._watcher.close()
         stop_dispatcher_if_idle()
 
@@ -522,11 +532,16 @@ class Importer(LeaseKeeping[H, A, R, M, E]):
         """Phase 1 of every part: batched per exporter address (parts of another kind, or
         reached over TCP, lease on their own). A group that one exporter serves on the
         host backend takes both phases in one native call (:mod:`kvstate.share.native_import`)."""
-        if native_import.eligible(parts, self.transport):
+        failures: dict[int, Exception] = {}
+        if self.config.park_s > 0:
+            adopted = self._adopt_parked(parts, failures)
+            parts = [p for p in parts if p not in adopted and p.rank not in failures]
+            if not parts:
+                return failures
+        if not failures and native_import.eligible(parts, self.transport):
             native = native_import.lease_and_open(parts, self._fire_lease)
             if native is not None:
                 return native
-        failures: dict[int, Exception] = {}
         timeout = self.config.request_timeout_s
         by_peer: dict[str, list[Part[H, A, R, M, E]]] = {}
         part: Part[H, A, R, M, E]
@@ -557,8 +572,32 @@ class Importer(LeaseKeeping[H, A, R, M, E]):
                     grant.give_back()
         return failures
 
+    def _adopt_parked(self, parts: Sequence[Part[H, A, R, M, E]],
+                      failures: dict[int, Exception]) -> list[Part[H, A, R, M, E]]:
+        """Phase 1 without a round trip for every part whose bank has a lease parked on its
+        link that fits its descriptor (kvstate.share.parked); those parts, adopted. A
+        parked lease that does not fit, is not live, or that its part did not take goes."""
+        adopted: list[Part[H, A, R, M, E]] = []
+        for part in parts:
+            d = part.descriptor
+            if type(part) is not Part or part.group.blocks is not None:
+                continue
+            parked = self.peers.take_parked(d.socket_path, key_of(d))
+            if parked is None:
+                continue
+            if not (parked.fits(d) and parked.live()):
+                self._drop_parked(parked)
+                continue
+            self._fire_lease(part, parked, failures)
+            if part.lease_id == parked.lease_id and part.link is parked.link and part.state == "leased":
+                adopted.append(part)
+            elif part.mapping is not parked.mapping:  # not taken (a fault, or refused)
+                self._drop_parked(parked)
+        return adopted
+
     @staticmethod
-    def _fire_lease(part: Part[H, A, R, M, E], grant: peers.Grant | None, failures: dict[int, Exception]) -> None:
+    def _fire_lease(part: Part[H, A, R, M, E], grant: peers.Grant | Parked | None,
+                    failures: dict[int, Exception]) -> None:
         try:
             # A fault may fail the group (and close this part) before its step starts.
             with part.locked():

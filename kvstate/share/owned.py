@@ -50,3 +50,18 @@ def unmap_owned(transport: AnyTransport, mapping: Any, owner: int) -> None:
     except BaseException:
         transport.own(mapping, owner)
         raise
+
+
+def let_go(transport: AnyTransport, holder: Any, owner: int) -> None:
+    """Unmap ``holder``'s own ``mapping``, free its ``reservation``, release its
+    ``allocation`` (an imported part's objects, or a parked lease's): each attribute set
+    to None only once its object is gone, so a failure here can be retried."""
+    if holder.mapping is not None:
+        unmap_owned(transport, holder.mapping, owner)
+        holder.mapping = None
+    if holder.reservation is not None:
+        transport.free(holder.reservation)
+        holder.reservation = None
+    if holder.allocation is not None:
+        transport.release(holder.allocation)
+        holder.allocation = None

@@ -30,7 +30,8 @@ from kvstate.core.capabilities import Access
 from kvstate.transport.protocol import A, E, H, M, R
 from kvstate.share import peers
 from kvstate.share.epochs import EpochView
-from kvstate.share.owned import new_owner, unmap_owned
+from kvstate.share.owned import let_go, new_owner
+from kvstate.share.parked import Parked, key_of
 
 if TYPE_CHECKING:
     from kvstate.share.importer import Importer
@@ -136,6 +137,7 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         self.reservation: R | None = None
         self.mapping: M | None = None
         self._owner = new_owner()         # the token the part owns its mapping with
+        self._adopted = False             # phase 1 adopted a parked lease and its mapping (kvstate.share.parked)
 
     def pins(self) -> int:
         return 0 if self.mapping is None else self.transport.stats(self.mapping).pins
@@ -224,9 +226,18 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         return self.pins() == 0
 
     @effect("native_lease")
-    def _lease(self, *, grant: peers.Grant | None = None, **kw: Any) -> Callable[[], None]:
+    def _lease(self, *, grant: peers.Grant | Parked | None = None, **kw: Any) -> Callable[[], None]:
         """Phase 1: lease (unless the group's batched request already did: ``grant``),
-        receive the handle, check the exporter's report. Opens nothing."""
+        receive the handle, check the exporter's report. Opens nothing. A ``grant`` that
+        is a parked lease is adopted instead (:meth:`_adopt`)."""
+        if isinstance(grant, Parked):
+            self._adopt(grant)
+
+            def let_go() -> None:
+                self._adopted = False
+                self._unmap()
+                self._return_lease()
+            return let_go
         d, t = self.descriptor, self.transport
         importer = self.group.importer
         with ExitStack() as undo:
@@ -249,6 +260,50 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         self.renewed_at = time.monotonic()
         self.lease_expires_at = self.renewed_at + grant.expires_in_s
         return self._return_lease
+
+    def _adopt(self, parked: Parked) -> None:
+        """Phase 1 from a parked lease (the importer checked it fits this descriptor): the
+        lease, its renewal, and the mapping with its owner token, all taken here, so that a
+        rollback unmaps and returns them as this part's own. Raises, taking nothing, when
+        its renewal failed before the part took it over, or the importer is closing."""
+        parked.renewal.retarget(parked.renewal_key, self)  # a failure from now on is this part's
+        try:
+            if not parked.live():  # it failed before: that outcome went to the parked lease
+                raise ImportFailed.lease_refused("not_renewing", f"{self.label}: the parked lease's renewal failed")
+            self.group.importer._watch(self, parked.link.channel)
+        except BaseException:
+            parked.renewal.retarget(parked.renewal_key, parked)
+            raise
+        self.renewal_key = parked.renewal_key
+        self.link, self.channel, self.lease_id = parked.link, parked.link.channel, parked.lease_id
+        self.lease_s = parked.lease_s
+        self.allocation, self.reservation, self.mapping = parked.allocation, parked.reservation, parked.mapping
+        self._owner = parked.owner
+        self._adopted = True
+
+    def _park(self) -> bool:
+        """At close: leave the lease and the mapping on the link for the next import of
+        this bank (kvstate.share.parked); False, changing nothing, where they may not stay."""
+        importer, link, key, lease_id = self.group.importer, self.link, self.renewal_key, self.lease_id
+        renewal = importer.renewal
+        if importer.config.park_s <= 0 or not getattr(self.group, "parking", False) or self.group.blocks is not None \
+                or importer._stopping.is_set() \
+                or link is None or key is None or lease_id is None or renewal is None or self.mapping is None \
+                or self.allocation is None or self.reservation is None:
+            return False
+        parked = Parked(key_of(self.descriptor), link, lease_id, self.lease_s, key, renewal,
+                        self.descriptor.generation, Parked.report_of(self.descriptor), self.transport,
+                        self.allocation, self.reservation, self.mapping, self._owner)
+        renewal.retarget(key, parked)  # type: ignore[arg-type]  # before it is filed: an outcome from now on is the parked lease's
+        if not parked.live() or not importer.peers.park(parked):
+            renewal.retarget(key, self)
+            return False
+        importer._unwatch_part(self, link)
+        self.link = self.channel = None
+        self.lease_id = self.renewal_key = None
+        self.allocation = self.reservation = self.mapping = None
+        self._owner = new_owner()
+        return True
 
     def _took_natively(self, link: peers.PeerLink, lease_id: int, term_s: float, key: int | None, renewed_at: float,
                       allocation: A | None, reservation: R | None, mapping: M | None) -> None:
@@ -282,7 +337,11 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
 
     @effect("native_import")
     def _import(self, **kw: Any) -> None:
-        """Phase 2: open the handle leased in phase 1, reserve, map, set access."""
+        """Phase 2: open the handle leased in phase 1, reserve, map, set access (an adopted
+        parked lease came with its mapping: nothing to do)."""
+        if self._adopted:
+            self._adopted = False
+            return
         d, t = self.descriptor, self.transport
         link, handle, grant = self.link, self.handle, self.received
         if link is None or handle is None or grant is None:
@@ -345,6 +404,7 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
 
     @effect("return_lease")
     def _return(self, **kw: Any) -> None:
+        self._adopted = False
         try:
             self._unmap()  # what a failed open could not undo (as a rule, there is nothing)
         except Exception as exc:
@@ -353,23 +413,17 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
 
     @effect("unmap_close")
     def _unmap_close(self, **kw: Any) -> None:
-        """Unmap and release first (pins were checked by the guard), then return the lease.
-        The transport calls straight into C: row -> this effect -> transport -> C."""
+        """Unmap and release first (pins were checked by the guard), then return the lease;
+        or park both for the next import (:meth:`_park`). The transport calls straight into
+        C: row -> this effect -> transport -> C."""
+        if self._park():
+            return
         self._unmap()
         self._return_lease()
 
     def _unmap(self) -> None:
         """Unmap, free, release: each object forgotten only once it is gone (retryable)."""
-        t = self.transport
-        if self.mapping is not None:
-            unmap_owned(t, self.mapping, self._owner)
-            self.mapping = None
-        if self.reservation is not None:
-            t.free(self.reservation)
-            self.reservation = None
-        if self.allocation is not None:
-            t.release(self.allocation)
-            self.allocation = None
+        let_go(self.transport, self, self._owner)
 
     def _return_lease(self) -> None:
         """Close the received handle, tell the exporter, and let go of the channel: a

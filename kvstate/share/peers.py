@@ -46,6 +46,7 @@ from kvstate import channel as chan
 from kvstate.channel.framing import close_quietly
 from kvstate.share.epochs import ENTRY_BYTES, EpochView
 from kvstate.share.link import NativeLink
+from kvstate.share.parked import Key, Parked
 from kvstate.core.errors import ChannelError, ImportFailed, KvStateError
 from kvstate.core.reasons import ImportReason, ChannelReason
 
@@ -318,6 +319,8 @@ class Peers:
         self._links: dict[str, PeerLink] = {}
         self._lock = threading.Lock()
         self._closing = False
+        #: Parked leases (kvstate.share.parked) by exporter address and bank; each holds its link.
+        self._parked: dict[tuple[str, Key], Parked] = {}
 
     def _take(self, address: str, timeout: float, *, fresh: bool) -> tuple[PeerLink, bool]:
         """The live link to ``address``, held, and whether it was reused; connecting (and
@@ -390,6 +393,33 @@ class Peers:
             if not pending:
                 break
         return [x if x is not None else ChannelError(ChannelReason.FAILED, "no answer") for x in out]
+
+    def park(self, parked: Parked) -> bool:
+        """File ``parked`` (it keeps its part's hold on its link); False, changing nothing,
+        when its link is no longer this address's or the bank already has one parked."""
+        link = parked.link
+        with self._lock:
+            where = (link.address, parked.key)
+            if self._closing or self._links.get(link.address) is not link or where in self._parked:
+                return False
+            self._parked[where] = parked
+            return True
+
+    def take_parked(self, address: str, key: Key) -> Parked | None:
+        """The lease parked for bank ``key`` at ``address``, out of the table, if any."""
+        with self._lock:
+            return self._parked.pop((address, key), None)
+
+    def take_parked_where(self, pick: Callable[[Parked], bool]) -> list[Parked]:
+        """Every parked lease ``pick`` chooses, out of the table."""
+        with self._lock:
+            chosen = [k for k, p in self._parked.items() if pick(p)]
+            return [self._parked.pop(k) for k in chosen]
+
+    def parked(self) -> int:
+        """How many leases are parked."""
+        with self._lock:
+            return len(self._parked)
 
     def hold(self, link: PeerLink) -> None:
         with self._lock:

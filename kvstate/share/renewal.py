@@ -25,6 +25,7 @@ grant and unregister when their lease is returned; the expiry they see
 
 from __future__ import annotations
 
+import logging
 import select
 import threading
 import time
@@ -37,6 +38,7 @@ from kvstate import channel as chan
 from kvstate.core.args import need_items
 from kvstate.core.errors import ChannelError, ImportFailed, KvStateError
 from kvstate.core.reasons import ChannelReason, ImportReason
+from kvstate.share.parked import Parked
 from kvstate.share.peers import Grant, PeerLink, Peers
 from kvstate.share.import_config import ImportConfig
 from kvstate.share.link import NativeLink, link_error
@@ -46,6 +48,8 @@ from kvstate.transport.protocol import A, E, H, M, R
 if TYPE_CHECKING:
     from kvstate.share.importer import Group
     from kvstate.share.part import Part
+
+log = logging.getLogger(__name__)
 
 P = TypeVar("P")
 
@@ -139,6 +143,13 @@ class Renewal(Generic[P]):
                     self._parts.pop(key, None)
             self._idle.notify_all()
 
+    def retarget(self, key: int, part: P) -> None:
+        """Whom an outcome of ``key`` is for from now on (a parked lease, or its adopter)."""
+        with self._lock:
+            entry = self._parts.get(key)
+            if entry is not None:
+                self._parts[key] = (part, entry[1])
+
     def remove(self, key: int) -> None:
         with self._lock:
             self._parts.pop(key, None)
@@ -229,12 +240,35 @@ class LeaseKeeping(Generic[H, A, R, M, E]):
                 owners.pop(id(part), None)
 
     def _peer_closed(self, ch: chan.Channel) -> None:
+        for parked in self.peers.take_parked_where(lambda p: p.link.channel is ch):
+            self._drop_parked(parked, release=False)  # the exporter ended the lease
         self.peers.forget(ch)
         with self._owners_lock:
             owners = self._owners.pop(id(ch), {})
             self._watched.discard(id(ch))
         for part in owners.values():
             part.group.peer_closed(part)
+
+    # -- parked leases (kvstate.share.parked) ------------------------------------------------
+
+    def _drop_parked(self, parked: Parked, *, release: bool = True) -> None:
+        """Unmap a parked lease's mapping, then return the lease (``release``) and let go of
+        its link. A mapping that does not unmap keeps its lease: the link's close ends it."""
+        try:
+            parked.unmap()
+        except Exception as exc:
+            log.warning("%s: a parked lease of rank %d does not unmap (%s); its lease stays until the link "
+                        "closes", parked.link.address, parked.rank, exc)
+        else:
+            if release and not parked.link.closed:
+                parked.link.release(parked.rank, parked.lease_id)
+        self.peers.let_go(parked.link)
+
+    def _sweep_parked(self) -> None:
+        """Drop the leases parked for ``park_s`` or more, and those no longer live."""
+        due = time.monotonic() - self.config.park_s
+        for parked in self.peers.take_parked_where(lambda p: p.parked_at <= due or not p.live()):
+            self._drop_parked(parked)
 
     # -- renewal and expiry ---------------------------------------------------------------
 
@@ -261,6 +295,7 @@ class LeaseKeeping(Generic[H, A, R, M, E]):
                     self._stopping.wait(0.05)
             if self._stopping.is_set():
                 break
+            self._sweep_parked()
             self.peers.close_idle()
             live = [g for g in self.groups if g.state in ("importing", "ready", "draining", "quiescent")]
             try:
@@ -284,6 +319,10 @@ class LeaseKeeping(Generic[H, A, R, M, E]):
         groups = need_items("groups", groups, Group)
         faulted: list[Group[H, A, R, M, E]] = []
         for part, exc in self.renewal.take() if self.renewal is not None else []:
+            if isinstance(part, Parked):  # nobody reads its mapping: it goes, if still filed
+                for parked in self.peers.take_parked_where(lambda p: p is part):
+                    self._drop_parked(parked, release=False)
+                continue  # an adopter that took it meanwhile saw the failure (Part._adopt)
             owner = part.group
             if owner.lease_lost(part, f"{part.label}: lease renewal failed: {exc}") and \
                     any(owner is g for g in groups) and not any(owner is g for g in faulted):

@@ -48,6 +48,7 @@ GROUP_STATES = tuple(Group.table.state_names)
 class LifecycleMachine(RuleBasedStateMachine):
     importer_class: type[Importer] = Importer
     backend_class: type[HostBackend] | type[CudaBackend] = HostBackend
+    park_s = 0.0  # ImportConfig.park_s (kvstate.share.parked)
 
     @initialize()
     def start(self) -> None:
@@ -62,7 +63,8 @@ class LifecycleMachine(RuleBasedStateMachine):
                           for tp in TPS}
         for ex in self.exporters.values():
             self.watch(ex)
-        self.importer = self.importer_class(ImportConfig(DEPLOYMENT, **reuse_for(self.faulty)), self.faulty, observers=[self._on_change])  # type: ignore[arg-type]
+        self.importer = self.importer_class(ImportConfig(DEPLOYMENT, park_s=self.park_s, **reuse_for(self.faulty)),
+                                            self.faulty, observers=[self._on_change])  # type: ignore[arg-type]
         self.groups: list[Group] = []
         self.drain_on_import = False
 
@@ -376,6 +378,18 @@ class LifecycleMachine(RuleBasedStateMachine):
 
 TestLifecycle = LifecycleMachine.TestCase
 TestLifecycle.settings = settings(max_examples=25, stateful_step_count=25, deadline=None)
+
+
+class ParkingLifecycleMachine(LifecycleMachine):
+    """The same, closed parts parking their leases and later imports adopting them: every
+    fault above meets a parked lease too, and nothing may be left after the importer's
+    close (teardown)."""
+
+    park_s = 30.0
+
+
+TestParkingLifecycle = ParkingLifecycleMachine.TestCase
+TestParkingLifecycle.settings = settings(max_examples=20, stateful_step_count=25, deadline=None)
 
 
 class CudaLifecycleMachine(LifecycleMachine):
