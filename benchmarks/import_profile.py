@@ -88,6 +88,11 @@ IMPORTER = [
     ("kvstate.share.peers:PeerLink.request", "lease round trip (wait for the exporter)"),
     ("kvstate.share.peers:Peers._take", "connect, or reuse a checked link"),
     ("kvstate.share.peers:grants", "grant parsing (batched answer)"),
+    # Parked leases (--park):
+    ("kvstate.share.importer:Importer._adopt_parked", "adopt parked leases (glue)"),
+    ("kvstate.share.peers:Peers.take_parked", "adopt parked leases: take from the table"),
+    ("kvstate.share.parked:Parked.live", "adopt parked leases: live (renewal state, link poll)"),
+    ("kvstate.share.parked:Parked.fits", "adopt parked leases: fits the descriptor"),
 ]
 
 #: The exporter process: what it spends per import (waits are idle time, left out; its
@@ -143,7 +148,7 @@ def _importer(conn: Connection, p: dict[str, Any]) -> dict[str, Any]:
 
     wire = conn.recv()
     t = HostTransport()
-    im: Any = Importer(import_config(), t)
+    im: Any = Importer(import_config(p.get("park_s", 0.0)), t)
     if p["serial"] and hasattr(im, "_pool"):  # the code before the fast path opened parts on a pool
         def serial(parts: Any) -> dict[int, BaseException]:
             failures: dict[int, BaseException] = {}
@@ -215,10 +220,11 @@ def _importer(conn: Connection, p: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def profile(tp: int, mib: int, repeats: int, mode: str = "group", serial: bool = True) -> dict[str, Any]:
+def profile(tp: int, mib: int, repeats: int, mode: str = "group", serial: bool = True,
+            park_s: float = 0.0) -> dict[str, Any]:
     # One CPU each for importer and exporter, as in B1 (benchmarks.procs).
     params = {"tp": tp, "bank_bytes": mib * MiB, "repeats": repeats, "mode": mode, "serial": serial,
-              "placement": "split"}
+              "placement": "split", "park_s": park_s}
     result: dict[str, Any] = run_pair(_exporter, _importer, params)
     return result
 
@@ -251,9 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=200)
     ap.add_argument("--mode", choices=["group", "rank"], default="group")
     ap.add_argument("--parallel", action="store_true", help="open parts on the importer's thread pool")
+    ap.add_argument("--park", action="store_true",
+                    help="park leases between imports (ImportConfig.park_s): each import adopts the last one's")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    r = profile(args.tp, args.mib, args.repeats, args.mode, serial=not args.parallel)
+    r = profile(args.tp, args.mib, args.repeats, args.mode, serial=not args.parallel,
+                park_s=60.0 if args.park else 0.0)
     print(json.dumps(r, indent=2) if args.json else table(r))
     return 0
 

@@ -339,7 +339,8 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
     def _submit_store(self, *, plan: object = None, **kw: Any) -> None:
         if not isinstance(plan, Plan) or plan.kind != "store":
             raise ArgumentInvalid.transfer(ArgumentReason.PLAN, "fire('store')", "needs the plan Bank.store builds")
-        self.block_epochs.begin(plan.blocks, self.label)  # odd before the first op can write (Busy: one store per block)
+        # Odd before the first op can write; Busy (storing) while another store writes a block.
+        self.block_epochs.begin(plan.blocks, self.label)
         try:
             handle = plan.submit(self.transport)
         except BaseException:

@@ -167,7 +167,7 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         link, lease_id, d = self.link, self.lease_id, self.descriptor
         if link is None or lease_id is None:
             return None  # a part on a channel of its own (NIXL's) reads across nodes
-        key = (d.rank, d.incarnation, d.handle)
+        key = key_of(d)
         if key not in link.block_epochs:
             link.block_epochs[key] = link.epoch_page(d.rank, lease_id, d.geometry.num_blocks,
                                                      self.group.importer.config.request_timeout_s)
@@ -294,7 +294,8 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         parked = Parked(key_of(self.descriptor), link, lease_id, self.lease_s, key, renewal,
                         self.descriptor.generation, Parked.report_of(self.descriptor), self.transport,
                         self.allocation, self.reservation, self.mapping, self._owner)
-        renewal.retarget(key, parked)  # type: ignore[arg-type]  # before it is filed: an outcome from now on is the parked lease's
+        # Before it is filed: an outcome from now on is the parked lease's.
+        renewal.retarget(key, parked)  # type: ignore[arg-type]
         if not parked.live() or not importer.peers.park(parked):
             renewal.retarget(key, self)
             return False
