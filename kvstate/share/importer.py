@@ -93,6 +93,11 @@ class LoadResult:
     seconds: float
 
 
+#: The part table's ``validate`` row has no guard and no effect, so a group's parts may
+#: be fed it in one step (:meth:`Lifecycle.adopt_all`) instead of one fire each.
+_BARE_VALIDATE = all(not row.guarded and not row.effects for row in Part.table.rows("validate", "received"))
+
+
 class Group(Lifecycle, Generic[H, A, R, M, E]):
     """One rank group on the importer side, driven by spec/group.toml."""
 
@@ -437,8 +442,11 @@ class Importer(LeaseKeeping[H, A, R, M, E]):
         group.blocks = blocks
         group.parts = [Part(group, d) for d in validated.parts]
         group.fire("begin_import")
-        for part in group.parts:
-            part.fire("validate")
+        if _BARE_VALIDATE:  # one step for every part: nothing runs on that row
+            Part.adopt_all(group.parts, (("validate", "validated"),))
+        else:
+            for part in group.parts:
+                part.fire("validate")
         # Phase 1 leases and checks every rank; phase 2 opens only when all passed.
         for phase in ("lease", "open"):
             if phase == "open" and all(p.state == "imported" for p in group.parts):
@@ -576,8 +584,11 @@ class Importer(LeaseKeeping[H, A, R, M, E]):
                       failures: dict[int, Exception]) -> list[Part[H, A, R, M, E]]:
         """Phase 1 without a round trip for every part whose bank has a lease parked on its
         link that fits its descriptor (kvstate.share.parked); those parts, adopted. A
-        parked lease that does not fit, is not live, or that its part did not take goes."""
-        adopted: list[Part[H, A, R, M, E]] = []
+        parked lease that does not fit, is not live, or that its part did not take goes.
+        When every part of the group adopts, both phases are done here and the part
+        machines fed in one step, as after the native import."""
+        found: list[tuple[Part[H, A, R, M, E], Parked]] = []
+        usable: dict[int, bool] = {}  # a link is polled once, however many parts it serves
         for part in parts:
             d = part.descriptor
             if type(part) is not Part or part.group.blocks is not None:
@@ -585,15 +596,55 @@ class Importer(LeaseKeeping[H, A, R, M, E]):
             parked = self.peers.take_parked(d.socket_path, key_of(d))
             if parked is None:
                 continue
-            if not (parked.fits(d) and parked.live()):
+            link = parked.link
+            if id(link) not in usable:
+                usable[id(link)] = link.usable()
+            if usable[id(link)] and parked.fits(d) and parked.renewing():
+                found.append((part, parked))
+            else:
                 self._drop_parked(parked)
-                continue
+        if found and len(found) == len(parts) == len(parts[0].group.parts):
+            return self._adopt_whole(found, failures)
+        adopted: list[Part[H, A, R, M, E]] = []
+        for part, parked in found:
             self._fire_lease(part, parked, failures)
             if part.lease_id == parked.lease_id and part.link is parked.link and part.state == "leased":
                 adopted.append(part)
             elif part.mapping is not parked.mapping:  # not taken (a fault, or refused)
                 self._drop_parked(parked)
         return adopted
+
+    def _adopt_whole(self, found: Sequence[tuple[Part[H, A, R, M, E], Parked]],
+                     failures: dict[int, Exception]) -> list[Part[H, A, R, M, E]]:
+        """Every part of the group adopts: the ``lease`` rows' effects here, the ``open``
+        rows' (nothing: the mappings came along), then :meth:`Lifecycle.adopt_all` feeds
+        the machines both rows at once. Their guards hold by construction: the group is
+        importing, and every part leases before any is fed ``open``. Anything that fails
+        undoes every part (unmapped, returned) and every part fails with it."""
+        parts = [part for part, _ in found]
+        group = parts[0].group
+        taken: list[tuple[Part[H, A, R, M, E], Parked]] = []
+        try:
+            with Part.locked_all(parts):
+                if not group.leasing or not all(p.may("lease") for p in parts):
+                    raise TransitionError.illegal(Part.table.name, parts[0].state, "lease")
+                for part, parked in found:
+                    part._adopt(parked)
+                    taken.append((part, parked))
+                Part.adopt_all(parts, (("lease", "leased"), ("open", "imported")))
+                for part in parts:
+                    part._adopted = False
+        except Exception as exc:
+            for part, parked in found:
+                if (part, parked) in taken:
+                    part._adopted = False
+                    part._unmap()
+                    part._return_lease()
+                else:
+                    self._drop_parked(parked)
+            failures.update((p.rank, exc) for p in parts)
+            return []
+        return parts
 
     @staticmethod
     def _fire_lease(part: Part[H, A, R, M, E], grant: peers.Grant | Parked | None,

@@ -91,6 +91,7 @@ class Parked:
     renewal_key: int
     renewal: Renewal[Any]
     generation: int     # of the descriptor the lease was granted for
+    descriptor: Descriptor  # the one the lease was granted for (decoded descriptors are remembered)
     report: dict[str, Any]  # what the lease's grant checked, for an adopter's own check
     transport: Any
     allocation: Any
@@ -103,15 +104,21 @@ class Parked:
     def rank(self) -> int:
         return self.key[0]
 
-    def live(self) -> bool:
-        """The link is usable and the renewal thread last heard a lease with time left."""
+    def renewing(self) -> bool:
+        """The renewal thread last heard a lease with time left, and no failure since."""
         state = self.renewal.state(self.renewal_key)
         return state is not None and not state.failed \
-            and state.expires_at - time.monotonic() > min(MARGIN_S, self.lease_s / 4) and self.link.usable()
+            and state.expires_at - time.monotonic() > min(MARGIN_S, self.lease_s / 4)
+
+    def live(self) -> bool:
+        """:meth:`renewing`, on a usable link."""
+        return self.renewing() and self.link.usable()
 
     def fits(self, d: Descriptor) -> bool:
         """Whether the part of ``d`` may adopt this lease: the same bank memory, a
         generation no older, and the report's other fields as the descriptor says."""
+        if d is self.descriptor:  # the same decoded descriptor again (kvstate.core.remembered)
+            return True
         return key_of(d) == self.key and d.generation >= self.generation and self.report == self.report_of(d)
 
     @classmethod

@@ -268,7 +268,7 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         its renewal failed before the part took it over, or the importer is closing."""
         parked.renewal.retarget(parked.renewal_key, self)  # a failure from now on is this part's
         try:
-            if not parked.live():  # it failed before: that outcome went to the parked lease
+            if not parked.renewing():  # it failed before: that outcome went to the parked lease
                 raise ImportFailed.lease_refused("not_renewing", f"{self.label}: the parked lease's renewal failed")
             self.group.importer._watch(self, parked.link.channel)
         except BaseException:
@@ -291,9 +291,9 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
                 or link is None or key is None or lease_id is None or renewal is None or self.mapping is None \
                 or self.allocation is None or self.reservation is None:
             return False
-        parked = Parked(key_of(self.descriptor), link, lease_id, self.lease_s, key, renewal,
-                        self.descriptor.generation, Parked.report_of(self.descriptor), self.transport,
-                        self.allocation, self.reservation, self.mapping, self._owner)
+        d = self.descriptor
+        parked = Parked(key_of(d), link, lease_id, self.lease_s, key, renewal, d.generation, d, Parked.report_of(d),
+                        self.transport, self.allocation, self.reservation, self.mapping, self._owner)
         # Before it is filed: an outcome from now on is the parked lease's.
         renewal.retarget(key, parked)  # type: ignore[arg-type]
         if not parked.live() or not importer.peers.park(parked):

@@ -100,6 +100,7 @@ class Renewal(Generic[P]):
         self._users = 0  # native imports registering leases right now (close waits for them)
         self._parts: dict[int, tuple[P, int]] = {}  # key -> (part, peer pid)
         self._next = 0
+        self._state = ffi.new("kvs_renew_state *")  # state()'s answer, filled under the lock
 
     def fileno(self) -> int:
         """An eventfd, readable while outcomes wait to be taken."""
@@ -160,7 +161,7 @@ class Renewal(Generic[P]):
         with self._lock:
             if self._ptr is None:
                 return None
-            out = self._ffi.new("kvs_renew_state *")
+            out = self._state
             if self._lib.kvs_renewer_state(self._ptr, key, out):
                 return None
             return RenewState(out.renewed_at_ns / 1e9, out.expires_at_ns / 1e9, out.renewals, bool(out.failed))
