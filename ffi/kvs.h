@@ -192,15 +192,23 @@ int kvs_op_notify(int64_t op, int32_t fd);
  * without waiting for the caller, non-blocking: a full socket leaves it unsent. An op
  * may be in one report; KVS_E_NOENT if an op is unknown (reaped), KVS_E_INVAL if one is
  * already in a report, nops is 0 or over KVS_REPORT_MAX_OPS, or a message is empty or
- * over KVS_REPORT_MAX_BYTES. *report: its id for kvs_report_close. */
+ * over KVS_REPORT_MAX_BYTES. *report: its id for kvs_report_close.
+ * A store's report also ends its block epochs (kvstate.share.epochs): epochs is the bank's
+ * epoch page, and once the last op is collectable, before any message goes out, each
+ * epochs[blocks[i]] that still holds odd[i] becomes odd[i] + 1 (compare-and-swap, release),
+ * so nobody hears of the store while its blocks still read as being written. With sock -1
+ * there is no message (then nblocks > 0). A closed report moves no epoch. */
 #define KVS_REPORT_MAX_OPS 4096
 #define KVS_REPORT_MAX_BYTES 65536
+#define KVS_REPORT_MAX_BLOCKS (1 << 20)
 #define KVS_REPORT_PENDING 0      /* an op is not collectable yet */
 #define KVS_REPORT_SENT_OK 1      /* every op done: ok went out */
 #define KVS_REPORT_SENT_FAILED 2  /* an op failed or was cancelled: failed went out */
 #define KVS_REPORT_UNSENT 3       /* the send failed (full socket, peer gone): nothing went out */
+#define KVS_REPORT_QUIET 4        /* every op collectable; epochs only, no message */
 int kvs_report_open(int32_t sock, const char *ok, uint64_t ok_len, const char *failed,
-                    uint64_t failed_len, const int64_t *ops, uint32_t nops, int64_t *report);
+                    uint64_t failed_len, const int64_t *ops, uint32_t nops, uint64_t *epochs,
+                    const int64_t *blocks, const uint64_t *odd, uint32_t nblocks, int64_t *report);
 /* Forget a report; *status (may be NULL): KVS_REPORT_*. Closed while pending, it is never
  * sent. KVS_E_NOENT for an unknown or closed report. */
 int kvs_report_close(int64_t report, int32_t *status);
@@ -598,6 +606,7 @@ typedef struct kvs_renew_state {
     int64_t expires_at_ns; /* CLOCK_MONOTONIC of the lease's end as last answered */
     uint64_t renewals;     /* renewals the exporter granted */
     int32_t failed;        /* 1 once an outcome was queued */
+    int64_t generation;    /* the bank's generation as the last renewal said it; -1: none said yet */
 } kvs_renew_state;
 
 /* NULL with errno set (eventfd, timerfd, thread). */

@@ -228,7 +228,10 @@ static int handle_one(struct kvs_lease_server *s, uint64_t conn, int pid, const 
             refuse(o, "effect", 0, 0, "bank: effect renew_lease failed (%d)", out.error);
             return 0;
         }
-        put(o, "{\"expires_in_s\":%.9f,\"ok\":true}", seconds_left(kvs_lease_find(b, id)->expires_ns));
+        /* the bank's generation too: an importer holding a parked lease adopts it only for a
+         * descriptor of that generation or newer (kvstate.share.parked) */
+        put(o, "{\"expires_in_s\":%.9f,\"generation\":%lld,\"ok\":true}",
+            seconds_left(kvs_lease_find(b, id)->expires_ns), (long long)b->generation);
         return 0;
     }
     refuse(o, "bad_request", 0, 0, "unknown op %.80s", op);

@@ -44,6 +44,7 @@ struct entry {
     int64_t lease, term_ns, renewed_at_ns, expires_at_ns;
     uint64_t renewals;
     int failed;
+    int64_t generation; /* the bank's, as the last renewal said; -1: not said */
 };
 
 struct kvs_renewer {
@@ -170,10 +171,11 @@ static int read_number(struct cursor *c, double *out) {
     return endp == buf + n && isfinite(*out);
 }
 
-/* 1 with *expires_s when the answer grants the renewal; 0 for anything else. */
-static int granted(const uint8_t *data, size_t len, double *expires_s) {
+/* 1 with *expires_s (and *generation, when the answer names an integer one; else it is left
+ * alone) when the answer grants the renewal; 0 for anything else. */
+static int granted(const uint8_t *data, size_t len, double *expires_s, int64_t *generation) {
     struct cursor c = {data, data + len};
-    int ok = 0, seen_ok = 0, seen_expires = 0;
+    int ok = 0, seen_ok = 0, seen_expires = 0, seen_generation = 0;
     ws(&c);
     if (c.p >= c.end || *c.p++ != '{') return 0;
     ws(&c);
@@ -192,6 +194,10 @@ static int granted(const uint8_t *data, size_t len, double *expires_s) {
             else if (!skip_value(&c, 0)) return 0;
         } else if (klen == 12 && !memcmp(key, "expires_in_s", 12)) {
             if (seen_expires++ || !read_number(&c, expires_s)) return 0;
+        } else if (klen == 10 && !memcmp(key, "generation", 10)) {
+            double g;
+            if (seen_generation++ || !read_number(&c, &g)) return 0;
+            if (g >= 0 && g < 9e15 && g == (double)(int64_t)g) *generation = (int64_t)g;
         } else if (!skip_value(&c, 0)) {
             return 0;
         }
@@ -232,7 +238,8 @@ static void renew_one(kvs_renewer *r, const struct entry *e, kvs_frame *f) {
     int64_t at = now_ns();
     int rc = kvs_link_request(e->link, (const uint8_t *)payload, (uint32_t)len, f, r->timeout_ns);
     double expires_s = 0;
-    int ok = rc == KVS_OK && f->nfds == 0 && granted(f->buf, f->len, &expires_s);
+    int64_t generation = -1;
+    int ok = rc == KVS_OK && f->nfds == 0 && granted(f->buf, f->len, &expires_s, &generation);
     if (rc == KVS_OK)
         for (uint32_t i = 0; i < f->nfds; i++) close(f->fds[i]);
     pthread_mutex_lock(&r->mu);
@@ -242,6 +249,7 @@ static void renew_one(kvs_renewer *r, const struct entry *e, kvs_frame *f) {
             live->renewed_at_ns = at;
             live->expires_at_ns = at + (int64_t)(expires_s * 1e9);
             live->renewals++;
+            if (generation >= 0) live->generation = generation;
         } else {
             live->failed = 1;
             push(r, e->key, rc == KVS_OK ? KVS_RENEW_REFUSED : rc, f->err, f->buf, rc == KVS_OK ? f->len : 0);
@@ -371,7 +379,7 @@ int kvs_renewer_add(kvs_renewer *r, kvs_link *l, uint64_t key, uint32_t rank, in
     if (rc == KVS_OK) {
         kvs_link_ref(l);
         struct entry *e = &r->entries[r->n++];
-        *e = (struct entry){key, l, rank, lease, term_ns, renewed_at_ns, renewed_at_ns + term_ns, 0, 0};
+        *e = (struct entry){key, l, rank, lease, term_ns, renewed_at_ns, renewed_at_ns + term_ns, 0, 0, -1};
         int64_t due = due_at(r, e);
         if (!r->armed_ns || due < r->armed_ns) arm(r, due > 0 ? due : 1); /* 0 would disarm */
     }
@@ -396,7 +404,7 @@ int kvs_renewer_remove(kvs_renewer *r, uint64_t key) {
 int kvs_renewer_state(kvs_renewer *r, uint64_t key, kvs_renew_state *out) {
     pthread_mutex_lock(&r->mu);
     struct entry *e = find(r, key);
-    if (e) *out = (kvs_renew_state){e->renewed_at_ns, e->expires_at_ns, e->renewals, e->failed};
+    if (e) *out = (kvs_renew_state){e->renewed_at_ns, e->expires_at_ns, e->renewals, e->failed, e->generation};
     pthread_mutex_unlock(&r->mu);
     return e ? KVS_OK : KVS_E_NOENT;
 }

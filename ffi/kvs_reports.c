@@ -23,6 +23,10 @@ struct kvs_report {
     int32_t closed;           /* the caller closed it while ops were left: free it when done */
     uint64_t ok_len, failed_len;
     char *ok, *bad;
+    uint64_t *epochs;         /* a bank's block epoch page, or NULL (kvstate.share.epochs) */
+    int64_t *eblocks;         /* its blocks this store made odd ... */
+    uint64_t *eodd;           /* ... and the odd epoch each holds while the store may write it */
+    uint32_t neblocks;
     struct kvs_report *next;
 };
 
@@ -38,14 +42,31 @@ static void report_free(struct kvs_report *r) {
     if (r->sock >= 0) close(r->sock);
     free(r->ok);
     free(r->bad);
+    free(r->eblocks);
+    free(r->eodd);
     free(r);
+}
+
+/* Under the lock: no op of the store writes any more; each block it made odd goes even
+ * (unless something else moved it on), before anyone hears the store ended. */
+static void epochs_end(struct kvs_report *r) {
+    for (uint32_t i = 0; i < r->neblocks; i++) {
+        uint64_t odd = r->eodd[i];
+        __atomic_compare_exchange_n(&r->epochs[r->eblocks[i]], &odd, odd + 1, 0, __ATOMIC_RELEASE,
+                                    __ATOMIC_RELAXED);
+    }
 }
 
 /* Under the lock: the report's last op is collectable; send its message (non-blocking: a
  * full socket leaves it to the caller, who learns so from kvs_report_close). */
 static void report_send(struct kvs_report *r) {
-    if (r->closed) { /* nobody wants it any more */
+    if (r->closed) { /* nobody wants it any more (nor its epoch page: the bank may be gone) */
         report_free(r);
+        return;
+    }
+    epochs_end(r);
+    if (r->sock < 0) { /* epochs only */
+        r->status = KVS_REPORT_QUIET;
         return;
     }
     const char *msg = r->failed ? r->bad : r->ok;
@@ -64,33 +85,50 @@ void kvs_report_count_down(struct kvs_report *r, int failed) {
 }
 
 int kvs_report_open(int32_t sock, const char *ok, uint64_t ok_len, const char *failed, uint64_t failed_len,
-                    const int64_t *ops, uint32_t nops, int64_t *out) {
-    if (sock < 0 || !ok || !failed || !ops || !out || ok_len == 0 || failed_len == 0 ||
-        ok_len > KVS_REPORT_MAX_BYTES || failed_len > KVS_REPORT_MAX_BYTES || nops == 0 ||
-        nops > KVS_REPORT_MAX_OPS)
+                    const int64_t *ops, uint32_t nops, uint64_t *epochs, const int64_t *blocks,
+                    const uint64_t *odd, uint32_t nblocks, int64_t *out) {
+    int message = sock >= 0;
+    if (!ops || !out || nops == 0 || nops > KVS_REPORT_MAX_OPS || nblocks > KVS_REPORT_MAX_BLOCKS ||
+        (nblocks && (!epochs || !blocks || !odd)) || (!message && (sock != -1 || !nblocks)) ||
+        (message && (!ok || !failed || ok_len == 0 || failed_len == 0 || ok_len > KVS_REPORT_MAX_BYTES ||
+                     failed_len > KVS_REPORT_MAX_BYTES)))
         return KVS_E_INVAL;
+    for (uint32_t i = 0; i < nblocks; i++)
+        if (blocks[i] < 0 || !(odd[i] & 1)) return KVS_E_INVAL;
     struct kvs_report *r = calloc(1, sizeof *r);
     if (!r) return KVS_E_NOMEM;
     r->sock = -1;
-    r->ok = malloc(ok_len);
-    r->bad = malloc(failed_len);
-    if (!r->ok || !r->bad) {
-        report_free(r);
-        return KVS_E_NOMEM;
+    if (nblocks) {
+        r->eblocks = malloc(nblocks * sizeof *r->eblocks);
+        r->eodd = malloc(nblocks * sizeof *r->eodd);
+        if (!r->eblocks || !r->eodd) {
+            report_free(r);
+            return KVS_E_NOMEM;
+        }
+        memcpy(r->eblocks, blocks, nblocks * sizeof *r->eblocks);
+        memcpy(r->eodd, odd, nblocks * sizeof *r->eodd);
+        r->epochs = epochs;
+        r->neblocks = nblocks;
     }
-    memcpy(r->ok, ok, ok_len);
-    memcpy(r->bad, failed, failed_len);
-    r->ok_len = ok_len;
-    r->failed_len = failed_len;
-    /* Our own descriptor: the caller may close or reuse its number before the ops end. */
-    r->sock = fcntl(sock, F_DUPFD_CLOEXEC, 3);
-    if (r->sock < 0) {
-        int e = errno;
-        free(r->ok);
-        free(r->bad);
-        free(r);
-        errno = e;
-        return e == EBADF ? KVS_E_INVAL : KVS_E_SYS;
+    if (message) {
+        r->ok = malloc(ok_len);
+        r->bad = malloc(failed_len);
+        if (!r->ok || !r->bad) {
+            report_free(r);
+            return KVS_E_NOMEM;
+        }
+        memcpy(r->ok, ok, ok_len);
+        memcpy(r->bad, failed, failed_len);
+        r->ok_len = ok_len;
+        r->failed_len = failed_len;
+        /* Our own descriptor: the caller may close or reuse its number before the ops end. */
+        r->sock = fcntl(sock, F_DUPFD_CLOEXEC, 3);
+        if (r->sock < 0) {
+            int e = errno;
+            report_free(r);
+            errno = e;
+            return e == EBADF ? KVS_E_INVAL : KVS_E_SYS;
+        }
     }
     kvs_engine_lock();
     int rc = KVS_OK;

@@ -340,18 +340,19 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         if not isinstance(plan, Plan) or plan.kind != "store":
             raise ArgumentInvalid.transfer(ArgumentReason.PLAN, "fire('store')", "needs the plan Bank.store builds")
         # Odd before the first op can write; Busy (storing) while another store writes a block.
-        self.block_epochs.begin(plan.blocks, self.label)
+        # The op engine makes them even as the last op ends, before the store's report goes out.
+        plan.epochs = epochs = self.block_epochs.begin(plan.blocks, self.label)
         try:
             handle = plan.submit(self.transport)
         except BaseException:
-            self.block_epochs.end(plan.blocks)
+            self.block_epochs.end(epochs[1], epochs[2])
             raise
         self.stores.add(handle)
         try:
             handle._activate(self._store_finished)
         except BaseException:  # not watched: nothing of it is in flight (_activate)
             self.stores.discard(handle)
-            self.block_epochs.end(plan.blocks)
+            self.block_epochs.end(epochs[1], epochs[2])
             raise
 
     def _store_finished(self, handle: TransferHandle) -> None:
@@ -359,16 +360,19 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
             self.fire("stored", handle=handle)
         except TransitionError as exc:  # cannot happen while the table keeps `stored` where stores run
             log.error("%s: a finished store was not collected: %s", self.label, exc)
-            if handle in self.stores:
-                self.block_epochs.end(handle.blocks)
+            self._end_epochs(handle)
             self.stores.discard(handle)
 
     @effect("collect_store")
     def _collect_store(self, *, handle: object = None, **kw: Any) -> None:
-        if handle in self.stores:  # every op reaped: even again, done or failed
-            assert isinstance(handle, TransferHandle)
-            self.block_epochs.end(handle.blocks)
+        self._end_epochs(handle)
         self.stores.discard(handle)
+
+    def _end_epochs(self, handle: object) -> None:
+        """Every op of a store of this bank reaped: its blocks' epochs even, where the op
+        engine has not made them so already (a transport without native reports)."""
+        if handle in self.stores and isinstance(handle, TransferHandle) and handle.epochs is not None:
+            self.block_epochs.end(handle.epochs[1], handle.epochs[2])
 
     @effect("native_release")
     def _release(self, **kw: Any) -> None:

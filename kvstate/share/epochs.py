@@ -37,6 +37,7 @@ import operator
 import os
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 from kvstate.core.errors import Busy, NativeError
 from kvstate.core.reasons import BusyReason, NativeReason
@@ -93,26 +94,30 @@ class EpochPage:
         self._epochs = memoryview(self._map).cast("Q")
         self._lock = threading.Lock()  # stores start and end on different threads
 
-    def begin(self, blocks: Sequence[int], label: str) -> None:
+    def begin(self, blocks: Sequence[int], label: str) -> tuple[Any, tuple[int, ...], tuple[int, ...]]:
         """A store of ``blocks`` is about to be submitted: each epoch goes odd, all or none.
-        Busy (``storing``) when another store still writes one of them."""
+        Busy (``storing``) when another store still writes one of them. Returns what ends
+        them (:meth:`end`, or the op engine as the store's last op ends: ``Plan.epochs``):
+        this page's memory, the blocks and their odd epochs."""
         e = self._epochs
         with self._lock:
             busy = sorted({b for b in blocks if e[b] & 1})
             if busy:
                 raise Busy(BusyReason.STORING, f"{label}: a store is still writing bank block(s) {busy[:8]}; "
                                                "one store at a time per block")
-            for b in set(blocks):  # once each: a block named twice must not come out even
+            ids = tuple(dict.fromkeys(blocks))  # once each: a block named twice must not come out even
+            for b in ids:
                 e[b] += 1
+            return self._map, ids, tuple(e[b] for b in ids)
 
-    def end(self, blocks: Sequence[int]) -> None:
-        """The store of ``blocks`` is over (every op reaped): each epoch goes even. Called
-        once per :meth:`begin`, whether the store succeeded or not."""
+    def end(self, blocks: Sequence[int], odd: Sequence[int]) -> None:
+        """No op of the store that made ``blocks`` odd (``odd``, from :meth:`begin`) writes
+        any more: each goes even, unless it already did. Whether the store succeeded or not."""
         e = self._epochs
         with self._lock:
-            for b in set(blocks):
-                if e[b] & 1:
-                    e[b] += 1
+            for b, o in zip(blocks, odd):
+                if e[b] == o:
+                    e[b] = o + 1
 
     def epoch(self, block: int) -> int:
         return int(self._epochs[block])

@@ -599,7 +599,7 @@ class Importer(LeaseKeeping[H, A, R, M, E]):
             link = parked.link
             if id(link) not in usable:
                 usable[id(link)] = link.usable()
-            if usable[id(link)] and parked.fits(d) and parked.renewing():
+            if usable[id(link)] and parked.fits(d) and parked.renewing(d.generation):
                 found.append((part, parked))
             else:
                 self._drop_parked(parked)
@@ -636,12 +636,15 @@ class Importer(LeaseKeeping[H, A, R, M, E]):
                     part._adopted = False
         except Exception as exc:
             for part, parked in found:
-                if (part, parked) in taken:
-                    part._adopted = False
-                    part._unmap()
-                    part._return_lease()
-                else:
-                    self._drop_parked(parked)
+                try:
+                    if (part, parked) in taken:
+                        part._adopted = False
+                        part._unmap()
+                        part._return_lease()
+                    else:
+                        self._drop_parked(parked)
+                except Exception as undo_failed:  # the others are still undone; the group fails anyway
+                    log.warning("%s: undoing an adoption failed too (%s)", part.label, undo_failed)
             failures.update((p.rank, exc) for p in parts)
             return []
         return parts

@@ -30,10 +30,12 @@ Who may adopt it
 A part whose descriptor names that rank, incarnation and handle adopts the parked lease
 (:meth:`Parked.fits`). It must also pass the rest of a grant's report check
 (:func:`kvstate.share.part._check_report`), except the generation. The descriptor's
-generation may be newer than the parked lease's: a re-advertise of the same memory keeps
-the lease. It may not be older: a replayed older descriptor takes the ordinary path, and
-the exporter refuses it there. The descriptor was validated whole before this, as every
-descriptor is. The adopting part takes the lease, the renewal registration, the mapping
+generation may be newer than the one the lease was granted for: a re-advertise of the
+same memory keeps the lease. It may not be older than the bank's as the last renewal
+answer said it (:meth:`Parked.renewing`): such a descriptor takes the ordinary path, where
+the exporter refuses it as stale. A re-advertise less than one renewal interval old is
+not known yet, so a descriptor it superseded may still adopt in that window. The
+descriptor was validated whole before this, as every descriptor is. The adopting part takes the lease, the renewal registration, the mapping
 and the mapping's owner token, all in its ``lease`` row, so a rollback of its group
 unmaps and returns them as it would its own.
 
@@ -104,10 +106,13 @@ class Parked:
     def rank(self) -> int:
         return self.key[0]
 
-    def renewing(self) -> bool:
-        """The renewal thread last heard a lease with time left, and no failure since."""
+    def renewing(self, generation: int | None = None) -> bool:
+        """The renewal thread last heard a lease with time left, and no failure since; and,
+        given a descriptor's ``generation``, of a bank no newer than it (a renewal's answer
+        says the bank's)."""
         state = self.renewal.state(self.renewal_key)
         return state is not None and not state.failed \
+            and (generation is None or state.generation <= generation) \
             and state.expires_at - time.monotonic() > min(MARGIN_S, self.lease_s / 4)
 
     def live(self) -> bool:
@@ -116,7 +121,8 @@ class Parked:
 
     def fits(self, d: Descriptor) -> bool:
         """Whether the part of ``d`` may adopt this lease: the same bank memory, a
-        generation no older, and the report's other fields as the descriptor says."""
+        generation no older than the lease's, and the report's other fields as the
+        descriptor says (:meth:`renewing` then compares it with the bank's generation)."""
         if d is self.descriptor:  # the same decoded descriptor again (kvstate.core.remembered)
             return True
         return key_of(d) == self.key and d.generation >= self.generation and self.report == self.report_of(d)

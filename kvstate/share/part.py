@@ -156,14 +156,19 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         copies completed, whether it may use them. The lease must still hold
         (:meth:`lease_intact`), and where the exporter keeps block epochs, no store may
         have written those blocks since now (:class:`kvstate.share.epochs.EpochView`)."""
-        page = self._epoch_page()
-        if page is None or not sources:
-            return self.lease_intact
-        before = page.read(sources)
+        try:
+            page = self._epoch_page()
+            if page is None or not sources:
+                return self.lease_intact
+            before = page.read(sources)
+        except (ChannelError, ValueError) as exc:  # no page this time, or its link closed meanwhile
+            log.warning("%s: the load cannot be checked against its block epochs (%s): it fails", self.label, exc)
+            return lambda: False
         return lambda: self.lease_intact() and page.vouches(sources, before)
 
     def _epoch_page(self) -> EpochView | None:
-        """The block epoch page of this part's bank, asked once per link and bank."""
+        """The block epoch page of this part's bank, asked once per link and bank (None: the
+        exporter keeps none). ChannelError when it could not be had this time."""
         link, lease_id, d = self.link, self.lease_id, self.descriptor
         if link is None or lease_id is None:
             return None  # a part on a channel of its own (NIXL's) reads across nodes
@@ -268,7 +273,8 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         its renewal failed before the part took it over, or the importer is closing."""
         parked.renewal.retarget(parked.renewal_key, self)  # a failure from now on is this part's
         try:
-            if not parked.renewing():  # it failed before: that outcome went to the parked lease
+            # A failure before it was taken over went to the parked lease, not to this part.
+            if not parked.renewing(self.descriptor.generation):
                 raise ImportFailed.lease_refused("not_renewing", f"{self.label}: the parked lease's renewal failed")
             self.group.importer._watch(self, parked.link.channel)
         except BaseException:

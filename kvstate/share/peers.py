@@ -100,22 +100,24 @@ class PeerLink:
 
     def epoch_page(self, rank: int, lease_id: int, num_blocks: int, timeout: float) -> EpochView | None:
         """Ask for the block epoch page of the bank ``lease_id`` is on (this link holds the
-        lease, so the page is that bank's). None where the exporter has none or sent one
-        that does not check (logged): loads from it then go unchecked by epochs."""
+        lease, so the page is that bank's). None where the exporter keeps none (``no_epochs``,
+        or an exporter that does not know the request): loads from it are then checked by
+        their lease alone. Anything else (no answer, another refusal, a page that does not
+        check) raises ChannelError: that load vouches for nothing, and the next one asks again."""
         try:
             with self.request(chan.encode({"op": "block_epochs", "rank": rank, "lease": lease_id}), timeout) as msg:
                 reply = chan.decode(msg.payload)
                 if not reply.get("ok"):
-                    return None
+                    if reply.get("code") in ("no_epochs", "bad_request"):
+                        return None
+                    raise ChannelError(ChannelReason.FAILED, f"block epochs refused: {reply!r:.200}")
                 if reply.get("blocks") != num_blocks or reply.get("entry_bytes") != ENTRY_BYTES \
                         or len(msg.fds) != 1:
-                    log.warning("%s: a block epoch page that does not fit rank %d's bank: %.200r",
-                                self.address, rank, reply)
-                    return None
+                    raise ChannelError(ChannelReason.FAILED, f"a block epoch page that does not fit rank {rank}'s "
+                                       f"bank: {reply!r:.200}")
                 return EpochView.open(msg.fds[0], num_blocks)
-        except (ChannelError, OSError, ValueError) as exc:
-            log.warning("%s: no block epoch page for rank %d (%s)", self.address, rank, exc)
-            return None
+        except (OSError, ValueError) as exc:
+            raise ChannelError(ChannelReason.FAILED, f"the block epoch page of rank {rank} does not map: {exc}") from exc
 
     def notify(self, payload: bytes, timeout: float) -> None:
         """Send a message that has no answer."""

@@ -110,6 +110,9 @@ class Plan:
     #: (:meth:`TransferHandle.report`). Armed here, before the handle can finish, so a fast
     #: op cannot end first and leave the message to Python (whose GIL an engine may hold).
     report: tuple[int, bytes, bytes] | None = None
+    #: A store's block epochs to end as its last op ends (:meth:`TransferHandle.report`):
+    #: its bank's epoch page, the blocks it made odd and their odd epochs.
+    epochs: tuple[Any, tuple[int, ...], tuple[int, ...]] | None = None
     #: A load's bank block ids: their block epochs are read before it is submitted and
     #: again once its copies completed (:meth:`kvstate.share.part.Part.voucher`).
     sources: tuple[int, ...] = ()
@@ -147,7 +150,11 @@ class Plan:
         except BaseException:
             h._abort()
             raise
-        if self.report is not None:  # not yet activated: no op is reaped, so this cannot miss one
-            h.report(*self.report)  # False (socket gone): report_status stays None, the owner reports
+        h.epochs = self.epochs
+        if self.report is not None or self.epochs is not None:  # not yet activated: no op is reaped, so this
+            # cannot miss one. False (socket gone): report_status stays None, the owner reports.
+            if not h.report(*(self.report or (None, b"", b"")), epochs=self.epochs) and self.report is not None \
+                    and self.epochs is not None:
+                h.report(None, b"", b"", epochs=self.epochs)  # the epochs at least
         self.handle = h
         return h

@@ -65,6 +65,7 @@ class RenewState:
     expires_at: float
     renewals: int
     failed: bool
+    generation: int = -1  # the bank's, as the last renewal said (-1: not said yet)
 
 
 def failure(code: int, reply: bytes, err: int, *, pid: int = 0, timeout: float = 0.0) -> KvStateError:
@@ -164,7 +165,8 @@ class Renewal(Generic[P]):
             out = self._state
             if self._lib.kvs_renewer_state(self._ptr, key, out):
                 return None
-            return RenewState(out.renewed_at_ns / 1e9, out.expires_at_ns / 1e9, out.renewals, bool(out.failed))
+            return RenewState(out.renewed_at_ns / 1e9, out.expires_at_ns / 1e9, out.renewals, bool(out.failed),
+                              out.generation)
 
     def take(self) -> list[tuple[P, KvStateError]]:
         """The parts whose renewal failed since the last call, with what failed."""
@@ -322,7 +324,7 @@ class LeaseKeeping(Generic[H, A, R, M, E]):
         for part, exc in self.renewal.take() if self.renewal is not None else []:
             if isinstance(part, Parked):  # nobody reads its mapping: it goes, if still filed
                 for parked in self.peers.take_parked_where(lambda p: p is part):
-                    self._drop_parked(parked, release=False)
+                    self._drop_parked(parked)  # returned too: a refusal of that is harmless
                 continue  # an adopter that took it meanwhile saw the failure (Part._adopt)
             owner = part.group
             if owner.lease_lost(part, f"{part.label}: lease renewal failed: {exc}") and \

@@ -110,7 +110,10 @@ class TransferHandle:
         self._on_finish: Callable[[TransferHandle], None] | None = None
         self._held: Callable[[int], bool] | None = None
         self._result: TransferResult | None = None
-        self._report: tuple[Any, int] | None = None  # (native, id) of a report the op engine sends
+        self._report: tuple[Any, int, bool] | None = None  # (native, id, with a message) the op engine acts on
+        #: A store's block epochs (``Plan.epochs``): the owner ends them after the reaps too,
+        #: where the op engine did not (kvstate.share.epochs).
+        self.epochs: tuple[Any, tuple[int, ...], tuple[int, ...]] | None = None
         self._report_status: str | None = None
         self._closed = False
         self._t0 = time.monotonic()
@@ -142,9 +145,9 @@ class TransferHandle:
         refusal), nothing stays in flight: its ops are cancelled or awaited, and the error
         (TransferFailed, load or store, for an OS one) says so; the owner forgets the handle.
 
-        ``held(rank)`` (a load's): whether the lease its copies of ``rank`` read under still
-        holds, asked once they completed. Without it the exporter may have written the
-        blocks before they were copied, so that rank's ops count as failed (:data:`LOST`)."""
+        ``held(rank)`` (a load's): whether ``rank``'s copies read what the load was ordered
+        for, asked once they completed: its lease still holds, and no store wrote the blocks
+        meanwhile (``Part.voucher``). Otherwise that rank's ops count as failed (:data:`LOST`)."""
         self._on_finish = on_finish
         self._held = held
         fd = self._notify_fd
@@ -288,13 +291,16 @@ class TransferHandle:
         """How it ended, once finished; None before."""
         return self._result
 
-    def report(self, sock: int, ok: bytes, failed: bytes) -> bool:
+    def report(self, sock: int | None, ok: bytes, failed: bytes, *,
+               epochs: tuple[Any, Sequence[int], Sequence[int]] | None = None) -> bool:
         """Have the op engine itself send ``ok`` (every op done) or ``failed`` (any failed or
         was cancelled) on socket ``sock`` as the last op ends, from its own thread, so the
         peer hears of the outcome without waiting for this process's Python (its GIL may be
-        the engine's for a while). False when that can no longer be arranged (the transfer
-        already finished, or has a report): the caller reports itself. After finishing,
-        :attr:`report_status` says whether it went out."""
+        the engine's for a while). A store's ``epochs`` (its bank's epoch page, the blocks
+        it made odd, their odd epochs) go even there first (``sock`` None: no message).
+        False when that can no longer be arranged (the transfer already finished, or has a
+        report): the caller reports, and ends the epochs, itself. After finishing,
+        :attr:`report_status` says whether a message went out."""
         with self._lock:
             if self._finishing or self._report is not None or not self._entries:
                 return False
@@ -302,10 +308,10 @@ class TransferHandle:
             if native is None or any(getattr(e.op, "_native", None) is not native for e in self._entries):
                 return False  # ops of another engine (a fake in a test): nothing native to ask
             try:
-                rid = native.report(sock, ok, failed, [e.op.id for e in self._entries])
+                rid = native.report(sock, ok, failed, [e.op.id for e in self._entries], epochs=epochs)
             except KvStateError:
                 return False  # an op was reaped meanwhile, or the socket is gone: report yourself
-            self._report = (native, rid)
+            self._report = (native, rid, sock is not None)
             return True
 
     @property
@@ -405,7 +411,9 @@ class TransferHandle:
         with self._lock:
             report, self._report = self._report, None
         if report is not None:  # every op is collectable: the engine has sent it, or failed to
-            self._report_status = _close_report(*report)
+            status = _close_report(report[0], report[1])
+            if report[2]:
+                self._report_status = status
         for e in self._entries:
             e.state = _reap(e.op)
         lost = self._lost({e.rank for e in self._entries if e.state == DONE})
@@ -413,8 +421,8 @@ class TransferHandle:
             if e.state == DONE and e.rank in lost:
                 e.state = LOST
         if lost:
-            log.warning("%s: the lease of rank(s) %s may have ended before the copies did; their blocks "
-                        "are failed", self.label, sorted(lost))
+            log.warning("%s: rank(s) %s cannot vouch for what their copies read (the lease may have ended, or a "
+                        "store wrote the blocks meanwhile); their blocks are failed", self.label, sorted(lost))
         if fd is not None:
             os.close(fd)  # after the reaps: no op can still write to that number
         for r in self._refs:

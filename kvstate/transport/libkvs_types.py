@@ -196,6 +196,7 @@ class RenewStatePtr(Protocol):
     expires_at_ns: int
     renewals: int
     failed: int
+    generation: int
 
 
 class MachineInstPtr(Protocol):

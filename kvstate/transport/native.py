@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol, Union
+from typing import TYPE_CHECKING, Any, Protocol, Union
 
 import attrs
 
@@ -416,20 +416,36 @@ class Native:
         if rc:
             raise self.error(rc, "kvs_op_notify", f"op {op}, fd {fd}")
 
-    def report(self, sock: int, ok: bytes, failed: bytes, ops: Sequence[int]) -> int:
+    def report(self, sock: int | None, ok: bytes, failed: bytes, ops: Sequence[int], *,
+               epochs: tuple[Any, Sequence[int], Sequence[int]] | None = None) -> int:
         """Have the engine send ``ok`` on socket ``sock`` once every op of ``ops`` is done, or
         ``failed`` once all are collectable and any failed or was cancelled, from the thread
         that ended the last one, never waiting for Python (``kvs_report_open``; the engine
-        keeps its own dup of ``sock``). Returns the report's id for :meth:`report_close`.
+        keeps its own dup of ``sock``). ``epochs`` (a store's: its bank's writable epoch
+        page, the blocks it made odd and their odd epochs) end there too, first; with it,
+        ``sock`` may be None (no message). Returns the report's id for :meth:`report_close`.
         NativeError (NOENT) when an op was already reaped: then nothing was set up."""
         lib, ffi = self.lib, self.ffi
-        if type(sock) is not int or sock < 0:
-            raise ArgumentInvalid.native("kvs_report_open", -1, f"sock must be an fd, not {sock!r:.40}")
-        for name, msg in (("ok", ok), ("the failure message", failed)):
-            if not isinstance(msg, bytes) or not 0 < len(msg) <= lib.KVS_REPORT_MAX_BYTES:
-                raise ArgumentInvalid.native("kvs_report_open", -1, f"{name} must be 1 to "
-                                             f"{lib.KVS_REPORT_MAX_BYTES} bytes, not {type(msg).__name__} "
-                                             f"of {len(msg) if isinstance(msg, bytes) else '?'}")
+        if sock is not None or epochs is None:
+            if type(sock) is not int or sock < 0:
+                raise ArgumentInvalid.native("kvs_report_open", -1, f"sock must be an fd, not {sock!r:.40}")
+            for name, msg in (("ok", ok), ("the failure message", failed)):
+                if not isinstance(msg, bytes) or not 0 < len(msg) <= lib.KVS_REPORT_MAX_BYTES:
+                    raise ArgumentInvalid.native("kvs_report_open", -1, f"{name} must be 1 to "
+                                                 f"{lib.KVS_REPORT_MAX_BYTES} bytes, not {type(msg).__name__} "
+                                                 f"of {len(msg) if isinstance(msg, bytes) else '?'}")
+        page: object = ffi.NULL
+        blocks: object = ffi.NULL
+        odd: object = ffi.NULL
+        nblocks = 0
+        if epochs is not None:
+            buf, eids, odds = epochs
+            if len(eids) != len(odds) or not 0 < len(eids) <= lib.KVS_REPORT_MAX_BLOCKS \
+                    or any(type(b) is not int or not 0 <= b < len(buf) // 8 for b in eids) \
+                    or any(type(o) is not int or o < 0 or not o & 1 for o in odds):
+                raise ArgumentInvalid.native("kvs_report_open", -1, "epochs: one odd epoch per block of the page")
+            page = ffi.from_buffer("uint64_t[]", buf, require_writable=True)
+            blocks, odd, nblocks = ffi.new("int64_t[]", list(eids)), ffi.new("uint64_t[]", list(odds)), len(eids)
         if not isinstance(ops, (list, tuple)) or not 0 < len(ops) <= lib.KVS_REPORT_MAX_OPS \
                 or any(type(o) is not int for o in ops):
             raise ArgumentInvalid.native("kvs_report_open", -1, f"ops must be 1 to "
@@ -439,8 +455,11 @@ class Native:
             ids = ffi.new("int64_t[]", list(ops))
         except OverflowError:
             raise ArgumentInvalid.native("kvs_report_open", -1, "an op id is out of range") from None
-        rc = self.lib.kvs_report_open(sock, ffi.new("char[]", ok), len(ok), ffi.new("char[]", failed), len(failed),
-                                      ids, len(ops), out)
+        message = sock is not None
+        rc = self.lib.kvs_report_open(-1 if sock is None else sock, ffi.new("char[]", ok) if message else ffi.NULL,
+                                      len(ok) if message else 0,
+                                      ffi.new("char[]", failed) if message else ffi.NULL, len(failed) if message else 0,
+                                      ids, len(ops), page, blocks, odd, nblocks, out)
         if rc:
             raise self.error(rc, "kvs_report_open", f"{len(ops)} op(s) on fd {sock}")
         return int(out[0])

@@ -11,9 +11,12 @@ engine paused to hold a load and a store in flight together.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
+import socket
+import threading
 from typing import Any
 
 import pytest
@@ -23,9 +26,12 @@ from kvstate import channel as chan
 from kvstate.core.errors import Busy
 from kvstate.core.reasons import BusyReason
 from kvstate.share.epochs import SEALS, EpochPage, EpochView, page_size
-from datapath.conftest import GRANULARITY
+from kvstate.share.importer import ImportConfig, Importer
+from support.reuse import REUSE_ON
+from datapath.conftest import DEPLOYMENT, GRANULARITY
 from datapath.support import GEOMETRY, FailingOps, Wrapped, bank_pattern, collected, engine, zeros
 from kvstate.transport.host import HostTransport
+from support.waiting import wait_until
 
 BANK_IDS, DST_IDS = [1, 6, 2], [3, 11, 5]
 
@@ -91,13 +97,13 @@ def test_a_load_of_a_block_whose_store_has_not_ended_fails(make_world: Any) -> N
     world = make_world(GEOMETRY, fill=bank_pattern)
     group, bank = world.group(), world.banks[0]
     group.load(BANK_IDS, zeros(), DST_IDS).wait(10.0)
-    bank.block_epochs.begin([6], "a store that is slow to end")
+    _, blocks, odd = bank.block_epochs.begin([6], "a store that is slow to end")
     try:
         h = group.load(BANK_IDS, zeros(), DST_IDS)
         assert h.wait(10.0) and not h.result().ok
         h.close()
     finally:
-        bank.block_epochs.end([6])
+        bank.block_epochs.end(blocks, odd)
 
 
 class _StoreWhileSubmitting(Wrapped):
@@ -151,6 +157,77 @@ def test_a_load_after_a_store_ended_reads_it(make_world: Any) -> None:
     h.close()
 
 
+def test_a_store_ends_its_epochs_before_anyone_hears_it_ended(make_world: Any) -> None:
+    """The op engine makes the epochs even as the store's last op ends, before its report
+    goes out and before ``wait`` returns: a decode index advertises the blocks on that
+    report, and the exporter's Python (the engine's, in a decode worker) may be busy. Here
+    the bank's lock is held throughout, so Python cannot collect the store."""
+    world = make_world(GEOMETRY, fill=bank_pattern)
+    group, bank = world.group(), world.banks[0]
+    group.load(BANK_IDS, zeros(), DST_IDS).wait(10.0)
+    before = bank.block_epochs.epoch(6)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with bank.locked():
+            held.set()
+            release.wait(10.0)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(5.0)
+        s = bank.store(_pattern(0xEE), [0], [6], report=(ours.fileno(), b"ok", b"failed"))
+        theirs.settimeout(10.0)
+        assert theirs.recv(16) == b"ok"
+        assert bank.block_epochs.epoch(6) == before + 2, "the store was reported while its block read as written"
+        dst = zeros()
+        h = group.load(BANK_IDS, dst, DST_IDS)
+        assert h.wait(10.0) and h.result().ok and _bytes_of(dst, DST_IDS[1]) == {0xEE}
+        h.close()
+        assert s.wait(10.0)
+        again = bank.store(_pattern(0xDD), [0], [6])  # right after wait: not Busy
+    finally:
+        release.set()
+        holder.join()
+        ours.close()
+        theirs.close()
+    assert again.wait(10.0) and collected(bank) and bank.block_epochs.epoch(6) == before + 4
+
+
+def test_an_earlier_stores_collection_never_ends_a_later_stores_epoch(make_world: Any) -> None:
+    """The op engine ended store 1's epoch; store 2 on the same block began before store
+    1 was collected. Collecting store 1 must leave store 2's odd epoch alone."""
+    world = make_world(GEOMETRY, fill=bank_pattern)
+    bank = world.banks[0]
+    gate, entered = threading.Event(), threading.Event()
+    collect = bank._store_finished
+
+    def late(handle: Any) -> None:
+        entered.set()
+        gate.wait(10.0)
+        collect(handle)
+
+    bank._store_finished = late  # type: ignore[method-assign]  # store 1's collection waits
+    first = bank.store(_pattern(0xEE), [0], [6])
+    bank._store_finished = collect  # type: ignore[method-assign]
+    assert entered.wait(10.0) and first.wait(10.0)
+    nat = engine()
+    nat.pause(True)
+    try:
+        second = bank.store(_pattern(0xDD), [0], [6])
+        odd = bank.block_epochs.epoch(6)
+        assert odd & 1
+        gate.set()
+        assert wait_until(lambda: first not in bank.stores)
+        assert bank.block_epochs.epoch(6) == odd, "collecting store 1 ended store 2's epoch"
+    finally:
+        gate.set()
+        nat.pause(False)
+    assert second.wait(10.0) and collected(bank) and bank.block_epochs.epoch(6) == odd + 1
+
+
 def test_the_page_is_asked_once_per_link_and_bank(make_world: Any) -> None:
     world = make_world(GEOMETRY, fill=bank_pattern)
     group = world.group()
@@ -163,16 +240,54 @@ def test_the_page_is_asked_once_per_link_and_bank(make_world: Any) -> None:
     assert all(isinstance(v, EpochView) for v in link.block_epochs.values())
 
 
+def test_a_page_that_could_not_be_had_fails_the_load_and_is_asked_again(make_world: Any,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transient failure (here the page does not map) is no answer: that load is not
+    trusted, and the next one asks again and is checked."""
+    world = make_world(GEOMETRY, fill=bank_pattern)
+    group = world.group()
+
+    def no_map(cls: type, fd: int, num_blocks: int) -> EpochView:
+        raise OSError(errno.ENOMEM, "injected")
+
+    with monkeypatch.context() as m:
+        m.setattr(EpochView, "open", classmethod(no_map))
+        h = group.load(BANK_IDS, zeros(), DST_IDS)
+        assert h.wait(10.0) and not h.result().ok
+        h.close()
+    link = group.parts[0].link
+    assert link is not None and not link.block_epochs  # nothing remembered
+    nat = engine()
+    nat.pause(True)
+    try:  # the next load on the same link is checked: a store beside it fails it
+        h = group.load(BANK_IDS, zeros(), DST_IDS)
+        s = world.banks[0].store(_pattern(0xEE), [0], [6])
+    finally:
+        nat.pause(False)
+    assert h.wait(10.0) and s.wait(10.0) and not h.result().ok
+    h.close()
+    h = group.load(BANK_IDS, zeros(), DST_IDS)
+    assert h.wait(10.0) and h.result().ok
+    assert all(isinstance(v, EpochView) for v in link.block_epochs.values())
+    h.close()
+
+
 def test_the_page_goes_only_to_a_lease_holder(make_world: Any) -> None:
     """The page names the bank a lease is on: a connection without that lease gets none."""
     world = make_world(GEOMETRY, fill=bank_pattern)
     group = world.group()
     link = group.parts[0].link
     assert link is not None and group.parts[0].lease_id is not None
-    with link.request(chan.encode({"op": "block_epochs", "rank": 0, "lease": group.parts[0].lease_id + 1000}),
-                      5.0) as msg:
-        reply = chan.decode(msg.payload)
-        assert reply.get("ok") is False and reply.get("code") == "unknown_lease" and msg.fds == ()
+    other = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON), HostTransport(granularity=GRANULARITY))
+    try:
+        theirs = other.import_group([world.exporter.descriptor(0)])  # a lease on another connection
+        for lease in (group.parts[0].lease_id + 1000, theirs.parts[0].lease_id):
+            with link.request(chan.encode({"op": "block_epochs", "rank": 0, "lease": lease}), 5.0) as msg:
+                reply = chan.decode(msg.payload)
+                assert reply.get("ok") is False and reply.get("code") == "unknown_lease" and msg.fds == ()
+        theirs.drain(5.0)
+    finally:
+        other.close()
 
 
 def test_a_failed_store_moves_the_epochs_on_too(make_world: Any) -> None:
@@ -222,10 +337,12 @@ def test_a_received_page_reads_the_exporters_epochs_and_cannot_write_them() -> N
     try:
         view = EpochView.open(fd, 20)
         assert view.read([3, 4]) == (0, 0)
-        page.begin([4], "test")
+        _, blocks, odd = page.begin([4], "test")
+        assert odd == (1,)
         assert view.read([3, 4]) == (0, 1) and not view.vouches([3, 4], (0, 0))
         assert not view.vouches([4], view.read([4]))  # an odd epoch never vouches, even unchanged
-        page.end([4])
+        page.end(blocks, odd)
+        page.end(blocks, odd)  # once only: the op engine may have ended it already
         assert view.read([4]) == (2,) and view.vouches([4], (2,)) and view.vouches([3, 4], (0, 2))
         assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS == SEALS
         rw = os.open(f"/proc/self/fd/{page.fd}", os.O_RDWR)

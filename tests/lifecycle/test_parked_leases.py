@@ -142,6 +142,26 @@ def test_an_older_descriptor_of_the_same_bank_does_not_adopt(transport: HostTran
     assert parked(parking) == 0 and wait_until(lambda: leases(ex) == [])
 
 
+def test_a_descriptor_older_than_the_bank_does_not_adopt(transport: HostTransport) -> None:
+    """A descriptor superseded by a re-advertise that a renewal answer has told of: the
+    generation the lease was granted for no longer adopts (the exporter would call it
+    stale), the current one does."""
+    im = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON, park_s=30.0, renew_interval_s=0.05), transport)
+    try:
+        ex = make_exporter(1, transport, name="superseded", lease_timeout_s=1.0)
+        old = ex.descriptor(0)
+        im.import_group([old]).drain(5.0)
+        ex.banks[0].advertise()
+        key = next(iter(im.peers._parked.values())).renewal_key
+        assert wait_until(lambda: im.renewal is not None and im.renewal.state(key) is not None
+                          and im.renewal.state(key).generation == 2)  # type: ignore[union-attr]
+        with pytest.raises(ImportFailed, match="stale_generation"):
+            im.import_group([old])
+        assert ex.lease_server.lease_requests() == 2  # it asked: not adopted
+    finally:
+        im.close()
+
+
 def test_another_exporters_bank_never_adopts(transport: HostTransport, parking: Importer) -> None:
     """Two exporters on one socket directory: the parked lease is filed by address and by
     the bank's incarnation and memory, so the other's rank 0 takes its own lease."""
@@ -185,6 +205,35 @@ def test_a_rollback_unmaps_and_returns_an_adopted_lease(transport: HostTransport
             im.import_group(wire)
         assert parked(im) == 0 and wait_until(lambda: not ex.banks[0].leases)
         assert parked_ids[0] not in leases(ex)
+    finally:
+        im.close()
+
+
+class _Deaf(Importer):  # type: ignore[type-arg]
+    """An importer whose expiry thread hears no renewal outcome and sweeps nothing: a
+    parked lease whose renewal failed stays filed, as between an outcome and its handling."""
+
+    def renew_leases(self, groups: Any) -> list[Group]:  # type: ignore[type-arg]
+        return []
+
+    def _sweep_parked(self) -> None:
+        pass
+
+
+def test_a_parked_lease_whose_renewal_failed_is_not_adopted(transport: HostTransport) -> None:
+    im = _Deaf(ImportConfig(DEPLOYMENT, reuse=REUSE_ON, park_s=30.0, renew_interval_s=0.05), transport)
+    try:
+        ex = make_exporter(1, transport, name="deaf", lease_timeout_s=0.3)
+        wire = [ex.descriptor(0)]
+        im.import_group(wire).drain(5.0)
+        ex.banks[0].fire("drain")  # renewals are refused from now on
+        assert im.renewal is not None and len(im.renewal._parts) == 1
+        key = next(iter(im.renewal._parts))
+        assert wait_until(lambda: im.renewal.state(key) is not None and im.renewal.state(key).failed)  # type: ignore[union-attr]
+        assert parked(im) == 1
+        with pytest.raises(ImportFailed):  # the ordinary path, which the draining bank refuses
+            im.import_group(wire)
+        assert parked(im) == 0
     finally:
         im.close()
 

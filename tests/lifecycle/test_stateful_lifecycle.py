@@ -90,6 +90,12 @@ class LifecycleMachine(RuleBasedStateMachine):
             (b.allocations, b.reservations, b.regions, b.pins), "leaked native objects"
         self.backend.close()
 
+    def unpark(self, ex: Exporter) -> None:
+        """Drop the leases parked for ``ex``'s banks (kvstate.share.parked), if any."""
+        address = ex.lease_address
+        for parked in self.importer.peers.take_parked_where(lambda p: p.link.address == address):
+            self.importer._drop_parked(parked)
+
     def pick(self, data: st.DataObject, *states: str) -> Group | None:
         """A live group in one of ``states``, or None. What is drawn never depends on the
         live state (an index into a fixed range): watcher and expiry threads move groups
@@ -113,6 +119,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         group failed and rolled back, every lease returned (checked by the invariants)."""
         ex = self.exporters[tp]
         if fault is not None:
+            self.unpark(ex)  # an adopted part skips the faulted step
             self.faulty.fail(fault, after=rank % tp, kind=kind)
         self.drain_on_import = drain_midway and tp > 1
         expect_failure = fault is not None or self.drain_on_import
@@ -382,14 +389,43 @@ TestLifecycle.settings = settings(max_examples=25, stateful_step_count=25, deadl
 
 class ParkingLifecycleMachine(LifecycleMachine):
     """The same, closed parts parking their leases and later imports adopting them: every
-    fault above meets a parked lease too, and nothing may be left after the importer's
-    close (teardown)."""
+    fault above meets a parked lease too (an import with an injected fault takes the
+    ordinary path), and nothing may be left after the importer's close (teardown)."""
 
     park_s = 30.0
+    adopted = 0  # parts that adopted a parked lease, over every example
+
+    @initialize()
+    def start(self) -> None:
+        super().start()
+        adopt = self.importer._adopt_parked
+
+        def counted(parts: Any, failures: Any) -> Any:
+            out = adopt(parts, failures)
+            ParkingLifecycleMachine.adopted += len(out)
+            return out
+        self.importer._adopt_parked = counted  # type: ignore[method-assign]
+
+    @rule(tp=st.sampled_from(TPS), drain=st.booleans())
+    def import_and_close(self, tp: int, drain: bool) -> None:
+        """An import without a planted fault (it may adopt what the last close parked),
+        checked by a load, and closed again (parking its leases) or left ready."""
+        group = self.importer.import_group([self.exporters[tp].descriptor(r) for r in range(tp)])
+        assert group.state == "ready"
+        dst = [bytearray(GEOMETRY.block_bytes) for _ in range(tp)]
+        group.load_prefix([3], dst)
+        assert [bytes(b) for b in dst] == [expected_blocks(r, [3]) for r in range(tp)]
+        if drain:
+            group.drain(timeout=5)
+            assert group.state == "closed"
 
 
-TestParkingLifecycle = ParkingLifecycleMachine.TestCase
-TestParkingLifecycle.settings = settings(max_examples=20, stateful_step_count=25, deadline=None)
+def test_parking_lifecycle() -> None:
+    """The machine above, which must have adopted parked leases (else it tested nothing new)."""
+    ParkingLifecycleMachine.adopted = 0
+    run_state_machine_as_test(ParkingLifecycleMachine,
+                              settings=settings(max_examples=20, stateful_step_count=25, deadline=None))
+    assert ParkingLifecycleMachine.adopted > 0
 
 
 class CudaLifecycleMachine(LifecycleMachine):

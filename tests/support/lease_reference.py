@@ -258,7 +258,7 @@ class RefServer:
                 bank.fire("renew_lease", lease_id=held.id)
             except TransitionError as exc:
                 return self._refuse("not_renewing", f"{'expired' if held.expired else bank.state}: {exc}")
-            return {"ok": True, "expires_in_s": held.expires_at - time.monotonic()}, ()
+            return {"ok": True, "expires_in_s": held.expires_at - time.monotonic(), "generation": bank.generation}, ()
         return self._refuse("bad_request", f"unknown op {op!r}")
 
     def _handle_batch(self, conn: int, req: dict[str, Any]) -> tuple[dict[str, Any], tuple[int, ...]]:
