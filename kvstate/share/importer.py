@@ -190,7 +190,7 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
         if not isinstance(plan, Plan) or plan.kind != "load":
             raise ArgumentInvalid.transfer(ArgumentReason.PLAN, "fire('load')", "needs the plan Group.load builds")
         ranks = {c.rank for c in plan.copies}
-        vouchers = {p.rank: p.voucher(plan.sources) for p in self.parts if p.rank in ranks}  # before any copy
+        vouchers = {p.rank: p._voucher(plan.sources) for p in self.parts if p.rank in ranks}  # before any copy
         handle = plan.submit(self.importer.transport)  # all or nothing; raises TransferFailed (LOAD)
         self.loads.add(handle)
         try:

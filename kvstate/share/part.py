@@ -151,7 +151,7 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         ch = self.channel
         return ch is not None and not ch.hung_up()
 
-    def voucher(self, sources: Sequence[int]) -> Callable[[], bool]:
+    def _voucher(self, sources: Sequence[int]) -> Callable[[], bool]:
         """For a load of bank blocks ``sources`` about to be submitted: what it asks once its
         copies completed, whether it may use them. The lease must still hold
         (:meth:`lease_intact`), and where the exporter keeps block epochs, no store may

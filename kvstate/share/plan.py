@@ -114,7 +114,7 @@ class Plan:
     #: its bank's epoch page, the blocks it made odd and their odd epochs.
     epochs: tuple[Any, tuple[int, ...], tuple[int, ...]] | None = None
     #: A load's bank block ids: their block epochs are read before it is submitted and
-    #: again once its copies completed (:meth:`kvstate.share.part.Part.voucher`).
+    #: again once its copies completed (:meth:`kvstate.share.part.Part._voucher`).
     sources: tuple[int, ...] = ()
 
     def release(self) -> None:

@@ -164,7 +164,7 @@ class RankShare(Lifecycle, Generic[H, A, R, M, E]):
             return part.pin()
         if not isinstance(plan, Plan) or plan.kind != "load":
             raise ArgumentInvalid.transfer(ArgumentReason.PLAN, "fire('load')", "needs the plan RankShare.load builds")
-        voucher = part.voucher(plan.sources)  # before any copy
+        voucher = part._voucher(plan.sources)  # before any copy
         handle = plan.submit(self.importer.transport)  # all or nothing; raises TransferFailed (LOAD)
         self.loads.add(handle)
         try:

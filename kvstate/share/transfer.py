@@ -147,7 +147,7 @@ class TransferHandle:
 
         ``held(rank)`` (a load's): whether ``rank``'s copies read what the load was ordered
         for, asked once they completed: its lease still holds, and no store wrote the blocks
-        meanwhile (``Part.voucher``). Otherwise that rank's ops count as failed (:data:`LOST`)."""
+        meanwhile (``Part._voucher``). Otherwise that rank's ops count as failed (:data:`LOST`)."""
         self._on_finish = on_finish
         self._held = held
         fd = self._notify_fd

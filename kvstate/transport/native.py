@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, Union
+from typing import TYPE_CHECKING, Any, Protocol, Union, cast
 
 import attrs
 
@@ -40,7 +40,7 @@ from kvstate.core.errors import (
 from kvstate.core.optional import is_missing, require
 from kvstate.derive.header import table_digest
 from kvstate.transport import libkvs
-from kvstate.transport.libkvs import BlockArray, CBuffer, Ffi, Lib
+from kvstate.transport.libkvs import BlockArray, CBuffer, Ffi, Int64Ptr, Lib, UInt64Ptr
 from kvstate.transport.optable import CANCEL, OPS, REAP, SUBMIT
 from kvstate.transport.protocol import Block, OpInfo, RegionStats
 
@@ -434,9 +434,9 @@ class Native:
                     raise ArgumentInvalid.native("kvs_report_open", -1, f"{name} must be 1 to "
                                                  f"{lib.KVS_REPORT_MAX_BYTES} bytes, not {type(msg).__name__} "
                                                  f"of {len(msg) if isinstance(msg, bytes) else '?'}")
-        page: object = ffi.NULL
-        blocks: object = ffi.NULL
-        odd: object = ffi.NULL
+        page = cast(UInt64Ptr, ffi.NULL)
+        blocks = cast(Int64Ptr, ffi.NULL)
+        odd = cast(UInt64Ptr, ffi.NULL)
         nblocks = 0
         if epochs is not None:
             buf, eids, odds = epochs
@@ -456,9 +456,10 @@ class Native:
         except OverflowError:
             raise ArgumentInvalid.native("kvs_report_open", -1, "an op id is out of range") from None
         message = sock is not None
-        rc = self.lib.kvs_report_open(-1 if sock is None else sock, ffi.new("char[]", ok) if message else ffi.NULL,
+        none = ffi.NULL
+        rc = self.lib.kvs_report_open(-1 if sock is None else sock, ffi.new("char[]", ok) if message else none,
                                       len(ok) if message else 0,
-                                      ffi.new("char[]", failed) if message else ffi.NULL, len(failed) if message else 0,
+                                      ffi.new("char[]", failed) if message else none, len(failed) if message else 0,
                                       ids, len(ops), page, blocks, odd, nblocks, out)
         if rc:
             raise self.error(rc, "kvs_report_open", f"{len(ops)} op(s) on fd {sock}")
