@@ -5,9 +5,11 @@ touched (docs/proposals/lease-per-link.md, item 3).
 The exporter keeps, per block, a 64-bit epoch in a memfd of its own (:class:`EpochPage`),
 which it maps read-write and then seals with ``F_SEAL_FUTURE_WRITE``: an importer that
 receives the fd can map it read-only and nothing else. A store makes each of its blocks'
-epochs odd before its first op is submitted, and even again once every op of it was
-reaped (done, failed or cancelled): a block's epoch is odd exactly while a store may
-be writing it, and it never goes back. One store at a time per block: a second store
+epochs odd before its first op is submitted, and even again once every op of it ended
+(done, failed or cancelled): the op engine does that as the last op ends, before the
+store's report goes out (``kvs_report_open``), and the store's collection where the
+engine could not. A block's epoch is odd exactly while a store may be writing it, and
+it never goes back. One store at a time per block: a second store
 on a block whose epoch is odd is refused (Busy, ``storing``), since two stores would
 make each other's odd epoch even.
 
@@ -19,9 +21,10 @@ rank's copies count as failed and the engine recomputes them
 compared at full width and the page lives as long as the bank's memory, so they never
 wrap or restart under a reader.
 
-Order: the exporter's odd store precedes the op submission, and its even store follows
-the reaps; the importer's first read precedes its submission, and its second follows
-the completion it observed. Each of those hand-offs crosses a lock or an atomic of the
+Order: the exporter's odd store precedes the op submission, and its even store (a
+release compare-and-swap in the op engine) follows the last op's completion; the
+importer's first read precedes its submission, and its second follows the completion it
+observed. Each of those hand-offs crosses a lock or an atomic of the
 op engine, which orders the plain 8-byte loads and stores around it.
 
 Writes through ``Bank.tensors()`` (the engine using the bank as its KV cache) are not
@@ -57,7 +60,7 @@ def page_size(num_blocks: int) -> int:
 
 
 def _read(epochs: memoryview, blocks: Sequence[int]) -> tuple[int, ...]:
-    # itemgetter of one index returns an item, not a tuple: ask for that one twice.
+    # itemgetter of one index returns an item, not a tuple.
     if len(blocks) > 1:
         return operator.itemgetter(*blocks)(epochs)  # type: ignore[no-any-return]
     return tuple(epochs[b] for b in blocks)
