@@ -71,7 +71,7 @@ class PeerLink:
             raise
         self.users = 0                 # holders: requests in flight, grants and parts leasing on it (Peers)
         #: The exporter's block epoch pages, once asked: (rank, incarnation, handle bytes) ->
-        #: the page, or None where it has none (:func:`block_epochs`).
+        #: the page, or None where it has none (:meth:`epoch_page`).
         self.block_epochs: dict[tuple[int, bytes, bytes], EpochView | None] = {}
         self.idle_since = time.monotonic()
 
