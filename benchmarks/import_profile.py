@@ -89,7 +89,7 @@ IMPORTER = [
     ("kvstate.share.peers:Peers._take", "connect, or reuse a checked link"),
     ("kvstate.share.peers:grants", "grant parsing (batched answer)"),
     # Parked leases (--park):
-    ("kvstate.share.importer:Importer._adopt_parked", "adopt parked leases (glue)"),
+    ("kvstate.share.adopt:parked", "adopt parked leases (glue)"),
     ("kvstate.share.peers:Peers.take_parked", "adopt parked leases: take from the table"),
     ("kvstate.share.parked:Parked.live", "adopt parked leases: live (renewal state, link poll)"),
     ("kvstate.share.parked:Parked.fits", "adopt parked leases: fits the descriptor"),

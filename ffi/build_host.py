@@ -26,7 +26,7 @@ SOURCES += ("kvs_link.c", "kvs_renew.c")  # the importer's request links and ren
 SOURCES += ("kvs_attach.c",)  # the importer's native attach (phase 2 on the host backend)
 SOURCES += ("kvs_import.c",)  # the importer's native phase 1 (lease, checks, renewal) and attach
 # The exporter's lease server (its rules, its thread, its request reader).
-SOURCES += ("kvs_serve.c", "kvs_lease.c", "kvs_lease_answer.c", "kvs_lease_thread.c", "kvs_lease_tcp.c", "kvs_blake2b.c", "kvs_json.c", "kvs_inventory.c")
+SOURCES += ("kvs_serve.c", "kvs_lease.c", "kvs_lease_answer.c", "kvs_lease_thread.c", "kvs_lease_tcp.c", "kvs_lease_inventory.c", "kvs_blake2b.c", "kvs_json.c", "kvs_inventory.c")
 SOURCES += ("kvs_index.c", "kvs_index_thread.c")  # the decode index's lookups, off the GIL
 SOURCES += ("kvs_validate.c",)  # the descriptor rules, generated from spec/rules.toml
 DEPENDS = ("kvs.h", "kvs_slots.h", "kvs_engine.h", "kvs_cuda.h", "kvs_cuda_driver.h", "kvs_op_table.h",

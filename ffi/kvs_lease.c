@@ -6,9 +6,9 @@
  * from the lease table just before the fire, and the lease effects (grant, renew, expire,
  * end) are the C functions below, each with its undo. Nothing here decides a transition
  * itself, and nothing takes the GIL. Here too: the queue of committed transitions Python
- * reads for its observers, connections and their end, expiry, the inventory's mirror,
- * and the requests queued for Python. The answers to importers' requests are in
- * kvs_lease_answer.c.
+ * reads for its observers, connections and their end, expiry, and the requests queued
+ * for Python. The answers to importers' requests are in kvs_lease_answer.c, the
+ * inventory's mirror in kvs_lease_inventory.c.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -515,48 +515,6 @@ int32_t kvs_lease_expire(kvs_lease_server *s, int64_t ahead_ns) {
             n += kvs_lease_fire_one(s, r, KVS_BANK_EV_LEASE_EXPIRED, &c, KVS_LWHY_EXPIRED, &out) == KVS_OK;
         }
     }
-    pthread_mutex_unlock(&s->mu);
-    return n;
-}
-
-/* -- the inventory, kept up to date by Python ---------------------------------------- */
-
-int kvs_lease_inv_on(kvs_lease_server *s) {
-    if (!s) return KVS_E_INVAL;
-    pthread_mutex_lock(&s->mu);
-    s->inv.on = 1;
-    pthread_mutex_unlock(&s->mu);
-    return KVS_OK;
-}
-
-int kvs_lease_inv_epoch(kvs_lease_server *s, const char *group, uint32_t glen, int64_t epoch) {
-    if (!s || !group) return KVS_E_INVAL;
-    pthread_mutex_lock(&s->mu);
-    int rc = kvs_inv_epoch(&s->inv, group, glen, epoch);
-    pthread_mutex_unlock(&s->mu);
-    return rc;
-}
-
-int kvs_lease_inv_add(kvs_lease_server *s, const char *group, uint32_t glen, const uint64_t *hashes, uint32_t n) {
-    if (!s || !group || (n && !hashes)) return KVS_E_INVAL;
-    pthread_mutex_lock(&s->mu);
-    int rc = kvs_inv_add(&s->inv, group, glen, hashes, n);
-    pthread_mutex_unlock(&s->mu);
-    return rc;
-}
-
-int kvs_lease_inv_remove(kvs_lease_server *s, const char *group, uint32_t glen, const uint64_t *hashes, uint32_t n) {
-    if (!s || !group || (n && !hashes)) return KVS_E_INVAL;
-    pthread_mutex_lock(&s->mu);
-    int rc = kvs_inv_remove(&s->inv, group, glen, hashes, n);
-    pthread_mutex_unlock(&s->mu);
-    return rc;
-}
-
-int64_t kvs_lease_inv_leases(kvs_lease_server *s, const char *group, uint32_t glen, uint64_t hash) {
-    if (!s || !group) return KVS_E_INVAL;
-    pthread_mutex_lock(&s->mu);
-    int64_t n = kvs_inv_leases(&s->inv, group, glen, hash);
     pthread_mutex_unlock(&s->mu);
     return n;
 }

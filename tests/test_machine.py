@@ -485,3 +485,51 @@ def test_the_dispatch_check_catches_a_planted_bug() -> None:
     assert any(_dispatch_disagreements(name, no_guards)[1] for name in TABLES)
     with_unless = [n for n in TABLES if any(r.unless for r in load_machine(n).transitions)]
     assert all(_dispatch_disagreements(name, no_unless)[1] for name in with_unless)
+
+
+# -- step_all: one step only where the row runs nothing -------------------------------------
+
+BARE = parse_machine("""
+[machine]
+name = "bare"
+title = "A row that runs nothing"
+initial = "a"
+terminal = ["b"]
+doc = "A test table: one row without guard or effect."
+[states]
+a = "Before."
+b = "After."
+[events]
+go = { doc = "Move on." }
+[[transitions]]
+trigger = "go"
+source = "a"
+dest = "b"
+""", "tests/bare.toml")
+
+
+class Bare(Lifecycle):
+    table = BARE
+
+    def __init__(self) -> None:
+        super().__init__(label="bare")
+
+
+def test_step_all_takes_one_step_for_a_bare_row_and_nothing_else(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bare row is fed to every object in one step, observers told as by fire; a row
+    with effects is left to the caller's fires, so its effects run (none skipped)."""
+    seen: list[StateChange] = []
+    bare = [Bare(), Bare()]
+    for b in bare:
+        b.observe(seen.append)
+    fired: list[str] = []
+    monkeypatch.setattr(Bare, "fire", lambda self, event, **kw: fired.append(event))
+    assert Bare.step_all(bare, "go")
+    assert fired == [] and [b.state for b in bare] == ["b", "b"]
+    assert [(c.event, c.source, c.dest) for c in seen] == [("go", "a", "b")] * 2
+    three = [Three(None, RuntimeError()), Three(None, RuntimeError())]
+    assert not Three.step_all(three, "go") and [t.state for t in three] == ["a", "a"]
+    for t in three:
+        t.fire("go")
+    assert [t.state for t in three] == ["b", "b"]
+    assert all(t.log == ["take_lease", "open_handle", "map_it"] for t in three)

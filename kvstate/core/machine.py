@@ -458,6 +458,20 @@ class Lifecycle:
                                         reason))
 
     @classmethod
+    def step_all(cls, objects: Sequence[Lifecycle], event: str) -> bool:
+        """What :meth:`fire` of ``event`` on each of ``objects`` (machines of this table)
+        would do, in one step (:meth:`adopt_all`), when they share a state whose one row for
+        ``event`` runs nothing (no guard, no effect); False, doing nothing, otherwise: the
+        caller fires each (a fire site the code map can see)."""
+        objects = need_items("objects", objects, cls)
+        states = {obj._kv_state for obj in objects}
+        rows = cls.table.rows(event, next(iter(states))) if len(states) == 1 else ()
+        if len(rows) != 1 or rows[0].guarded or rows[0].effects:
+            return False
+        cls.adopt_all(objects, ((event, rows[0].dest),))
+        return True
+
+    @classmethod
     def adopt_all(cls, objects: Sequence[Lifecycle], steps: Sequence[tuple[str, str]]) -> None:
         """:meth:`adopt` of the rows ``steps`` ((event, dest), in order) for every one of
         ``objects`` (machines of this table) at once: another executor made them for a

@@ -71,31 +71,20 @@ from kvstate.transport.native_rules import validate_group
 from kvstate.share import attach
 from kvstate.share import load as loads
 from kvstate.share import native_import, peers
-from kvstate.share.parked import Parked, key_of
+from kvstate.share import adopt
+from kvstate.share.parked import Parked
 from kvstate.share.import_config import ImportConfig as ImportConfig
 from kvstate.share.part import BlockRequest as BlockRequest, Part as Part, PartOwner as PartOwner
 from kvstate.share.part import lease_fields, lease_request as lease_request
 from kvstate.share.renewal import LeaseKeeping, Renewal
 from kvstate.share.plan import Plan
-from kvstate.share.transfer import TransferHandle, check_timeout, stop_dispatcher_if_idle
+from kvstate.share.transfer import LoadResult as LoadResult, TransferHandle, check_timeout, stop_dispatcher_if_idle
 
 log = logging.getLogger(__name__)
 
 
 #: The group events that report a fault from the environment (see :meth:`Group.fault`).
 GroupFault = Literal["part_failed", "peer_died", "incarnation_changed", "expired"]
-
-
-@attrs.frozen
-class LoadResult:
-    blocks: int
-    bytes: int
-    seconds: float
-
-
-#: The part table's ``validate`` row has no guard and no effect, so a group's parts may
-#: be fed it in one step (:meth:`Lifecycle.adopt_all`) instead of one fire each.
-_BARE_VALIDATE = all(not row.guarded and not row.effects for row in Part.table.rows("validate", "received"))
 
 
 class Group(Lifecycle, Generic[H, A, R, M, E]):
@@ -442,9 +431,7 @@ class Importer(LeaseKeeping[H, A, R, M, E]):
         group.blocks = blocks
         group.parts = [Part(group, d) for d in validated.parts]
         group.fire("begin_import")
-        if _BARE_VALIDATE:  # one step for every part: nothing runs on that row
-            Part.adopt_all(group.parts, (("validate", "validated"),))
-        else:
+        if not Part.step_all(group.parts, "validate"):  # one step where that row runs nothing
             for part in group.parts:
                 part.fire("validate")
         # Phase 1 leases and checks every rank; phase 2 opens only when all passed.
@@ -542,7 +529,7 @@ class Importer(LeaseKeeping[H, A, R, M, E]):
         host backend takes both phases in one native call (:mod:`kvstate.share.native_import`)."""
         failures: dict[int, Exception] = {}
         if self.config.park_s > 0:
-            adopted = self._adopt_parked(parts, failures)
+            adopted = adopt.parked(self, parts, failures)
             parts = [p for p in parts if p not in adopted and p.rank not in failures]
             if not parts:
                 return failures
@@ -579,75 +566,6 @@ class Importer(LeaseKeeping[H, A, R, M, E]):
                 if not grant.taken:  # its part never leased: the lease goes back
                     grant.give_back()
         return failures
-
-    def _adopt_parked(self, parts: Sequence[Part[H, A, R, M, E]],
-                      failures: dict[int, Exception]) -> list[Part[H, A, R, M, E]]:
-        """Phase 1 without a round trip for every part whose bank has a lease parked on its
-        link that fits its descriptor (kvstate.share.parked); those parts, adopted. A
-        parked lease that does not fit, is not live, or that its part did not take goes.
-        When every part of the group adopts, both phases are done here and the part
-        machines fed in one step, as after the native import."""
-        found: list[tuple[Part[H, A, R, M, E], Parked]] = []
-        usable: dict[int, bool] = {}  # a link is polled once, however many parts it serves
-        for part in parts:
-            d = part.descriptor
-            if type(part) is not Part or part.group.blocks is not None:
-                continue
-            parked = self.peers.take_parked(d.socket_path, key_of(d))
-            if parked is None:
-                continue
-            link = parked.link
-            if id(link) not in usable:
-                usable[id(link)] = link.usable()
-            if usable[id(link)] and parked.fits(d) and parked.renewing(d.generation):
-                found.append((part, parked))
-            else:
-                self._drop_parked(parked)
-        if found and len(found) == len(parts) == len(parts[0].group.parts):
-            return self._adopt_whole(found, failures)
-        adopted: list[Part[H, A, R, M, E]] = []
-        for part, parked in found:
-            self._fire_lease(part, parked, failures)
-            if part.lease_id == parked.lease_id and part.link is parked.link and part.state == "leased":
-                adopted.append(part)
-            elif part.mapping is not parked.mapping:  # not taken (a fault, or refused)
-                self._drop_parked(parked)
-        return adopted
-
-    def _adopt_whole(self, found: Sequence[tuple[Part[H, A, R, M, E], Parked]],
-                     failures: dict[int, Exception]) -> list[Part[H, A, R, M, E]]:
-        """Every part of the group adopts: the ``lease`` rows' effects here, the ``open``
-        rows' (nothing: the mappings came along), then :meth:`Lifecycle.adopt_all` feeds
-        the machines both rows at once. Their guards hold by construction: the group is
-        importing, and every part leases before any is fed ``open``. Anything that fails
-        undoes every part (unmapped, returned) and every part fails with it."""
-        parts = [part for part, _ in found]
-        group = parts[0].group
-        taken: list[tuple[Part[H, A, R, M, E], Parked]] = []
-        try:
-            with Part.locked_all(parts):
-                if not group.leasing or not all(p.may("lease") for p in parts):
-                    raise TransitionError.illegal(Part.table.name, parts[0].state, "lease")
-                for part, parked in found:
-                    part._adopt(parked)
-                    taken.append((part, parked))
-                Part.adopt_all(parts, (("lease", "leased"), ("open", "imported")))
-                for part in parts:
-                    part._adopted = False
-        except Exception as exc:
-            for part, parked in found:
-                try:
-                    if (part, parked) in taken:
-                        part._adopted = False
-                        part._unmap()
-                        part._return_lease()
-                    else:
-                        self._drop_parked(parked)
-                except Exception as undo_failed:  # the others are still undone; the group fails anyway
-                    log.warning("%s: undoing an adoption failed too (%s)", part.label, undo_failed)
-            failures.update((p.rank, exc) for p in parts)
-            return []
-        return parts
 
     @staticmethod
     def _fire_lease(part: Part[H, A, R, M, E], grant: peers.Grant | Parked | None,

@@ -81,6 +81,15 @@ class TransferResult:
         return not self.failed_blocks
 
 
+@attrs.frozen
+class LoadResult:
+    """What a waited prefix load (``load_prefix``) copied: blocks, bytes and seconds."""
+
+    blocks: int
+    bytes: int
+    seconds: float
+
+
 @attrs.define(eq=False)
 class _Entry:
     op: Any

@@ -34,6 +34,7 @@ from kvstate.core.reasons import NativeReason, TransitionReason
 from kvstate.share.exporter import Exporter
 from kvstate.share.export_config import ExportConfig
 from kvstate.core.identity import Incarnation
+from kvstate.share import adopt
 from kvstate.share.importer import Group, ImportConfig, Importer, Part
 from kvstate.core.machine import StateChange, effect
 from support.faults import KINDS as FAULT_KINDS, FaultyTransport
@@ -393,18 +394,6 @@ class ParkingLifecycleMachine(LifecycleMachine):
     ordinary path), and nothing may be left after the importer's close (teardown)."""
 
     park_s = 30.0
-    adopted = 0  # parts that adopted a parked lease, over every example
-
-    @initialize()
-    def start(self) -> None:
-        super().start()
-        adopt = self.importer._adopt_parked
-
-        def counted(parts: Any, failures: Any) -> Any:
-            out = adopt(parts, failures)
-            ParkingLifecycleMachine.adopted += len(out)
-            return out
-        self.importer._adopt_parked = counted  # type: ignore[method-assign]
 
     @rule(tp=st.sampled_from(TPS), drain=st.booleans())
     def import_and_close(self, tp: int, drain: bool) -> None:
@@ -420,12 +409,20 @@ class ParkingLifecycleMachine(LifecycleMachine):
             assert group.state == "closed"
 
 
-def test_parking_lifecycle() -> None:
+def test_parking_lifecycle(monkeypatch: pytest.MonkeyPatch) -> None:
     """The machine above, which must have adopted parked leases (else it tested nothing new)."""
-    ParkingLifecycleMachine.adopted = 0
+    adopted = [0]
+    parked = adopt.parked
+
+    def counted(importer: Any, parts: Any, failures: Any) -> Any:
+        out = parked(importer, parts, failures)
+        adopted[0] += len(out)
+        return out
+
+    monkeypatch.setattr(adopt, "parked", counted)
     run_state_machine_as_test(ParkingLifecycleMachine,
                               settings=settings(max_examples=20, stateful_step_count=25, deadline=None))
-    assert ParkingLifecycleMachine.adopted > 0
+    assert adopted[0] > 0
 
 
 class CudaLifecycleMachine(LifecycleMachine):
