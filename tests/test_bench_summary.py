@@ -134,17 +134,21 @@ def test_the_readme_shows_the_committed_picture_of_real_runs() -> None:
 
 def test_the_engine_cost_rows_compare_decode_per_token_with_the_97_percent_goal() -> None:
     """Issue 28's engine cost: kvstate's decode tokens/s at least 97% of a plain engine's,
-    as seconds per token (kvstate's at most 1/0.97 of the plain engine's); not measured
-    is a row without a number."""
+    as seconds per token (kvstate's at most 1/0.97 of the plain engine's), per model; a
+    model not measured is a row without a number."""
     rows = [SimpleNamespace(length=512, reuse_s=[0.06], recompute_s=[0.05], example_s=[])]
     cost = SimpleNamespace(kvstate_s=[0.0102, 0.0100, 0.0101], plain_s=[0.0100, 0.0099])
-    res = b5_vllm.result(rows, repeats=3, cost=cost)
+    res = b5_vllm.result(rows, repeats=3, costs={"small": cost})
     by_name = {r.name: r for r in res.rows}
-    kv, plain = by_name[b5_vllm.COST_KVSTATE], by_name[b5_vllm.COST_PLAIN]
-    assert kv.kvstate and not plain.kvstate and kv.reference == b5_vllm.COST_PLAIN
+    kv_name, plain_name = b5_vllm.cost_rows("small")
+    kv, plain = by_name[kv_name], by_name[plain_name]
+    assert kv.kvstate and not plain.kvstate and kv.reference == plain_name
     assert kv.figure is not None and kv.figure.samples == (0.0102, 0.0100, 0.0101)
-    (goal,) = [c for c in res.suite.comparisons if c.numerator == b5_vllm.COST_KVSTATE]
-    assert goal.denominator == b5_vllm.COST_PLAIN and goal.goal == pytest.approx(1 / 0.97)
+    (goal,) = [c for c in res.suite.comparisons if c.numerator == kv_name]
+    assert goal.denominator == plain_name and goal.goal == pytest.approx(1 / 0.97)
+    tiny = by_name[b5_vllm.cost_rows("tiny")[0]]
+    assert tiny.figure is None and tiny.skipped == "not measured"  # measured for one model only
+    assert len({b5_vllm.cost_rows(m) for m in b5_vllm.COST_MODELS}) == len(b5_vllm.COST_MODELS)
     missing = {r.name: r for r in b5_vllm.result(rows, repeats=3).rows}
-    assert missing[b5_vllm.COST_KVSTATE].figure is None and missing[b5_vllm.COST_KVSTATE].skipped == "not measured"
+    assert missing[kv_name].figure is None and missing[kv_name].skipped == "not measured"
     assert b5_vllm.lengths(report.rows_json([res], when=WHEN, command=b5_vllm.COMMAND)) == [512]

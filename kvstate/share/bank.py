@@ -345,14 +345,14 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         try:
             handle = plan.submit(self.transport)
         except BaseException:
-            self.block_epochs.end(epochs[1], epochs[2])
+            self.block_epochs.end(epochs.blocks, epochs.odd)
             raise
         self.stores.add(handle)
         try:
             handle._activate(self._store_finished)
         except BaseException:  # not watched: nothing of it is in flight (_activate)
             self.stores.discard(handle)
-            self.block_epochs.end(epochs[1], epochs[2])
+            self.block_epochs.end(epochs.blocks, epochs.odd)
             raise
 
     def _store_finished(self, handle: TransferHandle) -> None:
@@ -372,7 +372,7 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         """Every op of a store of this bank reaped: its blocks' epochs even, where the op
         engine has not made them so already (a transport without native reports)."""
         if handle in self.stores and isinstance(handle, TransferHandle) and handle.epochs is not None:
-            self.block_epochs.end(handle.epochs[1], handle.epochs[2])
+            self.block_epochs.end(handle.epochs.blocks, handle.epochs.odd)
 
     @effect("native_release")
     def _release(self, **kw: Any) -> None:

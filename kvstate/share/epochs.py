@@ -40,7 +40,7 @@ import operator
 import os
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import NamedTuple
 
 from kvstate.core.errors import Busy, NativeError
 from kvstate.core.reasons import BusyReason, NativeReason
@@ -75,6 +75,16 @@ def new_page(num_blocks: int, label: str) -> EpochPage:
                           call="epoch page", errno=exc.errno) from exc
 
 
+class Begun(NamedTuple):
+    """A store's epochs, made odd by :meth:`EpochPage.begin`: what ends them, there
+    (:meth:`EpochPage.end`) or in the op engine as the store's last op ends
+    (``kvs_report_open``, which takes the three in this order)."""
+
+    page: mmap.mmap           # the bank's page, mapped writable
+    blocks: tuple[int, ...]   # the store's blocks, once each
+    odd: tuple[int, ...]      # their odd epochs: an end moves only these on
+
+
 class EpochPage:
     """The exporter's page of one bank (see the module docstring)."""
 
@@ -97,11 +107,10 @@ class EpochPage:
         self._epochs = memoryview(self._map).cast("Q")
         self._lock = threading.Lock()  # stores start and end on different threads
 
-    def begin(self, blocks: Sequence[int], label: str) -> tuple[Any, tuple[int, ...], tuple[int, ...]]:
+    def begin(self, blocks: Sequence[int], label: str) -> Begun:
         """A store of ``blocks`` is about to be submitted: each epoch goes odd, all or none.
         Busy (``storing``) when another store still writes one of them. Returns what ends
-        them (:meth:`end`, or the op engine as the store's last op ends: ``Plan.epochs``):
-        this page's memory, the blocks and their odd epochs."""
+        them (:meth:`end`, or the op engine as the store's last op ends: ``Plan.epochs``)."""
         e = self._epochs
         with self._lock:
             busy = sorted({b for b in blocks if e[b] & 1})
@@ -111,7 +120,7 @@ class EpochPage:
             ids = tuple(dict.fromkeys(blocks))  # once each: a block named twice must not come out even
             for b in ids:
                 e[b] += 1
-            return self._map, ids, tuple(e[b] for b in ids)
+            return Begun(self._map, ids, tuple(e[b] for b in ids))
 
     def end(self, blocks: Sequence[int], odd: Sequence[int]) -> None:
         """No op of the store that made ``blocks`` odd (``odd``, from :meth:`begin`) writes

@@ -26,6 +26,7 @@ import attrs
 from kvstate.core.errors import KvStateError, ArgumentInvalid, TransferFailed
 from kvstate.core.reasons import ArgumentReason, TransferFailReason
 from kvstate.share.tensors import TensorRef
+from kvstate.share.epochs import Begun
 from kvstate.share.transfer import TransferHandle
 
 #: Most block ids in one transfer.
@@ -110,9 +111,8 @@ class Plan:
     #: (:meth:`TransferHandle.report`). Armed here, before the handle can finish, so a fast
     #: op cannot end first and leave the message to Python (whose GIL an engine may hold).
     report: tuple[int, bytes, bytes] | None = None
-    #: A store's block epochs to end as its last op ends (:meth:`TransferHandle.report`):
-    #: its bank's epoch page, the blocks it made odd and their odd epochs.
-    epochs: tuple[Any, tuple[int, ...], tuple[int, ...]] | None = None
+    #: A store's block epochs, to end as its last op ends (:meth:`TransferHandle.report`).
+    epochs: Begun | None = None
     #: A load's bank block ids: their block epochs are read before it is submitted and
     #: again once its copies completed (:meth:`kvstate.share.part.Part._voucher`).
     sources: tuple[int, ...] = ()

@@ -43,6 +43,7 @@ import attrs
 
 from kvstate.core.errors import KvStateError, NativeError, ArgumentInvalid, Busy, TimedOut, TransferFailed
 from kvstate.core.reasons import ArgumentReason, TransferFailReason
+from kvstate.share.epochs import Begun
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ class TransferHandle:
         self._report: tuple[Any, int, bool] | None = None  # (native, id, with a message) the op engine acts on
         #: A store's block epochs (``Plan.epochs``): the owner ends them after the reaps too,
         #: where the op engine did not (kvstate.share.epochs).
-        self.epochs: tuple[Any, tuple[int, ...], tuple[int, ...]] | None = None
+        self.epochs: Begun | None = None
         self._report_status: str | None = None
         self._closed = False
         self._t0 = time.monotonic()
@@ -301,12 +302,12 @@ class TransferHandle:
         return self._result
 
     def report(self, sock: int | None, ok: bytes, failed: bytes, *,
-               epochs: tuple[Any, Sequence[int], Sequence[int]] | None = None) -> bool:
+               epochs: Begun | None = None) -> bool:
         """Have the op engine itself send ``ok`` (every op done) or ``failed`` (any failed or
         was cancelled) on socket ``sock`` as the last op ends, from its own thread, so the
         peer hears of the outcome without waiting for this process's Python (its GIL may be
-        the engine's for a while). A store's ``epochs`` (its bank's epoch page, the blocks
-        it made odd, their odd epochs) go even there first (``sock`` None: no message).
+        the engine's for a while). A store's ``epochs`` go even there first (``sock`` None:
+        no message).
         False when that can no longer be arranged (the transfer already finished, or has a
         report): the caller reports, and ends the epochs, itself. After finishing,
         :attr:`report_status` says whether a message went out."""

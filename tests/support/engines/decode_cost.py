@@ -41,6 +41,21 @@ SMALL: dict[str, Any] = {**tiny_llama.CONFIG, "hidden_size": 1024, "intermediate
                          "vocab_size": 8192}
 
 
+#: The models the engine cost is measured on: the test model, whose decode step (a few
+#: milliseconds for a batch here) is nearly all vLLM's Python, and :data:`SMALL`.
+MODELS = ("tiny", "small")
+
+
+def model_for(name: str, workdir: Path) -> tuple[str | None, int | None]:
+    """(model folder, decode bank bytes) of the engine-cost model ``name``, written under
+    ``workdir``; None for either: :func:`measure`'s own (the test model, the kit's bank)."""
+    if name == "tiny":
+        return None, None
+    if name == "small":  # its blocks are 8x the tiny model's: a bank that holds every batch
+        return str(tiny_llama.write_model(workdir / "model", seed=0, config=SMALL)), 512 << 20
+    raise ValueError(f"no engine-cost model {name!r}: one of {', '.join(MODELS)}")
+
+
 @dataclass
 class Cost:
     kvstate_s: list[float] = field(default_factory=list)  # seconds per generated token, connector storing
@@ -179,12 +194,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m support.engines.decode_cost", description=__doc__)
     ap.add_argument("--repeats", type=int, default=11)
     ap.add_argument("--hooks", action="store_true", help="time kvstate's step hooks (the timed probe)")
-    ap.add_argument("--model", choices=("tiny", "small"), default="tiny")
+    ap.add_argument("--model", choices=MODELS, default="tiny")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvstate-decode-cost-") as d:
-        model, retain = None, None
-        if args.model == "small":  # its blocks are 8x the tiny model's: a bank that holds every batch
-            model, retain = str(tiny_llama.write_model(Path(d) / "model", seed=0, config=SMALL)), 512 << 20
+        model, retain = model_for(args.model, Path(d))
         cost = measure(Path(d), repeats=args.repeats, model=model, hooks=args.hooks, retain_bytes=retain)
     ratio = cost.ratio()
     print(f"model {args.model}: kvstate {statistics.median(cost.kvstate_s) * 1e3:.3f} ms/token, plain "

@@ -58,6 +58,7 @@ class Row:
     crossnode_why: str = ""           # why the cross-namespace rows have no figure
     nixlconn_s: list[float] = field(default_factory=list)  # vLLM's NixlConnector across the namespaces
     nixlconn_reused: int = 0          # prompt tokens its consumer loaded (external prefix cache hits, last run)
+    nixlconn_why: str = ""            # why the NixlConnector rows have no figure, or fewer than asked
 
     @staticmethod
     def med(xs: list[float]) -> float | None:
@@ -197,25 +198,36 @@ def _nixl_connector(net: Any, on: Any, box: Engines, model: str, rows: list[Row]
     producer's answer ``kv_transfer_params``, and reads the KV from a."""
     side = {"VLLM_NIXL_SIDE_CHANNEL_HOST": net.addr["a"], "VLLM_NIXL_SIDE_CHANNEL_PORT": str(NIXL_SIDE_PORT)}
     try:
-        progress("starting 2 engines in the two namespaces: NixlConnector producer, consumer")
-        producer, consumer = start_all([
-            box.make("producer", on("a", EngineSpec(model, kv_transfer=kv_configs.nixl(), env=side))),
-            box.make("consumer", on("b", EngineSpec(model, kv_transfer=kv_configs.nixl()))),
-        ])
+        _nixl_connector_rows(side, net, on, box, model, rows, repeats, progress)
+    except RuntimeError as exc:  # the peer failed (EngineError, or no transfer answered): its rows say why
+        why = f"vLLM's NixlConnector failed: {str(exc).splitlines()[0]}"
         for row in rows:
-            for r in range(-1, repeats):  # r = -1: untimed, the consumer's first handshake with a
-                p = _prompt(row.length, 1000 * row.length + r)
-                answer = producer.generate([p], 1, transfer=[{"do_remote_decode": True}]).transfer[0]
-                if not answer or not answer.get("do_remote_prefill"):
-                    raise RuntimeError(f"the NixlConnector producer answered {answer!r}")
-                g = _fresh(consumer, p, 1, settle=(producer, consumer), transfer=answer)
-                if r >= 0:
-                    row.nixlconn_s.append(g.seconds)
-                    row.nixlconn_reused = int(evidence.delta(g, evidence.EXTERNAL_HITS))
-            progress(f"  {row.length} tokens: NixlConnector across namespaces "
-                     f"{statistics.median(row.nixlconn_s) * 1e3:.1f} ms, {row.nixlconn_reused} tokens loaded")
+            row.nixlconn_why = why
+        progress(f"  NixlConnector rows not measured in full: {why}")
     finally:
         box.close_all()
+
+
+def _nixl_connector_rows(side: dict[str, str], net: Any, on: Any, box: Engines, model: str, rows: list[Row],
+                         repeats: int, progress: Any) -> None:
+    """:func:`_nixl_connector`'s engines and samples (EngineError when an engine fails)."""
+    progress("starting 2 engines in the two namespaces: NixlConnector producer, consumer")
+    producer, consumer = start_all([
+        box.make("producer", on("a", EngineSpec(model, kv_transfer=kv_configs.nixl(), env=side))),
+        box.make("consumer", on("b", EngineSpec(model, kv_transfer=kv_configs.nixl()))),
+    ])
+    for row in rows:
+        for r in range(-1, repeats):  # r = -1: untimed, the consumer's first handshake with a
+            p = _prompt(row.length, 1000 * row.length + r)
+            answer = producer.generate([p], 1, transfer=[{"do_remote_decode": True}]).transfer[0]
+            if not answer or not answer.get("do_remote_prefill"):
+                raise RuntimeError(f"the NixlConnector producer answered {answer!r}")
+            g = _fresh(consumer, p, 1, settle=(producer, consumer), transfer=answer)
+            if r >= 0:
+                row.nixlconn_s.append(g.seconds)
+                row.nixlconn_reused = int(evidence.delta(g, evidence.EXTERNAL_HITS))
+        progress(f"  {row.length} tokens: NixlConnector across namespaces "
+                 f"{statistics.median(row.nixlconn_s) * 1e3:.1f} ms, {row.nixlconn_reused} tokens loaded")
 
 
 def _ms(x: float | None) -> str:
@@ -250,8 +262,10 @@ def bench_table(rows: list[Row]) -> str:
                      f"| not run | {_ms(nixlconn)} | {_ratio(reuse, recompute)} | {_ratio(xnode, recompute)} "
                      f"| {_ratio(xnode, nixlconn)} | {_ratio(reuse, r.med(r.example_s))} |")
     why = next((r.crossnode_why for r in rows if r.crossnode_why), "")
+    peer = next((r.nixlconn_why for r in rows if r.nixlconn_why), "")
     return ("\n".join(lines) + f"\n\nLMCache: {LMCACHE}."
-            + (f"\n\nAcross namespaces (kvstate NIXL, NixlConnector): {why}." if why else ""))
+            + (f"\n\nAcross namespaces (kvstate NIXL, NixlConnector): {why}." if why else "")
+            + (f"\n\nNixlConnector: {peer}." if peer else ""))
 
 
 @dataclass
