@@ -33,6 +33,12 @@ def _reasons(parts: list, e: validate.Expectation) -> frozenset[RejectReason]:  
     return info.value.reasons
 
 
+def _problems(parts: list, e: validate.Expectation) -> list[tuple[RejectReason, int | None]]:  # type: ignore[type-arg]
+    with pytest.raises(GroupRejected) as info:
+        native_rules.validate_group(parts, e)
+    return [(p.reason, p.rank) for p in info.value.problems]
+
+
 def test_the_clock_rules_come_from_the_declaration() -> None:
     """Exactly the declared rules that read ``now_ns`` are re-checked: today freshness."""
     assert MOVING == {"now_ns"}
@@ -55,6 +61,25 @@ def test_an_expired_group_is_refused_after_it_passed(sock: str) -> None:
     parts = group(4, sock)
     native_rules.validate_group(parts, expectation())
     assert _reasons(parts, expectation(now_ns=parts[0].expires_at_ns)) == {RejectReason.EXPIRED}
+
+
+def test_every_rank_s_expiry_is_checked_again(sock: str) -> None:
+    """The last rank expires first: each part's clock rules run, not one part's."""
+    now = time.time_ns()
+    parts = [attrs.evolve(d, expires_at_ns=now + (60 - d.rank) * 10**9) for d in group(4, sock)]
+    native_rules.validate_group(parts, expectation(now_ns=now))
+    problems = _problems(parts, expectation(now_ns=parts[3].expires_at_ns))
+    assert problems == [(RejectReason.EXPIRED, 3)]
+
+
+def test_an_incarnations_mapping_updated_in_place_is_seen(sock: str) -> None:
+    """A caller that keeps its known incarnations in one dict and learns a restart: the
+    remembered key holds the mapping as it was, not the caller's dict."""
+    parts = group(2, sock)
+    known = {d.rank: d.incarnation for d in parts}
+    native_rules.validate_group(parts, expectation(incarnations=known))
+    known[1] = b"N" * 16  # rank 1's exporter restarted since
+    assert _problems(parts, expectation(incarnations=known)) == [(RejectReason.INCARNATION, 1)]
 
 
 @pytest.mark.parametrize("field", sorted(f.name for f in attrs.fields(validate.Expectation) if f.name not in MOVING))
@@ -95,6 +120,36 @@ def test_a_socket_directory_opened_to_others_refuses_a_group_that_passed(sock: s
         os.chmod(os.path.dirname(sock), 0o700)
 
 
+def test_every_socket_path_of_a_group_is_checked_again() -> None:
+    """Ranks behind two exporters' sockets: the second one's directory opened to others."""
+    import os
+
+    first, second = socket_dir()[1], socket_dir()[1]
+    parts = group(2, first)
+    parts[1] = attrs.evolve(parts[1], socket_path=second)
+    native_rules.validate_group(parts, expectation())
+    os.chmod(os.path.dirname(second), 0o777)
+    try:
+        assert _problems(parts, expectation()) == [(RejectReason.SOCKET_DIR_MODE, 1)]
+    finally:
+        os.chmod(os.path.dirname(second), 0o700)
+
+
+def test_an_entry_holds_its_descriptors(sock: str) -> None:
+    """No other object can take a remembered descriptor's id while its entry lives."""
+    import gc
+    import weakref
+
+    parts = group(2, sock)
+    v = Verdicts()
+    e = expectation()
+    v.remember(parts, e, validate.validate_group(parts, e))
+    refs = [weakref.ref(d) for d in parts]
+    del parts
+    gc.collect()
+    assert all(r() is not None for r in refs)
+
+
 def test_equal_descriptors_that_are_other_objects_are_validated_whole(sock: str) -> None:
     parts = group(4, sock)
     e = expectation()
@@ -114,10 +169,13 @@ def test_a_refusal_is_not_remembered(sock: str) -> None:
     assert native_rules._verdicts.recheck(parts, e) is None
 
 
-def test_the_table_is_bounded() -> None:
-    v = Verdicts(limit=2)
+def test_the_table_is_bounded_by_the_descriptors_it_holds() -> None:
+    v = Verdicts(limit=4)
     e = expectation(check_socket=False)
-    groups = [group(1, "/nonexistent/export.sock") for _ in range(3)]
-    for parts in groups:
+    groups = [group(2, "/nonexistent/export.sock") for _ in range(3)]
+    for parts in groups[:2]:
         v.remember(parts, e, validate.validate_group(parts, e))
+        v.remember(parts, e, validate.validate_group(parts, e))  # again: held once
+    assert v.recheck(groups[0], e) is not None and v.recheck(groups[1], e) is not None
+    v.remember(groups[2], e, validate.validate_group(groups[2], e))  # a fifth and sixth: full
     assert v.recheck(groups[2], e) is not None and v.recheck(groups[0], e) is None

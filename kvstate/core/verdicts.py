@@ -15,8 +15,9 @@ What is remembered, and what is checked each time
 
 A group is remembered only when it passed every rule, under the descriptors' identity (the
 entry holds them, so no other object takes their ids while it lives) and every field of
-the Expectation but the clock (:data:`MOVING`). On the next import of those very objects,
-under an equal expectation, two things are checked again:
+the Expectation but the clock (:data:`MOVING`), as it was then (a caller's mapping is
+copied). On the next import of those very objects, in the same order, under an equal
+expectation, two things are checked again:
 
 - every declared rule that reads a moving field (:func:`clock_rules`: today ``freshness``,
   which compares ``now_ns`` with the descriptor's expiry), from the declaration itself, so
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 
@@ -55,17 +56,25 @@ def clock_rules() -> tuple[str, ...]:
 
 
 def still(expect: Expectation) -> tuple[object, ...]:
-    """``expect``'s fields that do not move with the clock (:data:`_STILL`)."""
-    return tuple(getattr(expect, f) for f in _STILL)
+    """``expect``'s fields that do not move with the clock (:data:`_STILL`), as they are
+    now: a mapping (``incarnations``) is copied, since a caller may keep one and update
+    it between imports (a rank's restart learned)."""
+    return tuple(_now(getattr(expect, f)) for f in _STILL)
+
+
+def _now(value: object) -> object:
+    return frozenset(value.items()) if isinstance(value, Mapping) else value
 
 
 class Verdicts:
     """Groups that passed, by their descriptors' identity (see the module docstring).
-    Bounded: cleared when full."""
+    Bounded by the descriptors its entries hold, as ``decode_cached`` is by the ones it
+    remembers: cleared when full."""
 
-    def __init__(self, limit: int = 256) -> None:
+    def __init__(self, limit: int = 1024) -> None:
         self._limit = limit
         self._passed: dict[tuple[int, ...], tuple[tuple[Descriptor, ...], tuple[object, ...], ValidatedGroup]] = {}
+        self._held = 0  # descriptors the entries hold
         self._lock = threading.Lock()
 
     def recheck(self, descriptors: Sequence[Descriptor], expect: Expectation) -> ValidatedGroup | None:
@@ -89,7 +98,11 @@ class Verdicts:
 
     def remember(self, descriptors: Sequence[Descriptor], expect: Expectation, validated: ValidatedGroup) -> None:
         """``descriptors`` passed every rule under ``expect`` (:func:`validate_group`)."""
+        key = tuple(map(id, descriptors))
         with self._lock:
-            if len(self._passed) >= self._limit:
-                self._passed.clear()
-            self._passed[tuple(map(id, descriptors))] = (tuple(descriptors), still(expect), validated)
+            if key not in self._passed:
+                if self._held + len(key) > self._limit:
+                    self._passed.clear()
+                    self._held = 0
+                self._held += len(key)
+            self._passed[key] = (tuple(descriptors), still(expect), validated)

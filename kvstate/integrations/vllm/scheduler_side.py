@@ -38,7 +38,7 @@ from collections.abc import Iterator, Sequence
 import attrs
 
 from kvstate.core.capabilities import MemoryKind
-from kvstate.core.descriptor import decode as decode_descriptor
+from kvstate.core.descriptor import decode_cached
 from kvstate.core.errors import ConfigInvalid, DescriptorRejected, GroupRejected, KvStateError
 from kvstate.core.reasons import DecisionReason
 from kvstate.transport.native_rules import validate_group
@@ -374,7 +374,8 @@ class SchedulerSide:
         """The whole group's validation, as the coordinator will do it: the first reason."""
         assert self.coordinator is not None
         try:
-            decoded = [decode_descriptor(d, self.cfg.deployment) for d in descriptors]
+            # The same objects the coordinator will decode: the group's verdict is remembered.
+            decoded = [decode_cached(d, self.cfg.deployment) for d in descriptors]
             tp = self.view.compat.tp
             if len(decoded) != tp or any(d.tp != tp for d in decoded):
                 return "tp_mismatch"
