@@ -296,25 +296,6 @@ def parse_rules(text: str, source: str = "spec/rules.toml") -> RuleSet:
     return RuleSet(source, dict(constants), tuple(kinds), dict(facts), dict(expect), tuple(rules))
 
 
-def reads(rule: Rule) -> frozenset[tuple[str, str]]:
-    """The (scope, field) names ``rule`` reads: ``("d", "size")``, ``("e", "now_ns")``."""
-    found: set[tuple[str, str]] = set()
-
-    def walk(node: Expr) -> None:
-        if isinstance(node, Name):
-            found.add((node.scope, node.field))
-        elif isinstance(node, KindColumn):
-            walk(node.index)
-        elif isinstance(node, BinOp):
-            walk(node.left)
-            walk(node.right)
-
-    for c in (*rule.when_any, *(check.test for check in rule.checks)):
-        walk(c.left)
-        walk(c.right)
-    return frozenset(found)
-
-
 # Module-level caches, not functools.cache: with the rules reached through a
 # functools.cache call, crosshair explored none of them and a planted bug in the
 # declaration went unseen by the contracts of kvstate.core.validate (mutant

@@ -17,9 +17,7 @@ asked only when it was built from the declaration the Python side runs (a digest
 What a descriptor says is packed once per descriptor (:class:`ByIdentity`: the decoded
 descriptors of a group come back as the same objects); what the importer accepts is
 packed once per import (``now_ns`` moves), and once more per rank only when the
-expectation names incarnations. A group of the very descriptors that passed before, under
-an expectation equal but for the clock, asks neither executor: only its clock rules and
-socket paths are checked again (:mod:`kvstate.core.verdicts`).
+expectation names incarnations.
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ from kvstate.core.errors import BackendUnavailable
 from kvstate.core.remembered import ByIdentity
 from kvstate.core import validate
 from kvstate.core.validate import Expectation, ValidatedGroup, expected_for, expected_of, facts_of
-from kvstate.core.verdicts import Verdicts
 from kvstate.transport.native import Native, default
 
 #: Each descriptor's packed facts (both fingerprints: C reads one only when asked for it).
@@ -178,19 +175,9 @@ def rules_pass(descriptors: Sequence[Descriptor], expect: Expectation) -> bool |
 NATIVE_FROM_TP = 4
 
 
-#: The groups this process validated whole (:mod:`kvstate.core.verdicts`).
-_verdicts = Verdicts()
-
-
 def validate_group(descriptors: Sequence[Descriptor], expect: Expectation) -> ValidatedGroup:
     """:func:`kvstate.core.validate.validate_group`, the declared rules asked of C first
-    for a group of :data:`NATIVE_FROM_TP` or more; a group of the same descriptors that
-    passed before re-checks only the clock and socket path rules."""
-    again = _verdicts.recheck(descriptors, expect)
-    if again is not None:
-        return again
+    for a group of :data:`NATIVE_FROM_TP` or more."""
     checked = len(descriptors) >= NATIVE_FROM_TP and rules_pass(descriptors, expect) is True
-    validated = validate.validate_group(descriptors, expect, rules_checked=checked)
-    _verdicts.remember(descriptors, expect, validated)
-    return validated
+    return validate.validate_group(descriptors, expect, rules_checked=checked)
 

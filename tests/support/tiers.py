@@ -97,7 +97,6 @@ DEFAULTS: Mapping[str, tuple[str, ...]] = {
     "test_spec_tables.py": ("unit",),
     "test_tempdirs.py": ("multiproc",),     # a child process sees the session's root
     "test_tiers.py": ("unit",),
-    "test_verdicts.py": ("unit",),
 }
 
 

@@ -374,7 +374,7 @@ class SchedulerSide:
         """The whole group's validation, as the coordinator will do it: the first reason."""
         assert self.coordinator is not None
         try:
-            # The same objects the coordinator will decode: the group's verdict is remembered.
+            # The objects the coordinator will decode again (decode_cached): one MAC check each.
             decoded = [decode_cached(d, self.cfg.deployment) for d in descriptors]
             tp = self.view.compat.tp
             if len(decoded) != tp or any(d.tp != tp for d in decoded):
