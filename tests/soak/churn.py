@@ -1,5 +1,6 @@
 """Lease churn: many importer processes leasing, importing, loading and releasing against
-one tp=4 exporter group, with random SIGKILLs of importers, for a set time.
+one tp=4 exporter group, with random SIGKILLs of importers, for a set time. Every other
+importer parks its leases between cycles (``PARK_S``), so a kill may take parked ones.
 
 Each exporter process (one per rank) serves one bank for the whole run. Each importer
 process loops on its own: import the whole group (validate, lease, map every rank's part),
@@ -54,6 +55,9 @@ STALL_TERMS = 2
 DESCRIPTOR_TTL_S = 86400.0
 #: More failed cycles than this fraction is a finding (a killed peer's cycle fails, rarely more).
 FAILED_FRACTION = 0.01
+#: Every other importer parks its leases between cycles (``ImportConfig.park_s``), so
+#: SIGKILLs also take importers that hold parked leases and mappings.
+PARK_S = 5 * LEASE_S
 
 
 def _geometry() -> Any:
@@ -138,10 +142,12 @@ def importer_main(conn: multiprocessing.connection.Connection, key: str, wire: l
     rng = random.Random(seed)
     Heartbeat(Path(stall_dir), STALL_TERMS * LEASE_S)
     im = Importer(ImportConfig(Deployment("churn", bytes.fromhex(key)),
-                               reuse=ReuseSettings(enable_decode_to_prefill_reuse=True)),
+                               reuse=ReuseSettings(enable_decode_to_prefill_reuse=True),
+                               park_s=PARK_S if seed % 2 else 0.0),
                   HostTransport(granularity=64 * 1024))
     descriptors = [bytes.fromhex(w) for w in wire]
     g = _geometry()
+    last: list[int | None] = []
     while True:
         rank = rng.randrange(TP)
         t0 = time.monotonic()
@@ -151,8 +157,11 @@ def importer_main(conn: multiprocessing.connection.Connection, key: str, wire: l
             dst = bytearray(len(PREFIX) * g.block_bytes)
             group.load_prefix(PREFIX, {rank: dst}, timeout=20.0)
             digest = hashlib.blake2b(dst, digest_size=16).hexdigest()
+            leases = [p.lease_id for p in group.parts]
             group.drain(20.0)
-            _send(conn, grant_s=grant, rank=rank, checksum=digest)
+            # The same leases as the last cycle's: this import adopted them parked.
+            _send(conn, grant_s=grant, rank=rank, checksum=digest, adopted=leases == last)
+            last = leases
         except Exception as exc:  # counted by the driver; the loop goes on, after a pause
             _send(conn, error=f"{type(exc).__name__}: {exc}")
             time.sleep(0.01)
@@ -179,6 +188,7 @@ class ChurnReport:
     seconds: float = 0.0
     importers: int = 0
     cycles: int = 0
+    adopted_cycles: int = 0  # cycles whose import adopted the last cycle's parked leases
     failed_cycles: int = 0
     kills: int = 0
     grant_p50_ms: float = 0.0
@@ -200,6 +210,7 @@ class ChurnReport:
 
     def summary(self) -> str:
         return (f"{self.importers} importers for {self.seconds:.0f} s: {self.cycles} cycles ({self.failed_cycles} failed,"
+                f" {self.adopted_cycles} on parked leases,"
                 f" {self.kills} importers SIGKILLed), {self.leases_per_s:.0f} leases/s, import (lease + map of {TP} "
                 f"parts) p50 {self.grant_p50_ms:.1f} ms, p99 {self.grant_p99_ms:.1f} ms; failures by kind "
                 f"{dict(sorted(self.errors.items(), key=lambda kv: -kv[1])[:4])}; problems: {len(self.problems())}")
@@ -259,6 +270,7 @@ def run_churn(seconds: float, importers: int = 32, *, kill_every_s: float = 0.5,
                     report.errors[kind] = report.errors.get(kind, 0) + 1
                     continue
                 report.cycles += 1
+                report.adopted_cycles += bool(msg["adopted"])
                 grants.append(msg["grant_s"])
                 if msg["checksum"] != expected[msg["rank"]]:
                     report.corrupt_loads.append(f"rank {msg['rank']}: {msg['checksum']}")
@@ -301,7 +313,7 @@ def run_churn(seconds: float, importers: int = 32, *, kill_every_s: float = 0.5,
             ordered = sorted(grants)
             report.grant_p50_ms = statistics.median(ordered) * 1e3
             report.grant_p99_ms = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e3
-        report.leases_per_s = report.cycles * TP / report.seconds
+        report.leases_per_s = (report.cycles - report.adopted_cycles) * TP / report.seconds  # adoptions ask none
         report.stalls = collect(stalls)
         if report.failed_cycles > FAILED_FRACTION * max(report.cycles, 1):
             report.failures.append(f"{report.failed_cycles} failed cycles of {report.cycles + report.failed_cycles}: "

@@ -19,6 +19,7 @@ def test_lease_churn_with_sigkills_holds_the_exporters_steady() -> None:
     print(report.summary())
     assert report.problems() == []
     assert report.cycles > 0 and report.kills >= SECONDS  # a kill every half second
+    assert report.adopted_cycles > 0, "no importer adopted parked leases: half of them park"
 
 
 def test_the_churn_verdict_catches_a_lease_that_leaks_an_fd() -> None:
