@@ -171,6 +171,11 @@ class RankWorker(Generic[H, A, R, M, E]):
         self._last_heard = time.monotonic()
         self._wake = threading.Event()
         self._stopping = threading.Event()
+        self._stop_lock = threading.Lock()
+        #: close() gave up waiting for a share still ending: the housekeeper stops the worker
+        #: once the last one ended (stopping sooner would leave its part mapped and leased).
+        self._closing = False
+        self._housekeeper: threading.Thread | None = None
         self._threads: list[threading.Thread] = []
 
     # -- life ---------------------------------------------------------------------------
@@ -202,10 +207,13 @@ class RankWorker(Generic[H, A, R, M, E]):
             t = threading.Thread(target=target, name=f"kvstate-rank{self.config.rank}-{name}", daemon=True)
             t.start()
             self._threads.append(t)
+        self._housekeeper = t
 
     def close(self, timeout: float = 10.0) -> None:
         """Leave the coordinator: every share cleans up as if it had died (loads in flight
-        finish first), then stop. Idempotent."""
+        finish first), then stop. Idempotent. A share still ending after ``timeout`` (a load
+        still copying from its part) keeps its part: the worker then stops by itself once
+        the last share ended, and a later close waits for that again."""
         timeout = need_seconds("timeout", timeout)
         if self._stopping.is_set():
             return
@@ -216,10 +224,26 @@ class RankWorker(Generic[H, A, R, M, E]):
             self.coordinator_gone = True
         self._orphaned("the worker is closing")
         deadline = time.monotonic() + timeout
-        while any(not s.is_terminal for s in list(self.shares.values())) and time.monotonic() < deadline:
+        while self._ending() and time.monotonic() < deadline:
             self._wake.set()
             time.sleep(self.config.drain_poll_s)
-        self._stopping.set()
+        if self._ending() and self._housekeeper is not None and self._housekeeper.is_alive():
+            self._closing = True  # the housekeeper stops the worker after the last share
+            self._wake.set()
+            return
+        self._stop()
+
+    def _ending(self) -> bool:
+        """A share has not ended yet: it may still hold its part."""
+        return any(not s.is_terminal for s in list(self.shares.values()))
+
+    def _stop(self) -> None:
+        """Stop the threads and close the importer, once (from close, or from the
+        housekeeper when close left it the last shares)."""
+        with self._stop_lock:
+            if self._stopping.is_set():
+                return
+            self._stopping.set()
         self._wake.set()
         for t in self._threads:
             if t is not threading.current_thread():
@@ -487,6 +511,9 @@ class RankWorker(Generic[H, A, R, M, E]):
                             # a load still pins the part: the next round looks again
             if draining:
                 self._forget_ended()
+            if self._closing and not self._ending():
+                self._stop()  # close() gave up waiting; the last share has ended now
+                return
             with self._lock:
                 live = [s for s in self.shares.values() if not s.is_terminal]
             for share in live:

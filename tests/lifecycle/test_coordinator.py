@@ -391,13 +391,17 @@ def test_an_incompatible_part_aborts_the_group(transport: HostTransport, prefill
 
 
 def test_a_silent_coordinator_is_left_within_the_silence_bound(transport: HostTransport,
-                                                               prefill_factory: Any) -> None:
+                                                               prefill_factory: Any,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A coordinator that is alive but silent (hung): each worker cleans up alone within
     ``silence_s`` (after ready: drain, then close), and the exporter's leases end."""
     ex = make_exporter(2, transport)
     p = prefill_factory(2)
     group = p.coordinator.import_group([ex.descriptor(r) for r in range(2)])
-    p.coordinator._stopping.set()  # no more ticks, no more reading: hung, not dead
+    # Hung, not dead: its connections stay open and it sends nothing more, no tick and no
+    # command. (Stopping it instead closes each connection within a read poll, and the
+    # news of one worker leaving could reach the other as a command before its silence.)
+    monkeypatch.setattr(p.coordinator, "_send_to", lambda rank, message: None)
     start = time.monotonic()
     assert wait_until(lambda: all(_share_state(w, group.gid) == "closed" for w in p.workers), 5.0)
     took = time.monotonic() - start
@@ -408,6 +412,24 @@ def test_a_silent_coordinator_is_left_within_the_silence_bound(transport: HostTr
     ended = [(w.config.rank, w.coordinator_gone, getattr(w.share(group.gid), "cause", None),
               getattr(w.share(group.gid), "bank_withdrawn", None)) for w in p.workers]
     assert all(gone and not withdrawn for _, gone, _, withdrawn in ended), ended
+
+
+def test_a_worker_closed_without_waiting_stops_once_its_shares_ended(transport: HostTransport,
+                                                                      prefill_factory: Any) -> None:
+    """``close(timeout=0)`` while a share still holds its part: the worker does not stop
+    under it (that left the part mapped and its lease held for good, found by the API
+    fuzz); the share ends as after a coordinator's death, then the worker stops by itself."""
+    ex = make_exporter(2, transport)
+    p = prefill_factory(2)
+    group = p.coordinator.import_group([ex.descriptor(r) for r in range(2)])
+    w = p.workers[0]
+    share = w.share(group.gid)
+    assert share is not None and share.part is not None and share.part.mapping is not None
+    w.close(timeout=0.0)
+    assert wait_until(lambda: share.state == "closed" and w._stopping.is_set(), 10.0), share.state
+    assert share.part is None or share.part.mapping is None
+    assert wait_until(lambda: len(ex.banks[0].leases) == 0)  # rank 0's lease came back
+    w.close()  # idempotent once stopped
 
 
 # -- the coordinator's side of the protocol, spoken by hand --------------------------------
