@@ -65,9 +65,20 @@ def test_sequences_agree(name: str) -> None:
     batch()
     assert len(done) >= 10_000, f"only {len(done)} sequences ran"
     # The sequences reached every row, and every kind of refusal where the table has one.
+    # A row behind a rare draw (the bank's release of a lease that is not the last, from
+    # ready: about 6 in 10,000 sequences) may be missed by one run's seeds: more sequences
+    # run, up to twice as many again, until every row fired (each checked alike).
     spec = SPECS[name]
-    fired = {(source, event, dest) for outcome, source, event, dest in seen if outcome == OK}
-    assert {(t.source, t.trigger, t.dest) for t in spec.transitions} <= fired
+    rows = {(t.source, t.trigger, t.dest) for t in spec.transitions}
+
+    def fired() -> set[tuple[str, str, str]]:
+        return {(source, event, dest) for outcome, source, event, dest in seen if outcome == OK}
+    more, budget = random.Random(len(done)), 2 * len(done)
+    while not rows <= fired() and budget > 0:
+        for _ in range(100):
+            done.append(run_sequence(name, more, seen))
+        budget -= 100
+    assert rows <= fired(), f"rows never fired: {sorted(rows - fired())}"
     kinds = {outcome for outcome, *_ in seen}
     assert kinds == {OK, ILLEGAL, GUARD, EFFECT, REENTRANT}
 
