@@ -216,7 +216,8 @@ class RankWorker(Generic[H, A, R, M, E]):
         the last share ended, and a later close waits for that again."""
         timeout = need_seconds("timeout", timeout)
         if self._stopping.is_set():
-            return
+            with self._stop_lock:  # the housekeeper may be stopping it: return once it is done
+                return
         ch = self._channel
         if ch is not None:
             ch.close()
@@ -239,16 +240,17 @@ class RankWorker(Generic[H, A, R, M, E]):
 
     def _stop(self) -> None:
         """Stop the threads and close the importer, once (from close, or from the
-        housekeeper when close left it the last shares)."""
+        housekeeper when close left it the last shares). Held under a lock throughout, so
+        a close that finds the housekeeper stopping returns only once it is done."""
         with self._stop_lock:
             if self._stopping.is_set():
                 return
             self._stopping.set()
-        self._wake.set()
-        for t in self._threads:
-            if t is not threading.current_thread():
-                t.join(2.0)
-        self.importer.close()
+            self._wake.set()
+            for t in self._threads:
+                if t is not threading.current_thread():
+                    t.join(2.0)
+            self.importer.close()
 
     def kick(self) -> None:
         """Wake the housekeeper: a share may be able to quiesce now."""
