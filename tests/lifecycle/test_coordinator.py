@@ -425,6 +425,9 @@ def test_a_worker_closed_without_waiting_stops_once_its_shares_ended(transport: 
     w = p.workers[0]
     share = w.share(group.gid)
     assert share is not None and share.part is not None and share.part.mapping is not None
+    # Ready here too (the coordinator's ready may still be on its way), so the close drains
+    # the share rather than rolling it back at once.
+    assert wait_until(lambda: share.state == "ready", 10.0), share.state
     w.close(timeout=0.0)
     assert wait_until(lambda: share.state == "closed" and w._stopping.is_set(), 10.0), share.state
     assert share.part is None or share.part.mapping is None
