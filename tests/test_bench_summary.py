@@ -149,6 +149,8 @@ def test_the_engine_cost_rows_compare_decode_per_token_with_the_97_percent_goal(
     tiny = by_name[b5_vllm.cost_rows("tiny")[0]]
     assert tiny.figure is None and tiny.skipped == "not measured"  # measured for one model only
     assert len({b5_vllm.cost_rows(m) for m in b5_vllm.COST_MODELS}) == len(b5_vllm.COST_MODELS)
+    from support.engines import decode_cost
+    assert tuple(b5_vllm.COST_MODELS) == decode_cost.MODELS  # a row, named, for every model the bench runs
     missing = {r.name: r for r in b5_vllm.result(rows, repeats=3).rows}
     assert missing[kv_name].figure is None and missing[kv_name].skipped == "not measured"
     assert b5_vllm.lengths(report.rows_json([res], when=WHEN, command=b5_vllm.COMMAND)) == [512]
