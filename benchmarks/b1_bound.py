@@ -34,7 +34,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from benchmarks.b1_floor import Step, _memfd, timed_maps
+from benchmarks.b1_floor import Step, _memfd, recv_fds, timed_maps
 from benchmarks.b1_import import _DEPLOYMENT_KEY, _geometry, import_config
 from benchmarks.b3_lifecycle import BenchBank, BenchGroup, BenchPart
 from benchmarks.framework import Figure
@@ -127,7 +127,7 @@ def _group_bound(sock: socket.socket, wire: list[bytes], identities: list[bytes]
     for part in group.parts:
         part.fire("validate")
     sock.send(b"g")
-    _, fds, _, _ = socket.recv_fds(sock, 16, len(wire))
+    fds = recv_fds(sock, len(wire))
     for part in group.parts:
         part.fire("lease")
     maps = _checked_maps(fds, identities, size)
@@ -151,7 +151,7 @@ def _rank_bound(sock: socket.socket, wire: bytes, identity: bytes, rank: int, im
     part = BenchPart(worker, rank, observed=False)
     part.fire("validate")
     sock.send(str(rank).encode())
-    _, fds, _, _ = socket.recv_fds(sock, 16, 1)
+    fds = recv_fds(sock, 1)
     part.fire("lease")
     maps = _checked_maps(fds, [identity], size)
     part.fire("open")

@@ -11,6 +11,12 @@
  * a refused packet is closed. Waits poll the socket (and the peer's pidfd) until the
  * deadline; EINTR is retried; a send that sent part of a message closes the link.
  *
+ * An answer's wait may poll first (kvs_link_set_spin): an importer's thread that sleeps
+ * as soon as it sent a request is woken by the answer, and on a virtual machine that
+ * wake-up of an idle CPU (an interrupt to a halted vCPU) takes about as long as the
+ * exporter's whole answer (B1; DESIGN.md, "Where the control plane runs"). Polling
+ * yields the CPU to anything runnable on it, so a peer on the same CPU still runs.
+ *
  * Lifetime: references (Python's, and one per renewal entry) keep the memory; the mutex
  * keeps one exchange at a time; `closed` is set once, by kvs_link_close, which shuts the
  * socket down without the mutex (so a call waiting in poll wakes at once) and closes the
@@ -24,6 +30,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <sched.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -46,6 +53,7 @@ struct kvs_link {
     int inside;    /* a call holds the mutex (guarded by mu) */
     uint32_t max_payload, max_fds;
     int stream; /* a TCP stream (kvs_link_open_stream): frames are read and written in pieces */
+    _Atomic int64_t spin_ns; /* an answer's wait polls this long before it sleeps */
 };
 
 static int64_t now_ns(void) {
@@ -125,6 +133,8 @@ void kvs_link_close(kvs_link *l) {
 
 int32_t kvs_link_closed(kvs_link *l) { return atomic_load(&l->closed); }
 
+void kvs_link_set_spin(kvs_link *l, int64_t spin_ns) { atomic_store(&l->spin_ns, spin_ns > 0 ? spin_ns : 0); }
+
 void kvs_link_lock(kvs_link *l) {
     pthread_mutex_lock(&l->mu);
     l->inside = 1;
@@ -139,13 +149,20 @@ void kvs_link_unlock(kvs_link *l) {
 /* Poll fd for `events` (and the pidfd for its exit) until the deadline. 1: fd ready;
  * 0: timed out; KVS_E_LINK_PEER_DIED; KVS_E_LINK_CLOSED (closed here meanwhile); SYS. */
 static int wait_for(kvs_link *l, short events, int64_t deadline, int32_t *err) {
+    int64_t spin = events == POLLIN ? atomic_load(&l->spin_ns) : 0;
+    int64_t spin_until = spin ? now_ns() + spin : 0;
     for (;;) {
         if (atomic_load(&l->closed)) return KVS_E_LINK_CLOSED;
-        int64_t left = deadline - now_ns();
+        int64_t now = now_ns(), left = deadline - now;
         if (left <= 0) return 0;
         struct pollfd p[2] = {{l->fd, events, 0}, {l->pidfd, POLLIN, 0}};
         int64_t ms = (left + 999999) / 1000000;
-        int n = poll(p, l->pidfd >= 0 ? 2 : 1, ms > INT_MAX ? INT_MAX : (int)ms);
+        int polling = now < spin_until;
+        int n = poll(p, l->pidfd >= 0 ? 2 : 1, polling ? 0 : ms > INT_MAX ? INT_MAX : (int)ms);
+        if (n == 0 && polling) {
+            sched_yield();
+            continue;
+        }
         if (n < 0) {
             if (errno == EINTR) continue;
             *err = errno;

@@ -27,6 +27,14 @@ def _seconds_or_off(_: object, attribute: attrs.Attribute[float], value: object)
                                f"(0: off), not {value!r:.40}")
 
 
+def _seconds_at_most(most: float) -> Callable[[object, attrs.Attribute[float], object], None]:
+    def check(_: object, attribute: attrs.Attribute[float], value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= most:
+            raise ConfigInvalid.of(f"ImportConfig.{attribute.name}", f"must be a number of seconds in 0..{most} "
+                                   f"(0: off), not {value!r:.40}")
+    return check
+
+
 def _count(most: int) -> Callable[[object, attrs.Attribute[int], object], None]:
     def check(_: object, attribute: attrs.Attribute[int], value: object) -> None:
         if type(value) is not int or not 1 <= value <= most:
@@ -40,6 +48,10 @@ def _optional(kind: type) -> Callable[[object, attrs.Attribute[Any], object], No
             raise ConfigInvalid.of(f"ImportConfig.{attribute.name}", f"must be {kind.__name__} or None, "
                                    f"not {type(value).__name__}")
     return check
+
+
+#: The default ``ImportConfig.answer_spin_s`` (B1's floor waits the same way).
+ANSWER_SPIN_S = 250e-6
 
 
 @attrs.frozen
@@ -64,6 +76,11 @@ class ImportConfig:
     #: for this long, for the next import of the same bank to adopt without a round trip
     #: (kvstate.share.parked); 0: off. Needs native_renewal.
     park_s: float = attrs.field(default=0.0, validator=_seconds_or_off)
+    #: A wait for an exporter's answer (a lease, a renewal, a release) polls this long
+    #: before its thread sleeps, yielding to anything runnable on its CPU. The answer
+    #: usually comes within it, and a sleeping CPU's wake-up costs about 40 us on a
+    #: virtual machine, as much as the exporter's answer itself (B1); 0: sleep at once.
+    answer_spin_s: float = attrs.field(default=ANSWER_SPIN_S, validator=_seconds_at_most(0.01))
     #: The reuse switches, enforced by import_group (kvstate.reuse.gates): off by default.
     reuse: ReuseSettings = attrs.field(default=ReuseSettings(), validator=typed(ReuseSettings))
     #: The deployment profile admission (kvstate.reuse.profile.admit); GPU imports need one.

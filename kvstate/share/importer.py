@@ -342,7 +342,7 @@ class Importer(LeaseKeeping[H, A, R, M, E]):
         self._watched: set[int] = set()  # ids of the channels the watcher watches
         self._owners_lock = threading.Lock()
         #: One persistent channel per exporter address (kvstate.share.peers).
-        self.peers = peers.Peers(self._connect, config.link_idle_s)
+        self.peers = peers.Peers(self._connect, config.link_idle_s, config.answer_spin_s)
         self._count = 0
         #: Groups this importer made and that have not reached a terminal state.
         self.groups: list[Group[H, A, R, M, E]] = []

@@ -72,9 +72,11 @@ def link_error(code: int, *, err: int = 0, frame: libkvs.FramePtr | None = None,
 class NativeLink:
     """A request link over the connected socket of ``channel``: one exchange at a time."""
 
-    def __init__(self, channel: chan.Channel, limits: chan.Limits, *, stream: bool = False) -> None:
+    def __init__(self, channel: chan.Channel, limits: chan.Limits, *, stream: bool = False,
+                 spin_s: float = 0.0) -> None:
         """``stream``: ``channel`` is a TCP stream (:mod:`kvstate.channel.tcp`, its handshake
-        done): frames without fds, read and written in pieces."""
+        done): frames without fds, read and written in pieces. ``spin_s``: a wait for an
+        answer polls this long before it sleeps (``ImportConfig.answer_spin_s``)."""
         ffi, lib = libkvs.load()
         self._ffi, self._lib = ffi, lib
         self.limits = limits
@@ -88,6 +90,7 @@ class NativeLink:
         if ptr == ffi.NULL:
             raise ChannelError(ChannelReason.FAILED, f"cannot set up the request link: {os.strerror(ffi.errno)}")
         self.ptr = ffi.gc(ptr, lib.kvs_link_unref)
+        lib.kvs_link_set_spin(self.ptr, _ns(spin_s))
         channel.on_close = self.close  # closing either end closes the connection for both
 
     @property

@@ -59,13 +59,13 @@ LINK_LIMITS = chan.Limits(max_fds=chan.HARD_MAX_FDS)
 class PeerLink:
     """One persistent channel to one exporter address."""
 
-    def __init__(self, address: str, channel: chan.Channel) -> None:
+    def __init__(self, address: str, channel: chan.Channel, spin_s: float = 0.0) -> None:
         self.address = address
         self.channel = channel
         #: The connection's frame I/O and its lock, held from a request's send to its
         #: answer's receipt (and for notifications), by Python and the renewal thread.
         try:
-            self.native = NativeLink(channel, channel.limits)  # channel.close() closes it too
+            self.native = NativeLink(channel, channel.limits, spin_s=spin_s)  # channel.close() closes it too
         except BaseException:  # no link (EMFILE duplicating the socket): no connection either
             channel.close()
             raise
@@ -315,9 +315,10 @@ class Peers:
     it out of the table under the same lock that hands links out, so a link is never
     closed under a request or a lease."""
 
-    def __init__(self, connect: Callable[[str, float], chan.Channel], idle_s: float) -> None:
+    def __init__(self, connect: Callable[[str, float], chan.Channel], idle_s: float, spin_s: float = 0.0) -> None:
         self._connect = connect
         self.idle_s = idle_s
+        self.spin_s = spin_s  # each link's answer spin (ImportConfig.answer_spin_s)
         self._links: dict[str, PeerLink] = {}
         self._lock = threading.Lock()
         self._closing = False
@@ -335,7 +336,7 @@ class Peers:
                 link.users += 1
                 return link, True
         channel = self._connect(address, timeout)
-        made = PeerLink(address, channel)
+        made = PeerLink(address, channel, self.spin_s)
         with self._lock:
             old = self._links.get(address)
             if old is not None and old is not link and not fresh and old.usable():

@@ -199,3 +199,96 @@ def test_a_timeout_of_any_finite_length_is_taken(pair: tuple[Channel, NativeLink
             peer.send(b'{"ok":true}')
     finally:
         peer.close()
+
+
+# -- the answer spin (ImportConfig.answer_spin_s): a wait polls before it sleeps -----------
+
+#: Longer than any test here may take: a wait still spinning at the end fails the test.
+LONG_SPIN_S = 60.0
+
+
+@pytest.fixture
+def spinning() -> Iterator[tuple[Channel, NativeLink, socket.socket]]:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ch = Channel(a, limits=LIMITS)
+    link = NativeLink(ch, LIMITS, spin_s=LONG_SPIN_S)
+    yield ch, link, b
+    ch.close()
+    b.close()
+
+
+def test_a_spinning_wait_takes_the_answer_it_polls_for(spinning: tuple[Channel, NativeLink, socket.socket]) -> None:
+    ch, link, b = spinning
+    peer = Channel(b.dup(), limits=LIMITS)
+    got: list[bytes] = []
+
+    def ask() -> None:
+        with link.request(b'{"op":"renew"}', 30.0) as msg:
+            got.append(msg.payload)
+
+    t = threading.Thread(target=ask)
+    t.start()
+    with peer.recv(30.0) as req:  # the request is out: the asker spins for its answer
+        assert req.payload == b'{"op":"renew"}'
+    peer.send(b'{"ok":true}')
+    t.join(30.0)
+    peer.close()
+    assert not t.is_alive() and got == [b'{"ok":true}']
+
+
+def test_a_spinning_wait_ends_at_its_deadline_not_at_the_spins_end(
+        spinning: tuple[Channel, NativeLink, socket.socket]) -> None:
+    ch, link, b = spinning
+    done = threading.Event()
+    got: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            link.request(b"{}", 0.05)
+        except ChannelError as exc:
+            got.append(exc)
+        done.set()
+
+    t = threading.Thread(target=ask, daemon=True)
+    t.start()
+    assert done.wait(LONG_SPIN_S / 2), "the wait spun past its deadline"
+    assert len(got) == 1 and isinstance(got[0], ChannelError) and got[0].reason is ChannelReason.TIMEOUT
+    assert link.closed
+
+
+@pytest.mark.parametrize("how", ["closed here", "peer hung up"])
+def test_a_spinning_wait_wakes_when_the_connection_ends(
+        spinning: tuple[Channel, NativeLink, socket.socket], how: str) -> None:
+    ch, link, b = spinning
+    done = threading.Event()
+    got: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            link.request(b"{}", 30.0)
+        except ChannelError as exc:
+            got.append(exc)
+        done.set()
+
+    t = threading.Thread(target=ask, daemon=True)
+    t.start()
+    assert b.recv(100)  # the request went out: the thread spins for its answer now
+    if how == "closed here":
+        ch.close()
+    else:
+        b.close()
+    assert done.wait(LONG_SPIN_S / 2), "the spinning wait did not see the end of its connection"
+    assert len(got) == 1 and isinstance(got[0], ChannelError) and got[0].closed
+
+
+def test_the_answer_spin_is_checked_by_the_config() -> None:
+    from kvstate.core.errors import ConfigInvalid
+    from kvstate.core.identity import Deployment
+    from kvstate.share.import_config import ImportConfig
+
+    deployment = Deployment("t", bytes(32))
+    assert ImportConfig(deployment).answer_spin_s > 0  # on by default: B1 measures it
+    assert ImportConfig(deployment, answer_spin_s=0).answer_spin_s == 0
+    for bad in (-1e-6, 0.011, float("nan"), float("inf"), True, "1"):
+        with pytest.raises(ConfigInvalid):
+            ImportConfig(deployment, answer_spin_s=bad)
