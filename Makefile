@@ -48,7 +48,7 @@ $(STAMP): $(SOURCES) | $(VPY)
 demo: $(DEMO_STAMP)
 	$(VPY) -m kvstate demo
 
-# Every test (CI runs this): the Spin model checks beside the rest (tools/test-all.sh).
+# Every test (CI runs this): the Spin model checks and the longest slow tests beside the rest (tools/test-all.sh).
 # Tiers are pytest markers (unit, stateful, native, multiproc, models, slow;
 # tests/support/tiers.py), e.g. `.venv/bin/python -m pytest -m native`.
 test: $(STAMP) spin cudashim

@@ -14,7 +14,7 @@
  * An answer's wait may poll first (kvs_link_set_spin): an importer's thread that sleeps
  * as soon as it sent a request is woken by the answer, and on a virtual machine that
  * wake-up of an idle CPU (an interrupt to a halted vCPU) takes about as long as the
- * exporter's whole answer (B1; DESIGN.md, "Where the control plane runs"). Polling
+ * exporter's whole answer (B1; docs/native-control-plane.md, the request link). Polling
  * yields the CPU to anything runnable on it, so a peer on the same CPU still runs.
  *
  * Lifetime: references (Python's, and one per renewal entry) keep the memory; the mutex

@@ -90,6 +90,7 @@ class NativeLink:
         if ptr == ffi.NULL:
             raise ChannelError(ChannelReason.FAILED, f"cannot set up the request link: {os.strerror(ffi.errno)}")
         self.ptr = ffi.gc(ptr, lib.kvs_link_unref)
+        self.spin_s = spin_s
         lib.kvs_link_set_spin(self.ptr, _ns(spin_s))
         channel.on_close = self.close  # closing either end closes the connection for both
 

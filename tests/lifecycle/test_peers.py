@@ -39,6 +39,18 @@ def test_imports_reuse_one_channel_and_lease_every_rank_in_one_request(transport
     assert ex.connections() == 1  # one connection served all three imports
 
 
+@pytest.mark.parametrize("spin_s", [0.0, 0.004])
+def test_an_importers_links_wait_with_its_answer_spin(transport: HostTransport, spin_s: float) -> None:
+    ex = make_exporter(2, transport)
+    im = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON, answer_spin_s=spin_s), transport)
+    try:
+        group = im.import_group([ex.descriptor(r) for r in range(2)])
+        assert {p.link.native.spin_s for p in group.parts if p.link is not None} == {spin_s}
+        group.drain()
+    finally:
+        im.close()
+
+
 def test_a_batch_refused_for_one_rank_leases_none_and_names_that_rank(transport: HostTransport,
                                                                      importer: Importer) -> None:
     ex = make_exporter(3, transport)

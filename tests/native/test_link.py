@@ -7,6 +7,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -234,6 +235,37 @@ def test_a_spinning_wait_takes_the_answer_it_polls_for(spinning: tuple[Channel, 
     t.join(30.0)
     peer.close()
     assert not t.is_alive() and got == [b'{"ok":true}']
+
+
+@pytest.mark.parametrize("spins", [True, False])
+def test_a_spinning_wait_polls_and_a_plain_one_sleeps(spins: bool) -> None:
+    """The waiting thread's CPU time tells: a spinning wait polls until the answer comes
+    (here after 0.2 s), a plain one sleeps in poll. The bounds are far apart: the spinner
+    is runnable throughout and yields only to others, the sleeper runs only to wake."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ch = Channel(a, limits=LIMITS)
+    link = NativeLink(ch, LIMITS, spin_s=LONG_SPIN_S if spins else 0.0)
+    peer = Channel(b, limits=LIMITS)
+    cpu: list[float] = []
+
+    def ask() -> None:
+        start = time.thread_time()
+        with link.request(b"{}", 30.0):
+            cpu.append(time.thread_time() - start)
+
+    t = threading.Thread(target=ask)
+    t.start()
+    try:
+        with peer.recv(30.0):
+            pass
+        time.sleep(0.2)
+        peer.send(b'{"ok":true}')
+        t.join(30.0)
+    finally:
+        ch.close()
+        peer.close()
+    assert not t.is_alive() and len(cpu) == 1
+    assert cpu[0] >= 0.02 if spins else cpu[0] < 0.02, cpu
 
 
 def test_a_spinning_wait_ends_at_its_deadline_not_at_the_spins_end(
