@@ -575,8 +575,11 @@ void kvs_link_unref(kvs_link *l);
 void kvs_link_close(kvs_link *l);
 int32_t kvs_link_closed(kvs_link *l);
 /* How long a wait for an answer polls before it sleeps (0, the default: it sleeps at
- * once). A sleeping CPU's wake-up can cost more than the exporter takes to answer. */
+ * once; at most 1 s). A sleeping CPU's wake-up can cost more than the exporter takes to
+ * answer. The poll ends early once another thread ran on its CPU. */
 void kvs_link_set_spin(kvs_link *l, int64_t spin_ns);
+/* How many waits on the link took their answer while they polled. */
+uint64_t kvs_link_caught(kvs_link *l);
 /* Hold the link across several calls (a pipelined exchange): send and recv need it held. */
 void kvs_link_lock(kvs_link *l);
 void kvs_link_unlock(kvs_link *l);

@@ -15,7 +15,12 @@
  * as soon as it sent a request is woken by the answer, and on a virtual machine that
  * wake-up of an idle CPU (an interrupt to a halted vCPU) takes about as long as the
  * exporter's whole answer (B1; docs/native-control-plane.md, the request link). Polling
- * yields the CPU to anything runnable on it, so a peer on the same CPU still runs.
+ * only pays on a CPU nothing else wants: there a thread that sleeps is woken ahead of a
+ * busy one, and a poller that was put aside waits out the other's time slice. So the
+ * poll never yields (a yield puts the poller behind a busy thread: a 2.5 ms round trip
+ * instead of 65 us, measured) and it stops at the first sign that something else ran on
+ * its CPU, a gap between two polls (SPIN_GAP_NS), and sleeps. The renewal thread never
+ * polls: nothing waits for a renewal's answer.
  *
  * Lifetime: references (Python's, and one per renewal entry) keep the memory; the mutex
  * keeps one exchange at a time; `closed` is set once, by kvs_link_close, which shuts the
@@ -30,7 +35,6 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
-#include <sched.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -54,6 +58,7 @@ struct kvs_link {
     uint32_t max_payload, max_fds;
     int stream; /* a TCP stream (kvs_link_open_stream): frames are read and written in pieces */
     _Atomic int64_t spin_ns; /* an answer's wait polls this long before it sleeps */
+    _Atomic uint64_t caught;  /* waits whose answer came while they polled */
 };
 
 static int64_t now_ns(void) {
@@ -133,7 +138,12 @@ void kvs_link_close(kvs_link *l) {
 
 int32_t kvs_link_closed(kvs_link *l) { return atomic_load(&l->closed); }
 
-void kvs_link_set_spin(kvs_link *l, int64_t spin_ns) { atomic_store(&l->spin_ns, spin_ns > 0 ? spin_ns : 0); }
+uint64_t kvs_link_caught(kvs_link *l) { return atomic_load(&l->caught); }
+
+/* At most a second: a longer poll only burns a CPU (and now + spin must not overflow). */
+void kvs_link_set_spin(kvs_link *l, int64_t spin_ns) {
+    atomic_store(&l->spin_ns, spin_ns <= 0 ? 0 : spin_ns > 1000000000 ? 1000000000 : spin_ns);
+}
 
 void kvs_link_lock(kvs_link *l) {
     pthread_mutex_lock(&l->mu);
@@ -146,23 +156,26 @@ void kvs_link_unlock(kvs_link *l) {
     pthread_mutex_unlock(&l->mu);
 }
 
-/* Poll fd for `events` (and the pidfd for its exit) until the deadline. 1: fd ready;
- * 0: timed out; KVS_E_LINK_PEER_DIED; KVS_E_LINK_CLOSED (closed here meanwhile); SYS. */
-static int wait_for(kvs_link *l, short events, int64_t deadline, int32_t *err) {
-    int64_t spin = events == POLLIN ? atomic_load(&l->spin_ns) : 0;
-    int64_t spin_until = spin ? now_ns() + spin : 0;
+/* Two polls further apart than this: the poller was put aside for another thread. */
+#define SPIN_GAP_NS 20000
+
+/* Poll fd for `events` (and the pidfd for its exit) until the deadline, first without
+ * sleeping for up to `spin` ns (see the top). 1: fd ready; 0: timed out;
+ * KVS_E_LINK_PEER_DIED; KVS_E_LINK_CLOSED (closed here meanwhile); SYS. */
+static int wait_for(kvs_link *l, short events, int64_t deadline, int64_t spin, int32_t *err) {
+    int64_t last = now_ns(), spin_until = spin > 0 ? last + spin : 0;
     for (;;) {
         if (atomic_load(&l->closed)) return KVS_E_LINK_CLOSED;
         int64_t now = now_ns(), left = deadline - now;
         if (left <= 0) return 0;
+        if (now - last > SPIN_GAP_NS) spin_until = 0; /* something else runs here: sleep */
+        last = now;
         struct pollfd p[2] = {{l->fd, events, 0}, {l->pidfd, POLLIN, 0}};
         int64_t ms = (left + 999999) / 1000000;
         int polling = now < spin_until;
         int n = poll(p, l->pidfd >= 0 ? 2 : 1, polling ? 0 : ms > INT_MAX ? INT_MAX : (int)ms);
-        if (n == 0 && polling) {
-            sched_yield();
-            continue;
-        }
+        if (n == 0 && polling) continue;
+        if (n > 0 && polling && p[0].revents) atomic_fetch_add(&l->caught, 1);
         if (n < 0) {
             if (errno == EINTR) continue;
             *err = errno;
@@ -220,7 +233,7 @@ int kvs_link_send(kvs_link *l, const uint8_t *payload, uint32_t len, const int32
                     m.msg_iovlen--;
                 }
             }
-            int w = wait_for(l, POLLOUT, deadline, err);
+            int w = wait_for(l, POLLOUT, deadline, 0, err);
             if (w > 0 || w == KVS_E_LINK_PEER_DIED) continue;
             if (done) shut(l); /* a frame cut short: the stream is out of step */
             return w == 0 ? KVS_E_LINK_TIMEOUT : w;
@@ -241,7 +254,7 @@ int kvs_link_send(kvs_link *l, const uint8_t *payload, uint32_t len, const int32
             *err = e;
             return KVS_E_LINK_SYS;
         }
-        int w = wait_for(l, POLLOUT, deadline, err);
+        int w = wait_for(l, POLLOUT, deadline, 0, err);
         if (done && (w == 0 || (w < 0 && w != KVS_E_LINK_PEER_DIED))) shut(l); /* a stream's frame cut short */
         if (w == 0) return KVS_E_LINK_TIMEOUT;
         if (w < 0 && w != KVS_E_LINK_PEER_DIED) return w;
@@ -322,7 +335,7 @@ static int read_exact(kvs_link *l, uint8_t *p, size_t n, int64_t deadline, int b
             shut(l);
             return KVS_E_LINK_SYS;
         }
-        int w = wait_for(l, POLLIN, deadline, err);
+        int w = wait_for(l, POLLIN, deadline, 0, err); /* a stream's pieces: TCP links never poll */
         if (w > 0) continue;
         if (begun || got) shut(l);
         return w == 0 ? KVS_E_LINK_TIMEOUT : w;
@@ -353,7 +366,7 @@ static int take_stream(kvs_link *l, kvs_frame *f, int64_t deadline) {
     return KVS_OK;
 }
 
-int kvs_link_recv(kvs_link *l, kvs_frame *f, int64_t timeout_ns) {
+static int link_recv(kvs_link *l, kvs_frame *f, int64_t timeout_ns, int64_t spin) {
     f->err = 0;
     f->nfds = 0;
     f->len = 0;
@@ -364,17 +377,22 @@ int kvs_link_recv(kvs_link *l, kvs_frame *f, int64_t timeout_ns) {
     for (;;) {
         int rc = take_packet(l, f, &f->err);
         if (rc <= 0) return rc;
-        int w = wait_for(l, POLLIN, deadline, &f->err);
+        int w = wait_for(l, POLLIN, deadline, spin, &f->err);
         if (w == 0) return KVS_E_LINK_TIMEOUT;
         if (w < 0) return w;
     }
 }
 
-int kvs_link_request(kvs_link *l, const uint8_t *payload, uint32_t len, kvs_frame *f, int64_t timeout_ns) {
+int kvs_link_recv(kvs_link *l, kvs_frame *f, int64_t timeout_ns) {
+    return link_recv(l, f, timeout_ns, atomic_load(&l->spin_ns));
+}
+
+static int link_request(kvs_link *l, const uint8_t *payload, uint32_t len, kvs_frame *f, int64_t timeout_ns,
+                        int64_t spin) {
     kvs_link_lock(l);
     int rc = kvs_link_send(l, payload, len, NULL, 0, timeout_ns, &f->err);
     if (rc == KVS_OK) {
-        rc = kvs_link_recv(l, f, timeout_ns);
+        rc = link_recv(l, f, timeout_ns, spin);
     } else if (rc == KVS_E_LINK_CLOSED && !atomic_load(&l->closed)) {
         /* The peer closed first, maybe after saying why (a server over its connection
          * limit refuses at accept, then closes): a frame it left is its answer. */
@@ -389,4 +407,12 @@ int kvs_link_request(kvs_link *l, const uint8_t *payload, uint32_t len, kvs_fram
     if (rc != KVS_OK) shut(l);
     kvs_link_unlock(l);
     return rc;
+}
+
+int kvs_link_request(kvs_link *l, const uint8_t *payload, uint32_t len, kvs_frame *f, int64_t timeout_ns) {
+    return link_request(l, payload, len, f, timeout_ns, atomic_load(&l->spin_ns));
+}
+
+int kvs_link_request_asleep(kvs_link *l, const uint8_t *payload, uint32_t len, kvs_frame *f, int64_t timeout_ns) {
+    return link_request(l, payload, len, f, timeout_ns, 0);
 }

@@ -13,4 +13,8 @@ void kvs_link_ref(kvs_link *l);
 /* The link's payload cap (what a receive buffer must hold). */
 uint32_t kvs_link_max_payload(const kvs_link *l);
 
+/* kvs_link_request, its answer waited for asleep whatever the link's spin (the renewal
+ * thread: nothing waits for a renewal's answer). */
+int kvs_link_request_asleep(kvs_link *l, const uint8_t *payload, uint32_t len, kvs_frame *f, int64_t timeout_ns);
+
 #endif

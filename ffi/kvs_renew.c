@@ -236,7 +236,7 @@ static void renew_one(kvs_renewer *r, const struct entry *e, kvs_frame *f) {
      * own: the importer's view of a lease never outlasts the exporter's (a remote part's
      * READ gate relies on it; kvstate.transport.nixl.transport.LeaseGate). */
     int64_t at = now_ns();
-    int rc = kvs_link_request(e->link, (const uint8_t *)payload, (uint32_t)len, f, r->timeout_ns);
+    int rc = kvs_link_request_asleep(e->link, (const uint8_t *)payload, (uint32_t)len, f, r->timeout_ns);
     double expires_s = 0;
     int64_t generation = -1;
     int ok = rc == KVS_OK && f->nfds == 0 && granted(f->buf, f->len, &expires_s, &generation);

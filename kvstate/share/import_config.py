@@ -76,10 +76,11 @@ class ImportConfig:
     #: for this long, for the next import of the same bank to adopt without a round trip
     #: (kvstate.share.parked); 0: off. Needs native_renewal.
     park_s: float = attrs.field(default=0.0, validator=_seconds_or_off)
-    #: A wait for an answer from an exporter on this node (a lease, a renewal, a release)
-    #: polls this long before its thread sleeps, yielding to anything runnable on its CPU. The answer
-    #: usually comes within it, and a sleeping CPU's wake-up costs about 40 us on a
-    #: virtual machine, as much as the exporter's answer itself (B1); 0: sleep at once.
+    #: A wait for an answer from an exporter on this node (a lease, a release) polls this
+    #: long before its thread sleeps, and sleeps at once when another thread wants its
+    #: CPU (ffi/kvs_link.c). The answer usually comes within it, and a sleeping CPU's
+    #: wake-up costs about 40 us on a virtual machine, as much as the exporter's answer
+    #: itself (B1); 0: sleep at once.
     answer_spin_s: float = attrs.field(default=ANSWER_SPIN_S, validator=_seconds_at_most(0.01))
     #: The reuse switches, enforced by import_group (kvstate.reuse.gates): off by default.
     reuse: ReuseSettings = attrs.field(default=ReuseSettings(), validator=typed(ReuseSettings))

@@ -95,6 +95,11 @@ class NativeLink:
         channel.on_close = self.close  # closing either end closes the connection for both
 
     @property
+    def caught(self) -> int:
+        """How many waits took their answer while they polled (the spin paid)."""
+        return int(self._lib.kvs_link_caught(self.ptr))
+
+    @property
     def closed(self) -> bool:
         return bool(self._lib.kvs_link_closed(self.ptr))
 
