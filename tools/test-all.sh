@@ -24,6 +24,8 @@ trap 'rm -f "$log"' EXIT
   exit "$beside"
 ) >"$log" 2>&1 &
 heavy=$!
+# A background job ignores SIGINT: on Ctrl-C (or a TERM), end its pytest too.
+trap 'pkill -TERM -P "$heavy" 2>/dev/null; kill "$heavy" 2>/dev/null; exit 130' INT TERM
 "$PY" -m pytest -m "not models" "${BESIDE[@]/#/--ignore=}" --durations=25
 rest=$?
 wait "$heavy"
