@@ -37,7 +37,7 @@ NOISED = prompts(LENGTHS, seed=82)  # the negative control's prompts
 
 
 def _mla(spec: EngineSpec) -> EngineSpec:
-    return dataclasses.replace(spec, block_size=tiny_deepseek.BLOCK_TOKENS)
+    return dataclasses.replace(spec, block_size=tiny_deepseek.BLOCK_TOKENS, attention_backend=tiny_deepseek.BACKEND)
 
 
 def _loadable(lengths: tuple[int, ...]) -> list[int]:

@@ -63,6 +63,7 @@ class EngineSpec:
     max_model_len: int = 8192
     dtype: str = "bfloat16"
     kv_cache_dtype: str = "auto"               # "fp8", "fp8_e4m3", "fp8_e5m2": FP8 KV (uint8 tensors on CPU)
+    attention_backend: str | None = None       # vLLM's choice for the CPU; a name pins one (e.g. "CPU_MLA")
     seed: int = 0
     kv_transfer: dict[str, Any] | None = None  # kv_configs
     env: dict[str, str] = field(default_factory=dict)
@@ -85,6 +86,8 @@ class EngineSpec:
         }
         if self.kv_cache_dtype != "auto":
             kwargs["kv_cache_dtype"] = self.kv_cache_dtype
+        if self.attention_backend is not None:
+            kwargs["attention_backend"] = self.attention_backend
         if self.tp > 1:
             kwargs["distributed_executor_backend"] = "mp"
         return kwargs

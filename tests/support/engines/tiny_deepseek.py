@@ -2,8 +2,9 @@
 
 Its KV cache is one latent per token (``kv_lora_rank`` + ``qk_rope_head_dim`` values,
 shared by every head), the layout MLA engines cache. vLLM's CPU MLA backend (``CPU_MLA``,
-used where the CPU has no AMX) has a decode kernel only for a latent of 576
-(``kv_lora_rank`` 512 + rope 64) and blocks of 16 tokens, so those two are DeepSeek's
+which :data:`BACKEND` pins; vLLM would pick ``AMX_MLA`` on a CPU with AMX) has a decode
+kernel only for a latent of 576 (``kv_lora_rank`` 512 + rope 64) and blocks of 16 tokens,
+so those two are DeepSeek's
 sizes; everything else is small. ``first_k_dense_replace`` covers every layer: each MLP is
 dense (no MoE, which is not what this model is for). Weights are drawn as in :mod:`.tiny_llama` (seeded,
 projections std 0.1, embeddings std 1) so that attention matters to the tokens.
@@ -49,6 +50,10 @@ CONFIG: dict[str, Any] = {
 #: The cached latent per token and layer: what one KV "head" of an MLA cache holds.
 LATENT = CONFIG["kv_lora_rank"] + CONFIG["qk_rope_head_dim"]
 BLOCK_TOKENS = 16  # vLLM's CPU MLA backend forces it
+#: Pinned: on a CPU with AMX tiles vLLM picks AMX_MLA, whose blocks must be a multiple of
+#: 32, and an engine with blocks of 16 then fails to start ("No common block size for 16",
+#: seen on an Intel Xeon with AMX, 2026-12-07). CPU_MLA runs on every x86 CPU.
+BACKEND = "CPU_MLA"
 
 
 def weight_shapes(config: dict[str, Any] = CONFIG) -> dict[str, tuple[int, ...]]:
