@@ -280,21 +280,26 @@ def test_a_spinning_wait_takes_answers_while_it_polls_and_a_plain_one_never(spin
     assert link.caught >= 1 if spins else link.caught == 0, link.caught
 
 
-def test_a_spinning_wait_ends_at_its_deadline_not_at_the_spins_end(
-        spinning: tuple[Channel, NativeLink, socket.socket]) -> None:
-    ch, link, b = spinning
+def _ask_failing(link: NativeLink, timeout: float) -> tuple[threading.Event, list[BaseException]]:
+    """A request on its own thread, expected to fail: set once it ended, with its error."""
     done = threading.Event()
     got: list[BaseException] = []
 
     def ask() -> None:
         try:
-            link.request(b"{}", 0.05)
+            link.request(b"{}", timeout)
         except ChannelError as exc:
             got.append(exc)
         done.set()
 
-    t = threading.Thread(target=ask, daemon=True)
-    t.start()
+    threading.Thread(target=ask, daemon=True).start()
+    return done, got
+
+
+def test_a_spinning_wait_ends_at_its_deadline_not_at_the_spins_end(
+        spinning: tuple[Channel, NativeLink, socket.socket]) -> None:
+    ch, link, b = spinning
+    done, got = _ask_failing(link, 0.05)
     assert done.wait(30.0), "the wait did not end"
     assert len(got) == 1 and isinstance(got[0], ChannelError) and got[0].reason is ChannelReason.TIMEOUT
     assert link.closed
@@ -304,18 +309,7 @@ def test_a_spinning_wait_ends_at_its_deadline_not_at_the_spins_end(
 def test_a_spinning_wait_wakes_when_the_connection_ends(
         spinning: tuple[Channel, NativeLink, socket.socket], how: str) -> None:
     ch, link, b = spinning
-    done = threading.Event()
-    got: list[BaseException] = []
-
-    def ask() -> None:
-        try:
-            link.request(b"{}", 30.0)
-        except ChannelError as exc:
-            got.append(exc)
-        done.set()
-
-    t = threading.Thread(target=ask, daemon=True)
-    t.start()
+    done, got = _ask_failing(link, 30.0)
     assert b.recv(100)  # the request went out: the thread spins for its answer now
     if how == "closed here":
         ch.close()
