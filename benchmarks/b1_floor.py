@@ -10,8 +10,9 @@ descriptor, no lease, no identity or seal check and no address reservation.
 - per rank: one request per rank, one fd each, one mmap (timed per rank).
 
 The answer is waited for as kvstate's importer waits (:func:`recv_fds`): polled for
-``ImportConfig.answer_spin_s`` before the thread sleeps. So the ratios to the floor
-measure what kvstate adds, not a different way of waiting.
+``ImportConfig.answer_spin_s``, or until something else ran on the CPU, before the thread
+sleeps. So the ratios to the floor measure what kvstate adds, not a different way of
+waiting.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.framework import Figure
-from kvstate.share.import_config import ANSWER_SPIN_S
 from benchmarks.procs import run_pair
+from kvstate.share.import_config import ANSWER_SPIN_S
 
 
 def _memfd(size: int) -> int:
