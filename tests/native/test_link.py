@@ -212,33 +212,19 @@ def test_a_timeout_of_any_finite_length_is_taken(pair: tuple[Channel, NativeLink
 LONG_SPIN_S = 1.0
 
 
-@pytest.fixture
-def spinning() -> Iterator[tuple[Channel, NativeLink, socket.socket]]:
+def _linked(spin_s: float) -> tuple[Channel, NativeLink, socket.socket]:
+    """A link with ``spin_s`` over one end of a socketpair: its channel, and the other end."""
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     ch = Channel(a, limits=LIMITS)
-    link = NativeLink(ch, LIMITS, spin_s=LONG_SPIN_S)
+    return ch, NativeLink(ch, LIMITS, spin_s=spin_s), b
+
+
+@pytest.fixture
+def spinning() -> Iterator[tuple[Channel, NativeLink, socket.socket]]:
+    ch, link, b = _linked(LONG_SPIN_S)
     yield ch, link, b
     ch.close()
     b.close()
-
-
-def test_a_spinning_wait_takes_the_answer_it_polls_for(spinning: tuple[Channel, NativeLink, socket.socket]) -> None:
-    ch, link, b = spinning
-    peer = Channel(b.dup(), limits=LIMITS)
-    got: list[bytes] = []
-
-    def ask() -> None:
-        with link.request(b'{"op":"renew"}', 30.0) as msg:
-            got.append(msg.payload)
-
-    t = threading.Thread(target=ask)
-    t.start()
-    with peer.recv(30.0) as req:  # the request is out: the asker spins for its answer
-        assert req.payload == b'{"op":"renew"}'
-    peer.send(b'{"ok":true}')
-    t.join(30.0)
-    peer.close()
-    assert not t.is_alive() and got == [b'{"ok":true}']
 
 
 @pytest.mark.parametrize("spins", [True, False])
@@ -248,9 +234,7 @@ def test_a_spinning_wait_takes_answers_while_it_polls_and_a_plain_one_never(spin
     its CPU sleeps instead (the answerer itself may be that thread, and a loaded machine
     cuts most polls short), so requests go on until one answer was caught while polling,
     for at most 10 s."""
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    ch = Channel(a, limits=LIMITS)
-    link = NativeLink(ch, LIMITS, spin_s=LONG_SPIN_S if spins else 0.0)
+    ch, link, b = _linked(LONG_SPIN_S if spins else 0.0)
     peer = Channel(b, limits=LIMITS)
     stop = threading.Event()
 
@@ -337,9 +321,7 @@ def test_a_spin_gives_way_when_its_cpu_is_wanted(cpus: list[int]) -> None:
     request. The asker's poll is put aside for the busy one within a time slice, so it
     stops polling and sleeps: woken by the answer, it did not catch it while polling. (A
     poll that went on would wait out the busy one's slice each time the answer came.)"""
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    ch = Channel(a, limits=LIMITS)
-    link = NativeLink(ch, LIMITS, spin_s=LONG_SPIN_S)
+    ch, link, b = _linked(LONG_SPIN_S)
     peer = Channel(b, limits=LIMITS)
     asker_cpu, other = cpus[0], cpus[1]
     hog = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{asker_cpu}}})\nwhile True: pass"])
