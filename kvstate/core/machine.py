@@ -149,6 +149,10 @@ class _Row:
     dest: str
 
 
+#: How many adopted paths a table remembers (:meth:`_Compiled.diverges`).
+_PATHS_KEPT = 256
+
+
 @attrs.frozen
 class _Compiled:
     spec: MachineSpec
@@ -157,6 +161,25 @@ class _Compiled:
     guards: dict[str, Callable[..., Any]]
     effects: dict[str, Callable[..., Any]]
     rows: dict[tuple[str, str], tuple[_Row, ...]]  # (event, source) -> rows in table order
+    #: (source, ((event, dest), ...)) -> the first step the table does not declare along
+    #: that path from source (its index and state), or None: adopt_all asks per object.
+    paths: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[int, str] | None] = attrs.field(factory=dict)
+
+    def diverges(self, source: str, steps: tuple[tuple[str, str], ...]) -> tuple[int, str] | None:
+        """Where the path ``steps`` from ``source`` leaves the table (the step's index and
+        the state it is taken in), or None when every step is a declared row."""
+        key = (source, steps)
+        if key in self.paths:
+            return self.paths[key]
+        state, found = source, None
+        for i, (event, dest) in enumerate(steps):
+            if not any(row.dest == dest for row in self.rows.get((event, state), ())):
+                found = (i, state)
+                break
+            state = dest
+        if len(self.paths) < _PATHS_KEPT:  # the code's own paths are few; a caller's may not be
+            self.paths[key] = found
+        return found
 
     def trigger(self, model: Any, event: str, source: str, kwargs: dict[str, Any]) -> bool:
         """Fire the first row of (event, source) whose guards hold; False if none does.
@@ -486,17 +509,17 @@ class Lifecycle:
             if len(step) != 2:
                 raise ArgumentInvalid.of(f"steps[{i}]", ArgumentReason.LENGTH, "must be one (event, dest) pair")
             pairs.append((need_text(f"steps[{i}] event", step[0]), need_text(f"steps[{i}] dest", step[1])))
-        steps = pairs
+        path = tuple(pairs)
         with Lifecycle.locked_all(objects):
             for obj in objects:
-                state = obj._kv_state
-                for event, dest in steps:
-                    if obj._kv_firing or not any(row.dest == dest for row in compiled.rows.get((event, state), ())):
-                        raise TransitionError.illegal(compiled.spec.name, state, event)
-                    state = dest
+                off = compiled.diverges(obj._kv_state, path)
+                if off is not None:
+                    raise TransitionError.illegal(compiled.spec.name, off[1], path[off[0]][0])
+                if obj._kv_firing and path:
+                    raise TransitionError.illegal(compiled.spec.name, obj._kv_state, path[0][0])
             for obj in objects:
                 source = obj._kv_state
-                for event, dest in steps:
+                for event, dest in path:
                     obj._kv_state = dest
                     if obj._observers:
                         obj.record(StateChange(compiled.spec.name, obj.label, event, source, dest,

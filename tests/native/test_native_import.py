@@ -313,6 +313,10 @@ def test_adopt_all_checks_every_path_before_it_commits_any() -> None:
     assert [(c.label, c.event, c.source, c.dest) for c in seen] == [
         (f"g/part[{r}]", e, s, d) for r in range(2) for e, s, d in
         (("lease", "validated", "leased"), ("open", "leased", "imported"))]
+    for _ in range(2):  # the second verdict is the remembered path's: the same
+        with pytest.raises(TransitionError, match="'open' is not declared in state 'closed'"):
+            Part.adopt_all(parts, (("close", "closed"), ("open", "imported")))  # diverges at its second step
+    assert [p.state for p in parts] == ["imported", "imported"]
     with pytest.raises(ArgumentInvalid):
         Part.adopt_all(parts, [("close",)])
     with pytest.raises(ArgumentInvalid):
