@@ -28,7 +28,7 @@ import pytest
 from support.engines import evidence, kv_configs, tiny_deepseek
 from support.engines import kvstate_kit as kit
 from support.engines.memory import MemorySampler
-from support.engines.runner import Engine, EngineSpec, Generation, start_all
+from support.engines.runner import Engine, EngineError, EngineSpec, Generation, start_all
 from support.engines.suite import MAX_TOKENS, Engines, prompts
 
 LENGTHS = (100, 140, 600)
@@ -123,3 +123,28 @@ def test_a_corrupted_mla_bank_changes_the_tokens(example: list[list[int]], pair:
     _loaded_from_outside(got)
     for mine, theirs in zip(_tokens(got), example[len(BATCH):]):
         assert mine != theirs
+
+
+def test_an_engine_on_amx_mla_is_refused_with_the_way_out(model: str, memory: MemorySampler,
+                                                           tmp_path_factory: pytest.TempPathFactory) -> None:
+    """On a CPU with AMX tiles vLLM runs MLA on AMX_MLA unless told otherwise, and kvstate
+    has never run that backend's block layout: the connector refuses it when the worker
+    registers its caches, and says to pin CPU_MLA, instead of sharing blocks it cannot
+    vouch for."""
+    torch = pytest.importorskip("torch")
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip("no AMX tiles here: vLLM runs MLA on CPU_MLA, which the tests above cover")
+    work = tmp_path_factory.mktemp("kvstate-amx-mla")
+    sockets = kit.socket_dir(work)
+    box = Engines(work, memory)
+    try:
+        engine = box.make("decode-amx-mla", dataclasses.replace(  # vLLM's own backend choice, in AMX_MLA's blocks
+            kit.spec(model, "kv_producer", sockets, source="d-amx"), block_size=2 * tiny_deepseek.BLOCK_TOKENS))
+        with pytest.raises(EngineError):
+            start_all([engine])
+        log = engine.log_path.read_text(errors="replace")
+        assert "ConfigInvalid: attention: MLA KV is shared from vLLM's CPU_MLA backend only" in log, log[-4000:]
+    finally:
+        leaks = box.close_all()
+        shutil.rmtree(sockets, ignore_errors=True)
+    assert not leaks, leaks

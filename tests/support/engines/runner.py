@@ -224,7 +224,7 @@ class Engine:
                 self._request({"op": "shutdown"}, STOP_TIMEOUT)
                 assert self.proc is not None
                 self.proc.wait(STOP_TIMEOUT)
-            except (EngineError, subprocess.TimeoutExpired):
+            except (EngineError, OSError, EOFError, subprocess.TimeoutExpired):  # a child whose start failed hangs up
                 pass
         # A clean shutdown ends every process; anything left is reported, then killed.
         deadline = time.monotonic() + 10
