@@ -467,8 +467,10 @@ class NativeError(KvStateError):
 
 
 class TransitionError(KvStateError):
-    """A bug (or a race the caller lost): the transition tables forbid the event in the
-    machine's state; nothing changed."""
+    """The transition tables forbid the event in the machine's state; nothing changed.
+    ILLEGAL from a load or store is an ordinary outcome (the group or share is no longer
+    ready: its exporter, coordinator or lease went; the bank drains): recompute. Any other
+    case is a bug, or a race the caller lost."""
 
     reason: TransitionReason
 

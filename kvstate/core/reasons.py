@@ -223,8 +223,9 @@ class NativeReason(_Reason):
 
 
 class TransitionReason(_Reason):
-    """Why a machine refused an event (TransitionError.reason): a kvstate bug, or a race the
-    caller lost; nothing changed."""
+    """Why a machine refused an event (TransitionError.reason); nothing changed. ILLEGAL
+    from a load or store means the group, share or bank is no longer ready (recompute);
+    otherwise a kvstate bug, or a race the caller lost."""
 
     ILLEGAL = "illegal"          # the event is not declared in the machine's current state
     GUARD = "guard"              # declared, but no row's guards admit it (``failed``)
