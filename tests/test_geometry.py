@@ -135,6 +135,17 @@ def test_region_count_mismatch_is_named() -> None:
      "offset"),
     (lambda: Geometry.uniform(layers=0, kv_heads=1, head_dim=1, block_tokens=1, dtype=DType.FP16,
                               layout="layer_major", num_blocks=1), "layers"),  # type: ignore[arg-type]
+    # the constructors check what they compute with first (these were TypeError,
+    # AttributeError and ZeroDivisionError)
+    (lambda: Region.contiguous("a", DType.BF16, "ab"), "shape"),  # type: ignore[arg-type]
+    (lambda: Region.contiguous("a", DType.BF16, None), "shape"),  # type: ignore[arg-type]
+    (lambda: Region.contiguous("a", DType.BF16, 4), "shape"),  # type: ignore[arg-type]
+    (lambda: Region.like("a", DType.BF16, None, 0, (2, 1), num_blocks=4), "shape"),  # type: ignore[arg-type]
+    (lambda: Region.like("a", DType.BF16, (4, 2), 0, 5, num_blocks=4), "strides"),  # type: ignore[arg-type]
+    (lambda: Geometry.packed([1]), "regions"),  # type: ignore[list-item]
+    (lambda: Geometry.packed(None), "regions"),  # type: ignore[arg-type]
+    (lambda: Geometry.packed([Region.contiguous("a", DType.BF16, (4, 2))], align=0), "align"),
+    (lambda: Geometry.packed([Region.contiguous("a", DType.BF16, (4, 2))], align=True), "align"),
 ])
 def test_malformed_geometries_are_refused_naming_the_field(make: object, field: str) -> None:
     with raises(ConfigInvalid, ConfigReason.GEOMETRY) as info:

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from kvstate.core.errors import KvStateError, ArgumentInvalid, Busy
 from kvstate.core.reasons import ArgumentReason, BusyReason
 from kvstate.reuse.inventory import (
+    MAX_GROUP_NAME,
     BlocksRemoved,
     BlocksStored,
     GroupCleared,
@@ -113,6 +114,26 @@ def test_bad_input_is_a_typed_error_and_changes_nothing() -> None:
     inv.clear("g")
     inv.store("g", [1])
     assert inv.hashes("g") == {1} and inv.busy("g", 1) == (0, 0)
+
+
+#: Names no lease can carry: a NUL or a lone surrogate (a bare UnicodeEncodeError from the
+#: exporter's mirror), JSON escapes the native lease server does not read (every lease a
+#: malformed frame), and more than MAX_GROUP_NAME characters.
+UNLEASABLE_GROUPS = ["a\0b", "a\ud800", "\u00e9t\u00e9", 'a"b', "a\\b", "a\tb", "a\x7fb", "g" * (MAX_GROUP_NAME + 1)]
+
+
+@pytest.mark.parametrize("group", UNLEASABLE_GROUPS)
+def test_a_group_name_no_lease_can_carry_is_refused_and_changes_nothing(group: str) -> None:
+    inv = Inventory(budget_blocks=4)
+    printable = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) not in '"\\')
+    for taken in (printable, "g" * MAX_GROUP_NAME, " "):  # the names a lease can carry
+        inv.store(taken, [1])
+    before = inv.lru_order()
+    for call in (lambda: inv.store(group, [1]), lambda: inv.clear(group), lambda: inv.lease(group, 0, [1]),
+                 lambda: inv.epoch(group)):
+        with raises(ArgumentInvalid, ArgumentReason.INVENTORY):
+            call()
+    assert inv.lru_order() == before and not inv.active_leases()
 
 
 def test_full_64_bit_hashes() -> None:

@@ -16,12 +16,15 @@ from pathlib import Path
 from typing import Any, TypeGuard, TypeVar
 
 from kvstate.core.errors import ArgumentInvalid
+from kvstate.core.paths import MAX_SOCKET_PATH, _shape
 from kvstate.core.reasons import ArgumentReason
 
 T = TypeVar("T")
 
 #: Longest text an entry point takes where it has no tighter bound of its own.
 MAX_TEXT = 4096
+#: The largest file descriptor (a C int) native calls take.
+FD_MAX = (1 << 31) - 1
 
 
 def _is(value: object, kinds: tuple[type[T], ...]) -> TypeGuard[T]:
@@ -151,3 +154,34 @@ def typed(kind: type | tuple[type, ...], *, optional: bool = False) -> Any:
             return
         need(f"{type(inst).__name__}.{attribute.name}", value, kind)
     return check
+
+
+def need_socket_dir(name: str, value: object, *, room: int = 2) -> Path:
+    """A directory that will hold unix sockets (a config's socket directory), refused where
+    the config is made rather than at bind or connect: absolute and normalised as the channel
+    requires (:mod:`kvstate.core.paths`), and short enough that a socket in it, ``room``
+    bytes longer ('/' and the file's name), fits ``sun_path``. Reads no filesystem: the
+    channel checks ownership and symlinks when it binds or connects."""
+    return _socket_shaped(name, value, room)
+
+
+def need_socket_path(name: str, value: object) -> Path:
+    """A unix socket's own path, shaped as :func:`need_socket_dir` checks a directory."""
+    return _socket_shaped(name, value, 0)
+
+
+def _socket_shaped(name: str, value: object, room: int) -> Path:
+    path = need_path(name, value)
+    text = str(path)
+    try:
+        size = len(os.fsencode(text))
+    except UnicodeEncodeError:
+        size = 0  # not encodable: _shape names it
+    if size + room > MAX_SOCKET_PATH:
+        more = f", and a socket in it {room} more" if room else ""
+        raise ArgumentInvalid.of(name, ArgumentReason.LENGTH, f"is {size} bytes{more}: a unix socket path holds at "
+                                 f"most {MAX_SOCKET_PATH}")
+    problem = _shape(text)
+    if problem is not None:
+        raise ArgumentInvalid.of(name, ArgumentReason.RANGE, f"{problem[1]} for a unix socket, not {text!r:.80}")
+    return path

@@ -91,6 +91,14 @@ def _ints(what: str, values: object) -> tuple[int, ...]:
     return tuple(values)
 
 
+def _dims(what: str, values: object) -> tuple[int, ...]:
+    """``values`` as _ints, from any sequence (a range, torch.Size) but text; checked before
+    the constructors below compute with them."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise ConfigInvalid.geometry(what, f"must be a tuple of ints, not {values!r:.80}")
+    return _ints(what, tuple(values))
+
+
 @attrs.frozen
 class Region:
     """One named tensor of the bank. See the module docstring."""
@@ -133,7 +141,8 @@ class Region:
     def contiguous(cls, name: str, dtype: DType, shape: Sequence[int], block_dim: int = 0,
                    offset: int = 0) -> Region:
         """A dense row-major region."""
-        return cls(name, dtype, tuple(shape), block_dim, contiguous_strides(shape), offset)
+        dims = _dims(f"region {name!r:.60}.shape", shape)
+        return cls(name, dtype, dims, block_dim, contiguous_strides(dims), offset)
 
     @classmethod
     def like(cls, name: str, dtype: DType, shape: Sequence[int], block_dim: int, strides: Sequence[int], *,
@@ -141,8 +150,8 @@ class Region:
         """A dense region with the memory order of ``strides`` (as an engine tensor lays it
         out) and ``num_blocks`` blocks: the bank's copy of an engine tensor, whatever the
         engine's own capacity."""
-        shape = list(_ints("shape", list(shape)))
-        strides = _ints("strides", list(strides))
+        shape = list(_dims("shape", shape))
+        strides = _dims("strides", strides)
         if len(strides) != len(shape) or type(block_dim) is not int or not 0 <= block_dim < len(shape):
             raise ConfigInvalid.geometry("block_dim", f"{block_dim!r:.20} with shape {shape} and strides {strides}")
         shape[block_dim] = num_blocks
@@ -238,8 +247,15 @@ class Geometry:
         """The regions back to back in the order given (each offset replaced, aligned to
         ``align`` bytes and to the region's item size), as an engine allocating one buffer
         for all of them would."""
+        if type(align) is not int or not 1 <= align <= MAX_BANK_BYTES:
+            raise ConfigInvalid.geometry("align", f"must be an int in 1..2**56, not {align!r:.40}")
+        if isinstance(regions, (str, bytes)) or not isinstance(regions, Iterable):
+            raise ConfigInvalid.geometry("regions", f"must be Region values, not {type(regions).__name__}")
+        given = tuple(regions)  # taken whole (a generator too) and checked before any arithmetic
+        if not all(isinstance(r, Region) for r in given):
+            raise ConfigInvalid.geometry("regions", "must all be Region values")
         out, pos = [], 0
-        for r in regions:
+        for r in given:
             step = math.lcm(align, r.itemsize)
             pos = -(-pos // step) * step
             out.append(attrs.evolve(r, offset=pos))

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import attrs
 
-from kvstate.core.args import typed
+from kvstate.core.args import need_kinds, typed
 from kvstate.core.descriptor import Descriptor
 from kvstate.core.errors import DescriptorRejected, GroupRejected
 from kvstate.core import rules
@@ -149,18 +150,27 @@ def socket_path_reason(path: str, uid: int, lstat: Callable[[str], os.stat_resul
 # -- descriptors and groups ----------------------------------------------------------------
 
 
+def _set_of(kind: type, *, optional: bool = False) -> Any:
+    """An attrs validator: a non-empty frozenset of ``kind`` (or None when ``optional``),
+    refused as ArgumentInvalid naming the field (the rules index these sets by kind)."""
+    def check(inst: object, attribute: Any, value: object) -> None:
+        if not (optional and value is None):
+            need_kinds(f"{type(inst).__name__}.{attribute.name}", value, kind)
+    return check
+
+
 @attrs.frozen
 class Expectation:
     """What an importer accepts. Built by the importer from its own identity and config."""
 
     deployment: Deployment = attrs.field(validator=typed(Deployment))
     now_ns: int = attrs.field(validator=typed(int))
-    handle_kinds: frozenset[HandleKind] = attrs.field(validator=typed(frozenset))
+    handle_kinds: frozenset[HandleKind] = attrs.field(validator=_set_of(HandleKind))
     host_boot_id: bytes = attrs.field(validator=typed(bytes))
     uid: int = attrs.field(validator=typed(int))
     geometry_fingerprint: bytes | None = attrs.field(default=None, validator=typed(bytes, optional=True))
     block_format: bytes | None = attrs.field(default=None, validator=typed(bytes, optional=True))
-    device_uuids: frozenset[bytes] | None = attrs.field(default=None, validator=typed(frozenset, optional=True))
+    device_uuids: frozenset[bytes] | None = attrs.field(default=None, validator=_set_of(bytes, optional=True))
     incarnations: Mapping[int, bytes] | None = attrs.field(default=None, validator=typed(dict, optional=True))
     min_generation: int = attrs.field(default=0, validator=typed(int))
     max_tp: int = attrs.field(default=64, validator=typed(int))
@@ -299,7 +309,9 @@ def validate_group(descriptors: Iterable[Descriptor], expect: Expectation, *,
             reason, detail = differs
             problems.append(DescriptorRejected(reason, f"{detail} (rank {first.rank} vs rank {d.rank})", d.rank))
         if d.generation != first.generation:
-            problems.append(DescriptorRejected(RejectReason.GENERATION, "generations differ within the group", d.rank))
+            problems.append(DescriptorRejected(
+                RejectReason.GENERATION, f"generation {d.generation} differs from rank {first.rank}'s "
+                f"{first.generation}: every rank of a group is advertised with one generation", d.rank))
     if 1 <= first.tp <= min(expect.max_tp, MAX_TP):  # else TP_SIZE is reported per part already;
         # listing every missing rank of a tp of 2**32 would take memory without bound
         problems += [DescriptorRejected(reason, f"rank {rank}", rank)

@@ -55,6 +55,7 @@ from typing import Protocol
 
 import attrs
 
+from kvstate.core.args import need_text
 from kvstate.core.errors import ArgumentInvalid, Busy, KvStateError
 from kvstate.core.reasons import ArgumentReason, BusyReason
 
@@ -90,11 +91,25 @@ def block_hashes(values: Iterable[int], *, allow_empty: bool = False) -> tuple[i
     return out
 
 
+#: The longest group name, in characters (ASCII: bytes too). A lease request names its
+#: group once per rank; this keeps the name a small part of the link's 64 KiB frame.
+MAX_GROUP_NAME = 256
+
+
 def group_name(group: object) -> str:
-    """``group`` as an inventory group name: a non-empty string (ArgumentInvalid (INVENTORY) if not)."""
-    if not isinstance(group, str) or not group:
-        raise ArgumentInvalid(ArgumentReason.INVENTORY, f"group must be a non-empty string, got {group!r}")
-    return group
+    """``group`` as an inventory group name (ArgumentInvalid (INVENTORY) if not): non-empty,
+    at most :data:`MAX_GROUP_NAME` characters, printable ASCII other than '"' and '\\'.
+    Those are the only names a lease can carry: the exporter's native lease server reads a
+    request's strings without JSON escapes (ffi/kvs_json.c), so a lease naming any other
+    would be refused as a malformed frame. Shared by :class:`Inventory` and ``BlockRequest``."""
+    try:
+        name = need_text("group", group, MAX_GROUP_NAME)
+    except ArgumentInvalid as exc:  # the inventory's own reason: callers tell its refusals apart by it
+        raise ArgumentInvalid(ArgumentReason.INVENTORY, f"group {exc.detail}, got {group!r:.60}") from None
+    if not (name.isascii() and name.isprintable()) or '"' in name or "\\" in name:
+        raise ArgumentInvalid(ArgumentReason.INVENTORY, "group must be printable ASCII without a quote or "
+                              f"backslash (the only names a lease can carry), got {name!r:.60}")
+    return name
 
 
 # -- events: plain data for the engine to publish ----------------------------------------

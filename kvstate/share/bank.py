@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Generic
 
 from kvstate.core.descriptor import Descriptor, encode
 from kvstate.core.errors import ArgumentInvalid, BackendUnavailable, Busy, KvStateError, NativeError, TransitionError
-from kvstate.core.args import need_choice, need_text
+from kvstate.core.args import FD_MAX, need_choice, need_text
 from kvstate.core.reasons import ArgumentReason, BusyReason
 from kvstate.core.geometry import Geometry
 from kvstate.core.handles import UNCOUNTED_KINDS, HandleKind
@@ -214,9 +214,9 @@ class Bank(Lifecycle, Generic[H, A, R, M, E]):
         if not self.may("store"):
             raise TransitionError.illegal(self.table.name, self.state, "store")
         if report is not None and not (isinstance(report, tuple) and len(report) == 3
-                                       and type(report[0]) is int and report[0] >= 0
+                                       and type(report[0]) is int and 0 <= report[0] <= FD_MAX
                                        and isinstance(report[1], bytes) and isinstance(report[2], bytes)):
-            raise ArgumentInvalid(ArgumentReason.TYPE, f"report must be (socket fd, ok bytes, failed bytes), "
+            raise ArgumentInvalid(ArgumentReason.TYPE, f"report must be (socket fd 0..{FD_MAX}, ok bytes, failed bytes), "
                                                        f"not {report!r:.60}")
         plan = store.plan(self, src_tensors, src_block_ids, bank_block_ids)
         plan.report = report

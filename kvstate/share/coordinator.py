@@ -60,10 +60,10 @@ import attrs
 
 from kvstate import channel as chan
 from kvstate.core.args import (need, need_callables, need_int, need_items, need_kinds, need_mapping_keys,
-                               need_path, need_seconds, need_text)
+                               need_seconds, need_socket_dir, need_text)
 from kvstate.core.descriptor import decode_group
 from kvstate.core.errors import (
-    ArgumentInvalid, ChannelError, DescriptorRejected, GroupFailed, GroupRejected, KvStateError,
+    ArgumentInvalid, ChannelError, ConfigInvalid, DescriptorRejected, GroupFailed, GroupRejected, KvStateError,
     TransitionError,
 )
 from kvstate.core.handles import HandleKind
@@ -103,14 +103,21 @@ class CoordinatorConfig:
     sources: tuple[int, ...] = ()
 
     def __attrs_post_init__(self) -> None:
-        """Every field checked where the config is made (ArgumentInvalid naming it)."""
+        """Every field checked where the config is made (ConfigInvalid naming it)."""
+        try:
+            self._check()
+        except ArgumentInvalid as exc:  # a config's refusal says: fix the configuration
+            raise ConfigInvalid.of(exc.argument or "CoordinatorConfig", exc.detail) from None
+
+    def _check(self) -> None:
         n = "CoordinatorConfig."
         need(n + "deployment", self.deployment, Deployment)
         need_int(n + "max_tp", self.max_tp, 1, MAX_TP)
         need_int(n + "tp", self.tp, 1, self.max_tp)
-        need_path(n + "socket_dir", self.socket_dir)
         if "/" in need_text(n + "name", self.name, 64) or self.name in (".", ".."):
             raise ArgumentInvalid.of(n + "name", ArgumentReason.RANGE, "names the socket file: no '/', '.' or '..'")
+        # Shaped here, not first at start(): a relative or over-long directory cannot hold the socket.
+        need_socket_dir(n + "socket_dir", self.socket_dir, room=len(os.fsencode(f"/{self.name}.sock")))
         for name in ("phase_timeout_s", "heartbeat_s", "silence_s", "request_timeout_s"):
             need_seconds(n + name, getattr(self, name), allow_zero=False)
         need_int(n + "source_tp", self.source_tp, 0, self.max_tp)

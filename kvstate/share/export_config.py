@@ -3,16 +3,19 @@ made: a bad value is ConfigInvalid before any exporter exists."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import attrs
 
 from kvstate import channel as chan
-from kvstate.core.args import need_path, typed
+from kvstate.core.args import need_int, need_socket_dir, need_text, typed
 from kvstate.core.errors import ConfigInvalid, KvStateError
 from kvstate.core.handles import FD_KINDS, HandleKind
 from kvstate.core.identity import Deployment
+from kvstate.core.paths import MAX_SOCKET_PATH
+from kvstate.core.validate import MAX_TP
 
 _SOURCE_ID_BYTES = 16
 
@@ -23,9 +26,21 @@ def source_id(_: object, attribute: attrs.Attribute[bytes], value: object) -> No
                                f"every descriptor and importers refuse any other length), not {value!r:.40}")
 
 
-def positive_int(_: object, attribute: attrs.Attribute[int], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigInvalid.of(f"ExportConfig.{attribute.name}", f"must be an int >= 1, not {value!r:.40}")
+#: The native lease server takes max_leases and max_connections as C int32 (ffi/kvs_lease.c).
+INT32_MAX = (1 << 31) - 1
+
+
+def int_in(most: int) -> Any:
+    """An int in 1..most (not a bool, nor an IntEnum or other int subclass: other configs
+    refuse those too), refused as ConfigInvalid naming the field."""
+    def check(_: object, attribute: attrs.Attribute[int], value: object) -> None:
+        try:
+            need_int(f"ExportConfig.{attribute.name}", value, 1, most)
+        except KvStateError as exc:
+            raise ConfigInvalid.of(f"ExportConfig.{attribute.name}", f"must be an int in 1..{most}: "
+                                   f"{exc.detail}") from None
+    return check
+
 
 def seconds(_: object, attribute: attrs.Attribute[float], value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1e9 or value != value:
@@ -33,11 +48,37 @@ def seconds(_: object, attribute: attrs.Attribute[float], value: object) -> None
                                f"not {value!r:.40}")
 
 
+#: Room left in ``sun_path`` beyond the socket directory, for the socket file an exporter
+#: names by default, ``/exporter-<pid>-<8 hex>.sock`` (a pid has at most 7 digits:
+#: PID_MAX_LIMIT is 2**22): a directory that passes here is never refused by start() for
+#: its shape or length. A name of the caller's own must fit what is left (socket_path).
+SOCKET_NAME_ROOM = len("/exporter-4194304-01234567.sock")
+
+
 def socket_dir(_: object, attribute: attrs.Attribute[Path], value: object) -> None:
     try:
-        need_path("ExportConfig.socket_dir", value)
+        need_socket_dir("ExportConfig.socket_dir", value, room=SOCKET_NAME_ROOM)
     except KvStateError as exc:
-        raise ConfigInvalid.of("ExportConfig.socket_dir", str(exc)) from None
+        raise ConfigInvalid.of("ExportConfig.socket_dir", exc.detail) from None
+
+
+def socket_path(config: ExportConfig, name: object) -> Path:
+    """The control socket ``<socket_dir>/<name>.sock`` of an exporter named ``name``,
+    refused as ConfigInvalid (``name``) unless the channel can bind it and importers can
+    take a descriptor naming it: a file name (no '/', '.' or '..'), text every OS interface
+    takes (need_text), and a whole path that fits ``sun_path``."""
+    try:
+        text = need_text("name", name, MAX_SOCKET_PATH)
+    except KvStateError as exc:
+        raise ConfigInvalid.of("name", f"must be a file name: {exc.detail}") from None
+    if "/" in text or text in (".", ".."):
+        raise ConfigInvalid.of("name", f"must be a file name (no '/', not '.' or '..'), not {text!r:.40}")
+    # Longer, start() could not bind the socket and importers would refuse descriptors naming it.
+    most = MAX_SOCKET_PATH - len(os.fsencode(Path(config.socket_dir) / ".sock"))
+    if len(text.encode()) > most:
+        raise ConfigInvalid.of("name", f"is {len(text.encode())} bytes: in {config.socket_dir} the socket path "
+                               f"must fit {MAX_SOCKET_PATH} bytes (sun_path), so at most {most}")
+    return Path(config.socket_dir) / f"{text}.sock"
 
 
 #: Hosts that bind every interface: a descriptor that named one would send importers on
@@ -69,11 +110,11 @@ class ExportConfig:
     deployment: Deployment = attrs.field(validator=typed(Deployment))
     socket_dir: Path = attrs.field(validator=socket_dir)
     source_id: bytes = attrs.field(validator=source_id)  # the logical KV source: 16 bytes
-    tp: int = attrs.field(validator=positive_int)
+    tp: int = attrs.field(validator=int_in(MAX_TP))  # descriptors sign it; importers take at most MAX_TP
     lease_timeout_s: float = attrs.field(default=30.0, validator=seconds)
     descriptor_ttl_s: float = attrs.field(default=300.0, validator=seconds)
-    max_leases: int = attrs.field(default=64, validator=positive_int)  # per bank
-    max_connections: int = attrs.field(default=chan.DEFAULT_MAX_CONNECTIONS, validator=positive_int)
+    max_leases: int = attrs.field(default=64, validator=int_in(INT32_MAX))  # per bank
+    max_connections: int = attrs.field(default=chan.DEFAULT_MAX_CONNECTIONS, validator=int_in(INT32_MAX))
     request_timeout_s: float = attrs.field(default=5.0, validator=seconds)
     handle_kind: HandleKind = attrs.field(default=HandleKind.MEMFD,  # what the banks are exported as
                                           validator=typed(HandleKind))

@@ -40,7 +40,6 @@ import os
 import threading
 import time
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any, Generic
 
 from kvstate import channel as chan
@@ -54,7 +53,7 @@ from kvstate.reuse.inventory import Inventory
 from kvstate.core.machine import Observer
 from kvstate.transport.protocol import A, E, H, M, MappedTransport, R, require_mapped
 from kvstate.share.bank import DESCRIBED, Bank
-from kvstate.share.export_config import ExportConfig
+from kvstate.share.export_config import ExportConfig, socket_path
 from kvstate.share.lease_server import LeaseServer
 from kvstate.share.transfer import stop_dispatcher_if_idle
 
@@ -81,9 +80,7 @@ class Exporter(Generic[H, A, R, M, E]):
         self.node = os.uname().nodename
         if name is None:
             name = f"exporter-{os.getpid()}-{self.incarnation.value.hex()[:8]}"
-        if not isinstance(name, str) or not name or "/" in name or "\0" in name or name in (".", ".."):
-            raise ConfigInvalid.of("name", f"must be a file name (no '/', no NUL), not {name!r:.40}")
-        self.socket_path = Path(config.socket_dir) / f"{name}.sock"
+        self.socket_path = socket_path(config, name)  # ConfigInvalid unless it can be bound and described
         # Across nodes leases travel over TCP (kvstate.channel.tcp); descriptors name the
         # address importers lease from, so it is bound before any bank is advertised.
         self._tcp = TcpServer(*config.tcp_listen, config.deployment, max_connections=config.max_connections,
@@ -209,7 +206,9 @@ class Exporter(Generic[H, A, R, M, E]):
             raise
 
     def stop(self) -> None:
-        """Stop serving (idempotent). Live leases stay until drained or their peers go."""
+        """Stop serving (idempotent): the lease server closes every importer's connection,
+        which ends their leases at once (loads in flight fail). For a graceful end,
+        :meth:`drain` first: it refuses renewals, so importers unmap and return their leases."""
         self._stopping.set()
         server, expiry = self._server, self._expiry
         self._server = self._expiry = None

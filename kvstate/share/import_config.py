@@ -7,9 +7,10 @@ from typing import Any
 
 import attrs
 
-from kvstate.core.args import typed
-from kvstate.core.errors import ConfigInvalid
-from kvstate.core.identity import Deployment
+from kvstate.core.args import need_kinds, typed
+from kvstate.core.errors import ConfigInvalid, KvStateError
+from kvstate.core.identity import UUID_BYTES, Deployment
+from kvstate.core.rules import ID_BYTES
 from kvstate.core.validate import MAX_TP
 from kvstate.reuse.policy import ReuseSettings
 from kvstate.reuse.profile import Admitted
@@ -50,6 +51,33 @@ def _optional(kind: type) -> Callable[[object, attrs.Attribute[Any], object], No
     return check
 
 
+def _fingerprint(_: object, attribute: attrs.Attribute[bytes | None], value: object) -> None:
+    # A geometry or block-format fingerprint is 16 bytes (kvstate.core.geometry): any other
+    # length matches no descriptor, and every import would be refused.
+    if value is not None and (type(value) is not bytes or len(value) != ID_BYTES):
+        raise ConfigInvalid.of(f"ImportConfig.{attribute.name}", f"must be {ID_BYTES} bytes (a geometry's "
+                               f"fingerprint) or None, not {value!r:.40}")
+
+
+def _device_uuids(_: object, attribute: attrs.Attribute[frozenset[bytes] | None], value: object) -> None:
+    if value is None:
+        return
+    try:  # the check WorkerConfig and Expectation make
+        uuids = need_kinds("ImportConfig.device_uuids", value, bytes)
+    except KvStateError as exc:
+        raise ConfigInvalid.of("ImportConfig.device_uuids", exc.detail) from None
+    if any(len(u) != UUID_BYTES for u in uuids):  # a descriptor's device_uuid is 16 bytes: no other matches
+        raise ConfigInvalid.of("ImportConfig.device_uuids", f"every uuid must be {UUID_BYTES} bytes, "
+                               f"not {value!r:.80}")
+
+
+def _park(config: Any, attribute: attrs.Attribute[float], value: object) -> None:
+    _seconds_or_off(config, attribute, value)
+    if value and not config.native_renewal:  # a parked lease is renewed only by the native thread
+        raise ConfigInvalid.of("ImportConfig.park_s", f"{value!r:.40} needs native_renewal (parking is off "
+                               "without it): set native_renewal=True or park_s=0")
+
+
 #: The default ``ImportConfig.answer_spin_s`` (B1's floor waits the same way).
 ANSWER_SPIN_S = 250e-6
 
@@ -62,9 +90,9 @@ class ImportConfig:
     max_parallel_imports: int = attrs.field(default=8, validator=_count(256))  # kept: parts open without threads now
     #: A channel to an exporter that no lease uses closes after this (kvstate.share.peers).
     link_idle_s: float = attrs.field(default=2.0, validator=_seconds)
-    geometry_fingerprint: bytes | None = attrs.field(default=None, validator=_optional(bytes))  # of the banks
-    block_format: bytes | None = attrs.field(default=None, validator=_optional(bytes))  # the engine's pages hold
-    device_uuids: frozenset[bytes] | None = attrs.field(default=None, validator=_optional(frozenset))
+    geometry_fingerprint: bytes | None = attrs.field(default=None, validator=_fingerprint)  # of the banks
+    block_format: bytes | None = attrs.field(default=None, validator=_fingerprint)  # the engine's pages hold
+    device_uuids: frozenset[bytes] | None = attrs.field(default=None, validator=_device_uuids)
     #: Leases are renewed every min(half the lease, this) seconds while leased or mapped,
     #: so a bank that drains (and refuses renewal) gets its mappings back within this.
     renew_interval_s: float = attrs.field(default=1.0, validator=_seconds)
@@ -75,7 +103,7 @@ class ImportConfig:
     #: A closed part whose import pinned no blocks leaves its lease and mapping on its link
     #: for this long, for the next import of the same bank to adopt without a round trip
     #: (kvstate.share.parked); 0: off. Needs native_renewal.
-    park_s: float = attrs.field(default=0.0, validator=_seconds_or_off)
+    park_s: float = attrs.field(default=0.0, validator=_park)
     #: A wait for an answer from an exporter on this node (a lease, a release) polls this
     #: long before its thread sleeps, and sleeps at once when another thread wants its
     #: CPU (ffi/kvs_link.c). The answer usually comes within it, and a sleeping CPU's

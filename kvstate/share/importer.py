@@ -412,6 +412,7 @@ class Importer(LeaseKeeping[H, A, R, M, E]):
             raise ArgumentInvalid(ArgumentReason.INVENTORY,
                                   f"the block request names {len(blocks.epochs)} epoch(s) for a group of "
                                   f"{len(wire)} descriptor(s): one per rank")
+        expectation = self.expectation(**expect)  # refuses a bad override before a group exists
         self._count += 1
         group: Group[H, A, R, M, E] = self.group_class(self, f"group#{self._count}", self.observers)
         self.groups = [g for g in self.groups if not g.is_terminal] + [group]
@@ -419,7 +420,7 @@ class Importer(LeaseKeeping[H, A, R, M, E]):
         try:
             if problems:
                 raise GroupRejected(problems)
-            validated = validate_group(descriptors, self.expectation(**expect))
+            validated = validate_group(descriptors, expectation)
         except GroupRejected:
             part: Part[H, A, R, M, E]
             group.parts = [Part(group, d) for d in descriptors]  # the ranks that decoded

@@ -25,7 +25,7 @@ from kvstate.core.errors import ArgumentInvalid
 from kvstate.core.geometry import Geometry, Region, contiguous_strides
 from kvstate.core.reasons import ArgumentReason
 from kvstate.share import tensors
-from kvstate.share.plan import Copy, Plan, block_ids, triples, unique
+from kvstate.share.plan import Copy, Plan, apart, block_ids, triples, unique
 
 if TYPE_CHECKING:
     from kvstate.share import importer
@@ -121,6 +121,7 @@ def paged_parts(label: str, g: Geometry, parts: Mapping[int, Part], targets: Map
                                        f"{len(src_ids)} bank blocks")
     unique(dst_ids, "dst_block_ids")
     plan = Plan("load", f"{label} load", dst_ids, sources=src_ids)
+    written: list[tuple[int, str, int, int]] = []
     try:
         for r, named in targets.items():
             if not isinstance(named, Mapping):
@@ -137,6 +138,7 @@ def paged_parts(label: str, g: Geometry, parts: Mapping[int, Part], targets: Map
                 ref = tensors.adapt(named[region.name], where)
                 plan.refs.append(ref)
                 tensors.check(region, ref, where, write=True)
+                written.append((r, where, ref.addr, ref.span))
                 capacity = ref.shape[region.block_dim]
                 if top >= capacity:
                     i = dst_ids.index(top)
@@ -150,6 +152,7 @@ def paged_parts(label: str, g: Geometry, parts: Mapping[int, Part], targets: Map
                                                           [region.offset + skip + b * stride for b in src_ids],
                                                           [d * dstride for d in dst_ids]),
                                         region.name, r, len(src_ids) * region.block_bytes))
+        apart(written)
     except BaseException:
         plan.release()
         raise
@@ -192,6 +195,7 @@ def dense_parts(label: str, g: Geometry, parts: Mapping[int, Part], targets: Map
             extents.append((off, pos, length))
             pos += length
     plan = Plan("load", f"{label} prefix load", ids, sources=ids)
+    written: list[tuple[int, str, int, int]] = []
     try:
         for r, dst in sorted(targets.items()):
             part = parts[r]
@@ -207,6 +211,7 @@ def dense_parts(label: str, g: Geometry, parts: Mapping[int, Part], targets: Map
                     raise ArgumentInvalid.transfer(ArgumentReason.SHAPE,
                                                    where, f"must be a contiguous buffer of at least "
                                                    f"{pos} bytes, not {ref.span}")
+                written.append((r, where, ref.addr, ref.span))
                 target: Any = ref.buffer()
             else:
                 target = dst
@@ -215,6 +220,7 @@ def dense_parts(label: str, g: Geometry, parts: Mapping[int, Part], targets: Map
                     raise ArgumentInvalid.transfer(ArgumentReason.SHAPE,
                                                    where, f"holds {nbytes!r:.20} bytes, needs {pos}")
             plan.copies.append(Copy(part.mapping, target, list(extents), "prefix", r, pos))
+        apart(written)
     except BaseException:
         plan.release()
         raise

@@ -169,6 +169,10 @@ def _native(parts: Sequence[AnyPart], fire_lease: FireLease, *, opening: bool) -
         except Exception as exc:  # as the reference reports a batch it could not send
             return {p.rank: exc for p in parts}
         held.callback(importer.peers.let_go, link)  # the request's hold; each lease takes its own
+        payload = _request(parts)
+        oversized = peers.too_big(link, payload)
+        if oversized is not None:
+            return {p.rank: oversized for p in parts}
         try:
             for part in parts:
                 importer._watch(part, link.channel)
@@ -180,7 +184,6 @@ def _native(parts: Sequence[AnyPart], fire_lease: FireLease, *, opening: bool) -
         reserved = renewal.reserve(parts, link.native) if renewal is not None else None
         keys = reserved[1] if reserved is not None else [0] * len(parts)
         arr = _array(nat, parts, table.states.index("validated"), keys)
-        payload = _request(parts)
         frame = nat.ffi.new("kvs_frame *")
         buf = nat.ffi.new("uint8_t[]", link.native.limits.max_payload)
         frame.buf, frame.cap = buf, link.native.limits.max_payload

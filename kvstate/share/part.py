@@ -23,7 +23,7 @@ from kvstate import channel as chan
 from kvstate.core.descriptor import Descriptor
 from kvstate.core.errors import ArgumentInvalid, ChannelError, ImportFailed, TransferFailed
 from kvstate.core.reasons import ArgumentReason, ImportReason, TransferFailReason
-from kvstate.reuse.inventory import block_hashes, group_name
+from kvstate.reuse.inventory import MAX_GROUP_NAME, block_hashes, group_name
 from kvstate.core.machine import Lifecycle, Observer, effect, guard
 from kvstate.core.spec import load_machine
 from kvstate.core.capabilities import Access
@@ -48,16 +48,36 @@ def _epochs(value: object) -> tuple[int, ...]:
     return tuple(value)
 
 
+#: The most block hashes one BlockRequest names: a rank's lease request names them all
+#: (up to 20 digits and a comma each) and must fit the link's frame
+#: (chan.DEFAULT_MAX_PAYLOAD, 64 KiB) beside its other fields at their largest, a group
+#: name of MAX_GROUP_NAME included. 3,100 blocks: 49,600 tokens at 16-token blocks.
+#: (Ranks one exporter serves are leased in one frame: that batch may still be larger.)
+MAX_REQUEST_HASHES = (chan.DEFAULT_MAX_PAYLOAD + 1 - len(chan.encode({
+    "op": "lease", "rank": 2**32 - 1, "generation": 2**64 - 1, "incarnation": "0" * 32,
+    "blocks": {"group": "g" * MAX_GROUP_NAME, "epoch": 2**64 - 1, "hashes": []}}))) // len(f"{2**64 - 1},")
+
+
+def _request_hashes(value: Any) -> tuple[int, ...]:
+    hashes = block_hashes(value)
+    if len(hashes) > MAX_REQUEST_HASHES:
+        raise ArgumentInvalid(ArgumentReason.BLOCK_HASH, f"{len(hashes)} block hashes: a lease request names at "
+                              f"most {MAX_REQUEST_HASHES} (it must fit one {chan.DEFAULT_MAX_PAYLOAD}-byte frame)")
+    return hashes
+
+
 @attrs.frozen
 class BlockRequest:
     """Inventory blocks every rank's lease must pin, as the decode workers advertised them.
 
     Each rank's bank keeps its own inventory, so each rank has its own epoch: ``epochs[r]``
-    is the epoch rank ``r``'s bank advertised for ``group`` (one entry per rank)."""
+    is the epoch rank ``r``'s bank advertised for ``group`` (one entry per rank). At most
+    :data:`MAX_REQUEST_HASHES` hashes, and a group name an inventory takes
+    (:func:`~kvstate.reuse.inventory.group_name`): a lease request must fit one frame."""
 
     group: str = attrs.field(converter=group_name)
     epochs: tuple[int, ...] = attrs.field(converter=_epochs)
-    hashes: tuple[int, ...] = attrs.field(converter=block_hashes)  # the exporter's rules, checked here first
+    hashes: tuple[int, ...] = attrs.field(converter=_request_hashes)  # the exporter's rules, checked here first
 
     def epoch(self, rank: int) -> int:
         """The epoch rank ``rank``'s lease names."""

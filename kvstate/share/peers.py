@@ -47,8 +47,8 @@ from kvstate.channel.framing import close_quietly
 from kvstate.share.epochs import ENTRY_BYTES, EpochView
 from kvstate.share.link import NativeLink
 from kvstate.share.parked import Key, Parked
-from kvstate.core.errors import ChannelError, ImportFailed, KvStateError
-from kvstate.core.reasons import ImportReason, ChannelReason
+from kvstate.core.errors import ArgumentInvalid, ChannelError, ImportFailed, KvStateError
+from kvstate.core.reasons import ArgumentReason, ImportReason, ChannelReason
 
 #: How many fds one message may carry on a link: every rank of the largest group.
 log = logging.getLogger(__name__)
@@ -264,6 +264,17 @@ def mapped_payload(leases: Sequence[tuple[int, int]]) -> bytes:
     return b'{"items":[%s],"op":"mapped"}' % b",".join(b'{"lease":%d,"rank":%d}' % (lease, r) for r, lease in leases)
 
 
+def too_big(link: PeerLink, payload: bytes) -> ArgumentInvalid | None:
+    """The refusal of a request larger than ``link`` carries (a block request naming too
+    many blocks for its group's tp), made before anything is sent: the link stays open for
+    the other groups on it."""
+    cap = link.native.limits.max_payload
+    if len(payload) <= cap:
+        return None
+    return ArgumentInvalid(ArgumentReason.INVENTORY, f"the lease request is {len(payload)} bytes, more than the "
+                                                     f"{cap} a link to {link.address} carries: ask for fewer blocks")
+
+
 def exchange(requests: Sequence[tuple[PeerLink, bytes]], timeout: float) -> list[chan.Message | KvStateError]:
     """Send every request, then read every answer: one round trip for several exporters,
     without threads. Each link is held from its send to its answer (locks taken in address
@@ -280,6 +291,9 @@ def exchange(requests: Sequence[tuple[PeerLink, bytes]], timeout: float) -> list
         sent: list[int] = []
         for i in order:
             link, payload = requests[i]
+            out[i] = too_big(link, payload)
+            if out[i] is not None:
+                continue
             try:
                 link.native.send(payload, timeout=timeout)
                 sent.append(i)

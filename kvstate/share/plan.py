@@ -73,6 +73,36 @@ def unique(ids: Sequence[int], where: str) -> None:
             seen.add(b)
 
 
+def apart(targets: Sequence[tuple[int, str, int, int]]) -> None:
+    """Refuse destinations that two copies of one load would both write: (rank, where,
+    address, span) of each destination tensor. Ranks never share memory, so any overlap
+    across ranks is refused; one rank's regions may interleave (strided views of one
+    tensor), so there only a tensor given for two regions is."""
+    seen: dict[tuple[int, int, int], str] = {}
+    for r, where, addr, n in targets:
+        if n and seen.setdefault((r, addr, n), where) != where:
+            raise ArgumentInvalid.transfer(ArgumentReason.TENSOR, where, f"is the tensor of {seen[(r, addr, n)]}: "
+                                           "two copies would write the same bytes")
+    # Each rank's spans merged, then one sweep: a span starting before the furthest end so
+    # far overlaps that span, which (merged spans of one rank being apart) is another rank's.
+    merged: list[tuple[int, int, int, str]] = []
+    for r in sorted({t[0] for t in targets}):
+        mine = sorted((a, a + n, w) for rank, w, a, n in targets if rank == r and n)
+        for start, end, where in mine:
+            if merged and merged[-1][2] == r and start < merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(end, merged[-1][1]), r, merged[-1][3])
+            else:
+                merged.append((start, end, r, where))
+    merged.sort()
+    furthest: tuple[int, int, int, str] | None = None
+    for span in merged:
+        if furthest is not None and span[0] < furthest[1]:
+            raise ArgumentInvalid.transfer(ArgumentReason.TENSOR, span[3], f"shares memory with {furthest[3]}: "
+                                           "two copies would write the same bytes")
+        if furthest is None or span[1] > furthest[1]:
+            furthest = span
+
+
 def triples(pairs: Sequence[tuple[int, int, int]], src_bases: Sequence[int], dst_bases: Sequence[int]) -> array[int]:
     """The op engine's block list (uint64 triples src_off, dst_off, len) for copying the
     runs ``pairs`` of every block: block i's copies start at src_bases[i], dst_bases[i]."""
@@ -151,10 +181,14 @@ class Plan:
             h._abort()
             raise
         h.epochs = self.epochs
-        if self.report is not None or self.epochs is not None:  # not yet activated: no op is reaped, so this
-            # cannot miss one. False (socket gone): report_status stays None, the owner reports.
-            if not h.report(*(self.report or (None, b"", b"")), epochs=self.epochs) and self.report is not None \
-                    and self.epochs is not None:
-                h.report(None, b"", b"", epochs=self.epochs)  # the epochs at least
+        try:
+            if self.report is not None or self.epochs is not None:  # not yet activated: no op is reaped, so
+                # this cannot miss one. False (socket gone): report_status stays None, the owner reports.
+                if not h.report(*(self.report or (None, b"", b"")), epochs=self.epochs) \
+                        and self.report is not None and self.epochs is not None:
+                    h.report(None, b"", b"", epochs=self.epochs)  # the epochs at least
+        except BaseException:  # the ops are in flight: nothing may be left behind them
+            h._abort()
+            raise
         self.handle = h
         return h

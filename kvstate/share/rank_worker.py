@@ -47,10 +47,10 @@ import attrs
 
 from kvstate import channel as chan
 from kvstate.core.args import need, need_bytes, need_callables, need_choice, need_int, need_items, need_kinds, \
-    need_path, need_seconds, need_text
+    need_seconds, need_socket_path, need_text
 from kvstate.core.descriptor import Descriptor, decode_cached
 from kvstate.core.errors import (
-    ChannelError, DescriptorRejected, KvStateError, TransitionError, ArgumentInvalid, Busy,
+    ChannelError, ConfigInvalid, DescriptorRejected, KvStateError, TransitionError, ArgumentInvalid, Busy,
 )
 from kvstate.core.handles import HandleKind
 from kvstate.core.identity import Deployment, host_boot_id
@@ -104,13 +104,20 @@ class WorkerConfig:
     source_tp: int | None = None
 
     def __attrs_post_init__(self) -> None:
-        """Every field checked where the config is made (ArgumentInvalid naming it)."""
+        """Every field checked where the config is made (ConfigInvalid naming it)."""
+        try:
+            self._check()
+        except ArgumentInvalid as exc:  # a config's refusal says: fix the configuration
+            raise ConfigInvalid.of(exc.argument or "WorkerConfig", exc.detail) from None
+
+    def _check(self) -> None:
         n = "WorkerConfig."
         need(n + "deployment", self.deployment, Deployment)
         need_int(n + "max_tp", self.max_tp, 1, MAX_TP)
         need_int(n + "tp", self.tp, 1, self.max_tp)
         need_int(n + "rank", self.rank, 0, self.tp - 1)
-        need_path(n + "coordinator_path", self.coordinator_path)
+        # Shaped here, not first at start(): a relative or over-long path can never connect.
+        need_socket_path(n + "coordinator_path", self.coordinator_path)
         for name in ("request_timeout_s", "renew_interval_s", "drain_poll_s"):
             need_seconds(n + name, getattr(self, name), allow_zero=False)
         if self.geometry_fingerprint is not None:
@@ -156,10 +163,9 @@ class RankWorker(Generic[H, A, R, M, E]):
         #: Reads parts on other nodes (NIXL descriptors); None: only parts this node can map.
         self.remote = None if remote is None else need("remote", remote, NixlTransport)
         self.observers = need_callables("observers", observers)
-        self.importer: Importer[H, A, R, M, E] = Importer(ImportConfig(
-            config.deployment, request_timeout_s=config.request_timeout_s, max_tp=config.max_tp,
-            geometry_fingerprint=config.geometry_fingerprint, device_uuids=config.device_uuids,
-            reuse=config.reuse, admission=config.admission), transport)
+        self.importer: Importer[H, A, R, M, E] = self._new_importer()
+        #: A failed start() closed the importer (a worker dropped then leaks nothing); a retry makes another.
+        self._importer_closed = False
         self.boot_id = host_boot_id()
         self.shares: dict[str, RankShare[H, A, R, M, E]] = {}
         self.ended: collections.deque[RankShare[H, A, R, M, E]] = collections.deque(maxlen=config.keep_ended)
@@ -177,37 +183,65 @@ class RankWorker(Generic[H, A, R, M, E]):
         self._closing = False
         self._housekeeper: threading.Thread | None = None
         self._threads: list[threading.Thread] = []
+        #: start() and close() exclude each other: a close never misses a connection being made.
+        self._start_lock = threading.Lock()
+        self._closed = False
+
+    def _new_importer(self) -> Importer[H, A, R, M, E]:
+        c = self.config
+        return Importer(ImportConfig(
+            c.deployment, request_timeout_s=c.request_timeout_s, max_tp=c.max_tp,
+            geometry_fingerprint=c.geometry_fingerprint, device_uuids=c.device_uuids,
+            reuse=c.reuse, admission=c.admission), self.transport)
 
     # -- life ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Connect to the coordinator and say hello; ChannelError (COORDINATOR_REFUSED) if it refuses."""
-        timeout = self.config.request_timeout_s
-        try:
-            ch = chan.connect(self.config.coordinator_path, timeout=timeout)
-        except BaseException:  # no connection: the importer this worker made goes too
-            self.importer.close()
-            raise
-        try:
-            ch.send(msgs.encode(msgs.Hello(self.config.rank, self.config.tp, os.getpid())), timeout=timeout)
-            with ch.recv(timeout=timeout) as msg:
-                answer = msgs.decode(msg.payload)
-            if isinstance(answer, msgs.Refused):
-                raise ChannelError.coordinator_refused(answer.code, answer.detail)
-            if not isinstance(answer, msgs.Welcome) or answer.tp != self.config.tp:
-                raise ChannelError(ChannelReason.PROTOCOL,
-                                   f"expected a welcome for tp {self.config.tp}, got {answer!r:.100}")
-        except BaseException:
-            ch.close()
-            self.importer.close()
-            raise
-        self._channel, self.silence_s = ch, answer.silence_s
-        self._last_heard = time.monotonic()
-        for target, name in ((self._read_loop, "reader"), (self._housekeep, "housekeeper")):
-            t = threading.Thread(target=target, name=f"kvstate-rank{self.config.rank}-{name}", daemon=True)
-            t.start()
-            self._threads.append(t)
-        self._housekeeper = t
+        """Connect to the coordinator and say hello; ChannelError (COORDINATOR_REFUSED) if it
+        refuses, another ChannelError if it cannot be reached or answers wrongly. A failed
+        start leaves nothing running and may be retried on the same worker: rank processes
+        often come up before their coordinator listens.
+
+        A worker joins one coordinator, once. start() while connected, after close(), or
+        after its coordinator went away (closed, died, fell silent or broke the protocol:
+        ``coordinator_gone``) is ArgumentInvalid (STATE): the shares ended with that
+        coordinator, so a new RankWorker joins the next one (close this one)."""
+        with self._start_lock:
+            if self._closed:
+                raise ArgumentInvalid.of("worker", ArgumentReason.STATE,
+                                         "this worker is closed: make a new RankWorker to join a coordinator")
+            if self._channel is not None:
+                raise ArgumentInvalid.of("worker", ArgumentReason.STATE, (
+                    "its coordinator went away: a worker joins one coordinator, once; make a new RankWorker "
+                    "(and close this one)") if self.coordinator_gone else "started already")
+            if self._importer_closed:
+                self.importer = self._new_importer()
+                self._importer_closed = False
+            timeout = self.config.request_timeout_s
+            ch: chan.Channel | None = None
+            try:
+                ch = chan.connect(self.config.coordinator_path, timeout=timeout)
+                ch.send(msgs.encode(msgs.Hello(self.config.rank, self.config.tp, os.getpid())), timeout=timeout)
+                with ch.recv(timeout=timeout) as msg:
+                    answer = msgs.decode(msg.payload)
+                if isinstance(answer, msgs.Refused):
+                    raise ChannelError.coordinator_refused(answer.code, answer.detail)
+                if not isinstance(answer, msgs.Welcome) or answer.tp != self.config.tp:
+                    raise ChannelError(ChannelReason.PROTOCOL,
+                                       f"expected a welcome for tp {self.config.tp}, got {answer!r:.100}")
+            except BaseException:  # nothing left running: a worker dropped now leaks no thread
+                if ch is not None:
+                    ch.close()
+                self.importer.close()
+                self._importer_closed = True
+                raise
+            self._channel, self.silence_s = ch, answer.silence_s
+            self._last_heard = time.monotonic()
+            for target, name in ((self._read_loop, "reader"), (self._housekeep, "housekeeper")):
+                t = threading.Thread(target=target, name=f"kvstate-rank{self.config.rank}-{name}", daemon=True)
+                t.start()
+                self._threads.append(t)
+            self._housekeeper = t
 
     def close(self, timeout: float = 10.0) -> None:
         """Leave the coordinator: every share cleans up as if it had died (loads in flight
@@ -215,6 +249,8 @@ class RankWorker(Generic[H, A, R, M, E]):
         still copying from its part) keeps its part: the worker then stops by itself once
         the last share ended, and a later close waits for that again."""
         timeout = need_seconds("timeout", timeout)
+        with self._start_lock:  # a start() under way finishes first, so its connection is closed here
+            self._closed = True
         if self._stopping.is_set():
             with self._stop_lock:  # the housekeeper may be stopping it: return once it is done
                 return

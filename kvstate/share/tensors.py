@@ -139,7 +139,10 @@ def _array_interface(a: Any, where: str) -> TensorRef | None:
     typestr = str(ai.get("typestr", ""))
     if len(typestr) < 3 or typestr[0] == ">":
         raise _reject(ArgumentReason.DTYPE, where, f"element type {typestr!r} is not native-endian")
-    kind, size = typestr[1], int(typestr[2:])
+    kind, digits = typestr[1], typestr[2:]
+    if not digits.isdigit():  # e.g. datetime64's '<M8[ns]': not plain numbers
+        raise _reject(ArgumentReason.DTYPE, where, f"element type {typestr!r} is not a number kvstate copies")
+    size = int(digits)
     name = str(getattr(getattr(a, "dtype", None), "name", ""))
     dtype = (_NUMPY_NAMES.get(name) or {"f": f"fp{8 * size}", "u": f"u{8 * size}", "i": f"i{8 * size}"}.get(kind)
              or f"other:{typestr}")
@@ -238,6 +241,8 @@ def _buffer(obj: Any, where: str) -> TensorRef:
     except TypeError:
         raise _reject(ArgumentReason.TENSOR, where, f"a {type(obj).__name__} is not a tensor, array, DLPack "
                       "object or buffer") from None
+    except ValueError as exc:  # a closed mmap, a released memoryview: no memory to copy
+        raise _reject(ArgumentReason.TENSOR, where, f"a {type(obj).__name__} whose buffer is gone ({exc})") from None
     with mv:
         fmt = mv.format.lstrip("@=<")
         dtype = _FORMATS.get(fmt, f"other:{mv.format}")

@@ -31,7 +31,6 @@ it again.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import select
 import threading
@@ -41,6 +40,7 @@ from typing import Any
 
 import attrs
 
+from kvstate.core.args import need_callable
 from kvstate.core.errors import KvStateError, NativeError, ArgumentInvalid, Busy, TimedOut, TransferFailed
 from kvstate.core.reasons import ArgumentReason, TransferFailReason
 from kvstate.share.epochs import Begun
@@ -58,10 +58,11 @@ LOST = "lost"
 
 
 def check_timeout(timeout: object, where: str = "timeout") -> float:
-    """``timeout`` as seconds: a finite int or float >= 0 (not a bool), else ArgumentInvalid (a load/store reason)."""
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
-            or timeout < 0:
-        raise ArgumentInvalid.transfer(ArgumentReason.TIMEOUT, where, f"must be a finite number of seconds >= 0, "
+    """``timeout`` as seconds: an int or float in 0..1e9 (not a bool; the bound of every
+    seconds argument, :func:`need_seconds`, so the native nanoseconds fit), else
+    ArgumentInvalid (a load/store reason)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout <= 1e9:
+        raise ArgumentInvalid.transfer(ArgumentReason.TIMEOUT, where, f"must be a number of seconds in 0..1e9, "
                                        f"not {timeout!r:.40}")
     return float(timeout)
 
@@ -334,6 +335,7 @@ class TransferHandle:
         """Call ``fn(handle)`` once the transfer finished: at once (in this thread) if it
         already has, else from the thread that finishes it (usually kvstate's dispatcher).
         An exception from ``fn`` is logged, never raised."""
+        need_callable("fn", fn)
         with self._lock:
             if not self._finished.is_set():
                 self._callbacks.append(fn)

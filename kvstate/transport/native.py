@@ -261,7 +261,7 @@ class Native:
     def _ns(timeout: float) -> int:
         if not math.isfinite(timeout) or timeout < 0:
             raise ArgumentInvalid.native("timeout", -1, f"timeout must be finite and >= 0, not {timeout!r}")
-        return int(timeout * 1e9)
+        return min(int(timeout * 1e9), (1 << 63) - 1)  # C takes int64 nanoseconds: longer is forever
 
     # -- observation -------------------------------------------------------------------
 

@@ -3,6 +3,7 @@ is submitted: nothing written, nothing in flight, the group still usable afterwa
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable
 from typing import Any
 
@@ -67,6 +68,18 @@ def test_bad_block_ids_are_refused_before_submit(make_world: Any, bank_ids: Any,
     _refused(group, lambda dst: group.load(bank_ids, dst, dst_ids), reason, where)
 
 
+def _released() -> memoryview:
+    mv = memoryview(bytearray(2 * 16 * 16 * 2 * 32 * 2))
+    mv.release()
+    return mv
+
+
+def _closed_mmap() -> mmap.mmap:
+    m = mmap.mmap(-1, 2 * 16 * 16 * 2 * 32 * 2)
+    m.close()
+    return m
+
+
 TENSOR_CASES: list[tuple[str, Callable[[dict[str, Any]], Any], R, str]] = [
     ("not a tensor", _replace("layer.1", object()), R.TENSOR, "region 'layer.1'"),
     ("read-only numpy", _replace("layer.0", _read_only()), R.READ_ONLY, "region 'layer.0'"),
@@ -87,6 +100,10 @@ TENSOR_CASES: list[tuple[str, Callable[[dict[str, Any]], Any], R, str]] = [
      R.DEVICE, "layer.1"),
     ("sparse tensor", _replace("layer.1", torch.zeros(2, 16, 16, 2, 32, dtype=torch.bfloat16).to_sparse()),
      R.TENSOR, "layer.1"),
+    ("datetime64 pages", _replace("layer.2", np.zeros((2, 16, 16, 2, 32), dtype="M8[ns]")), R.DTYPE, "layer.2"),
+    ("a released buffer", _replace("layer.1", _released()), R.TENSOR, "layer.1"),
+    ("a closed mmap", _replace("layer.1", _closed_mmap()), R.TENSOR, "layer.1"),
+    ("one tensor for two regions", lambda dst: {**dst, "layer.1": dst["layer.0"]}, R.TENSOR, "layer."),
     ("missing region", lambda dst: {k: v for k, v in dst.items() if k != "layer.3"}, R.REGIONS, "dst_tensors"),
     ("unknown region", _replace("layer.9", torch.zeros(1)), R.REGIONS, "dst_tensors"),
     ("not a mapping", lambda dst: list(dst.values()), R.REGIONS, "dst_tensors"),
@@ -113,6 +130,10 @@ def test_bad_ranks_are_refused(make_world: Any) -> None:
     h = group.load(GOOD_BANK, zeros(), GOOD_DST, rank=1)
     assert h.wait(10.0) and not h.failed_blocks()
     h.close()
+    shared = zeros()  # two ranks' copies into one engine's pages: the last writer would win
+    _refused(group, lambda dst: group.load(GOOD_BANK, {0: shared, 1: shared}, GOOD_DST), R.TENSOR, "rank 1")
+    whole = bytearray(2 * GEOMETRY.block_bytes + 64)
+    _refused(group, lambda dst: group.load_prefix(GOOD_BANK, [whole, memoryview(whole)[64:]]), R.TENSOR, "rank 1")
 
 
 def _refused(group: Any, call: Callable[[dict[str, Any]], Any], reason: R, where: str) -> None:
@@ -141,16 +162,18 @@ def test_states_and_plans_are_typed(make_world: Any) -> None:
     with pytest.raises(ArgumentInvalid) as info:
         world.banks[0].fire("store", plan="a plan")
     assert info.value.reason is R.PLAN
-    for bad in (-1.0, float("nan"), float("inf"), True, "1", None):
+    for bad in (-1.0, float("nan"), float("inf"), 1e10, True, "1", None):  # 1e10 s: more than C's int64 ns
         with pytest.raises(ArgumentInvalid) as info:
             group.load_prefix(GOOD_BANK, {0: bytearray(2 * GEOMETRY.block_bytes)}, timeout=bad)
         assert info.value.reason is R.TIMEOUT
     h = group.load(GOOD_BANK, zeros(), GOOD_DST)
-    for bad in (-1, float("nan"), None):
+    for bad in (-1, float("nan"), 1e300, None):
         with pytest.raises(ArgumentInvalid):
             h.wait(bad)  # type: ignore[arg-type]
         with pytest.raises(ArgumentInvalid):
             h.wait_region("layer.0", bad)  # type: ignore[arg-type]
+    with pytest.raises(ArgumentInvalid):
+        h.add_done_callback(None)  # type: ignore[arg-type]  # else the dispatcher would log a TypeError later
     with pytest.raises(ArgumentInvalid) as info:
         h.wait_region("no.such.region", 1.0)
     assert info.value.reason is R.REGIONS
@@ -197,6 +220,7 @@ def test_store_arguments_are_checked_like_loads(make_world: Any) -> None:
         (lambda: bank.store(src, [1], [3], report=(-1, b"ok", b"bad")), R.TYPE),   # no socket fd
         (lambda: bank.store(src, [1], [3], report=(0, "ok", b"bad")), R.TYPE),    # text, not bytes
         (lambda: bank.store(src, [1], [3], report=[0, b"ok", b"bad"]), R.TYPE),   # type: ignore[arg-type]
+        (lambda: bank.store(src, [1], [3], report=(2**31, b"ok", b"bad")), R.TYPE),  # no C int
     ]
     before = engine().stats()
     for call, reason in cases:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvstate.core.errors import ChannelError, ConfigInvalid, KvStateError
+from kvstate.core.paths import MAX_SOCKET_PATH
 from kvstate.share.exporter import Exporter
 from kvstate.share.export_config import ExportConfig
 from kvstate.transport.host import HostTransport
@@ -59,3 +60,27 @@ def test_bad_exporter_names_are_refused(name: object) -> None:
     with pytest.raises(KvStateError):
         Exporter(ExportConfig(DEPLOYMENT, socket_dir(), os.urandom(16), 1), HostTransport(granularity=GRANULARITY),
                  name=name)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["n" * 300, "a\ud800"])
+def test_a_name_no_socket_or_descriptor_can_hold_is_refused_when_the_exporter_is_made(name: str) -> None:
+    """Too long for sun_path, or a lone surrogate: the exporter was made and its banks
+    registered, then advertise() signed a descriptor importers refuse or raised, and start()
+    could not bind."""
+    with pytest.raises(ConfigInvalid) as info:
+        Exporter(ExportConfig(DEPLOYMENT, socket_dir(), os.urandom(16), 1), HostTransport(granularity=GRANULARITY),
+                 name=name)
+    assert info.value.field == "name"
+
+
+def test_the_longest_name_that_fits_its_socket_dir_is_served() -> None:
+    config = ExportConfig(DEPLOYMENT, socket_dir(), os.urandom(16), 1)
+    most = MAX_SOCKET_PATH - len(os.fsencode(f"{config.socket_dir}/.sock"))
+    with pytest.raises(ConfigInvalid, match=f"at most {most}"):
+        Exporter(config, HostTransport(granularity=GRANULARITY), name="n" * (most + 1))
+    ex = Exporter(config, HostTransport(granularity=GRANULARITY), name="n" * most)
+    ex.start()
+    try:
+        assert len(os.fsencode(ex.socket_path)) == MAX_SOCKET_PATH and ex.socket_path.exists()
+    finally:
+        ex.stop()

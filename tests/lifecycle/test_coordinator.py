@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 from conftest import DEPLOYMENT, GEOMETRY, expected_blocks, make_exporter
 from kvstate import channel as chan
 from kvstate.core.errors import (
-    ArgumentInvalid, GroupFailed, GroupRejected, KvStateError, ChannelError, TransitionError,
+    ArgumentInvalid, ConfigInvalid, GroupFailed, GroupRejected, KvStateError, ChannelError, TransitionError,
 )
-from kvstate.core.reasons import RejectReason, ChannelReason, TransitionReason
+from kvstate.core.reasons import ArgumentReason, ConfigReason, RejectReason, ChannelReason, TransitionReason
 from kvstate.share import protocol_msgs as msgs
 from kvstate.share.coordinator import Coordinator, CoordinatorConfig
 from kvstate.share.exporter import Exporter
@@ -435,6 +435,68 @@ def test_a_worker_closed_without_waiting_stops_once_its_shares_ended(transport: 
     w.close()  # idempotent once stopped
 
 
+def test_a_worker_started_before_its_coordinator_joins_it_on_a_retry(transport: HostTransport) -> None:
+    """Rank processes often come up before the coordinator listens: a start() that found no
+    server leaves the worker able to start again (it closed its importer, which left the
+    retried worker's every lease refused as "the importer is closed"); once connected, a
+    second start() is refused."""
+    ex = make_exporter(2, transport)
+    path = socket_path().parent / "c.sock"
+    workers = [RankWorker(WorkerConfig(DEPLOYMENT, r, 2, path, reuse=REUSE_ON), HostTransport(granularity=64 * 1024))
+               for r in range(2)]
+    coordinator = Coordinator(CoordinatorConfig(DEPLOYMENT, 2, path.parent, name="c", **FAST))
+    try:
+        for w in workers:
+            with raises(ChannelError, ChannelReason.CLOSED):  # no server yet
+                w.start()
+        coordinator.start()
+        for w in workers:
+            w.start()
+        coordinator.wait_for_workers(5.0)
+        group = coordinator.import_group([ex.descriptor(r) for r in range(2)])
+        assert group.state == "ready" and [w.leases() for w in workers] == [1, 1]
+        with raises(ArgumentInvalid, ArgumentReason.STATE, match="started already"):
+            workers[0].start()
+        group.drain(5.0)
+        assert group.state == "closed"
+    finally:
+        for w in workers:
+            w.close()
+        coordinator.close()
+
+
+def test_a_worker_joins_one_coordinator_once(transport: HostTransport, prefill_factory: Any) -> None:
+    """start() after the coordinator went away, or after close(), is refused with the way
+    out (a new RankWorker): it was accepted, and the worker, still taking its coordinator
+    for gone, never reported a step to the new one, which timed every group out."""
+    ex = make_exporter(2, transport)
+    p = prefill_factory(2)
+    p.coordinator.close()  # the scheduler restarts
+    assert wait_until(lambda: all(w.coordinator_gone for w in p.workers))
+    coordinator = Coordinator(p.coordinator.config)
+    coordinator.start()
+    workers: list[RankWorker[Any, Any, Any, Any, Any]] = []
+    try:
+        for w in p.workers:
+            with raises(ArgumentInvalid, ArgumentReason.STATE, match="make a new RankWorker"):
+                w.start()
+        p.workers[1].close()
+        with raises(ArgumentInvalid, ArgumentReason.STATE, match="closed"):
+            p.workers[1].start()
+        workers = [RankWorker(WorkerConfig(DEPLOYMENT, r, 2, coordinator.socket_path, reuse=REUSE_ON),
+                              HostTransport(granularity=64 * 1024)) for r in range(2)]
+        for w in workers:
+            w.start()
+        coordinator.wait_for_workers(5.0)
+        group = coordinator.import_group([ex.descriptor(r) for r in range(2)])
+        assert group.state == "ready"
+        group.drain(5.0)
+    finally:
+        for w in workers:
+            w.close()
+        coordinator.close()
+
+
 # -- the coordinator's side of the protocol, spoken by hand --------------------------------
 
 
@@ -599,12 +661,22 @@ def test_every_message_round_trips(message: msgs.Message) -> None:
     ("name", "a/b"), ("name", ".."), ("name", "\ud800"), ("phase_timeout_s", float("nan")),
     ("heartbeat_s", "1"), ("silence_s", 0.01), ("request_timeout_s", -1.0), ("check_socket", "yes"),
     ("handle_kinds", frozenset()), ("handle_kinds", {"memfd"}), ("deployment", b"demo"),
+    # socket directories the channel would refuse only at start() (UNSAFE_PATH)
+    ("socket_dir", "coord"), ("socket_dir", "/tmp/../coord"), ("socket_dir", "/tmp/" + "d" * 90),
 ])
 def test_a_bad_coordinator_config_is_refused_by_name(field: str, value: object) -> None:
     kw: dict[str, Any] = {"deployment": DEPLOYMENT, "tp": 2, "socket_dir": socket_path(), field: value}
-    with pytest.raises(ArgumentInvalid) as info:
+    with raises(ConfigInvalid, ConfigReason.FIELD) as info:
         CoordinatorConfig(**kw)
-    assert info.value.argument == f"CoordinatorConfig.{field}"
+    assert info.value.field == f"CoordinatorConfig.{field}"
+
+
+def test_a_coordinator_socket_dir_leaves_room_for_its_socket_name() -> None:
+    """The socket's name counts: a directory that fits one name may not fit a longer one."""
+    d = "/tmp/" + "d" * (107 - len("/tmp/") - len("/c.sock"))
+    assert CoordinatorConfig(DEPLOYMENT, 2, d, name="c").socket_dir == d
+    with raises(ConfigInvalid, ConfigReason.FIELD, match="socket_dir"):
+        CoordinatorConfig(DEPLOYMENT, 2, d, name="cc")
 
 
 @pytest.mark.parametrize("field, value", [
@@ -612,13 +684,15 @@ def test_a_bad_coordinator_config_is_refused_by_name(field: str, value: object) 
     ("coordinator_path", "x\x00"), ("request_timeout_s", float("inf")), ("renew_interval_s", 0),
     ("drain_poll_s", None), ("device_uuids", {b"x"}), ("geometry_fingerprint", "ab"), ("keep_ended", 0),
     ("reuse", True), ("admission", "yes"), ("check_socket", 1),
+    # socket paths the channel would refuse only at start() (UNSAFE_PATH)
+    ("coordinator_path", "c.sock"), ("coordinator_path", "/tmp/../c.sock"), ("coordinator_path", "/" + "s" * 107),
 ])
 def test_a_bad_worker_config_is_refused_by_name(field: str, value: object) -> None:
     kw: dict[str, Any] = {"deployment": DEPLOYMENT, "rank": 0, "tp": 2, "coordinator_path": socket_path() / "c.sock",
                           field: value}
-    with pytest.raises(ArgumentInvalid) as info:
+    with raises(ConfigInvalid, ConfigReason.FIELD) as info:
         WorkerConfig(**kw)
-    assert info.value.argument == f"WorkerConfig.{field}"
+    assert info.value.field == f"WorkerConfig.{field}"
 
 
 def test_bad_arguments_to_the_coordinator_and_worker_are_typed_and_leave_them_working(

@@ -176,9 +176,9 @@ def test_split_covers_every_rank_once(total: int, src_tp: int, dst_tp: int) -> N
 
 
 def test_config_names_every_exporting_rank() -> None:
-    with raises(ArgumentInvalid, ArgumentReason.RANGE):
+    with raises(ConfigInvalid, ConfigReason.FIELD, match="CoordinatorConfig.sources"):
         CoordinatorConfig(DEPLOYMENT, 2, socket_path(), source_tp=2, sources=(0, 0))
-    with raises(ArgumentInvalid, ArgumentReason.RANGE):
+    with raises(ConfigInvalid, ConfigReason.FIELD, match="CoordinatorConfig.sources"):
         CoordinatorConfig(DEPLOYMENT, 1, socket_path(), source_tp=2)
 
 

@@ -15,7 +15,8 @@ from kvstate.core.errors import ImportFailed
 from kvstate.core.reasons import ImportReason
 from kvstate.share.exporter import Exporter
 from kvstate.share.importer import BlockRequest, Importer
-from kvstate.reuse.inventory import Inventory
+from kvstate.share.part import MAX_REQUEST_HASHES
+from kvstate.reuse.inventory import MAX_GROUP_NAME, Inventory
 from kvstate.transport.host import HostTransport
 
 
@@ -124,6 +125,10 @@ def test_a_request_with_the_wrong_number_of_epochs_is_refused_before_any_lease(
     (None, (11,)), ("", (11,)), (b"prefix-a", (11,)),
     ("prefix-a", None), ("prefix-a", 5), ("prefix-a", ()), ("prefix-a", "11"), ("prefix-a", (object(),)),
     ("prefix-a", (True,)), ("prefix-a", (-1,)), ("prefix-a", (2**64,)), ("prefix-a", (11, 11)),
+    # names no lease can carry (the exporter refused every lease as a malformed frame), and
+    # a lease request larger than the link's frame
+    ("a\0b", (11,)), ("a\ud800", (11,)), ("\u00e9t\u00e9", (11,)), ('a"b', (11,)), ("g" * (MAX_GROUP_NAME + 1), (11,)),
+    ("g" * 100_000, (11,)), ("prefix-a", tuple(range(MAX_REQUEST_HASHES + 1))), ("prefix-a", tuple(range(20_000))),
 ])
 def test_a_block_request_takes_only_what_an_exporter_would(group: object, hashes: object) -> None:
     """The exporter's inventory rules, checked when the request is made: a bad one never
@@ -132,6 +137,42 @@ def test_a_block_request_takes_only_what_an_exporter_would(group: object, hashes
     bad_group = hashes == (11,)  # else the hashes are what is wrong
     with raises(ArgumentInvalid, ArgumentReason.INVENTORY if bad_group else ArgumentReason.BLOCK_HASH):
         BlockRequest(group, (1,), hashes)  # type: ignore[arg-type]
+
+
+def test_the_largest_block_request_leases_and_one_hash_more_is_refused_when_made(
+        transport: HostTransport, importer: Importer) -> None:
+    """MAX_REQUEST_HASHES hashes of 20 digits under the longest group name fit one frame on
+    the real lease path; one more was accepted and its lease could never be sent."""
+    group = "g" * MAX_GROUP_NAME
+    hashes = tuple(range(2**64 - MAX_REQUEST_HASHES, 2**64))
+    ex = make_exporter(1, transport)
+    ex.inventory = Inventory(MAX_REQUEST_HASHES)
+    ex.inventory.store(group, hashes)
+    epoch = ex.inventory.epoch(group)
+    assert epoch is not None
+    with raises(ArgumentInvalid, ArgumentReason.BLOCK_HASH, match="at most"):
+        BlockRequest(group, (epoch,), (*hashes, 11))
+    leased = importer.import_group([ex.descriptor(0)], blocks=BlockRequest(group, (epoch,), hashes))
+    assert leased.state == "ready" and ex.inventory.busy(group, hashes[0]) == (0, 1)
+    leased.drain()
+
+
+@pytest.mark.parametrize("group", ["a\ud800", "\u00e9t\u00e9", 'a"b', "a\\b", "a\tb"])
+def test_a_group_name_no_lease_can_carry_is_refused_with_an_exporter_attached(
+        group: str, transport: HostTransport, importer: Importer) -> None:
+    """With an exporter attached, the inventory took names whose leases the native lease
+    server could never read (a lone surrogate even raised UnicodeEncodeError from its
+    mirror). They are refused, changing nothing; the names it takes are leased."""
+    ex = exporter_with_inventory(transport)
+    inv = ex.inventory
+    assert inv is not None
+    with raises(ArgumentInvalid, ArgumentReason.INVENTORY):
+        inv.store(group, [21])
+    taken = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) not in '"\\')  # every character a name may hold
+    inv.store(taken, [21])  # the mirror took the refusal in stride
+    leased = importer.import_group([ex.descriptor(r) for r in range(2)], blocks=BlockRequest(taken, (0, 0), (21,)))
+    assert leased.state == "ready" and inv.busy(taken, 21) == (0, 2) and inv.hashes("prefix-a") == {11, 12, 13}
+    leased.drain()
 
 
 def test_a_draining_bank_refuses_leases_and_keeps_no_pin(transport: HostTransport, importer: Importer) -> None:

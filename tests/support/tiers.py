@@ -57,6 +57,7 @@ DEFAULTS: Mapping[str, tuple[str, ...]] = {
     "test_args.py": ("unit",),
     "test_owned_tokens.py": ("unit",),
     "test_bench_summary.py": ("unit",),
+    "test_check_cli.py": ("unit",),
     "test_children.py": ("multiproc",),
     "test_codemap.py": ("unit",),
     "test_conformance.py": ("unit",),
@@ -93,6 +94,7 @@ DEFAULTS: Mapping[str, tuple[str, ...]] = {
     "test_pure_core.py": ("unit",),
     "test_rules.py": ("unit",),
     "test_scenarios.py": ("unit",),
+    "test_share_configs.py": ("unit",),
     "test_spec_loader.py": ("unit",),
     "test_spec_tables.py": ("unit",),
     "test_tempdirs.py": ("multiproc",),     # a child process sees the session's root

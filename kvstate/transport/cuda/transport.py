@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING
 
 from kvstate.core import errors
 from kvstate.core.reasons import ArgumentReason, BackendReason, ImportDefect
-from kvstate.core.args import need, need_bytes, need_int, need_items
+from kvstate.core.args import FD_MAX, need, need_bytes, need_int, need_items
 from kvstate.core.capabilities import Access, Capabilities, FabricTrial, MemoryKind, Scope
 from kvstate.core.errors import ArgumentInvalid, BackendUnavailable, ImportFailed
 from kvstate.core.handles import CUDA_HANDLE_BYTES, HandleKind
@@ -300,7 +300,7 @@ class CudaTransport:
         _object("handle", handle, CudaHandle)
         need_bytes("handle.identity", handle.identity, CUDA_HANDLE_BYTES)
         if handle.fd is not None:
-            need_int("handle.fd", handle.fd, 0, (1 << 31) - 1)
+            need_int("handle.fd", handle.fd, 0, FD_MAX)
         self._sized("import", size)
         rules.check_received(handle.kind, handle.identity, 0 if handle.fd is None else 1)
         if handle.kind is not self._kind:
