@@ -33,6 +33,7 @@ from kvstate.integrations.vllm.prefill_rank import PrefillRank
 from kvstate.integrations.vllm.scheduler_side import SchedulerSide
 from kvstate.integrations.vllm.stats import Tally
 from kvstate.integrations.vllm.tp import source_view
+from kvstate.share import part as part_mod
 from kvstate.transport.host import HostTransport
 from kvstate.core import heads as heads_mod
 
@@ -261,6 +262,22 @@ def test_a_request_longer_than_one_message_retains_its_first_blocks_and_finishes
     assert decode.sched.index is not None and decode.sched.index.table.counts()["stored"] == 3
     n, failed = load(prefill, "p-long", tokens + [1], [20, 21, 22, 23, 24, 25])
     assert (n, failed) == (3 * BS, set())
+
+
+def test_a_prompt_longer_than_one_lease_loads_its_first_blocks(pair: tuple[Engine, Engine],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lease pins at most part.MAX_REQUEST_HASHES blocks (its request must fit one frame;
+    here lowered to 3): a prompt that matched more loads its first 3 and computes the rest,
+    instead of failing its lease and loading nothing."""
+    decode, prefill = pair
+    tokens = list(range(4000, 4000 + 5 * BS))             # 5 full blocks, all stored
+    finish(decode, "long-lease", tokens, [11, 12, 13, 14, 15])
+    monkeypatch.setattr(part_mod, "MAX_REQUEST_HASHES", 3)
+    n, failed = load(prefill, "p-long-lease", tokens + [1], [20, 21, 22, 23, 24, 25])
+    assert (n, failed) == (3 * BS, set())
+    for rank in range(len(decode.decode)):
+        for s, d in zip([11, 12, 13], [20, 21, 22]):
+            assert torch.equal(prefill.caches[rank][LAYERS[0]][d], decode.caches[rank][LAYERS[0]][s])
 
 
 def test_the_index_answers_what_it_knows_and_lets_idle_clients_go(pair: tuple[Engine, Engine],

@@ -55,6 +55,7 @@ from kvstate.integrations.vllm import wire
 from kvstate.reuse.policy import Candidate, choose_transfer_source
 from kvstate.share.coordinated_group import CoordinatedGroup
 from kvstate.share.coordinator import Coordinator, CoordinatorConfig
+from kvstate.share import part as part_mod
 from kvstate.share.importer import BlockRequest
 
 log = logging.getLogger(__name__)
@@ -366,9 +367,11 @@ class SchedulerSide:
             client.drop_descriptors()
             self.tally.reason("rejections", problem)
             return self._miss(req_id, "rejected")
-        self._matches[req_id] = _Match(name, local, hit.slots[local:hit.blocks], hit.keys[local:hit.blocks],
-                                       hit.epochs, descriptors)
-        return (hit.blocks - local) * bs
+        # At most what one lease may pin (a longer prompt loads its first blocks, computes the rest).
+        end = min(hit.blocks, local + part_mod.MAX_REQUEST_HASHES)
+        self._matches[req_id] = _Match(name, local, hit.slots[local:end], hit.keys[local:end], hit.epochs,
+                                       descriptors)
+        return (end - local) * bs
 
     def _precheck(self, descriptors: Sequence[bytes]) -> str | None:
         """The whole group's validation, as the coordinator will do it: the first reason."""
