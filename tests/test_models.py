@@ -70,6 +70,15 @@ def test_safety_holds_on_the_real_tables(model: str, tp: int) -> None:
     assert result.states_stored > 1000 and result.depth > 100
 
 
+def test_a_search_stopped_by_the_memory_bound_fails() -> None:
+    """Pan stopped at -DMEMLIM before its first state (`kvstate check --memlim 1` reported
+    OK, exit 0, on 0 states): an incomplete search is never a pass."""
+    require_spin()
+    result = modelcheck.check(models.COUNTING, 8, memlim_mb=1)
+    assert not result.ok and result.incomplete and result.trace is None, result.report()
+    assert result.problem == "pan: reached -DMEMLIM bound" and "INCOMPLETE" in result.report()
+
+
 def test_drain_quiesces_under_weak_fairness() -> None:
     """INV-DRAIN-QUIESCES: after a drain the bank reaches quiescent (pan -a -f)."""
     require_spin()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from support.errors import raises
@@ -85,3 +87,17 @@ def test_external_event_marker_is_a_reason() -> None:
             parse_machine(MINIMAL.replace('go = { doc = "go" }', f'go = {{ doc = "go", external = {bad} }}'),
                           "mini.toml")
         assert info.value.entry == "events.go.external"
+
+
+def test_a_variant_directory_that_cannot_be_read_is_a_spec_error(tmp_path: Path) -> None:
+    """`kvstate check --spec DIR` loads a directory the user names: a missing directory, a
+    file, a missing table or one that is not UTF-8 is a ConfigInvalid naming the file (it
+    was an OSError, a traceback out of the CLI)."""
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "binary").mkdir()
+    (tmp_path / "binary" / "bank.toml").write_bytes(b"\xff\xfe")
+    for directory, why in [(tmp_path / "missing", "No such file"), (tmp_path / "file", "Not a directory"),
+                           (tmp_path / "binary", "utf-8")]:
+        with raises(ConfigInvalid, ConfigReason.SPEC, match=why) as info:
+            load_spec(directory)
+        assert info.value.source == str(directory / "bank.toml")

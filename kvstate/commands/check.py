@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
+from kvstate.core.errors import ArgumentInvalid
+from kvstate.core.reasons import ArgumentReason
 from kvstate.harness import modelcheck
 
 from kvstate.derive import coord_world, promela_coord
@@ -13,14 +16,37 @@ from kvstate.core.spec import load_spec
 
 help = "model-check the tables with Spin (safety, liveness); `kvstate generate` writes models/"
 
+#: the tp each model is checked at (its documented range): per-rank unrolls a bank per rank
+#: (its committed models are tp 2..4), the coordinator model unrolls ranks up to 8
+#: (promela_coord.generate), and the counting model is meant for tp up to 64 (its counts
+#: are bytes, so a tp past 255 wraps them and reports nonsense)
+TP_RANGES = {models.PER_RANK: (min(models.PER_RANK_TPS), max(models.PER_RANK_TPS)),
+             promela_coord.COORD_MODEL: (1, 8),
+             models.COUNTING: (1, max(models.COUNTING_TPS))}
+#: pan's memory bound in MB: 1 TiB is past any machine this runs on (a bound pan cannot
+#: start under fails the check as an incomplete search)
+MAX_MEMLIM_MB = 1 << 20
+
+
+def _within(low: int, high: int) -> Callable[[str], int]:
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+        if not low <= n <= high:
+            raise argparse.ArgumentTypeError(f"must be between {low} and {high}")
+        return n
+    return parse
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=[*models.KINDS, promela_coord.COORD_MODEL], default=models.PER_RANK,
                         help="per_rank and counting: the group, parts, banks and ops; coordinator: the "
                              "coordinator protocol across processes (spec/coordinator.toml, spec/rank.toml)")
-    parser.add_argument("--tp", type=int, default=2,
+    parser.add_argument("--tp", type=_within(1, max(high for _, high in TP_RANGES.values())), default=2,
                         help="tensor-parallel size (per-rank: 2..4; coordinator: 1..8, symmetry-reduced above 2; "
-                             "counting: any)")
+                             "counting: 1..64)")
     parser.add_argument("--symmetric", action="store_true",
                         help="coordinator: the symmetry-reduced model even at tp 2 (it is the default above 2)")
     parser.add_argument("--liveness", action="store_true",
@@ -31,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "tp 2 (safety and liveness) and tp 3,4 (symmetric, safety), counting tp 8,16,32,64")
     parser.add_argument("--table", action="store_true", help="print one table row per run")
     parser.add_argument("--spec", type=Path, help="check a variant of the tables in this directory")
-    parser.add_argument("--memlim", type=int, default=2048, help="pan memory bound in MB (-DMEMLIM)")
+    parser.add_argument("--memlim", type=_within(1, MAX_MEMLIM_MB), default=2048,
+                        help=f"pan memory bound in MB (-DMEMLIM; 1..{MAX_MEMLIM_MB}, default 2048)")
 
 
 #: (model, tp, liveness, symmetric: None for the model's default)
@@ -50,6 +77,10 @@ def _configs(args: argparse.Namespace) -> list[_Config]:
         configs += [(promela_coord.COORD_MODEL, tp, False, True) for tp in coord_world.SYMMETRIC_TPS]
         configs += [(models.COUNTING, tp, False, None) for tp in models.COUNTING_TPS]
         return configs
+    low, high = TP_RANGES[args.model]
+    if not low <= args.tp <= high:
+        raise ArgumentInvalid.of("--tp", ArgumentReason.RANGE,
+                                 f"the {args.model} model is checked at tp {low}..{high}, not {args.tp}")
     return [(args.model, args.tp, args.liveness, True if args.symmetric else None)]
 
 
@@ -64,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
                                   symmetric=symmetric)
         failed += not result.ok
         if args.table:
-            print(f"{result.model:15} {tp:>3} {result.mode:9} {'ok' if result.ok else 'VIOLATION':9} "
+            print(f"{result.model:15} {tp:>3} {result.mode:9} {'ok' if result.ok else result.verdict:9} "
                   f"{result.states_stored:>10} {result.transitions:>12} {result.depth:>6} "
                   f"{result.memory_mb:>7.1f} {result.pan_seconds:>7.2f} {result.wall_seconds:>8.1f}")
             if result.trace is not None:

@@ -297,13 +297,23 @@ def _installed_spec() -> Spec:
     return _checked(machines, inv)
 
 
+def _read(path: Path) -> str:
+    # a variant directory comes from the user (``kvstate check --spec``): a missing or
+    # unreadable table is a refused spec, not an OSError out of the public API
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigInvalid.spec(str(path), "file", f"cannot read the table: {why}") from None
+
+
 def _load_from(directory: Path) -> Spec:
     machines = {}
     for name in MACHINE_NAMES:
         path = directory / f"{name}.toml"
-        machines[name] = parse_machine(path.read_text(encoding="utf-8"), str(path))
+        machines[name] = parse_machine(_read(path), str(path))
     path = directory / "invariants.toml"
-    inv = parse_invariants(path.read_text(encoding="utf-8"), str(path), machines)
+    inv = parse_invariants(_read(path), str(path), machines)
     return _checked(machines, inv)
 
 

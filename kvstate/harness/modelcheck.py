@@ -101,15 +101,24 @@ class CheckResult:
     wall_seconds: float  # spin -a, compile and run
     trace: Trace | None
     output: str = attrs.field(repr=False)
+    incomplete: bool = False  # pan stopped early without finding an error: nothing verified
+
+    @property
+    def verdict(self) -> str:
+        return "OK" if self.ok else "INCOMPLETE" if self.incomplete else "VIOLATION"
 
     def report(self) -> str:
-        head = (f"{self.model} tp={self.tp} {self.mode}: {'OK' if self.ok else 'VIOLATION'}"
+        head = (f"{self.model} tp={self.tp} {self.mode}: {self.verdict}"
                 + (f" ({self.problem})" if self.problem else ""))
         lines = [head,
                  f"  states stored {self.states_stored}, transitions {self.transitions}, "
                  f"depth reached {self.depth}",
                  f"  memory {self.memory_mb:.1f} MB, pan time {self.pan_seconds:.2f} s, "
                  f"total {self.wall_seconds:.1f} s (spin -a, cc, pan)"]
+        if self.incomplete:
+            memory = self.problem is not None and ("MEMLIM" in self.problem or "memory" in self.problem)
+            lines.append("  the search did not complete, so nothing is verified"
+                         + ("; raise the memory bound (`kvstate check --memlim MB`)" if memory else ""))
         if self.trace is not None:
             lines.append("  counterexample (spin -t), as table events:")
             lines += ["    " + line for line in self.trace.render().splitlines()]
@@ -147,7 +156,9 @@ def _number(pattern: str, text: str, cast: type = int) -> Any:
 
 
 _PROBLEMS = ("assertion violated", "acceptance cycle", "invalid end state", "max search depth too small",
-             "out of memory", "non-progress cycle", "error:")
+             "out of memory", "reached -DMEMLIM bound", "non-progress cycle", "error:")
+#: what pan prints whenever it stopped before exploring every state, whatever the cause
+_INCOMPLETE = "Warning: Search not completed"
 
 
 def _problem(out: str, errors: int) -> str | None:
@@ -156,7 +167,10 @@ def _problem(out: str, errors: int) -> str | None:
         if text.startswith("pan:") and any(p in text for p in _PROBLEMS) or text.startswith("error:"):
             if "elapsed time" not in text:
                 return text
-    return None if errors == 0 else f"{errors} error(s)"
+    if errors:
+        return f"{errors} error(s)"
+    # a stop pan has no error line for (or one worded anew) must not pass as a full search
+    return "search not completed: pan stopped before exploring every state" if _INCOMPLETE in out else None
 
 
 _EVENT = re.compile(r"@@(>?) (\w+) (\S+) (\w+) (\w+) (\w+)(?: x(\d+))?(?: r(\d+))?$")
@@ -224,7 +238,8 @@ def check_text(text: str, *, model: str, tp: int, liveness: bool = False, memlim
             depth=_number(r"depth reached (\d+)", out),
             memory_mb=_number(r"([\d.]+)\s+total actual memory usage", out, float),
             pan_seconds=_number(r"elapsed time ([\d.e+-]+) seconds", out, float),
-            wall_seconds=time.monotonic() - started, trace=trace, output=out)
+            wall_seconds=time.monotonic() - started, trace=trace, output=out,
+            incomplete=problem is not None and errors == 0)
 
 
 def check(model: str, tp: int, *, liveness: bool = False, spec: Spec | None = None,
@@ -253,7 +268,8 @@ def check(model: str, tp: int, *, liveness: bool = False, spec: Spec | None = No
                           memlim_mb=memlim_mb, timeout_s=timeout_s, claim=coord_world.LIVENESS_CLAIM,
                           nfair=max(_NFAIR, 2 * tp + 3))
     if liveness and model != models.PER_RANK:
-        raise ValueError("the liveness property (INV-DRAIN-QUIESCES) is in the per-rank model")
+        raise ArgumentInvalid.of("liveness", ArgumentReason.RANGE,
+                                 "the liveness property (INV-DRAIN-QUIESCES) is in the per-rank model")
     text = models.generate(spec, model, tp if model == models.PER_RANK else None)
     return check_text(text, model=model, tp=tp, liveness=liveness, memlim_mb=memlim_mb, timeout_s=timeout_s)
 

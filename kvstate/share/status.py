@@ -122,12 +122,56 @@ def _connect(path: str | os.PathLike[str], timeout: float) -> chan.Channel:
     return chan.connect(path, timeout=timeout, limits=chan.Limits(max_payload=chan.HARD_MAX_PAYLOAD))
 
 
+#: The fields of an answer that :func:`render` reads, per kind: a type (tuple) each, or
+#: ``[fields]`` for a list of objects. The answer comes from another process, so a field
+#: missing or of another type is caught here, for that one socket, and not as a crash
+#: midway through printing the whole snapshot.
+_INT, _NUMBER, _TEXT, _FLAG = (int,), (int, float), (str,), (bool,)
+_LEASE = {"id": _INT, "pid": _INT, "expires_in_s": _NUMBER, "expired": _FLAG, "blocks": _INT}
+_BANK = {"rank": _INT, "state": _TEXT, "generation": _INT, "epoch": _INT, "lease_count": _INT, "holds": _INT,
+         "pins": _INT, "waiting_for": _TEXT, "leases": [_LEASE]}
+_PART = {"rank": _INT, "pid": (int, type(None)), "state": (str, type(None)), "dead": _FLAG}
+_GROUP = {"gid": _TEXT, "state": _TEXT, "age_s": _NUMBER, "failure": (str, type(None)), "parts": [_PART]}
+_SHAPES: dict[str, dict[str, Any]] = {
+    "exporter": {"pid": _INT, "path": _TEXT, "tp": _INT, "incarnation": _TEXT, "connections": _INT,
+                 "retained_blocks": (int, type(None)), "banks": [_BANK]},
+    "coordinator": {"pid": _INT, "path": _TEXT, "tp": _INT, "groups": [_GROUP],
+                    "workers": [{"rank": _INT, "pid": _INT, "alive": _FLAG}]},
+}
+
+
+def _shape_problem(value: Any, shape: dict[str, Any], where: str) -> str | None:
+    """What in ``value`` does not fit ``shape`` (see :data:`_SHAPES`), or None."""
+    if not isinstance(value, dict):
+        return f"{where} is not an object"
+    for key, want in shape.items():
+        if key not in value:
+            return f"{where} has no {key!r}"
+        got = value[key]
+        if isinstance(want, list):
+            if not isinstance(got, list):
+                return f"{where}.{key} is not a list"
+            for i, item in enumerate(got):
+                problem = _shape_problem(item, want[0], f"{where}.{key}[{i}]")
+                if problem is not None:
+                    return problem
+        elif not isinstance(got, want) or isinstance(got, bool) and bool not in want:  # True is an int
+            return f"{where}.{key} is {type(got).__name__}, not {' or '.join(t.__name__ for t in want)}"
+    return None
+
+
 def _ask(ch: chan.Channel, path: str | os.PathLike[str], timeout: float) -> dict[str, Any]:
     ch.send(chan.encode(REQUEST), timeout=timeout)
     with ch.recv(timeout=timeout) as msg:
         answer = chan.decode(msg.payload)
     if not isinstance(answer, dict) or answer.get("version") != VERSION or "kind" not in answer:
         raise ChannelError(ChannelReason.PROTOCOL, f"{path}: not a status answer (version {VERSION})")
+    kind = answer["kind"]
+    if not isinstance(kind, str) or kind not in _SHAPES:
+        raise ChannelError(ChannelReason.PROTOCOL, f"{path}: not a status answer (kind {kind!r:.40})")
+    problem = _shape_problem(answer, _SHAPES[kind], kind)
+    if problem is not None:
+        raise ChannelError(ChannelReason.PROTOCOL, f"{path}: malformed status answer: {problem}")
     return answer
 
 

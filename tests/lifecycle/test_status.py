@@ -226,3 +226,53 @@ def test_a_snapshot_too_large_for_one_frame_keeps_its_counts(transport: HostTran
     small = status.exporter_status(ex, max_bytes=len(__import__("json").dumps(full)) // 2)
     assert small["truncated"] and small["banks"][0]["leases"] == []
     assert small["banks"][0]["lease_count"] == full["banks"][0]["lease_count"]
+
+
+def _exporter_answer(**fields: Any) -> dict[str, Any]:
+    bank = {"rank": 0, "state": "ready", "generation": 1, "epoch": 0, "lease_count": 0, "holds": 0, "pins": 0,
+            "waiting_for": "", "leases": []}
+    return {"version": status.VERSION, "kind": "exporter", "path": "x", "pid": 1, "tp": 1, "incarnation": "ab",
+            "connections": 0, "retained_blocks": None, "banks": [bank], **fields}
+
+
+@pytest.mark.parametrize(("answer", "problem"), [
+    ({"version": status.VERSION, "kind": "exporter", "path": "x"}, "exporter has no 'pid'"),
+    ({"version": status.VERSION, "kind": "coordinator", "path": "x", "pid": 1, "tp": 1},
+     "coordinator has no 'groups'"),
+    (_exporter_answer(incarnation=5), "exporter.incarnation is int, not str"),
+    (_exporter_answer(pid="x"), "exporter.pid is str, not int"),
+    (_exporter_answer(banks=[{"rank": 0}]), "exporter.banks[0] has no 'state'"),
+    (_exporter_answer(banks="none"), "exporter.banks is not a list"),
+    (_exporter_answer(banks=[{**_exporter_answer()["banks"][0], "leases": [
+        {"id": 1, "pid": 2, "expires_in_s": "soon", "expired": False, "blocks": 0}]}]),
+     "exporter.banks[0].leases[0].expires_in_s is str, not int or float"),
+    ({"version": status.VERSION, "kind": "coordinator", "path": "x", "pid": 1, "tp": 1, "workers": [7],
+      "groups": []}, "coordinator.workers[0] is not an object"),
+    ({"version": status.VERSION, "kind": "zzz", "path": "x"}, "not a status answer (kind 'zzz')"),
+    ({"version": status.VERSION, "kind": "stale", "path": "x"}, "not a status answer (kind 'stale')"),
+])
+def test_a_malformed_answer_is_that_socket_alone(transport: HostTransport, answer: dict[str, Any],
+                                                 problem: str) -> None:
+    """A same-uid server answering the right version and kind with fields missing or of
+    other types reads as 'other' for its socket; the rest of the snapshot prints (the
+    text form crashed with KeyError or TypeError on the first such field)."""
+    from kvstate import channel as chan
+
+    ex = make_exporter(1, transport, name="decode")
+    d = ex.config.socket_dir
+
+    def answer_status(ch: chan.Channel) -> None:
+        with ch:
+            with ch.recv(timeout=30):
+                pass
+            ch.send(chan.encode(answer), timeout=30)
+
+    server = chan.Server(d / "hostile.sock")
+    server.serve_in_thread(answer_status)
+    try:
+        out = run_status(d, json_out=False)
+        assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+        assert f"hostile.sock: {d / 'hostile.sock'}: " in out.stdout and problem in out.stdout, out.stdout
+        assert f"exporter {ex.socket_path.name}  pid {os.getpid()}" in out.stdout, out.stdout
+    finally:
+        server.close()
