@@ -413,6 +413,37 @@ int kvs_link_request(kvs_link *l, const uint8_t *payload, uint32_t len, kvs_fram
     return link_request(l, payload, len, f, timeout_ns, atomic_load(&l->spin_ns));
 }
 
-int kvs_link_request_asleep(kvs_link *l, const uint8_t *payload, uint32_t len, kvs_frame *f, int64_t timeout_ns) {
-    return link_request(l, payload, len, f, timeout_ns, 0);
+/* -- an exchange in two steps (kvs_link.h), for the renewal thread -------------------- */
+
+int kvs_link_begin(kvs_link *l, const uint8_t *payload, uint32_t len, int64_t timeout_ns, int32_t *err) {
+    *err = 0;
+    if (pthread_mutex_trylock(&l->mu) != 0) return KVS_LINK_BUSY;
+    l->inside = 1;
+    int rc = kvs_link_send(l, payload, len, NULL, 0, timeout_ns, err);
+    if (rc != KVS_OK) {
+        shut(l);
+        kvs_link_unlock(l);
+    }
+    return rc;
+}
+
+int kvs_link_pollfds(const kvs_link *l, struct pollfd *p) {
+    p[0] = (struct pollfd){l->fd, POLLIN, 0};
+    if (l->pidfd < 0) return 1;
+    p[1] = (struct pollfd){l->pidfd, POLLIN, 0};
+    return 2;
+}
+
+int kvs_link_finish(kvs_link *l, kvs_frame *f, int code, int64_t deadline_ns) {
+    int rc = code;
+    if (!rc) { /* a packet is there whole; a stream's frame may still be arriving */
+        int64_t left = deadline_ns - now_ns();
+        rc = link_recv(l, f, left > 0 ? left : 0, 0);
+    } else {
+        f->err = 0;
+        f->nfds = f->len = 0;
+    }
+    if (rc != KVS_OK) shut(l);
+    kvs_link_unlock(l);
+    return rc;
 }

@@ -9,8 +9,9 @@
  * as it did when Python renewed.
  *
  * The thread sleeps on a timerfd armed at the earliest due time (a lease is due once
- * min(term/2, interval) has passed since its grant or last renewal) and on a command
- * eventfd that stop writes. The timer is armed under the mutex, by the thread and by an
+ * min(term/2, interval) has passed since its grant or last renewal), on a command
+ * eventfd that stop writes, and on the links whose renewals are in flight (see "the
+ * thread" below: side by side, so a silent exporter holds up only its own leases). The timer is armed under the mutex, by the thread and by an
  * add whose lease is due sooner than the armed time, so an import never wakes the
  * thread (strace: it used to be woken once per part, in the middle of each import). The
  * table is guarded by one mutex that is never held across a request: a request runs on
@@ -19,6 +20,8 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <limits.h>
+#include <stdint.h>
 #include <math.h>
 #include <poll.h>
 #include <pthread.h>
@@ -44,6 +47,7 @@ struct entry {
     int64_t lease, term_ns, renewed_at_ns, expires_at_ns;
     uint64_t renewals;
     int failed;
+    int flying; /* its renewal is asked and not yet answered (run) */
     int64_t generation; /* the bank's, as the last renewal said; -1: not said */
 };
 
@@ -227,16 +231,9 @@ static void push(kvs_renewer *r, uint64_t key, int32_t code, int32_t err, const 
     poke(r->out_fd);
 }
 
-/* One renewal of the copy `e`, then its result applied to the entry, if still there. */
-static void renew_one(kvs_renewer *r, const struct entry *e, kvs_frame *f) {
-    char payload[96];
-    int len = snprintf(payload, sizeof payload, "{\"lease\":%lld,\"op\":\"renew\",\"rank\":%u}",
-                       (long long)e->lease, e->rank);
-    /* The new term counts from the moment it was asked, which is before the exporter's
-     * own: the importer's view of a lease never outlasts the exporter's (a remote part's
-     * READ gate relies on it; kvstate.transport.nixl.transport.LeaseGate). */
-    int64_t at = now_ns();
-    int rc = kvs_link_request_asleep(e->link, (const uint8_t *)payload, (uint32_t)len, f, r->timeout_ns);
+/* The result `rc` (with the answer in `f` when KVS_OK) of the renewal of the copy `e`,
+ * asked at `at`, applied to its entry if that is still there. */
+static void settle(kvs_renewer *r, const struct entry *e, int64_t at, int rc, kvs_frame *f) {
     double expires_s = 0;
     int64_t generation = -1;
     int ok = rc == KVS_OK && f->nfds == 0 && granted(f->buf, f->len, &expires_s, &generation);
@@ -244,6 +241,7 @@ static void renew_one(kvs_renewer *r, const struct entry *e, kvs_frame *f) {
         for (uint32_t i = 0; i < f->nfds; i++) close(f->fds[i]);
     pthread_mutex_lock(&r->mu);
     struct entry *live = find(r, e->key);
+    if (live) live->flying = 0;
     if (live && !live->failed) {
         if (ok) {
             live->renewed_at_ns = at;
@@ -258,56 +256,165 @@ static void renew_one(kvs_renewer *r, const struct entry *e, kvs_frame *f) {
     pthread_mutex_unlock(&r->mu);
 }
 
+/* -- the thread: renewals in flight side by side ---------------------------------------
+ * Every due renewal is asked at once and each answer applied as it comes, while the
+ * renewals that fall due meanwhile are asked too: an exporter that stops answering (a
+ * stopped process) holds up only its own leases, until request_timeout_s fails them, and
+ * never another exporter's (they were renewed one after another before, each waiting for
+ * its answer, and one hung exporter let every other lease run out). A link carries one
+ * exchange at a time, so two leases on one link go one after the other. */
+
+struct flight {
+    struct entry e;              /* a copy, with a reference on its link */
+    int asked;                   /* sent, its answer awaited (the link held) */
+    int64_t asked_at, deadline;  /* the new term counts from asked_at */
+};
+
+/* While another exchange (Python's request) holds a link, its renewal is tried again this often. */
+#define BUSY_RETRY_MS 1
+
+static int link_busy(const struct flight *fl, size_t n, const kvs_link *l) {
+    for (size_t i = 0; i < n; i++)
+        if (fl[i].asked && fl[i].e.link == l) return 1;
+    return 0;
+}
+
+/* Ask every flight not yet asked whose link is free; a failed send settles it at once.
+ * Returns whether one found its link held by another exchange. */
+static int ask(kvs_renewer *r, struct flight *fl, size_t n, kvs_frame *f) {
+    int busy = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (fl[i].asked || fl[i].asked_at < 0 || link_busy(fl, n, fl[i].e.link)) continue;
+        char payload[96];
+        int len = snprintf(payload, sizeof payload, "{\"lease\":%lld,\"op\":\"renew\",\"rank\":%u}",
+                           (long long)fl[i].e.lease, fl[i].e.rank);
+        /* Asked before the exporter's own term starts: the importer's view of a lease
+         * never outlasts the exporter's (kvstate.transport.nixl.transport.LeaseGate). */
+        int64_t at = now_ns();
+        int rc = kvs_link_begin(fl[i].e.link, (const uint8_t *)payload, (uint32_t)len, r->timeout_ns, &f->err);
+        if (rc == KVS_LINK_BUSY) {
+            busy = 1;
+        } else if (rc != KVS_OK) {
+            f->nfds = f->len = 0;
+            settle(r, &fl[i].e, at, rc, f);
+            fl[i].asked_at = -1; /* settled */
+        } else {
+            fl[i].asked = 1;
+            fl[i].asked_at = at;
+            fl[i].deadline = at + r->timeout_ns;
+        }
+    }
+    return busy;
+}
+
+/* Room for one more flight (and its poll entries): 0 when none could be had. */
+static int grow(struct flight **fl, struct pollfd **p, size_t **who, size_t n, size_t *cap) {
+    if (n < *cap) return 1;
+    size_t c = *cap ? 2 * *cap : 16;
+    struct flight *f2 = realloc(*fl, c * sizeof **fl);
+    if (!f2) return 0;
+    *fl = f2;
+    struct pollfd *p2 = realloc(*p, (2 * c + 2) * sizeof **p);
+    if (!p2) return 0;
+    *p = p2;
+    size_t *w2 = realloc(*who, (2 * c + 2) * sizeof **who);
+    if (!w2) return 0;
+    *who = w2;
+    *cap = c;
+    return 1;
+}
+
 static void *run(void *arg) {
     pthread_setname_np(pthread_self(), "kvs-renew"); /* seen in top -H, py-spy, /proc/<pid>/task */
     kvs_renewer *r = arg;
     kvs_frame *f = calloc(1, sizeof *f);
     uint8_t *buf = malloc(1u << 20);  /* the largest payload cap a link may have */
-    struct entry *due = NULL;
-    size_t due_cap = 0;
-    if (!f || !buf) goto out;  /* every lease then runs out unrenewed, which Python sees */
+    struct flight *fl = NULL;
+    struct pollfd *p = NULL;
+    size_t *who = NULL, n = 0, cap = 0;
+    if (!f || !buf || !grow(&fl, &p, &who, 0, &cap)) goto out;  /* every lease then runs out unrenewed, which Python sees */
     f->buf = buf;
     f->cap = 1u << 20;
     pthread_mutex_lock(&r->mu);
-    while (!r->stop) {
+    for (;;) {
+        /* Take what fell due; arm the timer at the next one not in flight. */
+        int stopping = r->stop;
         int64_t now = now_ns(), next = 0;
-        size_t ndue = 0;
-        for (size_t i = 0; i < r->n; i++) {
+        for (size_t i = 0; i < r->n && !stopping; i++) {
             struct entry *e = &r->entries[i];
-            if (e->failed) continue;
+            if (e->failed || e->flying) continue;
             int64_t at = due_at(r, e);
-            if (at <= now) {
-                if (ndue == due_cap) {
-                    size_t cap = due_cap ? 2 * due_cap : 16;
-                    struct entry *grown = realloc(due, cap * sizeof *due);
-                    if (!grown) break;  /* the rest wait for the next round */
-                    due = grown;
-                    due_cap = cap;
-                }
-                due[ndue++] = *e;
+            if (at > now) {
+                if (!next || at < next) next = at;
+            } else if (grow(&fl, &p, &who, n, &cap)) {
+                fl[n++] = (struct flight){.e = *e};
+                e->flying = 1;
                 kvs_link_ref(e->link);
-            } else if (!next || at < next) {
-                next = at;
-            }
+            } /* else: no memory, it waits for a later turn */
         }
-        if (!ndue) arm(r, next);
+        arm(r, next);
         pthread_mutex_unlock(&r->mu);
-        for (size_t i = 0; i < ndue; i++) {
-            renew_one(r, &due[i], f);
-            kvs_link_unref(due[i].link);
+        if (stopping) /* what was not asked yet never will be; what was asked is answered first */
+            for (size_t i = 0; i < n; i++)
+                if (!fl[i].asked) fl[i].asked_at = -1;
+        int busy = stopping ? 0 : ask(r, fl, n, f);
+        /* Wait for an answer, a deadline, the timer or a command. */
+        size_t np = 2;
+        int64_t wake = INT64_MAX;
+        p[0] = (struct pollfd){r->cmd_fd, POLLIN, 0};
+        p[1] = (struct pollfd){r->timer_fd, POLLIN, 0};
+        for (size_t i = 0; i < n; i++) {
+            if (!fl[i].asked) continue;
+            int k = kvs_link_pollfds(fl[i].e.link, &p[np]);
+            for (int j = 0; j < k; j++) who[np + j] = i;
+            np += (size_t)k;
+            if (fl[i].deadline < wake) wake = fl[i].deadline;
         }
-        if (!ndue) {
-            struct pollfd p[2] = {{r->cmd_fd, POLLIN, 0}, {r->timer_fd, POLLIN, 0}};
-            if (poll(p, 2, -1) > 0) {
-                if (p[0].revents & POLLIN) drain_fd(r->cmd_fd);
-                if (p[1].revents & POLLIN) drain_fd(r->timer_fd);
-            }
+        int64_t ms = wake == INT64_MAX ? -1 : (wake - now_ns() + 999999) / 1000000;
+        if (wake != INT64_MAX && ms < 0) ms = 0;
+        if (busy && (ms < 0 || ms > BUSY_RETRY_MS)) ms = BUSY_RETRY_MS;
+        if (stopping && np == 2) ms = 0; /* nothing left to wait for */
+        if (poll(p, np, ms > INT_MAX ? INT_MAX : (int)ms) > 0) { /* EINTR, a failure: each exchange ends by its deadline */
+            if (p[0].revents & POLLIN) drain_fd(r->cmd_fd);
+            if (p[1].revents & POLLIN) drain_fd(r->timer_fd);
         }
+        now = now_ns();
+        for (size_t k = 2; k < np; k++) {
+            size_t i = who[k];
+            int socket = k == 2 || who[k - 1] != i, last = k + 1 == np || who[k + 1] != i;
+            if (!fl[i].asked) continue;
+            int code;
+            if (socket && p[k].revents) code = 0;                            /* the answer, or a hang-up */
+            else if (!socket && (p[k].revents & POLLIN)) code = KVS_E_LINK_PEER_DIED;
+            else if (last && now >= fl[i].deadline) code = KVS_E_LINK_TIMEOUT;
+            else continue;
+            int rc = kvs_link_finish(fl[i].e.link, f, code, fl[i].deadline);
+            settle(r, &fl[i].e, fl[i].asked_at, rc, f);
+            fl[i].asked = 0;
+            fl[i].asked_at = -1;
+        }
+        /* Drop the settled (and, when stopping, the never asked) flights. */
         pthread_mutex_lock(&r->mu);
+        size_t kept = 0;
+        for (size_t i = 0; i < n; i++) {
+            if (fl[i].asked_at >= 0 || fl[i].asked) {
+                fl[kept++] = fl[i];
+                continue;
+            }
+            struct entry *live = find(r, fl[i].e.key);
+            if (live) live->flying = 0; /* settle cleared it already, unless never asked */
+            kvs_link_unref(fl[i].e.link);
+        }
+        n = kept;
+        if (stopping && !n) {
+            pthread_mutex_unlock(&r->mu);
+            break;
+        }
     }
-    pthread_mutex_unlock(&r->mu);
 out:
-    free(due);
+    free(who);
+    free(p);
+    free(fl);
     free(buf);
     free(f);
     return NULL;
@@ -379,7 +486,9 @@ int kvs_renewer_add(kvs_renewer *r, kvs_link *l, uint64_t key, uint32_t rank, in
     if (rc == KVS_OK) {
         kvs_link_ref(l);
         struct entry *e = &r->entries[r->n++];
-        *e = (struct entry){key, l, rank, lease, term_ns, renewed_at_ns, renewed_at_ns + term_ns, 0, 0, -1};
+        *e = (struct entry){.key = key, .link = l, .rank = rank, .lease = lease, .term_ns = term_ns,
+                            .renewed_at_ns = renewed_at_ns, .expires_at_ns = renewed_at_ns + term_ns,
+                            .generation = -1};
         int64_t due = due_at(r, e);
         if (!r->armed_ns || due < r->armed_ns) arm(r, due > 0 ? due : 1); /* 0 would disarm */
     }

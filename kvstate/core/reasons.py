@@ -177,7 +177,7 @@ class TimeoutReason(_Reason):
 class ChannelReason(_Reason):
     """How the control channel failed (ChannelError.reason)."""
 
-    CLOSED = "closed"            # the peer closed the connection (EOF), or it was closed here
+    CLOSED = "closed"            # EOF from the peer, closed here, or no server listening at the path
     PEER_DIED = "peer_died"      # the peer process exited (its pidfd became readable)
     TIMEOUT = "timeout"          # a blocking step did not complete within its timeout
     REJECTED = "rejected"        # the peer's uid is not allowed (``pid``, ``uid``)

@@ -29,7 +29,8 @@ def import_refusal(settings: ReuseSettings, admission: Admitted | None, transpor
     ``transport`` (its name and capabilities), or None when it may."""
     if not isinstance(settings, ReuseSettings) or not settings.enable_decode_to_prefill_reuse:
         return DecisionReason.REUSE_DISABLED, ("decode-to-prefill reuse is off (the default); enable it in "
-                                               "ImportConfig.reuse (enable_decode_to_prefill_reuse)")
+                                               "ImportConfig.reuse or WorkerConfig.reuse "
+                                               "(enable_decode_to_prefill_reuse)")
     if MemoryKind.DEVICE not in capabilities.memory_kinds:
         return None
     if not settings.enable_decode_to_prefill_gpu_reuse:

@@ -109,6 +109,9 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
         self.expired_at: float | None = None
         #: Loads submitted and not yet collected (their `loaded` has not fired).
         self.loads: set[TransferHandle] = set()
+        #: The first rank whose exporter went or whose lease was lost, why, and how: what an
+        #: import that this fault interrupted reports (ImportFailed names the failing rank).
+        self.fault_cause: tuple[int, ImportReason, str] | None = None
 
     @property
     def tp(self) -> int:
@@ -256,6 +259,8 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
 
     def peer_closed(self, part: Part[H, A, R, M, E]) -> None:
         """A part's exporter went away (its channel closed or its process exited)."""
+        if self.fault_cause is None:
+            self.fault_cause = (part.rank, ImportReason.PEER, f"the exporter of rank {part.rank} went away")
         try:
             self.fault("peer_died")
         except TransitionError:
@@ -264,6 +269,8 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
     def lease_lost(self, part: Part[H, A, R, M, E], why: str) -> bool:
         """The renewal of ``part``'s lease was refused or failed: the ``expired`` fault."""
         need("part", part, Part)
+        if self.fault_cause is None:
+            self.fault_cause = (part.rank, ImportReason.PEER, why)
         return self.fault("expired", reason=why)
 
     def fault(self, event: GroupFault, *, reason: str | None = None) -> bool:
@@ -444,8 +451,9 @@ class Importer(LeaseKeeping[H, A, R, M, E]):
                 self._fail(group, failures)
             if phase == "lease":  # granted: these incarnations are current (a replayed old one is refused)
                 self._note_restarts(validated)
-        if group.state != "importing":  # a fault arrived while importing
-            raise ImportFailed.of(0, ImportReason.INTERRUPTED, f"group {group.state} during import")
+        if group.state != "importing":  # a fault arrived while importing: the rank it came from
+            rank, reason, why = group.fault_cause or (0, ImportReason.INTERRUPTED, "the group was faulted")
+            raise ImportFailed.of(rank, reason, f"group {group.state} during import: {why}")
         try:
             group.fire("complete")
         except TransitionError as exc:  # refused (or a concurrent fault): never left importing

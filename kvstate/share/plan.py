@@ -55,8 +55,8 @@ def block_ids(values: object, limit: int | None, where: str) -> tuple[int, ...]:
             raise ArgumentInvalid.transfer(ArgumentReason.BLOCK_IDS, f"{where}[{i}]",
                                            f"{v!r:.40} is not an int") from None
         if n < 0 or (limit is not None and n >= limit):
-            bound = "" if limit is None else f"..{limit - 1}"
-            raise ArgumentInvalid.transfer(ArgumentReason.BLOCK_IDS, f"{where}[{i}]", f"{n} is outside 0{bound}")
+            bound = "a block id >= 0" if limit is None else f"0..{limit - 1}"
+            raise ArgumentInvalid.transfer(ArgumentReason.BLOCK_IDS, f"{where}[{i}]", f"{n} is outside {bound}")
         out.append(n)
     if not out:
         raise ArgumentInvalid.transfer(ArgumentReason.BLOCK_IDS, where, "no blocks")

@@ -287,6 +287,27 @@ def test_drain_during_import_fails_group_and_rolls_back(transport: HostTransport
         ex.stop()
 
 
+def test_an_import_cut_short_by_an_exporter_leaving_names_its_rank(transport: HostTransport) -> None:
+    """Rank 1's exporter goes away while the group imports: ImportFailed names rank 1 and
+    the reason PEER, so an engine drops that rank's descriptor, not rank 0's."""
+
+    def gone_after_rank1_leased(change: StateChange) -> None:
+        if change.machine == "part" and change.dest == "leased" and change.label.endswith("part[1]"):
+            group = importer.groups[-1]
+            group.peer_closed(group.parts[1])
+
+    ex = make_exporter(3, transport)
+    importer = Importer(ImportConfig(DEPLOYMENT, reuse=REUSE_ON), transport, observers=[gone_after_rank1_leased])
+    try:
+        with pytest.raises(ImportFailed, match="exporter of rank 1 went away") as info:
+            importer.import_group([ex.descriptor(r) for r in range(3)])
+        assert info.value.rank == 1 and info.value.reason is ImportReason.PEER
+        assert importer.groups[-1].state == "failed"
+    finally:
+        importer.close()
+        ex.stop()
+
+
 def test_exporter_drain_waits_for_pins_on_its_bank(transport: HostTransport) -> None:
     """INV-RELEASE-QUIESCENT on the exporter side: with no lease and no store left, a pin on
     the bank's region (an in-flight op; here an explicit pin) still keeps the bank from

@@ -178,3 +178,43 @@ def test_a_lease_due_before_the_armed_time_is_renewed_on_its_own_time() -> None:
         r.close()
         ch.close()
         peer.stop()
+
+
+class Silent(Peer):
+    """An exporter that stopped (SIGSTOP, a hung process): it takes requests and never
+    answers."""
+
+    def serve(self) -> None:
+        while True:
+            try:
+                with self.channel.recv(30.0) as msg:
+                    self.requests.append(msg.payload)
+            except ChannelError:
+                self.channel.close()
+                return
+
+
+def test_an_exporter_that_stops_answering_holds_up_only_its_own_lease(renewal: Renewal[str]) -> None:
+    """Renewals are in flight side by side: while one exporter's renewal waits for an
+    answer that never comes (until request_timeout_s fails it), another exporter's lease
+    goes on being renewed. Renewed one after another, each waiting for its answer, the
+    other lease would wait too and run out at its exporter (a healthy bank drained)."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    hung_ch = Channel(a, limits=LIMITS)
+    hung_link, hung = NativeLink(hung_ch, LIMITS), Silent(b, [])
+    ch, link, peer = connect([chan.encode({"ok": True, "expires_in_s": 60.0})])
+    try:
+        stuck = renewal.add("hung", hung_link, rank=0, lease_id=1, term_s=0.2, renewed_at=time.monotonic())
+        fine = renewal.add("fine", link, rank=0, lease_id=2, term_s=0.2, renewed_at=time.monotonic())
+        assert stuck is not None and fine is not None
+        wait_until(lambda: hung.requests, 10.0)
+        first = getattr(renewal.state(fine), "renewals", 0)
+        wait_until(lambda: getattr(renewal.state(fine), "renewals", 0) >= first + 10, 30.0)
+        hung_state = renewal.state(stuck)  # its one renewal still unanswered, not yet failed
+        assert hung_state is not None and not hung_state.failed and len(hung.requests) == 1, hung_state
+        assert renewal.take() == []
+    finally:
+        for c in (ch, hung_ch):
+            c.close()
+        peer.stop()
+        hung.stop()
