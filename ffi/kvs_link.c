@@ -415,11 +415,13 @@ int kvs_link_request(kvs_link *l, const uint8_t *payload, uint32_t len, kvs_fram
 
 /* -- an exchange in two steps (kvs_link.h), for the renewal thread -------------------- */
 
-int kvs_link_begin(kvs_link *l, const uint8_t *payload, uint32_t len, int64_t timeout_ns, int32_t *err) {
+int kvs_link_begin(kvs_link *l, const uint8_t *payload, uint32_t len, int64_t send_ns, int32_t *err) {
     *err = 0;
     if (pthread_mutex_trylock(&l->mu) != 0) return KVS_LINK_BUSY;
     l->inside = 1;
-    int rc = kvs_link_send(l, payload, len, NULL, 0, timeout_ns, err);
+    int rc = kvs_link_send(l, payload, len, NULL, 0, send_ns, err);
+    if (rc == KVS_E_LINK_CLOSED && !atomic_load(&l->closed))
+        return KVS_OK; /* the peer closed first: a frame it left is the answer kvs_link_finish reads */
     if (rc != KVS_OK) {
         shut(l);
         kvs_link_unlock(l);
@@ -443,7 +445,8 @@ int kvs_link_finish(kvs_link *l, kvs_frame *f, int code, int64_t deadline_ns) {
         f->err = 0;
         f->nfds = f->len = 0;
     }
-    if (rc != KVS_OK) shut(l);
+    if (rc != KVS_OK)
+        shut(l); /* as kvs_link_request: a late answer would be read as the next exchange's */
     kvs_link_unlock(l);
     return rc;
 }

@@ -17,11 +17,12 @@ uint32_t kvs_link_max_payload(const kvs_link *l);
 /* kvs_link_request in two steps, so that one thread keeps several links' exchanges in
  * flight (the renewal thread: a peer that stops answering must not hold up the others).
  *
- * kvs_link_begin takes the link without waiting and sends: KVS_OK (the link stays held
- * until kvs_link_finish), KVS_LINK_BUSY (another exchange holds it: nothing sent, try
+ * kvs_link_begin takes the link without waiting and sends, waiting at most `send_ns` for
+ * room: KVS_OK (the link stays held until kvs_link_finish; a peer that closed first may
+ * have left its answer), KVS_LINK_BUSY (another exchange holds it: nothing sent, try
  * later), or a send's failure (the link is shut and released). */
 #define KVS_LINK_BUSY 1
-int kvs_link_begin(kvs_link *l, const uint8_t *payload, uint32_t len, int64_t timeout_ns, int32_t *err);
+int kvs_link_begin(kvs_link *l, const uint8_t *payload, uint32_t len, int64_t send_ns, int32_t *err);
 /* The fds a begun exchange waits on, for poll: the socket (POLLIN), then the peer's pidfd
  * if the link has one. Returns how many it filled (1 or 2). */
 int kvs_link_pollfds(const kvs_link *l, struct pollfd *p);

@@ -267,53 +267,71 @@ static void settle(kvs_renewer *r, const struct entry *e, int64_t at, int rc, kv
 struct flight {
     struct entry e;              /* a copy, with a reference on its link */
     int asked;                   /* sent, its answer awaited (the link held) */
-    int64_t asked_at, deadline;  /* the new term counts from asked_at */
+    int64_t asked_at, deadline;  /* the new term counts from asked_at; SETTLED: done */
 };
+#define SETTLED (-1)
 
-/* While another exchange (Python's request) holds a link, its renewal is tried again this often. */
-#define BUSY_RETRY_MS 1
+/* While another exchange (Python's request) holds a link, its renewals are tried again
+ * after 1 ms, then twice as long each time up to this: the old blocking lock renewed right
+ * at the unlock; this renews within BUSY_RETRY_MAX_MS of it, without a busy loop. */
+#define BUSY_RETRY_MAX_MS 50
+/* How long a renewal waits for room to send: an exporter that reads nothing (its socket
+ * full) fails its own renewal after this instead of holding up every other one for
+ * request_timeout_s. A renewal is a hundred bytes: only a peer that stopped reading long
+ * ago has no room for it. */
+#define SEND_WAIT_NS 100000000LL
 
-static int link_busy(const struct flight *fl, size_t n, const kvs_link *l) {
+static int among(kvs_link *const *links, size_t n, const kvs_link *l) {
     for (size_t i = 0; i < n; i++)
-        if (fl[i].asked && fl[i].e.link == l) return 1;
+        if (links[i] == l) return 1;
     return 0;
 }
 
 /* Ask every flight not yet asked whose link is free; a failed send settles it at once.
- * Returns whether one found its link held by another exchange. */
-static int ask(kvs_renewer *r, struct flight *fl, size_t n, kvs_frame *f) {
+ * Returns whether one found its link held by another exchange: its flights wait, and a
+ * held link costs one try per pass, not one per lease on it. `taken` has room for n. */
+static int ask(kvs_renewer *r, struct flight *fl, size_t n, kvs_link **taken, kvs_frame *f) {
     int busy = 0;
+    size_t nt = 0; /* links with an exchange in flight, or held by another: one entry each */
+    for (size_t i = 0; i < n; i++)
+        if (fl[i].asked && !among(taken, nt, fl[i].e.link)) taken[nt++] = fl[i].e.link;
     for (size_t i = 0; i < n; i++) {
-        if (fl[i].asked || fl[i].asked_at < 0 || link_busy(fl, n, fl[i].e.link)) continue;
+        if (fl[i].asked || fl[i].asked_at < 0 || among(taken, nt, fl[i].e.link)) continue;
         char payload[96];
         int len = snprintf(payload, sizeof payload, "{\"lease\":%lld,\"op\":\"renew\",\"rank\":%u}",
                            (long long)fl[i].e.lease, fl[i].e.rank);
         /* Asked before the exporter's own term starts: the importer's view of a lease
          * never outlasts the exporter's (kvstate.transport.nixl.transport.LeaseGate). */
         int64_t at = now_ns();
-        int rc = kvs_link_begin(fl[i].e.link, (const uint8_t *)payload, (uint32_t)len, r->timeout_ns, &f->err);
+        int64_t send_ns = r->timeout_ns < SEND_WAIT_NS ? r->timeout_ns : SEND_WAIT_NS;
+        int rc = kvs_link_begin(fl[i].e.link, (const uint8_t *)payload, (uint32_t)len, send_ns, &f->err);
         if (rc == KVS_LINK_BUSY) {
             busy = 1;
+            taken[nt++] = fl[i].e.link;
         } else if (rc != KVS_OK) {
             f->nfds = f->len = 0;
             settle(r, &fl[i].e, at, rc, f);
-            fl[i].asked_at = -1; /* settled */
+            fl[i].asked_at = SETTLED;
         } else {
             fl[i].asked = 1;
             fl[i].asked_at = at;
             fl[i].deadline = at + r->timeout_ns;
+            taken[nt++] = fl[i].e.link;
         }
     }
     return busy;
 }
 
 /* Room for one more flight (and its poll entries): 0 when none could be had. */
-static int grow(struct flight **fl, struct pollfd **p, size_t **who, size_t n, size_t *cap) {
+static int grow(struct flight **fl, struct pollfd **p, size_t **who, kvs_link ***taken, size_t n, size_t *cap) {
     if (n < *cap) return 1;
     size_t c = *cap ? 2 * *cap : 16;
     struct flight *f2 = realloc(*fl, c * sizeof **fl);
     if (!f2) return 0;
     *fl = f2;
+    kvs_link **t2 = realloc(*taken, c * sizeof **taken);
+    if (!t2) return 0;
+    *taken = t2;
     struct pollfd *p2 = realloc(*p, (2 * c + 2) * sizeof **p);
     if (!p2) return 0;
     *p = p2;
@@ -331,8 +349,10 @@ static void *run(void *arg) {
     uint8_t *buf = malloc(1u << 20);  /* the largest payload cap a link may have */
     struct flight *fl = NULL;
     struct pollfd *p = NULL;
+    kvs_link **taken = NULL;
     size_t *who = NULL, n = 0, cap = 0;
-    if (!f || !buf || !grow(&fl, &p, &who, 0, &cap)) goto out;  /* every lease then runs out unrenewed, which Python sees */
+    int64_t busy_ms = 1;
+    if (!f || !buf || !grow(&fl, &p, &who, &taken, 0, &cap)) goto out;  /* every lease then runs out unrenewed, which Python sees */
     f->buf = buf;
     f->cap = 1u << 20;
     pthread_mutex_lock(&r->mu);
@@ -346,7 +366,7 @@ static void *run(void *arg) {
             int64_t at = due_at(r, e);
             if (at > now) {
                 if (!next || at < next) next = at;
-            } else if (grow(&fl, &p, &who, n, &cap)) {
+            } else if (grow(&fl, &p, &who, &taken, n, &cap)) {
                 fl[n++] = (struct flight){.e = *e};
                 e->flying = 1;
                 kvs_link_ref(e->link);
@@ -356,8 +376,8 @@ static void *run(void *arg) {
         pthread_mutex_unlock(&r->mu);
         if (stopping) /* what was not asked yet never will be; what was asked is answered first */
             for (size_t i = 0; i < n; i++)
-                if (!fl[i].asked) fl[i].asked_at = -1;
-        int busy = stopping ? 0 : ask(r, fl, n, f);
+                if (!fl[i].asked) fl[i].asked_at = SETTLED;
+        int busy = stopping ? 0 : ask(r, fl, n, taken, f);
         /* Wait for an answer, a deadline, the timer or a command. */
         size_t np = 2;
         int64_t wake = INT64_MAX;
@@ -372,7 +392,8 @@ static void *run(void *arg) {
         }
         int64_t ms = wake == INT64_MAX ? -1 : (wake - now_ns() + 999999) / 1000000;
         if (wake != INT64_MAX && ms < 0) ms = 0;
-        if (busy && (ms < 0 || ms > BUSY_RETRY_MS)) ms = BUSY_RETRY_MS;
+        if (busy && (ms < 0 || ms > busy_ms)) ms = busy_ms;
+        busy_ms = busy ? (2 * busy_ms < BUSY_RETRY_MAX_MS ? 2 * busy_ms : BUSY_RETRY_MAX_MS) : 1;
         if (stopping && np == 2) ms = 0; /* nothing left to wait for */
         if (poll(p, np, ms > INT_MAX ? INT_MAX : (int)ms) > 0) { /* EINTR, a failure: each exchange ends by its deadline */
             if (p[0].revents & POLLIN) drain_fd(r->cmd_fd);
@@ -391,13 +412,13 @@ static void *run(void *arg) {
             int rc = kvs_link_finish(fl[i].e.link, f, code, fl[i].deadline);
             settle(r, &fl[i].e, fl[i].asked_at, rc, f);
             fl[i].asked = 0;
-            fl[i].asked_at = -1;
+            fl[i].asked_at = SETTLED;
         }
         /* Drop the settled (and, when stopping, the never asked) flights. */
         pthread_mutex_lock(&r->mu);
         size_t kept = 0;
         for (size_t i = 0; i < n; i++) {
-            if (fl[i].asked_at >= 0 || fl[i].asked) {
+            if (fl[i].asked_at != SETTLED) {
                 fl[kept++] = fl[i];
                 continue;
             }
@@ -412,6 +433,7 @@ static void *run(void *arg) {
         }
     }
 out:
+    free(taken);
     free(who);
     free(p);
     free(fl);
