@@ -259,6 +259,7 @@ class Group(Lifecycle, Generic[H, A, R, M, E]):
 
     def peer_closed(self, part: Part[H, A, R, M, E]) -> None:
         """A part's exporter went away (its channel closed or its process exited)."""
+        need("part", part, Part)
         if self.fault_cause is None:
             self.fault_cause = (part.rank, ImportReason.PEER, f"the exporter of rank {part.rank} went away")
         try:
