@@ -11,12 +11,13 @@
  * The thread sleeps on a timerfd armed at the earliest due time (a lease is due once
  * min(term/2, interval) has passed since its grant or last renewal), on a command
  * eventfd that stop writes, and on the links whose renewals are in flight (see "the
- * thread" below: side by side, so a silent exporter holds up only its own leases). The timer is armed under the mutex, by the thread and by an
- * add whose lease is due sooner than the armed time, so an import never wakes the
- * thread (strace: it used to be woken once per part, in the middle of each import). The
- * table is guarded by one mutex that is never held across a request: a request runs on
- * a copy of its entry (with a reference on the link), and its result is applied only if
- * the same key is still registered.
+ * thread" below: side by side, so a silent exporter holds up only its own leases). The
+ * timer is armed under the mutex, by the thread and by an add whose lease is due sooner
+ * than the armed time, so an import never wakes the thread (strace: it used to be woken
+ * once per part, in the middle of each import). The table is guarded by one mutex that
+ * is never held across a request: a request runs on a copy of its entry (with a
+ * reference on the link), and its result is applied only if the same key is still
+ * registered.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -352,7 +353,8 @@ static void *run(void *arg) {
     kvs_link **taken = NULL;
     size_t *who = NULL, n = 0, cap = 0;
     int64_t busy_ms = 1;
-    if (!f || !buf || !grow(&fl, &p, &who, &taken, 0, &cap)) goto out;  /* every lease then runs out unrenewed, which Python sees */
+    if (!f || !buf || !grow(&fl, &p, &who, &taken, 0, &cap))
+        goto out; /* every lease then runs out unrenewed, which Python sees */
     f->buf = buf;
     f->cap = 1u << 20;
     pthread_mutex_lock(&r->mu);
@@ -395,7 +397,8 @@ static void *run(void *arg) {
         if (busy && (ms < 0 || ms > busy_ms)) ms = busy_ms;
         busy_ms = busy ? (2 * busy_ms < BUSY_RETRY_MAX_MS ? 2 * busy_ms : BUSY_RETRY_MAX_MS) : 1;
         if (stopping && np == 2) ms = 0; /* nothing left to wait for */
-        if (poll(p, np, ms > INT_MAX ? INT_MAX : (int)ms) > 0) { /* EINTR, a failure: each exchange ends by its deadline */
+        /* EINTR, or a failure: each exchange still ends by its deadline */
+        if (poll(p, np, ms > INT_MAX ? INT_MAX : (int)ms) > 0) {
             if (p[0].revents & POLLIN) drain_fd(r->cmd_fd);
             if (p[1].revents & POLLIN) drain_fd(r->timer_fd);
         }
