@@ -18,7 +18,8 @@ from kvstate.core.identity import Deployment
 from kvstate.core.paths import MAX_SOCKET_PATH
 from kvstate.core.reasons import ConfigReason
 from kvstate.core.validate import MAX_TP
-from kvstate.share.export_config import INT32_MAX, SOCKET_NAME_ROOM, ExportConfig
+from kvstate.core.args import INT32_MAX
+from kvstate.share.export_config import SOCKET_NAME_ROOM, ExportConfig
 from kvstate.share.import_config import ImportConfig
 
 DEPLOYMENT = Deployment("configs", bytes(range(32)))

@@ -23,8 +23,10 @@ T = TypeVar("T")
 
 #: Longest text an entry point takes where it has no tighter bound of its own.
 MAX_TEXT = 4096
-#: The largest file descriptor (a C int) native calls take.
-FD_MAX = (1 << 31) - 1
+#: The largest C int (int32): what native calls take as a count or a file descriptor.
+INT32_MAX = (1 << 31) - 1
+#: The largest file descriptor native calls take.
+FD_MAX = INT32_MAX
 
 
 def _is(value: object, kinds: tuple[type[T], ...]) -> TypeGuard[T]:

@@ -10,7 +10,7 @@ from typing import Any
 import attrs
 
 from kvstate import channel as chan
-from kvstate.core.args import need_int, need_socket_dir, need_text, typed
+from kvstate.core.args import INT32_MAX, need_int, need_socket_dir, need_text, typed
 from kvstate.core.errors import ConfigInvalid, KvStateError
 from kvstate.core.handles import FD_KINDS, HandleKind
 from kvstate.core.identity import Deployment
@@ -24,10 +24,6 @@ def source_id(_: object, attribute: attrs.Attribute[bytes], value: object) -> No
     if not isinstance(value, bytes) or len(value) != _SOURCE_ID_BYTES:
         raise ConfigInvalid.of("ExportConfig.source_id", f"must be exactly {_SOURCE_ID_BYTES} bytes (it is signed into "
                                f"every descriptor and importers refuse any other length), not {value!r:.40}")
-
-
-#: The native lease server takes max_leases and max_connections as C int32 (ffi/kvs_lease.c).
-INT32_MAX = (1 << 31) - 1
 
 
 def int_in(most: int) -> Any:
@@ -113,6 +109,7 @@ class ExportConfig:
     tp: int = attrs.field(validator=int_in(MAX_TP))  # descriptors sign it; importers take at most MAX_TP
     lease_timeout_s: float = attrs.field(default=30.0, validator=seconds)
     descriptor_ttl_s: float = attrs.field(default=300.0, validator=seconds)
+    # The native lease server takes these two as C int32 (ffi/kvs_lease.c).
     max_leases: int = attrs.field(default=64, validator=int_in(INT32_MAX))  # per bank
     max_connections: int = attrs.field(default=chan.DEFAULT_MAX_CONNECTIONS, validator=int_in(INT32_MAX))
     request_timeout_s: float = attrs.field(default=5.0, validator=seconds)

@@ -53,7 +53,7 @@ from typing import Any, Generic, Literal, NoReturn, get_args
 import attrs
 
 from kvstate import channel as chan
-from kvstate.core.descriptor import Descriptor, decode_group
+from kvstate.core.descriptor import decode_group
 from kvstate.core.errors import (
     ArgumentInvalid, ChannelError, ConfigInvalid, GroupRejected, ImportFailed,
     KvStateError, ReuseRefused, TransitionError, TransferFailed, TimedOut,
@@ -590,16 +590,6 @@ class Importer(LeaseKeeping[H, A, R, M, E]):
                         part.fire("lease", grant=grant)
         except Exception as exc:
             failures[part.rank] = exc
-
-    def _lease_one(self, d: Descriptor, blocks: BlockRequest | None) -> peers.Grant:
-        """One rank's lease over the persistent link to its exporter (a part leased on
-        its own, as a rank worker's is). Private: ``d`` must be validated already."""
-        (answer,) = self.peers.leases([(d.socket_path, [lease_fields(d, blocks)])], self.config.request_timeout_s)
-        if isinstance(answer, peers.RankRefused):
-            raise answer.refusal
-        if isinstance(answer, Exception):
-            raise answer
-        return answer[0]
 
     def _connect(self, address: str, timeout: float) -> chan.Channel:
         return chan.connect(address, timeout=timeout, limits=peers.LINK_LIMITS)

@@ -267,7 +267,8 @@ class Part(Lifecycle, Generic[H, A, R, M, E]):
         importer = self.group.importer
         with ExitStack() as undo:
             if grant is None:
-                grant = importer._lease_one(d, self.group.blocks)
+                grant = importer.peers.lease_one(d.socket_path, lease_fields(d, self.group.blocks),
+                                                 importer.config.request_timeout_s)
             grant.taken = True
             # Refused below: give the lease back now, not when the exporter sees a close.
             undo.callback(grant.give_back)

@@ -364,6 +364,16 @@ class Peers:
             replaced.close()  # a replaced link still held closes when its last holder lets go
         return made, False
 
+    def lease_one(self, address: str, fields: dict[str, Any], timeout: float) -> Grant:
+        """One rank's lease (its ``fields``) over the persistent link to ``address`` (a part
+        leased on its own, as a rank worker's is); raises what :meth:`leases` returns."""
+        (answer,) = self.leases([(address, [fields])], timeout)
+        if isinstance(answer, RankRefused):
+            raise answer.refusal
+        if isinstance(answer, Exception):
+            raise answer
+        return answer[0]
+
     def leases(self, batches: Sequence[tuple[str, Sequence[dict[str, Any]]]],
                timeout: float) -> list[list[Grant] | Exception]:
         """Lease each batch of ``(address, lease fields of its ranks)``: every request is

@@ -27,6 +27,7 @@ from kvstate.core.machine import StateChange
 from kvstate.share.exporter import Exporter
 from kvstate.share.export_config import ExportConfig
 from kvstate.share.importer import Group, ImportConfig, Importer
+from kvstate.share.part import lease_fields
 from kvstate.transport.host import HostTransport
 from support.faults import FaultyTransport
 from support.reuse import REUSE_ON
@@ -191,7 +192,7 @@ def test_the_exporters_observers_hear_of_a_natively_served_lease_at_once(transpo
     delays = []
     try:
         for i in range(15):
-            grant = importer._lease_one(d, None)
+            grant = importer.peers.lease_one(d.socket_path, lease_fields(d, None), importer.config.request_timeout_s)
             granted = time.monotonic()
             with heard:
                 assert heard.wait_for(lambda: len(leases) > i, timeout=10.0), "the observers never heard of it"
